@@ -1,0 +1,30 @@
+"""embshard: sharded embedding tables on FBGEMM TBE kernels."""
+
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, simple_plan
+from embshard.tables import ConfigError, DataType, Pooling, TableConfig
+
+__all__ = [
+    "ConfigError",
+    "DataType",
+    "FusedOptimizerConfig",
+    "MemoryTier",
+    "OptimizerKind",
+    "Pooling",
+    "Shard",
+    "ShardedEmbeddingBagCollection",
+    "ShardingPlan",
+    "ShardingType",
+    "TableConfig",
+    "TablePlan",
+    "simple_plan",
+]
+
+
+def __getattr__(name: str):
+    # Lazy: importing the distributed module pulls in torch and fbgemm_gpu.
+    if name == "ShardedEmbeddingBagCollection":
+        from embshard.sharded import ShardedEmbeddingBagCollection
+
+        return ShardedEmbeddingBagCollection
+    raise AttributeError(name)

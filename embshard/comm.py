@@ -1,0 +1,121 @@
+"""Explicit collectives. Each `start_*` launches the collective and returns a handle; `.wait()` returns the
+received tensor. Nothing waits lazily: a reader sees where every collective starts and where it is waited on.
+
+Float tensors that require grad get an autograd edge at `.wait()`: the backward of an all-to-all is the
+all-to-all with the splits swapped, run when autograd reaches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class AllToAllHandle:
+    """An all-to-all in flight. `wait()` returns the received tensor (once)."""
+
+    def __init__(
+        self,
+        sent: torch.Tensor,
+        received: torch.Tensor,
+        work: dist.Work | None,
+        input_splits: list[int],
+        output_splits: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self._sent = sent
+        self._received = received
+        self._work = work
+        self._input_splits = input_splits
+        self._output_splits = output_splits
+        self._group = group
+
+    def wait(self) -> torch.Tensor:
+        """Block until the data has arrived and return it (connected to autograd when the input needs grad)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._sent.requires_grad:
+            return _AllToAllGrad.apply(self._sent, self)
+        return self._received
+
+
+class _AllToAllGrad(torch.autograd.Function):
+    """Identity on the already-received tensor; backward sends gradients back along the reverse routes."""
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:  # type: ignore[override]
+        ctx.handle = handle
+        ctx.sent_shape = sent.shape
+        return handle._received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        h: AllToAllHandle = ctx.handle
+        grad_in = start_all_to_all(grad.contiguous(), h._output_splits, h._input_splits, h._group).wait()
+        return grad_in.view(ctx.sent_shape), None
+
+
+def start_all_to_all(
+    tensor: torch.Tensor,
+    input_splits: Sequence[int],
+    output_splits: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> AllToAllHandle:
+    """Start an all-to-all of the first dimension of `tensor`: `input_splits[r]` rows go to rank r and
+    `output_splits[r]` rows arrive from rank r. Returns a handle; call `.wait()` for the received tensor."""
+    input_splits, output_splits = list(input_splits), list(output_splits)
+    if sum(input_splits) != tensor.shape[0]:
+        raise ValueError(f"all_to_all: input_splits sum to {sum(input_splits)} but the tensor has {tensor.shape[0]}")
+    send = tensor.detach().contiguous()
+    received = send.new_empty((sum(output_splits), *send.shape[1:]))
+    if _world(group) == 1:
+        received.copy_(send)
+        work = None
+    else:
+        work = dist.all_to_all_single(
+            received,
+            send,
+            output_split_sizes=output_splits,
+            input_split_sizes=input_splits,
+            group=group,
+            async_op=True,
+        )
+    return AllToAllHandle(tensor, received, work, input_splits, output_splits, group)
+
+
+class AllReduceHandle:
+    """An all-reduce (sum) in flight; `wait()` returns the reduced tensor."""
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None) -> None:
+        self._tensor = tensor
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        """Block until the sum is complete and return it."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
+
+
+def start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> AllReduceHandle:
+    """Start an in-place sum over ranks of `tensor` (no autograd)."""
+    if _world(group) == 1:
+        return AllReduceHandle(tensor, None)
+    return AllReduceHandle(tensor, dist.all_reduce(tensor, group=group, async_op=True))
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def world_and_rank(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """(world size, rank) of `group`, or (1, 0) when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)

@@ -1,0 +1,310 @@
+"""The sharding plan: where every shard of every table lives. Printable, serializable, checked on load.
+
+The plan is the one contract between whoever places tables (the simple placement here, the planner) and the
+distributed module, which consumes it and nothing else about placement.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from embshard.tables import ConfigError, TableConfig, validate_tables
+
+
+class ShardingType(str, enum.Enum):
+    """How one table is cut into shards and spread over ranks."""
+
+    TABLE_WISE = "table_wise"  # whole table on one rank
+    ROW_WISE = "row_wise"  # contiguous row blocks over all ranks
+    COLUMN_WISE = "column_wise"  # column blocks, each a table-wise shard
+    TABLE_ROW_WISE = "table_row_wise"  # row blocks over the ranks of one host
+    DATA_PARALLEL = "data_parallel"  # a full replica on every rank
+
+
+class MemoryTier(str, enum.Enum):
+    """Where a shard's weights and optimizer state live."""
+
+    HBM = "hbm"  # GPU memory
+    UVM = "uvm"  # host memory mapped into the GPU (unified virtual memory)
+    UVM_CACHING = "uvm_caching"  # UVM with a cache of hot rows in HBM
+    HOST = "host"  # host memory, CPU compute (CPU training)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rectangular block of a table, held by one rank."""
+
+    rank: int
+    """Rank that holds the block."""
+    row_offset: int
+    """First row of the block."""
+    num_rows: int
+    """Rows in the block."""
+    col_offset: int
+    """First column of the block."""
+    num_cols: int
+    """Columns in the block."""
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """How one table is sharded."""
+
+    table: str
+    """Table name."""
+    sharding_type: ShardingType
+    """Sharding scheme."""
+    tier: MemoryTier
+    """Memory tier of every shard of this table."""
+    shards: tuple[Shard, ...]
+    """The blocks; for data-parallel, one full replica per rank."""
+    cache_load_factor: float = 0.2
+    """UVM-caching only: fraction of the shard's rows the HBM cache holds."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
+        object.__setattr__(self, "tier", MemoryTier(self.tier))
+        object.__setattr__(self, "shards", tuple(s if isinstance(s, Shard) else Shard(**s) for s in self.shards))
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks holding a shard, in shard order."""
+        return [s.rank for s in self.shards]
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Placement of all tables over `world_size` ranks (`local_world_size` ranks per host)."""
+
+    world_size: int
+    """Number of ranks."""
+    local_world_size: int
+    """Ranks per host."""
+    tables: tuple[TablePlan, ...]
+    """One entry per table."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "tables", tuple(t if isinstance(t, TablePlan) else TablePlan(**t) for t in self.tables)
+        )
+        if self.world_size < 1 or self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ConfigError(
+                f"plan: world_size={self.world_size} and local_world_size={self.local_world_size} are "
+                "invalid: both must be >= 1 and world_size a multiple of local_world_size"
+            )
+
+    def __getitem__(self, table: str) -> TablePlan:
+        for t in self.tables:
+            if t.table == table:
+                return t
+        raise KeyError(f"plan has no table {table!r}; it has {[t.table for t in self.tables]}")
+
+    def check(self, tables: Sequence[TableConfig]) -> None:
+        """Raise ConfigError unless the plan covers exactly these tables, each completely and once."""
+        validate_tables(tables)
+        planned = {t.table for t in self.tables}
+        given = {t.name for t in tables}
+        if planned != given:
+            raise ConfigError(
+                f"plan does not match the tables: missing from plan {sorted(given - planned)}, "
+                f"unknown to the model {sorted(planned - given)}; re-plan for this model"
+            )
+        for cfg in tables:
+            _check_table(self[cfg.name], cfg, self.world_size, self.local_world_size)
+
+    # ---- serialization -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (for JSON/YAML)."""
+
+        def enc(obj: Any) -> Any:
+            if isinstance(obj, enum.Enum):
+                return obj.value
+            if isinstance(obj, dict):
+                return {k: enc(v) for k, v in obj.items()}
+            if isinstance(obj, list | tuple):
+                return [enc(v) for v in obj]
+            return obj
+
+        return enc(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
+        """Inverse of to_dict."""
+        try:
+            return cls(
+                world_size=int(data["world_size"]),
+                local_world_size=int(data["local_world_size"]),
+                tables=tuple(
+                    TablePlan(**{**t, "shards": tuple(Shard(**s) for s in t["shards"])}) for t in data["tables"]
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a valid embshard plan ({e}); produce one with `embshard plan`") from e
+
+    def to_json(self) -> str:
+        """JSON text."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    def to_yaml(self) -> str:
+        """YAML text."""
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        """Write as YAML or JSON, by the file's suffix."""
+        path = Path(path)
+        path.write_text(self.to_json() if path.suffix == ".json" else self.to_yaml())
+
+    @classmethod
+    def load(cls, path: str | Path) -> ShardingPlan:
+        """Read a plan written by save()."""
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()))
+
+    def __str__(self) -> str:
+        rows = [("table", "sharding", "tier", "ranks", "shards (rows x cols @ offset)")]
+        for t in self.tables:
+            shards = ", ".join(
+                f"r{s.rank}:{s.num_rows}x{s.num_cols}@{s.row_offset},{s.col_offset}" for s in t.shards[:4]
+            )
+            if len(t.shards) > 4:
+                shards += f", ... ({len(t.shards)} shards)"
+            rows.append((t.table, t.sharding_type.value, t.tier.value, _ranks_str(t.ranks), shards))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        head = f"ShardingPlan: world_size={self.world_size} local_world_size={self.local_world_size}"
+        lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        return "\n".join(lines)
+
+
+def _ranks_str(ranks: Sequence[int]) -> str:
+    uniq = sorted(set(ranks))
+    if len(uniq) > 2 and uniq == list(range(uniq[0], uniq[-1] + 1)):
+        return f"{uniq[0]}-{uniq[-1]}"
+    return ",".join(map(str, uniq))
+
+
+def _check_table(tp: TablePlan, cfg: TableConfig, world_size: int, local_world_size: int) -> None:
+    def bad(rule: str) -> ConfigError:
+        return ConfigError(f"plan for table {cfg.name!r} ({tp.sharding_type.value}): {rule}")
+
+    if not tp.shards:
+        raise bad("it has no shards")
+    for s in tp.shards:
+        if not 0 <= s.rank < world_size:
+            raise bad(f"shard rank {s.rank} is outside 0..{world_size - 1}")
+        if s.num_rows < 1 or s.num_cols < 1 or s.row_offset < 0 or s.col_offset < 0:
+            raise bad(f"shard {s} has an empty or negative extent")
+        if s.row_offset + s.num_rows > cfg.num_embeddings or s.col_offset + s.num_cols > cfg.embedding_dim:
+            raise bad(f"shard {s} exceeds the table's {cfg.num_embeddings} rows x {cfg.embedding_dim} columns")
+    st = tp.sharding_type
+    full = (0, cfg.num_embeddings, 0, cfg.embedding_dim)
+    extent = [(s.row_offset, s.num_rows, s.col_offset, s.num_cols) for s in tp.shards]
+    if st is ShardingType.TABLE_WISE:
+        if len(tp.shards) != 1 or extent[0] != full:
+            raise bad("table-wise needs exactly one shard covering the whole table")
+    elif st is ShardingType.DATA_PARALLEL:
+        if sorted(tp.ranks) != list(range(world_size)) or any(e != full for e in extent):
+            raise bad(f"data-parallel needs one full replica on each of the {world_size} ranks")
+    elif st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        rows = sorted((s.row_offset, s.num_rows) for s in tp.shards)
+        if any(s.col_offset != 0 or s.num_cols != cfg.embedding_dim for s in tp.shards):
+            raise bad("row-wise shards must span all columns")
+        _check_cover(rows, cfg.num_embeddings, "rows", bad)
+        if len(set(tp.ranks)) != len(tp.ranks):
+            raise bad(f"a rank holds two row blocks: {tp.ranks}")
+        if st is ShardingType.TABLE_ROW_WISE and len({r // local_world_size for r in tp.ranks}) != 1:
+            raise bad(f"table-row-wise shards must sit on the ranks of one host; ranks {tp.ranks} span hosts")
+    elif st is ShardingType.COLUMN_WISE:
+        if any(s.row_offset != 0 or s.num_rows != cfg.num_embeddings for s in tp.shards):
+            raise bad("column-wise shards must span all rows")
+        _check_cover(sorted((s.col_offset, s.num_cols) for s in tp.shards), cfg.embedding_dim, "columns", bad)
+    if tp.tier is MemoryTier.UVM_CACHING and not 0 < tp.cache_load_factor <= 1:
+        raise bad(f"cache_load_factor={tp.cache_load_factor} must be in (0, 1]")
+
+
+def _check_cover(spans: list[tuple[int, int]], total: int, what: str, bad: Any) -> None:
+    pos = 0
+    for off, n in spans:
+        if off != pos:
+            raise bad(f"{what} blocks {spans} leave a gap or overlap at {pos}; they must tile 0..{total}")
+        pos += n
+    if pos != total:
+        raise bad(f"{what} blocks {spans} cover {pos} of {total} {what}")
+
+
+# ---- the simple placement -------------------------------------------------------------------------------------
+def even_splits(total: int, parts: int) -> list[int]:
+    """Split `total` into `parts` contiguous sizes differing by at most one (larger first)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def simple_plan(
+    tables: Sequence[TableConfig],
+    world_size: int,
+    local_world_size: int | None = None,
+    sharding_types: Mapping[str, ShardingType | str] | None = None,
+    tier: MemoryTier | str = MemoryTier.HOST,
+    column_shards: int = 2,
+) -> ShardingPlan:
+    """Greedy placement: tables by size, largest first, each onto the least-loaded rank(s) by bytes.
+
+    `sharding_types` picks a type per table (default table-wise); `column_shards` is the number of column blocks
+    a column-wise table is cut into. No memory budget is checked here: that is the planner's job.
+    """
+    validate_tables(tables)
+    local_world_size = local_world_size or world_size
+    chosen = {name: ShardingType(st) for name, st in (sharding_types or {}).items()}
+    unknown = set(chosen) - {t.name for t in tables}
+    if unknown:
+        raise ConfigError(f"sharding_types names tables that do not exist: {sorted(unknown)}")
+    tier = MemoryTier(tier)
+    load = [0] * world_size
+    plans: dict[str, TablePlan] = {}
+
+    def least_loaded(candidates: Sequence[int]) -> int:
+        return min(candidates, key=lambda r: (load[r], r))
+
+    for cfg in sorted(tables, key=lambda t: (-t.weight_bytes, t.name)):
+        st = chosen.get(cfg.name, ShardingType.TABLE_WISE)
+        R, D = cfg.num_embeddings, cfg.embedding_dim
+        row_bytes = D * cfg.data_type.bytes
+        if st is ShardingType.TABLE_WISE:
+            r = least_loaded(range(world_size))
+            shards = [Shard(r, 0, R, 0, D)]
+        elif st is ShardingType.DATA_PARALLEL:
+            shards = [Shard(r, 0, R, 0, D) for r in range(world_size)]
+        elif st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+            if st is ShardingType.ROW_WISE:
+                ranks = list(range(world_size))
+            else:
+                hosts = range(world_size // local_world_size)
+                host = min(hosts, key=lambda h: (sum(load[h * local_world_size : (h + 1) * local_world_size]), h))
+                ranks = list(range(host * local_world_size, (host + 1) * local_world_size))
+            ranks = ranks[: min(len(ranks), R)]
+            offsets = [0]
+            for n in even_splits(R, len(ranks)):
+                offsets.append(offsets[-1] + n)
+            shards = [Shard(r, offsets[i], offsets[i + 1] - offsets[i], 0, D) for i, r in enumerate(ranks)]
+        else:  # column-wise
+            n_cols = max(1, min(column_shards, D))
+            shards, col = [], 0
+            for n in even_splits(D, n_cols):
+                r = least_loaded(range(world_size))
+                shards.append(Shard(r, 0, R, col, n))
+                load[r] += R * n * cfg.data_type.bytes
+                col += n
+        if st is not ShardingType.COLUMN_WISE:
+            for s in shards:
+                load[s.rank] += s.num_rows * row_bytes
+        plans[cfg.name] = TablePlan(cfg.name, st, tier, tuple(shards))
+    plan = ShardingPlan(world_size, local_world_size, tuple(plans[t.name] for t in tables))
+    plan.check(tables)
+    return plan

@@ -1,0 +1,207 @@
+"""ShardedEmbeddingBagCollection: embedding-bag tables sharded over ranks by a ShardingPlan.
+
+forward(kjt) for the rank's local batch:
+  1. input dist   (per scheme)  start_input_dist -> handle; handle.wait() -> ids for this rank's shards
+  2. lookup       (per scheme)  TBE kernels pool the rows for the global batch
+  3. output dist  (per scheme)  start_output_dist -> handle; handle.wait() -> [B_local, width] blocks
+  4. mean pooling               divide mean-pooled features by their bag lengths
+  5. regroup                    permute_multi_embedding -> one dense tensor per output group
+Backward runs the exchanges in reverse and the TBE applies the fused optimizer to the touched rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from embshard.comm import world_and_rank
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import ShardingPlan
+from embshard.regroup import Regroup
+from embshard.sharding import build_schemes
+from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Embedding-bag tables sharded by `plan`, trained with a fused sparse optimizer.
+
+    Args:
+        tables: the tables (each names the features that look it up).
+        plan: where each shard lives; `plan.world_size` must equal the process group's size.
+        optimizer: the fused sparse optimizer applied in backward.
+        output_groups: {group name: [feature, ...]} (features may repeat across groups); forward then returns
+            {group name: tensor}. Without it forward returns a torchrec KeyedTensor of all features.
+        device: compute device (default: cuda:current if available, else cpu).
+        group: process group (default: the world).
+        seed: initial weights are a deterministic function of (seed, table index), whatever the sharding.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        optimizer: FusedOptimizerConfig | None = None,
+        output_groups: Mapping[str, Sequence[str]] | None = None,
+        device: torch.device | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        validate_tables(tables)
+        plan.check(tables)
+        world_size, rank = world_and_rank(group)
+        if plan.world_size != world_size:
+            raise ConfigError(
+                f"the plan is for world_size={plan.world_size} but the process group has {world_size} ranks: "
+                "plan again for this world size"
+            )
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.tables = list(tables)
+        self.plan = plan
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.optimizer = optimizer or FusedOptimizerConfig()
+        self.features = feature_order(tables)
+        self._table_of = {f: t for t in tables for f in t.feature_names}
+        self.schemes = nn.ModuleList(build_schemes(self.tables, plan, rank, self.optimizer, self.device, group, seed))
+        # Each feature's output columns may be split over several keys (column-wise): keys in column order.
+        feature_keys: dict[str, list[tuple[int, str]]] = {f: [] for f in self.features}
+        for scheme in self.schemes:
+            for key in scheme.keys:
+                feature, _, col = key.partition("#c")
+                feature_keys[feature].append((int(col or 0), key))
+        self._feature_keys = {f: [k for _, k in sorted(v)] for f, v in feature_keys.items()}
+        self.groups = dict(output_groups) if output_groups is not None else None
+        regroup_spec = self.groups if self.groups is not None else {"all": self.features}
+        for name, members in regroup_spec.items():
+            unknown = [f for f in members if f not in self._feature_keys]
+            if unknown:
+                raise ConfigError(
+                    f"output group {name!r} names features {unknown} that no table lists; known features: "
+                    f"{self.features}"
+                )
+        self.regroup = Regroup(
+            [s.keys for s in self.schemes],
+            [s.key_dims for s in self.schemes],
+            {n: [k for f in members for k in self._feature_keys[f]] for n, members in regroup_spec.items()},
+        )
+        # Mean pooling: per scheme, which input feature each output column belongs to (None if all sums).
+        self._mean_features = [f for f in self.features if self._table_of[f].pooling is Pooling.MEAN]
+        self._col_feature: list[torch.Tensor | None] = []
+        for scheme in self.schemes:
+            cols: list[int] = []
+            for key, d in zip(scheme.keys, scheme.key_dims):
+                cols += [self.features.index(key.partition("#c")[0])] * d
+            self._col_feature.append(torch.tensor(cols, dtype=torch.int64) if self._mean_features else None)
+        self._mean_mask = torch.tensor(
+            [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool
+        )
+        self._kjt_layout: tuple | None = None
+
+    # ---- input handling ----------------------------------------------------------------------------------
+    def _local_input(self, kjt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, int]]:
+        keys = tuple(kjt.keys())
+        if self._kjt_layout is None or self._kjt_layout[0] != keys:
+            missing = [f for f in self.features if f not in keys]
+            extra = [k for k in keys if k not in self._table_of]
+            if missing or extra:
+                raise ConfigError(
+                    f"KeyedJaggedTensor keys do not match the tables' features: missing {missing}, not looked up "
+                    f"by any table {extra}; pass exactly the features {self.features} (any order)"
+                )
+            self._kjt_layout = (keys, {k: i for i, k in enumerate(keys)})
+        if kjt.variable_stride_per_key():
+            raise ConfigError("variable batch size per feature is not supported: give every feature the same batch")
+        B = kjt.stride()
+        lengths_FB = kjt.lengths().view(len(keys), B)
+        values = kjt.values()
+        weights = kjt.weights_or_none()
+        if values.device != self.device:
+            raise ConfigError(f"input is on {values.device} but the module computes on {self.device}: move it")
+        return lengths_FB, values, weights, self._kjt_layout[1]
+
+    def _check_ids(self, lengths_FB: torch.Tensor, values: torch.Tensor, index: dict[str, int]) -> None:
+        """Every id must be a row of its feature's table: raise naming the feature, table and value if not."""
+        rows = torch.tensor(
+            [self._table_of[k].num_embeddings for k in self._kjt_layout[0]], device=values.device
+        )  # [F], in KJT order
+        limit = torch.repeat_interleave(rows, lengths_FB.sum(1).to(torch.int64), output_size=values.numel())
+        bad = (values < 0) | (values >= limit)
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0])
+            seg = torch.searchsorted(lengths_FB.sum(1).cumsum(0), torch.tensor(pos, device=values.device), right=True)
+            feature = self._kjt_layout[0][int(seg)]
+            t = self._table_of[feature]
+            raise ValueError(
+                f"feature {feature!r}: id {int(values[pos])} is outside table {t.name!r} (rows 0..{t.num_embeddings - 1}); "
+                "map ids into range (e.g. hash modulo num_embeddings) or enlarge the table"
+            )
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward(self, kjt, check_ids: bool = True):
+        """Pooled embeddings for the local batch: {group: tensor} if output_groups was given, else a KeyedTensor."""
+        lengths_FB, values, weights, index = self._local_input(kjt)
+        if check_ids:
+            self._check_ids(lengths_FB, values, index)
+        in_handles = [s.start_input_dist(lengths_FB, values, weights, index) for s in self.schemes]
+        inputs = [h.wait() for h in in_handles]
+        pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
+        out_handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
+        blocks = [h.wait() for h in out_handles]
+        if self._mean_features:
+            blocks = self._apply_mean(blocks, lengths_FB, index)
+        out = self.regroup(blocks)
+        if self.groups is not None:
+            return out
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
+        return KeyedTensor(keys=self.features, length_per_key=dims, values=out["all"], key_dim=1)
+
+    def _apply_mean(
+        self, blocks: list[torch.Tensor], lengths_FB: torch.Tensor, index: dict[str, int]
+    ) -> list[torch.Tensor]:
+        order = torch.tensor([index[f] for f in self.features], device=lengths_FB.device)
+        lengths_BF = lengths_FB.index_select(0, order).t().to(torch.float32)  # canonical feature order
+        mask = self._mean_mask.to(lengths_BF.device)
+        scale_BF = torch.where(mask, 1.0 / lengths_BF.clamp(min=1.0), torch.ones_like(lengths_BF))
+        out = []
+        for x, cols in zip(blocks, self._col_feature):
+            out.append(x * scale_BF.index_select(1, cols.to(x.device)) if x.shape[1] else x)
+        return out
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def local_shards(self) -> list[tuple[str, object, torch.Tensor]]:
+        """(table name, Shard, weights) for every shard on this rank."""
+        out = []
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                for s, w in zip(lookup.shards, lookup.shard_weights()):
+                    out.append((s.table.name, s.shard, w))
+        return out
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every table's full weights, assembled on every rank (collective; for tests, checkpoints, export).
+        Replicated tables are taken from their first replica."""
+        world, _ = self.world_size, self.rank
+        out = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in self.tables}
+        local = self.local_shards()
+        gathered: list = [None] * world
+        payload = [(name, s, w.detach().float().cpu()) for name, s, w in local]
+        if world > 1:
+            dist.all_gather_object(gathered, payload, group=self.group)
+        else:
+            gathered = [payload]
+        done: set = set()
+        for rank_items in gathered:
+            for name, s, w in rank_items:
+                key = (name, s.row_offset, s.col_offset)
+                if key in done:
+                    continue
+                done.add(key)
+                out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
+        return out

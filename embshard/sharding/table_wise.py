@@ -1,0 +1,156 @@
+"""Table-wise sharding: each table lives whole on one rank.
+
+Data flow for one step, on every rank:
+1. input dist: the local batch's ids of each table's features go to the table's rank (sparse all-to-all);
+2. lookup: each rank pools its tables' rows for the global batch (one TBE per group of compatible tables);
+3. output dist: pooled rows go back to the rank that owns each sample (pooled all-to-all).
+
+`RoutedSharding` does this for any set of whole shards each read by named lookup keys, so column-wise sharding
+(column blocks placed like tables) reuses it with one key per column block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from embshard.lookup import LocalShard, build_lookups
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import ShardingPlan, ShardingType
+from embshard.sharding.exchange import (
+    LookupInput,
+    PooledExchangeHandle,
+    SparseExchangeHandle,
+    start_pooled_exchange,
+    start_sparse_exchange,
+)
+from embshard.tables import TableConfig
+
+
+def group_in_lookup_order(shards: Sequence[LocalShard]) -> list[LocalShard]:
+    """Shards reordered the way build_lookups groups them, so routes and lookups agree on feature order."""
+    groups: dict[tuple, list[LocalShard]] = {}
+    for s in shards:
+        groups.setdefault(s.group_key, []).append(s)
+    return [s for g in groups.values() for s in g]
+
+
+class RoutedSharding(nn.Module):
+    """Whole shards placed on ranks; ids are routed to the shard's rank and pooled rows routed back.
+
+    `shards_per_rank[d]` lists the shards on rank d (the same list on every rank); `key_source[k]` names the
+    input feature whose ids lookup key k reads.
+    """
+
+    def __init__(
+        self,
+        shards_per_rank: Sequence[Sequence[LocalShard]],
+        key_source: dict[str, str],
+        rank: int,
+        optimizer: FusedOptimizerConfig,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.rank, self.group = rank, group
+        self.world_size = len(shards_per_rank)
+        ordered = [group_in_lookup_order(s) for s in shards_per_rank]
+        self.route_keys = [[k for s in shards for k in s.features] for shards in ordered]
+        self.route_sources = [[key_source[k] for k in keys] for keys in self.route_keys]
+        self.n_features = [len(k) for k in self.route_keys]
+        self.dims_per_rank = [sum(s.shard.num_cols * len(s.features) for s in shards) for shards in ordered]
+        # Output keys (columns of the output tensor), rank by rank, with their widths.
+        self.keys = [k for keys in self.route_keys for k in keys]
+        self.key_dims = [s.shard.num_cols for shards in ordered for s in shards for _ in s.features]
+        self.lookups = nn.ModuleList(build_lookups(ordered[rank], optimizer, device, seed) if ordered[rank] else [])
+        self.weighted = any(s.table.weighted for shards in ordered for s in shards)
+
+    @property
+    def sources(self) -> list[str]:
+        """Input features each route reads, destination-major (the send order)."""
+        return [f for srcs in self.route_sources for f in srcs]
+
+    def start_input_dist(
+        self,
+        lengths_FB: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        feature_index: dict[str, int],
+    ) -> SparseExchangeHandle:
+        """Send each rank the ids of its lookup keys. `lengths_FB` is the local batch's `[F, B]` lengths in
+        the order `feature_index` gives."""
+        perm = self._send_permute(feature_index, lengths_FB.device)
+        if weights is None and self.weighted:
+            weights = torch.ones_like(values, dtype=torch.float32)
+        send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
+            perm, lengths_FB, values, weights if self.weighted else None
+        )
+        return start_sparse_exchange(
+            send_lengths.reshape(-1),
+            send_values,
+            send_weights,
+            self.n_features,
+            lengths_FB.shape[1],
+            self.group,
+            self.rank,
+        )
+
+    def _send_permute(self, feature_index: dict[str, int], device: torch.device) -> torch.Tensor:
+        cache_key = (tuple(feature_index), device)
+        if getattr(self, "_perm_key", None) != cache_key:
+            self._perm = torch.tensor([feature_index[f] for f in self.sources], device=device, dtype=torch.int32)
+            self._perm_key = cache_key
+        return self._perm
+
+    def lookup(self, inp: LookupInput) -> torch.Tensor:
+        """Pooled sums `[B_global, dims_per_rank[rank]]` for this rank's keys."""
+        Bg = inp.global_batch
+        if not self.lookups:
+            return torch.zeros(Bg, 0, device=inp.values.device, requires_grad=False)
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(inp.lengths)
+        if len(self.lookups) == 1:
+            return self.lookups[0](inp.values, offsets, inp.weights)
+        # Several TBE groups: cut the feature-major input at group boundaries (one host sync).
+        f_bounds = [0]
+        for lk in self.lookups:
+            f_bounds.append(f_bounds[-1] + len(lk.features))
+        v_bounds = offsets[torch.tensor([f * Bg for f in f_bounds], device=offsets.device)].tolist()
+        outs = []
+        for i, lk in enumerate(self.lookups):
+            f0, f1, v0, v1 = f_bounds[i], f_bounds[i + 1], v_bounds[i], v_bounds[i + 1]
+            w = inp.weights[v0:v1] if inp.weights is not None else None
+            outs.append(lk(inp.values[v0:v1], offsets[f0 * Bg : f1 * Bg + 1] - v0, w))
+        return torch.cat(outs, dim=1)
+
+    def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> PooledExchangeHandle:
+        """Send pooled rows back to the ranks owning the samples."""
+        return start_pooled_exchange(pooled, batch_sizes, self.dims_per_rank, self.group, self.rank)
+
+
+def table_wise(
+    tables: Sequence[TableConfig],
+    plan: ShardingPlan,
+    rank: int,
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    seed: int,
+) -> RoutedSharding | None:
+    """The table-wise part of the collection: one shard per table on its planned rank. None if no table is
+    table-wise."""
+    shards_per_rank: list[list[LocalShard]] = [[] for _ in range(plan.world_size)]
+    key_source: dict[str, str] = {}
+    for i, cfg in enumerate(tables):
+        tp = plan[cfg.name]
+        if tp.sharding_type is not ShardingType.TABLE_WISE:
+            continue
+        (shard,) = tp.shards
+        shards_per_rank[shard.rank].append(LocalShard(cfg, i, shard, cfg.feature_names, tp.tier, tp.cache_load_factor))
+        key_source.update({f: f for f in cfg.feature_names})
+    if not key_source:
+        return None
+    return RoutedSharding(shards_per_rank, key_source, rank, optimizer, device, group, seed)

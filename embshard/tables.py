@@ -1,0 +1,127 @@
+"""Embedding-bag table configuration: what a table is, independent of how it is sharded."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class Pooling(str, enum.Enum):
+    """How the rows looked up by one bag are combined into one vector."""
+
+    SUM = "sum"
+    MEAN = "mean"  # (weighted) sum divided by the number of ids in the bag; an empty bag gives zeros
+
+
+class DataType(str, enum.Enum):
+    """Storage type of the embedding weights."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+
+    @property
+    def bytes(self) -> int:
+        """Bytes per element."""
+        return 4 if self is DataType.FP32 else 2
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule; the message names the item, the value and a fix."""
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding-bag table and the features that look it up."""
+
+    name: str
+    """Unique table name."""
+    num_embeddings: int
+    """Number of rows (ids 0 .. num_embeddings-1)."""
+    embedding_dim: int
+    """Width of each row, in elements."""
+    feature_names: tuple[str, ...]
+    """Features that look this table up; several features may share one table."""
+    pooling: Pooling = Pooling.SUM
+    """How a bag's rows are combined: sum or mean."""
+    weighted: bool = False
+    """Whether the features carry one float weight per id (per-sample weights)."""
+    data_type: DataType = DataType.FP32
+    """Storage type of the weights."""
+    ids_per_bag: float = 1.0
+    """Planner hint: expected number of ids per bag (pooling factor), averaged over the batch."""
+    init_std: float | None = None
+    """Weights are drawn uniformly from [-a, a] with a = sqrt(1 / num_embeddings) unless set; this sets a."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Free-form annotations (not used by embshard itself)."""
+
+    def __post_init__(self) -> None:
+        def bad(fld: str, value: object, rule: str) -> ConfigError:
+            return ConfigError(f"table {self.name!r}: {fld}={value!r} is invalid: {rule}")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"table name must be a non-empty string, got {self.name!r}")
+        for fld in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, fld)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(fld, value, "it must be a positive integer")
+        if isinstance(self.feature_names, str):
+            raise bad("feature_names", self.feature_names, "give a list of feature names, e.g. ['f1']")
+        object.__setattr__(self, "feature_names", tuple(self.feature_names))
+        if not self.feature_names:
+            raise bad("feature_names", [], "a table needs at least one feature that looks it up")
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise bad("feature_names", list(self.feature_names), "feature names must not repeat")
+        for f in self.feature_names:
+            if not isinstance(f, str) or not f:
+                raise bad("feature_names", list(self.feature_names), "each feature name is a non-empty string")
+        try:
+            object.__setattr__(self, "pooling", Pooling(self.pooling))
+        except ValueError:
+            raise bad("pooling", self.pooling, f"choose one of {[p.value for p in Pooling]}") from None
+        try:
+            object.__setattr__(self, "data_type", DataType(self.data_type))
+        except ValueError:
+            raise bad("data_type", self.data_type, f"choose one of {[d.value for d in DataType]}") from None
+        if not isinstance(self.weighted, bool):
+            raise bad("weighted", self.weighted, "it must be true or false")
+        if not isinstance(self.ids_per_bag, int | float) or not self.ids_per_bag >= 0:
+            raise bad("ids_per_bag", self.ids_per_bag, "it must be a number >= 0")
+        if self.init_std is not None and not self.init_std > 0:
+            raise bad("init_std", self.init_std, "it must be > 0 (or left unset)")
+
+    @property
+    def init_bound(self) -> float:
+        """Half-width of the uniform initialisation range."""
+        return self.init_std if self.init_std is not None else (1.0 / self.num_embeddings) ** 0.5
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes taken by the weights alone."""
+        return self.num_embeddings * self.embedding_dim * self.data_type.bytes
+
+
+def validate_tables(tables: Sequence[TableConfig]) -> None:
+    """Check a collection of tables: unique table names, and each feature looks up exactly one table."""
+    seen_tables: set[str] = set()
+    owner: dict[str, str] = {}
+    for t in tables:
+        if not isinstance(t, TableConfig):
+            raise ConfigError(f"expected TableConfig, got {type(t).__name__}: {t!r}")
+        if t.name in seen_tables:
+            raise ConfigError(f"table name {t.name!r} appears twice; table names must be unique")
+        seen_tables.add(t.name)
+        for f in t.feature_names:
+            if f in owner:
+                raise ConfigError(
+                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature looks up one "
+                    "table: give the second use its own feature name"
+                )
+            owner[f] = t.name
+    if not tables:
+        raise ConfigError("no tables given: an embedding collection needs at least one table")
+
+
+def feature_order(tables: Sequence[TableConfig]) -> list[str]:
+    """The canonical feature order: tables in the given order, each table's features in its order."""
+    return [f for t in tables for f in t.feature_names]

@@ -1,0 +1,131 @@
+"""Shared parity machinery: random batches, a distributed worker that trains the sharded module, and the check
+against the unsharded reference (forward outputs every step, weights after the last step)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from reference import ReferenceEBC
+
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import ShardingPlan
+from embshard.tables import TableConfig
+
+Batch = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def random_batches(
+    tables: Sequence[TableConfig], batch_sizes: Sequence[int], steps: int, seed: int
+) -> list[tuple[list[Batch], list[dict[str, torch.Tensor]]]]:
+    """Per step: per rank a batch {feature: (lengths, ids, weights)} and the upstream gradient per feature.
+
+    Bag lengths are 0..2*ids_per_bag+1 (empty bags included), ids uniform over the table, weights in [0.5, 1.5).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        per_rank, upstream = [], []
+        for B in batch_sizes:
+            batch, grads = {}, {}
+            for t in tables:
+                for f in t.feature_names:
+                    hi = int(2 * t.ids_per_bag) + 2
+                    lengths = torch.randint(0, hi, (B,), generator=gen)
+                    ids = torch.randint(0, t.num_embeddings, (int(lengths.sum()),), generator=gen)
+                    w = torch.rand(ids.numel(), generator=gen) + 0.5 if t.weighted else None
+                    batch[f] = (lengths, ids, w)
+                    grads[f] = torch.randn(B, t.embedding_dim, generator=gen)
+            per_rank.append(batch)
+            upstream.append(grads)
+        out.append((per_rank, upstream))
+    return out
+
+
+def to_kjt(batch: Batch, key_order: Sequence[str], device: torch.device):
+    """A torchrec KeyedJaggedTensor with the features in `key_order`."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    weighted = any(batch[k][2] is not None for k in key_order)
+    weights = None
+    if weighted:
+        weights = torch.cat(
+            [batch[k][2] if batch[k][2] is not None else torch.ones(batch[k][1].numel()) for k in key_order]
+        )
+    return KeyedJaggedTensor(
+        keys=list(key_order),
+        values=torch.cat([batch[k][1] for k in key_order]).to(device),
+        lengths=torch.cat([batch[k][0] for k in key_order]).to(torch.int32).to(device),
+        weights=weights.to(device) if weights is not None else None,
+    )
+
+
+def sharded_worker(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    tables: list[TableConfig],
+    plan: ShardingPlan,
+    opt: FusedOptimizerConfig,
+    batch_sizes: list[int],
+    steps: int,
+    seed: int,
+):
+    """Train the sharded module on this rank's slice of each step's batch; return its outputs and the weights."""
+    from embshard.sharded import ShardedEmbeddingBagCollection
+
+    torch.manual_seed(1234 + rank)  # must not matter: initialisation is seeded per table
+    ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=device, seed=seed)
+    features = [f for t in tables for f in t.feature_names]
+    key_order = features[::-1]  # a different order from the tables', to exercise the mapping
+    outputs = []
+    for per_rank, upstream in random_batches(tables, batch_sizes, steps, seed):
+        kt = ebc(to_kjt(per_rank[rank], key_order, device))
+        got = kt.to_dict()
+        loss = sum((got[f] * upstream[rank][f].to(device)).sum() for f in features)
+        loss.backward()
+        outputs.append({f: got[f].detach().cpu() for f in features})
+    return {"outputs": outputs, "weights": ebc.full_weights()}
+
+
+def check_parity(
+    results: list[dict],
+    tables: list[TableConfig],
+    opt: FusedOptimizerConfig,
+    batch_sizes: list[int],
+    steps: int,
+    seed: int,
+    atol: float = 2e-5,
+) -> None:
+    """Compare every rank's outputs and the final weights with the unsharded reference on the global batch."""
+    ref = ReferenceEBC(tables, opt, seed)
+    for step, (per_rank, upstream) in enumerate(random_batches(tables, batch_sizes, steps, seed)):
+        glob = {
+            f: tuple(
+                torch.cat([b[f][i] for b in per_rank]) if per_rank[0][f][i] is not None else None for i in range(3)
+            )
+            for f in per_rank[0]
+        }
+        up = {f: torch.cat([u[f] for u in upstream]) for f in upstream[0]}
+        want = ref.step(glob, up)
+        start = 0
+        for r, B in enumerate(batch_sizes):
+            for f, w in want.items():
+                got = results[r]["outputs"][step][f]
+                torch.testing.assert_close(
+                    got.double(),
+                    w[start : start + B],
+                    atol=atol,
+                    rtol=1e-4,
+                    msg=lambda m, c=f"step {step} rank {r} {f}": f"{c}: {m}",
+                )
+            start += B
+    for r, res in enumerate(results):
+        for t in tables:
+            torch.testing.assert_close(
+                res["weights"][t.name].double(),
+                ref.weights[t.name],
+                atol=atol,
+                rtol=1e-4,
+                msg=lambda m, c=f"weights of {t.name} on rank {r} after {steps} steps": f"{c}: {m}",
+            )

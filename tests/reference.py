@@ -1,0 +1,87 @@
+"""Unsharded reference in plain PyTorch: full tables, F.embedding_bag, and the optimizer math written out.
+
+Independent of embshard's distributed code: it shares only the deterministic initialisation (init_rows) so both
+start from the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from embshard.lookup import init_rows
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.tables import Pooling, TableConfig
+
+
+class ReferenceEBC:
+    """Plain-PyTorch embedding bags with exact sparse optimizer updates (only touched rows change)."""
+
+    def __init__(self, tables: Sequence[TableConfig], opt: FusedOptimizerConfig, seed: int = 0) -> None:
+        self.tables = list(tables)
+        self.opt = opt
+        self.weights = {
+            t.name: init_rows(t, i, 0, t.num_embeddings, 0, t.embedding_dim, seed).double()
+            for i, t in enumerate(tables)
+        }
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.step_count = 0
+        for t in tables:
+            w = self.weights[t.name]
+            self.state[t.name] = {
+                "sum": torch.zeros_like(w),
+                "row_sum": torch.zeros(w.shape[0], dtype=w.dtype),
+                "m": torch.zeros_like(w),
+                "v": torch.zeros_like(w),
+            }
+
+    def forward(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], params=None):
+        """batch: feature -> (lengths [B], ids, weights or None). Returns feature -> pooled [B, D] (float64)."""
+        params = params or self.weights
+        out = {}
+        for t in self.tables:
+            for f in t.feature_names:
+                lengths, ids, w = batch[f]
+                offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.long().cumsum(0)[:-1]])
+                psw = w.double() if (t.weighted and w is not None) else None
+                pooled = F.embedding_bag(ids.long(), params[t.name], offsets, mode="sum", per_sample_weights=psw)
+                if t.pooling is Pooling.MEAN:
+                    pooled = pooled / lengths.clamp(min=1).double().unsqueeze(1)
+                out[f] = pooled
+        return out
+
+    def step(self, batch, upstream: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward, backward of sum(out[f] * upstream[f]), then the sparse update. Returns the outputs."""
+        params = {k: v.clone().requires_grad_(True) for k, v in self.weights.items()}
+        out = self.forward(batch, params)
+        loss = sum((out[f] * upstream[f].double()).sum() for f in upstream)
+        loss.backward()
+        self.step_count += 1
+        for t in self.tables:
+            touched = torch.unique(torch.cat([batch[f][1].long() for f in t.feature_names]))
+            if touched.numel():
+                self._update(t.name, params[t.name].grad, touched)
+        return {f: o.detach() for f, o in out.items()}
+
+    def _update(self, name: str, grad: torch.Tensor, rows: torch.Tensor) -> None:
+        o, w, st = self.opt, self.weights[name], self.state[name]
+        g = grad[rows]
+        if o.weight_decay:
+            g = g + o.weight_decay * w[rows]
+        if o.kind is OptimizerKind.SGD:
+            w[rows] -= o.lr * g
+        elif o.kind is OptimizerKind.ADAGRAD:
+            st["sum"][rows] += g * g
+            w[rows] -= o.lr * g / (st["sum"][rows].sqrt() + o.eps)
+        elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
+            st["row_sum"][rows] += (g * g).mean(dim=1)
+            w[rows] -= o.lr * g / (st["row_sum"][rows].sqrt().unsqueeze(1) + o.eps)
+        else:
+            t = self.step_count
+            st["m"][rows] = o.beta1 * st["m"][rows] + (1 - o.beta1) * g
+            st["v"][rows] = o.beta2 * st["v"][rows] + (1 - o.beta2) * g * g
+            m_hat = st["m"][rows] / (1 - o.beta1**t)
+            v_hat = st["v"][rows] / (1 - o.beta2**t)
+            w[rows] -= o.lr * m_hat / (v_hat.sqrt() + o.eps)
