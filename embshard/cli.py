@@ -1,0 +1,30 @@
+"""`embshard` command line: one sub-command per module, each with its own `main(argv)`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("embshard.train", "train a YAML-configured model (torchrun, or --nproc N local processes)"),
+    "plan": ("embshard.planner.cli", "plan a model's sharding without GPUs and print or save the plan"),
+    "calibrate": ("embshard.planner.calibrate", "measure this machine's bandwidths into a topology file"),
+    "demo": ("embshard.demo", "train the small demo DLRM on synthetic data"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:10s} {help_}" for name, (_, help_) in COMMANDS.items()]
+        print("usage: embshard COMMAND [args]\n\ncommands:\n" + "\n".join(lines))
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
+            sys.exit(2)
+        return
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
