@@ -167,6 +167,41 @@ class TBELookup(nn.Module):
         return list(self.tbe.split_embedding_weights())
 
 
+def optimizer_state(opt: FusedOptimizerConfig, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Zero optimizer state for the weights `w` `[rows, cols]` (fp32, on w's device)."""
+    kind = opt.kind
+    state: dict[str, torch.Tensor] = {}
+    if kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
+        state["m"] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    if kind is OptimizerKind.ADAM:
+        state["v"] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    if kind is OptimizerKind.ROWWISE_ADAGRAD:
+        state["m"] = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    return state
+
+
+def sparse_update(
+    o: FusedOptimizerConfig, w: torch.Tensor, st: dict[str, torch.Tensor], rows: torch.Tensor, g: torch.Tensor, t: int
+) -> None:
+    """Apply the update rule (module docstring of embshard.optim) in place to rows `rows` (unique) of `w`, whose
+    aggregated gradient is `g` `[len(rows), cols]`; `t` counts the steps taken so far, this one included."""
+    if o.weight_decay:
+        g = g + o.weight_decay * w[rows]
+    if o.kind is OptimizerKind.SGD:
+        w[rows] -= o.lr * g
+    elif o.kind is OptimizerKind.ADAGRAD:
+        st["m"][rows] += g * g
+        w[rows] -= o.lr * g / (st["m"][rows].sqrt() + o.eps)
+    elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
+        st["m"][rows] += (g * g).mean(dim=1)
+        w[rows] -= o.lr * g / (st["m"][rows].sqrt().unsqueeze(1) + o.eps)
+    else:
+        m = st["m"][rows].mul_(o.beta1).add_(g, alpha=1 - o.beta1)
+        v = st["v"][rows].mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
+        st["m"][rows], st["v"][rows] = m, v
+        w[rows] -= o.lr * (m / (1 - o.beta1**t)) / ((v / (1 - o.beta2**t)).sqrt() + o.eps)
+
+
 class HostLookup(nn.Module):
     """CPU lookup for what FBGEMM's CPU TBE cannot do: Adam (not implemented there) and weight decay (silently
     ignored there, seen with fbgemm-gpu-cpu 1.8.0). Plain embedding_bag with sparse gradients; the optimizer is
@@ -196,15 +231,7 @@ class HostLookup(nn.Module):
             p = nn.Parameter(w)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             self.weights.append(p)
-            kind = optimizer.kind
-            state = {}
-            if kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
-                state["m"] = torch.zeros_like(w)
-            if kind is OptimizerKind.ADAM:
-                state["v"] = torch.zeros_like(w)
-            if kind is OptimizerKind.ROWWISE_ADAGRAD:
-                state["m"] = torch.zeros(w.shape[0])
-            self._state.append(state)
+            self._state.append(optimizer_state(optimizer, w))
         self._feature_shard = [i for i, s in enumerate(shards) for _ in s.features]
 
     def _make_hook(self, i: int):
@@ -213,27 +240,9 @@ class HostLookup(nn.Module):
             p.grad = None
             self._step[i] += 1
             with torch.no_grad():
-                self._update(p.data, self._state[i], grad.indices()[0], grad.values(), self._step[i])
+                sparse_update(self.opt, p.data, self._state[i], grad.indices()[0], grad.values(), self._step[i])
 
         return hook
-
-    def _update(self, w: torch.Tensor, st: dict[str, torch.Tensor], rows: torch.Tensor, g: torch.Tensor, t: int):
-        o = self.opt
-        if o.weight_decay:
-            g = g + o.weight_decay * w[rows]
-        if o.kind is OptimizerKind.SGD:
-            w[rows] -= o.lr * g
-        elif o.kind is OptimizerKind.ADAGRAD:
-            st["m"][rows] += g * g
-            w[rows] -= o.lr * g / (st["m"][rows].sqrt() + o.eps)
-        elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
-            st["m"][rows] += (g * g).mean(dim=1)
-            w[rows] -= o.lr * g / (st["m"][rows].sqrt().unsqueeze(1) + o.eps)
-        else:
-            m = st["m"][rows].mul_(o.beta1).add_(g, alpha=1 - o.beta1)
-            v = st["v"][rows].mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
-            st["m"][rows], st["v"][rows] = m, v
-            w[rows] -= o.lr * (m / (1 - o.beta1**t)) / ((v / (1 - o.beta2**t)).sqrt() + o.eps)
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None

@@ -9,7 +9,7 @@ import torch
 from reference import ReferenceEBC
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan
+from embshard.plan import ShardingPlan, ShardingType
 from embshard.tables import TableConfig
 
 Batch = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -71,7 +71,8 @@ def sharded_worker(
     steps: int,
     seed: int,
 ):
-    """Train the sharded module on this rank's slice of each step's batch; return its outputs and the weights."""
+    """Train the sharded module on this rank's slice of each step's batch; return its outputs, the full weights
+    and this rank's replicas of the data-parallel tables."""
     from embshard.sharded import ShardedEmbeddingBagCollection
 
     torch.manual_seed(1234 + rank)  # must not matter: initialisation is seeded per table
@@ -85,7 +86,18 @@ def sharded_worker(
         loss = sum((got[f] * upstream[rank][f].to(device)).sum() for f in features)
         loss.backward()
         outputs.append({f: got[f].detach().cpu() for f in features})
-    return {"outputs": outputs, "weights": ebc.full_weights()}
+    dp = {t.table for t in plan.tables if t.sharding_type is ShardingType.DATA_PARALLEL}
+    replicas = {name: w.detach().cpu().clone() for name, _, w in ebc.local_shards() if name in dp}
+    return {"outputs": outputs, "weights": ebc.full_weights(), "replicas": replicas}
+
+
+def column_blocks(plan: ShardingPlan) -> dict[str, list[int]]:
+    """{table: column-block widths} of the plan's column-wise tables (each block has its own optimizer state)."""
+    return {
+        t.table: [s.num_cols for s in sorted(t.shards, key=lambda s: s.col_offset)]
+        for t in plan.tables
+        if t.sharding_type is ShardingType.COLUMN_WISE
+    }
 
 
 def check_parity(
@@ -96,9 +108,11 @@ def check_parity(
     steps: int,
     seed: int,
     atol: float = 2e-5,
+    plan: ShardingPlan | None = None,
 ) -> None:
-    """Compare every rank's outputs and the final weights with the unsharded reference on the global batch."""
-    ref = ReferenceEBC(tables, opt, seed)
+    """Compare every rank's outputs and the final weights with the unsharded reference on the global batch.
+    With `plan`, the reference keeps row-wise Adagrad state per column block of the column-wise tables."""
+    ref = ReferenceEBC(tables, opt, seed, column_blocks=column_blocks(plan) if plan is not None else None)
     for step, (per_rank, upstream) in enumerate(random_batches(tables, batch_sizes, steps, seed)):
         glob = {
             f: tuple(

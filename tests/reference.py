@@ -6,7 +6,7 @@ start from the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +17,26 @@ from embshard.tables import Pooling, TableConfig
 
 
 class ReferenceEBC:
-    """Plain-PyTorch embedding bags with exact sparse optimizer updates (only touched rows change)."""
+    """Plain-PyTorch embedding bags with exact sparse optimizer updates (only touched rows change).
 
-    def __init__(self, tables: Sequence[TableConfig], opt: FusedOptimizerConfig, seed: int = 0) -> None:
+    `column_blocks` {table: [widths]}: row-wise Adagrad keeps one state value per row of each column block (the
+    mean of g^2 over the block's columns), as a column-wise sharded table does; default: one block, the full row.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        opt: FusedOptimizerConfig,
+        seed: int = 0,
+        column_blocks: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
         self.tables = list(tables)
         self.opt = opt
+        self.column_blocks = {t.name: [t.embedding_dim] for t in tables}
+        self.column_blocks.update({k: list(v) for k, v in (column_blocks or {}).items()})
+        for name, widths in self.column_blocks.items():
+            dim = next(t.embedding_dim for t in tables if t.name == name)
+            assert sum(widths) == dim, f"column blocks {widths} of {name} do not add up to {dim}"
         self.weights = {
             t.name: init_rows(t, i, 0, t.num_embeddings, 0, t.embedding_dim, seed).double()
             for i, t in enumerate(tables)
@@ -32,7 +47,7 @@ class ReferenceEBC:
             w = self.weights[t.name]
             self.state[t.name] = {
                 "sum": torch.zeros_like(w),
-                "row_sum": torch.zeros(w.shape[0], dtype=w.dtype),
+                "row_sum": torch.zeros(w.shape[0], len(self.column_blocks[t.name]), dtype=w.dtype),
                 "m": torch.zeros_like(w),
                 "v": torch.zeros_like(w),
             }
@@ -76,8 +91,12 @@ class ReferenceEBC:
             st["sum"][rows] += g * g
             w[rows] -= o.lr * g / (st["sum"][rows].sqrt() + o.eps)
         elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
-            st["row_sum"][rows] += (g * g).mean(dim=1)
-            w[rows] -= o.lr * g / (st["row_sum"][rows].sqrt().unsqueeze(1) + o.eps)
+            c0 = 0
+            for k, width in enumerate(self.column_blocks[name]):
+                gk = g[:, c0 : c0 + width]
+                st["row_sum"][rows, k] += (gk * gk).mean(dim=1)
+                w[rows, c0 : c0 + width] -= o.lr * gk / (st["row_sum"][rows, k].sqrt().unsqueeze(1) + o.eps)
+                c0 += width
         else:
             t = self.step_count
             st["m"][rows] = o.beta1 * st["m"][rows] + (1 - o.beta1) * g

@@ -1,5 +1,6 @@
 """Sharding schemes. Each file builds one scheme with a plain function; `build_schemes` applies them in a fixed
-order so every rank builds the same schemes, and so issues the same collectives in the same order."""
+order so every rank builds the same schemes, and so issues the same collectives in the same order (forward and
+backward: a rank with no shard of a scheme still takes part in its all-to-alls)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,22 @@ import torch.distributed as dist
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
+from embshard.sharding.column_wise import column_wise
+from embshard.sharding.data_parallel import data_parallel
+from embshard.sharding.row_wise import row_wise
+from embshard.sharding.table_row_wise import table_row_wise
 from embshard.sharding.table_wise import table_wise
 from embshard.tables import ConfigError, TableConfig
 
-SUPPORTED = {ShardingType.TABLE_WISE}
+# The scheme builders, in the order every rank applies them.
+BUILDERS = {
+    ShardingType.TABLE_WISE: table_wise,
+    ShardingType.COLUMN_WISE: column_wise,
+    ShardingType.ROW_WISE: row_wise,
+    ShardingType.TABLE_ROW_WISE: table_row_wise,
+    ShardingType.DATA_PARALLEL: data_parallel,
+}
+SUPPORTED = set(BUILDERS)
 
 
 def build_schemes(
@@ -32,5 +45,5 @@ def build_schemes(
                 f"table {t.table!r}: sharding type {t.sharding_type.value!r} is not implemented yet; "
                 f"use one of {[s.value for s in SUPPORTED]}"
             )
-    schemes = [table_wise(tables, plan, rank, optimizer, device, group, seed)]
+    schemes = [build(tables, plan, rank, optimizer, device, group, seed) for build in BUILDERS.values()]
     return [s for s in schemes if s is not None]

@@ -110,7 +110,8 @@ class RoutedSharding(nn.Module):
         """Pooled sums `[B_global, dims_per_rank[rank]]` for this rank's keys."""
         Bg = inp.global_batch
         if not self.lookups:
-            return torch.zeros(Bg, 0, device=inp.values.device, requires_grad=False)
+            # requires_grad: the backward of the output all-to-all must run here too, or the other ranks hang.
+            return torch.zeros(Bg, 0, device=inp.values.device, requires_grad=True)
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(inp.lengths)
         if len(self.lookups) == 1:
             return self.lookups[0](inp.values, offsets, inp.weights)

@@ -1,0 +1,172 @@
+"""Row-wise, column-wise, table-row-wise and data-parallel sharding, alone and all in one collection: forward
+outputs every step and weights after several fused-optimizer steps match the unsharded reference, at world sizes
+1-4 (gloo on CPU; NCCL with EMBSHARD_TEST_DEVICE=cuda, up to the visible GPUs). Also: data-parallel replicas stay
+bitwise identical across ranks, and a fixed seed gives bitwise identical results.
+
+One spawn per world size trains every (case, optimizer) pair; the tests then compare the collected results.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_distributed, test_device
+from parity import check_parity, sharded_worker
+
+from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, column_blocks, row_blocks
+from embshard.tables import ConfigError
+
+RW, CW, TWRW, DP, TW = (
+    ShardingType.ROW_WISE,
+    ShardingType.COLUMN_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.DATA_PARALLEL,
+    ShardingType.TABLE_WISE,
+)
+
+TABLES = [
+    TableConfig("t_shared", 97, 16, ("f_a", "f_b"), ids_per_bag=2),  # two features read one table
+    TableConfig("t_mean", 50, 8, ("f_c",), pooling="mean", ids_per_bag=3),
+    TableConfig("t_weighted", 40, 12, ("f_d",), weighted=True, ids_per_bag=2),
+    TableConfig("t_tiny", 3, 4, ("f_e",), pooling="mean", weighted=True),  # fewer rows than ranks
+]
+
+MIXED = [
+    TableConfig("m_tw", 30, 8, ("g_a",)),
+    TableConfig("m_cw", 20, 16, ("g_b", "g_c"), pooling="mean", ids_per_bag=2),
+    TableConfig("m_rw", 61, 12, ("g_d",), weighted=True, ids_per_bag=2),
+    TableConfig("m_twrw", 45, 4, ("g_e",), pooling="mean", ids_per_bag=2),
+    TableConfig("m_dp", 10, 8, ("g_f", "g_g"), weighted=True, ids_per_bag=2),
+]
+MIXED_TYPES = {"m_tw": TW, "m_cw": CW, "m_rw": RW, "m_twrw": TWRW, "m_dp": DP}
+
+CASES = {
+    "row_wise": (TABLES, dict.fromkeys([t.name for t in TABLES], RW)),
+    "column_wise": (TABLES, dict.fromkeys([t.name for t in TABLES], CW)),
+    "table_row_wise": (TABLES, dict.fromkeys([t.name for t in TABLES], TWRW)),
+    "data_parallel": (TABLES, dict.fromkeys([t.name for t in TABLES], DP)),
+    "mixed": (MIXED, MIXED_TYPES),
+}
+
+OPTIMIZERS = {
+    "sgd": FusedOptimizerConfig("sgd", lr=0.1),
+    "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
+    "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
+    "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
+    "adagrad_wd": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6, weight_decay=0.01),
+}
+
+RUNS = [(c, o) for c in CASES for o in ("sgd", "rowwise_adagrad", "adam")]
+RUNS += [("column_wise", "adagrad"), ("mixed", "adagrad_wd")]
+REPEATED = [("mixed", "rowwise_adagrad"), ("mixed", "adam")]  # trained twice, for the determinism test
+
+LOCAL_WORLD = {1: 1, 2: 1, 3: 3, 4: 2}  # ranks per host: world 2 is 2 hosts x 1, world 4 is 2 hosts x 2
+COLUMN_SHARDS = 3  # column blocks per column-wise table (fewer when the width has fewer units of 4)
+STEPS = 3
+
+if test_device() == "cpu":
+    WORLD_SIZES = [1, 2, 3, 4]
+else:
+    WORLD_SIZES = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
+
+
+def _plan(case: str, world_size: int, tier: MemoryTier) -> ShardingPlan:
+    tables, types = CASES[case]
+    return simple_plan(tables, world_size, LOCAL_WORLD[world_size], types, tier=tier, column_shards=COLUMN_SHARDS)
+
+
+def _seed(case: str, opt: str) -> int:
+    return 11 + 7 * list(CASES).index(case) + list(OPTIMIZERS).index(opt)
+
+
+def _worker(rank, world_size, device, batch_sizes, steps):
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    out = {}
+    for run in RUNS + [(*r, "again") for r in REPEATED]:
+        case, opt = run[0], run[1]
+        plan = _plan(case, world_size, tier)
+        out[run] = sharded_worker(
+            rank, world_size, device, CASES[case][0], plan, OPTIMIZERS[opt], batch_sizes, steps, _seed(case, opt)
+        )
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def trained(request):
+    world_size = request.param
+    batch_sizes = [4 + r for r in range(world_size)]  # uneven local batches
+    return world_size, batch_sizes, run_distributed(_worker, world_size, batch_sizes, STEPS)
+
+
+@pytest.mark.parametrize("case,opt", RUNS, ids=[f"{c}-{o}" for c, o in RUNS])
+def test_parity(trained, case, opt):
+    world_size, batch_sizes, results = trained
+    plan = _plan(case, world_size, MemoryTier.HOST)
+    per_rank = [r[(case, opt)] for r in results]
+    check_parity(per_rank, CASES[case][0], OPTIMIZERS[opt], batch_sizes, STEPS, _seed(case, opt), plan=plan)
+
+
+def test_data_parallel_replicas_bitwise_identical(trained):
+    _, _, results = trained
+    runs = [r for r in RUNS if r[0] in ("data_parallel", "mixed")]
+    for run in runs:
+        first = results[0][run]["replicas"]
+        assert first, f"{run}: no data-parallel replica returned"
+        for rank, res in enumerate(results[1:], start=1):
+            for name, w in first.items():
+                assert torch.equal(res[run]["replicas"][name], w), f"{run}: replica of {name} on rank {rank} differs"
+
+
+def test_fixed_seed_is_deterministic(trained):
+    _, _, results = trained
+    for case, opt in REPEATED:
+        for rank, res in enumerate(results):
+            a, b = res[(case, opt)], res[(case, opt, "again")]
+            for step, (oa, ob) in enumerate(zip(a["outputs"], b["outputs"])):
+                for f in oa:
+                    assert torch.equal(oa[f], ob[f]), f"{case}/{opt} rank {rank} step {step} output {f} differs"
+            for name in a["weights"]:
+                assert torch.equal(a["weights"][name], b["weights"][name]), f"{case}/{opt} weights {name} differ"
+
+
+# ---- plan rules (no processes) ---------------------------------------------------------------------------------
+def test_row_blocks_rule():
+    assert row_blocks(10, 4) == [3, 3, 3, 1]
+    assert row_blocks(9, 4) == [3, 3, 3]  # ceil(9/4)=3: only 3 blocks
+    assert row_blocks(3, 4) == [1, 1, 1]
+    assert row_blocks(8, 1) == [8]
+    for rows in range(1, 40):
+        for n in range(1, 6):
+            blocks = row_blocks(rows, n)
+            assert sum(blocks) == rows and len(blocks) <= n and all(b == blocks[0] for b in blocks[:-1])
+            assert 0 < blocks[-1] <= blocks[0]
+
+
+def test_column_blocks_are_multiples_of_4():
+    assert column_blocks(24, 4) == [8, 8, 4, 4]
+    assert column_blocks(8, 3) == [4, 4]
+    assert column_blocks(4, 2) == [4]
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        column_blocks(10, 2, "t")
+
+
+def test_simple_plan_produces_each_type():
+    types = {"t_shared": RW, "t_mean": CW, "t_weighted": TWRW, "t_tiny": DP}
+    plan = simple_plan(TABLES, 4, 2, types, column_shards=2)
+    rw = plan["t_shared"]
+    assert rw.sharding_type is RW and sorted(s.rank for s in rw.shards) == [0, 1, 2, 3]
+    assert [s.num_rows for s in sorted(rw.shards, key=lambda s: s.row_offset)] == row_blocks(97, 4)
+    assert [s.num_cols for s in plan["t_mean"].shards] == [4, 4]
+    hosts = {s.rank // 2 for s in plan["t_weighted"].shards}
+    assert len(hosts) == 1 and len(plan["t_weighted"].shards) == 2
+    assert sorted(s.rank for s in plan["t_tiny"].shards) == [0, 1, 2, 3]
+    assert ShardingPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_plan_rejects_uneven_row_blocks():
+    t = TABLES[1]  # 50 rows
+    shards = (Shard(0, 0, 20, 0, 8), Shard(1, 20, 30, 0, 8))  # second block larger than the first
+    plan = ShardingPlan(2, 2, (TablePlan(t.name, RW, "host", shards),))
+    with pytest.raises(ConfigError, match=r"t_mean.*not uniform.*\[25, 25\]"):
+        plan.check([t])
