@@ -83,8 +83,10 @@ class DataParallelLookup(nn.Module):
         self._step = 0
 
     def _feature_bounds(self, offsets: torch.Tensor) -> tuple[int, list[int]]:
-        B = (offsets.numel() - 1) // len(self.features)
-        return B, offsets[:: max(B, 1)][: len(self.features) + 1].tolist() if B else [0] * (len(self.features) + 1)
+        """Batch size B and where each feature's ids start (F + 1 values; one host sync)."""
+        F_ = len(self.features)
+        B = (offsets.numel() - 1) // F_
+        return B, offsets[torch.arange(F_ + 1, device=offsets.device) * B].tolist()
 
     def pool(self, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
         """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1)."""

@@ -47,7 +47,7 @@ class SummedPooledHandle:
         out = blocks[0].new_zeros(blocks[0].shape[0], self._width)
         for block, cols in zip(blocks, self._cols):
             if block.shape[1]:
-                out = out.index_add(1, cols.to(block.device), block)  # cols unique within a rank: deterministic
+                out = out.index_add(1, cols, block)  # cols unique within a rank: deterministic
         return out
 
 
@@ -139,6 +139,8 @@ class RowBlockSharding(RoutedSharding):
     def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> SummedPooledHandle:
         """Send partial sums back to the ranks owning the samples; `.wait()` adds them up per feature."""
         handle = super().start_output_dist(pooled, batch_sizes)
+        if self._cols_per_rank[0].device != pooled.device:
+            self._cols_per_rank = [c.to(pooled.device) for c in self._cols_per_rank]
         return SummedPooledHandle(handle, self.dims_per_rank, self._cols_per_rank, sum(self.key_dims))
 
 
