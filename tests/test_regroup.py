@@ -23,17 +23,21 @@ def _reference(blocks, keys, dims, groups):
     return {name: torch.cat([cols[k] for k in members], dim=1) for name, members in groups.items()}
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", [1, 7, 64])
-def test_regroup_matches_cat_forward_and_backward(batch):
+def test_regroup_matches_cat_forward_and_backward(batch, device):
     gen = torch.Generator().manual_seed(batch)
-    blocks = [torch.randn(batch, sum(d), generator=gen, requires_grad=True) for d in DIMS]
+    blocks = [torch.randn(batch, sum(d), generator=gen).to(device).requires_grad_(True) for d in DIMS]
     ref_blocks = [b.detach().clone().requires_grad_(True) for b in blocks]
     regroup = Regroup(KEYS, DIMS, GROUPS)
     for _ in range(2):  # the cached permute metadata is reused on the second call
         out = regroup(blocks)
         want = _reference(ref_blocks, KEYS, DIMS, GROUPS)
         assert list(out) == list(GROUPS)
-        upstream = {n: torch.randn(want[n].shape, generator=gen) for n in GROUPS}
+        upstream = {n: torch.randn(want[n].shape, generator=gen).to(device) for n in GROUPS}
         for n in GROUPS:
             torch.testing.assert_close(out[n], want[n], rtol=0, atol=0)
         sum((out[n] * upstream[n]).sum() for n in GROUPS).backward()
@@ -44,13 +48,14 @@ def test_regroup_matches_cat_forward_and_backward(batch):
             b.grad = rb.grad = None
 
 
-def test_unused_feature_gradient_is_exactly_zero():
-    # Poison-free check: FBGEMM leaves unused columns' gradient unwritten; Regroup must zero them.
-    blocks = [torch.randn(16, sum(d), requires_grad=True) for d in DIMS]
+@pytest.mark.parametrize("device", DEVICES)
+def test_unused_feature_gradient_is_exactly_zero(device):
+    # FBGEMM leaves unused columns' gradient unwritten (garbage seen on CPU); Regroup must zero them.
+    blocks = [torch.randn(16, sum(d), device=device, requires_grad=True) for d in DIMS]
     out = Regroup(KEYS, DIMS, GROUPS)(blocks)
     sum(o.sum() for o in out.values()).backward()
-    assert torch.equal(blocks[0].grad[:, 4:12], torch.zeros(16, 8))  # f2
-    assert torch.equal(blocks[2].grad, torch.zeros(16, 7))  # f6
+    assert torch.equal(blocks[0].grad[:, 4:12], torch.zeros(16, 8, device=device))  # f2
+    assert torch.equal(blocks[2].grad, torch.zeros(16, 7, device=device))  # f6
     assert (blocks[0].grad[:, :4] == 2).all()  # f1 used twice: gradient 1 + 1
 
 
