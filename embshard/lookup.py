@@ -28,14 +28,17 @@ def init_rows(
     num_rows: int,
     col_offset: int,
     num_cols: int,
-    seed: int,
+    seed: int | None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Deterministic initial weights of rows [row_offset, +num_rows) x columns [col_offset, +num_cols).
 
     The same (seed, table_index) gives the same full table whichever block is asked for, so a sharded table
     starts identical to its unsharded twin. Values are uniform in [-cfg.init_bound, cfg.init_bound].
+    `seed=None` draws on the device instead (fast for huge tables, not reproducible across shardings).
     """
+    if seed is None:
+        return torch.empty(num_rows, num_cols, device=device).uniform_(-cfg.init_bound, cfg.init_bound)
     out = torch.empty(num_rows, num_cols, dtype=torch.float32)
     gen = torch.Generator()  # always the CPU generator: the same numbers whatever device the shard lives on
     first, last = row_offset // INIT_CHUNK_ROWS, (row_offset + num_rows - 1) // INIT_CHUNK_ROWS
