@@ -28,26 +28,28 @@ def init_rows(
     num_rows: int,
     col_offset: int,
     num_cols: int,
-    seed: int,
+    seed: int | None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Deterministic initial weights of rows [row_offset, +num_rows) x columns [col_offset, +num_cols).
 
     The same (seed, table_index) gives the same full table whichever block is asked for, so a sharded table
     starts identical to its unsharded twin. Values are uniform in [-cfg.init_bound, cfg.init_bound].
+    `seed=None` draws on the device instead (fast for huge tables, not reproducible across shardings).
     """
-    out = torch.empty(num_rows, num_cols, dtype=torch.float32, device=device)
-    gen = torch.Generator(device=device)
+    if seed is None:
+        return torch.empty(num_rows, num_cols, device=device).uniform_(-cfg.init_bound, cfg.init_bound)
+    out = torch.empty(num_rows, num_cols, dtype=torch.float32)
+    gen = torch.Generator()  # always the CPU generator: the same numbers whatever device the shard lives on
     first, last = row_offset // INIT_CHUNK_ROWS, (row_offset + num_rows - 1) // INIT_CHUNK_ROWS
     for chunk in range(first, last + 1):
         c0 = chunk * INIT_CHUNK_ROWS
         c1 = min(c0 + INIT_CHUNK_ROWS, cfg.num_embeddings)
         gen.manual_seed(hash((seed, table_index, chunk)) & 0x7FFF_FFFF_FFFF)
-        block = torch.empty(c1 - c0, cfg.embedding_dim, device=device).uniform_(
-            -cfg.init_bound, cfg.init_bound, generator=gen
-        )
+        block = torch.empty(c1 - c0, cfg.embedding_dim).uniform_(-cfg.init_bound, cfg.init_bound, generator=gen)
         lo, hi = max(c0, row_offset), min(c1, row_offset + num_rows)
         out[lo - row_offset : hi - row_offset] = block[lo - c0 : hi - c0, col_offset : col_offset + num_cols]
+    out = out.to(device)
     return out
 
 
@@ -127,6 +129,12 @@ class TBELookup(nn.Module):
                     f"table {s.table.name!r}: a shard is {s.shard.num_cols} columns wide; FBGEMM's TBE needs a "
                     "multiple of 4: change embedding_dim or the column split"
                 )
+        if device.type == "cuda" and optimizer.weight_decay and optimizer.kind is not OptimizerKind.ROWWISE_ADAGRAD:
+            raise ConfigError(
+                f"optimizer {optimizer.kind.value} with weight_decay={optimizer.weight_decay}: FBGEMM's fused GPU kernel "
+                "ignores weight decay for this optimizer (seen with fbgemm-gpu 1.6 and 1.8); use rowwise_adagrad, or "
+                "weight_decay: 0"
+            )
         kwargs = optimizer.fbgemm_kwargs()
         if tier is MemoryTier.UVM_CACHING:
             kwargs["cache_load_factor"] = shards[0].cache_load_factor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 from torch import nn
 

@@ -70,22 +70,28 @@ def sharded_worker(
     batch_sizes: list[int],
     steps: int,
     seed: int,
+    groups: dict[str, list[str]] | None = None,
 ):
     """Train the sharded module on this rank's slice of each step's batch; return its outputs, the full weights
-    and this rank's replicas of the data-parallel tables."""
+    and this rank's replicas of the data-parallel tables.
+
+    Without `groups` the loss is sum(out[f] * upstream[f]) over features; with `groups` the module returns one
+    tensor per group and the loss is sum(out[g] * group_upstream(g)) (see group_upstream)."""
     from embshard.sharded import ShardedEmbeddingBagCollection
 
     torch.manual_seed(1234 + rank)  # must not matter: initialisation is seeded per table
-    ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=device, seed=seed)
+    ebc = ShardedEmbeddingBagCollection(tables, plan, opt, output_groups=groups, device=device, seed=seed)
     features = [f for t in tables for f in t.feature_names]
     key_order = features[::-1]  # a different order from the tables', to exercise the mapping
     outputs = []
     for per_rank, upstream in random_batches(tables, batch_sizes, steps, seed):
-        kt = ebc(to_kjt(per_rank[rank], key_order, device))
-        got = kt.to_dict()
-        loss = sum((got[f] * upstream[rank][f].to(device)).sum() for f in features)
+        out = ebc(to_kjt(per_rank[rank], key_order, device))
+        got = out if groups is not None else out.to_dict()
+        names = list(groups) if groups is not None else features
+        up = group_upstream(upstream[rank], groups) if groups is not None else upstream[rank]
+        loss = sum((got[n] * up[n].to(device)).sum() for n in names)
         loss.backward()
-        outputs.append({f: got[f].detach().cpu() for f in features})
+        outputs.append({n: got[n].detach().cpu() for n in names})
     dp = {t.table for t in plan.tables if t.sharding_type is ShardingType.DATA_PARALLEL}
     replicas = {name: w.detach().cpu().clone() for name, _, w in ebc.local_shards() if name in dp}
     return {"outputs": outputs, "weights": ebc.full_weights(), "replicas": replicas}
@@ -100,6 +106,23 @@ def column_blocks(plan: ShardingPlan) -> dict[str, list[int]]:
     }
 
 
+def group_upstream(upstream: dict[str, torch.Tensor], groups: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Upstream gradient of each output group: its members' upstream gradients side by side, times (g + 1) for
+    the g-th group, so a feature in two groups receives two different contributions."""
+    return {n: torch.cat([upstream[f] for f in m], dim=1) * (g + 1) for g, (n, m) in enumerate(groups.items())}
+
+
+def feature_upstream(upstream: dict[str, torch.Tensor], groups: dict[str, list[str]] | None) -> dict[str, torch.Tensor]:
+    """What group_upstream means per feature: the sum over its appearances (zero for features in no group)."""
+    if groups is None:
+        return upstream
+    out = {f: torch.zeros_like(u) for f, u in upstream.items()}
+    for g, members in enumerate(groups.values()):
+        for f in members:
+            out[f] = out[f] + upstream[f] * (g + 1)
+    return out
+
+
 def check_parity(
     results: list[dict],
     tables: list[TableConfig],
@@ -108,6 +131,7 @@ def check_parity(
     steps: int,
     seed: int,
     atol: float = 2e-5,
+    groups: dict[str, list[str]] | None = None,
     plan: ShardingPlan | None = None,
 ) -> None:
     """Compare every rank's outputs and the final weights with the unsharded reference on the global batch.
@@ -121,7 +145,9 @@ def check_parity(
             for f in per_rank[0]
         }
         up = {f: torch.cat([u[f] for u in upstream]) for f in upstream[0]}
-        want = ref.step(glob, up)
+        want = ref.step(glob, feature_upstream(up, groups))
+        if groups is not None:
+            want = {n: torch.cat([want[f] for f in m], dim=1) for n, m in groups.items()}
         start = 0
         for r, B in enumerate(batch_sizes):
             for f, w in want.items():

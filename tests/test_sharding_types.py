@@ -54,11 +54,13 @@ OPTIMIZERS = {
     "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
     "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
     "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
-    "adagrad_wd": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6, weight_decay=0.01),
+    "rowwise_adagrad_wd": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6, weight_decay=0.05),
+    "adam_wd": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6, weight_decay=0.05),
 }
 
 RUNS = [(c, o) for c in CASES for o in ("sgd", "rowwise_adagrad", "adam")]
-RUNS += [("column_wise", "adagrad"), ("mixed", "adagrad_wd")]
+# Weight decay: FBGEMM's GPU TBE takes it only with rowwise_adagrad; data-parallel applies its own update.
+RUNS += [("column_wise", "adagrad"), ("mixed", "rowwise_adagrad_wd"), ("data_parallel", "adam_wd")]
 REPEATED = [("mixed", "rowwise_adagrad"), ("mixed", "adam")]  # trained twice, for the determinism test
 
 LOCAL_WORLD = {1: 1, 2: 1, 3: 3, 4: 2}  # ranks per host: world 2 is 2 hosts x 1, world 4 is 2 hosts x 2

@@ -24,19 +24,30 @@ OPTIMIZERS = {
     "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
     "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
     "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
-    "adagrad_wd": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6, weight_decay=0.01),
+    "rowwise_adagrad_wd": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6, weight_decay=0.05),
 }
+if test_device() == "cpu":  # FBGEMM's GPU kernels ignore weight decay except for rowwise_adagrad: refused there
+    OPTIMIZERS["adagrad_wd"] = FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6, weight_decay=0.05)
+    OPTIMIZERS["adam_wd"] = FusedOptimizerConfig("adam", lr=0.05, eps=1e-6, weight_decay=0.05)
 
 WORLD_SIZES = [1, 2, 3] if test_device() == "cpu" else [n for n in (1, 2) if n <= torch.cuda.device_count()]
+
+
+# f_b and f_e are in no group (their tables' rows must not move under SGD); f_a and f_c are in two groups.
+GROUPS = {"user": ["f_a", "f_c"], "cross": ["f_c", "f_d", "f_a"], "item": ["f_f"]}
 
 
 def _all_optimizers_worker(rank, world_size, device, batch_sizes, steps):
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     plan = simple_plan(TABLES, world_size, tier=tier)
-    return {
+    results = {
         name: sharded_worker(rank, world_size, device, TABLES, plan, opt, batch_sizes, steps, seed=7 + i)
         for i, (name, opt) in enumerate(OPTIMIZERS.items())
     }
+    results["groups"] = sharded_worker(
+        rank, world_size, device, TABLES, plan, OPTIMIZERS["sgd"], batch_sizes, steps, seed=3, groups=GROUPS
+    )
+    return results
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
@@ -53,3 +64,14 @@ def test_table_wise_parity(trained, opt_name):
     world_size, batch_sizes, steps, results = trained
     per_rank = [r[opt_name] for r in results]
     check_parity(per_rank, TABLES, OPTIMIZERS[opt_name], batch_sizes, steps, seed=7 + list(OPTIMIZERS).index(opt_name))
+
+
+def test_output_groups_with_repeated_and_unused_features(trained):
+    world_size, batch_sizes, steps, results = trained
+    per_rank = [r["groups"] for r in results]
+    check_parity(per_rank, TABLES, OPTIMIZERS["sgd"], batch_sizes, steps, seed=3, groups=GROUPS)
+    # The table read only by unused features keeps its initial weights exactly.
+    from embshard.lookup import init_rows
+
+    t = TABLES[3]
+    assert torch.equal(per_rank[0]["weights"][t.name], init_rows(t, 3, 0, t.num_embeddings, 0, t.embedding_dim, 3))

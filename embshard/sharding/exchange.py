@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 import torch.distributed as dist
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 import torch.distributed as dist
 from torch import nn
