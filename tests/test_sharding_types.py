@@ -15,6 +15,7 @@ from parity import check_parity, sharded_worker
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, column_blocks, row_blocks
+from embshard.sharded import ShardedEmbeddingBagCollection
 from embshard.tables import ConfigError
 
 RW, CW, TWRW, DP, TW = (
@@ -91,6 +92,10 @@ def _worker(rank, world_size, device, batch_sizes, steps):
         out[run] = sharded_worker(
             rank, world_size, device, CASES[case][0], plan, OPTIMIZERS[opt], batch_sizes, steps, _seed(case, opt)
         )
+    # seed=None draws the initial weights on the device, differently per rank: replicas must still agree.
+    torch.manual_seed(100 + rank)
+    ebc = ShardedEmbeddingBagCollection(TABLES, _plan("data_parallel", world_size, tier), device=device, seed=None)
+    out["unseeded_replicas"] = {name: w.detach().cpu().clone() for name, _, w in ebc.local_shards()}
     return out
 
 
@@ -109,6 +114,15 @@ def test_parity(trained, case, opt):
     check_parity(per_rank, CASES[case][0], OPTIMIZERS[opt], batch_sizes, STEPS, _seed(case, opt), plan=plan)
 
 
+def test_column_wise_rowwise_adagrad_keeps_state_per_block(trained):
+    """The per-block reference matches (test_parity); the whole-row reference must not: the state is per block."""
+    world_size, batch_sizes, results = trained
+    case, opt = "column_wise", "rowwise_adagrad"
+    per_rank = [r[(case, opt)] for r in results]
+    with pytest.raises(AssertionError):
+        check_parity(per_rank, CASES[case][0], OPTIMIZERS[opt], batch_sizes, STEPS, _seed(case, opt))
+
+
 def test_data_parallel_replicas_bitwise_identical(trained):
     _, _, results = trained
     runs = [r for r in RUNS if r[0] in ("data_parallel", "mixed")]
@@ -118,6 +132,15 @@ def test_data_parallel_replicas_bitwise_identical(trained):
         for rank, res in enumerate(results[1:], start=1):
             for name, w in first.items():
                 assert torch.equal(res[run]["replicas"][name], w), f"{run}: replica of {name} on rank {rank} differs"
+
+
+def test_unseeded_data_parallel_replicas_start_identical(trained):
+    _, _, results = trained
+    first = results[0]["unseeded_replicas"]
+    assert set(first) == {t.name for t in TABLES}
+    for rank, res in enumerate(results[1:], start=1):
+        for name, w in first.items():
+            assert torch.equal(res["unseeded_replicas"][name], w), f"replica of {name} on rank {rank} differs"
 
 
 def test_fixed_seed_is_deterministic(trained):

@@ -36,7 +36,7 @@ def build_schemes(
     optimizer: FusedOptimizerConfig,
     device: torch.device,
     group: dist.ProcessGroup | None,
-    seed: int,
+    seed: int | None,
 ) -> list:
     """One scheme module per sharding type present in the plan, in a fixed order."""
     for t in plan.tables:

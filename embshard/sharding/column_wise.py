@@ -35,7 +35,7 @@ def column_wise(
     optimizer: FusedOptimizerConfig,
     device: torch.device,
     group: dist.ProcessGroup | None,
-    seed: int,
+    seed: int | None,
 ) -> RoutedSharding | None:
     """The column-wise part of the collection: each column block on its planned rank, read by one key per
     feature. None if no table is column-wise."""

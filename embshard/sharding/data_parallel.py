@@ -64,7 +64,7 @@ class DataParallelLookup(nn.Module):
         optimizer: FusedOptimizerConfig,
         device: torch.device,
         group: dist.ProcessGroup | None,
-        seed: int,
+        seed: int | None,
     ) -> None:
         super().__init__()
         self.shards = list(shards)
@@ -79,6 +79,11 @@ class DataParallelLookup(nn.Module):
             )
             for s in shards
         )
+        if seed is None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            # Drawn on the device, not reproducibly: start every replica from rank 0's draw.
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for w in self.replicas:
+                dist.broadcast(w.data, src=src, group=group)
         self._state = [optimizer_state(optimizer, w) for w in self.replicas]
         self._step = 0
 
@@ -115,7 +120,8 @@ class DataParallelLookup(nn.Module):
         B, bounds = self._feature_bounds(offsets)
         grads = [torch.zeros_like(w, dtype=torch.float32) for w in self.replicas]
         counts = [w.new_zeros(w.shape[0], dtype=torch.float32) for w in self.replicas]
-        bag = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device), offsets.diff())
+        bags = torch.arange(offsets.numel() - 1, device=offsets.device)
+        bag = torch.repeat_interleave(bags, offsets.diff(), output_size=indices.numel())  # bag of each id
         col = 0
         for f, i in enumerate(self._feature_shard):
             lo, hi, D = bounds[f], bounds[f + 1], self.dims[f]
@@ -159,7 +165,7 @@ class DataParallelSharding(nn.Module):
         optimizer: FusedOptimizerConfig,
         device: torch.device,
         group: dist.ProcessGroup | None,
-        seed: int,
+        seed: int | None,
     ) -> None:
         super().__init__()
         self.lookups = nn.ModuleList([DataParallelLookup(shards, optimizer, device, group, seed)])
@@ -204,7 +210,7 @@ def data_parallel(
     optimizer: FusedOptimizerConfig,
     device: torch.device,
     group: dist.ProcessGroup | None,
-    seed: int,
+    seed: int | None,
 ) -> DataParallelSharding | None:
     """The data-parallel part of the collection: this rank's replica of each data-parallel table. None if no
     table is data-parallel."""

@@ -65,7 +65,7 @@ class RowBlockSharding(RoutedSharding):
         optimizer: FusedOptimizerConfig,
         device: torch.device,
         group: dist.ProcessGroup | None,
-        seed: int,
+        seed: int | None,
     ) -> None:
         shards_per_rank: list[list[LocalShard]] = [[] for _ in range(world_size)]
         features: list[str] = []
@@ -130,7 +130,7 @@ class RowBlockSharding(RoutedSharding):
             lengths_sel.reshape(-1), values_sel, False, False, block_sizes, self.world_size, weights_sel
         )
         send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            route, b_lengths.view(-1, B), b_values, b_weights
+            route, b_lengths.view(self.world_size * len(self.in_features), B), b_values, b_weights
         )
         return start_sparse_exchange(
             send_lengths.reshape(-1), send_values, send_weights, self.n_features, B, self.group, self.rank
@@ -158,7 +158,7 @@ def row_wise(
     optimizer: FusedOptimizerConfig,
     device: torch.device,
     group: dist.ProcessGroup | None,
-    seed: int,
+    seed: int | None,
 ) -> RowBlockSharding | None:
     """The row-wise part of the collection: row blocks over all ranks. None if no table is row-wise."""
     entries = row_block_entries(tables, plan, ShardingType.ROW_WISE)

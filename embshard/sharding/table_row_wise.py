@@ -29,7 +29,7 @@ def table_row_wise(
     optimizer: FusedOptimizerConfig,
     device: torch.device,
     group: dist.ProcessGroup | None,
-    seed: int,
+    seed: int | None,
 ) -> RowBlockSharding | None:
     """The table-row-wise part of the collection: each table's row blocks over one host's ranks. None if no
     table is table-row-wise."""
