@@ -3,8 +3,8 @@
 Data flow for one step, on every rank:
 1. input dist: none; the local batch's ids of the data-parallel features are only selected and reordered;
 2. lookup: `embedding_bag` sums over the replica, for the local batch; no output dist either;
-3. backward: each rank forms the dense gradient of every replica from its local batch, plus a per-row count of
-   the ids it looked up; one all-reduce sums both over ranks (the gradient of the global-batch loss is the sum
+3. backward: each rank forms the dense gradient of every replica from its local batch (embedding_bag's own
+   backward, deterministic on CPU and CUDA), plus a per-row count of the ids it looked up; one all-reduce sums both over ranks (the gradient of the global-batch loss is the sum
    of the ranks' local losses' gradients). Every rank then applies the same update (embshard.lookup's
    `sparse_update`, the fused optimizers' rule) to the rows touched anywhere in the global batch. The all-reduce
    gives every rank the same bits, so the replicas stay bitwise identical.
@@ -47,7 +47,7 @@ class _ReplicaBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lookup, indices, offsets, psw, *replicas):  # type: ignore[override]
         ctx.lookup, ctx.inputs = lookup, (indices, offsets, psw)
-        return lookup.pool(indices, offsets, psw)
+        return lookup.pool(indices, offsets, psw, [w.detach() for w in replicas])
 
     @staticmethod
     def backward(ctx, grad_BD):  # type: ignore[override]
@@ -93,45 +93,45 @@ class DataParallelLookup(nn.Module):
         B = (offsets.numel() - 1) // F_
         return B, offsets[torch.arange(F_ + 1, device=offsets.device) * B].tolist()
 
-    def pool(self, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
-        """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1)."""
+    def pool(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        psw: torch.Tensor | None,
+        replicas: Sequence[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1), over
+        `replicas` (default: this module's)."""
+        replicas = self.replicas if replicas is None else replicas
         B, bounds = self._feature_bounds(offsets)
         outs = []
-        with torch.no_grad():
-            for f, i in enumerate(self._feature_shard):
-                lo, hi = bounds[f], bounds[f + 1]
-                w = self.replicas[i]
-                weighted = psw is not None and self.shards[i].table.weighted
-                outs.append(
-                    F.embedding_bag(
-                        indices[lo:hi],
-                        w,
-                        offsets[f * B : (f + 1) * B] - lo,
-                        mode="sum",
-                        per_sample_weights=psw[lo:hi] if weighted else None,
-                    )
+        for f, i in enumerate(self._feature_shard):
+            lo, hi = bounds[f], bounds[f + 1]
+            weighted = psw is not None and self.shards[i].table.weighted
+            outs.append(
+                F.embedding_bag(
+                    indices[lo:hi],
+                    replicas[i],
+                    offsets[f * B : (f + 1) * B] - lo,
+                    mode="sum",
+                    per_sample_weights=psw[lo:hi] if weighted else None,
                 )
+            )
         return torch.cat(outs, dim=1)
 
     def apply_gradient(
         self, grad_BD: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None
     ) -> None:
         """Local dense gradients and touch counts -> one all-reduce -> the same update on every rank."""
-        B, bounds = self._feature_bounds(offsets)
-        grads = [torch.zeros_like(w, dtype=torch.float32) for w in self.replicas]
-        counts = [w.new_zeros(w.shape[0], dtype=torch.float32) for w in self.replicas]
-        bags = torch.arange(offsets.numel() - 1, device=offsets.device)
-        bag = torch.repeat_interleave(bags, offsets.diff(), output_size=indices.numel())  # bag of each id
-        col = 0
-        for f, i in enumerate(self._feature_shard):
-            lo, hi, D = bounds[f], bounds[f + 1], self.dims[f]
-            ids = indices[lo:hi]
-            g = grad_BD[bag[lo:hi] - f * B, col : col + D]
-            if psw is not None and self.shards[i].table.weighted:
-                g = g * psw[lo:hi].unsqueeze(1)
-            grads[i].index_add_(0, ids, g.float())
-            counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-            col += D
+        # The dense gradients come from embedding_bag's own backward (sort-based on CUDA, so reproducible).
+        with torch.enable_grad():
+            leaves = [w.detach().requires_grad_() for w in self.replicas]
+            grads = torch.autograd.grad(self.pool(indices, offsets, psw, leaves), leaves, grad_BD)
+        _, bounds = self._feature_bounds(offsets)
+        counts = [w.new_zeros(w.shape[0]) for w in self.replicas]
+        for f, i in enumerate(self._feature_shard):  # sums of ones: exact in any order
+            ids = indices[bounds[f] : bounds[f + 1]]
+            counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=counts[i].dtype))
         flat = torch.cat([t.reshape(-1) for pair in zip(grads, counts) for t in pair])
         flat = start_all_reduce(flat, self.group).wait()
         self._step += 1
