@@ -33,20 +33,27 @@ TABLES = [
     TableConfig("t_tiny", 3, 4, ("f_e",), pooling="mean", weighted=True),  # fewer rows than ranks
 ]
 
+# Data-parallel stacks tables of one width and weighted-ness: these share a stack with t_mean / t_weighted.
+DP_TABLES = TABLES + [
+    TableConfig("t_dp8", 23, 8, ("f_g",), ids_per_bag=2),
+    TableConfig("t_dp12", 17, 12, ("f_h", "f_i"), weighted=True, pooling="mean", ids_per_bag=2),
+]
+
 MIXED = [
     TableConfig("m_tw", 30, 8, ("g_a",)),
     TableConfig("m_cw", 20, 16, ("g_b", "g_c"), pooling="mean", ids_per_bag=2),
     TableConfig("m_rw", 61, 12, ("g_d",), weighted=True, ids_per_bag=2),
     TableConfig("m_twrw", 45, 4, ("g_e",), pooling="mean", ids_per_bag=2),
     TableConfig("m_dp", 10, 8, ("g_f", "g_g"), weighted=True, ids_per_bag=2),
+    TableConfig("m_dp2", 14, 8, ("g_h",), weighted=True, pooling="mean", ids_per_bag=2),
 ]
-MIXED_TYPES = {"m_tw": TW, "m_cw": CW, "m_rw": RW, "m_twrw": TWRW, "m_dp": DP}
+MIXED_TYPES = {"m_tw": TW, "m_cw": CW, "m_rw": RW, "m_twrw": TWRW, "m_dp": DP, "m_dp2": DP}
 
 CASES = {
     "row_wise": (TABLES, dict.fromkeys([t.name for t in TABLES], RW)),
     "column_wise": (TABLES, dict.fromkeys([t.name for t in TABLES], CW)),
     "table_row_wise": (TABLES, dict.fromkeys([t.name for t in TABLES], TWRW)),
-    "data_parallel": (TABLES, dict.fromkeys([t.name for t in TABLES], DP)),
+    "data_parallel": (DP_TABLES, dict.fromkeys([t.name for t in DP_TABLES], DP)),
     "mixed": (MIXED, MIXED_TYPES),
 }
 
@@ -94,7 +101,7 @@ def _worker(rank, world_size, device, batch_sizes, steps):
         )
     # seed=None draws the initial weights on the device, differently per rank: replicas must still agree.
     torch.manual_seed(100 + rank)
-    ebc = ShardedEmbeddingBagCollection(TABLES, _plan("data_parallel", world_size, tier), device=device, seed=None)
+    ebc = ShardedEmbeddingBagCollection(DP_TABLES, _plan("data_parallel", world_size, tier), device=device, seed=None)
     out["unseeded_replicas"] = {name: w.detach().cpu().clone() for name, _, w in ebc.local_shards()}
     return out
 
@@ -137,7 +144,7 @@ def test_data_parallel_replicas_bitwise_identical(trained):
 def test_unseeded_data_parallel_replicas_start_identical(trained):
     _, _, results = trained
     first = results[0]["unseeded_replicas"]
-    assert set(first) == {t.name for t in TABLES}
+    assert set(first) == {t.name for t in DP_TABLES}
     for rank, res in enumerate(results[1:], start=1):
         for name, w in first.items():
             assert torch.equal(res["unseeded_replicas"][name], w), f"replica of {name} on rank {rank} differs"

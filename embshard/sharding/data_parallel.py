@@ -45,18 +45,22 @@ class _ReplicaBags(torch.autograd.Function):
     """Pooled sums over the replicas; backward all-reduces the gradient and updates the replicas in place."""
 
     @staticmethod
-    def forward(ctx, lookup, indices, offsets, psw, *replicas):  # type: ignore[override]
+    def forward(ctx, lookup, indices, offsets, psw, *stacks):  # type: ignore[override]
         ctx.lookup, ctx.inputs = lookup, (indices, offsets, psw)
-        return lookup.pool(indices, offsets, psw, [w.detach() for w in replicas])
+        return lookup.pool(indices, offsets, psw, [w.detach() for w in stacks])
 
     @staticmethod
     def backward(ctx, grad_BD):  # type: ignore[override]
         ctx.lookup.apply_gradient(grad_BD, *ctx.inputs)
-        return (None,) * (4 + len(ctx.lookup.replicas))
+        return (None,) * (4 + len(ctx.lookup.stacks))
 
 
 class DataParallelLookup(nn.Module):
-    """Full replicas of the data-parallel tables, updated with the all-reduced gradient in backward."""
+    """Full replicas of the data-parallel tables, updated with the all-reduced gradient in backward.
+
+    Tables of one width and weighted-ness are stacked into one `[sum of rows, D]` tensor (each table a block of
+    rows), so a group of tables costs one embedding_bag, one gradient and one update, however many it holds.
+    """
 
     def __init__(
         self,
@@ -67,56 +71,66 @@ class DataParallelLookup(nn.Module):
         seed: int | None,
     ) -> None:
         super().__init__()
-        self.shards = list(shards)
-        self.features = [f for s in shards for f in s.features]
-        self.dims = [s.shard.num_cols for s in shards for _ in s.features]
+        grouped: dict[tuple[int, bool], list[LocalShard]] = {}
+        for s in shards:
+            grouped.setdefault((s.table.embedding_dim, s.table.weighted), []).append(s)
+        self.shards = [s for g in grouped.values() for s in g]
+        self.features = [f for s in self.shards for f in s.features]
+        self.dims = [s.table.embedding_dim for s in self.shards for _ in s.features]
         self.opt, self.group = optimizer, group
-        self._feature_shard = [i for i, s in enumerate(shards) for _ in s.features]
+        self._groups: list[tuple[int, int, int, bool]] = []  # (first feature, end feature, width, weighted)
+        self._blocks: list[tuple[int, int, int]] = []  # per shard: (group, first row in the stack, rows)
+        bases: list[int] = []  # per feature: first row of its table in the group's stack
+        stacks = []
+        for (dim, weighted), members in grouped.items():
+            f0, row = len(bases), 0
+            for s in members:
+                self._blocks.append((len(stacks), row, s.table.num_embeddings))
+                bases += [row] * len(s.features)
+                row += s.table.num_embeddings
+            self._groups.append((f0, len(bases), dim, weighted))
+            t = [init_rows(s.table, s.table_index, 0, s.table.num_embeddings, 0, dim, seed, device) for s in members]
+            stacks.append(torch.cat(t))
         # requires_grad only puts the lookup into the autograd graph: backward returns no gradient for them.
-        self.replicas = nn.ParameterList(
-            nn.Parameter(
-                init_rows(s.table, s.table_index, 0, s.table.num_embeddings, 0, s.table.embedding_dim, seed, device)
-            )
-            for s in shards
-        )
+        self.stacks = nn.ParameterList(nn.Parameter(w) for w in stacks)
+        self.register_buffer("_bases", torch.tensor(bases, dtype=torch.int64, device=device), persistent=False)
         if seed is None and dist.is_initialized() and dist.get_world_size(group) > 1:
             # Drawn on the device, not reproducibly: start every replica from rank 0's draw.
             src = dist.get_global_rank(group, 0) if group is not None else 0
-            for w in self.replicas:
+            for w in self.stacks:
                 dist.broadcast(w.data, src=src, group=group)
-        self._state = [optimizer_state(optimizer, w) for w in self.replicas]
+        self._state = [optimizer_state(optimizer, w) for w in self.stacks]
         self._step = 0
 
-    def _feature_bounds(self, offsets: torch.Tensor) -> tuple[int, list[int]]:
-        """Batch size B and where each feature's ids start (F + 1 values; one host sync)."""
+    def _layout(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[int, list[int], torch.Tensor]:
+        """Batch size B, where each feature's ids start (F + 1 values; one host sync), and the ids as rows of
+        their group's stack."""
         F_ = len(self.features)
         B = (offsets.numel() - 1) // F_
-        return B, offsets[torch.arange(F_ + 1, device=offsets.device) * B].tolist()
+        starts = offsets[torch.arange(F_ + 1, device=offsets.device) * B]
+        shift = torch.repeat_interleave(self._bases, starts.diff(), output_size=indices.numel())
+        return B, starts.tolist(), indices + shift
 
     def pool(
         self,
         indices: torch.Tensor,
         offsets: torch.Tensor,
         psw: torch.Tensor | None,
-        replicas: Sequence[torch.Tensor] | None = None,
+        stacks: Sequence[torch.Tensor],
     ) -> torch.Tensor:
-        """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1), over
-        `replicas` (default: this module's)."""
-        replicas = self.replicas if replicas is None else replicas
-        B, bounds = self._feature_bounds(offsets)
+        """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1)."""
+        B, bounds, rows = self._layout(indices, offsets)
         outs = []
-        for f, i in enumerate(self._feature_shard):
-            lo, hi = bounds[f], bounds[f + 1]
-            weighted = psw is not None and self.shards[i].table.weighted
-            outs.append(
-                F.embedding_bag(
-                    indices[lo:hi],
-                    replicas[i],
-                    offsets[f * B : (f + 1) * B] - lo,
-                    mode="sum",
-                    per_sample_weights=psw[lo:hi] if weighted else None,
-                )
-            )
+        for (f0, f1, D, weighted), w in zip(self._groups, stacks):
+            lo, hi = bounds[f0], bounds[f1]
+            pooled = F.embedding_bag(
+                rows[lo:hi],
+                w,
+                offsets[f0 * B : f1 * B] - lo,
+                mode="sum",
+                per_sample_weights=psw[lo:hi] if (weighted and psw is not None) else None,
+            )  # [(f1 - f0) * B, D], feature-major
+            outs.append(pooled.view(f1 - f0, B, D).transpose(0, 1).reshape(B, (f1 - f0) * D))
         return torch.cat(outs, dim=1)
 
     def apply_gradient(
@@ -125,35 +139,35 @@ class DataParallelLookup(nn.Module):
         """Local dense gradients and touch counts -> one all-reduce -> the same update on every rank."""
         # The dense gradients come from embedding_bag's own backward (sort-based on CUDA, so reproducible).
         with torch.enable_grad():
-            leaves = [w.detach().requires_grad_() for w in self.replicas]
+            leaves = [w.detach().requires_grad_() for w in self.stacks]
             grads = torch.autograd.grad(self.pool(indices, offsets, psw, leaves), leaves, grad_BD)
-        _, bounds = self._feature_bounds(offsets)
-        counts = [w.new_zeros(w.shape[0]) for w in self.replicas]
-        for f, i in enumerate(self._feature_shard):  # sums of ones: exact in any order
-            ids = indices[bounds[f] : bounds[f + 1]]
-            counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=counts[i].dtype))
+        _, bounds, rows = self._layout(indices, offsets)
+        counts = [w.new_zeros(w.shape[0]) for w in self.stacks]
+        for (f0, f1, _, _), c in zip(self._groups, counts):  # sums of ones: exact in any order
+            ids = rows[bounds[f0] : bounds[f1]]
+            c.index_add_(0, ids, torch.ones_like(ids, dtype=c.dtype))
         flat = torch.cat([t.reshape(-1) for pair in zip(grads, counts) for t in pair])
         flat = start_all_reduce(flat, self.group).wait()
         self._step += 1
         pos = 0
         with torch.no_grad():
-            for w, st in zip(self.replicas, self._state):
+            for w, st in zip(self.stacks, self._state):
                 n_grad, n_rows = w.numel(), w.shape[0]
                 g = flat[pos : pos + n_grad].view_as(w)
-                rows = flat[pos + n_grad : pos + n_grad + n_rows].nonzero().squeeze(1)
+                touched = flat[pos + n_grad : pos + n_grad + n_rows].nonzero().squeeze(1)
                 pos += n_grad + n_rows
-                if rows.numel():
-                    sparse_update(self.opt, w.data, st, rows, g[rows], self._step)
+                if touched.numel():
+                    sparse_update(self.opt, w.data, st, touched, g[touched], self._step)
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Pooled sums `[B, sum(dims)]` (same contract as TBELookup); the update happens in backward."""
-        return _ReplicaBags.apply(self, indices.long(), offsets.long(), weights, *self.replicas)
+        return _ReplicaBags.apply(self, indices.long(), offsets.long(), weights, *self.stacks)
 
     def shard_weights(self) -> list[torch.Tensor]:
-        """The replicas, in shard order."""
-        return [w.data for w in self.replicas]
+        """Each table's replica (views into the stacks), in shard order."""
+        return [self.stacks[g].data[r0 : r0 + n] for g, r0, n in self._blocks]
 
 
 class DataParallelSharding(nn.Module):
@@ -168,9 +182,9 @@ class DataParallelSharding(nn.Module):
         seed: int | None,
     ) -> None:
         super().__init__()
-        self.lookups = nn.ModuleList([DataParallelLookup(shards, optimizer, device, group, seed)])
-        self.keys = [f for s in shards for f in s.features]
-        self.key_dims = [s.table.embedding_dim for s in shards for _ in s.features]
+        lookup = DataParallelLookup(shards, optimizer, device, group, seed)
+        self.lookups = nn.ModuleList([lookup])
+        self.keys, self.key_dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
         self.weighted = any(s.table.weighted for s in shards)
         self._select: tuple | None = None
 
