@@ -12,6 +12,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.table_wise import table_wise
 from embshard.tables import ConfigError, TableConfig
+from embshard.tiers import LookupOptions
 
 SUPPORTED = {ShardingType.TABLE_WISE}
 
@@ -24,6 +25,7 @@ def build_schemes(
     device: torch.device,
     group: dist.ProcessGroup | None,
     seed: int,
+    options: LookupOptions | None = None,
 ) -> list:
     """One scheme module per sharding type present in the plan, in a fixed order."""
     for t in plan.tables:
@@ -32,5 +34,5 @@ def build_schemes(
                 f"table {t.table!r}: sharding type {t.sharding_type.value!r} is not implemented yet; "
                 f"use one of {[s.value for s in SUPPORTED]}"
             )
-    schemes = [table_wise(tables, plan, rank, optimizer, device, group, seed)]
+    schemes = [table_wise(tables, plan, rank, optimizer, device, group, seed, options)]
     return [s for s in schemes if s is not None]
