@@ -71,6 +71,10 @@ class LocalShard:
     cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU
     """UVM-caching replacement policy."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", MemoryTier(self.tier))
+        object.__setattr__(self, "cache_algorithm", CacheAlgorithm(self.cache_algorithm))
+
     @property
     def group_key(self) -> tuple:
         """Shards with equal keys share one TBE: one TBE has one tier, weight type, weighted-ness and (UVM-caching)
@@ -187,8 +191,9 @@ class TBELookup(nn.Module):
 class HostLookup(nn.Module):
     """CPU lookup for what FBGEMM's CPU TBE cannot do: Adam (not implemented there) and weight decay (silently
     ignored there, seen with fbgemm-gpu-cpu 1.8.0). Plain embedding_bag with sparse gradients; the optimizer is
-    applied to the touched rows as soon as each shard's gradient is ready (fused into backward). fp16 tables are
-    stored in fp16 and updated in fp32, rounded to the nearest fp16 value (no stochastic rounding here)."""
+    applied to the touched rows as soon as each shard's gradient is ready (fused into backward). fp16 tables keep
+    fp16 values in fp32 storage (torch cannot add sparse fp16 gradients on the CPU): initial and updated values
+    are rounded to the nearest fp16 value (no stochastic rounding here), so the numerics are those of fp16."""
 
     def __init__(
         self,
@@ -214,7 +219,7 @@ class HostLookup(nn.Module):
         for i, s in enumerate(shards):
             sh = s.shard
             w = init_rows(s.table, s.table_index, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols, seed)
-            p = nn.Parameter(w.half() if s.table.data_type is DataType.FP16 else w)
+            p = nn.Parameter(w.half().float() if s.table.data_type is DataType.FP16 else w)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             self.weights.append(p)
             kind = optimizer.kind
@@ -226,6 +231,7 @@ class HostLookup(nn.Module):
             if kind is OptimizerKind.ROWWISE_ADAGRAD:
                 state["m"] = torch.zeros(w.shape[0])
             self._state.append(state)
+        self._fp16 = [s.table.data_type is DataType.FP16 for s in shards]
         self._feature_shard = [i for i, s in enumerate(shards) for _ in s.features]
 
     def _make_hook(self, i: int):
@@ -234,13 +240,15 @@ class HostLookup(nn.Module):
             p.grad = None
             self._step[i] += 1
             with torch.no_grad():
-                self._update(p.data, self._state[i], grad.indices()[0], grad.values(), self._step[i])
+                self._update(p.data, self._state[i], grad.indices()[0], grad.values(), self._step[i], self._fp16[i])
 
         return hook
 
-    def _update(self, w: torch.Tensor, st: dict[str, torch.Tensor], rows: torch.Tensor, g: torch.Tensor, t: int):
+    def _update(
+        self, w: torch.Tensor, st: dict[str, torch.Tensor], rows: torch.Tensor, g: torch.Tensor, t: int, fp16: bool
+    ) -> None:
         o = self.opt
-        g, wr = g.float(), w[rows].float()  # update in fp32 whatever the storage type
+        wr = w[rows]
         if o.weight_decay:
             g = g + o.weight_decay * wr
         if o.kind is OptimizerKind.SGD:
@@ -256,7 +264,7 @@ class HostLookup(nn.Module):
             v = st["v"][rows].mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
             st["m"][rows], st["v"][rows] = m, v
             wr -= o.lr * (m / (1 - o.beta1**t)) / ((v / (1 - o.beta2**t)).sqrt() + o.eps)
-        w[rows] = wr.to(w.dtype)
+        w[rows] = wr.half().float() if fp16 else wr
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
@@ -272,7 +280,7 @@ class HostLookup(nn.Module):
             end = offsets[hi]
             idx = indices[start:end].long()
             w = self.weights[self._feature_shard[f]]
-            psw = weights[start:end].to(w.dtype) if (weights is not None and self.weighted) else None
+            psw = weights[start:end] if (weights is not None and self.weighted) else None
             outs.append(
                 nn.functional.embedding_bag(
                     idx,
@@ -315,9 +323,14 @@ def build_lookups(
     options: LookupOptions | None = None,
 ) -> list[nn.Module]:
     """Group shards by settings, one lookup module per group (first-seen group order, shard order kept)."""
+    use_host = device.type == "cpu" and (optimizer.kind is OptimizerKind.ADAM or optimizer.weight_decay > 0)
+    cls = HostLookup if use_host else TBELookup
+    return [cls(g, optimizer, device, seed, options) for g in group_shards(shards)]
+
+
+def group_shards(shards: Sequence[LocalShard]) -> list[list[LocalShard]]:
+    """Shards grouped into TBEs by `group_key`: groups in first-seen order, shards in their order within."""
     groups: dict[tuple, list[LocalShard]] = {}
     for s in shards:
         groups.setdefault(s.group_key, []).append(s)
-    use_host = device.type == "cpu" and (optimizer.kind is OptimizerKind.ADAM or optimizer.weight_decay > 0)
-    cls = HostLookup if use_host else TBELookup
-    return [cls(g, optimizer, device, seed, options) for g in groups.values()]
+    return list(groups.values())

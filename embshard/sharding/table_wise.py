@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.lookup import LocalShard, build_lookups
+from embshard.lookup import LocalShard, build_lookups, group_shards
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.exchange import (
@@ -34,10 +34,7 @@ from embshard.tiers import LookupOptions
 
 def group_in_lookup_order(shards: Sequence[LocalShard]) -> list[LocalShard]:
     """Shards reordered the way build_lookups groups them, so routes and lookups agree on feature order."""
-    groups: dict[tuple, list[LocalShard]] = {}
-    for s in shards:
-        groups.setdefault(s.group_key, []).append(s)
-    return [s for g in groups.values() for s in g]
+    return [s for g in group_shards(shards) for s in g]
 
 
 class RoutedSharding(nn.Module):
