@@ -83,7 +83,7 @@ class LocalShard:
         return (self.tier, self.table.data_type, self.table.weighted, policy)
 
 
-INIT_BLOCK_ROWS = 16 * INIT_CHUNK_ROWS  # rows initialised at a time (bounds the temporary buffer)
+INIT_BLOCK_BYTES = 64 << 20  # a TBE's weights are initialised in row blocks of about this size (temporary buffer)
 
 
 class TBELookup(nn.Module):
@@ -114,8 +114,9 @@ class TBELookup(nn.Module):
         with torch.no_grad():
             for w, s in zip(self.tbe.split_embedding_weights(), shards):
                 sh = s.shard
-                for r0 in range(0, sh.num_rows, INIT_BLOCK_ROWS):  # in blocks: a UVM table may exceed HBM
-                    n = min(INIT_BLOCK_ROWS, sh.num_rows - r0)
+                block = max(1, INIT_BLOCK_BYTES // (4 * s.table.embedding_dim * INIT_CHUNK_ROWS)) * INIT_CHUNK_ROWS
+                for r0 in range(0, sh.num_rows, block):  # in blocks: a UVM table may exceed HBM
+                    n = min(block, sh.num_rows - r0)
                     init = init_rows(
                         s.table, s.table_index, sh.row_offset + r0, n, sh.col_offset, sh.num_cols, seed, w.device
                     )

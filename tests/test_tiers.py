@@ -182,6 +182,8 @@ CASES = {
     "out_bf16_adam_host": (FP32_TABLES, ADAM, LookupOptions(output_dtype="bf16"), False, 2e-2),
     "drop": (FP32_TABLES, ROWWISE, LookupOptions(bounds_check="drop"), True, 2e-5),
     "drop_adam_host": (FP32_TABLES, ADAM, LookupOptions(bounds_check="drop"), True, 2e-5),
+    # The next batch's input exchange (and id check) runs early, between forward and backward of the current one.
+    "prefetch_drop": (FP32_TABLES, ROWWISE, LookupOptions(bounds_check="drop", prefetch_pipeline=True), True, 2e-5),
 }
 BAD_FEATURES = ("f_a", "f_c", "f_e")  # shared table, mean pooling, weighted mean pooling
 STEPS = 3
@@ -233,11 +235,14 @@ def _options_worker(rank, world_size, device, batch_sizes):
         if bad:
             batches = corrupt(batches, tables, seed=100 + i)
         features = [f for t in tables for f in t.feature_names]
-        outputs, warned = [], []
-        for per_rank, upstream in batches:
+        kjts = [to_kjt(per_rank[rank], features[::-1], device) for per_rank, _ in batches]
+        outputs, warned, handle = [], [], None
+        for step, (_, upstream) in enumerate(batches):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                got = ebc(to_kjt(per_rank[rank], features[::-1], device)).to_dict()
+                got = ebc(kjts[step], prefetched=handle).to_dict()
+                if options.prefetch_pipeline and step + 1 < len(kjts):
+                    handle = ebc.prefetch(kjts[step + 1])
             warned += [str(w.message) for w in caught if issubclass(w.category, DroppedIdsWarning)]
             loss = sum((got[f].float() * upstream[rank][f]).sum() for f in features)
             loss.backward()
@@ -333,3 +338,21 @@ def test_settings_object_is_plain_data():
     assert isinstance(s, TBESettings) and hash(s) == hash(
         tbe_settings([_shard("t", 10, 4, "uvm_caching")], LookupOptions(), "cuda")
     )
+
+
+def test_prefetch_needs_the_option_and_its_own_batch():
+    from embshard.sharded import ShardedEmbeddingBagCollection
+
+    plan = simple_plan(FP32_TABLES, 1, tier="host")
+    features = [f for t in FP32_TABLES for f in t.feature_names]
+    (b0, _), (b1, _) = random_batches(FP32_TABLES, [4], 2, seed=0)
+    k0, k1 = to_kjt(b0[0], features, "cpu"), to_kjt(b1[0], features, "cpu")
+    with pytest.raises(ConfigError, match=r"prefetch\(\) needs .*LookupOptions\(prefetch_pipeline=True\)"):
+        ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD).prefetch(k0)
+    ebc = ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, options=LookupOptions(prefetch_pipeline=True))
+    handle = ebc.prefetch(k1)
+    with pytest.raises(ValueError, match="made by prefetch\\(\\) for another batch or was already used"):
+        ebc(k0, prefetched=handle)
+    ebc(k1, prefetched=ebc.prefetch(k1))
+    with pytest.raises(ConfigError, match="needs a CUDA module"):
+        ebc.prefetch(k1, stream=object())
