@@ -122,7 +122,8 @@ class TBELookup(nn.Module):
                     )
                     w[r0 : r0 + n].copy_(init.to(w.dtype))
         if self.settings.cache_stats:
-            self.register_buffer("_requested_F", torch.zeros(len(self.features), dtype=torch.int64, device=device))
+            requested_F = torch.zeros(len(self.features), dtype=torch.int64, device=device)
+            self.register_buffer("_requested_F", requested_F, persistent=False)
             self._occupied_base = 0
 
     def forward(
