@@ -91,7 +91,8 @@ def build(tables, tier: str, clf: float, args, device, stats: bool) -> ShardedEm
     plan = simple_plan(tables, 1, tier=tier)
     plan = ShardingPlan(1, 1, tuple(replace(t, cache_load_factor=clf, cache_algorithm=args.algo) for t in plan.tables))
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
-    return ShardedEmbeddingBagCollection(tables, plan, opt, device=device, options=LookupOptions(cache_stats=stats))
+    options = LookupOptions(cache_stats=stats)
+    return ShardedEmbeddingBagCollection(tables, plan, opt, device=device, seed=None, options=options)
 
 
 class Runner:

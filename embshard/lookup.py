@@ -16,7 +16,7 @@ from torch import nn
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.plan import CacheAlgorithm, MemoryTier, Shard
-from embshard.tables import DataType, TableConfig
+from embshard.tables import ConfigError, DataType, TableConfig
 from embshard.tiers import LookupOptions, OutputDtype, summarize_cache_stats, tbe_settings
 
 INIT_CHUNK_ROWS = 65536  # rows drawn per generator seed, so any row block initialises identically
@@ -29,26 +29,28 @@ def init_rows(
     num_rows: int,
     col_offset: int,
     num_cols: int,
-    seed: int,
+    seed: int | None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Deterministic initial weights of rows [row_offset, +num_rows) x columns [col_offset, +num_cols).
 
     The same (seed, table_index) gives the same full table whichever block is asked for, so a sharded table
     starts identical to its unsharded twin. Values are uniform in [-cfg.init_bound, cfg.init_bound].
+    `seed=None` draws on the device instead (fast for huge tables, not reproducible across shardings).
     """
-    out = torch.empty(num_rows, num_cols, dtype=torch.float32, device=device)
-    gen = torch.Generator(device=device)
+    if seed is None:
+        return torch.empty(num_rows, num_cols, device=device).uniform_(-cfg.init_bound, cfg.init_bound)
+    out = torch.empty(num_rows, num_cols, dtype=torch.float32)
+    gen = torch.Generator()  # always the CPU generator: the same numbers whatever device the shard lives on
     first, last = row_offset // INIT_CHUNK_ROWS, (row_offset + num_rows - 1) // INIT_CHUNK_ROWS
     for chunk in range(first, last + 1):
         c0 = chunk * INIT_CHUNK_ROWS
         c1 = min(c0 + INIT_CHUNK_ROWS, cfg.num_embeddings)
         gen.manual_seed(hash((seed, table_index, chunk)) & 0x7FFF_FFFF_FFFF)
-        block = torch.empty(c1 - c0, cfg.embedding_dim, device=device).uniform_(
-            -cfg.init_bound, cfg.init_bound, generator=gen
-        )
+        block = torch.empty(c1 - c0, cfg.embedding_dim).uniform_(-cfg.init_bound, cfg.init_bound, generator=gen)
         lo, hi = max(c0, row_offset), min(c1, row_offset + num_rows)
         out[lo - row_offset : hi - row_offset] = block[lo - c0 : hi - c0, col_offset : col_offset + num_cols]
+    out = out.to(device)
     return out
 
 
@@ -107,6 +109,12 @@ class TBELookup(nn.Module):
         self.dims = [s.shard.num_cols for s in shards for _ in s.features]
         self.weighted = shards[0].table.weighted
         self.settings = tbe_settings(shards, options or LookupOptions(), device.type)
+        if device.type == "cuda" and optimizer.weight_decay and optimizer.kind is not OptimizerKind.ROWWISE_ADAGRAD:
+            raise ConfigError(
+                f"optimizer {optimizer.kind.value} with weight_decay={optimizer.weight_decay}: FBGEMM's fused GPU kernel "
+                "ignores weight decay for this optimizer (seen with fbgemm-gpu 1.6 and 1.8); use rowwise_adagrad, or "
+                "weight_decay: 0"
+            )
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
         )

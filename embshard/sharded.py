@@ -39,7 +39,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             {group name: tensor}. Without it forward returns a torchrec KeyedTensor of all features.
         device: compute device (default: cuda:current if available, else cpu).
         group: process group (default: the world).
-        seed: initial weights are a deterministic function of (seed, table index), whatever the sharding.
+        seed: initial weights are a deterministic function of (seed, table index), whatever the sharding;
+            None draws them on the device (fast for huge tables, but not reproducible across shardings).
         options: lookup numerics and runtime options (tiers.LookupOptions): output dtype, fp16 rounding,
             out-of-range ids (error or drop), UVM-cache prefetch and statistics.
     """
@@ -52,7 +53,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         output_groups: Mapping[str, Sequence[str]] | None = None,
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
-        seed: int = 0,
+        seed: int | None = 0,
         options: LookupOptions | None = None,
     ) -> None:
         super().__init__()

@@ -24,8 +24,11 @@ OPTIMIZERS = {
     "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
     "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
     "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
-    "adagrad_wd": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6, weight_decay=0.01),
+    "rowwise_adagrad_wd": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6, weight_decay=0.05),
 }
+if test_device() == "cpu":  # FBGEMM's GPU kernels ignore weight decay except for rowwise_adagrad: refused there
+    OPTIMIZERS["adagrad_wd"] = FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6, weight_decay=0.05)
+    OPTIMIZERS["adam_wd"] = FusedOptimizerConfig("adam", lr=0.05, eps=1e-6, weight_decay=0.05)
 
 WORLD_SIZES = [1, 2, 3] if test_device() == "cpu" else [n for n in (1, 2) if n <= torch.cuda.device_count()]
 

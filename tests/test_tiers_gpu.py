@@ -219,7 +219,7 @@ def _budget_worker(rank, world_size, device, budget_bytes, rows, dim, steps):
     tables = [TableConfig(f"big{i}", rows, dim, (f"f{i}",), ids_per_bag=8) for i in range(2)]
     out = {"table_bytes": sum(t.weight_bytes for t in tables)}
     try:
-        ShardedEmbeddingBagCollection(tables, tiered_plan(tables, 1, "hbm"), ROWWISE, device=device)
+        ShardedEmbeddingBagCollection(tables, tiered_plan(tables, 1, "hbm"), ROWWISE, device=device, seed=None)
         out["hbm_fits"] = True
     except torch.cuda.OutOfMemoryError:
         out["hbm_fits"] = False
@@ -228,7 +228,12 @@ def _budget_worker(rank, world_size, device, budget_bytes, rows, dim, steps):
     torch.cuda.reset_peak_memory_stats(device)
     cached = {t.name: ("uvm_caching", 0.01, "lru") for t in tables}
     ebc = ShardedEmbeddingBagCollection(
-        tables, tiered_plan(tables, 1, cached), BUDGET_OPT, device=device, options=LookupOptions(cache_stats=True)
+        tables,
+        tiered_plan(tables, 1, cached),
+        BUDGET_OPT,
+        device=device,
+        seed=None,
+        options=LookupOptions(cache_stats=True),
     )
     out.update(regression(ebc, tables, rows, steps, device))
     out.update(peak_bytes=torch.cuda.max_memory_allocated(device), stats=ebc.format_cache_stats())
