@@ -9,8 +9,9 @@ A step is forward + backward of the sharded module on one rank, with the fused o
 the backward; the time of `--steps` consecutive steps is taken with CUDA events, `--repeats` times after
 `--warmup` steps, and the median reported. Zipf ids: the k-th most popular row has probability about
 proportional to k^-s (inverse-CDF sampling of a continuous power law truncated to [1, rows + 1), on the GPU),
-and a fixed random permutation of the rows spreads the hot rows over the table. Every tier sees the same batches. The hit rate is 1 - unique misses /
-ids looked up over `--measure` steps after `--fill` steps have filled the cache (ebc.cache_stats()).
+and a fixed random permutation of the rows spreads the hot rows over the table. Every tier sees the same
+batches. The hit rate is 1 - unique misses / ids looked up over `--measure` steps after `--fill` steps have
+filled the cache (ebc.cache_stats()).
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{datetime.datetime.now().isoformat(timespec='minutes')}; total {time.perf_counter() - t_start:.0f}s  "
     )
     print(
-        f"Model: {args.tables} tables x {args.rows:,} rows x {args.dim} fp32 ({table_gib:.1f} GiB), batch {args.batch}, "
+        f"Model: {args.tables} tables x {args.rows:,} rows x {args.dim} fp32 ({table_gib:.1f} GiB), "
+        f"batch {args.batch}, "
         f"{args.ids_per_bag} ids per bag, rowwise_adagrad fused; uvm_caching row: cache_load_factor {args.clf} "
         f"({args.algo})\n"
     )

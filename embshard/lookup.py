@@ -1,9 +1,10 @@
 """Local lookups: the shards a rank holds, grouped into FBGEMM TBE kernels with the optimizer fused in.
 
 One `TBELookup` per group of compatible shards (`LocalShard.group_key`; settings from tiers.tbe_settings).
-Input: the ids of the rank's lookup features for the (global) batch, as indices + offsets in feature-major order. Output: pooled
-sums `[B, sum of feature widths]`, features in the lookup's order. Pooling is always a sum here; mean pooling
-is applied after the output exchange, where every bag's full length is known (row-wise shards see only part).
+Input: the ids of the rank's lookup features for the (global) batch, as indices + offsets in feature-major
+order. Output: pooled sums `[B, sum of feature widths]`, features in the lookup's order. Pooling is always a
+sum here; mean pooling is applied after the output exchange, where every bag's full length is known (row-wise
+shards see only part).
 """
 
 from __future__ import annotations
