@@ -1,6 +1,7 @@
 """Memory tiers without a GPU: the plan's cache fields, grouping shards into TBEs, the TBE settings derived for
 each tier (including the FBGEMM arguments for GPU tiers), tier errors, and the lookup options on CPU: fp16 weights,
-fp16/bf16 outputs, and out-of-range ids (error, or drop-with-warning parity with a reference fed the clean batch)."""
+fp16/bf16 outputs, and out-of-range ids (error, or drop-with-warning parity with a reference fed the clean batch).
+With EMBSHARD_TEST_DEVICE=cuda the option cases run on GPUs (hbm tier)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from dist_harness import run_distributed, test_device
 from parity import random_batches, to_kjt
 from reference import ReferenceEBC
 
@@ -227,9 +228,10 @@ def _options_worker(rank, world_size, device, batch_sizes):
     from embshard.bounds import DroppedIdsWarning
     from embshard.sharded import ShardedEmbeddingBagCollection
 
+    tier = "host" if device.type == "cpu" else "hbm"  # EMBSHARD_TEST_DEVICE=cuda runs the same cases on GPU
     results = {}
     for i, (name, (tables, opt, options, bad, _)) in enumerate(CASES.items()):
-        plan = simple_plan(tables, world_size, tier="host")
+        plan = simple_plan(tables, world_size, tier=tier)
         ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=device, seed=i, options=options)
         batches = random_batches(tables, batch_sizes, STEPS, seed=i)
         if bad:
@@ -252,7 +254,9 @@ def _options_worker(rank, world_size, device, batch_sizes):
             outputs=outputs, weights=ebc.full_weights(), warned=warned, dropped=ebc.dropped_ids(), dtypes=dtypes
         )
     # Error mode (the default): every rank has a bad id, so every rank raises before any exchange.
-    ebc = ShardedEmbeddingBagCollection(FP32_TABLES, simple_plan(FP32_TABLES, world_size, tier="host"), SGD)
+    ebc = ShardedEmbeddingBagCollection(
+        FP32_TABLES, simple_plan(FP32_TABLES, world_size, tier=tier), SGD, device=device
+    )
     (per_rank, _), *_ = corrupt(random_batches(FP32_TABLES, batch_sizes, 1, seed=0), FP32_TABLES, seed=1)
     try:
         ebc(to_kjt(per_rank[rank], [f for t in FP32_TABLES for f in t.feature_names], device))
@@ -262,7 +266,10 @@ def _options_worker(rank, world_size, device, batch_sizes):
     return results
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+WORLD_SIZES = [1, 2] if test_device() == "cpu" else [n for n in (1, 2) if n <= torch.cuda.device_count()]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def trained(request):
     batch_sizes = [5 + r for r in range(request.param)]
     return batch_sizes, run_distributed(_options_worker, request.param, batch_sizes)
@@ -348,8 +355,9 @@ def test_prefetch_needs_the_option_and_its_own_batch():
     (b0, _), (b1, _) = random_batches(FP32_TABLES, [4], 2, seed=0)
     k0, k1 = to_kjt(b0[0], features, "cpu"), to_kjt(b1[0], features, "cpu")
     with pytest.raises(ConfigError, match=r"prefetch\(\) needs .*LookupOptions\(prefetch_pipeline=True\)"):
-        ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD).prefetch(k0)
-    ebc = ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, options=LookupOptions(prefetch_pipeline=True))
+        ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, device="cpu").prefetch(k0)
+    options = LookupOptions(prefetch_pipeline=True)
+    ebc = ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, device="cpu", options=options)
     handle = ebc.prefetch(k1)
     with pytest.raises(ValueError, match="made by prefetch\\(\\) for another batch or was already used"):
         ebc(k0, prefetched=handle)
