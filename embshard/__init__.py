@@ -1,15 +1,20 @@
 """embshard: sharded embedding tables on FBGEMM TBE kernels."""
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, simple_plan
+from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, simple_plan
 from embshard.tables import ConfigError, DataType, Pooling, TableConfig
+from embshard.tiers import BoundsCheck, LookupOptions, OutputDtype
 
 __all__ = [
+    "BoundsCheck",
+    "CacheAlgorithm",
     "ConfigError",
     "DataType",
     "FusedOptimizerConfig",
+    "LookupOptions",
     "MemoryTier",
     "OptimizerKind",
+    "OutputDtype",
     "Pooling",
     "Shard",
     "ShardedEmbeddingBagCollection",

@@ -1,9 +1,10 @@
 """Local lookups: the shards a rank holds, grouped into FBGEMM TBE kernels with the optimizer fused in.
 
-One `TBELookup` per group of compatible shards (same tier, weight type, weighted-ness). Input: the ids of the
-rank's lookup features for the (global) batch, as indices + offsets in feature-major order. Output: pooled
-sums `[B, sum of feature widths]`, features in the lookup's order. Pooling is always a sum here; mean pooling
-is applied after the output exchange, where every bag's full length is known (row-wise shards see only part).
+One `TBELookup` per group of compatible shards (`LocalShard.group_key`; settings from tiers.tbe_settings).
+Input: the ids of the rank's lookup features for the (global) batch, as indices + offsets in feature-major
+order. Output: pooled sums `[B, sum of feature widths]`, features in the lookup's order. Pooling is always a
+sum here; mean pooling is applied after the output exchange, where every bag's full length is known (row-wise
+shards see only part).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import MemoryTier, Shard
+from embshard.plan import CacheAlgorithm, MemoryTier, Shard
 from embshard.tables import ConfigError, DataType, TableConfig
+from embshard.tiers import LookupOptions, OutputDtype, summarize_cache_stats, tbe_settings
 
 INIT_CHUNK_ROWS = 65536  # rows drawn per generator seed, so any row block initialises identically
 
@@ -68,33 +70,23 @@ class LocalShard:
     tier: MemoryTier
     """Memory tier."""
     cache_load_factor: float = 0.2
-    """UVM-caching cache size as a fraction of rows."""
+    """UVM-caching cache size as a fraction of the shard's rows."""
+    cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU
+    """UVM-caching replacement policy."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", MemoryTier(self.tier))
+        object.__setattr__(self, "cache_algorithm", CacheAlgorithm(self.cache_algorithm))
 
     @property
     def group_key(self) -> tuple:
-        """Shards with equal keys share one TBE."""
-        return (self.tier, self.table.data_type, self.table.weighted)
+        """Shards with equal keys share one TBE: one TBE has one tier, weight type, weighted-ness and (UVM-caching)
+        one cache policy; cache sizes may differ (tiers.py: the group's cache holds the sum)."""
+        policy = self.cache_algorithm if self.tier is MemoryTier.UVM_CACHING else None
+        return (self.tier, self.table.data_type, self.table.weighted, policy)
 
 
-def _location(tier: MemoryTier, device: torch.device) -> tuple:
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice
-
-    if device.type == "cpu":
-        if tier is not MemoryTier.HOST:
-            raise ConfigError(
-                f"memory tier {tier.value!r} needs a GPU, but this process computes on the CPU: plan with "
-                "tier 'host' for CPU training, or run on GPUs"
-            )
-        return EmbeddingLocation.HOST, ComputeDevice.CPU
-    loc = {
-        MemoryTier.HBM: EmbeddingLocation.DEVICE,
-        MemoryTier.UVM: EmbeddingLocation.MANAGED,
-        MemoryTier.UVM_CACHING: EmbeddingLocation.MANAGED_CACHING,
-    }.get(tier)
-    if loc is None:
-        raise ConfigError(f"memory tier {tier.value!r} is for CPU training; on GPU use hbm, uvm or uvm_caching")
-    return loc, ComputeDevice.CUDA
+INIT_BLOCK_BYTES = 64 << 20  # a TBE's weights are initialised in row blocks of about this size (temporary buffer)
 
 
 class TBELookup(nn.Module):
@@ -106,73 +98,105 @@ class TBELookup(nn.Module):
         optimizer: FusedOptimizerConfig,
         device: torch.device,
         seed: int = 0,
+        options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             SplitTableBatchedEmbeddingBagsCodegen,
         )
 
-        keys = {s.group_key for s in shards}
-        if len(keys) != 1:
-            raise ValueError(f"TBELookup needs shards with one group key, got {keys}")
         self.shards = list(shards)
         self.features = [f for s in shards for f in s.features]
         self.dims = [s.shard.num_cols for s in shards for _ in s.features]
         self.weighted = shards[0].table.weighted
-        tier = shards[0].tier
-        location, compute = _location(tier, device)
-        for s in shards:
-            if s.shard.num_cols % 4:
-                raise ConfigError(
-                    f"table {s.table.name!r}: a shard is {s.shard.num_cols} columns wide; FBGEMM's TBE needs a "
-                    "multiple of 4: change embedding_dim or the column split"
-                )
+        self.settings = tbe_settings(shards, options or LookupOptions(), device.type)
         if device.type == "cuda" and optimizer.weight_decay and optimizer.kind is not OptimizerKind.ROWWISE_ADAGRAD:
             raise ConfigError(
                 f"optimizer {optimizer.kind.value} with weight_decay={optimizer.weight_decay}: FBGEMM's fused GPU kernel "
                 "ignores weight decay for this optimizer (seen with fbgemm-gpu 1.6 and 1.8); use rowwise_adagrad, or "
                 "weight_decay: 0"
             )
-        kwargs = optimizer.fbgemm_kwargs()
-        if tier is MemoryTier.UVM_CACHING:
-            kwargs["cache_load_factor"] = shards[0].cache_load_factor
-        dtype = SparseType.FP16 if shards[0].table.data_type is DataType.FP16 else SparseType.FP32
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(s.shard.num_rows, s.shard.num_cols, location, compute) for s in shards],
-            feature_table_map=[i for i, s in enumerate(shards) for _ in s.features],
-            pooling_mode=PoolingMode.SUM,
-            weights_precision=dtype,
-            output_dtype=SparseType.FP32,
-            device=device,
-            bounds_check_mode=BoundsCheckMode.FATAL if device.type == "cuda" else BoundsCheckMode.NONE,
-            **kwargs,
+            device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
         )
+        self._cast = OutputDtype(self.settings.cast_output_to).torch_dtype if self.settings.cast_output_to else None
         with torch.no_grad():
             for w, s in zip(self.tbe.split_embedding_weights(), shards):
                 sh = s.shard
-                init = init_rows(
-                    s.table,
-                    s.table_index,
-                    sh.row_offset,
-                    sh.num_rows,
-                    sh.col_offset,
-                    sh.num_cols,
-                    seed,
-                    w.device,
-                )
-                w.copy_(init.to(w.dtype))
+                block = max(1, INIT_BLOCK_BYTES // (4 * s.table.embedding_dim * INIT_CHUNK_ROWS)) * INIT_CHUNK_ROWS
+                for r0 in range(0, sh.num_rows, block):  # in blocks: a UVM table may exceed HBM
+                    n = min(block, sh.num_rows - r0)
+                    init = init_rows(
+                        s.table, s.table_index, sh.row_offset + r0, n, sh.col_offset, sh.num_cols, seed, w.device
+                    )
+                    w[r0 : r0 + n].copy_(init.to(w.dtype))
+        if self.settings.cache_stats:
+            requested_F = torch.zeros(len(self.features), dtype=torch.int64, device=device)
+            self.register_buffer("_requested_F", requested_F, persistent=False)
+            self._occupied_base = 0
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1)."""
-        return self.tbe(indices.long(), offsets.long(), per_sample_weights=weights if self.weighted else None)
+        offsets = offsets.long()
+        if self.settings.cache_stats:
+            F = len(self.features)
+            bounds = offsets[torch.arange(F + 1, device=offsets.device) * ((offsets.numel() - 1) // F)]
+            self._requested_F += bounds[1:] - bounds[:-1]
+        out = self.tbe(indices.long(), offsets, per_sample_weights=weights if self.weighted else None)
+        return out.to(self._cast) if self._cast is not None else out
+
+    def prefetch(
+        self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Load the rows of a coming batch into the UVM cache (no-op without a cache). The next forward must get
+        the same ids."""
+        if self.settings.caching:
+            self.tbe.prefetch(indices.long(), offsets.long(), forward_stream=forward_stream)
 
     def shard_weights(self) -> list[torch.Tensor]:
-        """The weights of each shard (views, in shard order)."""
+        """The weights of each shard (views, in shard order). UVM-caching: the cache is written back first; after
+        writing into these tensors call `drop_cache()` so no stale cached row hides the new values."""
+        if self.settings.caching:
+            self.tbe.flush()
         return list(self.tbe.split_embedding_weights())
+
+    def drop_cache(self) -> None:
+        """Forget every cached row (after flushing nothing is lost); later lookups reload them from UVM."""
+        if self.settings.caching:
+            self.tbe.flush()
+            self.tbe.reset_cache_states()
+
+    # ---- UVM-cache statistics ----------------------------------------------------------------------------
+    def _cached_rows(self) -> list[int]:
+        state = self.tbe.lxu_cache_state.flatten()
+        state = state[(state >= 0) & (state < int(sum(self.settings.rows)))]
+        bounds = torch.tensor(self.settings.rows, device=state.device).cumsum(0)
+        table = torch.bucketize(state, bounds, right=True)
+        return torch.bincount(table, minlength=len(self.settings.rows)).tolist()
+
+    def cache_stats(self) -> dict[str, dict]:
+        """Per-table cache statistics since the last reset (tiers.summarize_cache_stats); {} without stats."""
+        if not self.settings.cache_stats:
+            return {}
+        return summarize_cache_stats(
+            self.settings,
+            self._requested_F.tolist(),
+            self.tbe.get_table_wise_cache_miss().tolist(),
+            self.tbe.get_uvm_cache_stats().tolist(),
+            self._cached_rows(),
+            self._occupied_base,
+            int(self.tbe.lxu_cache_state.numel()),
+        )
+
+    def reset_cache_stats(self) -> None:
+        """Start counting afresh."""
+        if self.settings.cache_stats:
+            self._requested_F.zero_()
+            self.tbe.get_table_wise_cache_miss().zero_()
+            self.tbe.reset_uvm_cache_stats()
+            self._occupied_base = sum(self._cached_rows())
 
 
 def optimizer_state(opt: FusedOptimizerConfig, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -189,31 +213,42 @@ def optimizer_state(opt: FusedOptimizerConfig, w: torch.Tensor) -> dict[str, tor
 
 
 def sparse_update(
-    o: FusedOptimizerConfig, w: torch.Tensor, st: dict[str, torch.Tensor], rows: torch.Tensor, g: torch.Tensor, t: int
+    o: FusedOptimizerConfig,
+    w: torch.Tensor,
+    st: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    g: torch.Tensor,
+    t: int,
+    fp16: bool = False,
 ) -> None:
     """Apply the update rule (module docstring of embshard.optim) in place to rows `rows` (unique) of `w`, whose
-    aggregated gradient is `g` `[len(rows), cols]`; `t` counts the steps taken so far, this one included."""
+    aggregated gradient is `g` `[len(rows), cols]`; `t` counts the steps taken so far, this one included.
+    `fp16`: round the updated rows to fp16 values (weights stored in fp16, kept here in an fp32 tensor)."""
+    wr = w[rows]
     if o.weight_decay:
-        g = g + o.weight_decay * w[rows]
+        g = g + o.weight_decay * wr
     if o.kind is OptimizerKind.SGD:
-        w[rows] -= o.lr * g
+        wr -= o.lr * g
     elif o.kind is OptimizerKind.ADAGRAD:
         st["m"][rows] += g * g
-        w[rows] -= o.lr * g / (st["m"][rows].sqrt() + o.eps)
+        wr -= o.lr * g / (st["m"][rows].sqrt() + o.eps)
     elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
         st["m"][rows] += (g * g).mean(dim=1)
-        w[rows] -= o.lr * g / (st["m"][rows].sqrt().unsqueeze(1) + o.eps)
+        wr -= o.lr * g / (st["m"][rows].sqrt().unsqueeze(1) + o.eps)
     else:
         m = st["m"][rows].mul_(o.beta1).add_(g, alpha=1 - o.beta1)
         v = st["v"][rows].mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
         st["m"][rows], st["v"][rows] = m, v
-        w[rows] -= o.lr * (m / (1 - o.beta1**t)) / ((v / (1 - o.beta2**t)).sqrt() + o.eps)
+        wr -= o.lr * (m / (1 - o.beta1**t)) / ((v / (1 - o.beta2**t)).sqrt() + o.eps)
+    w[rows] = wr.half().float() if fp16 else wr
 
 
 class HostLookup(nn.Module):
     """CPU lookup for what FBGEMM's CPU TBE cannot do: Adam (not implemented there) and weight decay (silently
     ignored there, seen with fbgemm-gpu-cpu 1.8.0). Plain embedding_bag with sparse gradients; the optimizer is
-    applied to the touched rows as soon as each shard's gradient is ready (fused into backward)."""
+    applied to the touched rows as soon as each shard's gradient is ready (fused into backward). fp16 tables keep
+    fp16 values in fp32 storage (torch cannot add sparse fp16 gradients on the CPU): initial and updated values
+    are rounded to the nearest fp16 value (no stochastic rounding here), so the numerics are those of fp16."""
 
     def __init__(
         self,
@@ -221,10 +256,13 @@ class HostLookup(nn.Module):
         optimizer: FusedOptimizerConfig,
         device: torch.device,
         seed: int = 0,
+        options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
         if device.type != "cpu":
             raise ValueError("HostLookup computes on the CPU only")
+        tbe_settings(shards, options or LookupOptions(), device.type)  # the same checks as a TBE
+        self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
         self.shards = list(shards)
         self.features = [f for s in shards for f in s.features]
         self.dims = [s.shard.num_cols for s in shards for _ in s.features]
@@ -236,10 +274,11 @@ class HostLookup(nn.Module):
         for i, s in enumerate(shards):
             sh = s.shard
             w = init_rows(s.table, s.table_index, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols, seed)
-            p = nn.Parameter(w)
+            p = nn.Parameter(w.half().float() if s.table.data_type is DataType.FP16 else w)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             self.weights.append(p)
             self._state.append(optimizer_state(optimizer, w))
+        self._fp16 = [s.table.data_type is DataType.FP16 for s in shards]
         self._feature_shard = [i for i, s in enumerate(shards) for _ in s.features]
 
     def _make_hook(self, i: int):
@@ -248,7 +287,9 @@ class HostLookup(nn.Module):
             p.grad = None
             self._step[i] += 1
             with torch.no_grad():
-                sparse_update(self.opt, p.data, self._state[i], grad.indices()[0], grad.values(), self._step[i])
+                sparse_update(
+                    self.opt, p.data, self._state[i], grad.indices()[0], grad.values(), self._step[i], self._fp16[i]
+                )
 
         return hook
 
@@ -265,8 +306,8 @@ class HostLookup(nn.Module):
             off = offsets[lo : hi + 1] - start
             end = offsets[hi]
             idx = indices[start:end].long()
-            psw = weights[start:end] if (weights is not None and self.weighted) else None
             w = self.weights[self._feature_shard[f]]
+            psw = weights[start:end] if (weights is not None and self.weighted) else None
             outs.append(
                 nn.functional.embedding_bag(
                     idx,
@@ -280,20 +321,43 @@ class HostLookup(nn.Module):
                 if B
                 else w.new_zeros(0, w.shape[1])
             )
-        return torch.cat(outs, dim=1) if outs else indices.new_zeros(B, 0, dtype=torch.float32)
+        out = torch.cat(outs, dim=1) if outs else indices.new_zeros(B, 0, dtype=torch.float32)
+        return out.to(self._out_dtype)
 
     def shard_weights(self) -> list[torch.Tensor]:
         """The weights of each shard, in shard order."""
         return [p.data for p in self.weights]
 
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
+        """No cache on the host: nothing to do."""
+
+    def drop_cache(self) -> None:
+        """No cache on the host: nothing to do."""
+
+    def cache_stats(self) -> dict[str, dict]:
+        """No cache on the host: no statistics."""
+        return {}
+
+    def reset_cache_stats(self) -> None:
+        """No cache on the host: nothing to reset."""
+
 
 def build_lookups(
-    shards: Sequence[LocalShard], optimizer: FusedOptimizerConfig, device: torch.device, seed: int
+    shards: Sequence[LocalShard],
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    seed: int,
+    options: LookupOptions | None = None,
 ) -> list[nn.Module]:
     """Group shards by settings, one lookup module per group (first-seen group order, shard order kept)."""
+    use_host = device.type == "cpu" and (optimizer.kind is OptimizerKind.ADAM or optimizer.weight_decay > 0)
+    cls = HostLookup if use_host else TBELookup
+    return [cls(g, optimizer, device, seed, options) for g in group_shards(shards)]
+
+
+def group_shards(shards: Sequence[LocalShard]) -> list[list[LocalShard]]:
+    """Shards grouped into TBEs by `group_key`: groups in first-seen order, shards in their order within."""
     groups: dict[tuple, list[LocalShard]] = {}
     for s in shards:
         groups.setdefault(s.group_key, []).append(s)
-    use_host = device.type == "cpu" and (optimizer.kind is OptimizerKind.ADAM or optimizer.weight_decay > 0)
-    cls = HostLookup if use_host else TBELookup
-    return [cls(g, optimizer, device, seed) for g in groups.values()]
+    return list(groups.values())

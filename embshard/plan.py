@@ -42,6 +42,13 @@ class MemoryTier(str, enum.Enum):
     HOST = "host"  # host memory, CPU compute (CPU training)
 
 
+class CacheAlgorithm(str, enum.Enum):
+    """Which rows a UVM-caching table keeps in its HBM cache when a new row must come in."""
+
+    LRU = "lru"  # evict the least recently used row
+    LFU = "lfu"  # evict the least frequently used row (a new row enters only if used more often)
+
+
 @dataclass(frozen=True)
 class Shard:
     """One rectangular block of a table, held by one rank."""
@@ -71,11 +78,26 @@ class TablePlan:
     shards: tuple[Shard, ...]
     """The blocks; for data-parallel, one full replica per rank."""
     cache_load_factor: float = 0.2
-    """UVM-caching only: fraction of the shard's rows the HBM cache holds."""
+    """UVM-caching only: fraction of each shard's rows the HBM cache holds (0 < x <= 1)."""
+    cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU
+    """UVM-caching only: cache replacement policy, lru or lfu."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
         object.__setattr__(self, "tier", MemoryTier(self.tier))
+        try:
+            object.__setattr__(self, "cache_algorithm", CacheAlgorithm(self.cache_algorithm))
+        except ValueError:
+            raise ConfigError(
+                f"plan for table {self.table!r}: cache_algorithm={self.cache_algorithm!r} is invalid: choose one of "
+                f"{[a.value for a in CacheAlgorithm]}"
+            ) from None
+        clf = self.cache_load_factor
+        if isinstance(clf, bool) or not isinstance(clf, int | float) or not 0 < clf <= 1:
+            raise ConfigError(
+                f"plan for table {self.table!r}: cache_load_factor={clf!r} is invalid: it must be a number in (0, 1], "
+                "the fraction of the table's rows the HBM cache holds"
+            )
         object.__setattr__(self, "shards", tuple(s if isinstance(s, Shard) else Shard(**s) for s in self.shards))
 
     @property
@@ -239,8 +261,6 @@ def _check_table(tp: TablePlan, cfg: TableConfig, world_size: int, local_world_s
         if any(s.row_offset != 0 or s.num_rows != cfg.num_embeddings for s in tp.shards):
             raise bad("column-wise shards must span all rows")
         _check_cover(sorted((s.col_offset, s.num_cols) for s in tp.shards), cfg.embedding_dim, "columns", bad)
-    if tp.tier is MemoryTier.UVM_CACHING and not 0 < tp.cache_load_factor <= 1:
-        raise bad(f"cache_load_factor={tp.cache_load_factor} must be in (0, 1]")
 
 
 def _check_cover(spans: list[tuple[int, int]], total: int, what: str, bad: Any) -> None:

@@ -12,17 +12,20 @@ Backward runs the exchanges in reverse and the TBE applies the fused optimizer t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext as _nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from embshard.bounds import check_ids
 from embshard.comm import world_and_rank
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
 from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
+from embshard.tiers import LookupOptions, PrefetchHandle, format_cache_stats
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -38,6 +41,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         group: process group (default: the world).
         seed: initial weights are a deterministic function of (seed, table index), whatever the sharding;
             None draws them on the device (fast for huge tables, but not reproducible across shardings).
+        options: lookup numerics and runtime options (tiers.LookupOptions): output dtype, fp16 rounding,
+            out-of-range ids (error or drop), UVM-cache prefetch and statistics.
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         seed: int | None = 0,
+        options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
         validate_tables(tables)
@@ -66,9 +72,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.plan = plan
         self.rank, self.world_size, self.group = rank, world_size, group
         self.optimizer = optimizer or FusedOptimizerConfig()
+        self.options = options or LookupOptions()
+        self._dropped: dict[str, int] = {}
         self.features = feature_order(tables)
         self._table_of = {f: t for t in tables for f in t.feature_names}
-        self.schemes = nn.ModuleList(build_schemes(self.tables, plan, rank, self.optimizer, self.device, group, seed))
+        self.schemes = nn.ModuleList(
+            build_schemes(self.tables, plan, rank, self.optimizer, self.device, group, seed, self.options)
+        )
         # Each feature's output columns may be split over several keys (column-wise): keys in column order.
         feature_keys: dict[str, list[tuple[int, str]]] = {f: [] for f in self.features}
         for scheme in self.schemes:
@@ -125,31 +135,33 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise ConfigError(f"input is on {values.device} but the module computes on {self.device}: move it")
         return lengths_FB, values, weights, self._kjt_layout[1]
 
-    def _check_ids(self, lengths_FB: torch.Tensor, values: torch.Tensor, index: dict[str, int]) -> None:
-        """Every id must be a row of its feature's table: raise naming the feature, table and value if not."""
-        rows = torch.tensor(
-            [self._table_of[k].num_embeddings for k in self._kjt_layout[0]], device=values.device
-        )  # [F], in KJT order
-        limit = torch.repeat_interleave(rows, lengths_FB.sum(1).to(torch.int64), output_size=values.numel())
-        bad = (values < 0) | (values >= limit)
-        if bool(bad.any()):
-            pos = int(bad.nonzero()[0])
-            seg = torch.searchsorted(lengths_FB.sum(1).cumsum(0), torch.tensor(pos, device=values.device), right=True)
-            feature = self._kjt_layout[0][int(seg)]
-            t = self._table_of[feature]
-            raise ValueError(
-                f"feature {feature!r}: id {int(values[pos])} is outside table {t.name!r} (rows 0..{t.num_embeddings - 1}); "
-                "map ids into range (e.g. hash modulo num_embeddings) or enlarge the table"
-            )
+    def _check_ids(
+        self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Every id must be a row of its feature's table: raise naming the feature, table and value, or drop the
+        bad ids (LookupOptions.bounds_check; see bounds.py)."""
+        return check_ids(
+            lengths_FB, values, weights, self._kjt_layout[0], self._table_of, self.options.bounds_check, self._dropped
+        )
+
+    def dropped_ids(self) -> dict[str, int]:
+        """Out-of-range ids dropped so far from this rank's batches, per feature (bounds_check='drop')."""
+        return dict(self._dropped)
 
     # ---- forward -----------------------------------------------------------------------------------------
-    def forward(self, kjt, check_ids: bool = True):
-        """Pooled embeddings for the local batch: {group: tensor} if output_groups was given, else a KeyedTensor."""
-        lengths_FB, values, weights, index = self._local_input(kjt)
-        if check_ids:
-            self._check_ids(lengths_FB, values, index)
-        in_handles = [s.start_input_dist(lengths_FB, values, weights, index) for s in self.schemes]
-        inputs = [h.wait() for h in in_handles]
+    def forward(self, kjt, check_ids: bool = True, prefetched: PrefetchHandle | None = None):
+        """Pooled embeddings for the local batch: {group: tensor} if output_groups was given, else a KeyedTensor.
+
+        `prefetched`: the handle `prefetch(kjt)` returned for this same kjt; its ids are used as they are (the
+        input exchange and the id check already ran)."""
+        if prefetched is not None:
+            inputs, lengths_FB, index = self._consume(prefetched, kjt)
+        else:
+            lengths_FB, values, weights, index = self._local_input(kjt)
+            if check_ids:
+                lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
+            in_handles = [s.start_input_dist(lengths_FB, values, weights, index) for s in self.schemes]
+            inputs = [h.wait() for h in in_handles]
         pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
         out_handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
         blocks = [h.wait() for h in out_handles]
@@ -163,6 +175,81 @@ class ShardedEmbeddingBagCollection(nn.Module):
         dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
         return KeyedTensor(keys=self.features, length_per_key=dims, values=out["all"], key_dim=1)
 
+    # ---- UVM-caching: prefetch and statistics -------------------------------------------------------------
+    def prefetch(self, kjt, stream: torch.cuda.Stream | None = None) -> PrefetchHandle:
+        """Send the NEXT batch's ids to the ranks that look them up and load its rows into the UVM caches, while
+        the current batch may still be waiting for its backward. Collective (every rank calls it, same order).
+        Needs LookupOptions(prefetch_pipeline=True). Pass the handle to the next forward: `ebc(kjt, prefetched=h)`.
+
+        `stream`: a CUDA stream to run on (the caller's stream waits for it at that forward); None: the current
+        stream. Tiers without a cache only get the input exchange done early.
+        """
+        if not self.options.prefetch_pipeline:
+            raise ConfigError(
+                "prefetch() needs the caches built for it (rows in use locked until their backward): construct the "
+                "module with options=LookupOptions(prefetch_pipeline=True)"
+            )
+        if stream is not None and self.device.type != "cuda":
+            raise ConfigError(f"prefetch(stream=...) needs a CUDA module; this one computes on {self.device}")
+        main = torch.cuda.current_stream(self.device) if stream is not None else None
+        if stream is not None:
+            stream.wait_stream(main)  # the batch's tensors were made on the caller's stream
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            lengths_FB, values, weights, index = self._local_input(kjt)
+            lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
+            in_handles = [s.start_input_dist(lengths_FB, values, weights, index) for s in self.schemes]
+            inputs = [h.wait() for h in in_handles]
+            for scheme, inp in zip(self.schemes, inputs):
+                if hasattr(scheme, "prefetch"):
+                    scheme.prefetch(inp, main)
+        return PrefetchHandle(kjt, lengths_FB, index, inputs, stream)
+
+    def _consume(self, handle: PrefetchHandle, kjt) -> tuple[list, torch.Tensor, dict[str, int]]:
+        if handle.kjt is not kjt or handle.used:
+            raise ValueError(
+                "forward(kjt, prefetched=handle): the handle was made by prefetch() for another batch or was already "
+                "used; pass the kjt that was prefetched, once"
+            )
+        handle.used = True
+        if handle.stream is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(handle.stream)
+            tensors = [handle.lengths_FB]
+            for inp in handle.inputs:
+                tensors += [inp.lengths, inp.values] + ([inp.weights] if inp.weights is not None else [])
+                tensors += [t for part in inp.parts or [] for t in part if t is not None]
+            for t in tensors:
+                t.record_stream(main)  # made on the prefetch stream, used on this one
+        return handle.inputs, handle.lengths_FB, handle.feature_index
+
+    def cache_stats(self, gather: bool = False) -> dict[str, dict]:
+        """UVM-cache statistics per table since the last reset_cache_stats(), for the UVM-caching tables of this
+        rank (or, with gather=True, of every rank: collective). Needs LookupOptions(cache_stats=True); {} for
+        tables in other tiers. Per table: requested (ids looked up), unique_misses (rows fetched from UVM),
+        hit_rate (1 - unique_misses / requested), cached_rows, rows, and for the TBE whose cache the table shares:
+        cache_group (its tables), group_cache_slots, group_evictions (LRU only, else None).
+        Training loops log it every N steps: `log(format_cache_stats(ebc.cache_stats())); ebc.reset_cache_stats()`.
+        """
+        stats: dict[str, dict] = {}
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                stats.update(lookup.cache_stats())
+        if gather and self.world_size > 1:
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, stats, group=self.group)
+            stats = {k: v for rank_stats in everyone for k, v in rank_stats.items()}
+        return stats
+
+    def reset_cache_stats(self) -> None:
+        """Zero the UVM-cache statistics of this rank's tables."""
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                lookup.reset_cache_stats()
+
+    def format_cache_stats(self, gather: bool = False) -> str:
+        """cache_stats() as one log line per table."""
+        return format_cache_stats(self.cache_stats(gather))
+
     def _apply_mean(
         self, blocks: list[torch.Tensor], lengths_FB: torch.Tensor, index: dict[str, int]
     ) -> list[torch.Tensor]:
@@ -170,6 +257,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         lengths_BF = lengths_FB.index_select(0, order).t().to(torch.float32)  # canonical feature order
         mask = self._mean_mask.to(lengths_BF.device)
         scale_BF = torch.where(mask, 1.0 / lengths_BF.clamp(min=1.0), torch.ones_like(lengths_BF))
+        scale_BF = scale_BF.to(blocks[0].dtype) if blocks else scale_BF
         out = []
         for x, cols in zip(blocks, self._col_feature):
             out.append(x * scale_BF.index_select(1, cols.to(x.device)) if x.shape[1] else x)

@@ -17,6 +17,7 @@ from embshard.sharding.row_wise import row_wise
 from embshard.sharding.table_row_wise import table_row_wise
 from embshard.sharding.table_wise import table_wise
 from embshard.tables import ConfigError, TableConfig
+from embshard.tiers import LookupOptions
 
 # The scheme builders, in the order every rank applies them.
 BUILDERS = {
@@ -37,6 +38,7 @@ def build_schemes(
     device: torch.device,
     group: dist.ProcessGroup | None,
     seed: int | None,
+    options: LookupOptions | None = None,
 ) -> list:
     """One scheme module per sharding type present in the plan, in a fixed order."""
     for t in plan.tables:
@@ -45,5 +47,5 @@ def build_schemes(
                 f"table {t.table!r}: sharding type {t.sharding_type.value!r} is not implemented yet; "
                 f"use one of {[s.value for s in SUPPORTED]}"
             )
-    schemes = [build(tables, plan, rank, optimizer, device, group, seed) for build in BUILDERS.values()]
+    schemes = [build(tables, plan, rank, optimizer, device, group, seed, options) for build in BUILDERS.values()]
     return [s for s in schemes if s is not None]

@@ -21,6 +21,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.table_wise import RoutedSharding
 from embshard.tables import TableConfig
+from embshard.tiers import LookupOptions
 
 
 def column_key(feature: str, col_offset: int) -> str:
@@ -36,6 +37,7 @@ def column_wise(
     device: torch.device,
     group: dist.ProcessGroup | None,
     seed: int | None,
+    options: LookupOptions | None = None,
 ) -> RoutedSharding | None:
     """The column-wise part of the collection: each column block on its planned rank, read by one key per
     feature. None if no table is column-wise."""
@@ -47,8 +49,10 @@ def column_wise(
             continue
         for shard in sorted(tp.shards, key=lambda s: s.col_offset):
             keys = tuple(column_key(f, shard.col_offset) for f in cfg.feature_names)
-            shards_per_rank[shard.rank].append(LocalShard(cfg, i, shard, keys, tp.tier, tp.cache_load_factor))
+            shards_per_rank[shard.rank].append(
+                LocalShard(cfg, i, shard, keys, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
+            )
             key_source.update({k: f for k, f in zip(keys, cfg.feature_names)})
     if not key_source:
         return None
-    return RoutedSharding(shards_per_rank, key_source, rank, optimizer, device, group, seed)
+    return RoutedSharding(shards_per_rank, key_source, rank, optimizer, device, group, seed, options)

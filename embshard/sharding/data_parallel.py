@@ -9,8 +9,9 @@ Data flow for one step, on every rank:
    `sparse_update`, the fused optimizers' rule) to the rows touched anywhere in the global batch. The all-reduce
    gives every rank the same bits, so the replicas stay bitwise identical.
 
-The update runs inside backward, like FBGEMM's fused optimizers, and the replicas get no `.grad`. Replicas are
-kept in fp32 on the compute device whatever the table's data_type and tier say.
+The update runs inside backward, like FBGEMM's fused optimizers, and the replicas get no `.grad`. Replicas live
+on the compute device whatever the tier says; fp16 tables keep fp16 values in fp32 storage (rounded to nearest
+after each update, as HostLookup does).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from embshard.lookup import LocalShard, init_rows, optimizer_state, sparse_updat
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.exchange import LookupInput
-from embshard.tables import TableConfig
+from embshard.tables import DataType, TableConfig
+from embshard.tiers import LookupOptions
 
 
 class Ready:
@@ -69,11 +71,13 @@ class DataParallelLookup(nn.Module):
         device: torch.device,
         group: dist.ProcessGroup | None,
         seed: int | None,
+        options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
-        grouped: dict[tuple[int, bool], list[LocalShard]] = {}
+        self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
+        grouped: dict[tuple[int, bool, DataType], list[LocalShard]] = {}
         for s in shards:
-            grouped.setdefault((s.table.embedding_dim, s.table.weighted), []).append(s)
+            grouped.setdefault((s.table.embedding_dim, s.table.weighted, s.table.data_type), []).append(s)
         self.shards = [s for g in grouped.values() for s in g]
         self.features = [f for s in self.shards for f in s.features]
         self.dims = [s.table.embedding_dim for s in self.shards for _ in s.features]
@@ -82,7 +86,8 @@ class DataParallelLookup(nn.Module):
         self._blocks: list[tuple[int, int, int]] = []  # per shard: (group, first row in the stack, rows)
         bases: list[int] = []  # per feature: first row of its table in the group's stack
         stacks = []
-        for (dim, weighted), members in grouped.items():
+        self._fp16: list[bool] = []  # per stack: fp16 table values, kept in fp32 (as HostLookup does)
+        for (dim, weighted, data_type), members in grouped.items():
             f0, row = len(bases), 0
             for s in members:
                 self._blocks.append((len(stacks), row, s.table.num_embeddings))
@@ -90,7 +95,8 @@ class DataParallelLookup(nn.Module):
                 row += s.table.num_embeddings
             self._groups.append((f0, len(bases), dim, weighted))
             t = [init_rows(s.table, s.table_index, 0, s.table.num_embeddings, 0, dim, seed, device) for s in members]
-            stacks.append(torch.cat(t))
+            self._fp16.append(data_type is DataType.FP16)
+            stacks.append(torch.cat(t).half().float() if self._fp16[-1] else torch.cat(t))
         # requires_grad only puts the lookup into the autograd graph: backward returns no gradient for them.
         self.stacks = nn.ParameterList(nn.Parameter(w) for w in stacks)
         self.register_buffer("_bases", torch.tensor(bases, dtype=torch.int64, device=device), persistent=False)
@@ -151,23 +157,37 @@ class DataParallelLookup(nn.Module):
         self._step += 1
         pos = 0
         with torch.no_grad():
-            for w, st in zip(self.stacks, self._state):
+            for w, st, fp16 in zip(self.stacks, self._state, self._fp16):
                 n_grad, n_rows = w.numel(), w.shape[0]
                 g = flat[pos : pos + n_grad].view_as(w)
                 touched = flat[pos + n_grad : pos + n_grad + n_rows].nonzero().squeeze(1)
                 pos += n_grad + n_rows
                 if touched.numel():
-                    sparse_update(self.opt, w.data, st, touched, g[touched], self._step)
+                    sparse_update(self.opt, w.data, st, touched, g[touched], self._step, fp16)
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Pooled sums `[B, sum(dims)]` (same contract as TBELookup); the update happens in backward."""
-        return _ReplicaBags.apply(self, indices.long(), offsets.long(), weights, *self.stacks)
+        pooled = _ReplicaBags.apply(self, indices.long(), offsets.long(), weights, *self.stacks)
+        return pooled.to(self._out_dtype)
 
     def shard_weights(self) -> list[torch.Tensor]:
         """Each table's replica (views into the stacks), in shard order."""
         return [self.stacks[g].data[r0 : r0 + n] for g, r0, n in self._blocks]
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
+        """No cache: nothing to do."""
+
+    def drop_cache(self) -> None:
+        """No cache: nothing to do."""
+
+    def cache_stats(self) -> dict[str, dict]:
+        """No cache: no statistics."""
+        return {}
+
+    def reset_cache_stats(self) -> None:
+        """No cache: nothing to reset."""
 
 
 class DataParallelSharding(nn.Module):
@@ -180,9 +200,10 @@ class DataParallelSharding(nn.Module):
         device: torch.device,
         group: dist.ProcessGroup | None,
         seed: int | None,
+        options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
-        lookup = DataParallelLookup(shards, optimizer, device, group, seed)
+        lookup = DataParallelLookup(shards, optimizer, device, group, seed, options)
         self.lookups = nn.ModuleList([lookup])
         self.keys, self.key_dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
         self.weighted = any(s.table.weighted for s in shards)
@@ -225,6 +246,7 @@ def data_parallel(
     device: torch.device,
     group: dist.ProcessGroup | None,
     seed: int | None,
+    options: LookupOptions | None = None,
 ) -> DataParallelSharding | None:
     """The data-parallel part of the collection: this rank's replica of each data-parallel table. None if no
     table is data-parallel."""
@@ -233,7 +255,9 @@ def data_parallel(
         tp = plan[cfg.name]
         if tp.sharding_type is ShardingType.DATA_PARALLEL:
             (mine,) = [s for s in tp.shards if s.rank == rank]
-            shards.append(LocalShard(cfg, i, mine, cfg.feature_names, tp.tier, tp.cache_load_factor))
+            shards.append(
+                LocalShard(cfg, i, mine, cfg.feature_names, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
+            )
     if not shards:
         return None
-    return DataParallelSharding(shards, optimizer, device, group, seed)
+    return DataParallelSharding(shards, optimizer, device, group, seed, options)

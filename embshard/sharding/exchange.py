@@ -33,6 +33,8 @@ class LookupInput:
     """Per-id weights, or None."""
     batch_sizes: list[int]
     """Local batch size of every source rank; B_global is their sum."""
+    parts: list | None = None
+    """Per-lookup (ids, offsets, weights), cut once by the scheme so prefetch and lookup see the same tensors."""
 
     @property
     def global_batch(self) -> int:

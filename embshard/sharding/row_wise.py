@@ -30,6 +30,7 @@ from embshard.plan import ShardingPlan, ShardingType, TablePlan
 from embshard.sharding.exchange import PooledExchangeHandle, SparseExchangeHandle, start_sparse_exchange
 from embshard.sharding.table_wise import RoutedSharding
 from embshard.tables import TableConfig
+from embshard.tiers import LookupOptions
 
 
 class SummedPooledHandle:
@@ -43,12 +44,13 @@ class SummedPooledHandle:
 
     def wait(self) -> torch.Tensor:
         """Wait for every rank's partials, then add each rank's block into its features' columns."""
-        blocks = self._handle.wait().split(self._dims, dim=1)
-        out = blocks[0].new_zeros(blocks[0].shape[0], self._width)
+        received = self._handle.wait()
+        blocks = received.split(self._dims, dim=1)
+        out = received.new_zeros(received.shape[0], self._width, dtype=torch.float32)  # sum in fp32
         for block, cols in zip(blocks, self._cols):
             if block.shape[1]:
-                out = out.index_add(1, cols, block)  # cols unique within a rank: deterministic
-        return out
+                out = out.index_add(1, cols, block.float())  # cols unique within a rank: deterministic
+        return out.to(received.dtype)
 
 
 class RowBlockSharding(RoutedSharding):
@@ -66,6 +68,7 @@ class RowBlockSharding(RoutedSharding):
         device: torch.device,
         group: dist.ProcessGroup | None,
         seed: int | None,
+        options: LookupOptions | None = None,
     ) -> None:
         shards_per_rank: list[list[LocalShard]] = [[] for _ in range(world_size)]
         features: list[str] = []
@@ -76,13 +79,13 @@ class RowBlockSharding(RoutedSharding):
             blocks = sorted(tp.shards, key=lambda s: s.row_offset)
             for b, shard in enumerate(blocks):
                 shards_per_rank[shard.rank].append(
-                    LocalShard(cfg, i, shard, cfg.feature_names, tp.tier, tp.cache_load_factor)
+                    LocalShard(cfg, i, shard, cfg.feature_names, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
                 )
                 block_of.update({(shard.rank, f): b for f in cfg.feature_names})
             features += cfg.feature_names
             block_size.update({f: blocks[0].num_rows for f in cfg.feature_names})
             dims.update({f: cfg.embedding_dim for f in cfg.feature_names})
-        super().__init__(shards_per_rank, {f: f for f in features}, rank, optimizer, device, group, seed)
+        super().__init__(shards_per_rank, {f: f for f in features}, rank, optimizer, device, group, seed, options)
         # Output: one key per feature, summed over the ranks holding its blocks.
         self.in_features = features
         self.keys = list(features)
@@ -159,9 +162,10 @@ def row_wise(
     device: torch.device,
     group: dist.ProcessGroup | None,
     seed: int | None,
+    options: LookupOptions | None = None,
 ) -> RowBlockSharding | None:
     """The row-wise part of the collection: row blocks over all ranks. None if no table is row-wise."""
     entries = row_block_entries(tables, plan, ShardingType.ROW_WISE)
     if not entries:
         return None
-    return RowBlockSharding(entries, plan.world_size, rank, optimizer, device, group, seed)
+    return RowBlockSharding(entries, plan.world_size, rank, optimizer, device, group, seed, options)

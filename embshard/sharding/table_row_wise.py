@@ -20,6 +20,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.row_wise import RowBlockSharding, row_block_entries
 from embshard.tables import TableConfig
+from embshard.tiers import LookupOptions
 
 
 def table_row_wise(
@@ -30,10 +31,11 @@ def table_row_wise(
     device: torch.device,
     group: dist.ProcessGroup | None,
     seed: int | None,
+    options: LookupOptions | None = None,
 ) -> RowBlockSharding | None:
     """The table-row-wise part of the collection: each table's row blocks over one host's ranks. None if no
     table is table-row-wise."""
     entries = row_block_entries(tables, plan, ShardingType.TABLE_ROW_WISE)
     if not entries:
         return None
-    return RowBlockSharding(entries, plan.world_size, rank, optimizer, device, group, seed)
+    return RowBlockSharding(entries, plan.world_size, rank, optimizer, device, group, seed, options)

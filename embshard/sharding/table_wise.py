@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.lookup import LocalShard, build_lookups
+from embshard.lookup import LocalShard, build_lookups, group_shards
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.exchange import (
@@ -29,14 +29,12 @@ from embshard.sharding.exchange import (
     start_sparse_exchange,
 )
 from embshard.tables import TableConfig
+from embshard.tiers import LookupOptions
 
 
 def group_in_lookup_order(shards: Sequence[LocalShard]) -> list[LocalShard]:
     """Shards reordered the way build_lookups groups them, so routes and lookups agree on feature order."""
-    groups: dict[tuple, list[LocalShard]] = {}
-    for s in shards:
-        groups.setdefault(s.group_key, []).append(s)
-    return [s for g in groups.values() for s in g]
+    return [s for g in group_shards(shards) for s in g]
 
 
 class RoutedSharding(nn.Module):
@@ -55,9 +53,11 @@ class RoutedSharding(nn.Module):
         device: torch.device,
         group: dist.ProcessGroup | None,
         seed: int,
+        options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
         self.rank, self.group = rank, group
+        self.out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
         self.world_size = len(shards_per_rank)
         ordered = [group_in_lookup_order(s) for s in shards_per_rank]
         self.route_keys = [[k for s in shards for k in s.features] for shards in ordered]
@@ -67,7 +67,9 @@ class RoutedSharding(nn.Module):
         # Output keys (columns of the output tensor), rank by rank, with their widths.
         self.keys = [k for keys in self.route_keys for k in keys]
         self.key_dims = [s.shard.num_cols for shards in ordered for s in shards for _ in s.features]
-        self.lookups = nn.ModuleList(build_lookups(ordered[rank], optimizer, device, seed) if ordered[rank] else [])
+        self.lookups = nn.ModuleList(
+            build_lookups(ordered[rank], optimizer, device, seed, options) if ordered[rank] else []
+        )
         self.weighted = any(s.table.weighted for shards in ordered for s in shards)
 
     @property
@@ -107,26 +109,39 @@ class RoutedSharding(nn.Module):
             self._perm_key = cache_key
         return self._perm
 
-    def lookup(self, inp: LookupInput) -> torch.Tensor:
-        """Pooled sums `[B_global, dims_per_rank[rank]]` for this rank's keys."""
+    def _split(self, inp: LookupInput) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """(ids, offsets, weights) of each lookup: the feature-major input cut at group boundaries."""
         Bg = inp.global_batch
-        if not self.lookups:
-            # requires_grad: the backward of the output all-to-all must run here too, or the other ranks hang.
-            return torch.zeros(Bg, 0, device=inp.values.device, requires_grad=True)
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(inp.lengths)
         if len(self.lookups) == 1:
-            return self.lookups[0](inp.values, offsets, inp.weights)
-        # Several TBE groups: cut the feature-major input at group boundaries (one host sync).
+            return [(inp.values, offsets, inp.weights)]
         f_bounds = [0]
         for lk in self.lookups:
             f_bounds.append(f_bounds[-1] + len(lk.features))
-        v_bounds = offsets[torch.tensor([f * Bg for f in f_bounds], device=offsets.device)].tolist()
-        outs = []
-        for i, lk in enumerate(self.lookups):
+        v_bounds = offsets[torch.tensor([f * Bg for f in f_bounds], device=offsets.device)].tolist()  # host sync
+        parts = []
+        for i in range(len(self.lookups)):
             f0, f1, v0, v1 = f_bounds[i], f_bounds[i + 1], v_bounds[i], v_bounds[i + 1]
             w = inp.weights[v0:v1] if inp.weights is not None else None
-            outs.append(lk(inp.values[v0:v1], offsets[f0 * Bg : f1 * Bg + 1] - v0, w))
-        return torch.cat(outs, dim=1)
+            parts.append((inp.values[v0:v1], offsets[f0 * Bg : f1 * Bg + 1] - v0, w))
+        return parts
+
+    def lookup(self, inp: LookupInput) -> torch.Tensor:
+        """Pooled sums `[B_global, dims_per_rank[rank]]` for this rank's keys."""
+        if not self.lookups:
+            # requires_grad: the backward of the output all-to-all must run here too, or the other ranks hang.
+            return torch.zeros(inp.global_batch, 0, device=inp.values.device, dtype=self.out_dtype, requires_grad=True)
+        if inp.parts is None:
+            inp.parts = self._split(inp)
+        outs = [lk(v, o, w) for lk, (v, o, w) in zip(self.lookups, inp.parts)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def prefetch(self, inp: LookupInput, forward_stream: torch.cuda.Stream | None = None) -> None:
+        """Load this batch's rows into the UVM caches ahead of its forward (which must get the same `inp`)."""
+        if self.lookups and inp.parts is None:
+            inp.parts = self._split(inp)
+        for lk, (v, o, _) in zip(self.lookups, inp.parts or []):
+            lk.prefetch(v, o, forward_stream)
 
     def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> PooledExchangeHandle:
         """Send pooled rows back to the ranks owning the samples."""
@@ -141,6 +156,7 @@ def table_wise(
     device: torch.device,
     group: dist.ProcessGroup | None,
     seed: int,
+    options: LookupOptions | None = None,
 ) -> RoutedSharding | None:
     """The table-wise part of the collection: one shard per table on its planned rank. None if no table is
     table-wise."""
@@ -151,8 +167,10 @@ def table_wise(
         if tp.sharding_type is not ShardingType.TABLE_WISE:
             continue
         (shard,) = tp.shards
-        shards_per_rank[shard.rank].append(LocalShard(cfg, i, shard, cfg.feature_names, tp.tier, tp.cache_load_factor))
+        shards_per_rank[shard.rank].append(
+            LocalShard(cfg, i, shard, cfg.feature_names, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
+        )
         key_source.update({f: f for f in cfg.feature_names})
     if not key_source:
         return None
-    return RoutedSharding(shards_per_rank, key_source, rank, optimizer, device, group, seed)
+    return RoutedSharding(shards_per_rank, key_source, rank, optimizer, device, group, seed, options)

@@ -1,0 +1,82 @@
+"""Ids outside their table (negative, or not below the table's row count), checked on the sending rank before
+any exchange, so the error names the feature of the local batch. `LookupOptions.bounds_check` picks the answer:
+
+- error (default): raise ValueError naming the feature, the table, the bad value and the fix;
+- drop: remove the bad ids from their bags (with their per-id weights), as if the data never had them. No row is
+  read or updated for them, so no weight is touched; a bag left empty pools to zeros, and a mean-pooled bag divides
+  by the ids that remain. The first batch with a bad id of a feature warns (DroppedIdsWarning, with the count and
+  an example); all drops are counted per feature (`ShardedEmbeddingBagCollection.dropped_ids()`).
+
+Clamping into range was rejected: it would train the first or last row on garbage.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from embshard.tables import TableConfig
+from embshard.tiers import BoundsCheck
+
+
+class DroppedIdsWarning(RuntimeWarning):
+    """Out-of-range ids were dropped from a batch (LookupOptions.bounds_check='drop')."""
+
+
+def check_ids(
+    lengths_FB: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    keys: Sequence[str],
+    table_of: Mapping[str, TableConfig],
+    mode: BoundsCheck,
+    dropped: dict[str, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Return (lengths_FB, values, weights) with every id a row of its feature's table, or raise (mode error).
+
+    `keys[f]` is the feature of row f of `lengths_FB` `[F, B]`; `dropped` accumulates dropped ids per feature.
+    One host sync when all ids are valid.
+    """
+    F, B = lengths_FB.shape
+    device = values.device
+    rows_F = torch.tensor([table_of[k].num_embeddings for k in keys], device=device)
+    ids_F = lengths_FB.sum(1).to(torch.int64)
+    limit = torch.repeat_interleave(rows_F, ids_F, output_size=values.numel())
+    bad = (values < 0) | (values >= limit)
+    if not bool(bad.any()):
+        return lengths_FB, values, weights
+    feature_of = torch.repeat_interleave(torch.arange(F, device=device), ids_F, output_size=values.numel())
+    if mode is BoundsCheck.ERROR:
+        pos = int(bad.nonzero()[0])
+        key = keys[int(feature_of[pos])]
+        t = table_of[key]
+        raise ValueError(
+            f"feature {key!r}: id {int(values[pos])} is outside table {t.name!r} (rows 0..{t.num_embeddings - 1}); "
+            "map ids into range (e.g. hash modulo num_embeddings) or enlarge the table, or drop such ids with a "
+            "warning: LookupOptions(bounds_check='drop')"
+        )
+    bag = torch.repeat_interleave(torch.arange(F * B, device=device), lengths_FB.flatten(), output_size=values.numel())
+    removed_FB = torch.bincount(bag[bad], minlength=F * B).view(F, B)
+    bad_pos = bad.nonzero().flatten()
+    counts = torch.bincount(feature_of[bad_pos], minlength=F).tolist()
+    first_bad = torch.full((F,), values.numel(), device=device, dtype=torch.int64)
+    first_bad = first_bad.scatter_reduce(0, feature_of[bad_pos], bad_pos, reduce="amin").tolist()
+    for f, n in enumerate(counts):
+        if not n:
+            continue
+        key = keys[f]
+        if key not in dropped:
+            t = table_of[key]
+            warnings.warn(
+                f"feature {key!r}: dropped {n} id(s) outside table {t.name!r} (rows 0..{t.num_embeddings - 1}) from "
+                f"this batch, e.g. {int(values[first_bad[f]])}; they are removed from their bags and train nothing. "
+                "Later drops of this feature are counted without a warning: see dropped_ids()",
+                DroppedIdsWarning,
+                stacklevel=3,
+            )
+        dropped[key] = dropped.get(key, 0) + n
+    keep = ~bad
+    new_lengths = (lengths_FB - removed_FB.to(lengths_FB.dtype)).contiguous()
+    return new_lengths, values[keep], weights[keep] if weights is not None else None
