@@ -71,6 +71,7 @@ def sharded_worker(
     steps: int,
     seed: int,
     groups: dict[str, list[str]] | None = None,
+    options=None,
 ):
     """Train the sharded module on this rank's slice of each step's batch; return its outputs, the full weights
     and this rank's replicas of the data-parallel tables.
@@ -80,7 +81,9 @@ def sharded_worker(
     from embshard.sharded import ShardedEmbeddingBagCollection
 
     torch.manual_seed(1234 + rank)  # must not matter: initialisation is seeded per table
-    ebc = ShardedEmbeddingBagCollection(tables, plan, opt, output_groups=groups, device=device, seed=seed)
+    ebc = ShardedEmbeddingBagCollection(
+        tables, plan, opt, output_groups=groups, device=device, seed=seed, options=options
+    )
     features = [f for t in tables for f in t.feature_names]
     key_order = features[::-1]  # a different order from the tables', to exercise the mapping
     outputs = []
@@ -133,6 +136,7 @@ def check_parity(
     atol: float = 2e-5,
     groups: dict[str, list[str]] | None = None,
     plan: ShardingPlan | None = None,
+    rtol: float = 1e-4,
 ) -> None:
     """Compare every rank's outputs and the final weights with the unsharded reference on the global batch.
     With `plan`, the reference keeps row-wise Adagrad state per column block of the column-wise tables."""
@@ -156,7 +160,7 @@ def check_parity(
                     got.double(),
                     w[start : start + B],
                     atol=atol,
-                    rtol=1e-4,
+                    rtol=rtol,
                     msg=lambda m, c=f"step {step} rank {r} {f}": f"{c}: {m}",
                 )
             start += B
@@ -166,6 +170,6 @@ def check_parity(
                 res["weights"][t.name].double(),
                 ref.weights[t.name],
                 atol=atol,
-                rtol=1e-4,
+                rtol=rtol,
                 msg=lambda m, c=f"weights of {t.name} on rank {r} after {steps} steps": f"{c}: {m}",
             )
