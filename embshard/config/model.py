@@ -23,7 +23,7 @@ class DLRMConfig:
     """DLRM's dense part: bottom MLP over the dense features, interaction, top MLP to one logit."""
 
     bottom_mlp: tuple[int, ...] = (64, 32)
-    """Hidden layer widths of the bottom MLP, in units; its output width is the embedding dimension."""
+    """Hidden layer widths of the bottom MLP, in units; its output width is the (first) table's embedding_dim."""
     top_mlp: tuple[int, ...] = (64, 32)
     """Hidden layer widths of the top MLP, in units (a final 1-unit logit layer is added)."""
 
