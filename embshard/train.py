@@ -120,7 +120,9 @@ def evaluate(model, source, device: torch.device) -> dict[str, float]:
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     for batch in source.eval_batches():
         out = model.step(batch.to(device))
-        totals += torch.stack([out.loss.double() * batch.size, torch.tensor(batch.size, dtype=torch.float64)]).to(device)
+        totals += torch.stack([out.loss.double() * batch.size, torch.tensor(batch.size, dtype=torch.float64)]).to(
+            device
+        )
         auroc.update(torch.sigmoid(out.scores), out.labels.long())
     if dist.is_initialized():
         dist.all_reduce(totals)

@@ -26,7 +26,7 @@ def train(
     memMB: int = 8192,
     image: str = "embshard:latest",
     name: str = "embshard-train",
-    env: Optional[Dict[str, str]] = None,  # noqa: UP006, UP007
+    env: Optional[Dict[str, str]] = None,  # noqa: UP006, UP045
     rdzv_port: int = 29500,
     max_retries: int = 0,
 ) -> specs.AppDef:

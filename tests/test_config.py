@@ -4,13 +4,14 @@ docs/config.md is generated from the dataclasses, and make_plan honours constrai
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from embshard.config import TrainConfig, load_config
-from embshard.config.doc import generate, rows
+from embshard.config.doc import _dataclass_in, generate, rows
 from embshard.config.schema import field_docs
 from embshard.plan import MemoryTier, ShardingType, simple_plan
 from embshard.tables import ConfigError, TableConfig
@@ -224,9 +225,6 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             if f.init:
                 assert docs.get(f.name), f"{cls.__name__}.{f.name} has no one-line docstring"
-        from embshard.config.doc import _dataclass_in
-        import typing
-
         for tp in typing.get_type_hints(cls).values():
             inner, _ = _dataclass_in(tp)
             if inner is not None:

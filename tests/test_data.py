@@ -170,7 +170,9 @@ def test_movielens_matches_raw_text():
         genres.values[offsets[2] : offsets[3]].tolist() + genres.values[offsets[0] : offsets[1]].tolist()
     )
     with pytest.raises(ConfigError, match=r"features \['rating'\] are not columns"):
-        movielens_source(MovieLensConfig(path=str(MOVIELENS)), [TableConfig("t", 10, 4, ("rating",))], 8, "strided", False, 0, 0, 1)
+        movielens_source(
+            MovieLensConfig(path=str(MOVIELENS)), [TableConfig("t", 10, 4, ("rating",))], 8, "strided", False, 0, 0, 1
+        )
 
 
 def test_movielens_positive_rating_and_ranks():

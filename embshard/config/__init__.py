@@ -86,7 +86,9 @@ class TrainConfig:
             features = set(self.model.features)
             for f in (self.data.synthetic.pooling or {}) if self.data.synthetic else {}:
                 if f not in features:
-                    raise FieldError(f"data.synthetic.pooling.{f}", f, f"no table lists this feature: {sorted(features)}")
+                    raise FieldError(
+                        f"data.synthetic.pooling.{f}", f, f"no table lists this feature: {sorted(features)}"
+                    )
 
 
 _KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
@@ -97,7 +99,9 @@ def _split_key(key: str) -> list[str | int]:
     for piece in key.split("."):
         m = _KEY.fullmatch(piece)
         if not m:
-            raise ConfigError(f"override key {key!r} is malformed at {piece!r}: write e.g. model.tables[0].embedding_dim")
+            raise ConfigError(
+                f"override key {key!r} is malformed at {piece!r}: write e.g. model.tables[0].embedding_dim"
+            )
         parts.append(m.group(1))
         parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", m.group(2)))
     return parts

@@ -105,7 +105,9 @@ class ModelConfig:
         owner: dict[str, str] = {}
         for i, t in enumerate(self.tables):
             if t.name in names:
-                raise FieldError(f"tables[{i}].name", t.name, f"tables[{names[t.name]}] has the same name; names are unique")
+                raise FieldError(
+                    f"tables[{i}].name", t.name, f"tables[{names[t.name]}] has the same name; names are unique"
+                )
             names[t.name] = i
             for f in t.feature_names:
                 if f in owner:
@@ -123,7 +125,11 @@ class ModelConfig:
             object.__setattr__(self, "dlrm", DLRMConfig())
         if self.kind == "dlrm_dcnv2" and self.dcn is None:
             object.__setattr__(self, "dcn", DCNConfig())
-        unused = {"dlrm": self.kind == "two_tower", "dcn": self.kind != "dlrm_dcnv2", "two_tower": self.kind != "two_tower"}
+        unused = {
+            "dlrm": self.kind == "two_tower",
+            "dcn": self.kind != "dlrm_dcnv2",
+            "two_tower": self.kind != "two_tower",
+        }
         for key, is_unused in unused.items():
             if is_unused and getattr(self, key) is not None:
                 raise FieldError(key, "{...}", f"model kind {self.kind!r} does not use it: remove it or change kind")

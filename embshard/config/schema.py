@@ -98,7 +98,9 @@ def convert(tp: Any, value: Any, path: str, src: Source) -> Any:
     """Check and convert one value to type `tp`."""
 
     def wrong() -> ConfigError:
-        return src.error(path, f"{path}={value!r} has the wrong type: expected {type_name(tp)}, got {type(value).__name__}")
+        return src.error(
+            path, f"{path}={value!r} has the wrong type: expected {type_name(tp)}, got {type(value).__name__}"
+        )
 
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
@@ -222,4 +224,3 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 _DOCS: dict[type, dict[str, str]] = {}
-

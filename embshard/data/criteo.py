@@ -109,9 +109,7 @@ def criteo_source(
     table_of = {f: t for t in tables for f in t.feature_names}
     unknown = [f for f in table_of if f not in CATEGORICAL]
     if unknown:
-        raise ConfigError(
-            f"features {unknown} are not Criteo columns; the tables' feature_names must be among C1..C26"
-        )
+        raise ConfigError(f"features {unknown} are not Criteo columns; the tables' feature_names must be among C1..C26")
     features = list(table_of)
     for p in (cfg.path, cfg.eval_path):
         if p is not None and not Path(p).is_file():

@@ -64,7 +64,9 @@ def movielens_source(
     usable = [c for c in header if c not in NOT_FEATURES]
     unknown = [f for f in table_of if f not in usable]
     if unknown:
-        raise ConfigError(f"features {unknown} are not columns of {cfg.path}; the tables' feature_names must be among {usable}")
+        raise ConfigError(
+            f"features {unknown} are not columns of {cfg.path}; the tables' feature_names must be among {usable}"
+        )
     n_eval = max(1, round(len(rows) * cfg.eval_fraction))
     n_train = len(rows) - n_eval
     train_rows, eval_rows = rows[:n_train], rows[n_train:]
