@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from embshard.config import LoggingConfig, PlannerConfig, TrainConfig, load_config
+from embshard.config import DenseOptimizerConfig, LoggingConfig, PlannerConfig, TrainConfig, load_config
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType, simple_plan
 from embshard.tables import ConfigError, TableConfig
 
@@ -153,7 +153,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed)
-    dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
+    dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     start = 0
     ck = cfg.checkpoint
     if ck.resume_from:
@@ -213,9 +213,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     dist.destroy_process_group()
 
 
-def make_dense_optimizer(cfg: TrainConfig, params: list) -> torch.optim.Optimizer:
+def make_dense_optimizer(o: DenseOptimizerConfig, params: list) -> torch.optim.Optimizer:
     """torch.optim optimizer of the dense parameters (gets only the dense_optimizer section)."""
-    o = cfg.dense_optimizer
     if o.kind == "adam":
         return torch.optim.Adam(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     if o.kind == "adagrad":

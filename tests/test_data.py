@@ -95,6 +95,16 @@ def test_criteo_tsv_equals_csv(tmp_path):
         np.testing.assert_array_equal(a.train.sparse[f].values, b.train.sparse[f].values)
 
 
+def test_criteo_malformed_line(tmp_path):
+    _, raw = raw_csv(CRITEO)
+    bad = tmp_path / "bad.tsv"
+    lines = ["\t".join(r) for r in raw]
+    lines[6] = "\t".join(raw[6][:30])
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"bad.tsv:7: 30 tsv fields, expected 40"):
+        criteo(path=bad)
+
+
 def test_criteo_vocab():
     header, raw = raw_csv(CRITEO)
     src = criteo(categorical="vocab")

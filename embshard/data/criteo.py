@@ -42,6 +42,7 @@ def read_rows(path: str, fmt: str) -> Iterator[tuple[int, list[str]]]:
     sep = "\t" if fmt == "tsv" else ","
     with open(path) as f:
         order = list(range(len(COLUMNS)))
+        width = len(COLUMNS)
         first_data_line = 1
         if fmt == "csv":
             header = f.readline().rstrip("\r\n").split(",")
@@ -52,13 +53,14 @@ def read_rows(path: str, fmt: str) -> Iterator[tuple[int, list[str]]]:
                     "(for the headerless tab-separated release set data.criteo.format: tsv)"
                 )
             order = [header.index(c) for c in COLUMNS]
+            width = len(header)
             first_data_line = 2
         for lineno, line in enumerate(f, start=first_data_line):
             fields = line.rstrip("\r\n").split(sep)
-            if len(fields) < len(order):
+            if len(fields) != width:
                 raise ConfigError(
-                    f"{path}:{lineno}: {len(fields)} {fmt} fields, expected {len(COLUMNS)} (label, 13 integer, 26 "
-                    f"categorical); check data.criteo.format"
+                    f"{path}:{lineno}: {len(fields)} {fmt} fields, expected {width} (label, 13 integer, 26 "
+                    "categorical); check data.criteo.format"
                 )
             yield lineno, [fields[i] for i in order]
 
