@@ -120,9 +120,8 @@ def evaluate(model, source, device: torch.device) -> dict[str, float]:
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     for batch in source.eval_batches():
         out = model.step(batch.to(device))
-        totals += torch.stack([out.loss.double() * batch.size, torch.tensor(batch.size, dtype=torch.float64)]).to(
-            device
-        )
+        totals[0] += out.loss.double() * batch.size
+        totals[1] += batch.size
         auroc.update(torch.sigmoid(out.scores), out.labels.long())
     if dist.is_initialized():
         dist.all_reduce(totals)
@@ -245,6 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ or not args.nproc:
         _run_or_exit(args.config, args.overrides)
         return
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        print(
+            f"error: --nproc {args.nproc} starts one process per GPU, but {torch.cuda.device_count()} GPU(s) are "
+            "visible: lower --nproc, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     from torch.multiprocessing import ProcessExitedException
 
     from embshard.distributed import spawn_local

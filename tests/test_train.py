@@ -29,6 +29,8 @@ def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["PATH"] = str(BIN) + os.pathsep + e.get("PATH", "")  # the venv's torchrun / torchx first
+    if os.environ.get("EMBSHARD_TEST_DEVICE", "cpu") != "cuda":
+        e["CUDA_VISIBLE_DEVICES"] = ""  # CPU runs (gloo) even on a GPU machine unless asked for CUDA
     return e
 
 
