@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NPROC  ?= 2
 
-.PHONY: install test test-fast demo lint format clean
+.PHONY: install test test-fast demo docs lint format clean
 
 install: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/torchrec.txt
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# DLRM on the Criteo sample, NPROC local CPU processes: prints the plan, a progress bar, the loss and the AUC.
 demo: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m embshard.demo configs/demo.yaml --nproc $(NPROC)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/embshard train configs/dlrm_criteo.yaml --nproc $(NPROC)
+
+# Regenerate docs/config.md from the config dataclasses' field docstrings (a test checks it is current).
+docs: $(STAMP)
+	$(PY) -m embshard.config.doc docs/config.md
 
 lint: $(STAMP)
 	$(PY) -m ruff check embshard tests launch bench

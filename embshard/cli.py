@@ -9,7 +9,6 @@ COMMANDS = {
     "train": ("embshard.train", "train a YAML-configured model (torchrun, or --nproc N local processes)"),
     "plan": ("embshard.planner.cli", "plan a model's sharding without GPUs and print or save the plan"),
     "calibrate": ("embshard.planner.calibrate", "measure this machine's bandwidths into a topology file"),
-    "demo": ("embshard.demo", "train the small demo DLRM on synthetic data"),
 }
 
 

@@ -40,3 +40,31 @@ class DLRMDense(nn.Module):
         dots_Bnn = torch.bmm(all_BnD, all_BnD.transpose(1, 2))
         pairs_BP = dots_Bnn[:, self._tri[0], self._tri[1]]
         return self.top(torch.cat([x_BD, pairs_BP], dim=1)).squeeze(1)
+
+
+class DLRMDCNDense(nn.Module):
+    """DLRM-DCNv2's dense part: bottom MLP, a low-rank cross network (torchrec's LowRankCrossNet) over the
+    concatenated dense and sparse vector, and the top MLP. Input: dense features `[B, num_dense]` and pooled
+    embeddings concatenated `[B, sparse_width]` (tables may differ in width); output: logits `[B]`."""
+
+    def __init__(
+        self,
+        num_dense: int,
+        sparse_width: int,
+        dense_width: int,
+        bottom: Sequence[int],
+        top: Sequence[int],
+        num_layers: int,
+        low_rank: int,
+    ):
+        super().__init__()
+        from torchrec.modules.crossnet import LowRankCrossNet
+
+        self.bottom = mlp([num_dense, *bottom, dense_width])
+        width = dense_width + sparse_width
+        self.cross = LowRankCrossNet(width, num_layers, low_rank)
+        self.top = mlp([width, *top, 1], last_activation=False)
+
+    def forward(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor) -> torch.Tensor:
+        x_BW = torch.cat([self.bottom(dense_BN), sparse_BS], dim=1)
+        return self.top(self.cross(x_BW)).squeeze(1)

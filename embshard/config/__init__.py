@@ -1,0 +1,163 @@
+"""YAML training configuration: parsed once into frozen dataclasses (TrainConfig), with command-line overrides.
+
+    cfg = load_config("configs/dlrm_criteo.yaml", ["schedule.steps=100", "model.tables[0].embedding_dim=32"])
+
+Each component receives only its own section: the model builder `cfg.model`, the data loader `cfg.data`, the
+planner `cfg.planner`, and so on. docs/config.md is generated from the field docstrings here
+(`python -m embshard.config.doc`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from embshard.config.data import CriteoConfig, DataConfig, MovieLensConfig, SyntheticConfig
+from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig, TwoTowerConfig
+from embshard.config.run import (
+    CheckpointConfig,
+    DenseOptimizerConfig,
+    LoggingConfig,
+    PlannerConfig,
+    ScheduleConfig,
+    TableConstraint,
+)
+from embshard.config.schema import FieldError, Source, build
+from embshard.optim import FusedOptimizerConfig
+from embshard.tables import ConfigError
+
+__all__ = [
+    "CheckpointConfig",
+    "CriteoConfig",
+    "DCNConfig",
+    "DLRMConfig",
+    "DataConfig",
+    "DenseOptimizerConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "MovieLensConfig",
+    "PlannerConfig",
+    "ScheduleConfig",
+    "SyntheticConfig",
+    "TableConstraint",
+    "TrainConfig",
+    "TwoTowerConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A training run: `embshard train CONFIG`."""
+
+    model: ModelConfig
+    """Embedding tables and dense architecture."""
+    data: DataConfig
+    """Data source and its split over ranks."""
+    schedule: ScheduleConfig
+    """Batch size, length of training, evaluation interval."""
+    sparse_optimizer: FusedOptimizerConfig = field(default_factory=FusedOptimizerConfig)
+    """The optimizer fused into the embedding backward (embshard.optim.FusedOptimizerConfig)."""
+    dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    """The optimizer of the dense (data-parallel) parameters."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Sharding plan: a saved plan file, or planning settings and per-table constraints."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint folder, interval and resume."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console, progress bar, TensorBoard and metrics file."""
+    seed: int = 0
+    """Seed of the initial weights, the data shuffles and the synthetic data."""
+
+    def __post_init__(self) -> None:
+        tables = {t.name for t in self.model.tables}
+        for name in self.planner.constraints or {}:
+            if name not in tables:
+                raise FieldError(f"planner.constraints.{name}", name, f"no such table; tables: {sorted(tables)}")
+        if self.data.source == "synthetic":
+            if self.schedule.epochs is not None:
+                raise FieldError("schedule.epochs", self.schedule.epochs, "synthetic data has no epochs: set steps")
+            features = set(self.model.features)
+            for f in (self.data.synthetic.pooling or {}) if self.data.synthetic else {}:
+                if f not in features:
+                    raise FieldError(
+                        f"data.synthetic.pooling.{f}", f, f"no table lists this feature: {sorted(features)}"
+                    )
+
+
+_KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
+
+
+def _split_key(key: str) -> list[str | int]:
+    parts: list[str | int] = []
+    for piece in key.split("."):
+        m = _KEY.fullmatch(piece)
+        if not m:
+            raise ConfigError(
+                f"override key {key!r} is malformed at {piece!r}: write e.g. model.tables[0].embedding_dim"
+            )
+        parts.append(m.group(1))
+        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", m.group(2)))
+    return parts
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, str]:
+    """Apply `key.sub[i]=value` overrides (value typed as a YAML scalar or flow list) to the raw mapping in place.
+    Returns {key path: override text} so errors can name the override."""
+    applied: dict[str, str] = {}
+    for text in overrides:
+        key, eq, raw = text.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override {text!r} is not key=value: write e.g. schedule.steps=100")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        parts = _split_key(key.strip())
+        node: Any = data
+        walked = ""
+        for part, nxt in zip(parts[:-1], parts[1:]):
+            walked = f"{walked}[{part}]" if isinstance(part, int) else (f"{walked}.{part}" if walked else part)
+            if isinstance(part, int):
+                if not isinstance(node, list) or part >= len(node):
+                    raise ConfigError(f"override {text!r}: {walked} does not exist (the list is shorter)")
+                node = node[part]
+            else:
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {text!r}: {walked} is not inside a mapping")
+                if node.get(part) is None:
+                    node[part] = [] if isinstance(nxt, int) else {}
+                node = node[part]
+        last = parts[-1]
+        if isinstance(last, int):
+            if not isinstance(node, list) or last >= len(node):
+                raise ConfigError(f"override {text!r}: index {last} does not exist (the list is shorter)")
+            node[last] = value
+        else:
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: the parent of {last!r} is not a mapping")
+            node[last] = value
+        applied[key.strip()] = text
+    return applied
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config, apply overrides, and build the frozen TrainConfig (ConfigError on any problem)."""
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    applied = apply_overrides(data, overrides)
+    return build(TrainConfig, data, "", Source(path, applied))

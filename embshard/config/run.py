@@ -1,0 +1,138 @@
+"""The run sections: schedule, dense optimizer, planner, checkpoint and logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from embshard.config.schema import FieldError
+from embshard.plan import MemoryTier, ShardingType
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How long to train and when to evaluate."""
+
+    batch_size: int
+    """Samples per rank per step (the global batch is batch_size x world size)."""
+    steps: int | None = None
+    """Training steps (optimizer updates); give steps or epochs, not both."""
+    epochs: int | None = None
+    """Passes over each rank's training rows (file sources only); give steps or epochs, not both."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps; 0: only after the last step."""
+    eval_at_start: bool = False
+    """Also evaluate once before the first step (the baseline of the untrained model)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise FieldError("batch_size", self.batch_size, "it must be a positive number of samples")
+        if (self.steps is None) == (self.epochs is None):
+            raise FieldError("steps", self.steps, f"give exactly one of steps and epochs (epochs={self.epochs!r})")
+        if self.steps is not None and self.steps < 1:
+            raise FieldError("steps", self.steps, "it must be >= 1")
+        if self.epochs is not None and self.epochs < 1:
+            raise FieldError("epochs", self.epochs, "it must be >= 1")
+        if self.eval_every < 0:
+            raise FieldError("eval_every", self.eval_every, "it must be >= 0 (0: evaluate at the end only)")
+
+
+@dataclass(frozen=True)
+class DenseOptimizerConfig:
+    """The optimizer of the dense (data-parallel) parameters: a torch.optim optimizer."""
+
+    kind: Literal["adam", "adagrad", "sgd"] = "adam"
+    """torch.optim.Adam, torch.optim.Adagrad or torch.optim.SGD."""
+    lr: float = 0.001
+    """Learning rate (dimensionless step scale)."""
+    weight_decay: float = 0.0
+    """L2 penalty coefficient."""
+    momentum: float = 0.0
+    """SGD only: momentum factor in [0, 1)."""
+    beta1: float = 0.9
+    """Adam only: decay of the first moment, in [0, 1)."""
+    beta2: float = 0.999
+    """Adam only: decay of the second moment, in [0, 1)."""
+    eps: float = 1e-8
+    """Adam/Adagrad: added to the denominator."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise FieldError("lr", self.lr, "the learning rate must be > 0")
+        if not self.weight_decay >= 0:
+            raise FieldError("weight_decay", self.weight_decay, "it must be >= 0")
+        for key in ("momentum", "beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise FieldError(key, getattr(self, key), "it must be in [0, 1)")
+        if not self.eps > 0:
+            raise FieldError("eps", self.eps, "it must be > 0")
+
+
+@dataclass(frozen=True)
+class TableConstraint:
+    """Planner constraints of one table (passed to the planner; the simple placement honours the first choice)."""
+
+    sharding_types: tuple[ShardingType, ...] = ()
+    """Allowed sharding types (table_wise, row_wise, column_wise, table_row_wise, data_parallel); empty: any."""
+    tiers: tuple[MemoryTier, ...] = ()
+    """Allowed memory tiers (hbm, uvm, uvm_caching, host); empty: any."""
+    ranks: tuple[int, ...] = ()
+    """Ranks the table's shards must be placed on (rank numbers); empty: any."""
+
+    def __post_init__(self) -> None:
+        for i, r in enumerate(self.ranks):
+            if r < 0:
+                raise FieldError(f"ranks[{i}]", r, "ranks are >= 0")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the sharding plan is made."""
+
+    plan_file: str | None = None
+    """Load this saved ShardingPlan (YAML or JSON, from ShardingPlan.save or `embshard plan`) instead of planning."""
+    tier: MemoryTier | None = None
+    """Default memory tier of every table; unset: host when training on CPU, hbm on GPU."""
+    column_shards: int = 2
+    """Column blocks per column-wise table in the simple placement (count)."""
+    constraints: dict[str, TableConstraint] | None = None
+    """Per-table constraints, keyed by table name."""
+
+    def __post_init__(self) -> None:
+        if self.column_shards < 1:
+            raise FieldError("column_shards", self.column_shards, "it must be >= 1")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming: dense model, dense optimizer and full embedding tables (not the fused optimizer's
+    state, which restarts from zero on resume)."""
+
+    dir: str | None = None
+    """Folder for checkpoints (step_<N>.pt); unset: no checkpoints are written. Must be shared by all hosts."""
+    every: int = 0
+    """Save every this many steps; 0: only after the last step."""
+    resume_from: str | None = None
+    """Checkpoint file to load before training, or 'latest' for the newest step_<N>.pt in dir."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise FieldError("every", self.every, "it must be >= 0 (0: save after the last step only)")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Console, progress bar, TensorBoard and metrics-file output (rank 0 writes)."""
+
+    log_every: int = 50
+    """Print the mean training loss (over ranks and steps) every this many steps."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar with samples/s on rank 0."""
+    tensorboard_dir: str | None = "runs/embshard"
+    """TensorBoard event-file folder; unset (null): no event files."""
+    metrics_file: str | None = None
+    """Append one JSON line per evaluation ({step, loss, auc, samples}) to this file; unset: none."""
+
+    def __post_init__(self) -> None:
+        if self.log_every < 1:
+            raise FieldError("log_every", self.log_every, "it must be >= 1 step")

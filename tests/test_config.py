@@ -1,0 +1,265 @@
+"""YAML config: example configs load, overrides apply, every class of error names file, key path and value,
+docs/config.md is generated from the dataclasses, and make_plan honours constraints and plan files."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from embshard.config import TrainConfig, load_config
+from embshard.config.doc import _dataclass_in, generate, rows
+from embshard.config.schema import field_docs
+from embshard.plan import MemoryTier, ShardingType, simple_plan
+from embshard.tables import ConfigError, TableConfig
+from embshard.train import make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, data: dict, name: str = "run.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def base() -> dict:
+    return {
+        "model": {
+            "kind": "dlrm",
+            "tables": [
+                {"name": "t0", "num_embeddings": 100, "embedding_dim": 8, "feature_names": ["f0"]},
+                {"name": "t1", "num_embeddings": 50, "embedding_dim": 8, "feature_names": ["f1", "f2"]},
+                {"name": "t2", "num_embeddings": 20, "embedding_dim": 8, "feature_names": ["f3"]},
+            ],
+        },
+        "data": {"source": "synthetic"},
+        "schedule": {"batch_size": 4, "steps": 10},
+    }
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.model.tables and cfg.schedule.batch_size > 0
+
+
+def test_example_set_covers_every_model_kind():
+    kinds = {load_config(p).model.kind for p in EXAMPLES}
+    assert kinds == {"dlrm", "dlrm_dcnv2", "two_tower"}
+    assert any("criteo" in p.name for p in EXAMPLES)
+
+
+def test_defaults_and_types(tmp_path):
+    cfg = load_config(write(tmp_path, base()))
+    assert cfg.model.tables[1].feature_names == ("f1", "f2")
+    assert cfg.model.dlrm is not None and cfg.model.dcn is None  # dlrm defaults filled in, unused sections absent
+    assert cfg.sparse_optimizer.kind.value == "rowwise_adagrad"
+    assert cfg.data.synthetic is not None and cfg.data.synthetic.zipf_exponent == 1.05
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.schedule.steps = 3  # type: ignore[misc]
+
+
+def test_overrides(tmp_path):
+    path = write(tmp_path, base())
+    cfg = load_config(
+        path,
+        [
+            "schedule.steps=25",
+            "model.tables[2].embedding_dim=8",
+            "model.tables[0].num_embeddings=1000",
+            "sparse_optimizer.lr=1e-3",  # YAML 1.1 reads this as a string: number fields accept it
+            "sparse_optimizer.kind=adam",
+            "model.dlrm.top_mlp=[16, 8]",
+            "planner.constraints.t1.sharding_types=[row_wise, table_wise]",
+            "planner.constraints.t1.ranks=[1]",
+            "logging.tensorboard_dir=null",
+            "checkpoint.dir=/tmp/x=y",  # only the first '=' splits
+        ],
+    )
+    assert cfg.schedule.steps == 25
+    assert cfg.model.tables[0].num_embeddings == 1000
+    assert cfg.sparse_optimizer.lr == pytest.approx(1e-3)
+    assert cfg.sparse_optimizer.kind.value == "adam"
+    assert cfg.model.dlrm.top_mlp == (16, 8)
+    c = cfg.planner.constraints["t1"]
+    assert c.sharding_types == (ShardingType.ROW_WISE, ShardingType.TABLE_WISE) and c.ranks == (1,)
+    assert cfg.logging.tensorboard_dir is None
+    assert cfg.checkpoint.dir == "/tmp/x=y"
+
+
+def error_of(tmp_path, data, overrides=()) -> str:
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    msg = str(e.value)
+    assert msg.startswith(path), msg  # every message names the file first
+    return msg
+
+
+def test_unknown_key(tmp_path):
+    data = base()
+    data["model"]["tables"][2]["embeding_dim"] = 8
+    msg = error_of(tmp_path, data)
+    assert "model.tables[2].embeding_dim" in msg and "unknown key" in msg and "8" in msg
+    assert "Did you mean 'embedding_dim'" in msg
+    data = base()
+    data["schedul"] = {}
+    assert "Did you mean 'schedule'" in error_of(tmp_path, data)
+
+
+def test_wrong_type(tmp_path):
+    data = base()
+    data["model"]["tables"][2]["num_embeddings"] = "many"
+    msg = error_of(tmp_path, data)
+    assert "model.tables[2].num_embeddings='many'" in msg and "expected an integer, got str" in msg
+    data = base()
+    data["schedule"]["batch_size"] = 4.5
+    msg = error_of(tmp_path, data)
+    assert "schedule.batch_size=4.5" in msg and "expected an integer" in msg
+    data = base()
+    data["data"]["shuffle"] = "yes"
+    assert "data.shuffle='yes'" in error_of(tmp_path, data)
+    data = base()
+    data["model"]["tables"] = {"t0": {}}
+    assert "model.tables=" in error_of(tmp_path, data)
+
+
+def test_missing_field(tmp_path):
+    data = base()
+    del data["model"]["tables"][1]["embedding_dim"]
+    msg = error_of(tmp_path, data)
+    assert "model.tables[1].embedding_dim is missing" in msg and "Width of each row" in msg
+    data = base()
+    del data["schedule"]
+    assert "schedule is missing" in error_of(tmp_path, data)
+
+
+def test_impossible_values(tmp_path):
+    data = base()
+    data["model"]["tables"][2]["embedding_dim"] = 0
+    msg = error_of(tmp_path, data)
+    assert "model.tables[2].embedding_dim=0 is invalid" in msg and "positive integer" in msg
+    data = base()
+    data["model"]["tables"][1]["embedding_dim"] = 16
+    msg = error_of(tmp_path, data)  # DLRM's dot interaction needs one width
+    assert "model.tables[1].embedding_dim=16 is invalid" in msg and "dlrm_dcnv2" in msg
+    data = base()
+    data["sparse_optimizer"] = {"lr": -0.5}
+    assert "sparse_optimizer.lr=-0.5 is invalid" in error_of(tmp_path, data)
+    data = base()
+    data["model"]["kind"] = "wide_deep"
+    msg = error_of(tmp_path, data)
+    assert "model.kind='wide_deep' is invalid" in msg and "'two_tower'" in msg
+    data = base()
+    data["schedule"]["epochs"] = 2
+    assert "schedule.steps=10 is invalid: give exactly one of steps and epochs" in error_of(tmp_path, data)
+    data = base()
+    data["model"]["tables"][2]["feature_names"] = ["f1"]
+    msg = error_of(tmp_path, data)
+    assert "model.tables[2].feature_names=['f1'] is invalid" in msg and "'t1'" in msg
+    data = base()
+    data["planner"] = {"constraints": {"t9": {"ranks": [0]}}}
+    assert "planner.constraints.t9='t9' is invalid: no such table" in error_of(tmp_path, data)
+    data = base()
+    data["planner"] = {"constraints": {"t1": {"tiers": ["ssd"]}}}
+    assert "planner.constraints.t1.tiers[0]='ssd' is invalid" in error_of(tmp_path, data)
+    data = base()
+    data["data"] = {"source": "criteo", "criteo": {"path": "x.txt", "eval_fraction": 1.0}}
+    assert "data.criteo.eval_fraction=1.0 is invalid" in error_of(tmp_path, data)
+    data = base()
+    data["model"]["kind"] = "two_tower"
+    del data["model"]["tables"][1]
+    data["model"]["two_tower"] = {"user_features": ["f0"], "item_features": ["f1"], "user_mlp": [8], "item_mlp": [4]}
+    msg = error_of(tmp_path, data)
+    assert "model.two_tower.item_mlp=[4] is invalid" in msg and "user_mlp ends in 8" in msg
+    data["model"]["two_tower"]["item_mlp"] = [8]
+    msg = error_of(tmp_path, data)
+    assert "model.two_tower.item_features[0]='f1' is invalid: no table lists this feature" in msg
+
+
+def test_override_errors_name_the_override(tmp_path):
+    msg = error_of(tmp_path, base(), ["model.tables[2].embedding_dim=-3"])
+    assert "command-line override 'model.tables[2].embedding_dim=-3'" in msg
+    assert "model.tables[2].embedding_dim=-3 is invalid" in msg
+    msg = error_of(tmp_path, base(), ["schedule.stepz=3"])
+    assert "unknown key 'schedule.stepz'" in msg and "override" in msg
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(write(tmp_path, base()), ["schedule.steps"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(write(tmp_path, base()), ["model.tables[7].name=x"])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_doc_is_generated_and_complete():
+    doc = (ROOT / "docs" / "config.md").read_text()
+    assert doc == generate(), "docs/config.md is stale: run `make docs` (python -m embshard.config.doc docs/config.md)"
+    paths = [r for r in rows(TrainConfig)]
+    assert len(paths) > 60
+    for path, _, _, description in paths:
+        assert f"`{path}`" in doc
+        assert description, f"config field {path} has no docstring"
+
+
+def test_every_field_has_a_docstring():
+    seen, todo = set(), [TrainConfig]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.init:
+                assert docs.get(f.name), f"{cls.__name__}.{f.name} has no one-line docstring"
+        for tp in typing.get_type_hints(cls).values():
+            inner, _ = _dataclass_in(tp)
+            if inner is not None:
+                todo.append(inner)
+    assert TableConfig in seen
+
+
+TABLES = [
+    TableConfig("a", 1000, 8, ("fa",)),
+    TableConfig("b", 500, 8, ("fb",)),
+    TableConfig("c", 200, 8, ("fc",)),
+]
+
+
+def test_make_plan_constraints_and_plan_file(tmp_path):
+    cfg = load_config(
+        write(tmp_path, base()),
+        [
+            "planner.constraints.t0.ranks=[1]",
+            "planner.constraints.t1.sharding_types=[data_parallel]",
+            "planner.constraints.t2.tiers=[uvm]",
+        ],
+    )
+    tables = list(cfg.model.tables)
+    plan = make_plan(tables, cfg.planner, 2, 2, "cpu")
+    assert plan["t0"].ranks == [1]
+    assert plan["t1"].sharding_type is ShardingType.DATA_PARALLEL and plan["t1"].ranks == [0, 1]
+    assert plan["t2"].tier is MemoryTier.UVM and plan["t0"].tier is MemoryTier.HOST
+    assert make_plan(tables, cfg.planner, 2, 2, "cuda")["t0"].tier is MemoryTier.HBM
+    with pytest.raises(ConfigError, match=r"ranks=\[1\] is invalid: ranks \[1\] do not exist"):
+        make_plan(tables, cfg.planner, 1, 1, "cpu")
+    saved = simple_plan(tables, 2, tier=MemoryTier.HOST)
+    for suffix in ("yaml", "json"):
+        saved.save(tmp_path / f"plan.{suffix}")
+        planner = load_config(write(tmp_path, base()), [f"planner.plan_file={tmp_path}/plan.{suffix}"]).planner
+        assert make_plan(tables, planner, 2, 2, "cpu") == saved
+        with pytest.raises(ConfigError, match="is a plan for world_size=2"):
+            make_plan(tables, planner, 4, 4, "cpu")

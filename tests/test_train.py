@@ -1,0 +1,142 @@
+"""`embshard train` end to end on 2 CPU processes: every example config's held-out loss falls, the run prints the
+plan, progress and AUC and writes TensorBoard events and checkpoints; a checkpoint reloads exactly under another
+world size; config and data errors exit with a one-line message; the torchx component launches a CPU run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# Keep every run short: the sample configs already are; the synthetic one is cut to 120 steps.
+SHORTEN = {
+    "dlrm_criteo.yaml": [],
+    "dcn_criteo.yaml": [],
+    "two_tower_movielens.yaml": [],
+    "dlrm_synthetic.yaml": ["schedule.steps=120", "schedule.eval_every=0", "checkpoint.every=0"],
+}
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PATH"] = str(BIN) + os.pathsep + e.get("PATH", "")  # the venv's torchrun / torchx first
+    if os.environ.get("EMBSHARD_TEST_DEVICE", "cpu") != "cuda":
+        e["CUDA_VISIBLE_DEVICES"] = ""  # CPU runs (gloo) even on a GPU machine unless asked for CUDA
+    return e
+
+
+def train(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "embshard.cli", "train", *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def outputs(tmp: Path) -> list[str]:
+    return [
+        f"logging.metrics_file={tmp}/metrics.jsonl",
+        f"logging.tensorboard_dir={tmp}/tb",
+        f"checkpoint.dir={tmp}/ck",
+        "schedule.eval_at_start=true",
+    ]
+
+
+def metrics(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_examples_are_all_tested():
+    assert sorted(SHORTEN) == sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(SHORTEN))
+def test_example_config_trains_on_two_processes(name, tmp_path):
+    res = train([f"configs/{name}", "--nproc", "2", *outputs(tmp_path), *SHORTEN[name]])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "ShardingPlan: world_size=2" in out and "2 ranks on cpu" in out
+    assert "samples/s" in out and "auc" in out
+    m = metrics(tmp_path)
+    assert m[0]["step"] == 0 and m[-1]["step"] > 0
+    assert m[0]["samples"] == m[-1]["samples"] > 0  # the same held-out data before and after
+    assert m[-1]["loss"] < m[0]["loss"], m
+    assert 0.0 <= m[-1]["auc"] <= 1.0
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "ck" / f"step_{m[-1]['step']}.pt").is_file()
+    if name == "dlrm_criteo.yaml":
+        resume_under_one_process(tmp_path, m[-1])
+
+
+def resume_under_one_process(tmp: Path, final: dict) -> None:
+    """Reload the 2-process checkpoint in 1 process (another plan) and evaluate without training: same numbers."""
+    step = final["step"]
+    again = tmp / "again"
+    res = train(
+        [
+            "configs/dlrm_criteo.yaml",
+            f"checkpoint.resume_from={tmp}/ck/step_{step}.pt",
+            f"checkpoint.dir={again}/ck",
+            f"logging.metrics_file={again}/metrics.jsonl",
+            "logging.tensorboard_dir=null",
+            "schedule.epochs=null",
+            f"schedule.steps={step}",
+        ]
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed from {tmp}/ck/step_{step}.pt at step {step}" in res.stdout
+    (m,) = metrics(again)
+    assert m["samples"] == final["samples"]
+    assert m["loss"] == pytest.approx(final["loss"], abs=1e-5)
+    assert m["auc"] == pytest.approx(final["auc"], abs=1e-6)
+
+
+def test_errors_exit_with_one_line(tmp_path):
+    res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", "model.tables[3].embedding_dim=0"])
+    assert res.returncode == 2
+    assert "error: configs/dlrm_criteo.yaml (with command-line override" in res.stderr
+    assert "model.tables[3].embedding_dim=0 is invalid" in res.stderr and "Traceback" not in res.stderr
+    res = train(["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"])
+    assert res.returncode == 2
+    assert "error: data.criteo: file 'no/such.txt' does not exist" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_torchx_component_runs_on_cpu(tmp_path):
+    pytest.importorskip("torchx", reason="torchx is not installed (make install pins torchx==0.7.0)")
+    torchx = shutil.which("torchx", path=str(BIN)) or shutil.which("torchx")
+    if torchx is None:
+        pytest.skip("the torchx command is not on PATH")
+    cmd = [
+        torchx,
+        "run",
+        "-s",
+        "local_cwd",
+        "launch/components.py:train",
+        "--nproc_per_node",
+        "2",
+        "--",
+        "configs/dlrm_criteo.yaml",
+        "schedule.epochs=1",
+        f"logging.metrics_file={tmp_path}/metrics.jsonl",
+        "logging.tensorboard_dir=null",
+        "checkpoint.dir=null",
+        "logging.progress_bar=false",
+    ]
+    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0 and "SUCCEEDED" in log, log[-4000:]
+    assert "ShardingPlan: world_size=2" in log
+    start, end = metrics(tmp_path)  # the config evaluates before and after training
+    assert (start["step"], end["step"]) == (0, 5) and end["samples"] == 40
