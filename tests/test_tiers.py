@@ -246,9 +246,9 @@ def _options_worker(rank, world_size, device, batch_sizes):
                 if options.prefetch_pipeline and step + 1 < len(kjts):
                     handle = ebc.prefetch(kjts[step + 1])
             warned += [str(w.message) for w in caught if issubclass(w.category, DroppedIdsWarning)]
-            loss = sum((got[f].float() * upstream[rank][f]).sum() for f in features)
+            loss = sum((got[f].float() * upstream[rank][f].to(device)).sum() for f in features)
             loss.backward()
-            outputs.append({f: got[f].detach() for f in features})
+            outputs.append({f: got[f].detach().cpu() for f in features})
         dtypes = {name: w.dtype for name, _, w in ebc.local_shards()}
         results[name] = dict(
             outputs=outputs, weights=ebc.full_weights(), warned=warned, dropped=ebc.dropped_ids(), dtypes=dtypes

@@ -185,8 +185,9 @@ def test_tiers_match_hbm(trained, name):
 
 def test_cache_stats(trained):
     batch_sizes, results = trained
-    stats = results[0]["stats"]
-    print("\n" + results[0]["log"])
+    case = results[0]["stats"]
+    stats = case["stats"]
+    print("\n" + case["log"])
     assert set(stats) == {t.name for t in TABLES}
     batches = random_batches(TABLES, batch_sizes, STEPS, SEED)
     for t in TABLES:
@@ -198,7 +199,7 @@ def test_cache_stats(trained):
         assert s["group_evictions"] is not None and s["group_evictions"] >= 0
     # The biggest table has ~300 rows of cache and several hundred distinct ids a step: rows were evicted.
     assert stats["t_big"]["group_evictions"] > 0
-    after = results[0]["after_reset"]
+    after = case["after_reset"]
     assert all(s["requested"] == 0 and s["unique_misses"] == 0 and s["hit_rate"] is None for s in after.values())
     assert all(s["group_evictions"] == 0 for s in after.values())
 
