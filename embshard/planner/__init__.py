@@ -1,0 +1,28 @@
+"""The planner: places embedding tables on ranks (sharding type x memory tier x ranks) to minimise the predicted
+step time within each rank's memory, and explains its choices. Output: an embshard.plan.ShardingPlan.
+
+    from embshard.planner import Topology, plan_with_report
+    topo = Topology.preset("h200", world_size=2)
+    plan, report = plan_with_report(tables, topo, batch_size=8192)
+    print(report)                   # plan, per-table and per-rank tables, predicted step time
+    print(explain(report, "t_big")) # why this table went where it did
+"""
+
+from embshard.planner.constraints import ParameterConstraints
+from embshard.planner.errors import PlanningError
+from embshard.planner.predict import predict
+from embshard.planner.report import PlanReport
+from embshard.planner.search import plan_sharding, plan_with_report
+from embshard.planner.settings import PlannerSettings
+from embshard.planner.topology import Topology
+
+__all__ = [
+    "ParameterConstraints",
+    "PlanReport",
+    "PlannerSettings",
+    "PlanningError",
+    "Topology",
+    "plan_sharding",
+    "plan_with_report",
+    "predict",
+]
