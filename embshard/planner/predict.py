@@ -169,5 +169,7 @@ def predict(
         ranks=ranks,
         tables=table_reports,
         loads=total,
+        table_configs=tuple(tables),
+        constraints=cons,
     )
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan, _ranks_str
+from embshard.plan import ShardingPlan
 from embshard.planner.cost import Storage
 from embshard.planner.loads import PHASES
 from embshard.planner.settings import PlannerSettings
@@ -85,6 +85,12 @@ class PlanReport:
     """[resource rows, ranks] (loads.py)."""
     planner_seconds: float | None = None
     """Time the planner took (s)."""
+    search_step_time_s: float | None = None
+    """Step time the search computed incrementally; equals step_time_s (a consistency check)."""
+    table_configs: tuple = ()
+    """The TableConfigs planned (for explain)."""
+    constraints: dict = field(default_factory=dict)
+    """Per-table ParameterConstraints used (for explain)."""
 
     def table(self, name: str) -> TableReport:
         """The report of one table."""
@@ -111,27 +117,38 @@ class PlanReport:
             f"predicted step time {self.step_time_s * 1e3:.3f} ms (embedding part; batch {self.batch_size} per rank, "
             f"{self.optimizer.kind.value}); slowest rank {self.slowest_rank}",
             f"  per phase (ms, slowest rank each): {phases}",
-            f"  peak GPU memory {_b(self.peak_hbm)} of {_b(self.ranks[0].hbm_budget)} embedding budget per rank; "
-            f"peak host memory {_b(max(float(r.storage.ddr) for r in self.ranks))} of {_b(self.ranks[0].ddr_budget)}",
+            self._memory_line(),
             f"  topology: {self.topology.describe()}",
         ]
         if self.planner_seconds is not None:
             lines.append(f"  planned in {self.planner_seconds:.3f} s")
         return "\n".join(lines)
 
+    def _memory_line(self) -> str:
+        r0 = self.ranks[0]
+        host = max(float(r.storage.ddr) for r in self.ranks)
+        if not self.topology.is_gpu:
+            return f"  host memory: largest rank {_b(host)} of {_b(r0.ddr_budget)} embedding budget"
+        shards = max(float(r.storage.hbm) for r in self.ranks)
+        return (
+            f"  GPU memory: largest rank {_b(shards)} of {_b(r0.hbm_budget)} embedding budget (+ {_b(r0.batch_buffers)} "
+            f"batch buffers = peak {_b(self.peak_hbm)}; {_b(r0.hbm_reserve)} more kept for the dense model); host "
+            f"memory: largest rank {_b(host)} of {_b(r0.ddr_budget)}"
+        )
+
     def format_tables(self) -> str:
         """One line per table."""
         rows = [("table", "rows x dim", "sharding", "tier", "ranks", "GPU mem", "host mem", "alone ms", "why")]
         for t in self.tables:
             tier = t.tier + (f"({t.cache_load_factor:g})" if t.cache_load_factor is not None else "")
-            why = t.notes[0] if t.notes else ""
+            why = t.notes[-1] if t.notes else ""
             rows.append(
                 (
                     t.name,
                     f"{t.rows}x{t.dim}",
                     t.sharding,
                     tier,
-                    _ranks_str(t.ranks) if len(set(t.ranks)) > 1 else str(t.ranks[0]),
+                    ranks_text(t.ranks),
                     _b(t.hbm_bytes),
                     _b(t.ddr_bytes),
                     f"{t.time_s * 1e3:.3f}",
@@ -235,3 +252,11 @@ def _b(x: float) -> str:
 def _columns(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def ranks_text(ranks) -> str:
+    """'3', '0-7' or '0,2,5'."""
+    uniq = sorted(set(ranks))
+    if len(uniq) > 2 and uniq == list(range(uniq[0], uniq[-1] + 1)):
+        return f"{uniq[0]}-{uniq[-1]}"
+    return ",".join(map(str, uniq))

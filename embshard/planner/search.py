@@ -38,6 +38,7 @@ from embshard.planner.topology import Topology
 from embshard.tables import ConfigError, TableConfig, validate_tables
 
 CANDIDATES_PER_ROUND = 6
+SWAP_PARTNERS = 8
 
 
 def plan_sharding(
@@ -92,6 +93,7 @@ def plan_with_report(
     _improve(state, items, usable, settings.max_moves, tables, notes)
     plan = _to_plan(state, items, tables, topology)
     report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, notes)
+    report.search_step_time_s = state.objective()
     report.planner_seconds = time.perf_counter() - start
     return plan, report
 
@@ -263,8 +265,64 @@ def _improve(
                 moved = True
                 break
             state.apply(i, it, c0, r0)
+        if not moved and candidates:
+            moved, tries = _try_swaps(state, items, candidates[:3], phases, J0 - tol, tables, notes)
+            tried += tries
         if not moved:
             break
+
+
+def _try_swaps(
+    state: State,
+    items: list[Item],
+    candidates: list[int],
+    phases: np.ndarray,
+    target: float,
+    tables: Sequence[TableConfig],
+    notes: dict[str, list[str]],
+) -> tuple[bool, int]:
+    """Swap a single-block table on a bottleneck rank with one on a less loaded rank; keep the first swap that
+    brings the step time under `target`. Returns (swapped, swaps tried)."""
+    singles = {i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)}
+    rank_load = phases.sum(axis=0)
+    tries = 0
+    for i in candidates:
+        if i not in singles:
+            continue
+        ci, (ri,) = singles[i]
+        partners = sorted(
+            (j for j, (_, (rj,)) in singles.items() if rj != ri),
+            key=lambda j: (rank_load[singles[j][1][0]], items[j].choices[singles[j][0]].avg, j),
+        )[:SWAP_PARTNERS]
+        for j in partners:
+            tries += 1
+            cj, (rj,) = singles[j]
+            chi, chj = items[i].choices[ci], items[j].choices[cj]
+            if (items[i].pinned and rj not in items[i].pinned) or (items[j].pinned and ri not in items[j].pinned):
+                continue
+            state.remove(i, items[i])
+            state.remove(j, items[j])
+            fits = (
+                state.hbm_free[rj] >= chi.hbm_max - 0.5
+                and state.ddr_free[rj] >= chi.ddr_max - 0.5
+                and state.hbm_free[ri] >= chj.hbm_max - 0.5
+                and state.ddr_free[ri] >= chj.ddr_max - 0.5
+            )
+            if fits:
+                J_before = target
+                state.apply(i, items[i], ci, (rj,))
+                state.apply(j, items[j], cj, (ri,))
+                J = state.objective()
+                if J < J_before:
+                    text = f"local search: swapped with {tables[items[j].tables[0]].name!r}: rank {ri} -> {rj}"
+                    _note(notes, tables, items[i], text + f", step -> {J * 1e3:.4f} ms")
+                    _note(notes, tables, items[j], f"local search: swapped with {tables[items[i].tables[0]].name!r}")
+                    return True, tries
+                state.remove(i, items[i])
+                state.remove(j, items[j])
+            state.apply(i, items[i], ci, (ri,))
+            state.apply(j, items[j], cj, (rj,))
+    return False, tries
 
 
 def _rk(ranks: Sequence[int]) -> str:
