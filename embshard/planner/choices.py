@@ -102,9 +102,7 @@ def build_items(
     index = {n: i for i, n in enumerate(names)}
     groups = colocation_groups(names, constraints)
     grouped = {index[n] for g in groups if len(g) > 1 for n in g}
-    opts = [
-        table_options(t, constraints[t.name], topo, settings, colocated=i in grouped) for i, t in enumerate(tables)
-    ]
+    opts = [table_options(t, constraints[t.name], topo, settings, colocated=i in grouped) for i, t in enumerate(tables)]
     hints = [constraints[t.name].zipf_alpha for t in tables]
     alpha = np.array([settings.zipf_alpha if a is None else a for a in hints], dtype=float)
     # Runs of equal blocks of every (table, option), grouped by (sharding, tier, clf) for one vectorized call each.

@@ -37,14 +37,15 @@ def _budget_line(topo: Topology, budgets) -> str:
     return "; ".join(parts)
 
 
-def _fixes(topo: Topology, tables: Sequence[TableConfig], need_total: float, per_rank: float, tier: str) -> list[str]:
+def _fixes(topo: Topology, tables: Sequence[TableConfig]) -> list[str]:
     fixes = []
-    if per_rank > 0:
-        ws = math.ceil(need_total / per_rank)
-        fixes.append(f"use at least {ws} ranks (--world-size {ws}) so the {tier} memory suffices")
     if topo.is_gpu:
-        fixes.append("allow the uvm / uvm_caching tiers (host memory) for the largest tables if constraints forbid them")
-        fixes.append("raise --ddr-gib if the hosts have more memory than assumed, or lower the reserve (--hbm-reserve-gib)")
+        fixes.append(
+            "allow the uvm / uvm_caching tiers (host memory) for the largest tables if constraints forbid them"
+        )
+        fixes.append(
+            "raise --ddr-gib if the hosts have more memory than assumed, or lower the reserve (--hbm-reserve-gib)"
+        )
     else:
         fixes.append("raise --ddr-gib if the host has more memory than assumed")
     if any(t.data_type.bytes == 4 for t in tables):
@@ -67,15 +68,12 @@ def too_large_for_a_rank(item: Item, tables: Sequence[TableConfig], topo: Topolo
             f"  {ch.option.label:32s} largest shard: GPU {gib(ch.hbm.max())}, host {gib(ch.ddr.max())} "
             f"({ch.blocks} shard(s))"
         )
-    total = sum(tables[i].weight_bytes for i in item.tables)
     fixes = [
         "allow row_wise or column_wise sharding for it (constraints: sharding_types) so it is split over ranks",
-        *_fixes(topo, [tables[i] for i in item.tables], total, budgets.hbm if topo.is_gpu else budgets.ddr, "memory"),
+        *_fixes(topo, [tables[i] for i in item.tables]),
     ]
     lines.append("fixes: " + "; ".join(fixes))
-    return PlanningError(
-        "\n".join(lines), {"tables": names, "hbm_budget": budgets.hbm, "ddr_budget": budgets.ddr}
-    )
+    return PlanningError("\n".join(lines), {"tables": names, "hbm_budget": budgets.hbm, "ddr_budget": budgets.ddr})
 
 
 def totals_do_not_fit(
@@ -86,15 +84,13 @@ def totals_do_not_fit(
     budgets,
     fill: float,
 ) -> PlanningError:
-    """Even the least-GPU-memory option of every table leaves the summed budgets exceeded."""
+    """Even the least-memory options of the tables exceed the summed budgets of a tier, or of both together."""
     W = topo.world_size
     min_hbm = sum(min(it.choices[c].total_hbm for c in u) for it, u in zip(items, usable))
-    min_ddr_given_hbm = 0.0
-    for it, u in zip(items, usable):
-        c = min(u, key=lambda c: (it.choices[c].total_hbm, it.choices[c].total_ddr))
-        min_ddr_given_hbm += it.choices[c].total_ddr
     min_ddr = sum(min(it.choices[c].total_ddr for c in u) for it, u in zip(items, usable))
+    min_both = sum(min(it.choices[c].total_hbm + it.choices[c].total_ddr for c in u) for it, u in zip(items, usable))
     cap_h, cap_d = W * budgets.hbm * fill, W * budgets.ddr * fill
+    need_d = max(min_ddr, min_both - cap_h)
     lines = ["no plan fits the memory budgets:"]
     if topo.is_gpu:
         lines.append(
@@ -102,22 +98,30 @@ def totals_do_not_fit(
             f"{gib(cap_h)} = {W} ranks x {gib(budgets.hbm)} x {fill:g} fill"
         )
     lines.append(
-        f"  host memory: needed at least {gib(min_ddr)} ({gib(min_ddr_given_hbm)} with GPU memory minimised), "
-        f"available {gib(cap_d)} = {W} ranks x {gib(budgets.ddr)} x {fill:g} fill"
+        f"  host memory: needed at least {gib(need_d)} (what GPU memory cannot hold), available {gib(cap_d)} = "
+        f"{W} ranks x {gib(budgets.ddr)} x {fill:g} fill"
     )
+    if topo.is_gpu:
+        lines.append(f"  both together: needed at least {gib(min_both)}, available {gib(cap_h + cap_d)}")
     lines.append(f"  per rank: {_budget_line(topo, budgets)}")
-    short_h = topo.is_gpu and min_hbm > cap_h
-    need, per_rank, tier = (min_hbm, budgets.hbm * fill, "GPU") if short_h else (min_ddr, budgets.ddr * fill, "host")
-    lines.append("fixes: " + "; ".join(_fixes(topo, tables, need, per_rank, tier)))
+    per_rank_h, per_rank_d = budgets.hbm * fill, budgets.ddr * fill
+    ranks = max(
+        math.ceil(min_hbm / per_rank_h) if per_rank_h > 0 else 0,
+        math.ceil(min_both / (per_rank_h + per_rank_d)) if per_rank_h + per_rank_d > 0 else 0,
+        W + 1,
+    )
+    fixes = [f"use at least {ranks} ranks (--world-size {ranks})", *_fixes(topo, tables)]
+    lines.append("fixes: " + "; ".join(fixes))
     return PlanningError(
         "\n".join(lines),
         {
             "hbm_needed": min_hbm,
             "hbm_available": cap_h,
-            "ddr_needed": min_ddr,
+            "ddr_needed": need_d,
             "ddr_available": cap_d,
             "hbm_budget_per_rank": budgets.hbm,
             "ddr_budget_per_rank": budgets.ddr,
+            "min_world_size": ranks,
         },
     )
 
@@ -139,7 +143,9 @@ def placement_failed(
         lines.append(f"  {ch.option.label:32s} needs per shard: GPU {gib(ch.hbm.max())}, host {gib(ch.ddr.max())}")
     lines.append("  free memory per rank (GPU / host):")
     for r in range(topo.world_size):
-        lines.append(f"    rank {r}: {gib(hbm_free[r])} of {gib(budgets.hbm)} / {gib(ddr_free[r])} of {gib(budgets.ddr)}")
+        lines.append(
+            f"    rank {r}: {gib(hbm_free[r])} of {gib(budgets.hbm)} / {gib(ddr_free[r])} of {gib(budgets.ddr)}"
+        )
     lines.append(
         "fixes: allow row_wise / column_wise for the largest tables so they spread evenly; lower "
         "planner settings memory_fill; use more ranks or more memory per rank (--hbm-gib, --ddr-gib)"

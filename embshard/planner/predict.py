@@ -141,7 +141,7 @@ def predict(
     rank_mem_list = [Storage(*(float(rank_mem[f][r]) for f in fields)) for r in range(W)]
     for st, tier, r in sorted(groups, key=lambda g: (g[0].value, g[1].value, g[2])):
         total[:, r] += model.group_fixed(st, tier)
-    for st, (n, nw) in schemes.items():
+    for st, (_n, nw) in schemes.items():
         total += model.scheme_fixed(st, nw > 0)[:, None]
     b = budgets(model, tables)
     phases = R.phase_times(total)
@@ -172,4 +172,3 @@ def predict(
         table_configs=tuple(tables),
         constraints=cons,
     )
-

@@ -283,7 +283,9 @@ def _try_swaps(
 ) -> tuple[bool, int]:
     """Swap a single-block table on a bottleneck rank with one on a less loaded rank; keep the first swap that
     brings the step time under `target`. Returns (swapped, swaps tried)."""
-    singles = {i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)}
+    singles = {
+        i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)
+    }
     rank_load = phases.sum(axis=0)
     tries = 0
     for i in candidates:
