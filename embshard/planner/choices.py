@@ -30,14 +30,15 @@ class Choice:
         """Balanced cost: the step time this choice adds if its work were spread evenly over the ranks (s)."""
         self.members = members
         """The option of each of the item's tables (co-located tables may differ in cache size)."""
-        self._runs = runs  # owner, same, other [runs, NROWS]; hbm, ddr [runs]
+        self._runs = runs  # (kind arrays: owner, same, other [n, NROWS]; hbm, ddr [n]), first, end
         self._counts = counts.astype(int)
         self.blocks, self.hbm_max, self.ddr_max, self.total_hbm, self.total_ddr = sizes
         self.dense: dict = {}
         """Cache of [NROWS, W] loads for placements on fixed ranks (row-wise kinds, DP)."""
 
     def _expanded(self, k: int) -> np.ndarray:
-        x = self._runs[k]
+        arrays, a, b = self._runs
+        x = arrays[k][a:b]
         return x if self._counts.size == 1 and self._counts[0] == 1 else np.repeat(x, self._counts, axis=0)
 
     @cached_property
@@ -68,7 +69,8 @@ class Choice:
     @property
     def first_owner(self) -> np.ndarray:
         """[NROWS]: load of the first block on its rank."""
-        return self._runs[0][0]
+        arrays, a, _ = self._runs
+        return arrays[0][a]
 
 
 @dataclass
@@ -137,14 +139,12 @@ def build_items(
             np.add.reduceat(hbm * count, starts).tolist(),
             np.add.reduceat(ddr * count, starts).tolist(),
         )
-        ends = [*starts[1:], len(ti)]
-        for s, (a, b, size) in enumerate(zip(starts.tolist(), ends, sizes)):
-            per[(int(ti[a]), int(oj[a]))] = (
-                (owner[a:b], same[a:b], other[a:b], hbm[a:b], ddr[a:b]),
-                count[a:b],
-                avg[s],
-                size,
-            )
+        arrays = (owner, same, other, hbm, ddr)
+        starts_l = starts.tolist()
+        ends = [*starts_l[1:], len(ti)]
+        ti_l, oj_l = ti.tolist(), oj.tolist()
+        for s, (a, b, size) in enumerate(zip(starts_l, ends, sizes)):
+            per[(ti_l[a], oj_l[a])] = ((arrays, a, b), count[a:b], avg[s], size)
 
     def choice(o: Option, j_of: tuple[int, int], members: list[Option]) -> Choice:
         runs, n, avg, size = per[j_of]
@@ -182,10 +182,10 @@ def _colocated(g, members, opts, per, constraints, tables, W: int, lws: int) -> 
             j = next(j for j, o in enumerate(opts[i]) if o.tier is tier)
             parts.append(per[(i, j)])
             member_opts.append(opts[i][j])
-        ow, sa, ot, hb, dd = (sum(p[0][k] for p in parts) for k in range(5))
+        ow, sa, ot, hb, dd = (sum(p[0][0][k][p[0][1] : p[0][2]] for p in parts) for k in range(5))
         avg = float(balanced_cost(ow[0] + (lws - 1) * sa[0] + (W - lws) * ot[0], W))
         size = (1, float(hb[0]), float(dd[0]), float(hb[0]), float(dd[0]))
-        chs.append(Choice(member_opts[0], (ow, sa, ot, hb, dd), np.ones(1), avg, member_opts, size))
+        chs.append(Choice(member_opts[0], ((ow, sa, ot, hb, dd), 0, 1), np.ones(1), avg, member_opts, size))
     weighted = any(tables[i].weighted for i in members)
     return Item(members, chs, tuple(sorted(pinned)) if len(pinned) < W else (), weighted)
 

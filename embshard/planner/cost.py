@@ -195,6 +195,7 @@ class CostModel:
         self.mem_bw = topology.hbm_bw if topology.is_gpu else topology.ddr_bw
         self.ar_bw = topology.intra_host_bw if topology.num_hosts == 1 else topology.inter_host_bw
         self.latency = topology.collective_latency_s if topology.num_hosts == 1 else topology.inter_collective_latency_s
+        self._fixed: dict[tuple, np.ndarray] = {}
 
     # ---- volumes ------------------------------------------------------------------------------------------
     def volumes(self, t: TableStats, sharding: ShardingType, rows):
@@ -329,7 +330,20 @@ class CostModel:
         return v
 
     def group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
-        """[NROWS]: kernel launch costs of one lookup group on a rank."""
+        """[NROWS]: kernel launch costs of one lookup group on a rank (do not modify: cached)."""
+        key = ("group", sharding, tier)
+        if key not in self._fixed:
+            self._fixed[key] = self._group_fixed(sharding, tier)
+        return self._fixed[key]
+
+    def scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
+        """[NROWS]: collective latencies of one sharding scheme, on every rank (do not modify: cached)."""
+        key = ("scheme", sharding, weighted)
+        if key not in self._fixed:
+            self._fixed[key] = self._scheme_fixed(sharding, weighted)
+        return self._fixed[key]
+
+    def _group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
         v = np.zeros(R.NROWS)
         k = self.topo.kernel_s
         v[R.FWD] = k * (3 if tier is MemoryTier.UVM_CACHING else 1)
@@ -338,8 +352,7 @@ class CostModel:
             v[R.DP_UPDATE] = 2 * k
         return v
 
-    def scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
-        """[NROWS]: collective latencies of one sharding scheme, on every rank."""
+    def _scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
         v = np.zeros(R.NROWS)
         if self.topo.world_size == 1:
             return v

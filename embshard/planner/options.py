@@ -14,6 +14,7 @@ from embshard.planner.topology import Topology
 from embshard.tables import ConfigError, TableConfig
 
 MIN_COLUMN_BLOCK = 16  # narrowest column block the planner proposes on its own (columns)
+MAX_COLUMN_SHARDS = 8  # most column blocks it proposes on its own (row-wise spreads wider tables further)
 
 GPU_TIERS = (MemoryTier.HBM, MemoryTier.UVM_CACHING, MemoryTier.UVM)
 TYPE_ORDER = (
@@ -110,6 +111,8 @@ def table_options(
             for tier in tiers:
                 if st is ShardingType.DATA_PARALLEL and tier not in (MemoryTier.HBM, MemoryTier.HOST):
                     continue
+                if st is ShardingType.COLUMN_WISE and tier is MemoryTier.UVM and not constraint.column_shards:
+                    continue  # duplicated ids over the host link: never better than table-wise UVM
                 out.append(Option(st, tier, parts, clf if tier is MemoryTier.UVM_CACHING else 0.0))
     if not out:
         raise ConfigError(
@@ -132,7 +135,7 @@ def _column_parts(table: TableConfig, constraint: ParameterConstraints, W: int, 
     if constraint.column_shards:
         return [k for k in constraint.column_shards if 2 <= k <= min(n_ranks, D // 4)]
     out, k = [], 2
-    while k <= n_ranks and D // k >= MIN_COLUMN_BLOCK:
+    while k <= min(n_ranks, MAX_COLUMN_SHARDS) and D // k >= MIN_COLUMN_BLOCK:
         out.append(k)
         k *= 2
     return out
@@ -166,10 +169,15 @@ def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]
     TW one block, DP one replica per rank, row-wise kinds one run of full blocks and a shorter last one."""
     R, D = table.num_embeddings, table.embedding_dim
     if option.sharding is ShardingType.COLUMN_WISE:
-        return [(R, c, n) for c, n in _runs(tuple(column_splits(D, option.parts)))]
+        return [(R, c, n) for c, n in _column_runs(D, option.parts)]
     if option.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         return [(r, D, n) for r, n in _row_runs(R, option.parts)]
     return [(R, D, option.parts)]
+
+
+@lru_cache(maxsize=4096)
+def _column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
+    return _runs(tuple(column_splits(dim, parts)))
 
 
 @lru_cache(maxsize=4096)

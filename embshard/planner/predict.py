@@ -95,6 +95,7 @@ def predict(
     rank_mem = {f: np.zeros(W) for f in fields}
     table_hbm, table_ddr = np.zeros(len(tables)), np.zeros(len(tables))
     per_table: list[list] = [[] for _ in tables]
+    alone = np.zeros(len(tables))
     groups: set[tuple] = set()
     for (st, tier, clf), entries in kinds.items():
         ti, rk, rows, cols = (np.array(x) for x in zip(*entries))
@@ -111,13 +112,23 @@ def predict(
             np.add.at(rank_mem[f], rk, np.broadcast_to(getattr(mem, f), rows.shape))
         np.add.at(table_hbm, ti, np.broadcast_to(mem.hbm, rows.shape))
         np.add.at(table_ddr, ti, np.broadcast_to(mem.ddr, rows.shape))
-        for k in range(len(ti)):
+        # A table's time alone: one shard -> each rank shows one of owner / same / other; else spread them.
+        single = np.bincount(ti, minlength=len(tables))[ti] == 1
+        peak = owner[single]
+        if lws > 1:
+            peak = np.maximum(peak, same[single])
+        if W > lws:
+            peak = np.maximum(peak, other[single])
+        alone[ti[single]] = np.maximum.reduceat(peak, R.PHASE_START, axis=1).sum(axis=1)
+        for k in np.flatnonzero(~single).tolist():
             per_table[ti[k]].append((rk[k], owner[k], same[k], other[k]))
         groups.update((st, tier, int(r)) for r in set(rk.tolist()))
     table_reports = []
     for i, t in enumerate(tables):
         tp = plan[t.name]
-        rk, ow, sa, ot = (np.array(x) for x in zip(*per_table[i]))
+        if per_table[i]:
+            rk, ow, sa, ot = (np.array(x) for x in zip(*per_table[i]))
+            alone[i] = R.step_time(R.spread(rk, ow, sa, ot, W, lws))
         table_reports.append(
             TableReport(
                 name=t.name,
@@ -129,7 +140,7 @@ def predict(
                 cache_load_factor=tp.cache_load_factor if tp.tier is MemoryTier.UVM_CACHING else None,
                 hbm_bytes=float(table_hbm[i]),
                 ddr_bytes=float(table_ddr[i]),
-                time_s=R.step_time(R.spread(rk, ow, sa, ot, W, lws)),
+                time_s=float(alone[i]),
                 notes=tuple((notes or {}).get(t.name, ())),
             )
         )

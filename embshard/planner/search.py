@@ -190,19 +190,22 @@ def _place_all(
     for i in order:
         it = items[i]
         first = chosen[i]
+        got = state.best_ranks(it, it.choices[first])
+        if got is not None:
+            state.apply(i, it, first, got[1])
+            continue
         fallbacks = sorted((c for c in usable[i] if c != first), key=lambda c: (it.choices[c].avg, c))
-        for c in [first, *fallbacks]:
+        for c in fallbacks:
             got = state.best_ranks(it, it.choices[c])
             if got is None:
                 continue
             state.apply(i, it, c, got[1])
-            if c != first:
-                _note(
-                    notes,
-                    tables,
-                    it,
-                    f"{it.choices[first].option.label} fit no rank's free memory: placed as {it.choices[c].option.label}",
-                )
+            _note(
+                notes,
+                tables,
+                it,
+                f"{it.choices[first].option.label} fit no rank's free memory: placed as {it.choices[c].option.label}",
+            )
             break
         else:
             tried = [first, *fallbacks]

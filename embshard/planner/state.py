@@ -21,12 +21,15 @@ class State:
         self.model = model
         self.W, self.lws, self.H = topo.world_size, topo.local_world_size, topo.num_hosts
         self.loads = np.zeros((R.NROWS, self.W))
+        self.version = 0  # bumped whenever the loads change (invalidates _host_stats)
+        self._stats_key: tuple | None = None
+        self._stats: tuple = ()
         self.hbm_free = np.full(self.W, float(hbm_budget))
         self.ddr_free = np.full(self.W, float(ddr_budget))
         self.group_count: dict[tuple, np.ndarray] = {}
         self.scheme_count: dict[ShardingType, list[int]] = {}  # [items, weighted items]
         self.placed: dict[int, tuple[int, tuple[int, ...]]] = {}  # item -> (choice index, ranks)
-        self.host_mask = (np.arange(self.W) // self.lws)[None, :] == np.arange(self.H)[:, None]  # [H, W]
+        self.rank_host = np.arange(self.W) // self.lws
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
@@ -56,6 +59,12 @@ class State:
         return d
 
     def _dense(self, ch: Choice, ranks: np.ndarray) -> np.ndarray:
+        if ch.blocks == 1:  # one block: its rank, its host's other ranks, the other hosts' ranks
+            q = int(ranks[0])
+            host = self.rank_host == q // self.lws
+            d = np.where(host[None, :], ch.same[0][:, None], ch.other[0][:, None])
+            d[:, q] = ch.owner[0]
+            return d
         key = tuple(ranks.tolist())
         cached = ch.dense.get(key)
         if cached is None:
@@ -68,6 +77,7 @@ class State:
         """Place choice c of item i on `ranks` (one per block)."""
         ch = item.choices[c]
         self.loads += self.delta(item, ch, ranks, +1)
+        self.version += 1
         np.subtract.at(self.hbm_free, np.asarray(ranks), ch.hbm)
         np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
         key = self._group(ch)
@@ -83,6 +93,7 @@ class State:
         c, ranks = self.placed.pop(i)
         ch = item.choices[c]
         self.loads += self.delta(item, ch, ranks, -1)
+        self.version += 1
         np.add.at(self.hbm_free, np.asarray(ranks), ch.hbm)
         np.add.at(self.ddr_free, np.asarray(ranks), ch.ddr)
         np.subtract.at(self.group_count[self._group(ch)], list(ranks), 1)
@@ -125,11 +136,13 @@ class State:
             r = got[1]
             ranks.append(r)
             self.loads += self._block_delta(item, ch, b, r, first=b == 0, ranks_so_far=ranks[:-1])
+            self.version += 1
             self.hbm_free[r] -= ch.hbm[b]
             self.ddr_free[r] -= ch.ddr[b]
         else:
             result = (self.objective(), tuple(ranks))
         self.loads, self.hbm_free, self.ddr_free = saved
+        self.version += 1
         return result
 
     def _block_delta(self, item: Item, ch: Choice, b: int, r: int, first: bool, ranks_so_far: list[int]) -> np.ndarray:
@@ -149,9 +162,10 @@ class State:
     def _best_single(self, item: Item, ch: Choice, b: int, exclude: tuple[int, ...]) -> tuple[float, int] | None:
         """Best rank for block b alone: (step time, rank), vectorised over ranks, exact for this model.
 
-        Placing the block on rank q adds `owner` to q, `same` to q's host peers and `other` to every other
-        host's ranks; the new maximum of a row is max(q's new value, the largest other rank's new value), and
-        the latter is the row's top value of the host-h pattern unless that top is q itself (then the second)."""
+        On rank q (host h) the block adds `owner` to q, `same` to q's host peers and `other` to the ranks of
+        other hosts. A row's new maximum is the largest of: q's new value; the top of host h's other ranks
+        (the host's first or, if that is q, second largest) plus `same`; the top of the other hosts plus `other`.
+        """
         feasible = (self.hbm_free >= ch.hbm[b] - 0.5) & (self.ddr_free >= ch.ddr[b] - 0.5)
         if item.pinned:
             allowed = np.zeros(self.W, dtype=bool)
@@ -164,25 +178,45 @@ class State:
             return None
         o, a, x = ch.owner[b], ch.same[b], ch.other[b]
         counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
-        absent = (counts == 0).astype(float)
+        absent = (counts[q] == 0).astype(float)
         if exclude:
-            absent[list(exclude)] = 0.0
+            absent[np.isin(q, exclude)] = 0.0
         fixed = self.model.group_fixed(*self._group(ch))
         scheme = self._scheme_delta(item, ch, +1) if b == 0 else np.zeros(R.NROWS)
-        base = self.loads + scheme[:, None]
-        if self.H == 1:
-            A = (base + a[:, None])[None]
+        L = self.loads
+        arg_in, top1_in, top2_in, best_h, first_v, second_v = self._host_stats()
+        hq, jq = q // self.lws, q % self.lws
+        same_host = np.where(arg_in[:, hq] == jq[None, :], top2_in[:, hq], top1_in[:, hq]) + a[:, None]
+        if self.H > 1:
+            out_top = np.where(best_h[:, None] == hq[None, :], second_v[:, None], first_v[:, None])
+            excl = np.maximum(same_host, out_top + x[:, None])
         else:
-            A = base[None] + np.where(self.host_mask[:, None, :], a[None, :, None], x[None, :, None])
-        arg = A.argmax(axis=2)  # [H, NROWS]
-        top1 = np.take_along_axis(A, arg[..., None], axis=2)[..., 0]
-        np.put_along_axis(A, arg[..., None], -np.inf, axis=2)
-        top2 = A.max(axis=2)
-        hq = q // self.lws
-        excl = np.where(arg[hq].T == q[None, :], top2[hq].T, top1[hq].T)  # [NROWS, candidates]
-        own = base[:, q] + o[:, None] + np.outer(fixed, absent[q])
-        J = np.maximum.reduceat(np.maximum(excl, own), R.PHASE_START, axis=0).sum(axis=0)
+            excl = same_host
+        own = L[:, q] + o[:, None] + np.outer(fixed, absent)
+        new = np.maximum(excl, own) + scheme[:, None]
+        J = np.maximum.reduceat(new, R.PHASE_START, axis=0).sum(axis=0)
         own_t = np.maximum.reduceat(own, R.PHASE_START, axis=0).sum(axis=0)
         # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
         k = np.lexsort((q, -self.hbm_free[q], own_t, np.round(J * 1e9)))[0]
         return float(J[k]), int(q[k])
+
+    def _host_stats(self) -> tuple:
+        """Per row: each host's largest and second largest load (and where), and the best two hosts. Cached until
+        the loads change."""
+        key = (id(self.loads), self.version)
+        if self._stats_key == key:
+            return self._stats
+        by_host = self.loads.reshape(R.NROWS, self.H, self.lws)
+        arg_in = by_host.argmax(axis=2)  # [NROWS, H], index within the host
+        srt = np.sort(by_host, axis=2)
+        top1_in = srt[:, :, -1]
+        top2_in = srt[:, :, -2] if self.lws > 1 else np.full_like(top1_in, -np.inf)
+        best_h = first_v = second_v = None
+        if self.H > 1:
+            hsrt = np.argsort(-top1_in, axis=1, kind="stable")
+            best_h, second_h = hsrt[:, 0], hsrt[:, 1]
+            rows = np.arange(R.NROWS)
+            first_v, second_v = top1_in[rows, best_h], top1_in[rows, second_h]
+        self._stats = (arg_in, top1_in, top2_in, best_h, first_v, second_v)
+        self._stats_key = key
+        return self._stats
