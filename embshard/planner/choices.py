@@ -109,17 +109,16 @@ def build_items(
     alpha = np.array([settings.zipf_alpha if a is None else a for a in hints], dtype=float)
     # Runs of equal blocks of every (table, option), grouped by (sharding, tier, clf) for one vectorized call each.
     stats = TableStats.of(tables)
-    kinds: dict[tuple, list[list]] = {}
+    kinds: dict[tuple, list[tuple]] = {}
     for i, t in enumerate(tables):
         for j, o in enumerate(opts[i]):
-            cols = kinds.setdefault((o.sharding, o.tier, o.cache_load_factor), [[], [], [], [], []])
-            for rows, c, n in shard_runs(t, o):
-                for lst, v in zip(cols, (i, j, rows, c, n)):
-                    lst.append(v)
+            entries = kinds.setdefault((o.sharding, o.tier, o.cache_load_factor), [])
+            entries.extend((i, j, rows, c, n) for rows, c, n in shard_runs(t, o))
     per: dict[tuple[int, int], tuple] = {}
-    for (st, tier, clf), (ti, oj, rows, cols, count) in kinds.items():
-        ti, oj = np.array(ti), np.array(oj)
-        rows, cols, count = (np.array(x, dtype=float) for x in (rows, cols, count))
+    for (st, tier, clf), entries in kinds.items():
+        table = np.array(entries, dtype=np.int64)
+        ti, oj = table[:, 0], table[:, 1]
+        rows, cols, count = (table[:, k].astype(float) for k in (2, 3, 4))
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti])
         mem = model.storage(sub, st, tier, rows, cols, clf)
