@@ -6,8 +6,9 @@ it does not fit in HBM (large tables go to UVM-caching). For hetero124 also Torc
 placements (all table-wise; tiny tables data-parallel; + huge tables row-wise), the variants measured with
 TorchRec on 2 H200 (19.79, 7.47, 8.45 ms/step), so the model's differences can be checked too.
 
-On the GPU machine (reads the GPUs; --topology FILE uses `embshard calibrate` numbers instead):
-    python bench/planner_predict.py --detect --out-dir plans
+On the GPU machine (reads the GPUs; --topology FILE uses `embshard calibrate` numbers instead; --torchrec adds
+TorchRec's own plan for each workload, given the same GPU memory, predicted by the same model):
+    python bench/planner_predict.py --detect --out-dir plans [--torchrec]
 Without GPUs (preset speeds):
     python bench/planner_predict.py --device h200 --world-size 2
 
@@ -24,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType, simple_plan  # noqa: E402
 from embshard.planner import PlanReport, Topology, plan_with_report, predict  # noqa: E402
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--zipf", type=float, help="access skew the benchmark's ids follow (default: each config's, 0)")
     p.add_argument("--out-dir", default="plans", help="where the plans are saved (YAML)")
     p.add_argument("--verbose", action="store_true", help="also print each full report")
+    p.add_argument("--torchrec", action="store_true", help="also plan with TorchRec (given the same GPU memory)")
     args = p.parse_args(argv)
     if args.topology:
         base = Topology.load(args.topology).with_sizes(args.world_size)
@@ -94,6 +97,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.verbose:
             print(report, "\n")
         lines.append(line(name, "planner" + (f"@hbm{hbm_gib:g}GiB" if hbm_gib else ""), report, path))
+        if args.torchrec:
+            from torchrec_planner import torchrec_plan
+
+            tplan = torchrec_plan(
+                inp.tables, topo.world_size, topo.local_world_size, topo.hbm_bytes / GIB, inp.batch_size
+            )
+            tpath = out_dir / f"{name}.torchrec.yaml"
+            tplan.save(tpath)
+            treport = predict(tplan, inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, settings)
+            lines.append(line(name, "torchrec-planner", treport, tpath))
         if name == "hetero124":
             for variant, vplan in torchrec_like_variants(inp, topo.world_size).items():
                 vpath = out_dir / f"{name}.{variant.replace(',', '+')}.yaml"

@@ -221,3 +221,40 @@ def test_loads_match_between_search_and_predict_on_multi_host():
     plan, report = plan_with_report(tables, Topology.preset("h100", 16, 4), 512)
     assert np.all(report.loads >= 0)
     assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
+
+
+def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
+    from embshard.planner import loads as R
+    from embshard.planner.cost import CostModel, TableStats
+
+    tables = random_tables(13, 25)
+    topo = Topology.preset("h100", 8, 4)
+    plan, _ = plan_with_report(tables, topo, 512)
+    plan.save(tmp_path / "p.yaml")
+    report = predict(ShardingPlan.load(tmp_path / "p.yaml"), tables, topo, 512)
+    model = CostModel(topo, 512, FusedOptimizerConfig())
+    for t in tables:
+        tp = plan[t.name]
+        rows = np.array([s.num_rows for s in tp.shards], dtype=float)
+        cols = np.array([s.num_cols for s in tp.shards], dtype=float)
+        wk = model.work(TableStats.one(t), tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor)
+        shape = (len(rows), R.NROWS)
+        vecs = [
+            np.broadcast_to(v, shape)
+            for v in (model.owner_vec(wk), model.peer_vec(wk, True), model.peer_vec(wk, False))
+        ]
+        alone = R.step_time(R.spread(np.array(tp.ranks), *vecs, 8, 4))
+        assert report.table(t.name).time_s == pytest.approx(alone, rel=1e-9)
+    text = explain(report, "t3")
+    assert "table 't3'" in text and "<- chosen" in text and "balanced ms" in text
+
+
+def test_calibrate_on_cpu(tmp_path):
+    from embshard.planner.calibrate import main as calibrate_main
+
+    out = tmp_path / "topo.yaml"
+    calibrate_main(["--out", str(out), "--size-mib", "8", "--iters", "2", "--no-collectives"])
+    topo = Topology.load(out)
+    assert "ddr_bw" in topo.measured and topo.ddr_bw > 0 and topo.source.startswith("calibrated")
+    plan, report = plan_with_report(random_tables(1, 6), topo.with_sizes(2, ddr_gib=256), 64)
+    assert {t.tier for t in plan.tables} == {MemoryTier.HOST}
