@@ -70,7 +70,9 @@ def torchrec_plan(
                 shards = [Shard(r, 0, t.num_embeddings, 0, t.embedding_dim) for r in p.ranks]
             else:
                 shards = [
-                    Shard(s.placement.rank(), s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1], s.shard_sizes[1])
+                    Shard(
+                        s.placement.rank(), s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1], s.shard_sizes[1]
+                    )
                     for s in p.sharding_spec.shards
                     if s.shard_sizes[0] > 0 and s.shard_sizes[1] > 0
                 ]

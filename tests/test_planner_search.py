@@ -258,3 +258,15 @@ def test_calibrate_on_cpu(tmp_path):
     assert "ddr_bw" in topo.measured and topo.ddr_bw > 0 and topo.source.startswith("calibrated")
     plan, report = plan_with_report(random_tables(1, 6), topo.with_sizes(2, ddr_gib=256), 64)
     assert {t.tier for t in plan.tables} == {MemoryTier.HOST}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_greedy_is_close_to_the_exact_optimum_on_small_models(seed):
+    tables = random_tables(100 + seed, 4)
+    topo = Topology.preset("h100", 3, 3, ddr_gib=4096)
+    off = PlannerSettings(exact_limit=0)
+    greedy = plan_with_report(tables, topo, 256, settings=off)[1]
+    best = plan_with_report(tables, topo, 256, settings=PlannerSettings(exact_limit=10**6))[1]
+    assert best.step_time_s <= greedy.step_time_s + 1e-12
+    assert greedy.step_time_s <= 1.15 * best.step_time_s
+    assert_valid(best.plan, best, tables)

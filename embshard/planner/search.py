@@ -23,7 +23,7 @@ import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, TablePlan
-from embshard.planner import errors
+from embshard.planner import errors, exact
 from embshard.planner import loads as R
 from embshard.planner.choices import Item, build_items, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
@@ -91,6 +91,8 @@ def plan_with_report(
     state = State(model, bud.hbm, bud.ddr)
     _place_all(state, items, usable, chosen, bud, tables, topology, notes)
     _improve(state, items, usable, settings.max_moves, tables, notes)
+    if settings.exact_limit and exact.count(state, items, usable) <= settings.exact_limit:
+        state = _exact(state, model, bud, items, usable, tables, notes)
     plan = _to_plan(state, items, tables, topology)
     report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, notes)
     report.search_step_time_s = state.objective()
@@ -328,6 +330,37 @@ def _try_swaps(
             state.apply(i, items[i], ci, (ri,))
             state.apply(j, items[j], cj, (rj,))
     return False, tries
+
+
+def _exact(
+    greedy: State,
+    model: CostModel,
+    bud: Budgets,
+    items: list[Item],
+    usable: list[list[int]],
+    tables: Sequence[TableConfig],
+    notes: dict[str, list[str]],
+) -> State:
+    """The exhaustive optimum when it beats the greedy plan (small models), else the greedy state."""
+    fresh = State(model, bud.hbm, bud.ddr)
+    J, assignment = exact.exhaustive(fresh, items, usable)
+    J0 = greedy.objective()
+    if not assignment or J >= J0 - 1e-12:
+        for it in items:
+            _note(
+                notes, tables, it, f"exact search over all placements: the greedy plan is optimal ({J0 * 1e3:.4f} ms)"
+            )
+        return greedy
+    for i, (c, ranks) in enumerate(assignment):
+        fresh.apply(i, items[i], c, ranks)
+        if (c, ranks) != greedy.placed[i]:
+            _note(
+                notes,
+                tables,
+                items[i],
+                f"exact search: {items[i].choices[c].option.label} on {_rk(ranks)} (step {J0 * 1e3:.4f} -> {J * 1e3:.4f} ms)",
+            )
+    return fresh
 
 
 def _rk(ranks: Sequence[int]) -> str:

@@ -33,6 +33,8 @@ class PlannerSettings:
     """Extra kernel launches per data-parallel table per step (0: one batched kernel for all, as FBGEMM's)."""
     max_moves: int = 400
     """Local-search budget: at most this many candidate moves are evaluated after the greedy placement."""
+    exact_limit: int = 20000
+    """Search every assignment exactly when there are at most this many (small models); 0 turns it off."""
     memory_fill: float = 0.97
     """Tier assignment fills at most this share of the summed budgets (placement needs some slack)."""
 
@@ -54,6 +56,8 @@ class PlannerSettings:
             raise bad("dp_kernels_per_table", "it must be >= 0")
         if self.max_moves < 0:
             raise bad("max_moves", "it must be >= 0")
+        if self.exact_limit < 0:
+            raise bad("exact_limit", "it must be >= 0")
         if not 0.5 <= self.memory_fill <= 1:
             raise bad("memory_fill", "it must be in [0.5, 1]")
         object.__setattr__(self, "sharding_types", tuple(ShardingType(s) for s in self.sharding_types))
