@@ -9,8 +9,11 @@ the memory budgets. Deterministic (no randomness; ties go to the first option / 
 4. Greedy placement: replicated and row-wise tables first, then tables by decreasing size (time or memory), each
    onto the ranks that give the lowest step time with room in memory; an option that fits nowhere falls back
    to the table's next cheapest.
-5. Local search: take a table off a bottleneck (phase, rank), re-place it under each of its options, keep the
-   best if it lowers the step time; stop when no move helps or after settings.max_moves tries.
+5. Local search (improve.py): take a table off a bottleneck (phase, rank), re-place it under each of its
+   options or swap it with a table on a lighter rank, keep what lowers the step time; stop when nothing helps
+   or after settings.max_moves tries.
+6. Small models (at most settings.exact_limit assignments): exhaustive search (exact.py); its optimum replaces
+   the greedy plan when better.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from embshard.planner.choices import Item, build_items, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
 from embshard.planner.errors import gib
+from embshard.planner.improve import exact_if_better, improve, note
 from embshard.planner.options import make_shards
 from embshard.planner.predict import Budgets, budgets, predict
 from embshard.planner.report import PlanReport
@@ -36,9 +40,6 @@ from embshard.planner.settings import PlannerSettings
 from embshard.planner.state import State
 from embshard.planner.topology import Topology
 from embshard.tables import ConfigError, TableConfig, validate_tables
-
-CANDIDATES_PER_ROUND = 6
-SWAP_PARTNERS = 8
 
 
 def plan_sharding(
@@ -86,23 +87,18 @@ def plan_with_report(
         why = f"cheapest option, {it.choices[c].avg * 1e3:.4f} ms balanced"
         if runner is not None:
             why += f" (next: {it.choices[runner].option.label} {it.choices[runner].avg * 1e3:.4f} ms)"
-        _note(notes, tables, it, why)
+        note(notes, tables, it, why)
     _fit_totals(items, usable, chosen, bud, topology, settings.memory_fill, tables, notes)
     state = State(model, bud.hbm, bud.ddr)
     _place_all(state, items, usable, chosen, bud, tables, topology, notes)
-    _improve(state, items, usable, settings.max_moves, tables, notes)
+    improve(state, items, usable, settings.max_moves, tables, notes)
     if settings.exact_limit and exact.count(state, items, usable) <= settings.exact_limit:
-        state = _exact(state, model, bud, items, usable, tables, notes)
+        state = exact_if_better(state, State(model, bud.hbm, bud.ddr), items, usable, tables, notes)
     plan = _to_plan(state, items, tables, topology)
     report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, notes)
     report.search_step_time_s = state.objective()
     report.planner_seconds = time.perf_counter() - start
     return plan, report
-
-
-def _note(notes: dict[str, list[str]], tables: Sequence[TableConfig], item: Item, text: str) -> None:
-    for i in item.tables:
-        notes[tables[i].name].append(text)
 
 
 def _fit_totals(
@@ -154,7 +150,7 @@ def _fit_totals(
             raise errors.totals_do_not_fit(items, usable, tables, topo, bud, fill)
         need_h += ch.total_hbm - cur.total_hbm
         need_d += ch.total_ddr - cur.total_ddr
-        _note(
+        note(
             notes,
             tables,
             items[i],
@@ -202,7 +198,7 @@ def _place_all(
             if got is None:
                 continue
             state.apply(i, it, c, got[1])
-            _note(
+            note(
                 notes,
                 tables,
                 it,
@@ -212,161 +208,6 @@ def _place_all(
         else:
             tried = [first, *fallbacks]
             raise errors.placement_failed(it, tried, tables, topo, bud, state.hbm_free, state.ddr_free)
-
-
-def _improve(
-    state: State,
-    items: list[Item],
-    usable: list[list[int]],
-    max_moves: int,
-    tables: Sequence[TableConfig],
-    notes: dict[str, list[str]],
-) -> None:
-    """Local search on the bottleneck: re-place the tables loading the slowest (phase, rank) most."""
-    tried = 0
-    while tried < max_moves:
-        J0 = state.objective()
-        tol = 1e-9 + 1e-6 * J0
-        phases = R.phase_times(state.loads)
-        scores: dict[int, float] = {}
-        for p in np.argsort(-phases.max(axis=1), kind="stable"):
-            if phases[p].max() <= 0:
-                break
-            r = int(phases[p].argmax())
-            rows = R.PHASE_ROWS[p]
-            for i, (c, ranks) in state.placed.items():
-                ch = items[i].choices[c]
-                if r in ranks:
-                    contrib = float(ch.owner[ranks.index(r)][rows].max())
-                else:
-                    contrib = float(ch.same[0][rows].max() + ch.other[0][rows].max()) * 0.5
-                if contrib > 0:
-                    scores[i] = max(scores.get(i, 0.0), contrib * phases[p].max())
-            if len(scores) >= CANDIDATES_PER_ROUND:
-                break
-        candidates = sorted(scores, key=lambda i: (-scores[i], i))[:CANDIDATES_PER_ROUND]
-        moved = False
-        for i in candidates:
-            if tried >= max_moves:
-                break
-            tried += 1
-            it = items[i]
-            c0, r0 = state.remove(i, it)
-            best = (J0 - tol, None, None)
-            for c in usable[i]:
-                got = state.best_ranks(it, it.choices[c])
-                if got is not None and got[0] < best[0]:
-                    best = (got[0], c, got[1])
-            if best[1] is not None and (best[1], best[2]) != (c0, r0):
-                state.apply(i, it, best[1], best[2])
-                old, new = it.choices[c0].option.label, it.choices[best[1]].option.label
-                _note(
-                    notes,
-                    tables,
-                    it,
-                    f"local search: {old} on {_rk(r0)} -> {new} on {_rk(best[2])}, step "
-                    f"{J0 * 1e3:.4f} -> {best[0] * 1e3:.4f} ms",
-                )
-                moved = True
-                break
-            state.apply(i, it, c0, r0)
-        if not moved and candidates:
-            moved, tries = _try_swaps(state, items, candidates[:3], phases, J0 - tol, tables, notes)
-            tried += tries
-        if not moved:
-            break
-
-
-def _try_swaps(
-    state: State,
-    items: list[Item],
-    candidates: list[int],
-    phases: np.ndarray,
-    target: float,
-    tables: Sequence[TableConfig],
-    notes: dict[str, list[str]],
-) -> tuple[bool, int]:
-    """Swap a single-block table on a bottleneck rank with one on a less loaded rank; keep the first swap that
-    brings the step time under `target`. Returns (swapped, swaps tried)."""
-    singles = {
-        i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)
-    }
-    rank_load = phases.sum(axis=0)
-    tries = 0
-    for i in candidates:
-        if i not in singles:
-            continue
-        ci, (ri,) = singles[i]
-        partners = sorted(
-            (j for j, (_, (rj,)) in singles.items() if rj != ri),
-            key=lambda j: (rank_load[singles[j][1][0]], items[j].choices[singles[j][0]].avg, j),
-        )[:SWAP_PARTNERS]
-        for j in partners:
-            tries += 1
-            cj, (rj,) = singles[j]
-            chi, chj = items[i].choices[ci], items[j].choices[cj]
-            if (items[i].pinned and rj not in items[i].pinned) or (items[j].pinned and ri not in items[j].pinned):
-                continue
-            state.remove(i, items[i])
-            state.remove(j, items[j])
-            fits = (
-                state.hbm_free[rj] >= chi.hbm_max - 0.5
-                and state.ddr_free[rj] >= chi.ddr_max - 0.5
-                and state.hbm_free[ri] >= chj.hbm_max - 0.5
-                and state.ddr_free[ri] >= chj.ddr_max - 0.5
-            )
-            if fits:
-                J_before = target
-                state.apply(i, items[i], ci, (rj,))
-                state.apply(j, items[j], cj, (ri,))
-                J = state.objective()
-                if J < J_before:
-                    text = f"local search: swapped with {tables[items[j].tables[0]].name!r}: rank {ri} -> {rj}"
-                    _note(notes, tables, items[i], text + f", step -> {J * 1e3:.4f} ms")
-                    _note(notes, tables, items[j], f"local search: swapped with {tables[items[i].tables[0]].name!r}")
-                    return True, tries
-                state.remove(i, items[i])
-                state.remove(j, items[j])
-            state.apply(i, items[i], ci, (ri,))
-            state.apply(j, items[j], cj, (rj,))
-    return False, tries
-
-
-def _exact(
-    greedy: State,
-    model: CostModel,
-    bud: Budgets,
-    items: list[Item],
-    usable: list[list[int]],
-    tables: Sequence[TableConfig],
-    notes: dict[str, list[str]],
-) -> State:
-    """The exhaustive optimum when it beats the greedy plan (small models), else the greedy state."""
-    fresh = State(model, bud.hbm, bud.ddr)
-    J, assignment = exact.exhaustive(fresh, items, usable)
-    J0 = greedy.objective()
-    if not assignment or J >= J0 - 1e-12:
-        for it in items:
-            _note(
-                notes, tables, it, f"exact search over all placements: the greedy plan is optimal ({J0 * 1e3:.4f} ms)"
-            )
-        return greedy
-    for i, (c, ranks) in enumerate(assignment):
-        fresh.apply(i, items[i], c, ranks)
-        if (c, ranks) != greedy.placed[i]:
-            _note(
-                notes,
-                tables,
-                items[i],
-                f"exact search: {items[i].choices[c].option.label} on {_rk(ranks)} (step {J0 * 1e3:.4f} -> {J * 1e3:.4f} ms)",
-            )
-    return fresh
-
-
-def _rk(ranks: Sequence[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {min(ranks)}-{max(ranks)}" if len(ranks) > 2 else f"ranks {ranks[0]},{ranks[1]}"
 
 
 def _to_plan(state: State, items: list[Item], tables: Sequence[TableConfig], topo: Topology) -> ShardingPlan:
