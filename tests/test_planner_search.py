@@ -131,6 +131,7 @@ def test_constraints_are_honoured():
     assert set(plan["t2"].ranks) == {3} and plan["t3"].ranks == plan["t2"].ranks
     assert plan["t4"].sharding_type is ShardingType.COLUMN_WISE and len(plan["t4"].shards) == 2
     assert plan["t5"].sharding_type is TW and plan["t5"].ranks[0] in (1, 2)
+    assert "co-located with 't2'" in explain(report, "t3")
 
 
 def test_table_too_large_for_any_rank_names_the_numbers():

@@ -3,13 +3,19 @@ every option it had, with the cost model's numbers for each."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from embshard.plan import ShardingType
 from embshard.planner import loads as R
 from embshard.planner.choices import build_items
+from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.predict import budgets
 from embshard.planner.report import PlanReport, _b, _columns, ranks_text
+
+_TW = (ShardingType.TABLE_WISE,)
 
 
 def explain(report: PlanReport, table: str) -> str:
@@ -31,7 +37,8 @@ def explain(report: PlanReport, table: str) -> str:
         f"memory: {_b(tr.hbm_bytes)} GPU, {_b(tr.ddr_bytes)} host over all shards "
         f"(per rank budget {_b(bud.hbm)} GPU, {_b(bud.ddr)} host)",
     ]
-    alone = _phases(model, cfg, tp)
+    hint = (report.constraints.get(table) or ParameterConstraints()).zipf_alpha
+    alone = _phases(model, cfg, tp, model.settings.zipf_alpha if hint is None else hint)
     lines.append(
         f"predicted: {tr.time_s * 1e3:.4f} ms per step if it were alone ("
         + ", ".join(f"{n} {t * 1e3:.4f}" for n, t in zip(R.PHASES, alone) if t > 0)
@@ -40,10 +47,15 @@ def explain(report: PlanReport, table: str) -> str:
     if tr.notes:
         lines.append("why:")
         lines += [f"  - {n}" for n in tr.notes]
-    cons = {table: report.constraints.get(table)} if report.constraints.get(table) else None
-    from embshard.planner.constraints import ParameterConstraints
-
-    item = build_items(model, [cfg], {table: (cons or {}).get(table) or ParameterConstraints()})[0]
+    cons = report.constraints.get(table) or ParameterConstraints()
+    if cons.colocate_with is not None:
+        lines.append(f"co-located with {cons.colocate_with!r}: only table-wise options, placed together")
+    alone = replace(
+        cons,
+        colocate_with=None,
+        sharding_types=cons.sharding_types or _TW if cons.colocate_with else cons.sharding_types,
+    )
+    item = build_items(model, [cfg], {table: alone})[0]
     rows = [("option", "balanced ms", "GPU mem", "host mem", "largest shard fits", "")]
     for ch in sorted(item.choices, key=lambda c: c.avg):
         fits = ch.hbm_max <= bud.hbm + 0.5 and ch.ddr_max <= bud.ddr + 0.5
@@ -68,11 +80,10 @@ def explain(report: PlanReport, table: str) -> str:
     return "\n".join(lines)
 
 
-def _phases(model: CostModel, cfg, tp) -> np.ndarray:
+def _phases(model: CostModel, cfg, tp, alpha: float) -> np.ndarray:
     stats = TableStats.one(cfg)
     rows = np.array([s.num_rows for s in tp.shards], dtype=float)
     cols = np.array([s.num_cols for s in tp.shards], dtype=float)
-    alpha = model.settings.zipf_alpha
     wk = model.work(stats, tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, alpha)
     shape = (len(rows), R.NROWS)
     topo = model.topo
