@@ -248,9 +248,11 @@ _UNITS: dict[str, tuple[str, float]] = {
 # read + write counted (measured here: H100 ~3.0 TB/s, H200 ~4.3 TB/s; A100 80GB ~1.7 TB/s). uvm_bw: row
 # gathers from host memory over PCIe gen5 (H100/H200) or gen4 (A100), well below the link's copy speed.
 # intra_host_bw: NCCL all-to-all bus bandwidth over NVLink4 (NVLink3 for A100); inter_host_bw: one 400 Gb/s
-# (200 Gb/s for A100) NIC per GPU. ddr_bytes: 2 TiB hosts with 8 GPUs. routed_id_s (0.5 ns) is fitted to one
-# measurement (TorchRec 1.6, 2 H200, 100 tables of 10k x 16 with 30 ids/bag: table-wise took 12.3 ms more per
-# step than data-parallel for 24.6M routed ids per rank); `embshard calibrate` replaces what it can measure.
+# (200 Gb/s for A100) NIC per GPU. ddr_bytes: 2 TiB hosts with 8 GPUs. The per-id overheads are fitted to
+# TorchRec 1.6 on 2 H200 with the hetero124 model: routed_id_s = 0.5 ns (table-wise took 12.3 ms more per step
+# than data-parallel for 24.6M routed ids per rank) and lookup_id_s = 0.17 ns (the byte model alone predicted
+# 4.3 ms less than measured for ~25M ids per rank in both placements); `embshard calibrate` measures
+# lookup_id_s on the machine.
 PRESETS: dict[str, dict[str, Any]] = {
     "h100": dict(
         device_name="h100",
@@ -262,6 +264,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ddr_bw=50e9,
         intra_host_bw=350e9,
         inter_host_bw=45e9,
+        lookup_id_s=0.17e-9,
     ),
     "h200": dict(
         device_name="h200",
@@ -273,6 +276,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ddr_bw=50e9,
         intra_host_bw=350e9,
         inter_host_bw=45e9,
+        lookup_id_s=0.17e-9,
     ),
     "a100": dict(
         device_name="a100",
@@ -284,6 +288,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ddr_bw=40e9,
         intra_host_bw=230e9,
         inter_host_bw=22e9,
+        lookup_id_s=0.17e-9,
     ),
     # CPU training: one process per rank on one host; gloo over shared memory / loopback TCP.
     "cpu": dict(
