@@ -36,7 +36,8 @@ def plot_report(report: PlanReport, path: str | Path) -> Path:
             ("batch buffers", [r.batch_buffers / GIB for r in report.ranks]),
         ]
         _stacked(ax, ranks, parts)
-        ax.axhline(report.ranks[0].hbm_budget / GIB, color="red", ls="--", lw=1, label="embedding budget")
+        r0 = report.ranks[0]
+        ax.axhline((r0.hbm_budget + r0.batch_buffers) / GIB, color="red", ls="--", lw=1, label="capacity - reserve")
         ax.set_ylabel("GPU memory (GiB)")
         ax.legend(fontsize=7, loc="upper right")
     ax = axes[ax_i]
