@@ -146,7 +146,7 @@ class Topology:
     def detect(cls, world_size: int | None = None, local_world_size: int | None = None) -> Topology:
         """Read the local machine: GPU model and memory (torch.cuda), host memory (/proc/meminfo). Speeds come
         from the matching preset. Rank counts default to torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else one rank
-        per local GPU (or one CPU rank)."""
+        per local GPU (on CPUs: all ranks on this host)."""
         import torch
 
         env_ws, env_lws = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
@@ -156,8 +156,8 @@ class Topology:
             hbm = min(p.total_memory for p in props)
             key = preset_for_gpu(props[0].name, hbm)
             lws = local_world_size or int(env_lws or n_local)
-        else:
-            key, hbm, lws = "cpu", 0, local_world_size or int(env_lws or 1)
+        else:  # CPU ranks are processes of this host unless told otherwise
+            key, hbm, lws = "cpu", 0, local_world_size or int(env_lws or world_size or env_ws or 1)
         ws = world_size or int(env_ws or lws)
         lws = min(lws, ws)
         topo = cls.preset(key, ws, lws)
