@@ -97,8 +97,7 @@ def train(config_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tc = cfg.tables
     tables = [
-        TableConfig(f"t{i}", tc["rows"], tc["dim"], (f"f{i}",), ids_per_bag=tc["ids_per_bag"])
-        for i in range(tc["count"])
+        TableConfig(f"t{i}", tc["rows"], tc["dim"], (f"f{i}",), ids_per_bag=tc["ids_per_bag"]) for i in range(tc["count"])
     ]
     plan = simple_plan(tables, world, tier=MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM)
     if rank == 0:
