@@ -128,9 +128,12 @@ class ShardingPlan:
             )
 
     def __getitem__(self, table: str) -> TablePlan:
-        for t in self.tables:
-            if t.table == table:
-                return t
+        index = self.__dict__.get("_by_name")
+        if index is None:  # built once: plans of thousands of tables are looked up per table
+            index = {t.table: t for t in self.tables}
+            object.__setattr__(self, "_by_name", index)
+        if table in index:
+            return index[table]
         raise KeyError(f"plan has no table {table!r}; it has {[t.table for t in self.tables]}")
 
     def check(self, tables: Sequence[TableConfig]) -> None:

@@ -1,0 +1,137 @@
+"""Planner speed at scale: embshard plans 1,000 mixed tables for 64 GPUs (8 hosts x 8 H100) on one CPU core, and
+TorchRec's EmbeddingShardingPlanner plans the same (or, when it runs past --torchrec-timeout, a smaller case that
+both plan: 100 tables on 8 GPUs).
+
+    python bench/planner_scale.py [--tables 1000] [--world-size 64] [--torchrec-timeout 120]
+
+Prints `seconds=<embshard planning time>` first, then one line per planner and case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+
+if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
+for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[var] = "1"
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+BATCH = 4096
+
+
+def mixed_tables(n: int, seed: int = 0):
+    """n tables: ~5% huge (50-200M rows), ~30% large (1-20M), the rest small (100-200k), varied widths and ids."""
+    from embshard.tables import TableConfig
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = rng.random()
+        if kind < 0.05:
+            rows, dim, ids = rng.choice([50_000_000, 100_000_000, 200_000_000]), rng.choice([64, 128, 256]), 1
+        elif kind < 0.35:
+            rows, dim, ids = rng.randint(1_000_000, 20_000_000), rng.choice([32, 64, 128]), rng.choice([1, 5, 10])
+        else:
+            rows, dim, ids = rng.randint(100, 200_000), rng.choice([8, 16, 32, 64]), rng.choice([1, 10, 30, 50])
+        out.append(TableConfig(f"t{i}", rows, dim, (f"f{i}",), ids_per_bag=ids))
+    return out
+
+
+def embshard_seconds(n: int, world: int, local: int) -> tuple[float, float]:
+    """(planning seconds, predicted step ms) of embshard's planner."""
+    from embshard.planner import Topology, plan_with_report
+
+    tables = mixed_tables(n)
+    topo = Topology.preset("h100", world, local)
+    plan_with_report(mixed_tables(20, seed=1), Topology.preset("h100", 8), BATCH)  # warm-up (first numpy calls)
+    t0 = time.perf_counter()
+    _, report = plan_with_report(tables, topo, BATCH)
+    return time.perf_counter() - t0, report.step_time_s * 1e3
+
+
+def torchrec_child(n: int, world: int, local: int) -> None:
+    """Runs in a subprocess: TorchRec's planner on the same tables (meta-device EBC), prints its seconds."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import torch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = mixed_tables(n)
+    configs = [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.embedding_dim,
+            num_embeddings=t.num_embeddings,
+            feature_names=list(t.feature_names),
+        )
+        for t in tables
+    ]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    constraints = {t.name: ParameterConstraints(pooling_factors=[t.ids_per_bag]) for t in tables}
+    t0 = time.perf_counter()
+    topo = Topology(world_size=world, local_world_size=local, compute_device="cuda", hbm_cap=80 * 1024**3)
+    planner = EmbeddingShardingPlanner(topology=topo, batch_size=BATCH, constraints=constraints)
+    planner.plan(ebc, [EmbeddingBagCollectionSharder()])
+    print(f"torchrec_seconds={time.perf_counter() - t0:.3f}", flush=True)
+
+
+def torchrec_seconds(n: int, world: int, local: int, timeout: float) -> float | None:
+    """TorchRec's planning time, or None if it ran past `timeout` seconds (or failed)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--torchrec-child", str(n), str(world), str(local)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    for line in out.stdout.splitlines():
+        if line.startswith("torchrec_seconds="):
+            return float(line.split("=")[1])
+    print(f"torchrec planner failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tables", type=int, default=1000)
+    p.add_argument("--world-size", type=int, default=64)
+    p.add_argument("--local-world-size", type=int, default=8)
+    p.add_argument("--torchrec-timeout", type=float, default=120.0, help="seconds before TorchRec's run is stopped")
+    p.add_argument("--skip-torchrec", action="store_true")
+    p.add_argument("--torchrec-child", nargs=3, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.torchrec_child:
+        torchrec_child(*args.torchrec_child)
+        return
+    n, W, lws = args.tables, args.world_size, args.local_world_size
+    seconds, step_ms = embshard_seconds(n, W, lws)
+    print(f"seconds={seconds:.3f}")
+    print(f"embshard tables={n} world_size={W} seconds={seconds:.3f} predicted_step_ms={step_ms:.2f} (one core)")
+    if args.skip_torchrec:
+        return
+    tr = torchrec_seconds(n, W, lws, args.torchrec_timeout)
+    if tr is not None:
+        print(f"torchrec tables={n} world_size={W} seconds={tr:.3f} (embshard {tr / seconds:.0f}x faster)")
+        return
+    print(f"torchrec tables={n} world_size={W} seconds>{args.torchrec_timeout:.0f} (stopped)")
+    small_n, small_w = 100, 8
+    ours, _ = embshard_seconds(small_n, small_w, small_w)
+    tr = torchrec_seconds(small_n, small_w, small_w, args.torchrec_timeout)
+    tr_text = f"{tr:.3f}" if tr is not None else f">{args.torchrec_timeout:.0f} (stopped)"
+    print(f"torchrec tables={small_n} world_size={small_w} seconds={tr_text}")
+    print(f"embshard tables={small_n} world_size={small_w} seconds={ours:.3f}")
+
+
+if __name__ == "__main__":
+    main()

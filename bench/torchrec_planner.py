@@ -1,0 +1,82 @@
+"""TorchRec's planner on embshard tables, its plan converted to an embshard ShardingPlan (for comparisons:
+planning time, and TorchRec's placement predicted by embshard's cost model or measured with embshard).
+
+    from torchrec_planner import torchrec_plan
+    plan = torchrec_plan(tables, world_size=2, local_world_size=2, hbm_gib=130, batch_size=8192)
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.tables import TableConfig
+
+KERNEL_TIER = {
+    "fused": MemoryTier.HBM,
+    "dense": MemoryTier.HBM,
+    "fused_uvm": MemoryTier.UVM,
+    "fused_uvm_caching": MemoryTier.UVM_CACHING,
+}
+
+
+def torchrec_plan(
+    tables: Sequence[TableConfig],
+    world_size: int,
+    local_world_size: int,
+    hbm_gib: float | None,
+    batch_size: int,
+    ddr_gib: float | None = None,
+) -> ShardingPlan:
+    """Plan with TorchRec's EmbeddingShardingPlanner (meta-device EmbeddingBagCollection, pooling factors from
+    ids_per_bag; hbm_gib None: TorchRec's default 32 GiB) and convert the result."""
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import torch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    configs = [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.embedding_dim,
+            num_embeddings=t.num_embeddings,
+            feature_names=list(t.feature_names),
+        )
+        for t in tables
+    ]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    constraints = {t.name: ParameterConstraints(pooling_factors=[t.ids_per_bag] * len(t.feature_names)) for t in tables}
+    kw = {}
+    if hbm_gib is not None:
+        kw["hbm_cap"] = int(hbm_gib * 1024**3)
+    if ddr_gib is not None:
+        kw["ddr_cap"] = int(ddr_gib * 1024**3)
+    topo = Topology(world_size=world_size, local_world_size=local_world_size, compute_device="cuda", **kw)
+    planner = EmbeddingShardingPlanner(topology=topo, batch_size=batch_size, constraints=constraints)
+    plan = planner.plan(ebc, [EmbeddingBagCollectionSharder()])
+    by_name = {t.name: t for t in tables}
+    out = []
+    for params in plan.plan.values():
+        for name, p in params.items():
+            t = by_name[name]
+            st = ShardingType(p.sharding_type)
+            tier = KERNEL_TIER[p.compute_kernel]
+            if st is ShardingType.DATA_PARALLEL:
+                shards = [Shard(r, 0, t.num_embeddings, 0, t.embedding_dim) for r in p.ranks]
+            else:
+                shards = [
+                    Shard(
+                        s.placement.rank(), s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1], s.shard_sizes[1]
+                    )
+                    for s in p.sharding_spec.shards
+                    if s.shard_sizes[0] > 0 and s.shard_sizes[1] > 0
+                ]
+            clf = getattr(getattr(p, "cache_params", None), "load_factor", None) or 0.2
+            out.append(TablePlan(name, st, tier, tuple(shards), cache_load_factor=clf))
+    order = {t.name: i for i, t in enumerate(tables)}
+    return ShardingPlan(world_size, local_world_size, tuple(sorted(out, key=lambda tp: order[tp.table])))

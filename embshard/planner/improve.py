@@ -1,0 +1,174 @@
+"""Improving a placed plan: local search on the bottleneck (move a table, or swap two), and for small models the
+exact search's optimum when it is better."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from embshard.planner import exact
+from embshard.planner import loads as R
+from embshard.planner.choices import Item, is_dense
+from embshard.planner.state import State
+from embshard.tables import TableConfig
+
+CANDIDATES_PER_ROUND = 6
+SWAP_PARTNERS = 8
+
+
+def note(notes: dict[str, list[str]], tables: Sequence[TableConfig], item: Item, text: str) -> None:
+    """Record a reason for the item's tables (shown by the report and explain)."""
+    for i in item.tables:
+        notes[tables[i].name].append(text)
+
+
+def improve(
+    state: State,
+    items: list[Item],
+    usable: list[list[int]],
+    max_moves: int,
+    tables: Sequence[TableConfig],
+    notes: dict[str, list[str]],
+) -> None:
+    """Local search on the bottleneck: re-place the tables loading the slowest (phase, rank) most."""
+    tried = 0
+    while tried < max_moves:
+        J0 = state.objective()
+        tol = 1e-9 + 1e-6 * J0
+        phases = R.phase_times(state.loads)
+        scores: dict[int, float] = {}
+        for p in np.argsort(-phases.max(axis=1), kind="stable"):
+            if phases[p].max() <= 0:
+                break
+            r = int(phases[p].argmax())
+            rows = R.PHASE_ROWS[p]
+            for i, (c, ranks) in state.placed.items():
+                ch = items[i].choices[c]
+                if r in ranks:
+                    contrib = float(ch.owner[ranks.index(r)][rows].max())
+                else:
+                    contrib = float(ch.same[0][rows].max() + ch.other[0][rows].max()) * 0.5
+                if contrib > 0:
+                    scores[i] = max(scores.get(i, 0.0), contrib * phases[p].max())
+            if len(scores) >= CANDIDATES_PER_ROUND:
+                break
+        candidates = sorted(scores, key=lambda i: (-scores[i], i))[:CANDIDATES_PER_ROUND]
+        moved = False
+        for i in candidates:
+            if tried >= max_moves:
+                break
+            tried += 1
+            it = items[i]
+            c0, r0 = state.remove(i, it)
+            best = (J0 - tol, None, None)
+            for c in usable[i]:
+                got = state.best_ranks(it, it.choices[c])
+                if got is not None and got[0] < best[0]:
+                    best = (got[0], c, got[1])
+            if best[1] is not None and (best[1], best[2]) != (c0, r0):
+                state.apply(i, it, best[1], best[2])
+                old, new = it.choices[c0].option.label, it.choices[best[1]].option.label
+                note(
+                    notes,
+                    tables,
+                    it,
+                    f"local search: {old} on {_rk(r0)} -> {new} on {_rk(best[2])}, step "
+                    f"{J0 * 1e3:.4f} -> {best[0] * 1e3:.4f} ms",
+                )
+                moved = True
+                break
+            state.apply(i, it, c0, r0)
+        if not moved and candidates:
+            moved, tries = _try_swaps(state, items, candidates[:3], phases, J0 - tol, tables, notes)
+            tried += tries
+        if not moved:
+            break
+
+
+def _try_swaps(
+    state: State,
+    items: list[Item],
+    candidates: list[int],
+    phases: np.ndarray,
+    target: float,
+    tables: Sequence[TableConfig],
+    notes: dict[str, list[str]],
+) -> tuple[bool, int]:
+    """Swap a single-block table on a bottleneck rank with one on a less loaded rank; keep the first swap that
+    brings the step time under `target`. Returns (swapped, swaps tried)."""
+    singles = {
+        i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)
+    }
+    rank_load = phases.sum(axis=0)
+    tries = 0
+    for i in candidates:
+        if i not in singles:
+            continue
+        ci, (ri,) = singles[i]
+        partners = sorted(
+            (j for j, (_, (rj,)) in singles.items() if rj != ri),
+            key=lambda j: (rank_load[singles[j][1][0]], items[j].choices[singles[j][0]].avg, j),
+        )[:SWAP_PARTNERS]
+        for j in partners:
+            tries += 1
+            cj, (rj,) = singles[j]
+            chi, chj = items[i].choices[ci], items[j].choices[cj]
+            if (items[i].pinned and rj not in items[i].pinned) or (items[j].pinned and ri not in items[j].pinned):
+                continue
+            state.remove(i, items[i])
+            state.remove(j, items[j])
+            fits = (
+                state.hbm_free[rj] >= chi.hbm_max - 0.5
+                and state.ddr_free[rj] >= chi.ddr_max - 0.5
+                and state.hbm_free[ri] >= chj.hbm_max - 0.5
+                and state.ddr_free[ri] >= chj.ddr_max - 0.5
+            )
+            if fits:
+                J_before = target
+                state.apply(i, items[i], ci, (rj,))
+                state.apply(j, items[j], cj, (ri,))
+                J = state.objective()
+                if J < J_before:
+                    text = f"local search: swapped with {tables[items[j].tables[0]].name!r}: rank {ri} -> {rj}"
+                    note(notes, tables, items[i], text + f", step -> {J * 1e3:.4f} ms")
+                    note(notes, tables, items[j], f"local search: swapped with {tables[items[i].tables[0]].name!r}")
+                    return True, tries
+                state.remove(i, items[i])
+                state.remove(j, items[j])
+            state.apply(i, items[i], ci, (ri,))
+            state.apply(j, items[j], cj, (rj,))
+    return False, tries
+
+
+def exact_if_better(
+    greedy: State,
+    fresh: State,
+    items: list[Item],
+    usable: list[list[int]],
+    tables: Sequence[TableConfig],
+    notes: dict[str, list[str]],
+) -> State:
+    """The exhaustive optimum (built in the empty state `fresh`) when it beats the greedy plan, else `greedy`."""
+    J, assignment = exact.exhaustive(fresh, items, usable)
+    J0 = greedy.objective()
+    if not assignment or J >= J0 - 1e-12:
+        for it in items:
+            note(notes, tables, it, f"exact search over all placements: the greedy plan is optimal ({J0 * 1e3:.4f} ms)")
+        return greedy
+    for i, (c, ranks) in enumerate(assignment):
+        fresh.apply(i, items[i], c, ranks)
+        if (c, ranks) != greedy.placed[i]:
+            note(
+                notes,
+                tables,
+                items[i],
+                f"exact search: {items[i].choices[c].option.label} on {_rk(ranks)} (step {J0 * 1e3:.4f} -> {J * 1e3:.4f} ms)",
+            )
+    return fresh
+
+
+def _rk(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {min(ranks)}-{max(ranks)}" if len(ranks) > 2 else f"ranks {ranks[0]},{ranks[1]}"

@@ -1,0 +1,75 @@
+"""Per-rank load matrices and the step time they predict.
+
+A load matrix has one column per rank and one row per (phase, resource). A phase is a stretch of the step that
+ends at a synchronisation point (an all-to-all or all-reduce waits for every rank), so a phase lasts as long as
+its slowest rank's busiest resource, and the step lasts the sum of its phases:
+
+    step_time = sum over phases p of  max over ranks r, rows k in p of  L[k, r]
+
+Comm rows are split by direction (send / receive: links are full duplex) and by link (intra-host / inter-host:
+they run side by side), so a row holds one resource's busy time. A rank's own time (reported per rank) is the sum
+over phases of its own column's maximum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Rows of a load matrix.
+IN_SEND_I, IN_SEND_X, IN_RECV_I, IN_RECV_X = 0, 1, 2, 3  # ids all-to-all (forward)
+FWD = 4  # forward lookup kernels
+OUT_SEND_I, OUT_SEND_X, OUT_RECV_I, OUT_RECV_X = 5, 6, 7, 8  # pooled embeddings all-to-all (forward)
+GRAD_SEND_I, GRAD_SEND_X, GRAD_RECV_I, GRAD_RECV_X = 9, 10, 11, 12  # their gradients all-to-all (backward)
+BWD = 13  # backward lookup kernels with the fused optimizer update
+ALLREDUCE = 14  # data-parallel gradient all-reduce
+DP_UPDATE = 15  # data-parallel optimizer update
+NROWS = 16
+
+PHASES = (
+    "input all-to-all",
+    "forward lookup",
+    "output all-to-all",
+    "gradient all-to-all",
+    "backward + update",
+    "data-parallel all-reduce",
+    "data-parallel update",
+)
+PHASE_START = np.array([IN_SEND_I, FWD, OUT_SEND_I, GRAD_SEND_I, BWD, ALLREDUCE, DP_UPDATE])
+PHASE_ROWS = [list(range(a, b)) for a, b in zip(PHASE_START, [*PHASE_START[1:], NROWS])]
+
+
+def phase_times(loads: np.ndarray) -> np.ndarray:
+    """[phases, ranks]: each rank's busiest resource in each phase."""
+    return np.maximum.reduceat(loads, PHASE_START, axis=0)
+
+
+def step_time(loads: np.ndarray) -> float:
+    """Predicted step time (seconds) of a load matrix [NROWS, ranks]."""
+    return float(phase_times(loads).max(axis=1).sum())
+
+
+def rank_times(loads: np.ndarray) -> np.ndarray:
+    """[ranks]: each rank's own busy time (seconds) if it never waited for the others."""
+    return phase_times(loads).sum(axis=0)
+
+
+def spread(
+    ranks: np.ndarray,
+    owner: np.ndarray,
+    peer_same: np.ndarray,
+    peer_other: np.ndarray,
+    world_size: int,
+    local_world_size: int,
+) -> np.ndarray:
+    """Loads [NROWS, world_size] of shards on `ranks` (k of them): shard i puts `owner[i]` on its rank,
+    `peer_same[i]` on every other rank of its host and `peer_other[i]` on every rank of the other hosts."""
+    hosts = np.asarray(ranks) // local_world_size
+    n_hosts = world_size // local_world_size
+    same_by_host = np.zeros((n_hosts, NROWS))
+    other_by_host = np.zeros((n_hosts, NROWS))
+    np.add.at(same_by_host, hosts, peer_same)
+    np.add.at(other_by_host, hosts, peer_other)
+    rank_host = np.arange(world_size) // local_world_size
+    per_rank = same_by_host[rank_host] + other_by_host.sum(axis=0) - other_by_host[rank_host]  # [W, NROWS]
+    np.add.at(per_rank, ranks, owner - peer_same)
+    return per_rank.T.copy()

@@ -1,0 +1,195 @@
+"""Sharding options: the ways one table may be placed (sharding type x tier x number of blocks), which of them a
+table's constraints and the topology allow, and the shards an option gives on chosen ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from embshard.plan import MemoryTier, Shard, ShardingType, even_splits
+from embshard.planner.constraints import ParameterConstraints
+from embshard.planner.settings import PlannerSettings
+from embshard.planner.topology import Topology
+from embshard.tables import ConfigError, TableConfig
+
+MIN_COLUMN_BLOCK = 16  # narrowest column block the planner proposes on its own (columns)
+MAX_COLUMN_SHARDS = 8  # most column blocks it proposes on its own (row-wise spreads wider tables further)
+
+GPU_TIERS = (MemoryTier.HBM, MemoryTier.UVM_CACHING, MemoryTier.UVM)
+TYPE_ORDER = (
+    ShardingType.TABLE_WISE,
+    ShardingType.DATA_PARALLEL,
+    ShardingType.COLUMN_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.ROW_WISE,
+)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to place a table."""
+
+    sharding: ShardingType
+    """Sharding type."""
+    tier: MemoryTier
+    """Memory tier of every shard."""
+    parts: int = 1
+    """Column blocks (column-wise), row blocks asked for (row-wise kinds), 1 (table-wise), world size (DP)."""
+    cache_load_factor: float = 0.0
+    """UVM-caching cache size (fraction of rows); 0 for other tiers."""
+
+    @property
+    def label(self) -> str:
+        """Short text, e.g. 'column_wise/4 hbm' or 'table_wise uvm_caching(0.2)'."""
+        kind = self.sharding.value
+        if self.sharding is ShardingType.COLUMN_WISE:
+            kind += f"/{self.parts}"
+        tier = self.tier.value
+        if self.tier is MemoryTier.UVM_CACHING:
+            tier += f"({self.cache_load_factor:g})"
+        return f"{kind} {tier}"
+
+
+def row_splits(rows: int, parts: int) -> list[int]:
+    """Row-block sizes over `parts` ranks: embshard.plan's row rule when it defines one (`row_blocks`), else one
+    block size ceil(rows / parts) with a shorter last block (there may be fewer blocks than parts)."""
+    from embshard import plan
+
+    rule = getattr(plan, "row_blocks", None)
+    if rule is not None:
+        return list(rule(rows, parts))
+    bs = -(-rows // parts)
+    n = -(-rows // bs)
+    return [bs] * (n - 1) + [rows - bs * (n - 1)]
+
+
+def column_splits(dim: int, parts: int) -> list[int]:
+    """Column-block widths: `parts` blocks, each a multiple of 4 columns (FBGEMM's TBE needs that)."""
+    if dim % 4 or parts > dim // 4:
+        raise ConfigError(f"embedding_dim={dim} cannot be cut into {parts} column blocks that are multiples of 4")
+    return [4 * n for n in even_splits(dim // 4, parts)]
+
+
+def table_options(
+    table: TableConfig,
+    constraint: ParameterConstraints,
+    topology: Topology,
+    settings: PlannerSettings,
+    colocated: bool = False,
+) -> list[Option]:
+    """Every option the constraints, settings and topology allow for `table`, in a fixed order. Raises
+    ConfigError (naming the table and constraints) when none is left."""
+    W = topology.world_size
+    types = _allowed(TYPE_ORDER, constraint.sharding_types, settings.sharding_types)
+    tiers = GPU_TIERS if topology.is_gpu else (MemoryTier.HOST,)
+    tiers = _allowed(tiers, constraint.tiers, settings.tiers)
+    pinned = set(constraint.ranks)
+    everyone = not pinned or pinned == set(range(W))
+    clf = constraint.cache_load_factor or settings.cache_load_factor
+    out: list[Option] = []
+    for st in types:
+        if colocated and st is not ShardingType.TABLE_WISE:
+            continue
+        if st is ShardingType.TABLE_WISE:
+            parts_list = [1]
+        elif W == 1:
+            continue
+        elif st is ShardingType.DATA_PARALLEL:
+            parts_list = [W] if everyone else []
+        elif st is ShardingType.ROW_WISE:
+            parts_list = [W] if everyone else []
+        elif st is ShardingType.TABLE_ROW_WISE:
+            lws = topology.local_world_size
+            hosts_ok = any(
+                pinned >= set(range(h * lws, (h + 1) * lws)) or not pinned for h in range(topology.num_hosts)
+            )
+            parts_list = [lws] if topology.num_hosts > 1 and lws > 1 and hosts_ok else []
+        else:
+            parts_list = _column_parts(table, constraint, W, len(pinned) if pinned else W)
+        for parts in parts_list:
+            for tier in tiers:
+                if st is ShardingType.DATA_PARALLEL and tier not in (MemoryTier.HBM, MemoryTier.HOST):
+                    continue
+                if st is ShardingType.COLUMN_WISE and tier is MemoryTier.UVM and not constraint.column_shards:
+                    continue  # duplicated ids over the host link: never better than table-wise UVM
+                out.append(Option(st, tier, parts, clf if tier is MemoryTier.UVM_CACHING else 0.0))
+    if not out:
+        raise ConfigError(
+            f"table {table.name!r}: no sharding option is left: constraints {constraint.to_dict()} and planner "
+            f"settings (types {[s.value for s in settings.sharding_types]}, tiers "
+            f"{[t.value for t in settings.tiers]}) exclude every option on {W} {topology.compute_device} rank(s); "
+            "allow more sharding types or tiers (data_parallel needs hbm/host; row_wise needs all ranks)"
+        )
+    return out
+
+
+def _allowed(order: Sequence, *filters: Sequence) -> tuple:
+    return tuple(x for x in order if all(not f or x in f for f in filters))
+
+
+def _column_parts(table: TableConfig, constraint: ParameterConstraints, W: int, n_ranks: int) -> list[int]:
+    D = table.embedding_dim
+    if D % 4:
+        return []
+    if constraint.column_shards:
+        return [k for k in constraint.column_shards if 2 <= k <= min(n_ranks, D // 4)]
+    out, k = [], 2
+    while k <= min(n_ranks, MAX_COLUMN_SHARDS) and D // k >= MIN_COLUMN_BLOCK:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def make_shards(table: TableConfig, option: Option, ranks: Sequence[int]) -> tuple[Shard, ...]:
+    """Shards of `table` under `option` on `ranks`: one rank per block in block order (row blocks from
+    row_splits(rows, option.parts), column blocks from column_splits); every rank for data-parallel."""
+    R, D = table.num_embeddings, table.embedding_dim
+    st = option.sharding
+    if st in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
+        return tuple(Shard(r, 0, R, 0, D) for r in ranks)
+    if st is ShardingType.COLUMN_WISE:
+        out, col = [], 0
+        for r, width in zip(ranks, column_splits(D, option.parts)):
+            out.append(Shard(r, 0, R, col, width))
+            col += width
+        return tuple(out)
+    sizes = row_splits(R, option.parts)
+    if len(sizes) != len(ranks):
+        raise ValueError(f"{table.name}: {len(sizes)} row blocks but {len(ranks)} ranks given")
+    out, row = [], 0
+    for r, n in zip(ranks, sizes):
+        out.append(Shard(r, row, n, 0, D))
+        row += n
+    return tuple(out)
+
+
+def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]:
+    """The blocks of `option` in block order, as runs (rows, cols, how many blocks in a row have that shape):
+    TW one block, DP one replica per rank, row-wise kinds one run of full blocks and a shorter last one."""
+    R, D = table.num_embeddings, table.embedding_dim
+    if option.sharding is ShardingType.COLUMN_WISE:
+        return [(R, c, n) for c, n in _column_runs(D, option.parts)]
+    if option.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        return [(r, D, n) for r, n in _row_runs(R, option.parts)]
+    return [(R, D, option.parts)]
+
+
+@lru_cache(maxsize=4096)
+def _column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
+    return _runs(tuple(column_splits(dim, parts)))
+
+
+@lru_cache(maxsize=4096)
+def _row_runs(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
+    return _runs(tuple(row_splits(rows, parts)))
+
+
+def _runs(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    runs: list[tuple[int, int]] = []
+    for x in sizes:
+        if runs and runs[-1][0] == x:
+            runs[-1] = (x, runs[-1][1] + 1)
+        else:
+            runs.append((x, 1))
+    return tuple(runs)

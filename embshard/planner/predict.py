@@ -1,0 +1,185 @@
+"""Predict what a plan costs: memory per rank and tier, and step time per phase and rank (any ShardingPlan,
+planned here or loaded from a file)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import MemoryTier, ShardingPlan
+from embshard.planner import loads as R
+from embshard.planner.constraints import ParameterConstraints, resolve_constraints
+from embshard.planner.cost import CostModel, Storage, TableStats
+from embshard.planner.report import PlanReport, RankReport, TableReport
+from embshard.planner.settings import PlannerSettings
+from embshard.planner.topology import GIB, Topology
+from embshard.tables import TableConfig, validate_tables
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Memory per rank (bytes): capacity, what is kept back, and what embeddings may use."""
+
+    hbm_capacity: float
+    """GPU memory of one rank."""
+    hbm_reserve: float
+    """Kept for the CUDA context, dense model and activations (settings)."""
+    batch_buffers: float
+    """The rank's own batch: ids in and out, pooled rows and gradients (any plan)."""
+    ddr_capacity: float
+    """Host memory of one rank."""
+    ddr_reserve: float
+    """Host memory kept for the process and data loading."""
+
+    @property
+    def hbm(self) -> float:
+        """GPU memory embeddings may use on each rank."""
+        return max(0.0, self.hbm_capacity - self.hbm_reserve - self.batch_buffers)
+
+    @property
+    def ddr(self) -> float:
+        """Host memory embeddings may use on each rank."""
+        extra = self.batch_buffers if self.hbm_capacity == 0 else 0.0
+        return max(0.0, self.ddr_capacity - self.ddr_reserve - extra)
+
+
+def budgets(model: CostModel, tables: Sequence[TableConfig]) -> Budgets:
+    """Per-rank memory budgets for these tables on the model's topology and settings."""
+    topo, s = model.topo, model.settings
+    hbm = float(topo.hbm_bytes) if topo.is_gpu else 0.0
+    reserve = s.hbm_reserve_gib * GIB if s.hbm_reserve_gib is not None else s.hbm_reserve_fraction * hbm
+    return Budgets(
+        hbm_capacity=hbm,
+        hbm_reserve=min(reserve, hbm),
+        batch_buffers=model.batch_bytes(tables),
+        ddr_capacity=float(topo.ddr_bytes),
+        ddr_reserve=s.ddr_reserve_fraction * topo.ddr_bytes,
+    )
+
+
+def predict(
+    plan: ShardingPlan,
+    tables: Sequence[TableConfig],
+    topology: Topology,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig | None = None,
+    constraints: Mapping[str, ParameterConstraints | Mapping] | None = None,
+    settings: PlannerSettings | None = None,
+    notes: Mapping[str, Sequence[str]] | None = None,
+) -> PlanReport:
+    """Memory and step-time prediction of `plan` (formulas: embshard.planner.cost). `constraints` only supply
+    hints (zipf_alpha); `notes` are the planner's per-table decisions, kept in the report."""
+    validate_tables(tables)
+    plan.check(tables)
+    if plan.world_size != topology.world_size or plan.local_world_size != topology.local_world_size:
+        topology = topology.with_sizes(plan.world_size, plan.local_world_size)
+    optimizer = optimizer or FusedOptimizerConfig()
+    settings = settings or PlannerSettings()
+    model = CostModel(topology, batch_size, optimizer, settings)
+    cons = resolve_constraints(tables, constraints, topology.world_size)
+    W, lws = topology.world_size, topology.local_world_size
+    stats = TableStats.of(tables)
+    hints = [cons[t.name].zipf_alpha for t in tables]
+    alpha = np.array([settings.zipf_alpha if a is None else a for a in hints], dtype=float)
+    # Every shard, grouped by (sharding, tier, cache size) for one vectorized cost-model call each.
+    kinds: dict[tuple, list[tuple[int, int, int, int]]] = {}
+    for i, t in enumerate(tables):
+        tp = plan[t.name]
+        key = (tp.sharding_type, tp.tier, tp.cache_load_factor)
+        kinds.setdefault(key, []).extend((i, s.rank, s.num_rows, s.num_cols) for s in tp.shards)
+    total = np.zeros((R.NROWS, W))
+    fields = list(Storage.__dataclass_fields__)
+    rank_mem = {f: np.zeros(W) for f in fields}
+    table_hbm, table_ddr = np.zeros(len(tables)), np.zeros(len(tables))
+    per_table: list[list] = [[] for _ in tables]
+    alone = np.zeros(len(tables))
+    groups: set[tuple] = set()
+    for (st, tier, clf), entries in kinds.items():
+        ti, rk, rows, cols = (np.array(x) for x in zip(*entries))
+        rows, cols = rows.astype(float), cols.astype(float)
+        sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
+        wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti])
+        shape = (len(ti), R.NROWS)
+        owner = np.broadcast_to(model.owner_vec(wk), shape)
+        same = np.broadcast_to(model.peer_vec(wk, True), shape)
+        other = np.broadcast_to(model.peer_vec(wk, False), shape)
+        total += R.spread(rk, owner, same, other, W, lws)
+        mem = model.storage(sub, st, tier, rows, cols, clf)
+        for f in fields:
+            np.add.at(rank_mem[f], rk, np.broadcast_to(getattr(mem, f), rows.shape))
+        np.add.at(table_hbm, ti, np.broadcast_to(mem.hbm, rows.shape))
+        np.add.at(table_ddr, ti, np.broadcast_to(mem.ddr, rows.shape))
+        # A table's time alone: one shard -> each rank shows one of owner / same / other; else spread them.
+        single = np.bincount(ti, minlength=len(tables))[ti] == 1
+        peak = owner[single]
+        if lws > 1:
+            peak = np.maximum(peak, same[single])
+        if W > lws:
+            peak = np.maximum(peak, other[single])
+        alone[ti[single]] = np.maximum.reduceat(peak, R.PHASE_START, axis=1).sum(axis=1)
+        for k in np.flatnonzero(~single).tolist():
+            per_table[ti[k]].append((rk[k], owner[k], same[k], other[k]))
+        groups.update((st, tier, int(r)) for r in set(rk.tolist()))
+    table_reports = []
+    for i, t in enumerate(tables):
+        tp = plan[t.name]
+        if per_table[i]:
+            rk, ow, sa, ot = (np.array(x) for x in zip(*per_table[i]))
+            alone[i] = R.step_time(R.spread(rk, ow, sa, ot, W, lws))
+        table_reports.append(
+            TableReport(
+                name=t.name,
+                rows=t.num_embeddings,
+                dim=t.embedding_dim,
+                sharding=tp.sharding_type.value,
+                tier=tp.tier.value,
+                ranks=tuple(tp.ranks),
+                cache_load_factor=tp.cache_load_factor if tp.tier is MemoryTier.UVM_CACHING else None,
+                hbm_bytes=float(table_hbm[i]),
+                ddr_bytes=float(table_ddr[i]),
+                time_s=float(alone[i]),
+                notes=tuple((notes or {}).get(t.name, ())),
+            )
+        )
+    schemes: dict = {}
+    for t in tables:
+        sc = schemes.setdefault(plan[t.name].sharding_type, [0, 0])
+        sc[0] += 1
+        sc[1] += int(t.weighted)
+    rank_mem_list = [Storage(*(float(rank_mem[f][r]) for f in fields)) for r in range(W)]
+    for st, tier, r in sorted(groups, key=lambda g: (g[0].value, g[1].value, g[2])):
+        total[:, r] += model.group_fixed(st, tier)
+    for st, (_n, nw) in schemes.items():
+        total += model.scheme_fixed(st, nw > 0)[:, None]
+    b = budgets(model, tables)
+    phases = R.phase_times(total)
+    ranks = [
+        RankReport(
+            rank=r,
+            time_s=float(phases[:, r].sum()),
+            phase_s=tuple(float(x) for x in phases[:, r]),
+            storage=rank_mem_list[r],
+            hbm_budget=b.hbm,
+            ddr_budget=b.ddr,
+            batch_buffers=b.batch_buffers,
+            hbm_reserve=b.hbm_reserve,
+        )
+        for r in range(W)
+    ]
+    return PlanReport(
+        plan=plan,
+        topology=topology,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        settings=settings,
+        step_time_s=R.step_time(total),
+        phase_s=tuple(float(x) for x in phases.max(axis=1)),
+        ranks=ranks,
+        tables=table_reports,
+        loads=total,
+        table_configs=tuple(tables),
+        constraints=cons,
+    )

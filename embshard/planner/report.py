@@ -1,0 +1,262 @@
+"""PlanReport: what the planner predicts for a plan (memory per rank and tier, step time per phase and rank, per
+table costs and the planner's reasons), printable and saved apart from the ShardingPlan, which stays the contract
+with the distributed module."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import ShardingPlan
+from embshard.planner.cost import Storage
+from embshard.planner.loads import PHASES
+from embshard.planner.settings import PlannerSettings
+from embshard.planner.topology import GIB, Topology
+
+
+@dataclass(frozen=True)
+class TableReport:
+    """One table's placement and predicted cost."""
+
+    name: str
+    rows: int
+    dim: int
+    sharding: str
+    tier: str
+    ranks: tuple[int, ...]
+    cache_load_factor: float | None
+    hbm_bytes: float
+    """GPU memory over all its shards (bytes)."""
+    ddr_bytes: float
+    """Host memory over all its shards (bytes)."""
+    time_s: float
+    """Step time the table would take alone with this placement (s), fixed costs excluded."""
+    notes: tuple[str, ...] = ()
+    """Why the planner placed it so."""
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's memory and predicted time."""
+
+    rank: int
+    time_s: float
+    """Its own busy time per step (s)."""
+    phase_s: tuple[float, ...]
+    """Busy time per phase (loads.PHASES)."""
+    storage: Storage
+    """Embedding memory on the rank by tier and kind (bytes)."""
+    hbm_budget: float
+    """GPU memory embeddings may use (bytes)."""
+    ddr_budget: float
+    """Host memory embeddings may use (bytes)."""
+    batch_buffers: float = 0.0
+    """The rank's own batch buffers, any plan (bytes; GPU memory, host memory on CPU)."""
+    hbm_reserve: float = 0.0
+    """GPU memory kept for the dense model and activations (bytes)."""
+
+    @property
+    def peak_hbm(self) -> float:
+        """Predicted GPU memory of the sharded embeddings on this rank: shards plus batch buffers (bytes)."""
+        return float(self.storage.hbm) + (self.batch_buffers if self.hbm_budget or self.storage.hbm else 0.0)
+
+
+@dataclass
+class PlanReport:
+    """Predictions for one plan."""
+
+    plan: ShardingPlan
+    topology: Topology
+    batch_size: int
+    optimizer: FusedOptimizerConfig
+    settings: PlannerSettings
+    step_time_s: float
+    """Predicted step time of the embedding part (s): sum over phases of the slowest rank."""
+    phase_s: tuple[float, ...]
+    """Slowest rank's time per phase (s)."""
+    ranks: list[RankReport]
+    tables: list[TableReport]
+    loads: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    """[resource rows, ranks] (loads.py)."""
+    planner_seconds: float | None = None
+    """Time the planner took (s)."""
+    search_step_time_s: float | None = None
+    """Step time the search computed incrementally; equals step_time_s (a consistency check)."""
+    table_configs: tuple = ()
+    """The TableConfigs planned (for explain)."""
+    constraints: dict = field(default_factory=dict)
+    """Per-table ParameterConstraints used (for explain)."""
+
+    def table(self, name: str) -> TableReport:
+        """The report of one table."""
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(f"no table {name!r} in the plan; tables: {[t.name for t in self.tables][:20]}")
+
+    @property
+    def slowest_rank(self) -> int:
+        """Rank with the largest own time."""
+        return max(self.ranks, key=lambda r: (r.time_s, -r.rank)).rank
+
+    @property
+    def peak_hbm(self) -> float:
+        """Largest predicted GPU memory of any rank (bytes)."""
+        return max(r.peak_hbm for r in self.ranks)
+
+    # ---- text ---------------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A few lines: step time, phases, memory peaks."""
+        phases = ", ".join(f"{name} {t * 1e3:.3f}" for name, t in zip(PHASES, self.phase_s) if t > 0)
+        lines = [
+            f"predicted step time {self.step_time_s * 1e3:.3f} ms (embedding part; batch {self.batch_size} per rank, "
+            f"{self.optimizer.kind.value}); slowest rank {self.slowest_rank}",
+            f"  per phase (ms, slowest rank each): {phases}",
+            self._memory_line(),
+            f"  topology: {self.topology.describe()}",
+        ]
+        if self.planner_seconds is not None:
+            lines.append(f"  planned in {self.planner_seconds:.3f} s")
+        return "\n".join(lines)
+
+    def _memory_line(self) -> str:
+        r0 = self.ranks[0]
+        host = max(float(r.storage.ddr) for r in self.ranks)
+        if not self.topology.is_gpu:
+            return f"  host memory: largest rank {_b(host)} of {_b(r0.ddr_budget)} embedding budget"
+        shards = max(float(r.storage.hbm) for r in self.ranks)
+        return (
+            f"  GPU memory: largest rank {_b(shards)} of {_b(r0.hbm_budget)} embedding budget (+ {_b(r0.batch_buffers)} "
+            f"batch buffers = peak {_b(self.peak_hbm)}; {_b(r0.hbm_reserve)} more kept for the dense model); host "
+            f"memory: largest rank {_b(host)} of {_b(r0.ddr_budget)}"
+        )
+
+    def format_tables(self) -> str:
+        """One line per table."""
+        rows = [("table", "rows x dim", "sharding", "tier", "ranks", "GPU mem", "host mem", "alone ms", "why")]
+        for t in self.tables:
+            tier = t.tier + (f"({t.cache_load_factor:g})" if t.cache_load_factor is not None else "")
+            why = t.notes[-1] if t.notes else ""
+            rows.append(
+                (
+                    t.name,
+                    f"{t.rows}x{t.dim}",
+                    t.sharding,
+                    tier,
+                    ranks_text(t.ranks),
+                    _b(t.hbm_bytes),
+                    _b(t.ddr_bytes),
+                    f"{t.time_s * 1e3:.3f}",
+                    why[:70],
+                )
+            )
+        return _columns(rows)
+
+    def format_ranks(self) -> str:
+        """One line per rank: memory by tier and kind, predicted time and its largest phase."""
+        gpu = self.topology.is_gpu
+        head = ["rank", "time ms", "largest phase"]
+        if gpu:
+            head += ["GPU: weights+state", "cache", "buffers", "total / budget"]
+        head += ["host: weights+state", "total / budget"]
+        rows = [tuple(head)]
+        for r in self.ranks:
+            s = r.storage
+            big = int(np.argmax(r.phase_s))
+            row = [str(r.rank), f"{r.time_s * 1e3:.3f}", f"{PHASES[big]} {r.phase_s[big] * 1e3:.3f}"]
+            if gpu:
+                row += [
+                    _b(s.hbm_weights + s.hbm_state),
+                    _b(s.hbm_cache),
+                    _b(s.hbm_buffers),
+                    f"{_b(s.hbm)} / {_b(r.hbm_budget)} ({100 * s.hbm / max(r.hbm_budget, 1):.0f}%)",
+                ]
+            row += [_b(s.ddr_weights + s.ddr_state), f"{_b(s.ddr)} / {_b(r.ddr_budget)}"]
+            rows.append(tuple(row))
+        return _columns(rows)
+
+    def __str__(self) -> str:
+        return "\n\n".join([str(self.plan), self.format_tables(), self.format_ranks(), self.summary()])
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the plan itself under 'plan')."""
+        return {
+            "step_time_ms": self.step_time_s * 1e3,
+            "phase_ms": {n: t * 1e3 for n, t in zip(PHASES, self.phase_s)},
+            "peak_hbm_gib": self.peak_hbm / GIB,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer.kind.value,
+            "planner_seconds": self.planner_seconds,
+            "topology": self.topology.to_dict(),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "time_ms": r.time_s * 1e3,
+                    "phase_ms": [x * 1e3 for x in r.phase_s],
+                    "hbm_gib": {k: float(v) / GIB for k, v in vars(r.storage).items() if k.startswith("hbm")},
+                    "ddr_gib": {k: float(v) / GIB for k, v in vars(r.storage).items() if k.startswith("ddr")},
+                    "peak_hbm_gib": r.peak_hbm / GIB,
+                    "hbm_budget_gib": r.hbm_budget / GIB,
+                    "ddr_budget_gib": r.ddr_budget / GIB,
+                }
+                for r in self.ranks
+            ],
+            "tables": [
+                {
+                    "name": t.name,
+                    "sharding": t.sharding,
+                    "tier": t.tier,
+                    "ranks": list(t.ranks),
+                    "hbm_gib": t.hbm_bytes / GIB,
+                    "ddr_gib": t.ddr_bytes / GIB,
+                    "alone_ms": t.time_s * 1e3,
+                    "notes": list(t.notes),
+                }
+                for t in self.tables
+            ],
+            "plan": self.plan.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        """JSON text."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        """Write as JSON (.json) or YAML."""
+        path = Path(path)
+        if path.suffix == ".json":
+            path.write_text(self.to_json())
+        else:
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _b(x: float) -> str:
+    x = float(x)
+    if x >= GIB:
+        return f"{x / GIB:.2f} GiB"
+    if x >= 1 << 20:
+        return f"{x / (1 << 20):.1f} MiB"
+    if x > 0:
+        return f"{x / 1024:.1f} KiB"
+    return "0"
+
+
+def _columns(rows: list[tuple]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def ranks_text(ranks) -> str:
+    """'3', '0-7' or '0,2,5'."""
+    uniq = sorted(set(ranks))
+    if len(uniq) > 2 and uniq == list(range(uniq[0], uniq[-1] + 1)):
+        return f"{uniq[0]}-{uniq[-1]}"
+    return ",".join(map(str, uniq))

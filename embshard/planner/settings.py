@@ -1,0 +1,76 @@
+"""Planner settings: the workload-side numbers and policies that are neither hardware (Topology) nor per-table
+(ParameterConstraints)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from embshard.plan import MemoryTier, ShardingType
+from embshard.tables import ConfigError
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """How the planner budgets memory, fills in missing hints and how hard it searches."""
+
+    hbm_reserve_fraction: float = 0.10
+    """Share of each GPU's memory kept free of embeddings (CUDA context, dense model, activations, allocator)."""
+    hbm_reserve_gib: float | None = None
+    """GPU memory kept free of embeddings per rank (GiB); when set it replaces hbm_reserve_fraction."""
+    ddr_reserve_fraction: float = 0.15
+    """Share of each rank's host memory kept free of embeddings (process, data loading, pinned buffers)."""
+    cache_load_factor: float = 0.2
+    """UVM-caching default: HBM cache rows as a fraction of the shard's rows (tables may override)."""
+    zipf_alpha: float = 0.0
+    """Default access skew for the cache hit-rate model: 0 = uniform ids (synthetic data), ~1 = click logs."""
+    sharding_types: tuple[ShardingType, ...] = ()
+    """Sharding types the planner may use for any table; empty: all."""
+    tiers: tuple[MemoryTier, ...] = ()
+    """Memory tiers the planner may use for any table; empty: all the compute device supports."""
+    dp_kernels_per_table: float = 0.0
+    """Extra kernel launches per data-parallel table per step (0: one batched kernel for all, as FBGEMM's)."""
+    max_moves: int = 400
+    """Local-search budget: at most this many candidate moves are evaluated after the greedy placement."""
+    exact_limit: int = 20000
+    """Search every assignment exactly when there are at most this many (small models); 0 turns it off."""
+    memory_fill: float = 0.97
+    """Tier assignment fills at most this share of the summed budgets (placement needs some slack)."""
+
+    def __post_init__(self) -> None:
+        def bad(fld: str, rule: str) -> ConfigError:
+            return ConfigError(f"planner settings: {fld}={getattr(self, fld)!r} is invalid: {rule}")
+
+        if not 0 <= self.hbm_reserve_fraction < 1:
+            raise bad("hbm_reserve_fraction", "it must be in [0, 1)")
+        if self.hbm_reserve_gib is not None and self.hbm_reserve_gib < 0:
+            raise bad("hbm_reserve_gib", "it must be >= 0")
+        if not 0 <= self.ddr_reserve_fraction < 1:
+            raise bad("ddr_reserve_fraction", "it must be in [0, 1)")
+        if not 0 < self.cache_load_factor <= 1:
+            raise bad("cache_load_factor", "it must be in (0, 1]")
+        if not 0 <= self.zipf_alpha <= 5:
+            raise bad("zipf_alpha", "it must be in [0, 5]")
+        if self.dp_kernels_per_table < 0:
+            raise bad("dp_kernels_per_table", "it must be >= 0")
+        if self.max_moves < 0:
+            raise bad("max_moves", "it must be >= 0")
+        if self.exact_limit < 0:
+            raise bad("exact_limit", "it must be >= 0")
+        if not 0.5 <= self.memory_fill <= 1:
+            raise bad("memory_fill", "it must be in [0.5, 1]")
+        object.__setattr__(self, "sharding_types", tuple(ShardingType(s) for s in self.sharding_types))
+        object.__setattr__(self, "tiers", tuple(MemoryTier(t) for t in self.tiers))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "planner settings") -> PlannerSettings:
+        """From plain data; unknown keys are an error naming `where` and the key."""
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"{where}: unknown key {key!r}; known keys: {sorted(known)}")
+        try:
+            return cls(**dict(data))
+        except (ConfigError, TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None

@@ -1,0 +1,222 @@
+"""The search state: per-rank loads and free memory, and the moves the search makes on them (place an item's
+choice on ranks, take it back), with the fast evaluation of where a choice would go best."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from embshard.plan import ShardingType
+from embshard.planner import loads as R
+from embshard.planner.choices import Choice, Item
+from embshard.planner.cost import CostModel
+
+
+class State:
+    """Loads [NROWS, W] (fixed costs included), free HBM / host memory per rank, and what sits where."""
+
+    def __init__(self, model: CostModel, hbm_budget: float, ddr_budget: float) -> None:
+        topo = model.topo
+        self.model = model
+        self.W, self.lws, self.H = topo.world_size, topo.local_world_size, topo.num_hosts
+        self.loads = np.zeros((R.NROWS, self.W))
+        self.version = 0  # bumped whenever the loads change (invalidates _host_stats)
+        self._stats_key: tuple | None = None
+        self._stats: tuple = ()
+        self.hbm_free = np.full(self.W, float(hbm_budget))
+        self.ddr_free = np.full(self.W, float(ddr_budget))
+        self.group_count: dict[tuple, np.ndarray] = {}
+        self.scheme_count: dict[ShardingType, list[int]] = {}  # [items, weighted items]
+        self.placed: dict[int, tuple[int, tuple[int, ...]]] = {}  # item -> (choice index, ranks)
+        self.rank_host = np.arange(self.W) // self.lws
+
+    # ---- fixed costs --------------------------------------------------------------------------------------
+    def _group(self, ch: Choice) -> tuple:
+        return (ch.option.sharding, ch.option.tier)
+
+    def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
+        """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1)."""
+        st = ch.option.sharding
+        n, nw = self.scheme_count.get(st, [0, 0])
+        before = self.model.scheme_fixed(st, nw > 0) if n else np.zeros(R.NROWS)
+        n2, nw2 = n + sign, nw + sign * int(item.weighted)
+        after = self.model.scheme_fixed(st, nw2 > 0) if n2 else np.zeros(R.NROWS)
+        return after - before
+
+    # ---- moves --------------------------------------------------------------------------------------------
+    def delta(self, item: Item, ch: Choice, ranks: Sequence[int], sign: int = 1) -> np.ndarray:
+        """Loads [NROWS, W] that placing (+1) or removing (-1) the choice on `ranks` adds."""
+        ranks_a = np.asarray(ranks)
+        d = self._dense(ch, ranks_a) * sign
+        counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
+        fixed = self.model.group_fixed(*self._group(ch))
+        per_rank = np.bincount(ranks_a, minlength=self.W)
+        new = counts + sign * per_rank
+        changed = (counts > 0) != (new > 0)
+        d[:, changed] += np.outer(fixed, np.where(new[changed] > 0, 1.0, -1.0))
+        d += self._scheme_delta(item, ch, sign)[:, None]
+        return d
+
+    def _dense(self, ch: Choice, ranks: np.ndarray) -> np.ndarray:
+        if ch.blocks == 1:  # one block: its rank, its host's other ranks, the other hosts' ranks
+            q = int(ranks[0])
+            host = self.rank_host == q // self.lws
+            d = np.where(host[None, :], ch.same[0][:, None], ch.other[0][:, None])
+            d[:, q] = ch.owner[0]
+            return d
+        key = tuple(ranks.tolist())
+        cached = ch.dense.get(key)
+        if cached is None:
+            cached = R.spread(ranks, ch.owner, ch.same, ch.other, self.W, self.lws)
+            if len(ch.dense) < 16:
+                ch.dense[key] = cached
+        return cached.copy()
+
+    def apply(self, i: int, item: Item, c: int, ranks: Sequence[int]) -> None:
+        """Place choice c of item i on `ranks` (one per block)."""
+        ch = item.choices[c]
+        self.loads += self.delta(item, ch, ranks, +1)
+        self.version += 1
+        np.subtract.at(self.hbm_free, np.asarray(ranks), ch.hbm)
+        np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
+        key = self._group(ch)
+        counts = self.group_count.setdefault(key, np.zeros(self.W, dtype=int))
+        np.add.at(counts, list(ranks), 1)
+        sc = self.scheme_count.setdefault(ch.option.sharding, [0, 0])
+        sc[0] += 1
+        sc[1] += int(item.weighted)
+        self.placed[i] = (c, tuple(int(r) for r in ranks))
+
+    def remove(self, i: int, item: Item) -> tuple[int, tuple[int, ...]]:
+        """Take item i off its ranks; returns where it was."""
+        c, ranks = self.placed.pop(i)
+        ch = item.choices[c]
+        self.loads += self.delta(item, ch, ranks, -1)
+        self.version += 1
+        np.add.at(self.hbm_free, np.asarray(ranks), ch.hbm)
+        np.add.at(self.ddr_free, np.asarray(ranks), ch.ddr)
+        np.subtract.at(self.group_count[self._group(ch)], list(ranks), 1)
+        sc = self.scheme_count[ch.option.sharding]
+        sc[0] -= 1
+        sc[1] -= int(item.weighted)
+        return c, ranks
+
+    def objective(self) -> float:
+        """Predicted step time of the current loads (s)."""
+        return R.step_time(self.loads)
+
+    # ---- where would a choice go best -----------------------------------------------------------------------
+    def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
+        """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
+        st = ch.option.sharding
+        if st in (ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL):
+            return self._try_dense(item, ch, np.arange(ch.blocks))
+        if st is ShardingType.TABLE_ROW_WISE:
+            best = None
+            for h in range(self.H):
+                ranks = np.arange(h * self.lws, h * self.lws + ch.blocks)
+                if item.pinned and not set(ranks.tolist()) <= set(item.pinned):
+                    continue
+                got = self._try_dense(item, ch, ranks)
+                if got is not None and (best is None or got[0] < best[0] - 1e-12):
+                    best = got
+            return best
+        if ch.blocks == 1:
+            got = self._best_single(item, ch, 0, ())
+            return None if got is None else (got[0], (got[1],))
+        # Column-wise: blocks one by one onto distinct ranks, each seeing the ones before; then undo.
+        saved = (self.loads.copy(), self.hbm_free.copy(), self.ddr_free.copy())
+        ranks: list[int] = []
+        result = None
+        for b in range(ch.blocks):
+            got = self._best_single(item, ch, b, tuple(ranks))
+            if got is None:
+                break
+            r = got[1]
+            ranks.append(r)
+            self.loads += self._block_delta(item, ch, b, r, first=b == 0, ranks_so_far=ranks[:-1])
+            self.version += 1
+            self.hbm_free[r] -= ch.hbm[b]
+            self.ddr_free[r] -= ch.ddr[b]
+        else:
+            result = (self.objective(), tuple(ranks))
+        self.loads, self.hbm_free, self.ddr_free = saved
+        self.version += 1
+        return result
+
+    def _block_delta(self, item: Item, ch: Choice, b: int, r: int, first: bool, ranks_so_far: list[int]) -> np.ndarray:
+        d = R.spread(np.array([r]), ch.owner[b : b + 1], ch.same[b : b + 1], ch.other[b : b + 1], self.W, self.lws)
+        counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
+        if counts[r] == 0 and r not in ranks_so_far:
+            d[:, r] += self.model.group_fixed(*self._group(ch))
+        if first:
+            d += self._scheme_delta(item, ch, +1)[:, None]
+        return d
+
+    def _try_dense(self, item: Item, ch: Choice, ranks: np.ndarray) -> tuple[float, tuple[int, ...]] | None:
+        if np.any(self.hbm_free[ranks] < ch.hbm - 0.5) or np.any(self.ddr_free[ranks] < ch.ddr - 0.5):
+            return None
+        return R.step_time(self.loads + self.delta(item, ch, ranks)), tuple(int(r) for r in ranks)
+
+    def _best_single(self, item: Item, ch: Choice, b: int, exclude: tuple[int, ...]) -> tuple[float, int] | None:
+        """Best rank for block b alone: (step time, rank), vectorised over ranks, exact for this model.
+
+        On rank q (host h) the block adds `owner` to q, `same` to q's host peers and `other` to the ranks of
+        other hosts. A row's new maximum is the largest of: q's new value; the top of host h's other ranks
+        (the host's first or, if that is q, second largest) plus `same`; the top of the other hosts plus `other`.
+        """
+        feasible = (self.hbm_free >= ch.hbm[b] - 0.5) & (self.ddr_free >= ch.ddr[b] - 0.5)
+        if item.pinned:
+            allowed = np.zeros(self.W, dtype=bool)
+            allowed[list(item.pinned)] = True
+            feasible &= allowed
+        if exclude:
+            feasible[list(exclude)] = False
+        q = np.flatnonzero(feasible)
+        if not q.size:
+            return None
+        o, a, x = ch.owner[b], ch.same[b], ch.other[b]
+        counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
+        absent = (counts[q] == 0).astype(float)
+        if exclude:
+            absent[np.isin(q, exclude)] = 0.0
+        fixed = self.model.group_fixed(*self._group(ch))
+        scheme = self._scheme_delta(item, ch, +1) if b == 0 else np.zeros(R.NROWS)
+        L = self.loads
+        arg_in, top1_in, top2_in, best_h, first_v, second_v = self._host_stats()
+        hq, jq = q // self.lws, q % self.lws
+        same_host = np.where(arg_in[:, hq] == jq[None, :], top2_in[:, hq], top1_in[:, hq]) + a[:, None]
+        if self.H > 1:
+            out_top = np.where(best_h[:, None] == hq[None, :], second_v[:, None], first_v[:, None])
+            excl = np.maximum(same_host, out_top + x[:, None])
+        else:
+            excl = same_host
+        own = L[:, q] + o[:, None] + np.outer(fixed, absent)
+        new = np.maximum(excl, own) + scheme[:, None]
+        J = np.maximum.reduceat(new, R.PHASE_START, axis=0).sum(axis=0)
+        own_t = np.maximum.reduceat(own, R.PHASE_START, axis=0).sum(axis=0)
+        # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
+        k = np.lexsort((q, -self.hbm_free[q], own_t, np.round(J * 1e9)))[0]
+        return float(J[k]), int(q[k])
+
+    def _host_stats(self) -> tuple:
+        """Per row: each host's largest and second largest load (and where), and the best two hosts. Cached until
+        the loads change."""
+        key = (id(self.loads), self.version)
+        if self._stats_key == key:
+            return self._stats
+        by_host = self.loads.reshape(R.NROWS, self.H, self.lws)
+        arg_in = by_host.argmax(axis=2)  # [NROWS, H], index within the host
+        srt = np.sort(by_host, axis=2)
+        top1_in = srt[:, :, -1]
+        top2_in = srt[:, :, -2] if self.lws > 1 else np.full_like(top1_in, -np.inf)
+        best_h = first_v = second_v = None
+        if self.H > 1:
+            hsrt = np.argsort(-top1_in, axis=1, kind="stable")
+            best_h, second_h = hsrt[:, 0], hsrt[:, 1]
+            rows = np.arange(R.NROWS)
+            first_v, second_v = top1_in[rows, best_h], top1_in[rows, second_h]
+        self._stats = (arg_in, top1_in, top2_in, best_h, first_v, second_v)
+        self._stats_key = key
+        return self._stats

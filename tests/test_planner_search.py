@@ -1,0 +1,273 @@
+"""Planner search: feasible, deterministic, constraint-respecting plans that pass ShardingPlan.check, the choices
+that matter (data-parallel tiny tables, HBM before UVM), errors with numbers, round trips, explain, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import MemoryTier, ShardingPlan, ShardingType
+from embshard.planner import PlannerSettings, PlanningError, Topology, plan_with_report, predict
+from embshard.planner.cli import main as plan_main
+from embshard.planner.explain import explain
+from embshard.planner.topology import GIB
+from embshard.tables import ConfigError, TableConfig
+
+DP, TW, RW = ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.ROW_WISE
+ROWWISE = FusedOptimizerConfig("rowwise_adagrad")
+
+
+def hetero124() -> list[TableConfig]:
+    tables = [TableConfig(f"big_{i}", 100_000_000, 128, (f"big_{i}",), ids_per_bag=1) for i in range(4)]
+    tables += [TableConfig(f"mid_{i}", 5_000_000, 64, (f"mid_{i}",), ids_per_bag=5) for i in range(20)]
+    tables += [TableConfig(f"small_{i}", 10_000, 16, (f"small_{i}",), ids_per_bag=30) for i in range(100)]
+    return tables
+
+
+def random_tables(seed: int, n: int) -> list[TableConfig]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        rows = rng.choice([50, 3_000, 200_000, 5_000_000, 40_000_000])
+        dim = rng.choice([8, 16, 32, 64, 128, 256])
+        out.append(
+            TableConfig(
+                f"t{i}",
+                rows,
+                dim,
+                tuple(f"f{i}_{k}" for k in range(rng.choice([1, 1, 2]))),
+                ids_per_bag=rng.choice([1, 3, 20]),
+                weighted=rng.random() < 0.2,
+                data_type=rng.choice(["fp32", "fp16"]),
+            )
+        )
+    return out
+
+
+def assert_valid(plan: ShardingPlan, report, tables) -> None:
+    plan.check(tables)
+    for r in report.ranks:
+        assert r.storage.hbm <= r.hbm_budget + 1 and r.storage.ddr <= r.ddr_budget + 1
+    for t in plan.tables:
+        assert all(s.num_cols % 4 == 0 for s in t.shards) or t.sharding_type is not ShardingType.COLUMN_WISE
+    assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
+
+
+def test_hetero124_makes_tiny_tables_data_parallel():
+    tables = hetero124()
+    plan, report = plan_with_report(tables, Topology.preset("h200", 2), 8192, ROWWISE)
+    assert_valid(plan, report, tables)
+    assert all(plan[f"small_{i}"].sharding_type is DP for i in range(100))
+    assert all(plan[f"big_{i}"].sharding_type is not DP and plan[f"big_{i}"].tier is MemoryTier.HBM for i in range(4))
+    # The same tables table-wise (TorchRec's plan) are predicted slower.
+    torchrec_like = ShardingPlan(
+        2, 2, tuple(t if not t.table.startswith("small") else _as_tw(t, i % 2) for i, t in enumerate(plan.tables))
+    )
+    slower = predict(torchrec_like, tables, Topology.preset("h200", 2), 8192, ROWWISE)
+    assert slower.step_time_s > 1.5 * report.step_time_s
+    assert "data_parallel hbm" in explain(report, "small_7") and "<- chosen" in explain(report, "small_7")
+
+
+def _as_tw(tp, rank):
+    from embshard.plan import Shard, TablePlan
+
+    s = tp.shards[0]
+    return TablePlan(tp.table, TW, MemoryTier.HBM, (Shard(rank, 0, s.num_rows, 0, s.num_cols),))
+
+
+@pytest.mark.parametrize(
+    "device,world,local,seed",
+    [("h100", 1, 1, 0), ("h100", 3, 3, 1), ("h200", 8, 8, 2), ("h100", 16, 8, 3), ("a100", 12, 4, 4), ("cpu", 3, 3, 5)],
+)
+def test_random_models_give_valid_plans(device, world, local, seed):
+    tables = random_tables(seed, 40)
+    topo = Topology.preset(device, world, local, ddr_gib=4096)
+    plan, report = plan_with_report(tables, topo, 512, FusedOptimizerConfig("adam"))
+    assert_valid(plan, report, tables)
+    if device == "cpu":
+        assert {t.tier for t in plan.tables} == {MemoryTier.HOST}
+
+
+def test_tight_hbm_moves_large_tables_to_uvm_and_keeps_busy_ones_in_hbm():
+    tables = [TableConfig(f"large_{i}", 20_000_000, 128, (f"l{i}",), ids_per_bag=1) for i in range(6)]
+    tables += [TableConfig(f"busy_{i}", 1_000_000, 64, (f"b{i}",), ids_per_bag=20) for i in range(10)]
+    topo = Topology.preset("h200", 2, hbm_gib=16)
+    plan, report = plan_with_report(tables, topo, 8192, ROWWISE)
+    assert_valid(plan, report, tables)
+    assert all(plan[f"busy_{i}"].tier is MemoryTier.HBM for i in range(10))
+    assert sum(plan[f"large_{i}"].tier is not MemoryTier.HBM for i in range(6)) >= 3
+    moved = [n for t in report.tables for n in t.notes if "GPU memory over budget" in n]
+    assert moved
+
+
+def test_deterministic():
+    tables = random_tables(7, 60)
+    topo = Topology.preset("h100", 16, 8)
+    a = plan_with_report(tables, topo, 1024)[0]
+    b = plan_with_report(list(tables), topo, 1024)[0]
+    assert a.to_dict() == b.to_dict()
+
+
+def test_constraints_are_honoured():
+    tables = random_tables(11, 12)
+    cons = {
+        "t0": {"sharding_types": ["row_wise"]},
+        "t1": {"tiers": ["uvm"]},
+        "t2": {"ranks": [3]},
+        "t3": {"colocate_with": "t2"},
+        "t4": {"sharding_types": ["column_wise"], "column_shards": [2]},
+        "t5": {"sharding_types": ["table_wise"], "ranks": [1, 2]},
+    }
+    tables[4] = TableConfig("t4", 1000, 64, ("f4",))
+    plan, report = plan_with_report(tables, Topology.preset("h100", 4), 256, constraints=cons)
+    assert_valid(plan, report, tables)
+    assert plan["t0"].sharding_type is RW and len(plan["t0"].shards) == len(set(plan["t0"].ranks))
+    assert plan["t1"].tier is MemoryTier.UVM
+    assert set(plan["t2"].ranks) == {3} and plan["t3"].ranks == plan["t2"].ranks
+    assert plan["t4"].sharding_type is ShardingType.COLUMN_WISE and len(plan["t4"].shards) == 2
+    assert plan["t5"].sharding_type is TW and plan["t5"].ranks[0] in (1, 2)
+    assert "co-located with 't2'" in explain(report, "t3")
+
+
+def test_table_too_large_for_any_rank_names_the_numbers():
+    t = TableConfig("huge", 400_000_000, 128, ("f",))  # 190.7 GiB of weights
+    topo = Topology.preset("h100", 4, ddr_gib=64)
+    with pytest.raises(PlanningError) as e:
+        plan_with_report([t], topo, 1024, constraints={"huge": {"sharding_types": ["table_wise"]}})
+    msg = str(e.value)
+    assert "'huge'" in msg and "190.73 GiB" in msg and "fixes:" in msg and "row_wise" in msg
+    budget = e.value.details["hbm_budget"] / GIB
+    assert f"{budget:.2f} GiB" in msg
+
+
+def test_totals_over_budget_say_needed_available_and_ranks_to_use():
+    tables = [TableConfig(f"t{i}", 50_000_000, 128, (f"f{i}",)) for i in range(8)]  # 190 GiB of weights
+    topo = Topology.preset("h100", 2, hbm_gib=40, ddr_gib=48)
+    with pytest.raises(PlanningError) as e:
+        plan_with_report(tables, topo, 1024, ROWWISE)
+    msg, d = str(e.value), e.value.details
+    assert "no plan fits" in msg and "host memory: needed at least" in msg
+    assert f"{d['ddr_needed'] / GIB:.2f} GiB" in msg and f"{d['ddr_available'] / GIB:.2f} GiB" in msg
+    m = re.search(r"use at least (\d+) ranks", msg)
+    assert m and int(m.group(1)) == d["min_world_size"] >= 3
+
+
+def test_plan_round_trip_and_report_json(tmp_path):
+    tables = random_tables(3, 20)
+    plan, report = plan_with_report(tables, Topology.preset("h100", 4), 256)
+    for name in ("p.yaml", "p.json"):
+        plan.save(tmp_path / name)
+        back = ShardingPlan.load(tmp_path / name)
+        assert back == plan
+        back.check(tables)
+        again = predict(back, tables, Topology.preset("h100", 4), 256)
+        assert again.step_time_s == pytest.approx(report.step_time_s)
+    data = json.loads(report.to_json())
+    assert data["plan"] == plan.to_dict() and len(data["ranks"]) == 4
+    assert data["step_time_ms"] == pytest.approx(report.step_time_s * 1e3)
+
+
+def test_settings_reserve_shrinks_budget():
+    tables = random_tables(5, 10)
+    a = plan_with_report(tables, Topology.preset("h100", 2), 256)[1]
+    b = plan_with_report(tables, Topology.preset("h100", 2), 256, settings=PlannerSettings(hbm_reserve_gib=30))[1]
+    assert b.ranks[0].hbm_budget == pytest.approx(a.ranks[0].hbm_budget - (30 * GIB - a.ranks[0].hbm_reserve))
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError, match="batch_size=0 is invalid"):
+        plan_with_report(random_tables(0, 2), Topology.preset("h100", 2), 0)
+
+
+def test_cli(tmp_path, capsys):
+    out, rep = tmp_path / "plan.yaml", tmp_path / "report.json"
+    plan_main(
+        ["configs/planner/hetero124.yaml", "--world-size", "2", "--out", str(out), "--report", str(rep)]
+        + ["--explain", "small_3"]
+    )
+    text = capsys.readouterr().out
+    assert "predicted step time" in text and "table 'small_3'" in text
+    plan = ShardingPlan.load(out)
+    assert plan["small_3"].sharding_type is DP
+    assert json.loads(rep.read_text())["plan"] == plan.to_dict()
+    plan_main(["configs/planner/uniform26.yaml", "--world-size", "4", "--device", "h100", "--format", "json"])
+    assert json.loads(capsys.readouterr().out)["world_size"] == 4
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch_size: 8\ntables: [{name: a, num_embeddings: 4, embedding_dim: 4, idsperbag: 2}]\n")
+    with pytest.raises(SystemExit):
+        plan_main([str(bad), "--world-size", "2"])
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and "unknown key 'idsperbag'" in err
+    with pytest.raises(SystemExit):
+        plan_main(["configs/planner/overflow.yaml", "--world-size", "2", "--hbm-gib", "4", "--ddr-gib", "8"])
+    assert "no plan fits" in capsys.readouterr().err
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from embshard.planner.plot import plot_report
+
+    report = plan_with_report(random_tables(2, 10), Topology.preset("h100", 4), 256)[1]
+    path = plot_report(report, tmp_path / "plan.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loads_match_between_search_and_predict_on_multi_host():
+    tables = random_tables(9, 30)
+    plan, report = plan_with_report(tables, Topology.preset("h100", 16, 4), 512)
+    assert np.all(report.loads >= 0)
+    assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
+
+
+def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
+    from embshard.planner import loads as R
+    from embshard.planner.cost import CostModel, TableStats
+
+    tables = random_tables(13, 25)
+    topo = Topology.preset("h100", 8, 4)
+    plan, _ = plan_with_report(tables, topo, 512)
+    plan.save(tmp_path / "p.yaml")
+    report = predict(ShardingPlan.load(tmp_path / "p.yaml"), tables, topo, 512)
+    model = CostModel(topo, 512, FusedOptimizerConfig())
+    for t in tables:
+        tp = plan[t.name]
+        rows = np.array([s.num_rows for s in tp.shards], dtype=float)
+        cols = np.array([s.num_cols for s in tp.shards], dtype=float)
+        wk = model.work(TableStats.one(t), tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor)
+        shape = (len(rows), R.NROWS)
+        vecs = [
+            np.broadcast_to(v, shape)
+            for v in (model.owner_vec(wk), model.peer_vec(wk, True), model.peer_vec(wk, False))
+        ]
+        alone = R.step_time(R.spread(np.array(tp.ranks), *vecs, 8, 4))
+        assert report.table(t.name).time_s == pytest.approx(alone, rel=1e-9)
+    text = explain(report, "t3")
+    assert "table 't3'" in text and "<- chosen" in text and "balanced ms" in text
+
+
+def test_calibrate_on_cpu(tmp_path):
+    from embshard.planner.calibrate import main as calibrate_main
+
+    out = tmp_path / "topo.yaml"
+    calibrate_main(["--out", str(out), "--size-mib", "8", "--iters", "2", "--no-collectives"])
+    topo = Topology.load(out)
+    assert "ddr_bw" in topo.measured and topo.ddr_bw > 0 and topo.source.startswith("calibrated")
+    plan, report = plan_with_report(random_tables(1, 6), topo.with_sizes(2, ddr_gib=256), 64)
+    assert {t.tier for t in plan.tables} == {MemoryTier.HOST}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_greedy_is_close_to_the_exact_optimum_on_small_models(seed):
+    tables = random_tables(100 + seed, 4)
+    topo = Topology.preset("h100", 3, 3, ddr_gib=4096)
+    off = PlannerSettings(exact_limit=0)
+    greedy = plan_with_report(tables, topo, 256, settings=off)[1]
+    best = plan_with_report(tables, topo, 256, settings=PlannerSettings(exact_limit=10**6))[1]
+    assert best.step_time_s <= greedy.step_time_s + 1e-12
+    assert greedy.step_time_s <= 1.15 * best.step_time_s
+    assert_valid(best.plan, best, tables)
