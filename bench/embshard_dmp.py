@@ -8,7 +8,9 @@ lengths uniform in [0, 2 x mean]: the same as the TorchRec baseline script. Step
 fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, samples/s and peak GPU memory.
 
 --plan: `simple` (all table-wise, greedy), `small-dp` (tables <= 10k rows data-parallel, the rest table-wise),
-`planner` (embshard.planner, if present), or a saved plan file.
+`planner` (embshard.planner on the detected GPUs; --hbm-gib caps the GPU memory it may plan for, which is how
+`overflow` is made not to fit), or a saved plan file. With the planner, the line also carries the predicted
+step time and peak GPU memory, to compare with the measured ones.
 """
 
 from __future__ import annotations
@@ -23,23 +25,26 @@ import torch.distributed as dist
 WORKLOADS = {
     "uniform26": ([(1_000_000, 128, 10)] * 26, 8192),
     "hetero124": ([(100_000_000, 128, 1)] * 4 + [(5_000_000, 64, 5)] * 20 + [(10_000, 16, 30)] * 100, 8192),
+    "overflow": ([(20_000_000, 128, 2)] * 6 + [(1_000_000, 64, 20)] * 10, 8192),
     "tiny": ([(1000, 16, 3)] * 4, 64),
 }
 
 
-def make_plan(args, tables, world: int, tier):
+def make_plan(args, tables, world: int, tier, batch: int, opt):
+    """(plan, planner report or None)."""
     from embshard.plan import ShardingPlan, ShardingType, simple_plan
 
     if args.plan == "simple":
-        return simple_plan(tables, world, tier=tier)
+        return simple_plan(tables, world, tier=tier), None
     if args.plan == "small-dp":
         types = {t.name: ShardingType.DATA_PARALLEL for t in tables if t.num_embeddings <= 10_000}
-        return simple_plan(tables, world, sharding_types=types, tier=tier)
+        return simple_plan(tables, world, sharding_types=types, tier=tier), None
     if args.plan == "planner":
-        from embshard.planner import plan_for_benchmark  # type: ignore[attr-defined]
+        from embshard.planner import Topology, plan_with_report
 
-        return plan_for_benchmark(tables, world, args)
-    return ShardingPlan.load(args.plan)
+        topo = Topology.detect(world_size=world).with_sizes(hbm_gib=args.hbm_gib or None)
+        return plan_with_report(tables, topo, batch_size=batch, optimizer=opt)
+    return ShardingPlan.load(args.plan), None
 
 
 def main() -> None:
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=WORKLOADS, default="uniform26")
     ap.add_argument("--plan", default="simple")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--hbm-gib", type=float, default=0, help="planner: GPU memory per rank to plan for (0: all)")
     ap.add_argument("--no-check-ids", action="store_true", help="skip the per-step id range check")
     args = ap.parse_args()
 
@@ -61,11 +67,12 @@ def main() -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     spec, batch = WORKLOADS[args.workload]
     tables = [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
-    plan = make_plan(args, tables, ws, MemoryTier.HBM if cuda else MemoryTier.HOST)
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
-    ebc = ShardedEmbeddingBagCollection(
-        tables, plan, FusedOptimizerConfig("rowwise_adagrad", lr=0.01), device=dev, seed=None
-    )
+    plan, report = make_plan(args, tables, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
+    plan_s = time.time() - t0
+    t0 = time.time()
+    ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=dev, seed=None)
     build_s = time.time() - t0
     if rank == 0:
         kinds: dict[str, int] = {}
@@ -73,7 +80,7 @@ def main() -> None:
             kinds[f"{tp.sharding_type.value}/{tp.tier.value}"] = (
                 kinds.get(f"{tp.sharding_type.value}/{tp.tier.value}", 0) + 1
             )
-        print(f"build {build_s:.1f} s; plan: {kinds}", flush=True)
+        print(f"plan {plan_s:.2f} s, build {build_s:.1f} s; plan: {kinds}", flush=True)
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -106,11 +113,19 @@ def main() -> None:
         step(i)
     sync()
     ms = (time.time() - t0) / args.steps * 1e3
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else 0.0], device=dev)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        mem = f"; peak GPU memory {torch.cuda.max_memory_allocated() / 1e9:.1f} GB" if cuda else ""
+        mem = f"; peak GPU memory {peak.item() / 2**30:.2f} GiB (max over ranks)" if cuda else ""
+        pred = ""
+        if report is not None:
+            pred = (
+                f"; predicted {report.step_time_s * 1e3:.2f} ms/step ({report.step_time_s * 1e3 / ms:.2f}x measured),"
+                f" predicted peak {report.peak_hbm / 2**30:.2f} GiB"
+            )
         print(
             f"embshard {args.workload} world={ws} plan={args.plan} check_ids={not args.no_check_ids}: "
-            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}",
+            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
             flush=True,
         )
     dist.destroy_process_group()
