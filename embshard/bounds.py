@@ -25,6 +25,17 @@ class DroppedIdsWarning(RuntimeWarning):
     """Out-of-range ids were dropped from a batch (LookupOptions.bounds_check='drop')."""
 
 
+def count_bad_ids(
+    lengths_FB: torch.Tensor, values: torch.Tensor, keys: Sequence[str], table_of: Mapping[str, TableConfig]
+) -> torch.Tensor:
+    """Number of out-of-range ids, as a device scalar (no host sync: it rides on the input exchange's counts)."""
+    from embshard.sharding.exchange import cached_tensor
+
+    rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], values.device)
+    limit = torch.repeat_interleave(rows_F, lengths_FB.sum(1).to(torch.int64), output_size=values.numel())
+    return ((values < 0) | (values >= limit)).sum()
+
+
 def check_ids(
     lengths_FB: torch.Tensor,
     values: torch.Tensor,
@@ -41,7 +52,9 @@ def check_ids(
     """
     F, B = lengths_FB.shape
     device = values.device
-    rows_F = torch.tensor([table_of[k].num_embeddings for k in keys], device=device)
+    from embshard.sharding.exchange import cached_tensor
+
+    rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], device)
     ids_F = lengths_FB.sum(1).to(torch.int64)
     limit = torch.repeat_interleave(rows_F, ids_F, output_size=values.numel())
     bad = (values < 0) | (values >= limit)

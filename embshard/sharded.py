@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.bounds import check_ids
+from embshard.bounds import check_ids, count_bad_ids
 from embshard.comm import world_and_rank
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
+from embshard.sharding.exchange import IdsOutOfRange
+from embshard.sharding.table_wise import RoutedSharding
 from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
-from embshard.tiers import LookupOptions, PrefetchHandle, format_cache_stats
+from embshard.tiers import BoundsCheck, LookupOptions, PrefetchHandle, format_cache_stats
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -144,6 +146,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lengths_FB, values, weights, self._kjt_layout[0], self._table_of, self.options.bounds_check, self._dropped
         )
 
+    def _input_dist(self, lengths_FB, values, weights, index, check: bool) -> tuple[list, torch.Tensor]:
+        """Start every scheme's input exchange, then wait for all; returns the inputs and the lengths actually
+        sent (drop mode removes ids). In error mode the id check rides on the first exchange's counts (no extra
+        host sync, and every rank stops together if any rank has bad ids)."""
+        first = next((i for i, s in enumerate(self.schemes) if isinstance(s, RoutedSharding)), None)
+        piggyback = check and first is not None and self.options.bounds_check is BoundsCheck.ERROR
+        if check and not piggyback:
+            lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
+        bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if piggyback else None
+        handles = []
+        for i, s in enumerate(self.schemes):
+            if i == first and bad is not None:
+                try:
+                    handles.append(s.start_input_dist(lengths_FB, values, weights, index, bad_ids=bad))
+                except IdsOutOfRange as e:
+                    if self.rank in e.ranks:
+                        self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
+                    raise
+            else:
+                handles.append(s.start_input_dist(lengths_FB, values, weights, index))
+        return [h.wait() for h in handles], lengths_FB
+
     def dropped_ids(self) -> dict[str, int]:
         """Out-of-range ids dropped so far from this rank's batches, per feature (bounds_check='drop')."""
         return dict(self._dropped)
@@ -158,10 +182,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             inputs, lengths_FB, index = self._consume(prefetched, kjt)
         else:
             lengths_FB, values, weights, index = self._local_input(kjt)
-            if check_ids:
-                lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
-            in_handles = [s.start_input_dist(lengths_FB, values, weights, index) for s in self.schemes]
-            inputs = [h.wait() for h in in_handles]
+            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids)
         pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
         out_handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
         blocks = [h.wait() for h in out_handles]

@@ -42,9 +42,37 @@ class LookupInput:
         return sum(self.batch_sizes)
 
 
+class IdsOutOfRange(ValueError):
+    """Some rank's local batch has ids outside their tables; raised on every rank at the same point."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(
+            f"ranks {ranks} have ids outside their tables in their local batch (each of those ranks raises an "
+            "error naming the feature, the table and the value); every rank stops here so none waits forever"
+        )
+        self.ranks = ranks
+
+
+_DEVICE_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def cached_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A device copy of a small constant list, made once per (values, device, dtype): no per-step copy."""
+    key = (tuple(values), str(device), dtype)
+    t = _DEVICE_CACHE.get(key)
+    if t is None:
+        if len(_DEVICE_CACHE) > 4096:
+            _DEVICE_CACHE.clear()
+        t = _DEVICE_CACHE[key] = torch.tensor(list(values), device=device, dtype=dtype)
+    return t
+
+
 def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """Sums of consecutive segments of `lengths` with the given sizes (on the same device, no sync)."""
-    bounds = torch.tensor([0, *sizes], device=lengths.device).cumsum(0)
+    ends = [0]
+    for n in sizes:
+        ends.append(ends[-1] + n)
+    bounds = cached_tensor(ends, lengths.device)
     csum = torch.cat([lengths.new_zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
     return csum[bounds[1:]] - csum[bounds[:-1]]
 
@@ -73,10 +101,8 @@ class SparseExchangeHandle:
         if W > 1 and F > 1:
             # Received segments are (source s, feature f) of B_s bags each; reorder them to (f, s).
             bags = [b for b in self._batch_sizes for _ in range(F)]
-            seg_bags = torch.tensor(bags, device=lengths.device)
-            perm = torch.tensor(
-                [s * F + f for f in range(F) for s in range(W)], device=lengths.device, dtype=torch.int32
-            )
+            seg_bags = cached_tensor(bags, lengths.device)
+            perm = cached_tensor([s * F + f for f in range(F) for s in range(W)], lengths.device, torch.int32)
             seg_ids = segment_sums(lengths, bags)
             _, lengths, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_bags, lengths)
             _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_ids, values, weights)
@@ -91,20 +117,31 @@ def start_sparse_exchange(
     batch_size: int,
     group: dist.ProcessGroup | None,
     rank: int,
+    bad_ids: torch.Tensor | None = None,
 ) -> SparseExchangeHandle:
     """Send each destination its ids. `n_features[d]` lookup features go to rank d (send layout in the module
     docstring). Exchanges the per-destination counts first (one small all-to-all and one host sync), then starts
-    the lengths, ids and weights all-to-alls and returns without waiting for them."""
+    the lengths, ids and weights all-to-alls and returns without waiting for them.
+
+    `bad_ids` (a device scalar: this rank's count of out-of-range ids) rides along with the counts, so the id check
+    costs no sync of its own; if any rank reports some, every rank raises IdsOutOfRange before sending ids."""
     W = len(n_features)
     send_bags = [n * batch_size for n in n_features]
     send_ids = segment_sums(lengths, send_bags)
-    counts = torch.stack([torch.full_like(send_ids, batch_size), send_ids], dim=1)  # [W, 2]: (B, ids) per dest
-    recv = start_all_to_all(counts, [1] * W, [1] * W, group).wait().tolist()  # host sync: sizes for the next step
-    batch_sizes = [int(b) for b, _ in recv]
-    recv_ids = [int(n) for _, n in recv]
+    flag = bad_ids.to(send_ids.dtype).expand_as(send_ids) if bad_ids is not None else torch.zeros_like(send_ids)
+    # [W, 3] per destination: (local batch, ids sent, out-of-range ids of the sender)
+    counts = torch.stack([torch.full_like(send_ids, batch_size), send_ids, flag], dim=1)
+    recv_h = start_all_to_all(counts, [1] * W, [1] * W, group)
+    both = torch.cat([recv_h.wait(), counts]).tolist()  # the one host sync: sizes for the next step
+    recv, sent = both[:W], both[W:]
+    bad_ranks = [r for r, row in enumerate(recv) if row[2]]
+    if bad_ranks:
+        raise IdsOutOfRange(bad_ranks)
+    batch_sizes = [int(row[0]) for row in recv]
+    recv_ids = [int(row[1]) for row in recv]
     F_me = n_features[rank]
     lengths_h = start_all_to_all(lengths, send_bags, [F_me * b for b in batch_sizes], group)
-    send_ids_l = send_ids.tolist()
+    send_ids_l = [int(row[1]) for row in sent]
     values_h = start_all_to_all(values, send_ids_l, recv_ids, group)
     weights_h = start_all_to_all(weights, send_ids_l, recv_ids, group) if weights is not None else None
     return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, batch_sizes)

@@ -119,6 +119,7 @@ class RowBlockSharding(RoutedSharding):
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
+        bad_ids: torch.Tensor | None = None,
     ) -> SparseExchangeHandle:
         """Bucket the local batch's ids by row block and send each block's ids to its rank."""
         select, block_sizes, route = self._tensors(feature_index, values)
@@ -136,7 +137,7 @@ class RowBlockSharding(RoutedSharding):
             route, b_lengths.view(self.world_size * len(self.in_features), B), b_values, b_weights
         )
         return start_sparse_exchange(
-            send_lengths.reshape(-1), send_values, send_weights, self.n_features, B, self.group, self.rank
+            send_lengths.reshape(-1), send_values, send_weights, self.n_features, B, self.group, self.rank, bad_ids
         )
 
     def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> SummedPooledHandle:

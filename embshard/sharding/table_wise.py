@@ -83,6 +83,7 @@ class RoutedSharding(nn.Module):
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
+        bad_ids: torch.Tensor | None = None,
     ) -> SparseExchangeHandle:
         """Send each rank the ids of its lookup keys. `lengths_FB` is the local batch's `[F, B]` lengths in
         the order `feature_index` gives."""
@@ -100,6 +101,7 @@ class RoutedSharding(nn.Module):
             lengths_FB.shape[1],
             self.group,
             self.rank,
+            bad_ids,
         )
 
     def _send_permute(self, feature_index: dict[str, int], device: torch.device) -> torch.Tensor:
