@@ -74,6 +74,7 @@ def main() -> None:
     t0 = time.time()
     ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=dev, seed=None)
     build_s = time.time() - t0
+    built_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if rank == 0:
         kinds: dict[str, int] = {}
         for tp in plan.tables:
@@ -116,7 +117,11 @@ def main() -> None:
     peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else 0.0], device=dev)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        mem = f"; peak GPU memory {peak.item() / 2**30:.2f} GiB (max over ranks)" if cuda else ""
+        mem = (
+            f"; peak GPU memory {peak.item() / 2**30:.2f} GiB (max over ranks; {built_gib:.2f} after build)"
+            if cuda
+            else ""
+        )
         pred = ""
         if report is not None:
             pred = (
