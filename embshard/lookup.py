@@ -116,6 +116,12 @@ class TBELookup(nn.Module):
                 "ignores weight decay for this optimizer (seen with fbgemm-gpu 1.6 and 1.8); use rowwise_adagrad, or "
                 "weight_decay: 0"
             )
+        if device.type == "cuda" and optimizer.kind is OptimizerKind.ADAM and self.settings.weights_precision == "fp16":
+            raise ConfigError(
+                f"tables {[s.table.name for s in shards]}: fp16 weights with adam fail inside FBGEMM's GPU kernel "
+                "(seen with fbgemm-gpu 1.6.0: 'row_counter_dev' Half vs Float); use data_type fp32 for these tables, "
+                "or sgd/adagrad/rowwise_adagrad"
+            )
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
         )
@@ -156,8 +162,8 @@ class TBELookup(nn.Module):
             self.tbe.prefetch(indices.long(), offsets.long(), forward_stream=forward_stream)
 
     def shard_weights(self) -> list[torch.Tensor]:
-        """The weights of each shard (views, in shard order). UVM-caching: the cache is written back first; after
-        writing into these tensors call `drop_cache()` so no stale cached row hides the new values."""
+        """The weights of each shard (views, in shard order). UVM-caching: the cache is written back first (FBGEMM's
+        flush also empties it); after writing into these tensors call `drop_cache()` so no stale row hides them."""
         if self.settings.caching:
             self.tbe.flush()
         return list(self.tbe.split_embedding_weights())

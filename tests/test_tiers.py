@@ -186,6 +186,8 @@ CASES = {
     # The next batch's input exchange (and id check) runs early, between forward and backward of the current one.
     "prefetch_drop": (FP32_TABLES, ROWWISE, LookupOptions(bounds_check="drop", prefetch_pipeline=True), True, 2e-5),
 }
+if test_device() == "cuda":  # FBGEMM 1.6's GPU Adam fails on fp16 weights: refused there (see lookup.py)
+    del CASES["fp16_adam_host"]
 BAD_FEATURES = ("f_a", "f_c", "f_e")  # shared table, mean pooling, weighted mean pooling
 STEPS = 3
 

@@ -116,12 +116,13 @@ def _train(rank, world_size, device, name, batch_sizes):
         loss = sum((got[f].float() * upstream[rank][f].to(device)).sum() for f in features)
         loss.backward()
         outputs.append({f: got[f].detach().float().cpu() for f in features})
-    result = {"outputs": outputs, "weights": ebc.full_weights()}
-    if name == "stats":
+    result = {"outputs": outputs}
+    if name == "stats":  # before full_weights(): reading weights writes the cache back and empties it
         result["stats"] = ebc.cache_stats(gather=True)
         result["log"] = ebc.format_cache_stats()
         ebc.reset_cache_stats()
         result["after_reset"] = ebc.cache_stats()
+    result["weights"] = ebc.full_weights()
     return result
 
 
