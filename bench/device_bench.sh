@@ -11,7 +11,7 @@ date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -
 case ${1:-uniform26} in
   uniform26)
     run $baseline --workload uniform26
-    run bench/embshard_dmp.py --workload uniform26 --plan simple
+    run bench/embshard_dmp.py --workload uniform26 --plan simple --mem-probe
     run bench/embshard_dmp.py --workload uniform26 --plan planner ;;
   hetero124)
     run $baseline --workload hetero124 --hbm-gib 130 --force small-dp

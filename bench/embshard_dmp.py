@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--hbm-gib", type=float, default=0, help="planner: GPU memory per rank to plan for (0: all)")
     ap.add_argument("--no-check-ids", action="store_true", help="skip the per-step id range check")
+    ap.add_argument("--mem-probe", action="store_true", help="print the forward and backward transient memory")
     args = ap.parse_args()
 
     from embshard.distributed import init_distributed
@@ -106,6 +107,20 @@ def main() -> None:
     for i in range(5):
         step(i)
     sync()
+    if cuda and args.mem_probe:  # where the step's transient memory goes: forward vs backward
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = ebc(batches[0], check_ids=not args.no_check_ids).values()
+        sync()
+        fwd = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        out.sum().backward()
+        sync()
+        bwd = torch.cuda.max_memory_allocated() - base
+        if rank == 0:
+            print(
+                f"memory probe: forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over {base / 2**30:.2f}"
+            )
     dist.barrier()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
