@@ -6,7 +6,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp}
 baseline=shared/baselines/torchrec_dmp.py   # copy of ../shared/baselines, carried to the device
-run() { echo "+ torchrun --nproc-per-node=2 $*"; timeout 300 python3 -m torch.distributed.run --nproc-per-node=2 "$@" 2>&1 | grep -E "ms/step|plan|Error|error" | grep -vE "Warn|WARNING"; }
+run() { echo "+ torchrun --nproc-per-node=2 $*"; timeout 300 python3 -m torch.distributed.run --nproc-per-node=2 "$@" 2>&1 | grep -E "ms/step|plan|probe|Error|error" | grep -vE "Warn|WARNING"; }
 date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 case ${1:-uniform26} in
   uniform26)
