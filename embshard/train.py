@@ -1,11 +1,12 @@
 """`embshard train CONFIG [key.sub=value ...] [--nproc N]`: train a YAML-configured model.
 
 Under torchrun (one process per GPU, any number of hosts) each process joins the job from torchrun's
-environment; with `--nproc N` (and no torchrun) N local processes are started here. Rank 0 prints the plan, a
-progress bar with samples/s, the training loss every logging.log_every steps, and the held-out loss and AUC
-(torchmetrics BinaryAUROC, synced over ranks) at every evaluation; it also writes TensorBoard event files and an
-optional JSON-lines metrics file. See docs/config.md for the configuration and docs/launch.md for launching.
-"""
+environment; with `--nproc N` (and no torchrun) N local processes are started here. Rank 0 makes the sharding
+plan (by default with the planner, embshard.planner: docs/planner.md) and broadcasts it; it prints the plan with
+the predicted memory and time per rank, a progress bar with samples/s, the training loss every
+logging.log_every steps, and the held-out loss and AUC (torchmetrics BinaryAUROC, synced over ranks) at every
+evaluation; it also writes TensorBoard event files and an optional JSON-lines metrics file. See docs/config.md
+for the configuration and docs/launch.md for launching."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from embshard.config import DenseOptimizerConfig, LoggingConfig, PlannerConfig, TrainConfig, load_config
+from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType, simple_plan
 from embshard.tables import ConfigError, TableConfig
 
@@ -31,46 +33,111 @@ def make_plan(
     world_size: int,
     local_world_size: int,
     device_type: str,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    log: Callable[[str], None] | None = None,
 ) -> ShardingPlan:
-    """The sharding plan: loaded from planner.plan_file, else the simple greedy placement (embshard.plan) with
-    each table's first allowed sharding type and tier, and pinned ranks for table-wise tables.
-    This is the one place to call a fuller planner (embshard.planner) with the same arguments."""
+    """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
+    (strategy auto: embshard.planner on the topology of planner.topology_file or of this machine, for
+    `batch_size` samples per rank and the sparse `optimizer`), else by the simple placement (strategy simple).
+    `log` gets the plan and, for auto, the predicted memory and time per rank and the predicted step time.
+    Deterministic; `run` still makes it on rank 0 only and broadcasts it."""
+    say = log or (lambda _text: None)
     if planner_cfg.plan_file:
         plan = ShardingPlan.load(planner_cfg.plan_file)
         if (plan.world_size, plan.local_world_size) != (world_size, local_world_size):
             raise ConfigError(
                 f"planner.plan_file={planner_cfg.plan_file!r} is a plan for world_size={plan.world_size}, "
                 f"local_world_size={plan.local_world_size}, but this job has {world_size} and {local_world_size}: "
-                "re-plan for this job, or leave plan_file unset"
+                "re-plan for this job (`embshard plan CONFIG --world-size N --out FILE`), or leave plan_file unset"
             )
         plan.check(tables)
+        say(f"plan loaded from {planner_cfg.plan_file}")
+        say(str(plan))
         return plan
-    constraints = planner_cfg.constraints or {}
+    if planner_cfg.strategy == "simple":
+        plan = _simple_plan(tables, planner_cfg, world_size, local_world_size, device_type)
+        say(str(plan))
+        return plan
+    from embshard.planner import PlanningError, plan_with_report
+    from embshard.planner.from_config import topology_for
+
+    topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
+    try:
+        plan, report = plan_with_report(
+            tables, topo, batch_size, optimizer, planner_cfg.constraints, planner_cfg.settings
+        )
+    except PlanningError as e:
+        raise PlanningError(
+            f"planner: no sharding plan fits {topo.describe()}:\n{e}\n(in a training config: planner.hbm_gib and "
+            "planner.ddr_gib set the memory per rank, planner.settings.hbm_reserve_gib the dense model's reserve, "
+            "--nproc / torchrun the number of ranks, planner.constraints.<table> the allowed options)",
+            e.details,
+        ) from None
+    except ConfigError as e:
+        raise ConfigError(f"planner: {e}") from None
+    plan.check(tables)
+    say(str(plan))
+    say(report.format_ranks())
+    say(report.summary())
+    return plan
+
+
+def _simple_plan(
+    tables: Sequence[TableConfig], planner_cfg: PlannerConfig, world_size: int, local_world_size: int, device_type: str
+) -> ShardingPlan:
+    """Strategy simple: the greedy placement of embshard.plan with each table's first allowed sharding type and
+    tier, and the first allowed rank of table-wise tables."""
+    from embshard.planner.constraints import resolve_constraints
+
+    try:
+        constraints = resolve_constraints(tables, planner_cfg.constraints, world_size)
+    except ConfigError as e:
+        raise ConfigError(f"planner.{e}") from None
     default_tier = planner_cfg.tier or (MemoryTier.HOST if device_type == "cpu" else MemoryTier.HBM)
     chosen = {name: c.sharding_types[0] for name, c in constraints.items() if c.sharding_types}
-    plan = simple_plan(tables, world_size, local_world_size, chosen, default_tier, planner_cfg.column_shards)
+    columns = planner_cfg.column_shards or 2
+    plan = simple_plan(tables, world_size, local_world_size, chosen, default_tier, columns)
     table_plans = []
     for tp in plan.tables:
-        c = constraints.get(tp.table)
-        if c is not None and c.tiers:
+        c = constraints[tp.table]
+        if c.tiers:
             tp = replace(tp, tier=c.tiers[0])
-        if c is not None and c.ranks:
-            bad = [r for r in c.ranks if r >= world_size]
-            if bad:
-                raise ConfigError(
-                    f"planner.constraints.{tp.table}.ranks={list(c.ranks)} is invalid: ranks {bad} do not exist in "
-                    f"a job of {world_size} ranks"
-                )
+        if c.ranks:
             if tp.sharding_type is not ShardingType.TABLE_WISE:
                 raise ConfigError(
                     f"planner.constraints.{tp.table}.ranks: the simple placement pins only table_wise tables, "
-                    f"not {tp.sharding_type.value}; drop ranks or make the table table_wise"
+                    f"not {tp.sharding_type.value}; drop ranks, make the table table_wise, or use strategy auto"
                 )
             tp = replace(tp, shards=(replace(tp.shards[0], rank=c.ranks[0]),))
         table_plans.append(tp)
     plan = ShardingPlan(world_size, local_world_size, tuple(table_plans))
     plan.check(tables)
     return plan
+
+
+class AllRanksError(ConfigError):
+    """A ConfigError that every rank raises together (rank 0's, received in a broadcast)."""
+
+
+def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
+    """Run `make` on rank 0 and broadcast its plan (or its ConfigError) to every rank, so all ranks train with
+    the same plan even when they would detect slightly different free memory; every rank raises on an error."""
+    payload: list = [None, None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = make()
+        except ConfigError as e:
+            payload[1] = str(e)
+        except Exception as e:  # a bug: let the other ranks stop too instead of waiting in the broadcast
+            failure, payload[1] = e, f"rank 0 failed while planning: {type(e).__name__}: {e}"
+    dist.broadcast_object_list(payload, src=0)
+    if failure is not None:
+        raise failure
+    if payload[1] is not None:
+        raise AllRanksError(payload[1])
+    return payload[0]
 
 
 class Reporter:
@@ -145,10 +212,13 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     report = Reporter(cfg.logging, rank)
     tables = list(cfg.model.tables)
-    plan = make_plan(tables, cfg.planner, world, local_world, device.type)
-    report.line(f"embshard train {config_path}: {cfg.model.kind}, {len(tables)} tables, {world} ranks on {device.type}")
-    report.line(str(plan))
     sched = cfg.schedule
+    report.line(f"embshard train {config_path}: {cfg.model.kind}, {len(tables)} tables, {world} ranks on {device.type}")
+    plan = plan_on_rank0(
+        lambda: make_plan(
+            tables, cfg.planner, world, local_world, device.type, sched.batch_size, cfg.sparse_optimizer, report.line
+        )
+    )
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed)
@@ -227,6 +297,8 @@ def _run_or_exit(config_path: str, overrides: Sequence[str]) -> None:
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, AllRanksError) and dist.is_initialized():
+            dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has printed the message
         sys.exit(2)
 
 

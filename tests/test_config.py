@@ -4,6 +4,7 @@ docs/config.md is generated from the dataclasses, and make_plan honours constrai
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 
@@ -243,23 +244,99 @@ def test_make_plan_constraints_and_plan_file(tmp_path):
     cfg = load_config(
         write(tmp_path, base()),
         [
+            "planner.strategy=simple",
             "planner.constraints.t0.ranks=[1]",
             "planner.constraints.t1.sharding_types=[data_parallel]",
             "planner.constraints.t2.tiers=[uvm]",
         ],
     )
     tables = list(cfg.model.tables)
-    plan = make_plan(tables, cfg.planner, 2, 2, "cpu")
+    opt = cfg.sparse_optimizer
+
+    def simple(ws: int, device: str = "cpu", planner=cfg.planner):
+        return make_plan(tables, planner, ws, ws, device, 4, opt)
+
+    plan = simple(2)
     assert plan["t0"].ranks == [1]
     assert plan["t1"].sharding_type is ShardingType.DATA_PARALLEL and plan["t1"].ranks == [0, 1]
     assert plan["t2"].tier is MemoryTier.UVM and plan["t0"].tier is MemoryTier.HOST
-    assert make_plan(tables, cfg.planner, 2, 2, "cuda")["t0"].tier is MemoryTier.HBM
-    with pytest.raises(ConfigError, match=r"ranks=\[1\] is invalid: ranks \[1\] do not exist"):
-        make_plan(tables, cfg.planner, 1, 1, "cpu")
+    assert simple(2, "cuda")["t0"].tier is MemoryTier.HBM
+    with pytest.raises(ConfigError, match=r"planner.constraints\['t0'\]: ranks \[1\] do not exist with world_size=1"):
+        simple(1)
     saved = simple_plan(tables, 2, tier=MemoryTier.HOST)
     for suffix in ("yaml", "json"):
         saved.save(tmp_path / f"plan.{suffix}")
         planner = load_config(write(tmp_path, base()), [f"planner.plan_file={tmp_path}/plan.{suffix}"]).planner
-        assert make_plan(tables, planner, 2, 2, "cpu") == saved
+        assert simple(2, planner=planner) == saved
         with pytest.raises(ConfigError, match="is a plan for world_size=2"):
-            make_plan(tables, planner, 4, 4, "cpu")
+            simple(4, planner=planner)
+
+
+def test_make_plan_auto_uses_the_planner(tmp_path):
+    """strategy auto (the default) on this CPU machine: the planner's plan honours the constraints (also glob
+    patterns), the log gets predictions per rank and the step time; hbm/ddr sizes and a topology file apply."""
+    from embshard.planner import Topology
+
+    tables = [TableConfig(f"t{i}", 100 * (i + 1), 8, (f"f{i}",), ids_per_bag=1 + i % 3) for i in range(6)]
+    data = base()
+    data["model"]["tables"] = [
+        {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": 8, "feature_names": list(t.feature_names)}
+        for t in tables
+    ]
+    data["planner"] = {"constraints": {"t[45]": {"sharding_types": ["row_wise"]}}}  # a glob pattern
+    cons = ["planner.constraints.t0.sharding_types=[data_parallel]", "planner.constraints.t1.ranks=[2]"]
+    cfg = load_config(
+        write(tmp_path, data),
+        [*cons, "planner.constraints.t3.sharding_types=[column_wise]", "planner.constraints.t3.column_shards=[2]"],
+    )
+    assert cfg.planner.strategy == "auto" and cfg.planner.settings.hbm_reserve_gib is None
+    lines: list[str] = []
+    plan = make_plan(tables, cfg.planner, 4, 4, "cpu", 64, cfg.sparse_optimizer, lines.append)
+    plan.check(tables)
+    assert (plan.world_size, plan.local_world_size) == (4, 4)
+    assert plan["t0"].sharding_type is ShardingType.DATA_PARALLEL and plan["t0"].ranks == [0, 1, 2, 3]
+    assert plan["t1"].ranks == [2]
+    assert plan["t3"].sharding_type is ShardingType.COLUMN_WISE
+    assert plan["t4"].sharding_type is plan["t5"].sharding_type is ShardingType.ROW_WISE
+    assert {t.tier for t in plan.tables} == {MemoryTier.HOST}
+    text = "\n".join(lines)
+    assert "ShardingPlan: world_size=4" in text and "predicted step time" in text and "detected" in text
+    assert text.count("\n3 ") == 1  # one line per rank in the per-rank table
+    # no plan fits: a clear config error with the numbers and the training config's keys to change
+    big = [*tables, TableConfig("big", 80_000_000, 8, ("fbig",))]  # 2.38 GiB of weights (never allocated here)
+    data["model"]["tables"].append(
+        {"name": "big", "num_embeddings": 80_000_000, "embedding_dim": 8, "feature_names": ["fbig"]}
+    )
+    tiny = load_config(write(tmp_path, data), ["planner.ddr_gib=1"]).planner
+    with pytest.raises(ConfigError) as e:
+        make_plan(big, tiny, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+    msg = str(e.value)
+    assert msg.startswith("planner: no sharding plan fits 2 x cpu (1 host(s) x 2), 1.0 GiB host memory per rank")
+    assert "['big'] fit no rank" in msg and "host memory per rank 0.85 GiB = 1.00 GiB - 0.15 GiB reserve" in msg
+    assert re.search(r"row_wise host +largest shard: GPU 0.00 GiB, host 1.34 GiB \(2 shard", msg), msg
+    assert "planner.ddr_gib" in msg and "Traceback" not in msg
+    data["model"]["tables"].pop()
+    # a topology file: its speeds, the job's rank counts; one of GPUs does not fit a CPU job
+    Topology.preset("cpu", 8, 8, ddr_gib=3).save(tmp_path / "cpu.yaml")
+    Topology.preset("h100", 8).save(tmp_path / "h100.yaml")
+    lines.clear()
+    planner = load_config(write(tmp_path, data), [f"planner.topology_file={tmp_path}/cpu.yaml"]).planner
+    make_plan(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer, lines.append)
+    assert "2 x cpu (1 host(s) x 2), 3.0 GiB host memory per rank; source: preset cpu" in "\n".join(lines)
+    planner = load_config(write(tmp_path, data), [f"planner.topology_file={tmp_path}/h100.yaml"]).planner
+    with pytest.raises(ConfigError, match="describes cuda ranks, but this job computes on cpu"):
+        make_plan(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+    # constraints the planner cannot meet, and keys of the other strategy, are config errors
+    bad = load_config(write(tmp_path, data), ["planner.constraints.t2.tiers=[hbm]"]).planner
+    with pytest.raises(ConfigError, match="^planner: .*t2"):
+        make_plan(tables, bad, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError, match=r"planner.tier='host' is invalid: tier is a setting of strategy simple"):
+        load_config(path, ["planner.tier=host"])
+    with pytest.raises(ConfigError, match=r"planner.settings=\{'hbm_reserve_gib': 2.0\} is invalid: .* not simple"):
+        load_config(path, ["planner.strategy=simple", "planner.settings.hbm_reserve_gib=2"])
+    data["planner"] = {"constraints": {"x*": {"ranks": [0]}}}
+    with pytest.raises(ConfigError, match=r"planner.constraints.x\*='x\*' is invalid: the pattern matches no table"):
+        load_config(write(tmp_path, data))
+    with pytest.raises(ConfigError, match=r"planner.settings.memory_fill=0.1 is invalid"):
+        load_config(path, ["planner.settings.memory_fill=0.1"])

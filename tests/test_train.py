@@ -1,6 +1,7 @@
 """`embshard train` end to end on 2 CPU processes: every example config's held-out loss falls, the run prints the
 plan, progress and AUC and writes TensorBoard events and checkpoints; a checkpoint reloads exactly under another
-world size; config and data errors exit with a one-line message; the torchx component launches a CPU run."""
+world size; config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains;
+the torchx component launches a CPU run."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     assert "ShardingPlan: world_size=2" in out and "2 ranks on cpu" in out
+    assert "predicted step time" in out and "source: detected" in out  # strategy auto: the planner's report
     assert "samples/s" in out and "auc" in out
     m = metrics(tmp_path)
     assert m[0]["step"] == 0 and m[-1]["step"] > 0
@@ -111,6 +113,48 @@ def test_errors_exit_with_one_line(tmp_path):
     res = train(["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"])
     assert res.returncode == 2
     assert "error: data.criteo: file 'no/such.txt' does not exist" in res.stderr and "Traceback" not in res.stderr
+    # no plan fits: rank 0 plans, every rank stops with status 2, the message names the numbers once
+    res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", "planner.ddr_gib=0.0005", "logging.tensorboard_dir=null"])
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.count("error: planner: no sharding plan fits 2 x cpu") == 1 and "Traceback" not in res.stderr
+    assert "host memory: needed at least 1.8 MiB" in res.stderr and "planner.ddr_gib" in res.stderr
+
+
+def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
+    """`embshard plan TRAINING_CONFIG --out FILE` plans the config's tables (overrides too), and training loads the
+    file with planner.plan_file: row-wise, column-wise and data-parallel tables train on 2 processes."""
+    from embshard.plan import ShardingPlan, ShardingType
+    from embshard.planner.cli import main as plan_main
+
+    plan_file = tmp_path / "plan.yaml"
+    cons = {"t_C1": "[row_wise]", "t_C2": "[column_wise]", "t_C3": "[data_parallel]"}
+    overrides = [f"planner.constraints.{t}.sharding_types={v}" for t, v in cons.items()]
+    overrides.append("planner.constraints.t_C2.column_shards=[2]")  # 2 blocks of 8 columns
+    plan_main(
+        ["configs/dlrm_criteo.yaml", "--world-size", "2", "--out", str(plan_file), "--format", "yaml", *overrides]
+    )
+    plan = ShardingPlan.load(plan_file)
+    assert (plan.world_size, plan.local_world_size) == (2, 2)
+    assert plan["t_C1"].sharding_type is ShardingType.ROW_WISE and plan["t_C3"].ranks == [0, 1]
+    assert plan["t_C2"].sharding_type is ShardingType.COLUMN_WISE
+    res = train(
+        [
+            "configs/dlrm_criteo.yaml",
+            "--nproc",
+            "2",
+            f"planner.plan_file={plan_file}",
+            "schedule.epochs=1",
+            f"logging.metrics_file={tmp_path}/metrics.jsonl",
+            "logging.tensorboard_dir=null",
+            "checkpoint.dir=null",
+            "logging.progress_bar=false",
+        ]
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"plan loaded from {plan_file}" in res.stdout and "predicted step time" not in res.stdout
+    assert "t_C1   row_wise" in res.stdout and "t_C3   data_parallel" in res.stdout
+    start, end = metrics(tmp_path)
+    assert (start["step"], end["step"]) == (0, 5) and end["samples"] == start["samples"] > 0
 
 
 def test_torchx_component_runs_on_cpu(tmp_path):

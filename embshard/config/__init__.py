@@ -9,6 +9,7 @@ planner `cfg.planner`, and so on. docs/config.md is generated from the field doc
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,7 +79,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         tables = {t.name for t in self.model.tables}
         for name in self.planner.constraints or {}:
-            if name not in tables:
+            if any(ch in name for ch in "*?["):
+                if not fnmatch.filter(tables, name):
+                    raise FieldError(
+                        f"planner.constraints.{name}", name, f"the pattern matches no table: {sorted(tables)}"
+                    )
+            elif name not in tables:
                 raise FieldError(f"planner.constraints.{name}", name, f"no such table; tables: {sorted(tables)}")
         if self.data.source == "synthetic":
             if self.schedule.epochs is not None:

@@ -1,13 +1,19 @@
 """`embshard plan CONFIG.yaml --world-size N ...`: plan without GPUs; print the plan, per-table and per-rank
-predictions, and save the plan (the file training loads instead of planning again), the report and a plot."""
+predictions, and save the plan (the file training loads instead of planning again), the report and a plot.
+
+CONFIG is a planner input (configs/planner/*.yaml) or a training config (configs/*.yaml: its tables,
+schedule.batch_size, sparse_optimizer and planner section; key=value overrides as for `embshard train`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 from embshard.planner.explain import explain
-from embshard.planner.inputs import load_planner_input
+from embshard.planner.from_config import is_training_config, topology_for, training_planner_input
+from embshard.planner.inputs import PlannerInput, planner_input_from_dict
 from embshard.planner.search import plan_with_report
 from embshard.planner.topology import Topology
 from embshard.tables import ConfigError
@@ -15,10 +21,17 @@ from embshard.tables import ConfigError
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embshard plan", description=__doc__)
-    p.add_argument("config", help="planner-input YAML (configs/planner/*.yaml)")
+    p.add_argument("config", help="planner-input YAML (configs/planner/*.yaml) or training config (configs/*.yaml)")
+    p.add_argument(
+        "overrides", nargs="*", help="training configs only: key.sub=value overrides, e.g. planner.hbm_gib=8"
+    )
     p.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs)")
     p.add_argument("--local-world-size", type=int, help="ranks per host (default: min(world size, 8))")
-    p.add_argument("--device", help="GPU preset for dry runs: h100, h200, a100, cpu (default: the config's, else h100)")
+    p.add_argument(
+        "--device",
+        help="GPU preset for dry runs: h100, h200, a100, cpu (default: the planner input's device, else h100; "
+        "for a training config: its planner.topology_file, else this machine)",
+    )
     p.add_argument("--topology", help="topology YAML from `embshard calibrate` (overrides --device)")
     p.add_argument("--detect", action="store_true", help="read this machine's GPUs instead of a preset")
     p.add_argument("--hbm-gib", type=float, help="GPU memory per rank (GiB), e.g. to plan for a smaller share")
@@ -48,18 +61,48 @@ def resolve_topology(args: argparse.Namespace, device: str | None) -> Topology:
     return topo.with_sizes(hbm_gib=args.hbm_gib, ddr_gib=args.ddr_gib)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    try:
-        inp = load_planner_input(args.config)
-        topo = resolve_topology(args, inp.device)
-        settings = inp.settings
-        if args.hbm_reserve_gib is not None:
-            from dataclasses import replace
+def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
+    """The planner input and topology of a planner-input YAML or a training config, with the flags applied."""
+    import yaml
 
-            settings = replace(settings, hbm_reserve_gib=args.hbm_reserve_gib)
-        batch = args.batch_size or inp.batch_size
-        plan, report = plan_with_report(inp.tables, topo, batch, inp.optimizer, inp.constraints, settings)
+    try:
+        data = yaml.safe_load(Path(args.config).read_text())
+    except OSError as e:
+        raise ConfigError(f"{args.config}: cannot read the file ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{args.config}: not valid YAML: {e}") from None
+    if is_training_config(data):
+        inp, planner_cfg = training_planner_input(args.config, args.overrides)
+        if args.topology or args.detect or args.device:
+            topo = resolve_topology(args, None).with_sizes(hbm_gib=planner_cfg.hbm_gib, ddr_gib=planner_cfg.ddr_gib)
+        else:  # what `embshard train` plans for: planner.topology_file, else this machine
+            topo = topology_for(planner_cfg, args.world_size, args.local_world_size)
+            if not planner_cfg.topology_file:
+                print(
+                    "note: planning for this machine's devices (as `embshard train` does); pass --device or "
+                    "--topology to plan for others",
+                    file=sys.stderr,
+                )
+        topo = topo.with_sizes(hbm_gib=args.hbm_gib, ddr_gib=args.ddr_gib)
+    else:
+        if args.overrides:
+            raise ConfigError(
+                f"{args.config} is a planner input: key=value overrides {args.overrides} apply to training configs"
+            )
+        inp = planner_input_from_dict(data, args.config)
+        topo = resolve_topology(args, inp.device)
+    if args.hbm_reserve_gib is not None:
+        inp = replace(inp, settings=replace(inp.settings, hbm_reserve_gib=args.hbm_reserve_gib))
+    if args.batch_size:
+        inp = replace(inp, batch_size=args.batch_size)
+    return inp, topo
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_intermixed_args(argv)
+    try:
+        inp, topo = load_input(args)
+        plan, report = plan_with_report(inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings)
         if args.format == "table":
             print(report)
         elif args.format == "yaml":

@@ -21,8 +21,12 @@ class PlanningError(ConfigError):
 
 
 def gib(x: float) -> str:
-    """Bytes as GiB text."""
-    return f"{x / GIB:.2f} GiB"
+    """Bytes as GiB text (MiB or KiB below 0.01 GiB, so small budgets do not read as 0.00 GiB)."""
+    if abs(x) >= 0.01 * GIB or x == 0:
+        return f"{x / GIB:.2f} GiB"
+    if abs(x) >= 1 << 20:
+        return f"{x / (1 << 20):.1f} MiB"
+    return f"{x / 1024:.1f} KiB"
 
 
 def _budget_line(topo: Topology, budgets) -> str:
@@ -33,7 +37,8 @@ def _budget_line(topo: Topology, budgets) -> str:
             f"GPU memory for embeddings per rank {gib(b.hbm)} = {gib(b.hbm_capacity)} capacity - {gib(b.hbm_reserve)} "
             f"reserve (dense model, activations) - {gib(b.batch_buffers)} batch buffers"
         )
-    parts.append(f"host memory per rank {gib(b.ddr)} = {gib(b.ddr_capacity)} - {gib(b.ddr_reserve)} reserve")
+    buffers = f" - {gib(b.batch_buffers)} batch buffers" if b.hbm_capacity == 0 and b.batch_buffers else ""
+    parts.append(f"host memory per rank {gib(b.ddr)} = {gib(b.ddr_capacity)} - {gib(b.ddr_reserve)} reserve{buffers}")
     return "; ".join(parts)
 
 
