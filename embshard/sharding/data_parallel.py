@@ -17,9 +17,12 @@ update keeps untouched rows with `torch.where` (still no host sync).
 
 The update runs inside backward, like FBGEMM's fused optimizers; the replicas get no `.grad`. Replicas live on the
 compute device whatever the tier says; fp16 tables keep fp16 values in fp32 storage (rounded to nearest after each
-update, as HostLookup does). Determinism: FBGEMM's dense backward is deterministic on the CPU. On CUDA it sorts
-the ids, but very long runs of one row may be summed with atomics, so two runs may differ in the last bits; the
-replicas still agree bitwise across ranks, as every rank applies the update to the same all-reduced gradient.
+update, as HostLookup does).
+
+Determinism: FBGEMM's dense backward is deterministic on the CPU (tested). On CUDA it is FBGEMM's sort-based
+backward, whose summation order for rows with very many ids in a batch is not guaranteed run to run, so two runs
+with one seed may differ in the last bits there. The replicas still agree bitwise across ranks whatever the order:
+every rank applies the same update to the same all-reduced gradient.
 """
 
 from __future__ import annotations
@@ -75,25 +78,25 @@ def dense_update(
     g = g_RD + o.weight_decay * w_RD if o.weight_decay else g_RD
     new: dict[str, torch.Tensor] = {}
     if o.kind is OptimizerKind.SGD:
-        step = o.lr * g
+        step = g * o.lr
     elif o.kind is OptimizerKind.ADAGRAD:
         new["m"] = state["m"] + g * g
-        step = o.lr * g / (new["m"].sqrt() + o.eps)
+        step = (g * o.lr).div_(new["m"].sqrt().add_(o.eps))
     elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
         new["m"] = state["m"] + (g * g).mean(dim=1)
-        step = o.lr * g / (new["m"].sqrt().unsqueeze(1) + o.eps)
+        step = (g * o.lr).div_(new["m"].sqrt().add_(o.eps).unsqueeze(1))
     else:
         new["m"] = (state["m"] * o.beta1).add_(g, alpha=1 - o.beta1)
         new["v"] = (state["v"] * o.beta2).addcmul_(g, g, value=1 - o.beta2)
-        step = o.lr * (new["m"] / (1 - o.beta1**t)) / ((new["v"] / (1 - o.beta2**t)).sqrt() + o.eps)
-    w_new = w_RD - step
-    if fp16:
-        w_new = w_new.half().float()
+        denom = (new["v"] / (1 - o.beta2**t)).sqrt_().add_(o.eps)
+        step = (new["m"] / (1 - o.beta1**t)).div_(denom).mul_(o.lr)
     if touched_R is not None:
-        rows = touched_R.unsqueeze(1)
-        w_new = torch.where(rows, w_new, w_RD)
-        new = {k: torch.where(rows if v.dim() == 2 else touched_R, v, state[k]) for k, v in new.items()}
-    w_RD.copy_(w_new)
+        keep_R1 = touched_R.unsqueeze(1)
+        step.mul_(keep_R1)  # finite steps: untouched rows move by exactly 0
+        new = {k: torch.where(keep_R1 if v.dim() == 2 else touched_R, v, state[k]) for k, v in new.items()}
+    w_RD.sub_(step)
+    if fp16:  # untouched rows hold fp16 values already: rounding leaves them as they are
+        w_RD.copy_(w_RD.half())
     for k, v in new.items():
         state[k].copy_(v)
 
@@ -185,7 +188,7 @@ class DataParallelLookup(nn.Module):
         elem = row = 0
         for (dim, data_type), members in grouped.items():
             self._groups.append(
-                (elem, row, sum(s.table.num_embeddings for s in members), dim, data_type.value == "fp16")
+                (elem, row, sum(s.table.num_embeddings for s in members), dim, data_type is DataType.FP16)
             )
             for s in members:
                 self._blocks.append((elem, row))
