@@ -76,7 +76,8 @@ OPTIMIZERS = {
 
 RUNS = [(c, o) for c in list(CASES)[:5] for o in ("sgd", "rowwise_adagrad", "adam")]
 # Weight decay: FBGEMM's GPU TBE takes it only with rowwise_adagrad; data-parallel applies its own update.
-RUNS += [("column_wise", "adagrad"), ("mixed", "rowwise_adagrad_wd"), ("data_parallel", "adam_wd")]
+RUNS += [("column_wise", "adagrad"), ("data_parallel", "adagrad")]
+RUNS += [("mixed", "rowwise_adagrad_wd"), ("data_parallel", "adam_wd")]
 RUNS += [("mixed_fp16", "sgd"), ("mixed_fp16", "rowwise_adagrad"), ("mixed_bf16_out", "rowwise_adagrad")]
 REPEATED = [("mixed", "rowwise_adagrad"), ("mixed", "adam")]  # trained twice, for the determinism test
 

@@ -2,34 +2,49 @@
 
 Data flow for one step, on every rank:
 1. input dist: none; the local batch's ids of the data-parallel features are only selected and reordered;
-2. lookup: `embedding_bag` sums over the replica, for the local batch; no output dist either;
-3. backward: each rank forms the dense gradient of every replica from its local batch (embedding_bag's own
-   backward, deterministic on CPU and CUDA), plus a per-row count of the ids it looked up; one all-reduce sums both over ranks (the gradient of the global-batch loss is the sum
-   of the ranks' local losses' gradients). Every rank then applies the same update (embshard.lookup's
-   `sparse_update`, the fused optimizers' rule) to the rows touched anywhere in the global batch. The all-reduce
-   gives every rank the same bits, so the replicas stay bitwise identical.
+2. lookup: one FBGEMM `DenseTableBatchedEmbeddingBagsCodegen` pools (sums) over all the replicas, for the local
+   batch; no output dist either;
+3. backward: FBGEMM's dense backward forms the gradient of all the replicas (one flat tensor) from the local
+   batch; one all-reduce sums it over ranks (the gradient of the global-batch loss is the sum of the ranks' local
+   losses' gradients). Every rank then applies the same update (`dense_update`, the fused optimizers' rule of
+   embshard.optim) to the same summed bits, so the replicas stay bitwise identical.
 
-The update runs inside backward, like FBGEMM's fused optimizers, and the replicas get no `.grad`. Replicas live
-on the compute device whatever the tier says; fp16 tables keep fp16 values in fp32 storage (rounded to nearest
-after each update, as HostLookup does).
+Touched rows. The rule updates only rows the global batch touched. For sgd, adagrad and rowwise_adagrad without
+weight decay a row with a zero gradient is left exactly as it is by the rule itself (state += 0, w -= lr * 0), so
+the update runs over all rows, with no host sync. Adam (its moments decay on every touched row) and weight decay
+need the touched rows: each rank marks the rows its ids read, the marks ride in the gradient's all-reduce, and the
+update keeps untouched rows with `torch.where` (still no host sync).
+
+The update runs inside backward, like FBGEMM's fused optimizers; the replicas get no `.grad`. Replicas live on the
+compute device whatever the tier says; fp16 tables keep fp16 values in fp32 storage (rounded to nearest after each
+update, as HostLookup does).
+
+Determinism: FBGEMM's dense backward is deterministic on the CPU (tested). On CUDA it is FBGEMM's sort-based
+backward, whose summation order for rows with very many ids in a batch is not guaranteed run to run, so two runs
+with one seed may differ in the last bits there. The replicas still agree bitwise across ranks whatever the order:
+every rank applies the same update to the same all-reduced gradient.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from embshard.comm import start_all_reduce
-from embshard.lookup import LocalShard, init_rows, optimizer_state, sparse_update
-from embshard.optim import FusedOptimizerConfig
+from embshard.lookup import LocalShard, init_rows
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.exchange import LookupInput
-from embshard.tables import DataType, TableConfig
+from embshard.tables import ConfigError, DataType, TableConfig
 from embshard.tiers import LookupOptions
+
+# FBGEMM's CPU kernel builds its own autograd graph (the gradient is right) but torch warns on its backward.
+_CPU_BACKWARD_WARNING = "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered"
 
 
 class Ready:
@@ -43,26 +58,93 @@ class Ready:
         return self._value
 
 
+def dense_update(
+    o: FusedOptimizerConfig,
+    w_RD: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    g_RD: torch.Tensor,
+    t: int,
+    fp16: bool,
+    touched_R: torch.Tensor | None,
+) -> None:
+    """Apply the update rule (embshard.optim) in place to every row of `w_RD`, whose summed gradient is `g_RD`.
+
+    `state`: the rule's state for these rows (`m`, `v`: `[R, D]`; rowwise_adagrad's `m`: `[R]`); `t`: steps taken
+    so far, this one included; `fp16`: round the new values to fp16. `touched_R` (bool `[R]`): only these rows
+    change; None: all rows follow the rule (exact for rules that leave zero-gradient rows alone)."""
+    if touched_R is None and not o.weight_decay and o.kind is not OptimizerKind.ADAM:
+        _dense_update_in_place(o, w_RD, state, g_RD, fp16)
+        return
+    g = g_RD + o.weight_decay * w_RD if o.weight_decay else g_RD
+    new: dict[str, torch.Tensor] = {}
+    if o.kind is OptimizerKind.SGD:
+        step = g * o.lr
+    elif o.kind is OptimizerKind.ADAGRAD:
+        new["m"] = state["m"] + g * g
+        step = (g * o.lr).div_(new["m"].sqrt().add_(o.eps))
+    elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
+        new["m"] = state["m"] + (g * g).mean(dim=1)
+        step = (g * o.lr).div_(new["m"].sqrt().add_(o.eps).unsqueeze(1))
+    else:
+        new["m"] = (state["m"] * o.beta1).add_(g, alpha=1 - o.beta1)
+        new["v"] = (state["v"] * o.beta2).addcmul_(g, g, value=1 - o.beta2)
+        denom = (new["v"] / (1 - o.beta2**t)).sqrt_().add_(o.eps)
+        step = (new["m"] / (1 - o.beta1**t)).div_(denom).mul_(o.lr)
+    if touched_R is not None:
+        keep_R1 = touched_R.unsqueeze(1)
+        step.mul_(keep_R1)  # finite steps: untouched rows move by exactly 0
+        new = {k: torch.where(keep_R1 if v.dim() == 2 else touched_R, v, state[k]) for k, v in new.items()}
+    w_RD.sub_(step)
+    if fp16:  # untouched rows hold fp16 values already: rounding leaves them as they are
+        w_RD.copy_(w_RD.half())
+    for k, v in new.items():
+        state[k].copy_(v)
+
+
+def _dense_update_in_place(
+    o: FusedOptimizerConfig, w_RD: torch.Tensor, state: dict[str, torch.Tensor], g_RD: torch.Tensor, fp16: bool
+) -> None:
+    """sgd, adagrad, rowwise_adagrad on every row, without weight decay: in place, few passes over the rows."""
+    if o.kind is OptimizerKind.SGD:
+        w_RD.add_(g_RD, alpha=-o.lr)
+    elif o.kind is OptimizerKind.ADAGRAD:
+        state["m"].addcmul_(g_RD, g_RD)
+        w_RD.addcdiv_(g_RD, state["m"].sqrt().add_(o.eps), value=-o.lr)
+    else:  # rowwise_adagrad: mean of g^2 over the row, as ||g||^2 / D (no [R, D] temporary)
+        state["m"].add_(torch.linalg.vector_norm(g_RD, dim=1).square_().div_(g_RD.shape[1]))
+        w_RD.addcdiv_(g_RD, state["m"].sqrt().add_(o.eps).unsqueeze(1), value=-o.lr)
+    if fp16:
+        w_RD.copy_(w_RD.half())
+
+
 class _ReplicaBags(torch.autograd.Function):
     """Pooled sums over the replicas; backward all-reduces the gradient and updates the replicas in place."""
 
     @staticmethod
-    def forward(ctx, lookup, indices, offsets, psw, *stacks):  # type: ignore[override]
-        ctx.lookup, ctx.inputs = lookup, (indices, offsets, psw)
-        return lookup.pool(indices, offsets, psw, [w.detach() for w in stacks])
+    def forward(ctx, lookup, indices, offsets, psw, weights):  # type: ignore[override]
+        with torch.enable_grad():  # FBGEMM's own graph: backward runs only its dense backward, not the lookup
+            pooled = lookup.tbe(indices, offsets, psw)
+        ctx.lookup, ctx.pooled, ctx.inputs = lookup, pooled, (indices, offsets)
+        return pooled.detach()
 
     @staticmethod
     def backward(ctx, grad_BD):  # type: ignore[override]
-        ctx.lookup.apply_gradient(grad_BD, *ctx.inputs)
-        return (None,) * (4 + len(ctx.lookup.stacks))
+        lookup, pooled = ctx.lookup, ctx.pooled
+        ctx.pooled = None
+        with warnings.catch_warnings() if not grad_BD.is_cuda else nullcontext():
+            if not grad_BD.is_cuda:
+                warnings.filterwarnings("ignore", message=_CPU_BACKWARD_WARNING)
+            (grad,) = torch.autograd.grad(pooled, lookup.tbe.weights, grad_BD)
+        lookup.apply_gradient(grad, *ctx.inputs)
+        return (None,) * 5
 
 
 class DataParallelLookup(nn.Module):
-    """Full replicas of the data-parallel tables, updated with the all-reduced gradient in backward.
+    """Full replicas of the data-parallel tables in one FBGEMM dense TBE (one flat weight tensor), updated with
+    the all-reduced gradient in backward.
 
-    Tables of one width and weighted-ness are stacked into one `[sum of rows, D]` tensor (each table a block of
-    rows), so a group of tables costs one embedding_bag, one gradient and one update, however many it holds.
-    """
+    Tables are ordered by (width, data type), so the tables of one width form one `[rows, D]` block of the flat
+    weights: the update costs a few kernels per block, however many tables it holds."""
 
     def __init__(
         self,
@@ -74,107 +156,127 @@ class DataParallelLookup(nn.Module):
         options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
+
         self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
-        grouped: dict[tuple[int, bool, DataType], list[LocalShard]] = {}
         for s in shards:
-            grouped.setdefault((s.table.embedding_dim, s.table.weighted, s.table.data_type), []).append(s)
+            if s.table.embedding_dim % 4:
+                raise ConfigError(
+                    f"table {s.table.name!r}: embedding_dim={s.table.embedding_dim}; FBGEMM's TBE (data-parallel "
+                    "tables included) needs a multiple of 4: change embedding_dim"
+                )
+        grouped: dict[tuple[int, DataType], list[LocalShard]] = {}
+        for s in shards:
+            grouped.setdefault((s.table.embedding_dim, s.table.data_type), []).append(s)
         self.shards = [s for g in grouped.values() for s in g]
         self.features = [f for s in self.shards for f in s.features]
         self.dims = [s.table.embedding_dim for s in self.shards for _ in s.features]
         self.opt, self.group = optimizer, group
-        self._groups: list[tuple[int, int, int, bool]] = []  # (first feature, end feature, width, weighted)
-        self._blocks: list[tuple[int, int, int]] = []  # per shard: (group, first row in the stack, rows)
-        bases: list[int] = []  # per feature: first row of its table in the group's stack
-        stacks = []
-        self._fp16: list[bool] = []  # per stack: fp16 table values, kept in fp32 (as HostLookup does)
-        for (dim, weighted, data_type), members in grouped.items():
-            f0, row = len(bases), 0
+        specs = [(s.table.num_embeddings, s.table.embedding_dim) for s in self.shards]
+        cuda = device.type == "cuda"
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+        # The TBE fills its weights with torch.randn: keep the caller's random stream untouched.
+        with (
+            torch.random.fork_rng(devices=[index] if cuda else []),
+            torch.cuda.device(index) if cuda else nullcontext(),
+        ):
+            self.tbe = DenseTableBatchedEmbeddingBagsCodegen(
+                specs, feature_table_map=[i for i, s in enumerate(self.shards) for _ in s.features], use_cpu=not cuda
+            )
+        self._blocks: list[tuple[int, int]] = []  # per shard: (first element in the flat weights, first row)
+        self._groups: list[tuple[int, int, int, int, bool]] = []  # (first element, first row, rows, D, fp16)
+        elem = row = 0
+        for (dim, data_type), members in grouped.items():
+            self._groups.append(
+                (elem, row, sum(s.table.num_embeddings for s in members), dim, data_type is DataType.FP16)
+            )
             for s in members:
-                self._blocks.append((len(stacks), row, s.table.num_embeddings))
-                bases += [row] * len(s.features)
+                self._blocks.append((elem, row))
+                elem += s.table.num_embeddings * dim
                 row += s.table.num_embeddings
-            self._groups.append((f0, len(bases), dim, weighted))
-            t = [init_rows(s.table, s.table_index, 0, s.table.num_embeddings, 0, dim, seed, device) for s in members]
-            self._fp16.append(data_type is DataType.FP16)
-            stacks.append(torch.cat(t).half().float() if self._fp16[-1] else torch.cat(t))
-        # requires_grad only puts the lookup into the autograd graph: backward returns no gradient for them.
-        self.stacks = nn.ParameterList(nn.Parameter(w) for w in stacks)
-        self.register_buffer("_bases", torch.tensor(bases, dtype=torch.int64, device=device), persistent=False)
+        self._rows = row
+        flat = self.tbe.weights.data
+        with torch.no_grad():
+            for s, w in zip(self.shards, self.shard_weights()):
+                init = init_rows(
+                    s.table, s.table_index, 0, s.table.num_embeddings, 0, s.table.embedding_dim, seed, device
+                )
+                w.copy_(init.half().float() if s.table.data_type is DataType.FP16 else init)
         if seed is None and dist.is_initialized() and dist.get_world_size(group) > 1:
             # Drawn on the device, not reproducibly: start every replica from rank 0's draw.
-            src = dist.get_global_rank(group, 0) if group is not None else 0
-            for w in self.stacks:
-                dist.broadcast(w.data, src=src, group=group)
-        self._state = [optimizer_state(optimizer, w) for w in self.stacks]
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        row0_F = [self._blocks[i][1] for i, s in enumerate(self.shards) for _ in s.features]
+        weighted_F = [s.table.weighted for s in self.shards for _ in s.features]
+        self._weighted = "all" if all(weighted_F) else "none" if not any(weighted_F) else "some"
+        self.register_buffer("_row0_F", torch.tensor(row0_F, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("_weighted_F", torch.tensor(weighted_F, device=device), persistent=False)
+        self._needs_touched = optimizer.kind is OptimizerKind.ADAM or optimizer.weight_decay > 0
+        kind = optimizer.kind
+        self._state: dict[str, torch.Tensor] = {}
+        if kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
+            self._state["m"] = torch.zeros_like(flat)
+        if kind is OptimizerKind.ADAM:
+            self._state["v"] = torch.zeros_like(flat)
+        if kind is OptimizerKind.ROWWISE_ADAGRAD:
+            self._state["m"] = torch.zeros(self._rows, dtype=torch.float32, device=flat.device)
         self._step = 0
 
-    def _layout(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[int, list[int], torch.Tensor]:
-        """Batch size B, where each feature's ids start (F + 1 values; one host sync), and the ids as rows of
-        their group's stack."""
-        F_ = len(self.features)
-        B = (offsets.numel() - 1) // F_
-        starts = offsets[torch.arange(F_ + 1, device=offsets.device) * B]
-        shift = torch.repeat_interleave(self._bases, starts.diff(), output_size=indices.numel())
-        return B, starts.tolist(), indices + shift
-
-    def pool(
-        self,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        psw: torch.Tensor | None,
-        stacks: Sequence[torch.Tensor],
-    ) -> torch.Tensor:
-        """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1)."""
-        B, bounds, rows = self._layout(indices, offsets)
-        outs = []
-        for (f0, f1, D, weighted), w in zip(self._groups, stacks):
-            lo, hi = bounds[f0], bounds[f1]
-            pooled = F.embedding_bag(
-                rows[lo:hi],
-                w,
-                offsets[f0 * B : f1 * B] - lo,
-                mode="sum",
-                per_sample_weights=psw[lo:hi] if (weighted and psw is not None) else None,
-            )  # [(f1 - f0) * B, D], feature-major
-            outs.append(pooled.view(f1 - f0, B, D).transpose(0, 1).reshape(B, (f1 - f0) * D))
-        return torch.cat(outs, dim=1)
-
-    def apply_gradient(
-        self, grad_BD: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None
-    ) -> None:
-        """Local dense gradients and touch counts -> one all-reduce -> the same update on every rank."""
-        # The dense gradients come from embedding_bag's own backward (sort-based on CUDA, so reproducible).
-        with torch.enable_grad():
-            leaves = [w.detach().requires_grad_() for w in self.stacks]
-            grads = torch.autograd.grad(self.pool(indices, offsets, psw, leaves), leaves, grad_BD)
-        _, bounds, rows = self._layout(indices, offsets)
-        counts = [w.new_zeros(w.shape[0]) for w in self.stacks]
-        for (f0, f1, _, _), c in zip(self._groups, counts):  # sums of ones: exact in any order
-            ids = rows[bounds[f0] : bounds[f1]]
-            c.index_add_(0, ids, torch.ones_like(ids, dtype=c.dtype))
-        flat = torch.cat([t.reshape(-1) for pair in zip(grads, counts) for t in pair])
-        flat = start_all_reduce(flat, self.group).wait()
-        self._step += 1
-        pos = 0
-        with torch.no_grad():
-            for w, st, fp16 in zip(self.stacks, self._state, self._fp16):
-                n_grad, n_rows = w.numel(), w.shape[0]
-                g = flat[pos : pos + n_grad].view_as(w)
-                touched = flat[pos + n_grad : pos + n_grad + n_rows].nonzero().squeeze(1)
-                pos += n_grad + n_rows
-                if touched.numel():
-                    sparse_update(self.opt, w.data, st, touched, g[touched], self._step, fp16)
+    def _per_id(self, values_F: torch.Tensor, offsets: torch.Tensor, n_ids: int) -> torch.Tensor:
+        """`values_F[f]` for every id of feature f (ids feature-major; no host sync)."""
+        B = (offsets.numel() - 1) // len(self.features)
+        if B == 0:
+            return values_F[:0]
+        counts_F = offsets[::B].diff().long()  # offsets at each feature's first bag, and the end
+        return torch.repeat_interleave(values_F, counts_F, output_size=n_ids)
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Pooled sums `[B, sum(dims)]` (same contract as TBELookup); the update happens in backward."""
-        pooled = _ReplicaBags.apply(self, indices.long(), offsets.long(), weights, *self.stacks)
+        if indices.dtype not in (torch.int32, torch.int64):
+            indices = indices.long()
+        psw = None
+        if weights is not None and self._weighted != "none":
+            psw = weights.float()
+            if self._weighted == "some":  # unweighted features pool with weight 1
+                psw = torch.where(self._per_id(self._weighted_F, offsets, indices.numel()), psw, 1.0)
+        if torch.is_grad_enabled():
+            pooled = _ReplicaBags.apply(self, indices, offsets, psw, self.tbe.weights)
+        else:
+            pooled = self.tbe(indices, offsets, psw)
         return pooled.to(self._out_dtype)
 
+    def apply_gradient(self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Local flat gradient (+ touched-row marks) -> one all-reduce -> the same update on every rank."""
+        n = grad.numel()
+        touched = None
+        if self._needs_touched:
+            rows = indices.long() + self._per_id(self._row0_F, offsets, indices.numel())
+            marks = grad.new_zeros(self._rows).index_fill_(0, rows, 1.0)
+            summed = start_all_reduce(torch.cat([grad, marks]), self.group).wait()
+            grad, touched = summed[:n], summed[n:] > 0
+        else:
+            grad = start_all_reduce(grad, self.group).wait()
+        self._step += 1
+        flat = self.tbe.weights.data
+        per_row = self.opt.kind is OptimizerKind.ROWWISE_ADAGRAD  # one state value a row
+        with torch.no_grad():
+            for e0, r0, R, D, fp16 in self._groups:
+                elems = slice(e0, e0 + R * D)
+                state = {k: v[r0 : r0 + R] if per_row else v[elems].view(R, D) for k, v in self._state.items()}
+                rows_touched = touched[r0 : r0 + R] if touched is not None else None
+                dense_update(
+                    self.opt, flat[elems].view(R, D), state, grad[elems].view(R, D), self._step, fp16, rows_touched
+                )
+
     def shard_weights(self) -> list[torch.Tensor]:
-        """Each table's replica (views into the stacks), in shard order."""
-        return [self.stacks[g].data[r0 : r0 + n] for g, r0, n in self._blocks]
+        """Each table's replica (views into the flat weights), in shard order."""
+        flat = self.tbe.weights.data
+        out = []
+        for s, (e0, _) in zip(self.shards, self._blocks):
+            R, D = s.table.num_embeddings, s.table.embedding_dim
+            out.append(flat[e0 : e0 + R * D].view(R, D))
+        return out
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
         """No cache: nothing to do."""
