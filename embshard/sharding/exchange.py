@@ -104,8 +104,10 @@ class SparseExchangeHandle:
             seg_bags = cached_tensor(bags, lengths.device)
             perm = cached_tensor([s * F + f for f in range(F) for s in range(W)], lengths.device, torch.int32)
             seg_ids = segment_sums(lengths, bags)
-            _, lengths, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_bags, lengths)
-            _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_ids, values, weights)
+            _, lengths, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_bags, lengths, None, lengths.numel())
+            _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
+                perm, seg_ids, values, weights, values.numel()
+            )  # the output size is known: no sync
         return LookupInput(lengths, values, weights, self._batch_sizes)
 
 
