@@ -70,6 +70,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.tables = list(tables)
         self.plan = plan
         self.rank, self.world_size, self.group = rank, world_size, group

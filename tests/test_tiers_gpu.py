@@ -196,8 +196,10 @@ def test_cache_stats(trained):
         want = sum(int(b[f][1].numel()) for per_rank, _ in batches for b in per_rank for f in t.feature_names)
         assert s["requested"] == want, (t.name, s)
         assert 0 < s["unique_misses"] <= s["requested"] and 0.0 <= s["hit_rate"] < 1.0
-        assert 0 < s["cached_rows"] <= min(s["rows"], s["group_cache_slots"])
+        # A small table's rows may all have been evicted by the last step's inserts: >= 0 per table, > 0 in total.
+        assert 0 <= s["cached_rows"] <= min(s["rows"], s["group_cache_slots"])
         assert s["group_evictions"] is not None and s["group_evictions"] >= 0
+    assert sum(s["cached_rows"] for s in stats.values()) > 0, stats
     # The biggest table has ~300 rows of cache and several hundred distinct ids a step: rows were evicted.
     assert stats["t_big"]["group_evictions"] > 0
     after = case["after_reset"]
