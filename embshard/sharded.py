@@ -24,7 +24,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
-from embshard.sharding.exchange import IdsOutOfRange
+from embshard.sharding.exchange import IdsOutOfRange, cached_tensor
 from embshard.sharding.table_wise import RoutedSharding
 from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
 from embshard.tiers import BoundsCheck, LookupOptions, PrefetchHandle, format_cache_stats
@@ -67,9 +67,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 f"the plan is for world_size={plan.world_size} but the process group has {world_size} ranks: "
                 "plan again for this world size"
             )
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tables = list(tables)
@@ -276,7 +274,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _apply_mean(
         self, blocks: list[torch.Tensor], lengths_FB: torch.Tensor, index: dict[str, int]
     ) -> list[torch.Tensor]:
-        order = torch.tensor([index[f] for f in self.features], device=lengths_FB.device)
+        order = cached_tensor([index[f] for f in self.features], lengths_FB.device)
         lengths_BF = lengths_FB.index_select(0, order).t().to(torch.float32)  # canonical feature order
         mask = self._mean_mask.to(lengths_BF.device)
         scale_BF = torch.where(mask, 1.0 / lengths_BF.clamp(min=1.0), torch.ones_like(lengths_BF))
