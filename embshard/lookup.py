@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.optim import FusedOptimizerConfig, OptimizerKind, optimizer_state, sparse_update
 from embshard.plan import CacheAlgorithm, MemoryTier, Shard
 from embshard.tables import ConfigError, DataType, TableConfig
 from embshard.tiers import LookupOptions, OutputDtype, summarize_cache_stats, tbe_settings
@@ -203,50 +203,6 @@ class TBELookup(nn.Module):
             self.tbe.get_table_wise_cache_miss().zero_()
             self.tbe.reset_uvm_cache_stats()
             self._occupied_base = sum(self._cached_rows())
-
-
-def optimizer_state(opt: FusedOptimizerConfig, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Zero optimizer state for the weights `w` `[rows, cols]` (fp32, on w's device)."""
-    kind = opt.kind
-    state: dict[str, torch.Tensor] = {}
-    if kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
-        state["m"] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-    if kind is OptimizerKind.ADAM:
-        state["v"] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-    if kind is OptimizerKind.ROWWISE_ADAGRAD:
-        state["m"] = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
-    return state
-
-
-def sparse_update(
-    o: FusedOptimizerConfig,
-    w: torch.Tensor,
-    st: dict[str, torch.Tensor],
-    rows: torch.Tensor,
-    g: torch.Tensor,
-    t: int,
-    fp16: bool = False,
-) -> None:
-    """Apply the update rule (module docstring of embshard.optim) in place to rows `rows` (unique) of `w`, whose
-    aggregated gradient is `g` `[len(rows), cols]`; `t` counts the steps taken so far, this one included.
-    `fp16`: round the updated rows to fp16 values (weights stored in fp16, kept here in an fp32 tensor)."""
-    wr = w[rows]
-    if o.weight_decay:
-        g = g + o.weight_decay * wr
-    if o.kind is OptimizerKind.SGD:
-        wr -= o.lr * g
-    elif o.kind is OptimizerKind.ADAGRAD:
-        st["m"][rows] += g * g
-        wr -= o.lr * g / (st["m"][rows].sqrt() + o.eps)
-    elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
-        st["m"][rows] += (g * g).mean(dim=1)
-        wr -= o.lr * g / (st["m"][rows].sqrt().unsqueeze(1) + o.eps)
-    else:
-        m = st["m"][rows].mul_(o.beta1).add_(g, alpha=1 - o.beta1)
-        v = st["v"][rows].mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
-        st["m"][rows], st["v"][rows] = m, v
-        wr -= o.lr * (m / (1 - o.beta1**t)) / ((v / (1 - o.beta2**t)).sqrt() + o.eps)
-    w[rows] = wr.half().float() if fp16 else wr
 
 
 class HostLookup(nn.Module):

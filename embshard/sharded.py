@@ -78,6 +78,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._dropped: dict[str, int] = {}
         self.features = feature_order(tables)
         self._table_of = {f: t for t in tables for f in t.feature_names}
+        self._feature_dims = [self._table_of[f].embedding_dim for f in self.features]
         self.schemes = nn.ModuleList(
             build_schemes(self.tables, plan, rank, self.optimizer, self.device, group, seed, self.options)
         )
@@ -109,9 +110,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             cols: list[int] = []
             for key, d in zip(scheme.keys, scheme.key_dims):
                 cols += [self.features.index(key.partition("#c")[0])] * d
-            self._col_feature.append(torch.tensor(cols, dtype=torch.int64) if self._mean_features else None)
+            self._col_feature.append(
+                torch.tensor(cols, dtype=torch.int64, device=self.device) if self._mean_features else None
+            )
         self._mean_mask = torch.tensor(
-            [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool
+            [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool, device=self.device
         )
         self._kjt_layout: tuple | None = None
 
@@ -193,8 +196,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return out
         from torchrec.sparse.jagged_tensor import KeyedTensor
 
-        dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
-        return KeyedTensor(keys=self.features, length_per_key=dims, values=out["all"], key_dim=1)
+        return KeyedTensor(keys=self.features, length_per_key=self._feature_dims, values=out["all"], key_dim=1)
 
     # ---- UVM-caching: prefetch and statistics -------------------------------------------------------------
     def prefetch(self, kjt, stream: torch.cuda.Stream | None = None) -> PrefetchHandle:
@@ -276,12 +278,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ) -> list[torch.Tensor]:
         order = cached_tensor([index[f] for f in self.features], lengths_FB.device)
         lengths_BF = lengths_FB.index_select(0, order).t().to(torch.float32)  # canonical feature order
-        mask = self._mean_mask.to(lengths_BF.device)
+        mask = self._mean_mask
         scale_BF = torch.where(mask, 1.0 / lengths_BF.clamp(min=1.0), torch.ones_like(lengths_BF))
         scale_BF = scale_BF.to(blocks[0].dtype) if blocks else scale_BF
         out = []
         for x, cols in zip(blocks, self._col_feature):
-            out.append(x * scale_BF.index_select(1, cols.to(x.device)) if x.shape[1] else x)
+            out.append(x * scale_BF.index_select(1, cols) if x.shape[1] else x)
         return out
 
     # ---- state -------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ Data flow for one step, on every rank:
    batch; no output dist either;
 3. backward: FBGEMM's dense backward forms the gradient of all the replicas (one flat tensor) from the local
    batch; one all-reduce sums it over ranks (the gradient of the global-batch loss is the sum of the ranks' local
-   losses' gradients). Every rank then applies the same update (`dense_update`, the fused optimizers' rule of
-   embshard.optim) to the same summed bits, so the replicas stay bitwise identical.
+   losses' gradients). Every rank then applies the same update (`embshard.optim.apply_update`, the fused
+   optimizers' rule) to the same summed bits, so the replicas stay bitwise identical.
 
 Touched rows. The rule updates only rows the global batch touched. For sgd, adagrad and rowwise_adagrad without
 weight decay a row with a zero gradient is left exactly as it is by the rule itself (state += 0, w -= lr * 0), so
@@ -37,9 +37,9 @@ from torch import nn
 
 from embshard.comm import start_all_reduce
 from embshard.lookup import LocalShard, init_rows
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.exchange import LookupInput
+from embshard.sharding.exchange import LookupInput, cached_tensor
 from embshard.tables import ConfigError, DataType, TableConfig
 from embshard.tiers import LookupOptions
 
@@ -56,65 +56,6 @@ class Ready:
     def wait(self):
         """Return the value."""
         return self._value
-
-
-def dense_update(
-    o: FusedOptimizerConfig,
-    w_RD: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    g_RD: torch.Tensor,
-    t: int,
-    fp16: bool,
-    touched_R: torch.Tensor | None,
-) -> None:
-    """Apply the update rule (embshard.optim) in place to every row of `w_RD`, whose summed gradient is `g_RD`.
-
-    `state`: the rule's state for these rows (`m`, `v`: `[R, D]`; rowwise_adagrad's `m`: `[R]`); `t`: steps taken
-    so far, this one included; `fp16`: round the new values to fp16. `touched_R` (bool `[R]`): only these rows
-    change; None: all rows follow the rule (exact for rules that leave zero-gradient rows alone)."""
-    if touched_R is None and not o.weight_decay and o.kind is not OptimizerKind.ADAM:
-        _dense_update_in_place(o, w_RD, state, g_RD, fp16)
-        return
-    g = g_RD + o.weight_decay * w_RD if o.weight_decay else g_RD
-    new: dict[str, torch.Tensor] = {}
-    if o.kind is OptimizerKind.SGD:
-        step = g * o.lr
-    elif o.kind is OptimizerKind.ADAGRAD:
-        new["m"] = state["m"] + g * g
-        step = (g * o.lr).div_(new["m"].sqrt().add_(o.eps))
-    elif o.kind is OptimizerKind.ROWWISE_ADAGRAD:
-        new["m"] = state["m"] + (g * g).mean(dim=1)
-        step = (g * o.lr).div_(new["m"].sqrt().add_(o.eps).unsqueeze(1))
-    else:
-        new["m"] = (state["m"] * o.beta1).add_(g, alpha=1 - o.beta1)
-        new["v"] = (state["v"] * o.beta2).addcmul_(g, g, value=1 - o.beta2)
-        denom = (new["v"] / (1 - o.beta2**t)).sqrt_().add_(o.eps)
-        step = (new["m"] / (1 - o.beta1**t)).div_(denom).mul_(o.lr)
-    if touched_R is not None:
-        keep_R1 = touched_R.unsqueeze(1)
-        step.mul_(keep_R1)  # finite steps: untouched rows move by exactly 0
-        new = {k: torch.where(keep_R1 if v.dim() == 2 else touched_R, v, state[k]) for k, v in new.items()}
-    w_RD.sub_(step)
-    if fp16:  # untouched rows hold fp16 values already: rounding leaves them as they are
-        w_RD.copy_(w_RD.half())
-    for k, v in new.items():
-        state[k].copy_(v)
-
-
-def _dense_update_in_place(
-    o: FusedOptimizerConfig, w_RD: torch.Tensor, state: dict[str, torch.Tensor], g_RD: torch.Tensor, fp16: bool
-) -> None:
-    """sgd, adagrad, rowwise_adagrad on every row, without weight decay: in place, few passes over the rows."""
-    if o.kind is OptimizerKind.SGD:
-        w_RD.add_(g_RD, alpha=-o.lr)
-    elif o.kind is OptimizerKind.ADAGRAD:
-        state["m"].addcmul_(g_RD, g_RD)
-        w_RD.addcdiv_(g_RD, state["m"].sqrt().add_(o.eps), value=-o.lr)
-    else:  # rowwise_adagrad: mean of g^2 over the row, as ||g||^2 / D (no [R, D] temporary)
-        state["m"].add_(torch.linalg.vector_norm(g_RD, dim=1).square_().div_(g_RD.shape[1]))
-        w_RD.addcdiv_(g_RD, state["m"].sqrt().add_(o.eps).unsqueeze(1), value=-o.lr)
-    if fp16:
-        w_RD.copy_(w_RD.half())
 
 
 class _ReplicaBags(torch.autograd.Function):
@@ -211,14 +152,7 @@ class DataParallelLookup(nn.Module):
         self.register_buffer("_row0_F", torch.tensor(row0_F, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("_weighted_F", torch.tensor(weighted_F, device=device), persistent=False)
         self._needs_touched = optimizer.kind is OptimizerKind.ADAM or optimizer.weight_decay > 0
-        kind = optimizer.kind
-        self._state: dict[str, torch.Tensor] = {}
-        if kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
-            self._state["m"] = torch.zeros_like(flat)
-        if kind is OptimizerKind.ADAM:
-            self._state["v"] = torch.zeros_like(flat)
-        if kind is OptimizerKind.ROWWISE_ADAGRAD:
-            self._state["m"] = torch.zeros(self._rows, dtype=torch.float32, device=flat.device)
+        self._state = optimizer_state(optimizer, flat, rows=self._rows)
         self._step = 0
 
     def _per_id(self, values_F: torch.Tensor, offsets: torch.Tensor, n_ids: int) -> torch.Tensor:
@@ -265,7 +199,7 @@ class DataParallelLookup(nn.Module):
                 elems = slice(e0, e0 + R * D)
                 state = {k: v[r0 : r0 + R] if per_row else v[elems].view(R, D) for k, v in self._state.items()}
                 rows_touched = touched[r0 : r0 + R] if touched is not None else None
-                dense_update(
+                apply_update(
                     self.opt, flat[elems].view(R, D), state, grad[elems].view(R, D), self._step, fp16, rows_touched
                 )
 
@@ -309,7 +243,6 @@ class DataParallelSharding(nn.Module):
         self.lookups = nn.ModuleList([lookup])
         self.keys, self.key_dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
         self.weighted = any(s.table.weighted for s in shards)
-        self._select: tuple | None = None
 
     def start_input_dist(
         self,
@@ -319,14 +252,11 @@ class DataParallelSharding(nn.Module):
         feature_index: dict[str, int],
     ) -> Ready:
         """Select this scheme's features from the local batch (no communication)."""
-        key = (tuple(feature_index), values.device)
-        if self._select is None or self._select[0] != key:
-            perm = torch.tensor([feature_index[f] for f in self.keys], device=values.device, dtype=torch.int32)
-            self._select = (key, perm)
+        select = cached_tensor([feature_index[f] for f in self.keys], values.device, torch.int32)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         lengths, ids, w = torch.ops.fbgemm.permute_2D_sparse_data(
-            self._select[1], lengths_FB, values, weights if self.weighted else None
+            select, lengths_FB, values, weights if self.weighted else None
         )
         return Ready(LookupInput(lengths.reshape(-1), ids, w, [lengths_FB.shape[1]]))
 

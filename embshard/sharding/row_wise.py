@@ -27,7 +27,12 @@ import torch.distributed as dist
 from embshard.lookup import LocalShard
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType, TablePlan
-from embshard.sharding.exchange import PooledExchangeHandle, SparseExchangeHandle, start_sparse_exchange
+from embshard.sharding.exchange import (
+    PooledExchangeHandle,
+    SparseExchangeHandle,
+    cached_tensor,
+    start_sparse_exchange,
+)
 from embshard.sharding.table_wise import RoutedSharding
 from embshard.tables import TableConfig
 from embshard.tiers import LookupOptions
@@ -100,18 +105,15 @@ class RowBlockSharding(RoutedSharding):
             torch.tensor([c for k in keys for c in range(col0[k], col0[k] + dims[k])], dtype=torch.int64)
             for keys in self.route_keys
         ]
-        self._cache: dict = {}
 
     def _tensors(self, feature_index: dict[str, int], values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Feature selection permute, block sizes (the ids' dtype, as FBGEMM needs) and route permute."""
-        key = (tuple(feature_index), values.device, values.dtype)
-        if key not in self._cache:
-            dev = values.device
-            select = torch.tensor([feature_index[f] for f in self.in_features], device=dev, dtype=torch.int32)
-            sizes = torch.tensor(self._block_sizes, device=dev, dtype=values.dtype)
-            route = torch.tensor(self._route_rows, device=dev, dtype=torch.int32)
-            self._cache = {key: (select, sizes, route)}
-        return self._cache[key]
+        dev = values.device
+        return (
+            cached_tensor([feature_index[f] for f in self.in_features], dev, torch.int32),
+            cached_tensor(self._block_sizes, dev, values.dtype),
+            cached_tensor(self._route_rows, dev, torch.int32),
+        )
 
     def start_input_dist(
         self,

@@ -25,6 +25,7 @@ from embshard.sharding.exchange import (
     LookupInput,
     PooledExchangeHandle,
     SparseExchangeHandle,
+    cached_tensor,
     start_pooled_exchange,
     start_sparse_exchange,
 )
@@ -62,6 +63,7 @@ class RoutedSharding(nn.Module):
         ordered = [group_in_lookup_order(s) for s in shards_per_rank]
         self.route_keys = [[k for s in shards for k in s.features] for shards in ordered]
         self.route_sources = [[key_source[k] for k in keys] for keys in self.route_keys]
+        self.sources = [f for srcs in self.route_sources for f in srcs]  # input feature of each route, send order
         self.n_features = [len(k) for k in self.route_keys]
         self.dims_per_rank = [sum(s.shard.num_cols * len(s.features) for s in shards) for shards in ordered]
         # Output keys (columns of the output tensor), rank by rank, with their widths.
@@ -71,11 +73,6 @@ class RoutedSharding(nn.Module):
             build_lookups(ordered[rank], optimizer, device, seed, options) if ordered[rank] else []
         )
         self.weighted = any(s.table.weighted for shards in ordered for s in shards)
-
-    @property
-    def sources(self) -> list[str]:
-        """Input features each route reads, destination-major (the send order)."""
-        return [f for srcs in self.route_sources for f in srcs]
 
     def start_input_dist(
         self,
@@ -87,7 +84,7 @@ class RoutedSharding(nn.Module):
     ) -> SparseExchangeHandle:
         """Send each rank the ids of its lookup keys. `lengths_FB` is the local batch's `[F, B]` lengths in
         the order `feature_index` gives."""
-        perm = self._send_permute(feature_index, lengths_FB.device)
+        perm = cached_tensor([feature_index[f] for f in self.sources], lengths_FB.device, torch.int32)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
@@ -103,13 +100,6 @@ class RoutedSharding(nn.Module):
             self.rank,
             bad_ids,
         )
-
-    def _send_permute(self, feature_index: dict[str, int], device: torch.device) -> torch.Tensor:
-        cache_key = (tuple(feature_index), device)
-        if getattr(self, "_perm_key", None) != cache_key:
-            self._perm = torch.tensor([feature_index[f] for f in self.sources], device=device, dtype=torch.int32)
-            self._perm_key = cache_key
-        return self._perm
 
     def _split(self, inp: LookupInput) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """(ids, offsets, weights) of each lookup: the feature-major input cut at group boundaries."""
