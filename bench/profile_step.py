@@ -1,0 +1,50 @@
+"""Run a benchmark script under torch.profiler and print where rank 0's time goes (not a timing tool: the
+profiler slows the step; use it to find host syncs, copies and idle GPU time, then time without it).
+
+    torchrun --nproc-per-node=2 bench/profile_step.py bench/embshard_dmp.py --workload uniform26 --steps 10
+    torchrun --nproc-per-node=2 bench/profile_step.py shared/baselines/torchrec_dmp.py --workload uniform26 --steps 10
+
+Prints, for rank 0: the top operators by self CUDA time and by self CPU time, and the count of device-to-host
+syncs; writes a Chrome trace to $OUT/trace_<script>.json.gz when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import runpy
+import shutil
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def main() -> None:
+    script, args = sys.argv[1], sys.argv[2:]
+    sys.argv = [script, *args]
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    rank = int(os.environ.get("RANK", "0"))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        runpy.run_path(script, run_name="__main__")
+    if rank != 0:
+        return
+    ev = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(ev.table(sort_by=sort, row_limit=30, max_name_column_width=70))
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+    syncs = {e.key: e.count for e in ev if any(s in e.key for s in ("Synchronize", "item", "tolist", "_local_scalar"))}
+    print("syncs:", syncs)
+    out = os.environ.get("OUT")
+    if out:
+        name = os.path.splitext(os.path.basename(script))[0]
+        path = os.path.join(out, f"trace_{name}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(path)
+
+
+if __name__ == "__main__":
+    main()
