@@ -39,6 +39,8 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         name = os.path.splitext(os.path.basename(script))[0]
+        if "--workload" in args:
+            name += "_" + args[args.index("--workload") + 1]
         path = os.path.join(out, f"trace_{name}.json")
         prof.export_chrome_trace(path)
         with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
