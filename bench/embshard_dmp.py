@@ -122,6 +122,7 @@ def main() -> None:
                 f"memory probe: forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over {base / 2**30:.2f}"
             )
     dist.barrier()
+    warm_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
@@ -133,7 +134,8 @@ def main() -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         mem = (
-            f"; peak GPU memory {peak.item() / 2**30:.2f} GiB (max over ranks; {built_gib:.2f} after build)"
+            f"; peak GPU memory {peak.item() / 2**30:.2f} GiB (max over ranks; rank 0: {built_gib:.2f} after build, "
+            f"{warm_gib:.2f} after warm-up)"
             if cuda
             else ""
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 
 from embshard.tables import TableConfig
@@ -28,12 +29,22 @@ class DroppedIdsWarning(RuntimeWarning):
 def count_bad_ids(
     lengths_FB: torch.Tensor, values: torch.Tensor, keys: Sequence[str], table_of: Mapping[str, TableConfig]
 ) -> torch.Tensor:
-    """Number of out-of-range ids, as a device scalar (no host sync: it rides on the input exchange's counts)."""
+    """`[1]` count of out-of-range ids in the local batch, as a device tensor (no host sync: it rides on the input
+    exchange's counts). `keys[f]` is the feature of row f of `lengths_FB` `[F, B]`.
+
+    FBGEMM's `bounds_check_indices` (warning mode) counts the ids at or above their table's rows in one pass; it
+    zeroes the ids it counts, so it runs on a copy (the caller's batch stays intact for the error message), and it
+    lets -1 through (FBGEMM's "pruned" id), so negative ids are counted apart."""
     from embshard.sharding.exchange import cached_tensor
 
     rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], values.device)
-    limit = torch.repeat_interleave(rows_F, lengths_FB.sum(1).to(torch.int64), output_size=values.numel())
-    return ((values < 0) | (values >= limit)).sum()
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_FB.reshape(-1)).to(values.dtype)
+    warning = torch.zeros(1, dtype=torch.int64, device=values.device)
+    torch.ops.fbgemm.bounds_check_indices(rows_F, values.clone(), offsets, BOUNDS_WARNING, warning, None)
+    return warning + (values < 0).sum()
+
+
+BOUNDS_WARNING = 1  # fbgemm_gpu BoundsCheckMode.WARNING: count, zero the id, go on
 
 
 def check_ids(

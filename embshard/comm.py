@@ -37,25 +37,32 @@ class AllToAllHandle:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._sent.requires_grad:
-            return _AllToAllGrad.apply(self._sent, self)
-        return self._received
+        received, sent = self._received, self._sent
+        self._received = self._sent = None  # the handle is done: it must not keep the step's buffers alive
+        if sent.requires_grad:
+            return _AllToAllGrad.apply(sent, received, self._input_splits, self._output_splits, self._group)
+        return received
 
 
 class _AllToAllGrad(torch.autograd.Function):
-    """Identity on the already-received tensor; backward sends gradients back along the reverse routes."""
+    """Identity on the already-received tensor; backward sends gradients back along the reverse routes.
+
+    The context keeps only the splits and the group: holding the handle or the received tensor would make a
+    reference cycle (output -> its node -> context -> output) that keeps every step's buffers alive until
+    Python's garbage collector runs."""
 
     @staticmethod
-    def forward(ctx, sent: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:  # type: ignore[override]
-        ctx.handle = handle
+    def forward(ctx, sent, received, input_splits, output_splits, group):  # type: ignore[override]
+        ctx.splits = (input_splits, output_splits)
+        ctx.group = group
         ctx.sent_shape = sent.shape
-        return handle._received
+        return received
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        h: AllToAllHandle = ctx.handle
-        grad_in = start_all_to_all(grad.contiguous(), h._output_splits, h._input_splits, h._group).wait()
-        return grad_in.view(ctx.sent_shape), None
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        input_splits, output_splits = ctx.splits
+        grad_in = start_all_to_all(grad.contiguous(), output_splits, input_splits, ctx.group).wait()
+        return grad_in.view(ctx.sent_shape), None, None, None, None
 
 
 def start_all_to_all(

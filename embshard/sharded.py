@@ -1,11 +1,13 @@
 """ShardedEmbeddingBagCollection: embedding-bag tables sharded over ranks by a ShardingPlan.
 
 forward(kjt) for the rank's local batch:
+  0. ids          (per scheme)  local_ids: the scheme's ids laid out for sending, checked, counted (on device)
+     counts       (all schemes) exchange_counts: one small all-to-all, the step's one host sync
   1. input dist   (per scheme)  start_input_dist -> handle; handle.wait() -> ids for this rank's shards
   2. lookup       (per scheme)  TBE kernels pool the rows for the global batch
-  3. output dist  (per scheme)  start_output_dist -> handle; handle.wait() -> [B_local, width] blocks
+  3. output dist  (per scheme)  start_output_dist -> handle; handle.wait() -> [B_local, width] blocks (views)
   4. mean pooling               divide mean-pooled features by their bag lengths
-  5. regroup                    permute_multi_embedding -> one dense tensor per output group
+  5. regroup                    permute_multi_embedding of the blocks -> one dense tensor per output group
 Backward runs the exchanges in reverse and the TBE applies the fused optimizer to the touched rows.
 """
 
@@ -24,8 +26,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
-from embshard.sharding.exchange import IdsOutOfRange, cached_tensor
-from embshard.sharding.table_wise import RoutedSharding
+from embshard.sharding.exchange import IdsOutOfRange, cached_tensor, exchange_counts
 from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
 from embshard.tiers import BoundsCheck, LookupOptions, PrefetchHandle, format_cache_stats
 
@@ -98,17 +99,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"output group {name!r} names features {unknown} that no table lists; known features: "
                     f"{self.features}"
                 )
+        # The output dists' blocks, in order: each scheme's `out_keys` (routed schemes: one block per serving rank).
+        self._block_keys = [keys for s in self.schemes for keys in s.out_keys]
         self.regroup = Regroup(
-            [s.keys for s in self.schemes],
-            [s.key_dims for s in self.schemes],
+            self._block_keys,
+            [dims for s in self.schemes for dims in s.out_dims],
             {n: [k for f in members for k in self._feature_keys[f]] for n, members in regroup_spec.items()},
         )
-        # Mean pooling: per scheme, which input feature each output column belongs to (None if all sums).
+        # Mean pooling: per output block, which input feature each column belongs to (None if all sums).
         self._mean_features = [f for f in self.features if self._table_of[f].pooling is Pooling.MEAN]
         self._col_feature: list[torch.Tensor | None] = []
-        for scheme in self.schemes:
+        for keys, dims in zip(self._block_keys, [d for s in self.schemes for d in s.out_dims]):
             cols: list[int] = []
-            for key, d in zip(scheme.keys, scheme.key_dims):
+            for key, d in zip(keys, dims):
                 cols += [self.features.index(key.partition("#c")[0])] * d
             self._col_feature.append(
                 torch.tensor(cols, dtype=torch.int64, device=self.device) if self._mean_features else None
@@ -150,25 +153,24 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
 
     def _input_dist(self, lengths_FB, values, weights, index, check: bool) -> tuple[list, torch.Tensor]:
-        """Start every scheme's input exchange, then wait for all; returns the inputs and the lengths actually
-        sent (drop mode removes ids). In error mode the id check rides on the first exchange's counts (no extra
-        host sync, and every rank stops together if any rank has bad ids)."""
-        first = next((i for i, s in enumerate(self.schemes) if isinstance(s, RoutedSharding)), None)
-        piggyback = check and first is not None and self.options.bounds_check is BoundsCheck.ERROR
-        if check and not piggyback:
+        """Every scheme lays out its ids on the device, one counts exchange makes all sizes known on the host (the
+        step's one host sync), then every scheme's id exchange starts; returns the inputs and the lengths actually
+        sent (drop mode removes ids). In error mode the id check rides on the counts: every rank stops together if
+        any rank has bad ids, and the ranks that have them raise the error naming feature, table and value."""
+        drop = check and self.options.bounds_check is BoundsCheck.DROP
+        if drop:
             lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
-        bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if piggyback else None
-        handles = []
-        for i, s in enumerate(self.schemes):
-            if i == first and bad is not None:
-                try:
-                    handles.append(s.start_input_dist(lengths_FB, values, weights, index, bad_ids=bad))
-                except IdsOutOfRange as e:
-                    if self.rank in e.ranks:
-                        self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
-                    raise
-            else:
-                handles.append(s.start_input_dist(lengths_FB, values, weights, index))
+        bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if check and not drop else None
+        ids = [s.local_ids(lengths_FB, values, weights, index) for s in self.schemes]
+        counts = exchange_counts([p.counts for p in ids], lengths_FB.shape[1], bad, self.group, self.world_size)
+        if counts.bad_ranks:
+            if self.rank in counts.bad_ranks:
+                self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
+            raise IdsOutOfRange(counts.bad_ranks)
+        handles = [
+            s.start_input_dist(part, counts.batch_sizes, sent, received)
+            for s, part, sent, received in zip(self.schemes, ids, counts.sent, counts.received)
+        ]
         return [h.wait() for h in handles], lengths_FB
 
     def dropped_ids(self) -> dict[str, int]:
@@ -188,7 +190,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids)
         pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
         out_handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
-        blocks = [h.wait() for h in out_handles]
+        blocks = [b for h in out_handles for b in h.wait()]
         if self._mean_features:
             blocks = self._apply_mean(blocks, lengths_FB, index)
         out = self.regroup(blocks)
@@ -219,9 +221,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             stream.wait_stream(main)  # the batch's tensors were made on the caller's stream
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             lengths_FB, values, weights, index = self._local_input(kjt)
-            lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
-            in_handles = [s.start_input_dist(lengths_FB, values, weights, index) for s in self.schemes]
-            inputs = [h.wait() for h in in_handles]
+            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check=True)
             for scheme, inp in zip(self.schemes, inputs):
                 if hasattr(scheme, "prefetch"):
                     scheme.prefetch(inp, main)

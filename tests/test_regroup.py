@@ -66,3 +66,38 @@ def test_regroup_errors_name_the_problem():
         Regroup(KEYS, DIMS, {"empty": []})
     with pytest.raises(ValueError, match="'f1' appears in two input blocks"):
         Regroup([["f1"], ["f1"]], [[4], [4]], {"g": ["f1"]})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_coalesced_runs_give_the_same_groups(seed):
+    # Random blocks and groups (runs kept whole, runs broken, duplicates, unused keys): merging runs must not change
+    # any output or gradient, and a group that takes a whole block in order makes it one key.
+    from embshard.regroup import coalesce
+
+    gen = torch.Generator().manual_seed(seed)
+    names = [f"k{i}" for i in range(12)]
+    cuts = sorted(torch.randperm(11, generator=gen)[:2].add(1).tolist())
+    keys = [names[: cuts[0]], names[cuts[0] : cuts[1]], names[cuts[1] :]]
+    dims = [[int(torch.randint(1, 5, (1,), generator=gen)) for _ in k] for k in keys]
+    groups = {
+        "whole": list(keys[1]),
+        "mixed": [names[i] for i in torch.randint(0, 12, (7,), generator=gen).tolist()],
+        "run": names[2:9] if seed % 2 else names[:2],
+    }
+    merged_keys, merged_dims, merged_groups = coalesce(keys, dims, list(groups.values()))
+    others_use_block1 = any(k in groups["mixed"] or k in groups["run"] for k in keys[1])
+    if not others_use_block1:
+        assert merged_keys[1] == ["+".join(keys[1])]
+    assert [sum(d) for d in merged_dims] == [sum(d) for d in dims]
+    assert [k for g in merged_groups for m in g for k in m.split("+")] == [k for g in groups.values() for k in g]
+    blocks = [torch.randn(5, sum(d), generator=gen).requires_grad_(True) for d in dims]
+    ref_blocks = [b.detach().clone().requires_grad_(True) for b in blocks]
+    out = Regroup(keys, dims, groups)(blocks)
+    want = _reference(ref_blocks, keys, dims, groups)
+    upstream = {n: torch.randn(want[n].shape, generator=gen) for n in groups}
+    for n in groups:
+        torch.testing.assert_close(out[n], want[n], rtol=0, atol=0)
+    sum((out[n] * upstream[n]).sum() for n in groups).backward()
+    sum((want[n] * upstream[n]).sum() for n in groups).backward()
+    for b, rb in zip(blocks, ref_blocks):
+        torch.testing.assert_close(b.grad, rb.grad if rb.grad is not None else torch.zeros_like(rb))

@@ -28,6 +28,7 @@ every rank applies the same update to the same all-reduced gradient.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -39,7 +40,7 @@ from embshard.comm import start_all_reduce
 from embshard.lookup import LocalShard, init_rows
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.exchange import LookupInput, cached_tensor
+from embshard.sharding.exchange import LocalIds, LookupInput, cached_tensor
 from embshard.tables import ConfigError, DataType, TableConfig
 from embshard.tiers import LookupOptions
 
@@ -242,23 +243,33 @@ class DataParallelSharding(nn.Module):
         lookup = DataParallelLookup(shards, optimizer, device, group, seed, options)
         self.lookups = nn.ModuleList([lookup])
         self.keys, self.key_dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
+        self.out_keys, self.out_dims = [self.keys], [self.key_dims]  # one output block
+        self.max_reads = max(Counter(self.keys).values())
         self.weighted = any(s.table.weighted for s in shards)
 
-    def start_input_dist(
+    def local_ids(
         self,
         lengths_FB: torch.Tensor,
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
-    ) -> Ready:
-        """Select this scheme's features from the local batch (no communication)."""
-        select = cached_tensor([feature_index[f] for f in self.keys], values.device, torch.int32)
+    ) -> LocalIds:
+        """Select this scheme's features from the local batch, with their id count (no host sync)."""
+        device = values.device
+        select = cached_tensor([feature_index[f] for f in self.keys], device, torch.int32)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         lengths, ids, w = torch.ops.fbgemm.permute_2D_sparse_data(
-            select, lengths_FB, values, weights if self.weighted else None
-        )
-        return Ready(LookupInput(lengths.reshape(-1), ids, w, [lengths_FB.shape[1]]))
+            select, lengths_FB, values, weights if self.weighted else None, values.numel() * self.max_reads
+        )  # sized for the whole batch; the real ids are a prefix, cut once the count is on the host
+        lengths = lengths.reshape(-1)
+        return LocalIds(lengths, ids, w, lengths.sum(dtype=torch.int64).reshape(1))
+
+    def start_input_dist(self, ids: LocalIds, batch_sizes: list[int], sent: list[int], received: list[int]) -> Ready:
+        """Nothing to send: the ids cut to their count (`sent[0]`), as this rank's lookup input."""
+        n = sent[0]
+        weights = ids.weights[:n] if ids.weights is not None else None
+        return Ready(LookupInput(ids.lengths, ids.values[:n], weights, [len(ids.lengths) // len(self.keys)]))
 
     def lookup(self, inp: LookupInput) -> torch.Tensor:
         """Pooled sums `[B_local, sum of feature dims]`."""
@@ -266,8 +277,8 @@ class DataParallelSharding(nn.Module):
         return self.lookups[0](inp.values, offsets, inp.weights)
 
     def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> Ready:
-        """Nothing to send: the pooled rows are already on the rank owning the samples."""
-        return Ready(pooled)
+        """Nothing to send: the pooled rows (one block) are already on the rank owning the samples."""
+        return Ready([pooled])
 
 
 def data_parallel(

@@ -7,6 +7,11 @@ Output: each rank sends the pooled rows of every source rank's samples back to i
 Layouts. A send buffer is destination-major: for destination d, `n_features[d]` features x B local samples of
 lengths, followed by the next destination. The received batch is feature-major over the global batch: for each
 of the rank's lookup features, the bags of rank 0's samples, then rank 1's, ... (`lengths_FBg`).
+
+Host syncs. Every scheme first lays out its ids on the device (`LocalIds`) with buffers sized for the whole local
+batch, so nothing waits for the host; `exchange_counts` then moves every scheme's per-destination counts (and the
+out-of-range id count of the check) in one small all-to-all and reads them with one sync; the id all-to-alls then
+start with known sizes.
 """
 
 from __future__ import annotations
@@ -77,6 +82,65 @@ def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     return csum[bounds[1:]] - csum[bounds[:-1]]
 
 
+@dataclass
+class LocalIds:
+    """One scheme's ids of the local batch laid out for sending, before their sizes are known on the host.
+
+    Routed schemes: destination-major (module docstring); local (data-parallel) schemes: feature-major."""
+
+    lengths: torch.Tensor
+    """`[sum(n_features) * B]` bag lengths (exact size)."""
+    values: torch.Tensor
+    """The ids in that order. May be longer than the real ids (allocated for the whole batch, so that no host sync
+    is needed to size it); the real ones are the first `sum(counts)`, cut once the counts are on the host."""
+    weights: torch.Tensor | None
+    """Per-id weights (same layout and length as `values`), or None."""
+    counts: torch.Tensor
+    """`[W]` ids per destination rank (routed schemes) or `[1]` ids in total (local schemes), int64, on device."""
+
+
+@dataclass
+class Counts:
+    """What every rank sends this step, known on the host after `exchange_counts` (the step's one host sync)."""
+
+    batch_sizes: list[int]
+    """Local batch size of every source rank."""
+    sent: list[list[int]]
+    """Per scheme: ids this rank sends to each destination (local schemes: their total, repeated)."""
+    received: list[list[int]]
+    """Per scheme: ids this rank receives from each source rank."""
+    bad_ranks: list[int]
+    """Ranks that found out-of-range ids in their local batch."""
+
+
+def exchange_counts(
+    counts: Sequence[torch.Tensor],
+    batch_size: int,
+    bad: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+) -> Counts:
+    """One small all-to-all of every scheme's per-destination id counts, the local batch size and the count of
+    out-of-range ids, then one host sync for all of them (the step's only one when every scheme's sizes can be
+    bounded without the host). `counts[k]` is scheme k's `[W]` or `[1]` counts (LocalIds.counts)."""
+    W = world_size
+    device = counts[0].device
+    cols = [torch.full((W,), batch_size, dtype=torch.int64, device=device)]
+    cols.append(bad.to(torch.int64).reshape(-1).expand(W) if bad is not None else cols[0].new_zeros(W))
+    cols += [c.to(torch.int64).reshape(-1).expand(W) for c in counts]
+    table = torch.stack(cols, dim=1)  # [W destinations, 2 + schemes]
+    recv = start_all_to_all(table, [1] * W, [1] * W, group).wait() if W > 1 else table
+    both = torch.cat([recv, table]).tolist()  # the host sync
+    recv_rows, sent_rows = both[:W], both[W:]
+    K = len(counts)
+    return Counts(
+        batch_sizes=[int(r[0]) for r in recv_rows],
+        sent=[[int(r[2 + k]) for r in sent_rows] for k in range(K)],
+        received=[[int(r[2 + k]) for r in recv_rows] for k in range(K)],
+        bad_ranks=[s for s, r in enumerate(recv_rows) if r[1]],
+    )
+
+
 class SparseExchangeHandle:
     """Ids in flight to the ranks that look them up; `wait()` returns the rank's `LookupInput`."""
 
@@ -100,68 +164,59 @@ class SparseExchangeHandle:
         W, F = len(self._batch_sizes), self._F
         if W > 1 and F > 1:
             # Received segments are (source s, feature f) of B_s bags each; reorder them to (f, s).
-            bags = [b for b in self._batch_sizes for _ in range(F)]
-            seg_bags = cached_tensor(bags, lengths.device)
             perm = cached_tensor([s * F + f for f in range(F) for s in range(W)], lengths.device, torch.int32)
-            seg_ids = segment_sums(lengths, bags)
-            _, lengths, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_bags, lengths, None, lengths.numel())
-            _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
-                perm, seg_ids, values, weights, values.numel()
-            )  # the output size is known: no sync
+            if len(set(self._batch_sizes)) == 1:  # a [W*F, B] grid: FBGEMM's 2-D permute (fast, one row a block)
+                lengths_2d, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                    perm, lengths.view(W * F, self._batch_sizes[0]), values, weights, values.numel()
+                )
+                lengths = lengths_2d.reshape(-1)
+            else:
+                bags = [b for b in self._batch_sizes for _ in range(F)]
+                seg_bags = cached_tensor(bags, lengths.device)
+                seg_ids = segment_sums(lengths, bags)
+                _, lengths, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_bags, lengths, None, lengths.numel())
+                _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
+                    perm, seg_ids, values, weights, values.numel()
+                )  # the output size is known: no sync
         return LookupInput(lengths, values, weights, self._batch_sizes)
 
 
 def start_sparse_exchange(
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
+    ids: LocalIds,
     n_features: Sequence[int],
-    batch_size: int,
+    batch_sizes: Sequence[int],
+    sent: Sequence[int],
+    received: Sequence[int],
     group: dist.ProcessGroup | None,
     rank: int,
-    bad_ids: torch.Tensor | None = None,
 ) -> SparseExchangeHandle:
-    """Send each destination its ids. `n_features[d]` lookup features go to rank d (send layout in the module
-    docstring). Exchanges the per-destination counts first (one small all-to-all and one host sync), then starts
-    the lengths, ids and weights all-to-alls and returns without waiting for them.
-
-    `bad_ids` (a device scalar: this rank's count of out-of-range ids) rides along with the counts, so the id check
-    costs no sync of its own; if any rank reports some, every rank raises IdsOutOfRange before sending ids."""
-    W = len(n_features)
-    send_bags = [n * batch_size for n in n_features]
-    send_ids = segment_sums(lengths, send_bags)
-    flag = bad_ids.to(send_ids.dtype).expand_as(send_ids) if bad_ids is not None else torch.zeros_like(send_ids)
-    # [W, 3] per destination: (local batch, ids sent, out-of-range ids of the sender)
-    counts = torch.stack([torch.full_like(send_ids, batch_size), send_ids, flag], dim=1)
-    recv_h = start_all_to_all(counts, [1] * W, [1] * W, group)
-    both = torch.cat([recv_h.wait(), counts]).tolist()  # the one host sync: sizes for the next step
-    recv, sent = both[:W], both[W:]
-    bad_ranks = [r for r, row in enumerate(recv) if row[2]]
-    if bad_ranks:
-        raise IdsOutOfRange(bad_ranks)
-    batch_sizes = [int(row[0]) for row in recv]
-    recv_ids = [int(row[1]) for row in recv]
+    """Send each destination its ids (`n_features[d]` lookup features go to rank d; send layout in the module
+    docstring), with the sizes `exchange_counts` made known; returns without waiting."""
+    B = batch_sizes[rank]
+    n = sum(sent)
+    values = ids.values[:n]  # a prefix view: the real ids (no copy)
+    weights = ids.weights[:n] if ids.weights is not None else None
     F_me = n_features[rank]
-    lengths_h = start_all_to_all(lengths, send_bags, [F_me * b for b in batch_sizes], group)
-    send_ids_l = [int(row[1]) for row in sent]
-    values_h = start_all_to_all(values, send_ids_l, recv_ids, group)
-    weights_h = start_all_to_all(weights, send_ids_l, recv_ids, group) if weights is not None else None
-    return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, batch_sizes)
+    lengths_h = start_all_to_all(ids.lengths, [f * B for f in n_features], [F_me * b for b in batch_sizes], group)
+    values_h = start_all_to_all(values, sent, received, group)
+    weights_h = start_all_to_all(weights, sent, received, group) if weights is not None else None
+    return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, list(batch_sizes))
 
 
 class PooledExchangeHandle:
-    """Pooled embeddings in flight back to the ranks that own the samples; `wait()` returns `[B_local, D]`."""
+    """Pooled embeddings in flight back to the ranks that own the samples; `wait()` returns one `[B_local, D_d]`
+    block per source rank d with D_d > 0, in rank order (views of the received buffer: no copy)."""
 
     def __init__(self, handle: AllToAllHandle, local_batch: int, dims_per_rank: Sequence[int]) -> None:
         self._handle = handle
         self._B = local_batch
         self._dims = list(dims_per_rank)
 
-    def wait(self) -> torch.Tensor:
-        """Wait, then lay the blocks from each rank side by side: columns of rank 0's features first."""
+    def wait(self) -> list[torch.Tensor]:
+        """Wait, then view the received buffer as the blocks of each source rank, in rank order."""
         flat = self._handle.wait()
         blocks = flat.split([self._B * d for d in self._dims])
-        return torch.cat([b.view(self._B, d) for b, d in zip(blocks, self._dims)], dim=1)
+        return [b.view(self._B, d) for b, d in zip(blocks, self._dims) if d]
 
 
 def start_pooled_exchange(

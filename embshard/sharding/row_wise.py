@@ -27,35 +27,29 @@ import torch.distributed as dist
 from embshard.lookup import LocalShard
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType, TablePlan
-from embshard.sharding.exchange import (
-    PooledExchangeHandle,
-    SparseExchangeHandle,
-    cached_tensor,
-    start_sparse_exchange,
-)
+from embshard.sharding.exchange import LocalIds, PooledExchangeHandle, cached_tensor, segment_sums
 from embshard.sharding.table_wise import RoutedSharding
 from embshard.tables import TableConfig
 from embshard.tiers import LookupOptions
 
 
 class SummedPooledHandle:
-    """Partial pooled sums in flight; `wait()` returns their per-feature sum `[B_local, sum of feature dims]`."""
+    """Partial pooled sums in flight; `wait()` returns their per-feature sum `[B_local, sum of feature dims]` (a
+    one-block list, like every output dist)."""
 
-    def __init__(self, handle: PooledExchangeHandle, dims_per_rank: list[int], cols_per_rank: list, width: int):
+    def __init__(self, handle: PooledExchangeHandle, cols_per_rank: list, width: int):
         self._handle = handle
-        self._dims = dims_per_rank
-        self._cols = cols_per_rank
+        self._cols = [c for c in cols_per_rank if c.numel()]  # the blocks wait() returns: ranks with a block
         self._width = width
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> list[torch.Tensor]:
         """Wait for every rank's partials, then add each rank's block into its features' columns."""
-        received = self._handle.wait()
-        blocks = received.split(self._dims, dim=1)
-        out = received.new_zeros(received.shape[0], self._width, dtype=torch.float32)  # sum in fp32
+        blocks = self._handle.wait()
+        B, dtype = blocks[0].shape[0], blocks[0].dtype
+        out = blocks[0].new_zeros(B, self._width, dtype=torch.float32)  # sum in fp32
         for block, cols in zip(blocks, self._cols):
-            if block.shape[1]:
-                out = out.index_add(1, cols, block.float())  # cols unique within a rank: deterministic
-        return out.to(received.dtype)
+            out = out.index_add(1, cols, block.float())  # cols unique within a rank: deterministic
+        return [out.to(dtype)]
 
 
 class RowBlockSharding(RoutedSharding):
@@ -96,6 +90,7 @@ class RowBlockSharding(RoutedSharding):
         self.keys = list(features)
         self.key_dims = [dims[f] for f in features]
         self._block_sizes = [block_size[f] for f in features]
+        self.out_keys, self.out_dims = [self.keys], [self.key_dims]  # one block: the partial sums added up
         F = len(features)
         pos = {f: j for j, f in enumerate(features)}
         # Bucketize output row (block b, feature f) is b * F + f; the send order is (rank d, its route keys).
@@ -115,39 +110,42 @@ class RowBlockSharding(RoutedSharding):
             cached_tensor(self._route_rows, dev, torch.int32),
         )
 
-    def start_input_dist(
+    def local_ids(
         self,
         lengths_FB: torch.Tensor,
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
-        bad_ids: torch.Tensor | None = None,
-    ) -> SparseExchangeHandle:
-        """Bucket the local batch's ids by row block and send each block's ids to its rank."""
+    ) -> LocalIds:
+        """Bucket the local batch's ids by row block, destination-major, with their counts. FBGEMM's bucketing needs
+        the exact number of ids: when the scheme reads only some of the batch's features, selecting them costs one
+        host sync (none when it reads them all)."""
         select, block_sizes, route = self._tensors(feature_index, values)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         weights = weights if self.weighted else None
         B = lengths_FB.shape[1]
+        exact = values.numel() if len(self.in_features) == lengths_FB.shape[0] else None
         lengths_sel, values_sel, weights_sel = torch.ops.fbgemm.permute_2D_sparse_data(
-            select, lengths_FB, values, weights
+            select, lengths_FB, values, weights, exact
         )
+        lengths_sel = lengths_sel.reshape(-1)
         b_lengths, b_values, b_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths_sel.reshape(-1), values_sel, False, False, block_sizes, self.world_size, weights_sel
+            lengths_sel, values_sel, False, False, block_sizes, self.world_size, weights_sel
         )
         send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            route, b_lengths.view(self.world_size * len(self.in_features), B), b_values, b_weights
+            route, b_lengths.view(self.world_size * len(self.in_features), B), b_values, b_weights, b_values.numel()
         )
-        return start_sparse_exchange(
-            send_lengths.reshape(-1), send_values, send_weights, self.n_features, B, self.group, self.rank, bad_ids
-        )
+        send_lengths = send_lengths.reshape(-1)
+        counts = segment_sums(send_lengths, [n * B for n in self.n_features])
+        return LocalIds(send_lengths, send_values, send_weights, counts)
 
     def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> SummedPooledHandle:
         """Send partial sums back to the ranks owning the samples; `.wait()` adds them up per feature."""
         handle = super().start_output_dist(pooled, batch_sizes)
         if self._cols_per_rank[0].device != pooled.device:
             self._cols_per_rank = [c.to(pooled.device) for c in self._cols_per_rank]
-        return SummedPooledHandle(handle, self.dims_per_rank, self._cols_per_rank, sum(self.key_dims))
+        return SummedPooledHandle(handle, self._cols_per_rank, sum(self.key_dims))
 
 
 def row_block_entries(

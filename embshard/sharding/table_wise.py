@@ -11,6 +11,7 @@ Data flow for one step, on every rank:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
@@ -22,10 +23,12 @@ from embshard.lookup import LocalShard, build_lookups, group_shards
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.exchange import (
+    LocalIds,
     LookupInput,
     PooledExchangeHandle,
     SparseExchangeHandle,
     cached_tensor,
+    segment_sums,
     start_pooled_exchange,
     start_sparse_exchange,
 )
@@ -64,42 +67,46 @@ class RoutedSharding(nn.Module):
         self.route_keys = [[k for s in shards for k in s.features] for shards in ordered]
         self.route_sources = [[key_source[k] for k in keys] for keys in self.route_keys]
         self.sources = [f for srcs in self.route_sources for f in srcs]  # input feature of each route, send order
+        self.max_reads = max(Counter(self.sources).values())  # column-wise keys share a feature
         self.n_features = [len(k) for k in self.route_keys]
         self.dims_per_rank = [sum(s.shard.num_cols * len(s.features) for s in shards) for shards in ordered]
         # Output keys (columns of the output tensor), rank by rank, with their widths.
         self.keys = [k for keys in self.route_keys for k in keys]
         self.key_dims = [s.shard.num_cols for shards in ordered for s in shards for _ in s.features]
+        # The output dist's blocks: one per rank serving any key, with its keys and their widths.
+        self.out_keys = [keys for keys, d in zip(self.route_keys, self.dims_per_rank) if d]
+        self.out_dims = [[s.shard.num_cols for s in shards for _ in s.features] for shards in ordered if shards]
         self.lookups = nn.ModuleList(
             build_lookups(ordered[rank], optimizer, device, seed, options) if ordered[rank] else []
         )
         self.weighted = any(s.table.weighted for shards in ordered for s in shards)
 
-    def start_input_dist(
+    def local_ids(
         self,
         lengths_FB: torch.Tensor,
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
-        bad_ids: torch.Tensor | None = None,
-    ) -> SparseExchangeHandle:
-        """Send each rank the ids of its lookup keys. `lengths_FB` is the local batch's `[F, B]` lengths in
-        the order `feature_index` gives."""
-        perm = cached_tensor([feature_index[f] for f in self.sources], lengths_FB.device, torch.int32)
+    ) -> LocalIds:
+        """The local batch's ids of each rank's lookup keys, destination-major, and their counts (no host sync).
+        `lengths_FB` is the local batch's `[F, B]` lengths in the order `feature_index` gives;"""
+        device = values.device
+        perm = cached_tensor([feature_index[f] for f in self.sources], device, torch.int32)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            perm, lengths_FB, values, weights if self.weighted else None
-        )
-        return start_sparse_exchange(
-            send_lengths.reshape(-1),
-            send_values,
-            send_weights,
-            self.n_features,
-            lengths_FB.shape[1],
-            self.group,
-            self.rank,
-            bad_ids,
-        )
+            perm, lengths_FB, values, weights if self.weighted else None, values.numel() * self.max_reads
+        )  # sized for the whole batch (no host sync): exact when the keys read every feature once, else the real
+        # ids are a prefix, cut once the counts are on the host
+        send_lengths = send_lengths.reshape(-1)
+        counts = segment_sums(send_lengths, [n * lengths_FB.shape[1] for n in self.n_features])
+        return LocalIds(send_lengths, send_values, send_weights, counts)
+
+    def start_input_dist(
+        self, ids: LocalIds, batch_sizes: list[int], sent: list[int], received: list[int]
+    ) -> SparseExchangeHandle:
+        """Send each rank the ids of its lookup keys (sizes from `exchange_counts`)."""
+        return start_sparse_exchange(ids, self.n_features, batch_sizes, sent, received, self.group, self.rank)
 
     def _split(self, inp: LookupInput) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """(ids, offsets, weights) of each lookup: the feature-major input cut at group boundaries."""
