@@ -115,6 +115,32 @@ def start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     return AllReduceHandle(tensor, dist.all_reduce(tensor, group=group, async_op=True))
 
 
+class AllGatherHandle:
+    """An all-gather in flight; `wait()` returns `[W, *shape]`: every rank's tensor, in rank order."""
+
+    def __init__(self, gathered: torch.Tensor, work: dist.Work | None) -> None:
+        self._gathered = gathered
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        """Block until every rank's tensor has arrived and return them stacked."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._gathered
+
+
+def start_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> AllGatherHandle:
+    """Start gathering `tensor` (same shape on every rank) from every rank (no autograd)."""
+    W = _world(group)
+    flat = tensor.new_empty(W * tensor.numel())  # gloo wants the flat concatenation
+    if W == 1:
+        flat.copy_(tensor.reshape(-1))
+        return AllGatherHandle(flat.view(W, *tensor.shape), None)
+    work = dist.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
+    return AllGatherHandle(flat.view(W, *tensor.shape), work)
+
+
 def _world(group: dist.ProcessGroup | None) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1

@@ -1,8 +1,8 @@
 """ShardedEmbeddingBagCollection: embedding-bag tables sharded over ranks by a ShardingPlan.
 
 forward(kjt) for the rank's local batch:
-  0. ids          (per scheme)  local_ids: the scheme's ids laid out for sending, checked, counted (on device)
-     counts       (all schemes) exchange_counts: one small all-to-all, the step's one host sync
+  0. counts       (all schemes) gather_batch_counts: every rank's ids per feature (and bad-id count), one
+                                all-gather and the step's one host sync; ids (per scheme) laid out with them
   1. input dist   (per scheme)  start_input_dist -> handle; handle.wait() -> ids for this rank's shards
   2. lookup       (per scheme)  TBE kernels pool the rows for the global batch
   3. output dist  (per scheme)  start_output_dist -> handle; handle.wait() -> [B_local, width] blocks (views)
@@ -26,7 +26,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
-from embshard.sharding.exchange import IdsOutOfRange, cached_tensor, exchange_counts
+from embshard.sharding.exchange import IdsOutOfRange, cached_tensor, exchange_counts, gather_batch_counts
 from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
 from embshard.tiers import BoundsCheck, LookupOptions, PrefetchHandle, format_cache_stats
 
@@ -78,6 +78,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.options = options or LookupOptions()
         self._dropped: dict[str, int] = {}
         self.features = feature_order(tables)
+        self._column = {f: i for i, f in enumerate(self.features)}  # columns of the per-step id counts
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self._feature_dims = [self._table_of[f].embedding_dim for f in self.features]
         self.schemes = nn.ModuleList(
@@ -153,24 +154,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
 
     def _input_dist(self, lengths_FB, values, weights, index, check: bool) -> tuple[list, torch.Tensor]:
-        """Every scheme lays out its ids on the device, one counts exchange makes all sizes known on the host (the
-        step's one host sync), then every scheme's id exchange starts; returns the inputs and the lengths actually
-        sent (drop mode removes ids). In error mode the id check rides on the counts: every rank stops together if
-        any rank has bad ids, and the ranks that have them raise the error naming feature, table and value."""
+        """One all-gather of every rank's batch size, ids per feature and out-of-range id count, read with the
+        step's one host sync (`gather_batch_counts`); then every scheme lays out its ids with known sizes and starts
+        its exchange (row-wise schemes first swap their bucketed counts: `exchange_counts`). Returns the inputs and
+        the lengths actually sent (drop mode removes ids). In error mode every rank stops together if any rank has
+        bad ids, and the ranks that have them raise the error naming feature, table and value."""
         drop = check and self.options.bounds_check is BoundsCheck.DROP
         if drop:
             lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
         bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if check and not drop else None
-        ids = [s.local_ids(lengths_FB, values, weights, index) for s in self.schemes]
-        counts = exchange_counts([p.counts for p in ids], lengths_FB.shape[1], bad, self.group, self.world_size)
+        order = cached_tensor([index[f] for f in self.features], lengths_FB.device)
+        ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, order)
+        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self._column, self.group)
         if counts.bad_ranks:
             if self.rank in counts.bad_ranks:
                 self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
             raise IdsOutOfRange(counts.bad_ranks)
-        handles = [
-            s.start_input_dist(part, counts.batch_sizes, sent, received)
-            for s, part, sent, received in zip(self.schemes, ids, counts.sent, counts.received)
-        ]
+        parts = [s.local_ids(lengths_FB, values, weights, index, counts) for s in self.schemes]
+        pending = [p for p in parts if p.sent is None]
+        if pending:
+            exchange_counts(pending, self.group, self.world_size)
+        handles = [s.start_input_dist(p, counts.batch_sizes) for s, p in zip(self.schemes, parts)]
         return [h.wait() for h in handles], lengths_FB
 
     def dropped_ids(self) -> dict[str, int]:

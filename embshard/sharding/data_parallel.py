@@ -28,19 +28,19 @@ every rank applies the same update to the same all-reduced gradient.
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.comm import start_all_reduce
+from embshard.comm import start_all_reduce, world_and_rank
 from embshard.lookup import LocalShard, init_rows
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.exchange import LocalIds, LookupInput, cached_tensor
+from embshard.sharding.exchange import BatchCounts, LocalIds, LookupInput, cached_tensor
 from embshard.tables import ConfigError, DataType, TableConfig
 from embshard.tiers import LookupOptions
 
@@ -244,7 +244,8 @@ class DataParallelSharding(nn.Module):
         self.lookups = nn.ModuleList([lookup])
         self.keys, self.key_dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
         self.out_keys, self.out_dims = [self.keys], [self.key_dims]  # one output block
-        self.max_reads = max(Counter(self.keys).values())
+        self.rank = world_and_rank(group)[1]
+        self._cols: np.ndarray | None = None  # columns of BatchCounts.ids of the keys (first step)
         self.weighted = any(s.table.weighted for s in shards)
 
     def local_ids(
@@ -253,23 +254,23 @@ class DataParallelSharding(nn.Module):
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
+        counts: BatchCounts,
     ) -> LocalIds:
-        """Select this scheme's features from the local batch, with their id count (no host sync)."""
-        device = values.device
-        select = cached_tensor([feature_index[f] for f in self.keys], device, torch.int32)
+        """Select this scheme's features from the local batch (sized from `counts`: no host sync)."""
+        if self._cols is None:
+            self._cols = np.array([counts.column[f] for f in self.keys])
+        n = int(counts.ids[self.rank, self._cols].sum())
+        select = cached_tensor([feature_index[f] for f in self.keys], values.device, torch.int32)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         lengths, ids, w = torch.ops.fbgemm.permute_2D_sparse_data(
-            select, lengths_FB, values, weights if self.weighted else None, values.numel() * self.max_reads
-        )  # sized for the whole batch; the real ids are a prefix, cut once the count is on the host
-        lengths = lengths.reshape(-1)
-        return LocalIds(lengths, ids, w, lengths.sum(dtype=torch.int64).reshape(1))
+            select, lengths_FB, values, weights if self.weighted else None, n
+        )
+        return LocalIds(lengths.reshape(-1), ids, w, [n], [n])
 
-    def start_input_dist(self, ids: LocalIds, batch_sizes: list[int], sent: list[int], received: list[int]) -> Ready:
-        """Nothing to send: the ids cut to their count (`sent[0]`), as this rank's lookup input."""
-        n = sent[0]
-        weights = ids.weights[:n] if ids.weights is not None else None
-        return Ready(LookupInput(ids.lengths, ids.values[:n], weights, [len(ids.lengths) // len(self.keys)]))
+    def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]) -> Ready:
+        """Nothing to send: the selected ids are this rank's lookup input."""
+        return Ready(LookupInput(ids.lengths, ids.values, ids.weights, [len(ids.lengths) // len(self.keys)]))
 
     def lookup(self, inp: LookupInput) -> torch.Tensor:
         """Pooled sums `[B_local, sum of feature dims]`."""

@@ -8,10 +8,10 @@ Layouts. A send buffer is destination-major: for destination d, `n_features[d]` 
 lengths, followed by the next destination. The received batch is feature-major over the global batch: for each
 of the rank's lookup features, the bags of rank 0's samples, then rank 1's, ... (`lengths_FBg`).
 
-Host syncs. Every scheme first lays out its ids on the device (`LocalIds`) with buffers sized for the whole local
-batch, so nothing waits for the host; `exchange_counts` then moves every scheme's per-destination counts (and the
-out-of-range id count of the check) in one small all-to-all and reads them with one sync; the id all-to-alls then
-start with known sizes.
+Host syncs. One all-gather of every rank's batch size, ids per feature and out-of-range id count
+(`gather_batch_counts`) and one host sync size every buffer and every id all-to-all of the step. Row-wise schemes
+learn their per-destination counts only after bucketing the ids on the device: `exchange_counts` moves those in
+one more small all-to-all and sync (only when the plan has row-wise tables).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from embshard.comm import AllToAllHandle, start_all_to_all
+from embshard.comm import AllToAllHandle, start_all_gather, start_all_to_all
 
 
 @dataclass
@@ -40,6 +41,8 @@ class LookupInput:
     """Local batch size of every source rank; B_global is their sum."""
     parts: list | None = None
     """Per-lookup (ids, offsets, weights), cut once by the scheme so prefetch and lookup see the same tensors."""
+    key_ids: list[int] | None = None
+    """Ids per lookup feature over the global batch, when the host knows them (cuts `values` without a sync)."""
 
     @property
     def global_batch(self) -> int:
@@ -83,62 +86,81 @@ def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
 
 
 @dataclass
-class LocalIds:
-    """One scheme's ids of the local batch laid out for sending, before their sizes are known on the host.
-
-    Routed schemes: destination-major (module docstring); local (data-parallel) schemes: feature-major."""
-
-    lengths: torch.Tensor
-    """`[sum(n_features) * B]` bag lengths (exact size)."""
-    values: torch.Tensor
-    """The ids in that order. May be longer than the real ids (allocated for the whole batch, so that no host sync
-    is needed to size it); the real ones are the first `sum(counts)`, cut once the counts are on the host."""
-    weights: torch.Tensor | None
-    """Per-id weights (same layout and length as `values`), or None."""
-    counts: torch.Tensor
-    """`[W]` ids per destination rank (routed schemes) or `[1]` ids in total (local schemes), int64, on device."""
-
-
-@dataclass
-class Counts:
-    """What every rank sends this step, known on the host after `exchange_counts` (the step's one host sync)."""
+class BatchCounts:
+    """Every rank's local batch size and ids per feature this step, on the host (`gather_batch_counts`)."""
 
     batch_sizes: list[int]
-    """Local batch size of every source rank."""
-    sent: list[list[int]]
-    """Per scheme: ids this rank sends to each destination (local schemes: their total, repeated)."""
-    received: list[list[int]]
-    """Per scheme: ids this rank receives from each source rank."""
+    """Local batch size of every rank."""
+    ids: np.ndarray
+    """`[W, F]` ids of each rank's local batch per feature, features in the collection's order (`column`)."""
+    column: dict[str, int]
+    """Feature -> its column of `ids`."""
     bad_ranks: list[int]
     """Ranks that found out-of-range ids in their local batch."""
 
 
-def exchange_counts(
-    counts: Sequence[torch.Tensor],
+def gather_batch_counts(
+    ids_F: torch.Tensor,
     batch_size: int,
     bad: torch.Tensor | None,
+    column: dict[str, int],
     group: dist.ProcessGroup | None,
-    world_size: int,
-) -> Counts:
-    """One small all-to-all of every scheme's per-destination id counts, the local batch size and the count of
-    out-of-range ids, then one host sync for all of them (the step's only one when every scheme's sizes can be
-    bounded without the host). `counts[k]` is scheme k's `[W]` or `[1]` counts (LocalIds.counts)."""
-    W = world_size
-    device = counts[0].device
-    cols = [torch.full((W,), batch_size, dtype=torch.int64, device=device)]
-    cols.append(bad.to(torch.int64).reshape(-1).expand(W) if bad is not None else cols[0].new_zeros(W))
-    cols += [c.to(torch.int64).reshape(-1).expand(W) for c in counts]
-    table = torch.stack(cols, dim=1)  # [W destinations, 2 + schemes]
-    recv = start_all_to_all(table, [1] * W, [1] * W, group).wait() if W > 1 else table
-    both = torch.cat([recv, table]).tolist()  # the host sync
-    recv_rows, sent_rows = both[:W], both[W:]
-    K = len(counts)
-    return Counts(
-        batch_sizes=[int(r[0]) for r in recv_rows],
-        sent=[[int(r[2 + k]) for r in sent_rows] for k in range(K)],
-        received=[[int(r[2 + k]) for r in recv_rows] for k in range(K)],
-        bad_ranks=[s for s, r in enumerate(recv_rows) if r[1]],
+) -> BatchCounts:
+    """One all-gather of every rank's (batch size, out-of-range id count, ids per feature), then one host sync:
+    every id exchange of the step can be sized from these on the host (row-wise bucketing aside). `ids_F` is this
+    rank's `[F]` ids per feature in `column` order."""
+    row = torch.cat([cached_tensor([batch_size, 0], ids_F.device), ids_F.to(torch.int64)])  # a new tensor
+    if bad is not None:
+        row[1:2] = bad.reshape(1)
+    table = start_all_gather(row, group).wait().cpu().numpy()  # the host sync
+    return BatchCounts(
+        batch_sizes=[int(b) for b in table[:, 0]],
+        ids=table[:, 2:],
+        column=column,
+        bad_ranks=[r for r in range(table.shape[0]) if table[r, 1]],
     )
+
+
+def route_matrix(sources_per_rank: Sequence[Sequence[str]], column: dict[str, int]) -> np.ndarray:
+    """`[F, W]`: how many of rank d's lookup keys read feature f (the ids of f go to d that many times)."""
+    m = np.zeros((len(column), len(sources_per_rank)), dtype=np.int64)
+    for d, sources in enumerate(sources_per_rank):
+        for f in sources:
+            m[column[f], d] += 1
+    return m
+
+
+@dataclass
+class LocalIds:
+    """One scheme's ids of the local batch laid out for sending (routed schemes: destination-major; local
+    schemes: feature-major), with how many go to, and come from, each rank."""
+
+    lengths: torch.Tensor
+    """`[sum(n_features) * B]` bag lengths."""
+    values: torch.Tensor
+    """The ids in that order."""
+    weights: torch.Tensor | None
+    """Per-id weights (same layout as `values`), or None."""
+    sent: list[int] | None
+    """Ids sent to each rank (local schemes: `[total]`); None until `exchange_counts` fills it in from `counts`."""
+    received: list[int] | None
+    """Ids received from each rank; None until `exchange_counts` fills it in."""
+    counts: torch.Tensor | None = None
+    """`[W]` ids per destination on the device, when the host cannot know them (row-wise bucketing)."""
+    key_ids: list[int] | None = None
+    """Ids this rank receives per lookup feature (summed over sources), when the host knows them."""
+
+
+def exchange_counts(parts: Sequence[LocalIds], group: dist.ProcessGroup | None, world_size: int) -> None:
+    """Fill in `sent` / `received` of the parts whose counts only the device knows: one small all-to-all of all
+    their `[W]` counts and one host sync."""
+    W = world_size
+    table = torch.stack([p.counts.to(torch.int64) for p in parts], dim=1)  # [W destinations, parts]
+    recv = start_all_to_all(table, [1] * W, [1] * W, group).wait() if W > 1 else table
+    both = torch.cat([recv, table], dim=1).t().tolist()  # the host sync
+    K = len(parts)
+    for k, p in enumerate(parts):
+        p.received, p.sent = [int(x) for x in both[k]], [int(x) for x in both[K + k]]
 
 
 class SparseExchangeHandle:
@@ -151,10 +173,12 @@ class SparseExchangeHandle:
         weights: AllToAllHandle | None,
         n_local_features: int,
         batch_sizes: list[int],
+        key_ids: list[int] | None = None,
     ) -> None:
         self._lengths, self._values, self._weights = lengths, values, weights
         self._F = n_local_features
         self._batch_sizes = batch_sizes
+        self._key_ids = key_ids
 
     def wait(self) -> LookupInput:
         """Wait for lengths, ids and weights, and reorder them from source-major to feature-major."""
@@ -178,29 +202,24 @@ class SparseExchangeHandle:
                 _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
                     perm, seg_ids, values, weights, values.numel()
                 )  # the output size is known: no sync
-        return LookupInput(lengths, values, weights, self._batch_sizes)
+        return LookupInput(lengths, values, weights, self._batch_sizes, key_ids=self._key_ids)
 
 
 def start_sparse_exchange(
     ids: LocalIds,
     n_features: Sequence[int],
     batch_sizes: Sequence[int],
-    sent: Sequence[int],
-    received: Sequence[int],
     group: dist.ProcessGroup | None,
     rank: int,
 ) -> SparseExchangeHandle:
     """Send each destination its ids (`n_features[d]` lookup features go to rank d; send layout in the module
-    docstring), with the sizes `exchange_counts` made known; returns without waiting."""
+    docstring), with the sizes in `ids.sent` / `ids.received`; returns without waiting."""
     B = batch_sizes[rank]
-    n = sum(sent)
-    values = ids.values[:n]  # a prefix view: the real ids (no copy)
-    weights = ids.weights[:n] if ids.weights is not None else None
     F_me = n_features[rank]
     lengths_h = start_all_to_all(ids.lengths, [f * B for f in n_features], [F_me * b for b in batch_sizes], group)
-    values_h = start_all_to_all(values, sent, received, group)
-    weights_h = start_all_to_all(weights, sent, received, group) if weights is not None else None
-    return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, list(batch_sizes))
+    values_h = start_all_to_all(ids.values, ids.sent, ids.received, group)
+    weights_h = start_all_to_all(ids.weights, ids.sent, ids.received, group) if ids.weights is not None else None
+    return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, list(batch_sizes), ids.key_ids)
 
 
 class PooledExchangeHandle:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from embshard.lookup import LocalShard
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType, TablePlan
-from embshard.sharding.exchange import LocalIds, PooledExchangeHandle, cached_tensor, segment_sums
+from embshard.sharding.exchange import BatchCounts, LocalIds, PooledExchangeHandle, cached_tensor, segment_sums
 from embshard.sharding.table_wise import RoutedSharding
 from embshard.tables import TableConfig
 from embshard.tiers import LookupOptions
@@ -91,6 +92,7 @@ class RowBlockSharding(RoutedSharding):
         self.key_dims = [dims[f] for f in features]
         self._block_sizes = [block_size[f] for f in features]
         self.out_keys, self.out_dims = [self.keys], [self.key_dims]  # one block: the partial sums added up
+        self._cols: np.ndarray | None = None  # columns of BatchCounts.ids of the features (first step)
         F = len(features)
         pos = {f: j for j, f in enumerate(features)}
         # Bucketize output row (block b, feature f) is b * F + f; the send order is (rank d, its route keys).
@@ -116,29 +118,30 @@ class RowBlockSharding(RoutedSharding):
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
+        counts: BatchCounts,
     ) -> LocalIds:
-        """Bucket the local batch's ids by row block, destination-major, with their counts. FBGEMM's bucketing needs
-        the exact number of ids: when the scheme reads only some of the batch's features, selecting them costs one
-        host sync (none when it reads them all)."""
+        """Bucket the local batch's ids by row block, destination-major. How many go to each rank is known only
+        on the device (`LocalIds.counts`): `exchange_counts` fills in `sent` / `received`."""
         select, block_sizes, route = self._tensors(feature_index, values)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         weights = weights if self.weighted else None
         B = lengths_FB.shape[1]
-        exact = values.numel() if len(self.in_features) == lengths_FB.shape[0] else None
+        if self._cols is None:
+            self._cols = np.array([counts.column[f] for f in self.in_features])
+        n = int(counts.ids[self.rank, self._cols].sum())
         lengths_sel, values_sel, weights_sel = torch.ops.fbgemm.permute_2D_sparse_data(
-            select, lengths_FB, values, weights, exact
+            select, lengths_FB, values, weights, n
         )
-        lengths_sel = lengths_sel.reshape(-1)
         b_lengths, b_values, b_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths_sel, values_sel, False, False, block_sizes, self.world_size, weights_sel
+            lengths_sel.reshape(-1), values_sel, False, False, block_sizes, self.world_size, weights_sel
         )
         send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            route, b_lengths.view(self.world_size * len(self.in_features), B), b_values, b_weights, b_values.numel()
+            route, b_lengths.view(self.world_size * len(self.in_features), B), b_values, b_weights, n
         )
         send_lengths = send_lengths.reshape(-1)
-        counts = segment_sums(send_lengths, [n * B for n in self.n_features])
-        return LocalIds(send_lengths, send_values, send_weights, counts)
+        device_counts = segment_sums(send_lengths, [f * B for f in self.n_features])
+        return LocalIds(send_lengths, send_values, send_weights, None, None, device_counts)
 
     def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> SummedPooledHandle:
         """Send partial sums back to the ranks owning the samples; `.wait()` adds them up per feature."""

@@ -11,10 +11,10 @@ Data flow for one step, on every rank:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,12 +23,13 @@ from embshard.lookup import LocalShard, build_lookups, group_shards
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.exchange import (
+    BatchCounts,
     LocalIds,
     LookupInput,
     PooledExchangeHandle,
     SparseExchangeHandle,
     cached_tensor,
-    segment_sums,
+    route_matrix,
     start_pooled_exchange,
     start_sparse_exchange,
 )
@@ -67,7 +68,8 @@ class RoutedSharding(nn.Module):
         self.route_keys = [[k for s in shards for k in s.features] for shards in ordered]
         self.route_sources = [[key_source[k] for k in keys] for keys in self.route_keys]
         self.sources = [f for srcs in self.route_sources for f in srcs]  # input feature of each route, send order
-        self.max_reads = max(Counter(self.sources).values())  # column-wise keys share a feature
+        self._route_matrix: np.ndarray | None = None  # [F, W] keys of rank d reading feature f (first step)
+        self._my_cols: np.ndarray | None = None  # columns of BatchCounts.ids of this rank's keys' sources
         self.n_features = [len(k) for k in self.route_keys]
         self.dims_per_rank = [sum(s.shard.num_cols * len(s.features) for s in shards) for shards in ordered]
         # Output keys (columns of the output tensor), rank by rank, with their widths.
@@ -87,29 +89,42 @@ class RoutedSharding(nn.Module):
         values: torch.Tensor,
         weights: torch.Tensor | None,
         feature_index: dict[str, int],
+        counts: BatchCounts,
     ) -> LocalIds:
-        """The local batch's ids of each rank's lookup keys, destination-major, and their counts (no host sync).
-        `lengths_FB` is the local batch's `[F, B]` lengths in the order `feature_index` gives;"""
-        device = values.device
-        perm = cached_tensor([feature_index[f] for f in self.sources], device, torch.int32)
+        """The local batch's ids of each rank's lookup keys, destination-major, with the ids sent to and received
+        from every rank (from `counts`: no host sync). `lengths_FB` is the local batch's `[F, B]` lengths in the
+        order `feature_index` gives."""
+        routes = self._routes(counts.column)
+        sent = counts.ids[self.rank] @ routes  # [W] ids to each destination
+        received = counts.ids @ routes[:, self.rank]  # [W] ids from each source
+        perm = cached_tensor([feature_index[f] for f in self.sources], values.device, torch.int32)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            perm, lengths_FB, values, weights if self.weighted else None, values.numel() * self.max_reads
-        )  # sized for the whole batch (no host sync): exact when the keys read every feature once, else the real
-        # ids are a prefix, cut once the counts are on the host
-        send_lengths = send_lengths.reshape(-1)
-        counts = segment_sums(send_lengths, [n * lengths_FB.shape[1] for n in self.n_features])
-        return LocalIds(send_lengths, send_values, send_weights, counts)
+            perm, lengths_FB, values, weights if self.weighted else None, int(sent.sum())
+        )
+        key_ids = counts.ids[:, self._my_columns(counts.column)].sum(0).tolist()  # per key of mine, all sources
+        return LocalIds(
+            send_lengths.reshape(-1), send_values, send_weights, sent.tolist(), received.tolist(), key_ids=key_ids
+        )
 
-    def start_input_dist(
-        self, ids: LocalIds, batch_sizes: list[int], sent: list[int], received: list[int]
-    ) -> SparseExchangeHandle:
-        """Send each rank the ids of its lookup keys (sizes from `exchange_counts`)."""
-        return start_sparse_exchange(ids, self.n_features, batch_sizes, sent, received, self.group, self.rank)
+    def _my_columns(self, column: dict[str, int]) -> np.ndarray:
+        if self._my_cols is None:
+            self._my_cols = np.array([column[f] for f in self.route_sources[self.rank]], dtype=np.int64)
+        return self._my_cols
+
+    def _routes(self, column: dict[str, int]) -> np.ndarray:
+        if self._route_matrix is None:
+            self._route_matrix = route_matrix(self.route_sources, column)
+        return self._route_matrix
+
+    def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]) -> SparseExchangeHandle:
+        """Send each rank the ids of its lookup keys."""
+        return start_sparse_exchange(ids, self.n_features, batch_sizes, self.group, self.rank)
 
     def _split(self, inp: LookupInput) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """(ids, offsets, weights) of each lookup: the feature-major input cut at group boundaries."""
+        """(ids, offsets, weights) of each lookup: the feature-major input cut at group boundaries (where the ids
+        per key are known on the host, no sync; else one)."""
         Bg = inp.global_batch
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(inp.lengths)
         if len(self.lookups) == 1:
@@ -117,7 +132,11 @@ class RoutedSharding(nn.Module):
         f_bounds = [0]
         for lk in self.lookups:
             f_bounds.append(f_bounds[-1] + len(lk.features))
-        v_bounds = offsets[torch.tensor([f * Bg for f in f_bounds], device=offsets.device)].tolist()  # host sync
+        if inp.key_ids is not None:
+            ends = np.concatenate([[0], np.cumsum(inp.key_ids)])
+            v_bounds = [int(ends[f]) for f in f_bounds]
+        else:
+            v_bounds = offsets[torch.tensor([f * Bg for f in f_bounds], device=offsets.device)].tolist()  # sync
         parts = []
         for i in range(len(self.lookups)):
             f0, f1, v0, v1 = f_bounds[i], f_bounds[i + 1], v_bounds[i], v_bounds[i + 1]
