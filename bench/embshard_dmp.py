@@ -42,7 +42,10 @@ def make_plan(args, tables, world: int, tier, batch: int, opt):
     if args.plan == "planner":
         from embshard.planner import Topology, plan_with_report
 
-        topo = Topology.detect(world_size=world).with_sizes(hbm_gib=args.hbm_gib or None)
+        if args.topology:  # measured by `embshard calibrate` on this machine
+            topo = Topology.load(args.topology).with_sizes(world_size=world, hbm_gib=args.hbm_gib or None)
+        else:
+            topo = Topology.detect(world_size=world).with_sizes(hbm_gib=args.hbm_gib or None)
         return plan_with_report(tables, topo, batch_size=batch, optimizer=opt)
     return ShardingPlan.load(args.plan), None
 
@@ -53,6 +56,8 @@ def main() -> None:
     ap.add_argument("--plan", default="simple")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--hbm-gib", type=float, default=0, help="planner: GPU memory per rank to plan for (0: all)")
+    ap.add_argument("--topology", default="", help="planner: a topology file from `embshard calibrate`")
+    ap.add_argument("--save-plan", default="", help="write the plan used (YAML) to this file (rank 0)")
     ap.add_argument("--no-check-ids", action="store_true", help="skip the per-step id range check")
     ap.add_argument("--mem-probe", action="store_true", help="print the forward and backward transient memory")
     args = ap.parse_args()
@@ -83,6 +88,8 @@ def main() -> None:
                 kinds.get(f"{tp.sharding_type.value}/{tp.tier.value}", 0) + 1
             )
         print(f"plan {plan_s:.2f} s, build {build_s:.1f} s; plan: {kinds}", flush=True)
+        if args.save_plan:
+            plan.save(args.save_plan)
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
