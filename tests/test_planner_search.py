@@ -69,7 +69,9 @@ def test_hetero124_makes_tiny_tables_data_parallel():
         2, 2, tuple(t if not t.table.startswith("small") else _as_tw(t, i % 2) for i, t in enumerate(plan.tables))
     )
     slower = predict(torchrec_like, tables, Topology.preset("h200", 2), 8192, ROWWISE)
-    assert slower.step_time_s > 1.5 * report.step_time_s
+    # Routing their 24.6M ids per rank costs more than the all-reduce and update of 64 MB of replicas. (TorchRec
+    # 1.6 measured 19.8 against 7.5 ms; its kernels do not explain that gap, so the model does not claim it.)
+    assert slower.step_time_s > 1.03 * report.step_time_s
     assert "data_parallel hbm" in explain(report, "small_7") and "<- chosen" in explain(report, "small_7")
 
 
@@ -257,6 +259,8 @@ def test_calibrate_on_cpu(tmp_path):
     calibrate_main(["--out", str(out), "--size-mib", "8", "--iters", "2", "--no-collectives"])
     topo = Topology.load(out)
     assert "ddr_bw" in topo.measured and topo.ddr_bw > 0 and topo.source.startswith("calibrated")
+    assert {"fwd_id_s", "bwd_id_s", "bwd_row_s"} <= set(topo.measured) and topo.cost_model == 2
+    assert topo.fwd_id_s + topo.fwd_byte_s > 0 and "fwd_id_ns" in out.read_text()
     plan, report = plan_with_report(random_tables(1, 6), topo.with_sizes(2, ddr_gib=256), 64)
     assert {t.tier for t in plan.tables} == {MemoryTier.HOST}
 
@@ -271,3 +275,112 @@ def test_greedy_is_close_to_the_exact_optimum_on_small_models(seed):
     assert best.step_time_s <= greedy.step_time_s + 1e-12
     assert greedy.step_time_s <= 1.15 * best.step_time_s
     assert_valid(best.plan, best, tables)
+
+
+# ---- memory of the step, and the measured workloads ---------------------------------------------------------
+def _tw(t, rank, tier=MemoryTier.HBM):
+    from embshard.plan import Shard, TablePlan
+
+    kw = {"cache_load_factor": 0.2} if tier is MemoryTier.UVM_CACHING else {}
+    return TablePlan(t.name, TW, tier, (Shard(rank, 0, t.num_embeddings, 0, t.embedding_dim),), **kw)
+
+
+def overflow() -> list[TableConfig]:
+    tables = [TableConfig(f"large_{i}", 20_000_000, 128, (f"l{i}",), ids_per_bag=2) for i in range(6)]
+    return tables + [TableConfig(f"busy_{i}", 1_000_000, 64, (f"b{i}",), ids_per_bag=20) for i in range(10)]
+
+
+def overflow_measured_plan(tables) -> ShardingPlan:
+    """The plan the planner made before step buffers were counted; it measured 16.35 GiB on a 16 GiB budget."""
+    U, C = MemoryTier.UVM, MemoryTier.UVM_CACHING
+    where = [(0, U), (0, C), (1, MemoryTier.HBM), (0, C), (1, C), (0, MemoryTier.HBM), (0, MemoryTier.HBM)]
+    where += [(1, MemoryTier.HBM)] * 9
+    return ShardingPlan(2, 2, tuple(_tw(t, r, tier) for t, (r, tier) in zip(tables, where)))
+
+
+def test_overflow_at_16_gib_fits_with_its_step_buffers():
+    tables = overflow()
+    topo = Topology.preset("h200", 2, hbm_gib=16)
+    plan, report = plan_with_report(tables, topo, 8192, ROWWISE)
+    assert_valid(plan, report, tables)
+    assert not report.over_budget
+    for r in report.ranks:
+        assert r.storage.hbm_buffers > 0 and r.peak_hbm <= 16 * GIB - r.hbm_reserve + 1
+    # The plan made without the step buffers is over budget on rank 0 now, and says so.
+    old = predict(overflow_measured_plan(tables), tables, topo, 8192, ROWWISE)
+    assert old.over_budget == [0] and "OVER BUDGET on rank(s) [0]" in old.summary()
+
+
+def test_a_plan_that_fits_only_without_its_step_buffers_is_refused_with_numbers():
+    from embshard.planner.cost import CostModel, TableStats
+    from embshard.planner.errors import gib
+
+    t = TableConfig("t", 1_000_000, 64, ("f",), ids_per_bag=50)
+    model = CostModel(Topology.preset("h200", 1), 8192, ROWWISE)
+    mem = model.storage(TableStats.one(t), TW, MemoryTier.HBM, 1e6, 64.0)
+    static = float(mem.hbm_weights + mem.hbm_state)
+    own = model.batch_bytes([t])
+    gib_ = (static + own + 0.5 * float(mem.hbm_buffers)) / GIB  # room for half the step's buffers
+    topo = Topology.preset("h200", 1, hbm_gib=gib_)
+    only = {"t": {"sharding_types": ["table_wise"], "tiers": ["hbm"]}}
+    settings = PlannerSettings(hbm_reserve_gib=0)
+    with pytest.raises(PlanningError) as e:
+        plan_with_report([t], topo, 8192, ROWWISE, only, settings)
+    msg = str(e.value)
+    shard = gib(float(mem.hbm_weights + mem.hbm_state + mem.hbm_buffers))
+    assert (
+        f"largest shard: GPU {shard}, host {gib(0.0)} (1 shard(s); of which {gib(mem.hbm_buffers)} step buffers)" in msg
+    )
+    assert f"{e.value.details['hbm_budget'] / GIB:.2f} GiB" in msg
+    more = Topology.preset("h200", 1, hbm_gib=gib_ + float(mem.hbm_buffers) / GIB)
+    plan, report = plan_with_report([t], more, 8192, ROWWISE, only, settings)
+    assert report.peak_hbm == pytest.approx(static + float(mem.hbm_buffers) + own)
+
+
+def test_the_host_sync_is_paid_once_per_step():
+    from embshard.planner import loads as R
+    from embshard.planner.choices import build_items
+    from embshard.planner.constraints import resolve_constraints
+    from embshard.planner.cost import CostModel
+    from embshard.planner.state import State
+
+    tables = [TableConfig(f"t{i}", 100_000, 32, (f"f{i}",)) for i in range(3)]
+    topo = Topology.preset("h200", 2)
+    model = CostModel(topo, 256, ROWWISE)
+    items = build_items(model, tables, resolve_constraints(tables, {}, 2))
+    state = State(model, 1e12, 1e12)
+    pick = {
+        i: next(c for c, ch in enumerate(it.choices) if ch.option.sharding is st and ch.option.tier is MemoryTier.HBM)
+        for i, (it, st) in enumerate(zip(items, (TW, RW, DP)))
+    }
+    sync = topo.host_sync_s
+    first = state.delta(items[0], items[0].choices[pick[0]], (0,))
+    assert first[R.PHASE_ROWS[0]].max() >= sync
+    state.apply(0, items[0], pick[0], (0,))
+    second = state.delta(items[1], items[1].choices[pick[1]], (0, 1))
+    assert second[R.PHASE_ROWS[0]].max() < sync  # row-wise joins: its collectives, no second sync
+    state.apply(1, items[1], pick[1], (0, 1))
+    state.remove(0, items[0])
+    assert state.loads[R.PHASE_ROWS[0]].max() >= sync  # still one model-parallel table
+    state.remove(1, items[1])
+    assert state.loads[R.PHASE_ROWS[0]].max() < 1e-12
+
+
+def test_predictions_of_the_measured_workloads():
+    """2 H200, batch 8192, row-wise Adagrad (docs/planner.md "Predicted against measured"): step time within 20%
+    of the measured 5.37 / 8.15 / 9.07 ms; peak memory within 10% of TorchRec's 6.6 GiB on uniform26 (what a
+    correct runtime needs; embshard's own 9.58 GiB is a runtime issue) and of the measured 112.46 GiB on
+    hetero124."""
+    from embshard.plan import simple_plan
+
+    topo = Topology.preset("h200", 2)
+    u26 = [TableConfig(f"t{i}", 1_000_000, 128, (f"f{i}",), ids_per_bag=10) for i in range(26)]
+    r = predict(simple_plan(u26, 2, tier=MemoryTier.HBM), u26, topo, 8192, ROWWISE)
+    assert r.step_time_s == pytest.approx(5.37e-3, rel=0.2) and r.peak_hbm / GIB == pytest.approx(6.6, rel=0.1)
+    het = hetero124()
+    dp = {t.name: DP for t in het if t.name.startswith("small")}
+    r = predict(simple_plan(het, 2, sharding_types=dp, tier=MemoryTier.HBM), het, topo, 8192, ROWWISE)
+    assert r.step_time_s == pytest.approx(8.15e-3, rel=0.2) and r.peak_hbm / GIB == pytest.approx(112.46, rel=0.1)
+    ovf = overflow()
+    r = predict(overflow_measured_plan(ovf), ovf, topo.with_sizes(hbm_gib=16), 8192, ROWWISE)
+    assert r.step_time_s == pytest.approx(9.07e-3, rel=0.2)

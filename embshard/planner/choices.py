@@ -30,7 +30,7 @@ class Choice:
         """Balanced cost: the step time this choice adds if its work were spread evenly over the ranks (s)."""
         self.members = members
         """The option of each of the item's tables (co-located tables may differ in cache size)."""
-        self._runs = runs  # (kind arrays: owner, same, other [n, NROWS]; hbm, ddr [n]), first, end
+        self._runs = runs  # (kind arrays: owner, same, other [n, NROWS]; hbm, ddr, step buffers [n]), first, end
         self._counts = counts.astype(int)
         self.blocks, self.hbm_max, self.ddr_max, self.total_hbm, self.total_ddr = sizes
         self.dense: dict = {}
@@ -65,6 +65,12 @@ class Choice:
     def ddr(self) -> np.ndarray:
         """[blocks]: host memory of each block (bytes)."""
         return self._expanded(4)
+
+    @cached_property
+    def buffers(self) -> np.ndarray:
+        """[blocks]: the memory of each block's step (ids, backward workspace, pooled rows; GPU memory, host memory
+        on CPUs), part of `hbm` (`ddr`)."""
+        return self._expanded(5)
 
     @property
     def first_owner(self) -> np.ndarray:
@@ -128,6 +134,7 @@ def build_items(
         other = np.broadcast_to(model.peer_vec(wk, False), shape)
         hbm = np.broadcast_to(np.asarray(mem.hbm, dtype=float), rows.shape)
         ddr = np.broadcast_to(np.asarray(mem.ddr, dtype=float), rows.shape)
+        step = np.broadcast_to(np.asarray(mem.hbm_buffers + mem.ddr_buffers, dtype=float), rows.shape)
         total = count[:, None] * (owner + (lws - 1) * same + (W - lws) * other)
         starts = np.flatnonzero(np.r_[True, (ti[1:] != ti[:-1]) | (oj[1:] != oj[:-1])])
         avg = balanced_cost(np.add.reduceat(total, starts, axis=0), W).tolist()
@@ -138,7 +145,7 @@ def build_items(
             np.add.reduceat(hbm * count, starts).tolist(),
             np.add.reduceat(ddr * count, starts).tolist(),
         )
-        arrays = (owner, same, other, hbm, ddr)
+        arrays = (owner, same, other, hbm, ddr, step)
         starts_l = starts.tolist()
         ends = [*starts_l[1:], len(ti)]
         ti_l, oj_l = ti.tolist(), oj.tolist()
@@ -181,10 +188,10 @@ def _colocated(g, members, opts, per, constraints, tables, W: int, lws: int) -> 
             j = next(j for j, o in enumerate(opts[i]) if o.tier is tier)
             parts.append(per[(i, j)])
             member_opts.append(opts[i][j])
-        ow, sa, ot, hb, dd = (sum(p[0][0][k][p[0][1] : p[0][2]] for p in parts) for k in range(5))
+        ow, sa, ot, hb, dd, bu = (sum(p[0][0][k][p[0][1] : p[0][2]] for p in parts) for k in range(6))
         avg = float(balanced_cost(ow[0] + (lws - 1) * sa[0] + (W - lws) * ot[0], W))
         size = (1, float(hb[0]), float(dd[0]), float(hb[0]), float(dd[0]))
-        chs.append(Choice(member_opts[0], ((ow, sa, ot, hb, dd), 0, 1), np.ones(1), avg, member_opts, size))
+        chs.append(Choice(member_opts[0], ((ow, sa, ot, hb, dd, bu), 0, 1), np.ones(1), avg, member_opts, size))
     weighted = any(tables[i].weighted for i in members)
     return Item(members, chs, tuple(sorted(pinned)) if len(pinned) < W else (), weighted)
 

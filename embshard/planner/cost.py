@@ -1,16 +1,23 @@
 """The cost and storage model of one shard: bytes it stores per tier, bytes it moves per step, seconds it takes.
 
 Notation (per step): B local batch per rank, W ranks, G = W // local ranks per host hosts, and for the table:
-R rows, D columns, F features reading it, L ids per bag (hint), w = 1 if weighted, e weight bytes (4 fp32, 2 fp16).
-A shard holds r rows x c columns. Ids are assumed spread uniformly over the row blocks (hashed ids).
+R rows, D columns, F features reading it, L ids per bag (hint), w = 1 if weighted, e weight bytes (4 fp32, 2 fp16),
+a the Zipf skew hint (0 = uniform ids). A shard holds r rows x c columns. Ids are assumed spread uniformly over
+the row blocks (hashed ids).
 
   ids it looks up      n = W*B*F*L * r/R (row-wise kinds) | W*B*F*L (table-/column-wise) | B*F*L (data-parallel)
   bags it pools        b = W*B*F (model-parallel) | B*F (data-parallel)
-  rows it touches      u = r * (1 - exp(-n / r))                       (expected distinct ids, uniform access)
+  rows it touches      u = r * (1 - exp(-n / r)) for uniform ids; under Zipf(a) the integral over the rows of
+                       1 - exp(-n p(x)), p(x) = x^-a / H(r, a) (`distinct_rows`)
   id bytes             i = 8 + 4w                                      (int64 id, fp32 per-sample weight)
-  row bytes            rb = c*e; optimizer state bytes per row sb = FusedOptimizerConfig.state_bytes_per_row(c)
-  gather(x, g)         = ceil(x / g) * g + g   (random row access: whole sectors of g bytes plus one for the index;
-                                                g = 32 B in HBM, 64 B over the host link and in host memory)
+  row bytes            rb = c*e (data-parallel: c*4); optimizer state bytes per row
+                       sb = FusedOptimizerConfig.state_bytes_per_row(c)
+  gather(x, g)         = ceil(x / g) * g, + g/2 when x is not a multiple of g (random row access: whole sectors;
+                         g = 32 B in HBM, 64 B over the host link and in host memory)
+  row reads            v = u + (n - u) * (1 - min(1, l2_bytes / (u * rb))): lookups that miss the GPU's L2. The
+                       TBE kernels read one table after another, so a repeated row is an L2 hit while the distinct
+                       rows of the shard fit in L2 (hetero124's 10k-row tables: v = u, each row read once; uniform26's
+                       1M x 128 tables: v ~ n); on CPUs v = n
 
 Communication, per step (model-parallel shards; data-parallel ones have none):
   in_b  = B*F*(L * r/R * i + 4)       bytes every other rank sends the shard's rank (ids, weights, lengths)
@@ -18,34 +25,64 @@ Communication, per step (model-parallel shards; data-parallel ones have none):
                                        receives back as gradients in backward
   Rank time on a link = bytes / (intra_host_bw or inter_host_bw), sends and receives counted apart.
 
-Compute, per step, on the shard's rank (bytes / bandwidth of where they live):
-  fwd = [n*i + b*c*4 + n*gather(rb)] / hbm_bw                                      (hbm)
-  bwd = [n*(96 + 4c) + b*c*4 + u*(2rb + 2sb)] / hbm_bw    (96 B/id: radix sort of ids; 4c: gradient row per id)
-  uvm:          the gathers and the touched rows' read+write go over the host link (uvm_bw) instead; row-wise
-                optimizer state stays in HBM (FBGEMM does so), other state is in host memory.
-  uvm_caching:  hit rate h = H(k, a) / H(r, a) for a cache of k = clf*r rows under Zipf(a) access, with
+Compute, per step, on the shard's rank: a fixed time per id (and per touched row in backward) from the Topology
+plus the bytes moved over the bandwidth of where they live (bw = hbm_bw; ddr_bw on CPUs), so the time per id
+depends on the row width through the bytes (and through fwd_byte_s / bwd_byte_s, which CPUs need):
+  fwd = n*(fwd_id_s + rb*fwd_byte_s) + [n*i + b*c*4 + v*gather(rb, 32)] / bw                  (hbm)
+  bwd = n*(bwd_id_s + rb*bwd_byte_s) + u*bwd_row_s + [n*(96 + 4c) + b*c*4 + u*2*(gather(rb, 32) + sb)] / bw
+        (96 B/id: linearising and radix-sorting the ids; 4c: a gradient row per id; the fused optimizer reads and
+        writes each touched row and its state). Fitted on 2 H200 (docs/planner.md): narrow rows of tiny tables
+        cost about fwd_id_s per id (18 ps), 128-wide rows from HBM are bandwidth-bound (~150 ps per id); the
+        fused backward is bound by a chain of dependent loads per touched row (bwd_row_s, 0.3 ns).
+  routing (model-parallel shards, forward phase): n*routed_id_s + b*bag_s (the receiver's permute: one
+        segment-wise pass over the bags it receives).
+  uvm:          row reads cross the host link: t_link = uvm_row_s + gather(rb, 64)/uvm_bw + p*uvm_page_s per row,
+                p = max(0, 1 - 2 GiB / (R*D*e)) the share of accesses beyond the reach of the GPU's translation of
+                host memory (whole tables: splitting one does not shrink the host memory a step touches; fitted to
+                the overflow workload, docs/planner.md). Forward reads the v rows that miss L2, backward reads the
+                u touched rows (write-backs are posted writes on the link's other direction and overlap):
+                fwd = n*(fwd_id_s + rb*fwd_byte_s) + [n*i + b*c*4]/bw + v*t_link,
+                bwd = (per-id and per-row times as hbm) + [n*(96 + 4c) + b*c*4]/bw + u*t_link + u*2*sb/bw
+                (row-wise state stays in HBM, as FBGEMM keeps it; per-element state goes over the link, /uvm_bw).
+  uvm_caching:  hit rate h = H(k, a) / H(r, a) for a cache of k = ceil(clf*r) rows under Zipf(a) access, with
                 H(n, a) = integral of x^-a from 0.5 to n + 0.5 (a = 0: h = clf); m = missed distinct rows
-                = (r - k)(1 - exp(-n(1-h)/(r - k))) are fetched over the link (+ written into the cache) in
-                forward and written back (evicted dirty) in backward; 16 B/id of cache probing.
-  host (CPU):   as hbm with ddr_bw and 64 B sectors.
-  data-parallel (fp32 replicas): fwd as hbm over the local batch; bwd forms the dense gradient and per-row
-                counts: [n*(i + 12c) + b*c*4 + r*(c+1)*4] / bw; all-reduce of r*(c+1)*4 bytes:
-                2(W-1)/W * bytes / link_bw (intra_host_bw on one host, else inter_host_bw); update: scan of the
-                summed gradient plus the rows touched by the global batch: [r*(c+1)*4 + ug*(2rb+2sb+4c)] / bw.
+                = (r - k)(1 - exp(-n(1-h)/(r - k))). The prefetch (forward phase) sorts the ids and probes the
+                cache (n*bwd_id_s + n*(96 + 16)/bw) and inserts each miss: it reads the row over the link and
+                writes the evicted row back, 1.35 * t_link per miss (CACHE_MISS_LINKS, fitted to the tier
+                benchmark), and writes it into the cache (m*rb/bw). Lookups and the backward then run as hbm on
+                the cached rows (state as uvm).
+  host (CPU):   as hbm with ddr_bw, 64 B sectors and no L2.
+  data-parallel (fp32 replicas, local batch only):
+                fwd as hbm; bwd = (per-id and per-row times as hbm) + [n*(96 + 4c) + b*c*4 + r*c*4] / bw
+                (FBGEMM's dense backward: sorted ids, one dense gradient row per row); all-reduce of the flat
+                gradient with counts, r*(c+1)*4 bytes: 2(W-1)/W * bytes / link_bw (intra_host_bw on one host,
+                else inter_host_bw); update: [8*r*(c+1)*4 + r*2*(rb + sb)] / bw (norm, mask and update passes
+                over the gradient, DP_UPDATE_PASSES fitted to 175 us for 1M x 16 rows; every row's masked update).
 
-Per-id overheads beyond bytes (Topology): every id looked up costs lookup_id_s (1/3 forward, 2/3 backward);
-every id a model-parallel shard receives costs routed_id_s more (forward phase): routing permutes, bucketing and
-the fused backward's per-id work, which data-parallel lookups of the local batch do not pay.
+Per rank, whatever the plan (`batch_loads`, with B*F bags and B*F*L ids of its own, P = B*F*D*4 pooled bytes):
+the sender's permute of its ids by destination and the id check, 2 * max(bags*bag_s, 2*ids*i/bw) (forward
+phase), and the regroup of the pooled rows into the output and its gradient, max(bags*bag_s, 2P/bw) + 2P/bw
+in the forward and again in the backward phase.
 
 Fixed costs (seconds): per lookup-kernel group (sharding type x tier x dtype x weighted) on a rank: kernel_s
-forward (3x with UVM-caching prefetch), 3*kernel_s backward; per sharding scheme in the plan: input
-all-to-all 3 collectives (+1 for weights) + one host sync, output and gradient 1 collective each; data-parallel:
-one all-reduce latency, 2*kernel_s of update, plus settings.dp_kernels_per_table kernels per table.
+forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort passes, run-length encoding,
+the optimizer kernels); per sharding scheme in the plan: input all-to-all 3 collectives (+1 for weights), output
+and gradient 1 collective each; once per step when any table is model-parallel (`step_fixed`): host_sync_s, the
+input exchange's host synchronisation and the launch-bound stretch around it while the GPU idles (fitted to the
+1.2-1.7 ms per step the profiled steps are not busy on the GPU); data-parallel: one all-reduce latency and
+4*kernel_s of update, plus settings.dp_kernels_per_table kernels per table.
 
-Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica); HBM buffers per
-step: n*(32 + 4w) (ids received, permuted, sorted) + b*c*4*2 (pooled rows and their gradient); data-parallel adds
-its dense gradient r*(c+1)*4; UVM-caching adds k*(rb + 16) (cache rows, LRU state) + r*4 (row -> table map) +
-n*4 (cache locations). Every rank also reserves its own batch (ids in and out, pooled outputs): see `batch_bytes`.
+Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
+(GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
+id, its permuted copy kept for backward and the TBE backward's workspace: linearised, sorted, run-length-encoded
+ids and their positions, radix sort scratch; 32 B/id on CPUs) + b*c*4*2 (the pooled rows it sends and their
+gradient it receives); UVM-caching adds k*(rb + 16) (cache rows and their LRU state) + r*4 (row -> table map) +
+n*48 (the prefetch's linearised ids, the cache locations kept for backward, its sort); data-parallel:
+n*(68 + 4w) (its ids and the dense backward's workspace) + b*c*4*2 + 2*r*(c+1)*4 (the dense gradient and the
+flat all-reduce buffer with counts). Every rank also holds its own batch (`batch_bytes`): its ids and the
+permuted copy it sends, 2*B*F*(L*i + 4), and the pooled rows it receives, their regrouped output and that
+output's gradient, 3*B*F*D*4. The planner's budget for the sum per rank is capacity - reserve, so the predicted
+peak includes every buffer the step allocates.
 """
 
 from __future__ import annotations
@@ -59,7 +96,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingType
 from embshard.planner import loads as R
 from embshard.planner.settings import PlannerSettings
-from embshard.planner.topology import Topology
+from embshard.planner.topology import GIB, Topology
 from embshard.tables import TableConfig
 
 ID_BYTES = 8
@@ -68,11 +105,29 @@ LENGTH_BYTES = 4
 OUT_BYTES = 4
 SORT_BYTES_PER_ID = 96
 CACHE_PROBE_BYTES = 16
-ID_BUFFER_BYTES = 32
-CACHE_SLOT_BYTES = 16
-CACHE_MAP_BYTES = 4
 HBM_SECTOR = 32
 LINK_SECTOR = 64
+# GPU memory per step (bytes per id / per row); see the module docstring.
+ID_STEP_BYTES = 80
+HOST_ID_STEP_BYTES = 32
+DP_ID_STEP_BYTES = 68
+CACHE_STEP_BYTES = 48
+CACHE_SLOT_BYTES = 16
+CACHE_MAP_BYTES = 4
+OWN_POOLED_COPIES = 3
+# Fitted constants of the time model (docs/planner.md "Constants").
+CACHE_MISS_LINKS = 1.35
+"""A UVM-cache miss costs this many row reads over the link (the read, and the evicted row written back)."""
+UVM_REACH_BYTES = 2 * GIB
+"""Shards of host memory larger than this miss the GPU's address translation on a growing share of accesses."""
+ROUTE_PASSES = 1
+"""Segment-wise passes over the bags a model-parallel shard receives: the receiver's permute."""
+BATCH_ID_PASSES = 2
+"""Segment-wise passes over a rank's own bags: the sender's permute by destination and the id check."""
+DP_UPDATE_PASSES = 8
+"""Passes of the data-parallel update over the flat gradient, in bytes (norm, mask, update; fitted: 175 us for
+1M rows x 16 on an H200, its row-norm kernel runs well below the copy bandwidth)."""
+FWD_KERNELS, CACHE_KERNELS, BWD_KERNELS, DP_UPDATE_KERNELS = 1, 8, 12, 4
 
 ROW_KINDS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 
@@ -154,23 +209,48 @@ class Storage:
         return self.ddr_weights + self.ddr_state + self.ddr_buffers
 
 
+def _zipf_mass(n, a):
+    """H(n, a) = integral of x^-a over [0.5, n + 0.5] (unnormalised mass of the n most popular rows)."""
+    near1 = np.abs(a - 1.0) < 1e-6
+    safe = np.where(near1, 0.5, 1.0 - a)
+    power = ((n + 0.5) ** safe - 0.5**safe) / safe
+    return np.where(near1, np.log(2 * n + 1.0), power)
+
+
 def zipf_hit_rate(cache_rows, rows, alpha):
     """Share of accesses that hit a cache of the `cache_rows` most popular of `rows` rows, ids ~ Zipf(alpha)."""
     cache_rows = np.minimum(cache_rows, rows)
     a = np.asarray(alpha, dtype=float)
-    near1 = np.abs(a - 1.0) < 1e-6
-    safe = np.where(near1, 0.5, 1.0 - a)
+    return np.clip(_zipf_mass(cache_rows, a) / _zipf_mass(rows, a), 0.0, 1.0)
 
-    def H(n):
-        power = ((n + 0.5) ** safe - 0.5**safe) / safe
-        return np.where(near1, np.log(2 * n + 1.0), power)
 
-    return np.clip(H(cache_rows) / H(rows), 0.0, 1.0)
+_QUAD = np.linspace(0.0, 1.0, 97)
+
+
+def distinct_rows(n, rows, alpha):
+    """Expected distinct rows among n ids drawn from `rows` rows ~ Zipf(alpha): rows * (1 - exp(-n / rows)) for
+    uniform ids (alpha 0), else the integral of 1 - exp(-n p(x)) over the rows with p(x) = x^-alpha / H(rows)
+    (trapezoid rule on a log scale, 97 points: within a few % of the exact sum)."""
+    uniform = rows * -np.expm1(-n / np.maximum(rows, 1.0))
+    if not np.any(np.asarray(alpha) > 0):
+        return uniform
+    shape = np.broadcast(n, rows, alpha).shape
+    n, rows, a = (np.ravel(np.broadcast_to(np.asarray(x, dtype=float), shape)) for x in (n, rows, alpha))
+    uniform = np.ravel(np.broadcast_to(uniform, shape)).copy()
+    skewed = a > 0
+    ns, rs, al = n[skewed], rows[skewed], a[skewed]
+    span = np.log(2 * rs + 1.0)[:, None]
+    x = 0.5 * np.exp(_QUAD[None, :] * span)
+    f = -np.expm1(-ns[:, None] * x ** -al[:, None] / _zipf_mass(rs, al)[:, None]) * x * span
+    uniform[skewed] = np.minimum(np.trapezoid(f, _QUAD, axis=1), uniform[skewed])
+    return uniform.reshape(shape)
 
 
 def gather(row_bytes, sector: int):
-    """Bytes moved to fetch one row at a random address."""
-    return np.ceil(row_bytes / sector) * sector + sector
+    """Bytes moved to fetch one row at a random address: whole sectors; a row that is not a multiple of the sector
+    straddles half a sector more on average (rows that are are aligned to it)."""
+    whole = np.ceil(row_bytes / sector) * sector
+    return whole + np.where(whole > row_bytes, sector / 2, 0.0)
 
 
 class CostModel:
@@ -192,7 +272,10 @@ class CostModel:
         self.state_per_col = float(optimizer.state_bytes_per_row(1) - s0)
         # FBGEMM keeps one-value-per-row state in HBM even for UVM tables.
         self.state_in_hbm = self.state_per_col == 0
-        self.mem_bw = topology.hbm_bw if topology.is_gpu else topology.ddr_bw
+        gpu = topology.is_gpu
+        self.mem_bw = topology.hbm_bw if gpu else topology.ddr_bw
+        self.sector = HBM_SECTOR if gpu else LINK_SECTOR
+        self.l2 = float(topology.l2_bytes) if gpu else 0.0
         self.ar_bw = topology.intra_host_bw if topology.num_hosts == 1 else topology.inter_host_bw
         self.latency = topology.collective_latency_s if topology.num_hosts == 1 else topology.inter_collective_latency_s
         self._fixed: dict[tuple, np.ndarray] = {}
@@ -210,68 +293,99 @@ class CostModel:
         """Optimizer state bytes per row of a shard `cols` wide."""
         return self.state_fixed + self.state_per_col * cols
 
+    def row_reads(self, n, u, row_bytes):
+        """Row reads that miss the GPU's L2 among n lookups of u distinct rows: a repeated row is an L2 hit while
+        the distinct rows the kernel reads in this step fit in L2 (the TBE kernels read one table after
+        another): u + (n - u) * (1 - min(1, l2_bytes / (u * rb))). On CPUs every lookup reads memory."""
+        fit = np.clip(self.l2 / np.maximum(u * row_bytes, 1.0), 0.0, 1.0)
+        return u + (n - u) * (1.0 - fit)
+
+    def link_row_s(self, table_bytes, row_bytes):
+        """Seconds per row read over the host link: uvm_row_s + gather(rb, 64) / uvm_bw, plus uvm_page_s times
+        the share of accesses beyond the reach of the GPU's translation of host memory, 1 - 2 GiB / table bytes
+        (the whole table's: splitting a table into shards does not shrink the host memory a step touches)."""
+        topo = self.topo
+        miss = np.clip(1.0 - UVM_REACH_BYTES / np.maximum(table_bytes, 1.0), 0.0, 1.0)
+        return topo.uvm_row_s + gather(row_bytes, LINK_SECTOR) / topo.uvm_bw + miss * topo.uvm_page_s
+
     # ---- time ---------------------------------------------------------------------------------------------
     def work(self, t: TableStats, sharding: ShardingType, tier: MemoryTier, rows, cols, clf=0.0, alpha=0.0):
         """ShardWork of one shard (formulas in the module docstring)."""
-        B = self.batch
+        topo, B, bw = self.topo, self.batch, self.mem_bw
         n, bags = self.volumes(t, sharding, rows)
         idb = ID_BYTES + WEIGHT_BYTES * t.weighted
         sb = self.state_bytes(cols)
-        u = rows * -np.expm1(-n / rows)
-        bw = self.mem_bw
+        u = distinct_rows(n, rows, alpha)
+        rb = cols * 4.0 if sharding is ShardingType.DATA_PARALLEL else cols * t.elem
+        per_id_f = n * (topo.fwd_id_s + rb * topo.fwd_byte_s)
+        per_id_b = n * (topo.bwd_id_s + rb * topo.bwd_byte_s) + u * topo.bwd_row_s
+        pooled = bags * cols * OUT_BYTES
         if sharding is ShardingType.DATA_PARALLEL:
-            rb = cols * 4.0
-            W = self.topo.world_size
-            grad_bytes = rows * (cols + 1) * 4.0
-            fwd = (n * idb + bags * cols * OUT_BYTES + n * gather(rb, HBM_SECTOR)) / bw
-            bwd = (n * (idb + 12 * cols) + bags * cols * OUT_BYTES + grad_bytes) / bw
-            ar = 2 * (W - 1) / W * grad_bytes / self.ar_bw
-            ug = rows * -np.expm1(-W * n / rows)
-            upd = (grad_bytes + ug * (2 * rb + 2 * sb + 4 * cols)) / bw
-            extra = self.settings.dp_kernels_per_table * self.topo.kernel_s / 2
-            per_id = n * self.topo.lookup_id_s
-            return ShardWork(0.0, 0.0, fwd + extra + per_id / 3, bwd + extra + 2 * per_id / 3, ar, upd)
-        rb = cols * t.elem
-        in_b = B * t.features * ((n / (self.topo.world_size * B * t.features)) * idb + LENGTH_BYTES)
+            W = topo.world_size
+            flat = rows * (cols + 1) * 4.0
+            fwd = per_id_f + (n * idb + pooled + self.row_reads(n, u, rb) * gather(rb, self.sector)) / bw
+            bwd = per_id_b + (n * (SORT_BYTES_PER_ID + cols * OUT_BYTES) + pooled + rows * rb) / bw
+            ar = 2 * (W - 1) / W * flat / self.ar_bw
+            upd = (DP_UPDATE_PASSES * flat + rows * 2 * (rb + sb)) / bw
+            extra = self.settings.dp_kernels_per_table * topo.kernel_s / 2
+            return ShardWork(0.0, 0.0, fwd + extra, bwd + extra, ar, upd)
+        in_b = B * t.features * ((n / (topo.world_size * B * t.features)) * idb + LENGTH_BYTES)
         out_b = B * t.features * cols * OUT_BYTES
-        fwd_lin = n * idb + bags * cols * OUT_BYTES
-        bwd_lin = n * (SORT_BYTES_PER_ID + cols * OUT_BYTES) + bags * cols * OUT_BYTES
-        if tier is MemoryTier.HBM:
-            fwd = (fwd_lin + n * gather(rb, HBM_SECTOR)) / bw
-            bwd = (bwd_lin + u * (2 * rb + 2 * sb)) / bw
-        elif tier is MemoryTier.HOST:
-            fwd = (fwd_lin + n * gather(rb, LINK_SECTOR)) / bw
-            bwd = (bwd_lin + u * (2 * rb + 2 * sb)) / bw
+        fwd_lin = n * idb + pooled
+        bwd_lin = n * (SORT_BYTES_PER_ID + cols * OUT_BYTES) + pooled
+        route = n * topo.routed_id_s + ROUTE_PASSES * bags * topo.bag_s
+        reads = self.row_reads(n, u, rb)
+        if tier in (MemoryTier.HBM, MemoryTier.HOST):
+            g = gather(rb, self.sector)
+            fwd = per_id_f + (fwd_lin + reads * g) / bw
+            bwd = per_id_b + (bwd_lin + u * 2 * (g + sb)) / bw
         else:
-            link = self.topo.uvm_bw
-            state_s = u * 2 * sb / (bw if self.state_in_hbm else link)
+            link = self.link_row_s(t.rows * t.dim * t.elem, rb)
+            state = u * 2 * sb / (bw if self.state_in_hbm else topo.uvm_bw)
             if tier is MemoryTier.UVM:
-                fwd = fwd_lin / bw + n * gather(rb, LINK_SECTOR) / link
-                bwd = bwd_lin / bw + u * 2 * gather(rb, LINK_SECTOR) / link + state_s
-            else:  # UVM caching
+                fwd = per_id_f + fwd_lin / bw + reads * link
+                bwd = per_id_b + bwd_lin / bw + u * link + state
+            else:  # UVM caching: lookups hit the cache (HBM) after the prefetch loaded the misses
                 k = np.minimum(np.ceil(clf * rows), rows)
                 h = zipf_hit_rate(k, rows, alpha)
                 cold = np.maximum(rows - k, 1.0)
                 m = np.where(rows > k, cold * -np.expm1(-n * (1 - h) / cold), 0.0)
-                fwd = (fwd_lin + n * (gather(rb, HBM_SECTOR) + CACHE_PROBE_BYTES) + m * rb) / bw + m * gather(
-                    rb, LINK_SECTOR
-                ) / link
-                bwd = (bwd_lin + u * 2 * rb) / bw + m * gather(rb, LINK_SECTOR) / link + state_s
-        per_id = n * self.topo.lookup_id_s
-        fwd = fwd + n * self.topo.routed_id_s + per_id / 3
-        return ShardWork(in_b, out_b, fwd, bwd + 2 * per_id / 3)
+                g = gather(rb, HBM_SECTOR)
+                prefetch = n * topo.bwd_id_s + (n * (SORT_BYTES_PER_ID + CACHE_PROBE_BYTES) + m * rb) / bw
+                fwd = per_id_f + prefetch + (fwd_lin + reads * g) / bw + m * CACHE_MISS_LINKS * link
+                bwd = per_id_b + (bwd_lin + u * 2 * g) / bw + state
+        return ShardWork(in_b, out_b, fwd + route, bwd)
+
+    def batch_loads(self, tables: Sequence[TableConfig]) -> np.ndarray:
+        """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
+        destination (forward phase) and the regroup of the pooled rows into the output, forward and backward,
+        with a plain copy each way (module docstring)."""
+        v = np.zeros(R.NROWS)
+        if not tables:
+            return v
+        B, bw, bag = self.batch, self.mem_bw, self.topo.bag_s
+        bags = B * sum(len(t.feature_names) for t in tables)
+        ids = B * sum(len(t.feature_names) * t.ids_per_bag * (ID_BYTES + WEIGHT_BYTES * t.weighted) for t in tables)
+        pooled = B * sum(len(t.feature_names) * t.embedding_dim * OUT_BYTES for t in tables)
+        permute = BATCH_ID_PASSES * max(bags * bag, 2 * ids / bw)
+        regroup = max(bags * bag, 2 * pooled / bw) + 2 * pooled / bw
+        v[R.FWD] = permute + regroup
+        v[R.BWD] = regroup
+        return v
 
     # ---- storage ------------------------------------------------------------------------------------------
     def storage(self, t: TableStats, sharding: ShardingType, tier: MemoryTier, rows, cols, clf=0.0) -> Storage:
-        """Bytes one shard keeps (formulas in the module docstring)."""
+        """Bytes one shard keeps, and the GPU memory its step allocates (formulas in the module docstring)."""
         n, bags = self.volumes(t, sharding, rows)
-        buffers = n * (ID_BUFFER_BYTES + WEIGHT_BYTES * t.weighted) + bags * cols * OUT_BYTES * 2
+        pooled = bags * cols * OUT_BYTES * 2
         state = rows * self.state_bytes(cols)
         if sharding is ShardingType.DATA_PARALLEL:
             weights = rows * cols * 4.0
-            buffers = buffers + rows * (cols + 1) * 4.0
+            buffers = n * (DP_ID_STEP_BYTES + WEIGHT_BYTES * t.weighted) + pooled + 2 * rows * (cols + 1) * 4.0
         else:
             weights = rows * cols * t.elem
+            per_id = HOST_ID_STEP_BYTES if tier is MemoryTier.HOST else ID_STEP_BYTES
+            buffers = n * (per_id + 3 * WEIGHT_BYTES * t.weighted) + pooled
         if tier is MemoryTier.HBM:
             return Storage(hbm_weights=weights, hbm_state=state, hbm_buffers=buffers)
         if tier is MemoryTier.HOST:
@@ -281,20 +395,22 @@ class CostModel:
         cache = 0.0
         if tier is MemoryTier.UVM_CACHING:
             k = np.minimum(np.ceil(clf * rows), rows)
-            cache = k * (cols * t.elem + CACHE_SLOT_BYTES) + rows * CACHE_MAP_BYTES + n * 4
+            cache = k * (cols * t.elem + CACHE_SLOT_BYTES) + rows * CACHE_MAP_BYTES
+            buffers = buffers + n * CACHE_STEP_BYTES
         return Storage(
             hbm_state=hbm_state, hbm_cache=cache, hbm_buffers=buffers, ddr_weights=weights, ddr_state=ddr_state
         )
 
     def batch_bytes(self, tables: Sequence[TableConfig]) -> float:
-        """Bytes every rank needs for its own batch whatever the plan: its ids (as read and as sent) and the pooled
-        rows it receives, and their gradients."""
+        """Bytes every rank needs for its own batch whatever the plan: its ids and the permuted copy it sends,
+        the pooled rows it receives, their regrouped output and that output's gradient."""
         B = self.batch
         total = 0.0
         for t in tables:
             idb = ID_BYTES + WEIGHT_BYTES * t.weighted
             f = len(t.feature_names)
-            total += B * f * (t.ids_per_bag * idb * 2 + 2 * LENGTH_BYTES) + B * f * t.embedding_dim * OUT_BYTES * 2
+            total += 2 * B * f * (t.ids_per_bag * idb + LENGTH_BYTES)
+            total += OWN_POOLED_COPIES * B * f * t.embedding_dim * OUT_BYTES
         return total
 
     # ---- load vectors -------------------------------------------------------------------------------------
@@ -343,13 +459,24 @@ class CostModel:
             self._fixed[key] = self._scheme_fixed(sharding, weighted)
         return self._fixed[key]
 
+    def step_fixed(self) -> np.ndarray:
+        """[NROWS]: paid once per step when any table is model-parallel, on every rank: the input exchange's host
+        sync (one for all schemes) and the launch-bound stretch around it (do not modify: cached)."""
+        key = ("step",)
+        if key not in self._fixed:
+            v = np.zeros(R.NROWS)
+            if self.topo.world_size > 1:
+                v[R.PHASE_ROWS[0]] = self.topo.host_sync_s
+            self._fixed[key] = v
+        return self._fixed[key]
+
     def _group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
         v = np.zeros(R.NROWS)
         k = self.topo.kernel_s
-        v[R.FWD] = k * (3 if tier is MemoryTier.UVM_CACHING else 1)
-        v[R.BWD] = 3 * k
+        v[R.FWD] = k * (FWD_KERNELS + (CACHE_KERNELS if tier is MemoryTier.UVM_CACHING else 0))
+        v[R.BWD] = BWD_KERNELS * k
         if sharding is ShardingType.DATA_PARALLEL:
-            v[R.DP_UPDATE] = 2 * k
+            v[R.DP_UPDATE] = DP_UPDATE_KERNELS * k
         return v
 
     def _scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
@@ -360,7 +487,7 @@ class CostModel:
         if sharding is ShardingType.DATA_PARALLEL:
             v[R.ALLREDUCE] = lat
             return v
-        v[R.PHASE_ROWS[0]] = (3 + int(weighted)) * lat + self.topo.host_sync_s
+        v[R.PHASE_ROWS[0]] = (3 + int(weighted)) * lat
         v[R.PHASE_ROWS[2]] = lat
         v[R.PHASE_ROWS[3]] = lat
         return v

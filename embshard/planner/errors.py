@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.planner.choices import Item
+from embshard.planner.choices import Choice, Item
 from embshard.planner.topology import GIB, Topology
 from embshard.tables import ConfigError, TableConfig
 
@@ -61,6 +61,12 @@ def _fixes(topo: Topology, tables: Sequence[TableConfig]) -> list[str]:
     return fixes
 
 
+def _steps(ch: Choice, k: int) -> str:
+    """'; of which X step buffers' for block k of a choice (the ids, backward workspace and pooled rows of one
+    step, counted in its memory), or '' when it has none."""
+    return f"; of which {gib(ch.buffers[k])} step buffers" if ch.buffers[k] > 0 else ""
+
+
 def too_large_for_a_rank(item: Item, tables: Sequence[TableConfig], topo: Topology, budgets) -> PlanningError:
     """A table none of whose allowed options has blocks that fit one rank."""
     names = [tables[i].name for i in item.tables]
@@ -69,9 +75,10 @@ def too_large_for_a_rank(item: Item, tables: Sequence[TableConfig], topo: Topolo
         f"budget ({_budget_line(topo, budgets)})."
     ]
     for ch in item.choices:
+        k = int(np.argmax(ch.hbm + ch.ddr))
         lines.append(
             f"  {ch.option.label:32s} largest shard: GPU {gib(ch.hbm.max())}, host {gib(ch.ddr.max())} "
-            f"({ch.blocks} shard(s))"
+            f"({ch.blocks} shard(s){_steps(ch, k)})"
         )
     fixes = [
         "allow row_wise or column_wise sharding for it (constraints: sharding_types) so it is split over ranks",
@@ -91,7 +98,12 @@ def totals_do_not_fit(
 ) -> PlanningError:
     """Even the least-memory options of the tables exceed the summed budgets of a tier, or of both together."""
     W = topo.world_size
-    min_hbm = sum(min(it.choices[c].total_hbm for c in u) for it, u in zip(items, usable))
+    least = [min(u, key=lambda c, it=it: it.choices[c].total_hbm) for it, u in zip(items, usable)]
+    min_hbm = sum(it.choices[c].total_hbm for it, c in zip(items, least))
+    min_steps = sum(float(it.choices[c].buffers.sum()) for it, c in zip(items, least))
+    steps = (
+        f" (of which {gib(min_steps)} the step's buffers: ids, backward workspace, pooled rows)" if min_steps else ""
+    )
     min_ddr = sum(min(it.choices[c].total_ddr for c in u) for it, u in zip(items, usable))
     min_both = sum(min(it.choices[c].total_hbm + it.choices[c].total_ddr for c in u) for it, u in zip(items, usable))
     cap_h, cap_d = W * budgets.hbm * fill, W * budgets.ddr * fill
@@ -99,8 +111,8 @@ def totals_do_not_fit(
     lines = ["no plan fits the memory budgets:"]
     if topo.is_gpu:
         lines.append(
-            f"  GPU memory: needed at least {gib(min_hbm)} (every table in its least-GPU-memory option), available "
-            f"{gib(cap_h)} = {W} ranks x {gib(budgets.hbm)} x {fill:g} fill"
+            f"  GPU memory: needed at least {gib(min_hbm)} (every table in its least-GPU-memory option){steps}, "
+            f"available {gib(cap_h)} = {W} ranks x {gib(budgets.hbm)} x {fill:g} fill"
         )
     lines.append(
         f"  host memory: needed at least {gib(need_d)} (what GPU memory cannot hold), available {gib(cap_d)} = "
@@ -121,6 +133,7 @@ def totals_do_not_fit(
         "\n".join(lines),
         {
             "hbm_needed": min_hbm,
+            "hbm_step_buffers": min_steps,
             "hbm_available": cap_h,
             "ddr_needed": need_d,
             "ddr_available": cap_d,
@@ -145,7 +158,11 @@ def placement_failed(
     lines = [f"table(s) {names} could not be placed: no rank has room left for any of its options."]
     for c in tried:
         ch = item.choices[c]
-        lines.append(f"  {ch.option.label:32s} needs per shard: GPU {gib(ch.hbm.max())}, host {gib(ch.ddr.max())}")
+        k = int(np.argmax(ch.hbm + ch.ddr))
+        lines.append(
+            f"  {ch.option.label:32s} needs per shard: GPU {gib(ch.hbm.max())}, host {gib(ch.ddr.max())}"
+            + (f" ({_steps(ch, k)[2:]})" if ch.buffers[k] > 0 else "")
+        )
     lines.append("  free memory per rank (GPU / host):")
     for r in range(topo.world_size):
         lines.append(

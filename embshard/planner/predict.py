@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan
+from embshard.plan import MemoryTier, ShardingPlan, ShardingType
 from embshard.planner import loads as R
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel, Storage, TableStats
@@ -154,6 +154,9 @@ def predict(
         total[:, r] += model.group_fixed(st, tier)
     for st, (_n, nw) in schemes.items():
         total += model.scheme_fixed(st, nw > 0)[:, None]
+    if any(st is not ShardingType.DATA_PARALLEL for st in schemes):
+        total += model.step_fixed()[:, None]
+    total += model.batch_loads(tables)[:, None]
     b = budgets(model, tables)
     phases = R.phase_times(total)
     ranks = [

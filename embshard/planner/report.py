@@ -62,8 +62,15 @@ class RankReport:
 
     @property
     def peak_hbm(self) -> float:
-        """Predicted GPU memory of the sharded embeddings on this rank: shards plus batch buffers (bytes)."""
+        """Predicted peak GPU memory of the sharded embeddings on this rank (bytes): the shards' weights, state and
+        caches, every buffer their step allocates (ids, backward workspace, pooled rows, data-parallel gradients)
+        and the rank's own batch buffers; the dense model and the CUDA context are not included."""
         return float(self.storage.hbm) + (self.batch_buffers if self.hbm_budget or self.storage.hbm else 0.0)
+
+    @property
+    def over_budget(self) -> bool:
+        """Whether the predicted peak exceeds what embeddings may use (capacity - reserve), GPU or host memory."""
+        return float(self.storage.hbm) > self.hbm_budget + 1 or float(self.storage.ddr) > self.ddr_budget + 1
 
 
 @dataclass
@@ -106,8 +113,13 @@ class PlanReport:
 
     @property
     def peak_hbm(self) -> float:
-        """Largest predicted GPU memory of any rank (bytes)."""
+        """Largest predicted peak GPU memory of any rank (bytes; RankReport.peak_hbm)."""
         return max(r.peak_hbm for r in self.ranks)
+
+    @property
+    def over_budget(self) -> list[int]:
+        """Ranks whose predicted memory exceeds their budget (a loaded plan; planned ones never do)."""
+        return [r.rank for r in self.ranks if r.over_budget]
 
     # ---- text ---------------------------------------------------------------------------------------------
     def summary(self) -> str:
@@ -120,6 +132,11 @@ class PlanReport:
             self._memory_line(),
             f"  topology: {self.topology.describe()}",
         ]
+        if self.over_budget:
+            lines.append(
+                f"  OVER BUDGET on rank(s) {self.over_budget}: the step would need more memory than the budget "
+                "(weights, state, caches and step buffers against capacity - reserve)"
+            )
         if self.planner_seconds is not None:
             lines.append(f"  planned in {self.planner_seconds:.3f} s")
         return "\n".join(lines)
@@ -130,10 +147,12 @@ class PlanReport:
         if not self.topology.is_gpu:
             return f"  host memory: largest rank {_b(host)} of {_b(r0.ddr_budget)} embedding budget"
         shards = max(float(r.storage.hbm) for r in self.ranks)
+        steps = max(float(r.storage.hbm_buffers) for r in self.ranks)
         return (
-            f"  GPU memory: largest rank {_b(shards)} of {_b(r0.hbm_budget)} embedding budget (+ {_b(r0.batch_buffers)} "
-            f"batch buffers = peak {_b(self.peak_hbm)}; {_b(r0.hbm_reserve)} more kept for the dense model); host "
-            f"memory: largest rank {_b(host)} of {_b(r0.ddr_budget)}"
+            f"  GPU memory: largest rank {_b(shards)} (of which up to {_b(steps)} step buffers) of "
+            f"{_b(r0.hbm_budget)} embedding budget, + {_b(r0.batch_buffers)} own batch buffers = peak "
+            f"{_b(self.peak_hbm)} of {_b(r0.hbm_budget + r0.batch_buffers)} ({_b(r0.hbm_reserve)} more kept for the "
+            f"dense model); host memory: largest rank {_b(host)} of {_b(r0.ddr_budget)}"
         )
 
     def format_tables(self) -> str:
@@ -190,6 +209,7 @@ class PlanReport:
             "step_time_ms": self.step_time_s * 1e3,
             "phase_ms": {n: t * 1e3 for n, t in zip(PHASES, self.phase_s)},
             "peak_hbm_gib": self.peak_hbm / GIB,
+            "over_budget_ranks": self.over_budget,
             "batch_size": self.batch_size,
             "optimizer": self.optimizer.kind.value,
             "planner_seconds": self.planner_seconds,
@@ -202,6 +222,7 @@ class PlanReport:
                     "hbm_gib": {k: float(v) / GIB for k, v in vars(r.storage).items() if k.startswith("hbm")},
                     "ddr_gib": {k: float(v) / GIB for k, v in vars(r.storage).items() if k.startswith("ddr")},
                     "peak_hbm_gib": r.peak_hbm / GIB,
+                    "batch_buffers_gib": r.batch_buffers / GIB,
                     "hbm_budget_gib": r.hbm_budget / GIB,
                     "ddr_budget_gib": r.ddr_budget / GIB,
                 }

@@ -89,11 +89,12 @@ def plan_with_report(
             why += f" (next: {it.choices[runner].option.label} {it.choices[runner].avg * 1e3:.4f} ms)"
         note(notes, tables, it, why)
     _fit_totals(items, usable, chosen, bud, topology, settings.memory_fill, tables, notes)
-    state = State(model, bud.hbm, bud.ddr)
+    base = model.batch_loads(tables)
+    state = State(model, bud.hbm, bud.ddr, base)
     _place_all(state, items, usable, chosen, bud, tables, topology, notes)
     improve(state, items, usable, settings.max_moves, tables, notes)
     if settings.exact_limit and exact.count(state, items, usable) <= settings.exact_limit:
-        state = exact_if_better(state, State(model, bud.hbm, bud.ddr), items, usable, tables, notes)
+        state = exact_if_better(state, State(model, bud.hbm, bud.ddr, base), items, usable, tables, notes)
     plan = _to_plan(state, items, tables, topology)
     report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, notes)
     report.search_step_time_s = state.objective()

@@ -16,11 +16,14 @@ from embshard.planner.cost import CostModel
 class State:
     """Loads [NROWS, W] (fixed costs included), free HBM / host memory per rank, and what sits where."""
 
-    def __init__(self, model: CostModel, hbm_budget: float, ddr_budget: float) -> None:
+    def __init__(self, model: CostModel, hbm_budget: float, ddr_budget: float, base: np.ndarray | None = None) -> None:
+        """`base` [NROWS]: what every rank does whatever the plan (CostModel.batch_loads)."""
         topo = model.topo
         self.model = model
         self.W, self.lws, self.H = topo.world_size, topo.local_world_size, topo.num_hosts
         self.loads = np.zeros((R.NROWS, self.W))
+        if base is not None:
+            self.loads += np.asarray(base, dtype=float)[:, None]
         self.version = 0  # bumped whenever the loads change (invalidates _host_stats)
         self._stats_key: tuple | None = None
         self._stats: tuple = ()
@@ -36,12 +39,20 @@ class State:
         return (ch.option.sharding, ch.option.tier)
 
     def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
-        """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1)."""
+        """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1), and of
+        the once-per-step host sync when the plan gains its first or loses its last model-parallel table."""
         st = ch.option.sharding
         n, nw = self.scheme_count.get(st, [0, 0])
         before = self.model.scheme_fixed(st, nw > 0) if n else np.zeros(R.NROWS)
         n2, nw2 = n + sign, nw + sign * int(item.weighted)
         after = self.model.scheme_fixed(st, nw2 > 0) if n2 else np.zeros(R.NROWS)
+        if st is not ShardingType.DATA_PARALLEL:
+            others = any(
+                c[0] > 0 for s, c in self.scheme_count.items() if s is not st and s is not ShardingType.DATA_PARALLEL
+            )
+            if not others and (n > 0) != (n2 > 0):
+                step = self.model.step_fixed()
+                return after - before + (step if n2 > 0 else -step)
         return after - before
 
     # ---- moves --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ device-to-device copy of N bytes reports as 2N / time.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -21,13 +22,17 @@ from typing import Any
 from embshard.tables import ConfigError
 
 GIB = 1 << 30
+MIB = 1 << 20
 GB = 1e9
 US = 1e-6
+COST_MODEL = 2
+"""Version of the per-id constants (cost.py's formulas) written to topology files."""
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Ranks, memory per rank and bandwidths/latencies of one (homogeneous) cluster."""
+    """Ranks, memory per rank and bandwidths/latencies of one (homogeneous) cluster. Defaults: the h100 preset's
+    speeds (PRESETS below says where each number comes from)."""
 
     world_size: int
     """Number of ranks (one GPU, or one CPU process, each)."""
@@ -43,11 +48,11 @@ class Topology:
     """Host memory available to one rank (bytes): the host's memory divided by its ranks."""
     hbm_bw: float = 3.0e12
     """GPU memory bandwidth (bytes/s, read + write counted)."""
-    uvm_bw: float = 40e9
+    uvm_bw: float = 55e9
     """GPU reads/writes of host memory over the host link, PCIe or C2C, row-sized random access (bytes/s)."""
-    ddr_bw: float = 20e9
+    ddr_bw: float = 50e9
     """Host memory bandwidth one rank's CPU lookups get (bytes/s); used for tier 'host'."""
-    intra_host_bw: float = 350e9
+    intra_host_bw: float = 290e9
     """All-to-all bandwidth per rank between ranks of one host (bytes/s each way; NVLink, or shared memory)."""
     inter_host_bw: float = 45e9
     """All-to-all / all-reduce bandwidth per rank between hosts (bytes/s each way; the rank's NIC share)."""
@@ -56,17 +61,40 @@ class Topology:
     inter_collective_latency_s: float = 40 * US
     """Fixed cost of one collective spanning hosts (seconds)."""
     kernel_s: float = 10 * US
-    """Fixed cost of one lookup kernel launch in forward (seconds); backward counts 3 of these."""
-    host_sync_s: float = 30 * US
-    """Cost of one device-to-host synchronisation (the sparse exchange's split sizes), seconds."""
-    routed_id_s: float = 0.5e-9
-    """Seconds per id a model-parallel shard receives, beyond its bytes (routing permutes, fused backward per id)."""
-    lookup_id_s: float = 0.0
-    """Seconds per id looked up (forward + backward), beyond its bytes; dominant on CPUs."""
+    """Fixed cost of one kernel launch in a lookup group (seconds); the cost model counts the kernels per group."""
+    host_sync_s: float = 1500 * US
+    """Cost of the input exchange's device-to-host synchronisation per sharding scheme, seconds: the wait itself
+    plus the GPU idling while the host issues the exchange's small kernels after it (launch-bound)."""
+    l2_bytes: int = 50 * MIB
+    """GPU L2 cache (bytes): rows of shards smaller than this are read from L2, not HBM, during their lookups."""
+    fwd_id_s: float = 18e-12
+    """Forward lookup time per id beyond the bytes it moves (seconds): index arithmetic and issue, fitted."""
+    fwd_byte_s: float = 0.0
+    """Forward time per byte of each row looked up beyond memory traffic (seconds per byte): arithmetic per
+    element, which bounds CPU kernels (about 0 on GPUs, where the bytes over hbm_bw explain wide rows)."""
+    bwd_id_s: float = 35e-12
+    """Backward time per id beyond its bytes (seconds): linearising, radix-sorting and segmenting the ids."""
+    bwd_byte_s: float = 0.0
+    """Backward time per byte of each id's row beyond memory traffic (seconds per byte), as fwd_byte_s."""
+    bwd_row_s: float = 300e-12
+    """Backward time per distinct row touched beyond its bytes (seconds): the fused optimizer's row update (or the
+    dense gradient row of data-parallel), a latency-bound chain of dependent loads."""
+    routed_id_s: float = 20e-12
+    """Time per id a model-parallel shard receives (seconds): the receiver's permute and the id check."""
+    bag_s: float = 0.2e-9
+    """Time per bag per segment-wise pass (seconds): FBGEMM's permutes, the id check and the output regroup work
+    per (feature, sample) segment; the cost model counts the passes."""
+    uvm_row_s: float = 1.5e-9
+    """Latency part of one row access over the host link (seconds), on top of gather(row, 64 B) / uvm_bw."""
+    uvm_page_s: float = 36e-9
+    """Extra time per host-memory row access when the shard is much larger than the GPU's translation reach for
+    host memory (seconds; scaled by the share of accesses that miss, see cost.py)."""
     source: str = "preset"
     """Where the numbers come from (preset NAME, detected, calibrated ...)."""
     measured: tuple[str, ...] = ()
     """Fields measured on the machine by `embshard calibrate`; the others are preset values."""
+    cost_model: int = 2
+    """Version of the cost model the constants are for (files without it are version 1)."""
 
     def __post_init__(self) -> None:
         ws, lws = self.world_size, self.local_world_size
@@ -84,6 +112,9 @@ class Topology:
         for f in ("hbm_bw", "uvm_bw", "ddr_bw", "intra_host_bw", "inter_host_bw"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"topology: {f}={getattr(self, f)!r} is invalid: bandwidths must be > 0")
+        for f in _NONNEGATIVE:
+            if not getattr(self, f) >= 0:
+                raise ConfigError(f"topology: {f}={getattr(self, f)!r} is invalid: it must be >= 0")
         if self.ddr_bytes < 0:
             raise ConfigError(f"topology: ddr_bytes={self.ddr_bytes} is invalid: it must be >= 0")
         object.__setattr__(self, "measured", tuple(self.measured))
@@ -184,11 +215,23 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "topology") -> Topology:
-        """Inverse of to_dict; unknown keys are an error naming `where` and the key."""
+        """Inverse of to_dict; unknown keys are an error naming `where` and the key.
+
+        Fields the mapping lacks take the values of the preset named by `device_name` (when it names one), so a
+        hand-written file needs only what differs. Files of cost model 1 (written before `cost_model: 2`, with
+        `lookup_id_ns`) load with a warning: their measured bandwidths are kept, but their per-id constants
+        (`lookup_id_ns`, `routed_id_ns`, `host_sync_us`: fitted to older formulas) are replaced by the preset's
+        and their 128-byte-row `uvm_gbps` becomes uvm_row_s + 128 B / uvm_bw with the preset's uvm_row_s."""
         by_yaml = {unit[0]: (name, unit[1]) for name, unit in _UNITS.items()}
         plain = {f.name for f in fields(cls)} - set(_UNITS)
+        version = data.get("cost_model", 1 if "lookup_id_ns" in data else COST_MODEL)
+        if version not in (1, COST_MODEL):
+            raise ConfigError(f"{where}: cost_model={version!r} is not known: this embshard reads 1 and {COST_MODEL}")
+        old = {"lookup_id_ns", "routed_id_ns", "host_sync_us"} if version == 1 else set()
         kw: dict[str, Any] = {}
         for key, value in data.items():
+            if key in old:
+                continue
             if key in by_yaml:
                 name, scale = by_yaml[key]
                 if not isinstance(value, int | float) or isinstance(value, bool):
@@ -201,6 +244,24 @@ class Topology:
         missing = {"world_size", "local_world_size"} - set(kw)
         if missing:
             raise ConfigError(f"{where}: missing {sorted(missing)}")
+        key = ALIASES.get(str(kw.get("device_name", "")).lower(), str(kw.get("device_name", "")).lower())
+        preset = PRESETS.get(key, {})
+        for name, value in preset.items():
+            if name not in kw and name != "hbm_bytes":
+                kw[name] = value
+        if version == 1:
+            # Version 1 measured uvm_bw as 128-byte row reads: keep that time per row, now uvm_row_s + 128 / uvm_bw.
+            t128 = 128.0 / kw["uvm_bw"] if "uvm_gbps" in data else 0.0
+            if t128 > kw.get("uvm_row_s", 0.0) > 0.0:
+                kw["uvm_bw"] = 128.0 / (t128 - kw["uvm_row_s"])
+            kw["cost_model"] = COST_MODEL
+            kw["measured"] = tuple(m for m in kw.get("measured", ()) if m not in ("lookup_id_s", "routed_id_s"))
+            warnings.warn(
+                f"{where}: written for cost model 1 (lookup_id_ns): its measured bandwidths are used, its per-id "
+                f"constants replaced by preset {key or 'defaults'!r}; run `embshard calibrate` again to measure "
+                "them (fwd_id_ns, bwd_id_ns, bwd_row_ns, uvm_row_ns)",
+                stacklevel=2,
+            )
         return cls(**kw)
 
     def save(self, path: str | Path) -> None:
@@ -228,6 +289,22 @@ class Topology:
         )
 
 
+_NONNEGATIVE = (
+    "collective_latency_s",
+    "inter_collective_latency_s",
+    "kernel_s",
+    "host_sync_s",
+    "l2_bytes",
+    "fwd_id_s",
+    "fwd_byte_s",
+    "bwd_id_s",
+    "bwd_byte_s",
+    "bwd_row_s",
+    "routed_id_s",
+    "bag_s",
+    "uvm_row_s",
+    "uvm_page_s",
+)
 _UNITS: dict[str, tuple[str, float]] = {
     "hbm_bytes": ("hbm_gib", GIB),
     "ddr_bytes": ("ddr_gib", GIB),
@@ -240,19 +317,43 @@ _UNITS: dict[str, tuple[str, float]] = {
     "inter_collective_latency_s": ("inter_collective_latency_us", US),
     "kernel_s": ("kernel_us", US),
     "host_sync_s": ("host_sync_us", US),
+    "l2_bytes": ("l2_mib", MIB),
+    "fwd_id_s": ("fwd_id_ns", 1e-9),
+    "fwd_byte_s": ("fwd_byte_ns", 1e-9),
+    "bwd_id_s": ("bwd_id_ns", 1e-9),
+    "bwd_byte_s": ("bwd_byte_ns", 1e-9),
+    "bwd_row_s": ("bwd_row_ns", 1e-9),
     "routed_id_s": ("routed_id_ns", 1e-9),
-    "lookup_id_s": ("lookup_id_ns", 1e-9),
+    "bag_s": ("bag_ns", 1e-9),
+    "uvm_row_s": ("uvm_row_ns", 1e-9),
+    "uvm_page_s": ("uvm_page_ns", 1e-9),
 }
 
 # Per-GPU-model defaults. HBM sizes are what torch reports as total_memory. hbm_bw: device-to-device copy,
-# read + write counted (measured here: H100 ~3.0 TB/s, H200 ~4.3 TB/s; A100 80GB ~1.7 TB/s). uvm_bw: row
-# gathers from host memory over PCIe gen5 (H100/H200) or gen4 (A100), well below the link's copy speed.
-# intra_host_bw: NCCL all-to-all bus bandwidth over NVLink4 (NVLink3 for A100); inter_host_bw: one 400 Gb/s
-# (200 Gb/s for A100) NIC per GPU. ddr_bytes: 2 TiB hosts with 8 GPUs. The per-id overheads are fitted to
-# TorchRec 1.6 on 2 H200 with the hetero124 model: routed_id_s = 0.5 ns (table-wise took 12.3 ms more per step
-# than data-parallel for 24.6M routed ids per rank) and lookup_id_s = 0.17 ns (the byte model alone predicted
-# 4.3 ms less than measured for ~25M ids per rank in both placements); `embshard calibrate` measures
-# lookup_id_s on the machine.
+# read + write counted (`embshard calibrate` on an H200: 3.88 TB/s; H100 SXM ~3.0 TB/s, A100 80GB ~1.7 TB/s).
+# uvm_bw / uvm_row_s: row reads from host memory over PCIe gen5 (gen4 for A100): 55 GB/s is the pinned
+# host->GPU copy speed calibrate measured on the H200 machine, and 0.34 ns per row makes 128-byte rows come out
+# at the 33 GB/s its row-gather test measured. intra_host_bw: NCCL all-to-all / all-reduce bus bandwidth per
+# rank as measured inside training steps on 2 H200 (54.5 MB of pooled rows in 190 us, a 68 MB all-reduce in
+# 237 us: ~290 GB/s); inter_host_bw: one 400 Gb/s (200 Gb/s for A100) NIC per GPU. ddr_bytes: 2 TiB hosts with
+# 8 GPUs. The per-id and per-row constants are fitted to FBGEMM kernel times of profiled training steps on
+# 2 H200 (docs/planner.md "Constants"); H100 shares the H200's chip (same SMs and clocks), so it keeps them;
+# A100's are scaled by 1.7 (108 SMs at 1.41 GHz against 132 at 1.98 GHz).
+_GPU_FITTED: dict[str, Any] = dict(
+    kernel_s=10 * US,
+    host_sync_s=1500 * US,
+    l2_bytes=50 * MIB,
+    fwd_id_s=18e-12,
+    fwd_byte_s=0.0,
+    bwd_id_s=35e-12,
+    bwd_byte_s=0.0,
+    bwd_row_s=300e-12,
+    routed_id_s=20e-12,
+    bag_s=0.2e-9,
+    uvm_row_s=1.5e-9,
+    uvm_page_s=36e-9,
+)
+_A100_SCALE = 1.7
 PRESETS: dict[str, dict[str, Any]] = {
     "h100": dict(
         device_name="h100",
@@ -260,23 +361,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         hbm_bytes=int(79.2 * GIB),
         ddr_bytes=256 * GIB,
         hbm_bw=3.0e12,
-        uvm_bw=40e9,
+        uvm_bw=55e9,
         ddr_bw=50e9,
-        intra_host_bw=350e9,
+        intra_host_bw=290e9,
         inter_host_bw=45e9,
-        lookup_id_s=0.17e-9,
+        **_GPU_FITTED,
     ),
     "h200": dict(
         device_name="h200",
         compute_device="cuda",
         hbm_bytes=int(139.8 * GIB),
         ddr_bytes=256 * GIB,
-        hbm_bw=4.3e12,
-        uvm_bw=40e9,
+        hbm_bw=3.9e12,
+        uvm_bw=55e9,
         ddr_bw=50e9,
-        intra_host_bw=350e9,
+        intra_host_bw=290e9,
         inter_host_bw=45e9,
-        lookup_id_s=0.17e-9,
+        **_GPU_FITTED,
     ),
     "a100": dict(
         device_name="a100",
@@ -284,13 +385,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         hbm_bytes=int(79.2 * GIB),
         ddr_bytes=256 * GIB,
         hbm_bw=1.7e12,
-        uvm_bw=20e9,
+        uvm_bw=25e9,
         ddr_bw=40e9,
-        intra_host_bw=230e9,
+        intra_host_bw=200e9,
         inter_host_bw=22e9,
-        lookup_id_s=0.17e-9,
+        **{
+            **_GPU_FITTED,
+            "l2_bytes": 40 * MIB,
+            **{k: v * _A100_SCALE for k, v in _GPU_FITTED.items() if k.endswith("_id_s") or k.endswith("row_s")},
+            "bag_s": _GPU_FITTED["bag_s"] * _A100_SCALE,
+        },
     ),
-    # CPU training: one process per rank on one host; gloo over shared memory / loopback TCP.
+    # CPU training: one process per rank on one host; gloo over shared memory / loopback TCP. Lookups are bound by
+    # arithmetic: per id 7 ns + 0.17 ns per row byte forward, 13 ns + 0.25 ns per row byte backward (FBGEMM's CPU
+    # kernels, `embshard calibrate` on a 2-core CI machine: 16-wide rows ~18 / ~29 ns, 128-wide ~94 / ~144 ns).
     "cpu": dict(
         device_name="cpu",
         compute_device="cpu",
@@ -305,8 +413,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         inter_collective_latency_s=200 * US,
         kernel_s=20 * US,
         host_sync_s=0.0,
+        l2_bytes=0,
+        fwd_id_s=7e-9,
+        fwd_byte_s=0.17e-9,
+        bwd_id_s=13e-9,
+        bwd_byte_s=0.25e-9,
+        bwd_row_s=0.0,
         routed_id_s=5e-9,
-        lookup_id_s=20e-9,
+        bag_s=0.0,
+        uvm_row_s=0.0,
+        uvm_page_s=0.0,
     ),
 }
 ALIASES = {"h100_sxm": "h100", "h100_80gb": "h100", "h200_141gb": "h200", "a100_80gb": "a100"}
