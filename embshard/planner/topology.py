@@ -175,16 +175,18 @@ class Topology:
 
     @classmethod
     def detect(cls, world_size: int | None = None, local_world_size: int | None = None) -> Topology:
-        """Read the local machine: GPU model and memory (torch.cuda), host memory (/proc/meminfo). Speeds come
-        from the matching preset. Rank counts default to torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else one rank
+        """Read the local machine: GPU model, memory and L2 size (torch.cuda), host memory (/proc/meminfo). Speeds
+        come from the matching preset. Rank counts default to torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else one rank
         per local GPU (on CPUs: all ranks on this host)."""
         import torch
 
         env_ws, env_lws = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+        l2 = 0
         if torch.cuda.is_available():
             n_local = torch.cuda.device_count()
             props = [torch.cuda.get_device_properties(i) for i in range(n_local)]
             hbm = min(p.total_memory for p in props)
+            l2 = int(getattr(props[0], "L2_cache_size", 0) or 0)
             key = preset_for_gpu(props[0].name, hbm)
             lws = local_world_size or int(env_lws or n_local)
         else:  # CPU ranks are processes of this host unless told otherwise
@@ -196,6 +198,8 @@ class Topology:
         kw: dict[str, Any] = {"source": f"detected ({key} speeds from preset)"}
         if hbm:
             kw["hbm_bytes"] = int(hbm)
+        if l2:
+            kw["l2_bytes"] = l2
         if host_mem:
             kw["ddr_bytes"] = int(host_mem // lws)
         return replace(topo, **kw)
