@@ -62,7 +62,7 @@ class Topology:
     """Fixed cost of one collective spanning hosts (seconds)."""
     kernel_s: float = 10 * US
     """Fixed cost of one kernel launch in a lookup group (seconds); the cost model counts the kernels per group."""
-    host_sync_s: float = 1500 * US
+    host_sync_s: float = 1000 * US
     """Cost of the input exchange's device-to-host synchronisation per sharding scheme, seconds: the wait itself
     plus the GPU idling while the host issues the exchange's small kernels after it (launch-bound)."""
     l2_bytes: int = 50 * MIB
@@ -345,7 +345,7 @@ _UNITS: dict[str, tuple[str, float]] = {
 # A100's are scaled by 1.7 (108 SMs at 1.41 GHz against 132 at 1.98 GHz).
 _GPU_FITTED: dict[str, Any] = dict(
     kernel_s=10 * US,
-    host_sync_s=1500 * US,
+    host_sync_s=1000 * US,
     l2_bytes=50 * MIB,
     fwd_id_s=18e-12,
     fwd_byte_s=0.0,
