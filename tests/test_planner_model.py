@@ -327,21 +327,28 @@ def test_cost_model_1_files_load_with_a_warning_and_preset_per_id_constants():
         Topology.from_dict({**old, "cost_model": 7}, "new.yaml")
 
 
-def test_the_repository_calibrated_file_predicts_both_workloads():
-    """configs/topology/h200x2_calibrated.yaml (cost model 1) once predicted hetero124 at 28.5 ms (measured 8.15
-    then, 6.62 since the runtime fixes) because its per-id cost was charged to 16-wide ids like 128-wide ones."""
+def test_the_repository_calibrated_file_loads_and_predicts_the_table_wise_workloads():
+    """configs/topology/h200x2_calibrated.yaml: `embshard calibrate` on 2 H200 (cost model 2, loads without a
+    warning). Its standalone-kernel per-id constants predict the table-wise uniform26 (measured 3.97 ms) and the
+    overflow plan (5.06 ms) within 20%; on hetero124's 25 M data-parallel ids they are 41% high (docs/planner.md),
+    which is why the presets keep step-fitted per-id constants."""
+    import warnings
+
     from embshard.plan import MemoryTier as T
     from embshard.plan import simple_plan
-    from embshard.planner import predict
+    from embshard.planner import plan_with_report, predict
 
-    with pytest.warns(UserWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         topo = Topology.load("configs/topology/h200x2_calibrated.yaml")
-    het = [TableConfig(f"b{i}", 100_000_000, 128, (f"b{i}",), ids_per_bag=1) for i in range(4)]
-    het += [TableConfig(f"m{i}", 5_000_000, 64, (f"m{i}",), ids_per_bag=5) for i in range(20)]
-    het += [TableConfig(f"s{i}", 10_000, 16, (f"s{i}",), ids_per_bag=30) for i in range(100)]
-    dp = {t.name: ShardingType.DATA_PARALLEL for t in het if t.name.startswith("s")}
-    r = predict(simple_plan(het, 2, sharding_types=dp, tier=T.HBM), het, topo, 8192, ROWWISE)
-    assert r.step_time_s == pytest.approx(6.62e-3, rel=0.2)
+    assert "uvm_page_s" in topo.measured and topo.cost_model == 2
+    u26 = [TableConfig(f"t{i}", 1_000_000, 128, (f"f{i}",), ids_per_bag=10) for i in range(26)]
+    r = predict(simple_plan(u26, 2, tier=T.HBM), u26, topo, 8192, ROWWISE)
+    assert r.step_time_s == pytest.approx(3.97e-3, rel=0.2)
+    ovf = [TableConfig(f"o{i}", 20_000_000, 128, (f"o{i}",), ids_per_bag=2) for i in range(6)]
+    ovf += [TableConfig(f"p{i}", 1_000_000, 64, (f"p{i}",), ids_per_bag=20) for i in range(10)]
+    _, r = plan_with_report(ovf, topo.with_sizes(hbm_gib=16), 8192, ROWWISE)
+    assert r.step_time_s == pytest.approx(5.06e-3, rel=0.2)
 
 
 # ---- calibration fits -------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class Topology:
     per (feature, sample) segment; the cost model counts the passes."""
     uvm_row_s: float = 1.5e-9
     """Latency part of one row access over the host link (seconds), on top of gather(row, 64 B) / uvm_bw."""
-    uvm_page_s: float = 36e-9
+    uvm_page_s: float = 0.35e-9
     """Extra time per host-memory row access when the shard is much larger than the GPU's translation reach for
     host memory (seconds; scaled by the share of accesses that miss, see cost.py)."""
     source: str = "preset"
@@ -355,7 +355,7 @@ _GPU_FITTED: dict[str, Any] = dict(
     routed_id_s=20e-12,
     bag_s=0.2e-9,
     uvm_row_s=1.5e-9,
-    uvm_page_s=36e-9,
+    uvm_page_s=0.35e-9,
 )
 _A100_SCALE = 1.7
 PRESETS: dict[str, dict[str, Any]] = {
