@@ -10,7 +10,7 @@ steps=${STEPS:-100}
 baseline=shared/baselines/torchrec_dmp.py   # copy of ../shared/baselines, carried to the device
 run() { echo "+ torchrun --nproc-per-node=2 $* --steps $steps"; timeout 300 python3 -m torch.distributed.run --nproc-per-node=2 "$@" --steps $steps 2>&1 | grep -E "ms/step|plan|probe|Error|error" | grep -vE "Warn|WARNING"; }
 es() { local w=$1; shift; run bench/embshard_dmp.py --workload $w --plan planner --save-plan $out/plan_$w.yaml "$@"
-       [ -n "${TOPOLOGY:-}" ] && run bench/embshard_dmp.py --workload $w --plan planner --topology $TOPOLOGY --save-plan $out/plan_${w}_calibrated.yaml "$@"; }
+       if [ -n "${TOPOLOGY:-}" ]; then run bench/embshard_dmp.py --workload $w --plan planner --topology $TOPOLOGY --save-plan $out/plan_${w}_calibrated.yaml "$@"; fi; }
 for set in ${@:-uniform26}; do
   date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
   case $set in
