@@ -58,29 +58,11 @@ def embshard_seconds(n: int, world: int, local: int) -> tuple[float, float]:
 
 def torchrec_child(n: int, world: int, local: int) -> None:
     """Runs in a subprocess: TorchRec's planner on the same tables (meta-device EBC), prints its seconds."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    import torch
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec_planner import torchrec_inputs
 
-    tables = mixed_tables(n)
-    configs = [
-        EmbeddingBagConfig(
-            name=t.name,
-            embedding_dim=t.embedding_dim,
-            num_embeddings=t.num_embeddings,
-            feature_names=list(t.feature_names),
-        )
-        for t in tables
-    ]
-    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    constraints = {t.name: ParameterConstraints(pooling_factors=[t.ids_per_bag]) for t in tables}
+    ebc, constraints = torchrec_inputs(mixed_tables(n))
     t0 = time.perf_counter()
     topo = Topology(world_size=world, local_world_size=local, compute_device="cuda", hbm_cap=80 * 1024**3)
     planner = EmbeddingShardingPlanner(topology=topo, batch_size=BATCH, constraints=constraints)

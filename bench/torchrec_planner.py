@@ -22,21 +22,13 @@ KERNEL_TIER = {
 }
 
 
-def torchrec_plan(
-    tables: Sequence[TableConfig],
-    world_size: int,
-    local_world_size: int,
-    hbm_gib: float | None,
-    batch_size: int,
-    ddr_gib: float | None = None,
-) -> ShardingPlan:
-    """Plan with TorchRec's EmbeddingShardingPlanner (meta-device EmbeddingBagCollection, pooling factors from
-    ids_per_bag; hbm_gib None: TorchRec's default 32 GiB) and convert the result."""
+def torchrec_inputs(tables: Sequence[TableConfig]) -> tuple:
+    """(meta-device EmbeddingBagCollection, ParameterConstraints with the pooling factors from ids_per_bag): what
+    TorchRec's planner needs for `tables`. Silences TorchRec's warnings and logging."""
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     import torch
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner import ParameterConstraints
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -51,6 +43,23 @@ def torchrec_plan(
     ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     constraints = {t.name: ParameterConstraints(pooling_factors=[t.ids_per_bag] * len(t.feature_names)) for t in tables}
+    return ebc, constraints
+
+
+def torchrec_plan(
+    tables: Sequence[TableConfig],
+    world_size: int,
+    local_world_size: int,
+    hbm_gib: float | None,
+    batch_size: int,
+    ddr_gib: float | None = None,
+) -> ShardingPlan:
+    """Plan with TorchRec's EmbeddingShardingPlanner (meta-device EmbeddingBagCollection, pooling factors from
+    ids_per_bag; hbm_gib None: TorchRec's default 32 GiB) and convert the result."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    ebc, constraints = torchrec_inputs(tables)
     kw = {}
     if hbm_gib is not None:
         kw["hbm_cap"] = int(hbm_gib * 1024**3)

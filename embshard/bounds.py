@@ -63,15 +63,14 @@ def check_ids(
     """
     F, B = lengths_FB.shape
     device = values.device
-    from embshard.sharding.exchange import cached_tensor
+    from embshard.sharding.exchange import cached_tensor, feature_of_ids
 
     rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], device)
     ids_F = lengths_FB.sum(1).to(torch.int64)
-    limit = torch.repeat_interleave(rows_F, ids_F, output_size=values.numel())
-    bad = (values < 0) | (values >= limit)
+    feature_of = feature_of_ids(ids_F, values.numel())
+    bad = (values < 0) | (values >= rows_F[feature_of])
     if not bool(bad.any()):
         return lengths_FB, values, weights
-    feature_of = torch.repeat_interleave(torch.arange(F, device=device), ids_F, output_size=values.numel())
     if mode is BoundsCheck.ERROR:
         pos = int(bad.nonzero()[0])
         key = keys[int(feature_of[pos])]

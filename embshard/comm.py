@@ -93,52 +93,38 @@ def start_all_to_all(
     return AllToAllHandle(tensor, received, work, input_splits, output_splits, group)
 
 
-class AllReduceHandle:
-    """An all-reduce (sum) in flight; `wait()` returns the reduced tensor."""
+class CollectiveHandle:
+    """A collective without autograd in flight (all-reduce, all-gather); `wait()` returns its result tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work | None) -> None:
-        self._tensor = tensor
+    def __init__(self, result: torch.Tensor, work: dist.Work | None) -> None:
+        self._result = result
         self._work = work
 
     def wait(self) -> torch.Tensor:
-        """Block until the sum is complete and return it."""
+        """Block until the collective is complete and return its result."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-        return self._tensor
+        return self._result
 
 
-def start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> AllReduceHandle:
-    """Start an in-place sum over ranks of `tensor` (no autograd)."""
+def start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> CollectiveHandle:
+    """Start an in-place sum over ranks of `tensor` (no autograd); `wait()` returns `tensor`."""
     if _world(group) == 1:
-        return AllReduceHandle(tensor, None)
-    return AllReduceHandle(tensor, dist.all_reduce(tensor, group=group, async_op=True))
+        return CollectiveHandle(tensor, None)
+    return CollectiveHandle(tensor, dist.all_reduce(tensor, group=group, async_op=True))
 
 
-class AllGatherHandle:
-    """An all-gather in flight; `wait()` returns `[W, *shape]`: every rank's tensor, in rank order."""
-
-    def __init__(self, gathered: torch.Tensor, work: dist.Work | None) -> None:
-        self._gathered = gathered
-        self._work = work
-
-    def wait(self) -> torch.Tensor:
-        """Block until every rank's tensor has arrived and return them stacked."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return self._gathered
-
-
-def start_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> AllGatherHandle:
-    """Start gathering `tensor` (same shape on every rank) from every rank (no autograd)."""
+def start_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> CollectiveHandle:
+    """Start gathering `tensor` (same shape on every rank) from every rank (no autograd); `wait()` returns
+    `[W, *shape]`, every rank's tensor in rank order."""
     W = _world(group)
     flat = tensor.new_empty(W * tensor.numel())  # gloo wants the flat concatenation
     if W == 1:
         flat.copy_(tensor.reshape(-1))
-        return AllGatherHandle(flat.view(W, *tensor.shape), None)
+        return CollectiveHandle(flat.view(W, *tensor.shape), None)
     work = dist.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
-    return AllGatherHandle(flat.view(W, *tensor.shape), work)
+    return CollectiveHandle(flat.view(W, *tensor.shape), work)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:

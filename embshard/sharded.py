@@ -78,7 +78,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.options = options or LookupOptions()
         self._dropped: dict[str, int] = {}
         self.features = feature_order(tables)
-        self._column = {f: i for i, f in enumerate(self.features)}  # columns of the per-step id counts
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self._feature_dims = [self._table_of[f].embedding_dim for f in self.features]
         self.schemes = nn.ModuleList(
@@ -153,6 +152,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lengths_FB, values, weights, self._kjt_layout[0], self._table_of, self.options.bounds_check, self._dropped
         )
 
+    def _canonical_rows(self, index: dict[str, int], device: torch.device) -> torch.Tensor:
+        """The rows of the batch's `[F, B]` lengths (KJT key order, `index`) that give the canonical order."""
+        return cached_tensor([index[f] for f in self.features], device)
+
     def _input_dist(self, lengths_FB, values, weights, index, check: bool) -> tuple[list, torch.Tensor]:
         """One all-gather of every rank's batch size, ids per feature and out-of-range id count, read with the
         step's one host sync (`gather_batch_counts`); then every scheme lays out its ids with known sizes and starts
@@ -163,9 +166,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if drop:
             lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
         bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if check and not drop else None
-        order = cached_tensor([index[f] for f in self.features], lengths_FB.device)
-        ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, order)
-        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self._column, self.group)
+        ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, self._canonical_rows(index, lengths_FB.device))
+        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group)
         if counts.bad_ranks:
             if self.rank in counts.bad_ranks:
                 self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
@@ -280,8 +282,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _apply_mean(
         self, blocks: list[torch.Tensor], lengths_FB: torch.Tensor, index: dict[str, int]
     ) -> list[torch.Tensor]:
-        order = cached_tensor([index[f] for f in self.features], lengths_FB.device)
-        lengths_BF = lengths_FB.index_select(0, order).t().to(torch.float32)  # canonical feature order
+        lengths_BF = (
+            lengths_FB.index_select(0, self._canonical_rows(index, lengths_FB.device)).t().to(torch.float32)
+        )  # canonical feature order
         mask = self._mean_mask
         scale_BF = torch.where(mask, 1.0 / lengths_BF.clamp(min=1.0), torch.ones_like(lengths_BF))
         scale_BF = scale_BF.to(blocks[0].dtype) if blocks else scale_BF

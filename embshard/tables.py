@@ -125,3 +125,8 @@ def validate_tables(tables: Sequence[TableConfig]) -> None:
 def feature_order(tables: Sequence[TableConfig]) -> list[str]:
     """The canonical feature order: tables in the given order, each table's features in its order."""
     return [f for t in tables for f in t.feature_names]
+
+
+def feature_columns(tables: Sequence[TableConfig]) -> dict[str, int]:
+    """Feature -> its position in the canonical order (the columns of the per-step id counts)."""
+    return {f: i for i, f in enumerate(feature_order(tables))}

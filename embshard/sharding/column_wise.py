@@ -20,7 +20,7 @@ from embshard.lookup import LocalShard
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.table_wise import RoutedSharding
-from embshard.tables import TableConfig
+from embshard.tables import TableConfig, feature_columns
 from embshard.tiers import LookupOptions
 
 
@@ -55,4 +55,6 @@ def column_wise(
             key_source.update({k: f for k, f in zip(keys, cfg.feature_names)})
     if not key_source:
         return None
-    return RoutedSharding(shards_per_rank, key_source, rank, optimizer, device, group, seed, options)
+    return RoutedSharding(
+        shards_per_rank, key_source, feature_columns(tables), rank, optimizer, device, group, seed, options
+    )

@@ -28,7 +28,7 @@ every rank applies the same update to the same all-reduced gradient.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
 import numpy as np
@@ -40,8 +40,8 @@ from embshard.comm import start_all_reduce, world_and_rank
 from embshard.lookup import LocalShard, init_rows
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.exchange import BatchCounts, LocalIds, LookupInput, cached_tensor
-from embshard.tables import ConfigError, DataType, TableConfig
+from embshard.sharding.exchange import BatchCounts, LocalIds, LookupInput, cached_tensor, feature_of_ids
+from embshard.tables import ConfigError, DataType, TableConfig, feature_columns
 from embshard.tiers import LookupOptions
 
 # FBGEMM's CPU kernel builds its own autograd graph (the gradient is right) but torch warns on its backward.
@@ -162,7 +162,7 @@ class DataParallelLookup(nn.Module):
         if B == 0:
             return values_F[:0]
         counts_F = offsets[::B].diff().long()  # offsets at each feature's first bag, and the end
-        return torch.repeat_interleave(values_F, counts_F, output_size=n_ids)
+        return values_F[feature_of_ids(counts_F, n_ids)]
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
@@ -233,6 +233,7 @@ class DataParallelSharding(nn.Module):
     def __init__(
         self,
         shards: Sequence[LocalShard],
+        columns: Mapping[str, int],
         optimizer: FusedOptimizerConfig,
         device: torch.device,
         group: dist.ProcessGroup | None,
@@ -245,7 +246,7 @@ class DataParallelSharding(nn.Module):
         self.keys, self.key_dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
         self.out_keys, self.out_dims = [self.keys], [self.key_dims]  # one output block
         self.rank = world_and_rank(group)[1]
-        self._cols: np.ndarray | None = None  # columns of BatchCounts.ids of the keys (first step)
+        self._cols = np.array([columns[f] for f in self.keys], dtype=np.int64)  # in BatchCounts.ids
         self.weighted = any(s.table.weighted for s in shards)
 
     def local_ids(
@@ -257,8 +258,6 @@ class DataParallelSharding(nn.Module):
         counts: BatchCounts,
     ) -> LocalIds:
         """Select this scheme's features from the local batch (sized from `counts`: no host sync)."""
-        if self._cols is None:
-            self._cols = np.array([counts.column[f] for f in self.keys])
         n = int(counts.ids[self.rank, self._cols].sum())
         select = cached_tensor([feature_index[f] for f in self.keys], values.device, torch.int32)
         if weights is None and self.weighted:
@@ -304,4 +303,4 @@ def data_parallel(
             )
     if not shards:
         return None
-    return DataParallelSharding(shards, optimizer, device, group, seed, options)
+    return DataParallelSharding(shards, feature_columns(tables), optimizer, device, group, seed, options)

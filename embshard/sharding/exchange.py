@@ -16,7 +16,7 @@ one more small all-to-all and sync (only when the plan has row-wise tables).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
@@ -85,6 +85,14 @@ def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     return csum[bounds[1:]] - csum[bounds[:-1]]
 
 
+def feature_of_ids(ids_F: torch.Tensor, n: int) -> torch.Tensor:
+    """For `n` ids laid out feature-major with `ids_F[f]` ids of feature f, the feature of each id (no host sync).
+    The same as `repeat_interleave(arange(F), ids_F)`, whose CUDA kernel spends one thread per feature: slow for a
+    few features of many ids."""
+    ends = ids_F.to(torch.int64).cumsum(0)
+    return torch.searchsorted(ends, torch.arange(n, device=ids_F.device), right=True)
+
+
 @dataclass
 class BatchCounts:
     """Every rank's local batch size and ids per feature this step, on the host (`gather_batch_counts`)."""
@@ -92,9 +100,7 @@ class BatchCounts:
     batch_sizes: list[int]
     """Local batch size of every rank."""
     ids: np.ndarray
-    """`[W, F]` ids of each rank's local batch per feature, features in the collection's order (`column`)."""
-    column: dict[str, int]
-    """Feature -> its column of `ids`."""
+    """`[W, F]` ids of each rank's local batch per feature, features in the canonical order (`feature_columns`)."""
     bad_ranks: list[int]
     """Ranks that found out-of-range ids in their local batch."""
 
@@ -103,12 +109,11 @@ def gather_batch_counts(
     ids_F: torch.Tensor,
     batch_size: int,
     bad: torch.Tensor | None,
-    column: dict[str, int],
     group: dist.ProcessGroup | None,
 ) -> BatchCounts:
     """One all-gather of every rank's (batch size, out-of-range id count, ids per feature), then one host sync:
     every id exchange of the step can be sized from these on the host (row-wise bucketing aside). `ids_F` is this
-    rank's `[F]` ids per feature in `column` order."""
+    rank's `[F]` ids per feature in the canonical order."""
     row = torch.cat([cached_tensor([batch_size, 0], ids_F.device), ids_F.to(torch.int64)])  # a new tensor
     if bad is not None:
         row[1:2] = bad.reshape(1)
@@ -116,12 +121,11 @@ def gather_batch_counts(
     return BatchCounts(
         batch_sizes=[int(b) for b in table[:, 0]],
         ids=table[:, 2:],
-        column=column,
         bad_ranks=[r for r in range(table.shape[0]) if table[r, 1]],
     )
 
 
-def route_matrix(sources_per_rank: Sequence[Sequence[str]], column: dict[str, int]) -> np.ndarray:
+def route_matrix(sources_per_rank: Sequence[Sequence[str]], column: Mapping[str, int]) -> np.ndarray:
     """`[F, W]`: how many of rank d's lookup keys read feature f (the ids of f go to d that many times)."""
     m = np.zeros((len(column), len(sources_per_rank)), dtype=np.int64)
     for d, sources in enumerate(sources_per_rank):

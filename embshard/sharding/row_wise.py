@@ -19,7 +19,7 @@ ranks of one host) is the same class fed with other tables (see table_row_wise.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType, TablePlan
 from embshard.sharding.exchange import BatchCounts, LocalIds, PooledExchangeHandle, cached_tensor, segment_sums
 from embshard.sharding.table_wise import RoutedSharding
-from embshard.tables import TableConfig
+from embshard.tables import TableConfig, feature_columns
 from embshard.tiers import LookupOptions
 
 
@@ -56,12 +56,14 @@ class SummedPooledHandle:
 class RowBlockSharding(RoutedSharding):
     """Tables cut into uniform row blocks; ids bucketed by block, partial sums added up after the output dist.
 
-    `entries` lists (table index, table, its plan) for the tables of this scheme, in collection order.
+    `entries` lists (table index, table, its plan) for the tables of this scheme, in collection order; `columns`
+    is `feature_columns` of the collection's tables.
     """
 
     def __init__(
         self,
         entries: Sequence[tuple[int, TableConfig, TablePlan]],
+        columns: Mapping[str, int],
         world_size: int,
         rank: int,
         optimizer: FusedOptimizerConfig,
@@ -85,14 +87,16 @@ class RowBlockSharding(RoutedSharding):
             features += cfg.feature_names
             block_size.update({f: blocks[0].num_rows for f in cfg.feature_names})
             dims.update({f: cfg.embedding_dim for f in cfg.feature_names})
-        super().__init__(shards_per_rank, {f: f for f in features}, rank, optimizer, device, group, seed, options)
+        super().__init__(
+            shards_per_rank, {f: f for f in features}, columns, rank, optimizer, device, group, seed, options
+        )
         # Output: one key per feature, summed over the ranks holding its blocks.
         self.in_features = features
         self.keys = list(features)
         self.key_dims = [dims[f] for f in features]
         self._block_sizes = [block_size[f] for f in features]
         self.out_keys, self.out_dims = [self.keys], [self.key_dims]  # one block: the partial sums added up
-        self._cols: np.ndarray | None = None  # columns of BatchCounts.ids of the features (first step)
+        self._cols = np.array([columns[f] for f in features], dtype=np.int64)  # in BatchCounts.ids
         F = len(features)
         pos = {f: j for j, f in enumerate(features)}
         # Bucketize output row (block b, feature f) is b * F + f; the send order is (rank d, its route keys).
@@ -127,8 +131,6 @@ class RowBlockSharding(RoutedSharding):
             weights = torch.ones_like(values, dtype=torch.float32)
         weights = weights if self.weighted else None
         B = lengths_FB.shape[1]
-        if self._cols is None:
-            self._cols = np.array([counts.column[f] for f in self.in_features])
         n = int(counts.ids[self.rank, self._cols].sum())
         lengths_sel, values_sel, weights_sel = torch.ops.fbgemm.permute_2D_sparse_data(
             select, lengths_FB, values, weights, n
@@ -172,4 +174,6 @@ def row_wise(
     entries = row_block_entries(tables, plan, ShardingType.ROW_WISE)
     if not entries:
         return None
-    return RowBlockSharding(entries, plan.world_size, rank, optimizer, device, group, seed, options)
+    return RowBlockSharding(
+        entries, feature_columns(tables), plan.world_size, rank, optimizer, device, group, seed, options
+    )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.row_wise import RowBlockSharding, row_block_entries
-from embshard.tables import TableConfig
+from embshard.tables import TableConfig, feature_columns
 from embshard.tiers import LookupOptions
 
 
@@ -38,4 +38,6 @@ def table_row_wise(
     entries = row_block_entries(tables, plan, ShardingType.TABLE_ROW_WISE)
     if not entries:
         return None
-    return RowBlockSharding(entries, plan.world_size, rank, optimizer, device, group, seed, options)
+    return RowBlockSharding(
+        entries, feature_columns(tables), plan.world_size, rank, optimizer, device, group, seed, options
+    )

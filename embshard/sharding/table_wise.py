@@ -11,7 +11,7 @@ Data flow for one step, on every rank:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import numpy as np
@@ -33,7 +33,7 @@ from embshard.sharding.exchange import (
     start_pooled_exchange,
     start_sparse_exchange,
 )
-from embshard.tables import TableConfig
+from embshard.tables import TableConfig, feature_columns
 from embshard.tiers import LookupOptions
 
 
@@ -46,13 +46,14 @@ class RoutedSharding(nn.Module):
     """Whole shards placed on ranks; ids are routed to the shard's rank and pooled rows routed back.
 
     `shards_per_rank[d]` lists the shards on rank d (the same list on every rank); `key_source[k]` names the
-    input feature whose ids lookup key k reads.
+    input feature whose ids lookup key k reads; `columns` is `feature_columns` of the collection's tables.
     """
 
     def __init__(
         self,
         shards_per_rank: Sequence[Sequence[LocalShard]],
         key_source: dict[str, str],
+        columns: Mapping[str, int],
         rank: int,
         optimizer: FusedOptimizerConfig,
         device: torch.device,
@@ -68,8 +69,8 @@ class RoutedSharding(nn.Module):
         self.route_keys = [[k for s in shards for k in s.features] for shards in ordered]
         self.route_sources = [[key_source[k] for k in keys] for keys in self.route_keys]
         self.sources = [f for srcs in self.route_sources for f in srcs]  # input feature of each route, send order
-        self._route_matrix: np.ndarray | None = None  # [F, W] keys of rank d reading feature f (first step)
-        self._my_cols: np.ndarray | None = None  # columns of BatchCounts.ids of this rank's keys' sources
+        self._routes = route_matrix(self.route_sources, columns)  # [F, W] keys of rank d reading feature f
+        self._my_cols = np.array([columns[f] for f in self.route_sources[rank]], dtype=np.int64)  # my keys' sources
         self.n_features = [len(k) for k in self.route_keys]
         self.dims_per_rank = [sum(s.shard.num_cols * len(s.features) for s in shards) for shards in ordered]
         # Output keys (columns of the output tensor), rank by rank, with their widths.
@@ -94,29 +95,18 @@ class RoutedSharding(nn.Module):
         """The local batch's ids of each rank's lookup keys, destination-major, with the ids sent to and received
         from every rank (from `counts`: no host sync). `lengths_FB` is the local batch's `[F, B]` lengths in the
         order `feature_index` gives."""
-        routes = self._routes(counts.column)
-        sent = counts.ids[self.rank] @ routes  # [W] ids to each destination
-        received = counts.ids @ routes[:, self.rank]  # [W] ids from each source
+        sent = counts.ids[self.rank] @ self._routes  # [W] ids to each destination
+        received = counts.ids @ self._routes[:, self.rank]  # [W] ids from each source
         perm = cached_tensor([feature_index[f] for f in self.sources], values.device, torch.int32)
         if weights is None and self.weighted:
             weights = torch.ones_like(values, dtype=torch.float32)
         send_lengths, send_values, send_weights = torch.ops.fbgemm.permute_2D_sparse_data(
             perm, lengths_FB, values, weights if self.weighted else None, int(sent.sum())
         )
-        key_ids = counts.ids[:, self._my_columns(counts.column)].sum(0).tolist()  # per key of mine, all sources
+        key_ids = counts.ids[:, self._my_cols].sum(0).tolist()  # per key of mine, over all sources
         return LocalIds(
             send_lengths.reshape(-1), send_values, send_weights, sent.tolist(), received.tolist(), key_ids=key_ids
         )
-
-    def _my_columns(self, column: dict[str, int]) -> np.ndarray:
-        if self._my_cols is None:
-            self._my_cols = np.array([column[f] for f in self.route_sources[self.rank]], dtype=np.int64)
-        return self._my_cols
-
-    def _routes(self, column: dict[str, int]) -> np.ndarray:
-        if self._route_matrix is None:
-            self._route_matrix = route_matrix(self.route_sources, column)
-        return self._route_matrix
 
     def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]) -> SparseExchangeHandle:
         """Send each rank the ids of its lookup keys."""
@@ -191,4 +181,6 @@ def table_wise(
         key_source.update({f: f for f in cfg.feature_names})
     if not key_source:
         return None
-    return RoutedSharding(shards_per_rank, key_source, rank, optimizer, device, group, seed, options)
+    return RoutedSharding(
+        shards_per_rank, key_source, feature_columns(tables), rank, optimizer, device, group, seed, options
+    )
