@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
 
 
 class Pooling(str, enum.Enum):
@@ -120,6 +120,14 @@ def validate_tables(tables: Sequence[TableConfig]) -> None:
             owner[f] = t.name
     if not tables:
         raise ConfigError("no tables given: an embedding collection needs at least one table")
+
+
+def check_known_keys(cls: type, keys: Iterable[str], where: str) -> None:
+    """Raise ConfigError naming `where` and the first key that is not a field of dataclass `cls`."""
+    known = {f.name for f in fields(cls)}
+    for key in keys:
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {sorted(known)}")
 
 
 def feature_order(tables: Sequence[TableConfig]) -> list[str]:

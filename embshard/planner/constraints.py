@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from embshard.plan import MemoryTier, ShardingType
-from embshard.tables import ConfigError, TableConfig
+from embshard.tables import ConfigError, TableConfig, check_known_keys
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,7 @@ class ParameterConstraints:
         """From plain data (parsed YAML); unknown keys are an error naming `where` and the key."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a mapping of constraint fields, got {data!r}")
-        known = {f.name for f in fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"{where}: unknown key {key!r}; known keys: {sorted(known)}")
+        check_known_keys(cls, data, where)
         try:
             return cls(**dict(data))
         except ConfigError as e:

@@ -24,7 +24,7 @@ from typing import Any
 from embshard.optim import FusedOptimizerConfig
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.settings import PlannerSettings
-from embshard.tables import ConfigError, TableConfig, validate_tables
+from embshard.tables import ConfigError, TableConfig, check_known_keys, validate_tables
 
 TOP_KEYS = ("batch_size", "device", "optimizer", "tables", "constraints", "settings")
 TABLE_KEYS = {f.name for f in fields(TableConfig)} - {"extra", "init_std"} | {"count"}
@@ -78,10 +78,7 @@ def planner_input_from_dict(data: Any, where: str = "planner input") -> PlannerI
     opt = data.get("optimizer") or {}
     if not isinstance(opt, Mapping):
         raise ConfigError(f"{where}: optimizer must be a mapping, e.g. {{kind: rowwise_adagrad, lr: 0.01}}")
-    known = {f.name for f in fields(FusedOptimizerConfig)}
-    for key in opt:
-        if key not in known:
-            raise ConfigError(f"{where}: optimizer: unknown key {key!r}; known keys: {sorted(known)}")
+    check_known_keys(FusedOptimizerConfig, opt, f"{where}: optimizer")
     try:
         optimizer = FusedOptimizerConfig(**opt)
     except ConfigError as e:

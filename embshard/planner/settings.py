@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from embshard.plan import MemoryTier, ShardingType
-from embshard.tables import ConfigError
+from embshard.tables import ConfigError, check_known_keys
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,7 @@ class PlannerSettings:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "planner settings") -> PlannerSettings:
         """From plain data; unknown keys are an error naming `where` and the key."""
-        known = {f.name for f in fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"{where}: unknown key {key!r}; known keys: {sorted(known)}")
+        check_known_keys(cls, data, where)
         try:
             return cls(**dict(data))
         except (ConfigError, TypeError, ValueError) as e:
