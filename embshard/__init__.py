@@ -1,9 +1,9 @@
 """embshard: sharded embedding tables on FBGEMM TBE kernels."""
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.options import BoundsCheck, LookupOptions, OutputDtype
 from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, simple_plan
 from embshard.tables import ConfigError, DataType, Pooling, TableConfig
-from embshard.tiers import BoundsCheck, LookupOptions, OutputDtype
 
 __all__ = [
     "BoundsCheck",

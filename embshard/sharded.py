@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext as _nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,13 +24,35 @@ from torch import nn
 
 from embshard.bounds import check_ids, count_bad_ids
 from embshard.comm import world_and_rank
+from embshard.lookup.stats import format_cache_stats
+from embshard.ops import cached_tensor
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan
+from embshard.options import BoundsCheck, LookupOptions
+from embshard.plan import Shard, ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
-from embshard.sharding.exchange import IdsOutOfRange, cached_tensor, exchange_counts, gather_batch_counts
-from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
-from embshard.tiers import BoundsCheck, LookupOptions, PrefetchHandle, format_cache_stats
+from embshard.sharding.base import ShardingContext, key_feature
+from embshard.sharding.exchange import IdsOutOfRange, LookupInput, exchange_counts, gather_batch_counts
+from embshard.tables import ConfigError, Pooling, TableConfig, feature_columns, feature_order, validate_tables
+
+
+@dataclass
+class PrefetchHandle:
+    """The next batch, already sent to the ranks that look it up and (UVM-caching) loaded into the caches.
+    Pass it to `ebc(kjt, prefetched=handle)` with the same kjt, once."""
+
+    kjt: Any
+    """The batch it was made for (checked by identity)."""
+    lengths_FB: torch.Tensor
+    """`[F, B]` bag lengths after the bounds check (mean pooling divides by these)."""
+    feature_index: dict[str, int]
+    """Feature -> row of lengths_FB."""
+    inputs: list[LookupInput]
+    """Each scheme's received ids."""
+    stream: Any = None
+    """The CUDA stream the prefetch ran on, or None (the current stream)."""
+    used: bool = False
+    """Set once forward consumed it."""
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -44,7 +68,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         group: process group (default: the world).
         seed: initial weights are a deterministic function of (seed, table index), whatever the sharding;
             None draws them on the device (fast for huge tables, but not reproducible across shardings).
-        options: lookup numerics and runtime options (tiers.LookupOptions): output dtype, fp16 rounding,
+        options: lookup numerics and runtime options (embshard.options.LookupOptions): output dtype, fp16 rounding,
             out-of-range ids (error or drop), UVM-cache prefetch and statistics.
     """
 
@@ -80,15 +104,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.features = feature_order(tables)
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self._feature_dims = [self._table_of[f].embedding_dim for f in self.features]
-        self.schemes = nn.ModuleList(
-            build_schemes(self.tables, plan, rank, self.optimizer, self.device, group, seed, self.options)
+        ctx = ShardingContext(
+            rank, world_size, self.device, group, self.optimizer, self.options, seed, feature_columns(self.tables)
         )
+        self.schemes = nn.ModuleList(build_schemes(self.tables, plan, ctx))
         # Each feature's output columns may be split over several keys (column-wise): keys in column order.
         feature_keys: dict[str, list[tuple[int, str]]] = {f: [] for f in self.features}
         for scheme in self.schemes:
-            for key in scheme.keys:
-                feature, _, col = key.partition("#c")
-                feature_keys[feature].append((int(col or 0), key))
+            for key in scheme.layout.keys:
+                feature, col = key_feature(key)
+                feature_keys[feature].append((col, key))
         self._feature_keys = {f: [k for _, k in sorted(v)] for f, v in feature_keys.items()}
         self.groups = dict(output_groups) if output_groups is not None else None
         regroup_spec = self.groups if self.groups is not None else {"all": self.features}
@@ -100,19 +125,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"{self.features}"
                 )
         # The output dists' blocks, in order: each scheme's `out_keys` (routed schemes: one block per serving rank).
-        self._block_keys = [keys for s in self.schemes for keys in s.out_keys]
+        self._block_keys = [keys for s in self.schemes for keys in s.layout.out_keys]
+        block_dims = [dims for s in self.schemes for dims in s.layout.out_dims]
         self.regroup = Regroup(
             self._block_keys,
-            [dims for s in self.schemes for dims in s.out_dims],
+            block_dims,
             {n: [k for f in members for k in self._feature_keys[f]] for n, members in regroup_spec.items()},
         )
         # Mean pooling: per output block, which input feature each column belongs to (None if all sums).
         self._mean_features = [f for f in self.features if self._table_of[f].pooling is Pooling.MEAN]
         self._col_feature: list[torch.Tensor | None] = []
-        for keys, dims in zip(self._block_keys, [d for s in self.schemes for d in s.out_dims]):
+        for keys, dims in zip(self._block_keys, block_dims):
             cols: list[int] = []
             for key, d in zip(keys, dims):
-                cols += [self.features.index(key.partition("#c")[0])] * d
+                cols += [self.features.index(key_feature(key)[0])] * d
             self._col_feature.append(
                 torch.tensor(cols, dtype=torch.int64, device=self.device) if self._mean_features else None
             )
@@ -229,8 +255,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lengths_FB, values, weights, index = self._local_input(kjt)
             inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check=True)
             for scheme, inp in zip(self.schemes, inputs):
-                if hasattr(scheme, "prefetch"):
-                    scheme.prefetch(inp, main)
+                scheme.prefetch(inp, main)
         return PrefetchHandle(kjt, lengths_FB, index, inputs, stream)
 
     def _consume(self, handle: PrefetchHandle, kjt) -> tuple[list, torch.Tensor, dict[str, int]]:
@@ -259,10 +284,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         cache_group (its tables), group_cache_slots, group_evictions (LRU only, else None).
         Training loops log it every N steps: `log(format_cache_stats(ebc.cache_stats())); ebc.reset_cache_stats()`.
         """
-        stats: dict[str, dict] = {}
-        for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                stats.update(lookup.cache_stats())
+        stats = {k: v for scheme in self.schemes for k, v in scheme.cache_stats().items()}
         if gather and self.world_size > 1:
             everyone: list = [None] * self.world_size
             dist.all_gather_object(everyone, stats, group=self.group)
@@ -272,8 +294,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def reset_cache_stats(self) -> None:
         """Zero the UVM-cache statistics of this rank's tables."""
         for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                lookup.reset_cache_stats()
+            scheme.reset_cache_stats()
 
     def format_cache_stats(self, gather: bool = False) -> str:
         """cache_stats() as one log line per table."""
@@ -294,8 +315,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return out
 
     # ---- state -------------------------------------------------------------------------------------------
-    def local_shards(self) -> list[tuple[str, object, torch.Tensor]]:
-        """(table name, Shard, weights) for every shard on this rank."""
+    def local_shards(self) -> list[tuple[str, Shard, torch.Tensor]]:
+        """(table name, Shard, weights) for every shard on this rank (the weights are the live tensors: writing
+        into them changes the model; UVM-caching lookups flush their caches first)."""
         out = []
         for scheme in self.schemes:
             for lookup in scheme.lookups:
@@ -303,24 +325,38 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     out.append((s.table.name, s.shard, w))
         return out
 
+    def local_optimizer_states(self) -> list[tuple[str, Shard, dict[str, torch.Tensor]]]:
+        """(table name, Shard, {state name: tensor}) for every shard on this rank, the fused optimizer's state
+        named as `embshard.optim.optimizer_state` ('m': adagrad `[rows, D]`, rowwise_adagrad `[rows]`, adam's
+        first moment; 'v': adam's second moment; {} for sgd). Live tensors, like `local_shards`."""
+        out = []
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                for s, st in zip(lookup.shards, lookup.shard_optimizer_states()):
+                    out.append((s.table.name, s.shard, st))
+        return out
+
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every table's full weights, assembled on every rank (collective; for tests, checkpoints, export).
-        Replicated tables are taken from their first replica."""
-        world, _ = self.world_size, self.rank
+        """Every table's full weights (fp32, CPU), assembled on every rank (collective; for tests and small
+        models: it holds every table on every rank). Replicated tables are taken from their first replica."""
         out = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in self.tables}
-        local = self.local_shards()
-        gathered: list = [None] * world
-        payload = [(name, s, w.detach().float().cpu()) for name, s, w in local]
-        if world > 1:
-            dist.all_gather_object(gathered, payload, group=self.group)
+        for name, s, w in self._gather([(n, s, w.detach().float().cpu()) for n, s, w in self.local_shards()]):
+            out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
+        return out
+
+    def _gather(self, items: list) -> list:
+        """Every rank's (table, Shard, payload) items, each (table, row offset, column offset) once (collective)."""
+        gathered: list = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(gathered, items, group=self.group)
         else:
-            gathered = [payload]
+            gathered = [items]
         done: set = set()
+        out = []
         for rank_items in gathered:
-            for name, s, w in rank_items:
+            for name, s, payload in rank_items:
                 key = (name, s.row_offset, s.col_offset)
-                if key in done:
-                    continue
-                done.add(key)
-                out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
+                if key not in done:
+                    done.add(key)
+                    out.append((name, s, payload))
         return out

@@ -16,10 +16,10 @@ from dist_harness import run_distributed, test_device
 from parity import check_parity, sharded_worker
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+from embshard.options import LookupOptions
 from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, column_blocks, row_blocks
 from embshard.sharded import ShardedEmbeddingBagCollection
 from embshard.tables import ConfigError
-from embshard.tiers import LookupOptions
 
 RW, CW, TWRW, DP, TW = (
     ShardingType.ROW_WISE,

@@ -15,8 +15,8 @@ from reference import ReferenceEBC
 
 from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig, simple_plan
 from embshard.lookup import LocalShard, group_shards
+from embshard.lookup.settings import TBESettings, tbe_settings
 from embshard.plan import CacheAlgorithm, MemoryTier, Shard, TablePlan
-from embshard.tiers import TBESettings, tbe_settings
 
 # ---- plan: cache fields ----------------------------------------------------------------------------------------
 SMALL = [TableConfig("a", 1000, 16, ("fa",)), TableConfig("b", 64, 8, ("fb",))]

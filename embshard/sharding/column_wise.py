@@ -1,8 +1,8 @@
 """Column-wise sharding: a table's columns cut into blocks, each block placed on a rank like a whole table.
 
-Data flow for one step: every column block is read by all of the table's features, under one lookup key per
-(feature, block), named `"{feature}#c{col_offset}"`. The keys travel exactly like table-wise features
-(`RoutedSharding`: ids to the block's rank, pooled `[B, block width]` back); ShardedEmbeddingBagCollection maps
+Data flow: every column block is read by all of the table's features, under one lookup key per (feature, block),
+`column_key(feature, col_offset)` (sharding/base.py). The keys travel exactly like table-wise features (the routed
+engine, routed.py: ids to the block's rank, pooled `[B, block width]` back); ShardedEmbeddingBagCollection maps
 each key back to its feature and lays the blocks side by side in column order.
 
 Optimizer state is per block: row-wise Adagrad keeps one value per row *of each block* (the mean of g^2 over the
@@ -13,32 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
-
 from embshard.lookup import LocalShard
-from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.table_wise import RoutedSharding
-from embshard.tables import TableConfig, feature_columns
-from embshard.tiers import LookupOptions
+from embshard.sharding.base import ShardingContext, column_key
+from embshard.sharding.routed import RoutedSharding
+from embshard.tables import TableConfig
 
 
-def column_key(feature: str, col_offset: int) -> str:
-    """Lookup key of one column block of a feature."""
-    return f"{feature}#c{col_offset}"
-
-
-def column_wise(
-    tables: Sequence[TableConfig],
-    plan: ShardingPlan,
-    rank: int,
-    optimizer: FusedOptimizerConfig,
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-    seed: int | None,
-    options: LookupOptions | None = None,
-) -> RoutedSharding | None:
+def column_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RoutedSharding | None:
     """The column-wise part of the collection: each column block on its planned rank, read by one key per
     feature. None if no table is column-wise."""
     shards_per_rank: list[list[LocalShard]] = [[] for _ in range(plan.world_size)]
@@ -53,8 +35,4 @@ def column_wise(
                 LocalShard(cfg, i, shard, keys, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
             )
             key_source.update({k: f for k, f in zip(keys, cfg.feature_names)})
-    if not key_source:
-        return None
-    return RoutedSharding(
-        shards_per_rank, key_source, feature_columns(tables), rank, optimizer, device, group, seed, options
-    )
+    return RoutedSharding(shards_per_rank, key_source, ctx) if key_source else None

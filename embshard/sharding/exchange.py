@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from embshard.comm import AllToAllHandle, start_all_gather, start_all_to_all
+from embshard.ops import cached_tensor, permute_1d, permute_2d, segment_sums
 
 
 @dataclass
@@ -59,38 +60,6 @@ class IdsOutOfRange(ValueError):
             "error naming the feature, the table and the value); every rank stops here so none waits forever"
         )
         self.ranks = ranks
-
-
-_DEVICE_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def cached_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A device copy of a small constant list, made once per (values, device, dtype): no per-step copy."""
-    key = (tuple(values), str(device), dtype)
-    t = _DEVICE_CACHE.get(key)
-    if t is None:
-        if len(_DEVICE_CACHE) > 4096:
-            _DEVICE_CACHE.clear()
-        t = _DEVICE_CACHE[key] = torch.tensor(list(values), device=device, dtype=dtype)
-    return t
-
-
-def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-    """Sums of consecutive segments of `lengths` with the given sizes (on the same device, no sync)."""
-    ends = [0]
-    for n in sizes:
-        ends.append(ends[-1] + n)
-    bounds = cached_tensor(ends, lengths.device)
-    csum = torch.cat([lengths.new_zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
-    return csum[bounds[1:]] - csum[bounds[:-1]]
-
-
-def feature_of_ids(ids_F: torch.Tensor, n: int) -> torch.Tensor:
-    """For `n` ids laid out feature-major with `ids_F[f]` ids of feature f, the feature of each id (no host sync).
-    The same as `repeat_interleave(arange(F), ids_F)`, whose CUDA kernel spends one thread per feature: slow for a
-    few features of many ids."""
-    ends = ids_F.to(torch.int64).cumsum(0)
-    return torch.searchsorted(ends, torch.arange(n, device=ids_F.device), right=True)
 
 
 @dataclass
@@ -194,18 +163,15 @@ class SparseExchangeHandle:
             # Received segments are (source s, feature f) of B_s bags each; reorder them to (f, s).
             perm = cached_tensor([s * F + f for f in range(F) for s in range(W)], lengths.device, torch.int32)
             if len(set(self._batch_sizes)) == 1:  # a [W*F, B] grid: FBGEMM's 2-D permute (fast, one row a block)
-                lengths_2d, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                lengths_2d, values, weights = permute_2d(
                     perm, lengths.view(W * F, self._batch_sizes[0]), values, weights, values.numel()
                 )
                 lengths = lengths_2d.reshape(-1)
             else:
                 bags = [b for b in self._batch_sizes for _ in range(F)]
-                seg_bags = cached_tensor(bags, lengths.device)
                 seg_ids = segment_sums(lengths, bags)
-                _, lengths, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_bags, lengths, None, lengths.numel())
-                _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
-                    perm, seg_ids, values, weights, values.numel()
-                )  # the output size is known: no sync
+                lengths, _ = permute_1d(perm, cached_tensor(bags, lengths.device), lengths)
+                values, weights = permute_1d(perm, seg_ids, values, weights)  # output sizes known: no sync
         return LookupInput(lengths, values, weights, self._batch_sizes, key_ids=self._key_ids)
 
 
