@@ -52,6 +52,10 @@ class LookupOptions:
     """Allow ebc.prefetch(next batch) before the current backward (UVM-caching, LRU only; locks rows in use)."""
     cache_stats: bool = False
     """Collect UVM-cache statistics for ebc.cache_stats() (a few device syncs per step per cached TBE)."""
+    column_wise_exact: bool = True
+    """Column-wise tables under rowwise_adagrad keep one state value per full row (the sum of g^2 over every column
+    block, one small all-to-all among the blocks' ranks), so they train exactly like the unsharded table; false:
+    one state value per row of each block, as TorchRec does (sharding/column_wise.py)."""
 
     def __post_init__(self) -> None:
         for name, enum_type in (("output_dtype", OutputDtype), ("bounds_check", BoundsCheck)):
@@ -62,6 +66,6 @@ class LookupOptions:
                 raise ConfigError(
                     f"lookup option {name}={value!r} is invalid: choose one of {[e.value for e in enum_type]}"
                 ) from None
-        for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats"):
+        for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats", "column_wise_exact"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"lookup option {name}={getattr(self, name)!r} is invalid: it must be true or false")
