@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from embshard import comm
 from embshard.bounds import check_ids, count_bad_ids
 from embshard.comm import world_and_rank
 from embshard.lookup.stats import format_cache_stats
@@ -146,6 +147,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool, device=self.device
         )
         self._kjt_layout: tuple | None = None
+        # Training forwards so far (forwards with grad enabled): every rank must agree on it at each forward (the
+        # watchdog's messages name it); a training loop that resumes sets it to the resumed step.
+        self.step = 0
+        self._prefetches = 0  # prefetched batches not consumed yet
 
     # ---- input handling ----------------------------------------------------------------------------------
     def _local_input(self, kjt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, int]]:
@@ -182,7 +187,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """The rows of the batch's `[F, B]` lengths (KJT key order, `index`) that give the canonical order."""
         return cached_tensor([index[f] for f in self.features], device)
 
-    def _input_dist(self, lengths_FB, values, weights, index, check: bool) -> tuple[list, torch.Tensor]:
+    def _input_dist(self, lengths_FB, values, weights, index, check: bool, step: int) -> tuple[list, torch.Tensor]:
         """One all-gather of every rank's batch size, ids per feature and out-of-range id count, read with the
         step's one host sync (`gather_batch_counts`); then every scheme lays out its ids with known sizes and starts
         its exchange (row-wise schemes first swap their bucketed counts: `exchange_counts`). Returns the inputs and
@@ -193,7 +198,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
         bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if check and not drop else None
         ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, self._canonical_rows(index, lengths_FB.device))
-        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group)
+        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, step)
         if counts.bad_ranks:
             if self.rank in counts.bad_ranks:
                 self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
@@ -215,14 +220,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         `prefetched`: the handle `prefetch(kjt)` returned for this same kjt; its ids are used as they are (the
         input exchange and the id check already ran)."""
-        if prefetched is not None:
-            inputs, lengths_FB, index = self._consume(prefetched, kjt)
-        else:
-            lengths_FB, values, weights, index = self._local_input(kjt)
-            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids)
-        pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
-        out_handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
-        blocks = [b for h in out_handles for b in h.wait()]
+        with comm.scope(f"step {self.step}"):
+            if prefetched is not None:
+                inputs, lengths_FB, index = self._consume(prefetched, kjt)
+            else:
+                lengths_FB, values, weights, index = self._local_input(kjt)
+                inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids, self.step)
+            pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
+            handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
+            blocks = [b for h in handles for b in h.wait()]
+        if torch.is_grad_enabled():
+            self.step += 1
         if self._mean_features:
             blocks = self._apply_mean(blocks, lengths_FB, index)
         out = self.regroup(blocks)
@@ -251,9 +259,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         main = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:
             stream.wait_stream(main)  # the batch's tensors were made on the caller's stream
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        step = self.step + self._prefetches  # the step that will consume this batch
+        self._prefetches += 1
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext(), comm.scope(f"step {step} prefetch"):
             lengths_FB, values, weights, index = self._local_input(kjt)
-            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check=True)
+            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, True, step)
             for scheme, inp in zip(self.schemes, inputs):
                 scheme.prefetch(inp, main)
         return PrefetchHandle(kjt, lengths_FB, index, inputs, stream)
@@ -265,6 +275,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 "used; pass the kjt that was prefetched, once"
             )
         handle.used = True
+        self._prefetches -= 1
         if handle.stream is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_stream(handle.stream)

@@ -207,7 +207,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from embshard.models.build import RecModel
 
     cfg: TrainConfig = load_config(config_path, overrides)
-    device = init_distributed()
+    device = init_distributed(cfg.runtime.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     report = Reporter(cfg.logging, rank)

@@ -59,6 +59,9 @@ class ReferenceEBC:
         for t in self.tables:
             for f in t.feature_names:
                 lengths, ids, w = batch[f]
+                if lengths.numel() == 0:  # an empty global batch
+                    out[f] = params[t.name][:0] * 0
+                    continue
                 offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.long().cumsum(0)[:-1]])
                 psw = w.double() if (t.weighted and w is not None) else None
                 pooled = F.embedding_bag(ids.long(), params[t.name], offsets, mode="sum", per_sample_weights=psw)

@@ -28,6 +28,7 @@ from embshard.config.run import (
     ScheduleConfig,
     TableConstraint,
 )
+from embshard.config.runtime import RuntimeConfig
 from embshard.config.schema import FieldError, Source, build
 from embshard.optim import FusedOptimizerConfig
 from embshard.tables import ConfigError
@@ -43,6 +44,7 @@ __all__ = [
     "ModelConfig",
     "MovieLensConfig",
     "PlannerConfig",
+    "RuntimeConfig",
     "ScheduleConfig",
     "SyntheticConfig",
     "TableConstraint",
@@ -73,6 +75,8 @@ class TrainConfig:
     """Checkpoint folder, interval and resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Console, progress bar, TensorBoard and metrics file."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Collective timeout (watchdog) and numeric guard."""
     seed: int = 0
     """Seed of the initial weights, the data shuffles and the synthetic data."""
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.comm import start_all_reduce
+from embshard.comm import scoped_label, start_all_reduce
 from embshard.lookup.base import NoCache
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.ops import feature_of_ids
@@ -29,6 +29,7 @@ class _ReplicaBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lookup, indices, offsets, psw, weights):  # type: ignore[override]
         ctx.lookup, ctx.inputs = lookup, (indices, offsets)
+        ctx.label = scoped_label("data_parallel gradient all-reduce (backward)")
         if offsets.numel() == 1:  # an empty local batch: no kernel, but backward still joins the all-reduce
             ctx.pooled = None
             return weights.new_zeros(0, sum(lookup.dims))
@@ -48,7 +49,7 @@ class _ReplicaBags(torch.autograd.Function):
                 if not grad_BD.is_cuda:
                     warnings.filterwarnings("ignore", message=_CPU_BACKWARD_WARNING)
                 (grad,) = torch.autograd.grad(pooled, lookup.tbe.weights, grad_BD)
-        lookup.apply_gradient(grad, *ctx.inputs)
+        lookup.apply_gradient(grad, *ctx.inputs, label=ctx.label)
         return (None,) * 5
 
 
@@ -154,17 +155,19 @@ class DataParallelLookup(NoCache, nn.Module):
             pooled = self.tbe(indices, offsets, psw)
         return pooled.to(self._out_dtype)
 
-    def apply_gradient(self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+    def apply_gradient(
+        self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, label: str = "all-reduce"
+    ) -> None:
         """Local flat gradient (+ touched-row marks) -> one all-reduce -> the same update on every rank."""
         n = grad.numel()
         touched = None
         if self._needs_touched:
             rows = indices.long() + self._per_id(self._row0_F, offsets, indices.numel())
             marks = grad.new_zeros(self._rows).index_fill_(0, rows, 1.0)
-            summed = start_all_reduce(torch.cat([grad, marks]), self.group).wait()
+            summed = start_all_reduce(torch.cat([grad, marks]), self.group, label, scoped=False).wait()
             grad, touched = summed[:n], summed[n:] > 0
         else:
-            grad = start_all_reduce(grad, self.group).wait()
+            grad = start_all_reduce(grad, self.group, label, scoped=False).wait()
         self._step += 1
         flat = self.tbe.weights.data
         per_row = self.opt.kind is OptimizerKind.ROWWISE_ADAGRAD  # one state value a row

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from embshard.comm import start_all_to_all
+from embshard.comm import scoped_label, start_all_to_all
 from embshard.lookup import LocalShard
 from embshard.optim import OptimizerKind
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType
@@ -54,7 +54,7 @@ def column_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: Sharding
         return None
     if ctx.optimizer.kind is OptimizerKind.ROWWISE_ADAGRAD and ctx.options.column_wise_exact:
         return ExactColumnSharding(shards_per_rank, key_source, ctx)
-    return RoutedSharding(shards_per_rank, key_source, ctx)
+    return RoutedSharding(shards_per_rank, key_source, ctx, name="column_wise")
 
 
 class _ExactColumnStep(torch.autograd.Function):
@@ -63,12 +63,13 @@ class _ExactColumnStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scheme, inp, anchor):  # type: ignore[override]
         ctx.scheme, ctx.inp = scheme, inp
+        ctx.label = scoped_label("column_wise row norms all-to-all (backward)")
         with torch.no_grad():
             return scheme.pool_exact(inp)
 
     @staticmethod
     def backward(ctx, grad_BD):  # type: ignore[override]
-        ctx.scheme.exact_update(ctx.inp, grad_BD)
+        ctx.scheme.exact_update(ctx.inp, grad_BD, ctx.label)
         ctx.scheme = ctx.inp = None
         return None, None, None
 
@@ -77,7 +78,7 @@ class ExactColumnSharding(RoutedSharding):
     """Column-wise blocks under row-wise Adagrad with one state value per full row (module docstring)."""
 
     def __init__(self, shards_per_rank, key_source, ctx: ShardingContext) -> None:
-        super().__init__(shards_per_rank, key_source, ctx)
+        super().__init__(shards_per_rank, key_source, ctx, name="column_wise")
         self._opt = ctx.optimizer
         self._exact = [lk.shards[0].tier is not MemoryTier.UVM_CACHING for lk in self.lookups]
         caching = sorted(
@@ -144,7 +145,7 @@ class ExactColumnSharding(RoutedSharding):
         outs = [self.lookups[i](*inp.parts[i]) for i in exact]
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
-    def exact_update(self, inp: LookupInput, grad_BD: torch.Tensor) -> None:
+    def exact_update(self, inp: LookupInput, grad_BD: torch.Tensor, label: str = "row norms") -> None:
         """Per table of mine: gradient per touched row, squared norms swapped among the block ranks, update."""
         Bg, grads = inp.global_batch, {}
         sq_local: dict[int, torch.Tensor] = {}
@@ -163,7 +164,7 @@ class ExactColumnSharding(RoutedSharding):
                 g_per_block.append(g_UD)
             grads[t] = (rows, g_per_block)
             sq_local[t] = sum(g.square().sum(1) for g in g_per_block)
-        totals = self._swap_squares(sq_local)
+        totals = self._swap_squares(sq_local, label)
         for t, (rows, g_per_block) in grads.items():
             for (i, j, _, _), g_UD in zip(self._mine[t], g_per_block):
                 lk = self.lookups[i]
@@ -188,7 +189,7 @@ class ExactColumnSharding(RoutedSharding):
         rows, inverse = torch.unique(values[v0:v1].long(), sorted=True, return_inverse=True)
         return rows, inverse, bag, weight
 
-    def _swap_squares(self, sq_local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def _swap_squares(self, sq_local: dict[int, torch.Tensor], label: str) -> dict[int, torch.Tensor]:
         """Every block rank's squared row norms of each table, summed in the tables' column order (identical
         bits on every block rank): one all-to-all that every rank joins."""
         me, W = self.rank, self.world_size
@@ -204,7 +205,8 @@ class ExactColumnSharding(RoutedSharding):
             return totals
         flat = [x for parts in send for x in parts]
         buf = torch.cat(flat) if flat else torch.zeros(0, device=self._device)
-        received = start_all_to_all(buf, [sum(x.numel() for x in p) for p in send], recv_sizes, self.group).wait()
+        splits = ([sum(x.numel() for x in p) for p in send], recv_sizes)
+        received = start_all_to_all(buf, *splits, self.group, label, scoped=False).wait()
         got: dict[tuple[int, int], torch.Tensor] = {}
         for d, piece in enumerate(received.split(recv_sizes)):
             shared = [(t, sq.numel()) for t, sq in sorted(sq_local.items()) if d != me and d in self._holders[t]]

@@ -63,8 +63,10 @@ class RoutedSharding(Scheme):
         key_source: dict[str, str],
         ctx: ShardingContext,
         layout: OutputLayout | None = None,
+        name: str = "table_wise",
     ) -> None:
         super().__init__()
+        self.name = name
         self.rank, self.group = ctx.rank, ctx.group
         self.out_dtype = ctx.options.output_dtype.torch_dtype
         self.world_size = len(shards_per_rank)
@@ -104,7 +106,7 @@ class RoutedSharding(Scheme):
 
     def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]) -> SparseExchangeHandle:
         """Send each rank the ids of its lookup keys."""
-        return start_sparse_exchange(ids, self.n_features, batch_sizes, self.group, self.rank)
+        return start_sparse_exchange(ids, self.n_features, batch_sizes, self.group, self.rank, f"{self.name} ids")
 
     def _split(self, inp: LookupInput) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """(ids, offsets, weights) of each lookup: the feature-major input cut at group boundaries (where the ids
@@ -153,4 +155,5 @@ class RoutedSharding(Scheme):
 
     def start_output_dist(self, pooled: torch.Tensor, batch_sizes: list[int]) -> PooledExchangeHandle:
         """Send pooled rows back to the ranks owning the samples."""
-        return start_pooled_exchange(pooled, batch_sizes, self.dims_per_rank, self.group, self.rank)
+        label = f"{self.name} pooled"
+        return start_pooled_exchange(pooled, batch_sizes, self.dims_per_rank, self.group, self.rank, label)

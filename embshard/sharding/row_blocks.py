@@ -64,7 +64,9 @@ class RowBlockSharding(RoutedSharding):
     `entries` lists (table index, table, its plan) for the tables of this scheme, in collection order.
     """
 
-    def __init__(self, entries: Sequence[tuple[int, TableConfig, TablePlan]], ctx: ShardingContext) -> None:
+    def __init__(
+        self, entries: Sequence[tuple[int, TableConfig, TablePlan]], ctx: ShardingContext, name: str = "row_wise"
+    ) -> None:
         W = ctx.world_size
         shards_per_rank: list[list[LocalShard]] = [[] for _ in range(W)]
         features: list[str] = []
@@ -84,7 +86,7 @@ class RowBlockSharding(RoutedSharding):
         # Output: one key per feature, summed over the ranks holding its blocks (one output block).
         key_dims = [dims[f] for f in features]
         layout = OutputLayout(list(features), key_dims, [list(features)], [key_dims])
-        super().__init__(shards_per_rank, {f: f for f in features}, ctx, layout)
+        super().__init__(shards_per_rank, {f: f for f in features}, ctx, layout, name)
         self.in_features = features
         self._block_sizes = [block_size[f] for f in features]
         self._cols = np.array([ctx.columns[f] for f in features], dtype=np.int64)  # in BatchCounts.ids

@@ -23,4 +23,4 @@ def table_row_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: Shard
     """The table-row-wise part of the collection: each table's row blocks over one host's ranks. None if no
     table is table-row-wise."""
     entries = row_block_entries(tables, plan, ShardingType.TABLE_ROW_WISE)
-    return RowBlockSharding(entries, ctx) if entries else None
+    return RowBlockSharding(entries, ctx, "table_row_wise") if entries else None
