@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from embshard.config import DenseOptimizerConfig, LoggingConfig, PlannerConfig, TrainConfig, load_config
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType, simple_plan
+from embshard.plan import MemoryTier, ShardingPlan, ShardingType
+from embshard.planner.simple import simple_plan
 from embshard.tables import ConfigError, TableConfig
 
 

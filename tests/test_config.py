@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from embshard import simple_plan
 from embshard.config import TrainConfig, load_config
 from embshard.config.doc import _dataclass_in, generate, rows
 from embshard.config.schema import field_docs
-from embshard.plan import MemoryTier, ShardingType, simple_plan
+from embshard.plan import MemoryTier, ShardingType
 from embshard.tables import ConfigError, TableConfig
 from embshard.train import make_plan
 

@@ -370,7 +370,7 @@ def test_predictions_of_the_measured_workloads():
     """2 H200, batch 8192, row-wise Adagrad (docs/benchmarks.md): step time within 20% of what the runtime
     measured (uniform26 3.57 and 4.15 ms in two runs, hetero124 with its tiny tables data-parallel 6.62 ms, the
     planner's overflow plan at 16 GiB 5.06 ms); peak memory within 10% of the measured 6.64, 110.39 and 14.26 GiB."""
-    from embshard.plan import simple_plan
+    from embshard.planner import simple_plan
 
     topo = Topology.preset("h200", 2)
     u26 = [TableConfig(f"t{i}", 1_000_000, 128, (f"f{i}",), ids_per_bag=10) for i in range(26)]

@@ -16,7 +16,8 @@ from dist_harness import run_distributed, test_device
 from parity import check_parity, sharded_worker
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, column_blocks, row_blocks
+from embshard.geometry import column_blocks, row_blocks
+from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.sharded import ShardedEmbeddingBagCollection
 from embshard.tables import ConfigError
 from embshard.tiers import LookupOptions

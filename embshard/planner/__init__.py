@@ -18,6 +18,7 @@ from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
 from embshard.planner.search import plan_sharding, plan_with_report
 from embshard.planner.settings import PlannerSettings
+from embshard.planner.simple import simple_plan
 from embshard.planner.topology import Topology
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "plan_with_report",
     "planner_input_from_dict",
     "predict",
+    "simple_plan",
 ]
