@@ -80,7 +80,7 @@ class PlannerConfig:
 
     strategy: Literal["auto", "simple"] = "auto"
     """auto: the cost-model planner (embshard.planner) picks sharding type, tier and ranks per table; simple: the
-    greedy placement of embshard.plan (table-wise unless constrained; for tests and debugging)."""
+    greedy placement of embshard.planner.simple (table-wise unless constrained; for tests and debugging)."""
     plan_file: str | None = None
     """Load this saved ShardingPlan (YAML or JSON, from `embshard plan --out` or ShardingPlan.save) instead of
     planning; strategy and the other planner keys are then not used."""
