@@ -11,8 +11,8 @@ from embshard.plan import MemoryTier, ShardingType
 from embshard.planner import ParameterConstraints, PlannerSettings, Topology
 from embshard.planner.constraints import resolve_constraints
 from embshard.planner.cost import CostModel, TableStats, zipf_hit_rate
-from embshard.planner.inputs import planner_input_from_dict
 from embshard.planner.options import Option, make_shards, table_options
+from embshard.planner.tools.inputs import planner_input_from_dict
 from embshard.planner.topology import GIB
 from embshard.tables import ConfigError, TableConfig
 
@@ -355,7 +355,7 @@ def test_the_repository_calibrated_file_loads_and_predicts_the_table_wise_worklo
 def test_calibration_fit_recovers_the_constants_it_measures():
     from dataclasses import replace
 
-    from embshard.planner.calibrate import CPU_CASES, GPU_CASES, _bytes_model, fit_lookup, fit_uvm
+    from embshard.planner.tools.calibrate import CPU_CASES, GPU_CASES, _bytes_model, fit_lookup, fit_uvm
 
     for base, cases in ((Topology.preset("h200", 1), GPU_CASES), (Topology.preset("cpu", 1), CPU_CASES)):
         truth = replace(

@@ -13,8 +13,8 @@ import pytest
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType
 from embshard.planner import PlannerSettings, PlanningError, Topology, plan_with_report, predict
-from embshard.planner.cli import main as plan_main
 from embshard.planner.explain import explain
+from embshard.planner.tools.cli import main as plan_main
 from embshard.planner.topology import GIB
 from embshard.tables import ConfigError, TableConfig
 
@@ -212,7 +212,7 @@ def test_cli(tmp_path, capsys):
 
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    from embshard.planner.plot import plot_report
+    from embshard.planner.tools.plot import plot_report
 
     report = plan_with_report(random_tables(2, 10), Topology.preset("h100", 4), 256)[1]
     path = plot_report(report, tmp_path / "plan.png")
@@ -253,7 +253,7 @@ def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
 
 
 def test_calibrate_on_cpu(tmp_path):
-    from embshard.planner.calibrate import main as calibrate_main
+    from embshard.planner.tools.calibrate import main as calibrate_main
 
     out = tmp_path / "topo.yaml"
     calibrate_main(["--out", str(out), "--size-mib", "8", "--iters", "2", "--no-collectives"])
