@@ -11,7 +11,7 @@ from functools import cached_property
 import numpy as np
 
 from embshard.plan import ShardingType
-from embshard.planner import loads as R
+from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, colocation_groups
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.options import Option, shard_runs, table_options
@@ -95,7 +95,7 @@ class Item:
 
 def balanced_cost(total: np.ndarray, world_size: int) -> np.ndarray:
     """[..., NROWS] summed loads over all ranks -> step time if spread evenly (s)."""
-    return np.maximum.reduceat(total, R.PHASE_START, axis=-1).sum(axis=-1) / world_size
+    return np.maximum.reduceat(total, loads.PHASE_START, axis=-1).sum(axis=-1) / world_size
 
 
 def build_items(
@@ -128,7 +128,7 @@ def build_items(
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti])
         mem = model.storage(sub, st, tier, rows, cols, clf)
-        shape = (len(ti), R.NROWS)
+        shape = (len(ti), loads.NROWS)
         owner = np.broadcast_to(model.owner_vec(wk), shape)
         same = np.broadcast_to(model.peer_vec(wk, True), shape)
         other = np.broadcast_to(model.peer_vec(wk, False), shape)

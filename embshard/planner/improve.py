@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.planner import exact
-from embshard.planner import loads as R
+from embshard.planner import exact, loads
 from embshard.planner.choices import Item, is_dense
 from embshard.planner.state import State
 from embshard.tables import TableConfig
@@ -36,13 +35,13 @@ def improve(
     while tried < max_moves:
         J0 = state.objective()
         tol = 1e-9 + 1e-6 * J0
-        phases = R.phase_times(state.loads)
+        phases = loads.phase_times(state.loads)
         scores: dict[int, float] = {}
         for p in np.argsort(-phases.max(axis=1), kind="stable"):
             if phases[p].max() <= 0:
                 break
             r = int(phases[p].argmax())
-            rows = R.PHASE_ROWS[p]
+            rows = loads.PHASE_ROWS[p]
             for i, (c, ranks) in state.placed.items():
                 ch = items[i].choices[c]
                 if r in ranks:

@@ -26,8 +26,7 @@ import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, TablePlan
-from embshard.planner import errors, exact
-from embshard.planner import loads as R
+from embshard.planner import errors, exact, loads
 from embshard.planner.choices import Item, build_items, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
@@ -182,7 +181,7 @@ def _place_all(
         ch = items[i].choices[chosen[i]]
         if is_dense(ch.option):
             return float("inf")
-        peak = np.maximum.reduceat(ch.first_owner, R.PHASE_START).sum()
+        peak = np.maximum.reduceat(ch.first_owner, loads.PHASE_START).sum()
         return max(peak / target, ch.hbm_max / max(bud.hbm, 1.0), ch.ddr_max / max(bud.ddr, 1.0))
 
     order = sorted(range(len(items)), key=lambda i: (-weight(i), i))
