@@ -178,9 +178,9 @@ def test_no_import_cycle_between_packages():
 
 
 def test_the_planner_library_imports_neither_the_app_nor_the_runtime():
-    """embshard.planner (without its tools) plans on a laptop: it reads the config's planner section through a
-    Protocol and never imports the config, the training app, its own tools or the distributed runtime, not even
-    lazily inside a function."""
+    """embshard.planner (without its tools) plans on a laptop: it owns its config section (PlannerConfig, with its
+    constraints and settings), which the training config composes, and never imports the config, the training app,
+    its own tools or the distributed runtime, not even lazily inside a function."""
     above = re.compile(r"^embshard\.(config|train|models|data|distributed|checkpoint|planner\.tools)(\..*)?$")
     every = all_edges()
     library = [m for m in every if m.startswith("embshard.planner") and not m.startswith("embshard.planner.tools")]

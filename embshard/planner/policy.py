@@ -1,16 +1,17 @@
-"""The plan of a training job: its config's `planner:` section says where the plan comes from, a saved file
-(plan_file), the search (strategy auto: search.py on the topology of topology_file or of this machine) or the simple
-placement (strategy simple: simple.py), and this module makes it, checked against the tables.
+"""The plan of a training job: its config's `planner:` section (PlannerConfig) says where the plan comes from, a
+saved file (plan_file), the search (strategy auto: search.py on the topology of topology_file or of this machine) or
+the simple placement (strategy simple: simple.py), and `plan_for_job` makes it, checked against the tables.
 
-The section is read through `JobPlanning`, the fields planning uses (embshard.config.PlannerConfig has them), so the
-planner does not import the config package, which sits above it (config -> planner -> plan).
+The section is the planner's own dataclass, as its constraints and settings are: the training config
+(embshard.config) composes it, and the planner never imports the config package, which sits above it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Literal
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan
@@ -20,35 +21,69 @@ from embshard.planner.search import plan_with_report
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.simple import simple_plan
 from embshard.planner.topology import Topology
-from embshard.tables import ConfigError, TableConfig
+from embshard.tables import ConfigError, FieldError, TableConfig
 
 
-class JobPlanning(Protocol):
-    """The fields of a training config's planner section that planning reads (embshard.config.PlannerConfig)."""
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the sharding plan is made: a saved plan file, the planner (strategy auto, docs/planner.md) or the simple
+    table-wise placement (strategy simple)."""
 
-    @property
-    def strategy(self) -> str: ...
-    @property
-    def plan_file(self) -> str | None: ...
-    @property
-    def topology_file(self) -> str | None: ...
-    @property
-    def hbm_gib(self) -> float | None: ...
-    @property
-    def ddr_gib(self) -> float | None: ...
-    @property
-    def settings(self) -> PlannerSettings: ...
-    @property
-    def tier(self) -> MemoryTier | None: ...
-    @property
-    def column_shards(self) -> int | None: ...
-    @property
-    def constraints(self) -> Mapping[str, ParameterConstraints] | None: ...
+    strategy: Literal["auto", "simple"] = "auto"
+    """auto: the cost-model planner (embshard.planner) picks sharding type, tier and ranks per table; simple: the
+    greedy placement of embshard.planner.simple (table-wise unless constrained; for tests and debugging)."""
+    plan_file: str | None = None
+    """Load this saved ShardingPlan (YAML or JSON, from `embshard plan --out` or ShardingPlan.save) instead of
+    planning; strategy and the other planner keys are then not used."""
+    topology_file: str | None = None
+    """auto: plan for the machine described in this topology YAML (from `embshard calibrate`), with the job's rank
+    counts; unset: read this machine (GPU model and memory, host memory)."""
+    hbm_gib: float | None = None
+    """auto: GPU memory per rank to plan for (GiB); unset: the topology's (detected: the GPU's total memory)."""
+    ddr_gib: float | None = None
+    """auto: host memory per rank to plan for (GiB); unset: the topology's (detected: host memory / local ranks)."""
+    settings: PlannerSettings = field(default_factory=PlannerSettings)
+    """auto: planner settings, e.g. hbm_reserve_gib (GPU memory per rank kept for the dense model, GiB)."""
+    tier: MemoryTier | None = None
+    """simple: memory tier of every table without a tiers constraint; unset: host on CPU, hbm on GPU."""
+    column_shards: int | None = None
+    """simple: column blocks per column-wise table (count); unset: 2."""
+    constraints: dict[str, ParameterConstraints] | None = None
+    """Per-table constraints and hints, keyed by table name or glob pattern (t_*); simple honours only the first
+    sharding type, the first tier and the first rank."""
+
+    def __post_init__(self) -> None:
+        if self.column_shards is not None and self.column_shards < 1:
+            raise FieldError("column_shards", self.column_shards, "it must be >= 1")
+        if self.hbm_gib is not None and not self.hbm_gib > 0:
+            raise FieldError("hbm_gib", self.hbm_gib, "it must be > 0 GiB (or unset: detect)")
+        if self.ddr_gib is not None and not self.ddr_gib > 0:
+            raise FieldError("ddr_gib", self.ddr_gib, "it must be > 0 GiB (or unset: detect)")
+        if self.plan_file is not None:
+            return
+        if self.strategy == "auto":
+            for key in ("tier", "column_shards"):
+                if getattr(self, key) is not None:
+                    raise FieldError(
+                        key,
+                        getattr(getattr(self, key), "value", getattr(self, key)),
+                        f"{key} is a setting of strategy simple; with strategy auto use planner.settings.tiers / "
+                        "planner.constraints.<table>.tiers (or column_shards there), or set planner.strategy=simple",
+                    )
+        else:
+            for key in ("topology_file", "hbm_gib", "ddr_gib"):
+                if getattr(self, key) is not None:
+                    raise FieldError(key, getattr(self, key), "it is a setting of strategy auto, not simple")
+            default = PlannerSettings()
+            changed = {f.name: getattr(self.settings, f.name) for f in fields(default)}
+            changed = {k: v for k, v in changed.items() if v != getattr(default, k)}
+            if changed:
+                raise FieldError("settings", changed, "planner settings apply to strategy auto, not simple")
 
 
 def plan_for_job(
     tables: Sequence[TableConfig],
-    planner_cfg: JobPlanning,
+    planner_cfg: PlannerConfig,
     world_size: int,
     local_world_size: int,
     device_type: str,
@@ -107,7 +142,7 @@ def plan_for_job(
 
 
 def topology_for(
-    cfg: JobPlanning, world_size: int, local_world_size: int | None = None, device_type: str | None = None
+    cfg: PlannerConfig, world_size: int, local_world_size: int | None = None, device_type: str | None = None
 ) -> Topology:
     """The topology to plan for: planner.topology_file, else this machine (Topology.detect), with the job's rank
     counts and planner.hbm_gib / planner.ddr_gib applied. With `device_type` ('cuda' or 'cpu': where training

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,16 +43,9 @@ from embshard.planner.topology import Topology
 from embshard.tables import ConfigError, TableConfig, validate_tables
 
 
-def plan_sharding(
-    tables: Sequence[TableConfig],
-    topology: Topology,
-    batch_size: int,
-    optimizer: FusedOptimizerConfig | None = None,
-    constraints: Mapping[str, ParameterConstraints | Mapping] | None = None,
-    settings: PlannerSettings | None = None,
-) -> ShardingPlan:
-    """A ShardingPlan for `tables` on `topology` (batch_size: samples per rank per step)."""
-    return plan_with_report(tables, topology, batch_size, optimizer, constraints, settings)[0]
+def plan_sharding(*args: Any, **kwargs: Any) -> ShardingPlan:
+    """The ShardingPlan of `plan_with_report` (same arguments), without the report."""
+    return plan_with_report(*args, **kwargs)[0]
 
 
 def plan_with_report(
