@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from embshard.models.dlrm import DLRMDCNDense
+from embshard.models.dcn import DLRMDCNDense
 from embshard.models.two_tower import TwoTowerDense, bce_scores, in_batch_softmax_loss
 
 
