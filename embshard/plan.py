@@ -208,14 +208,15 @@ class ShardingPlan:
             )
             if len(t.shards) > 4:
                 shards += f", ... ({len(t.shards)} shards)"
-            rows.append((t.table, t.sharding_type.value, t.tier.value, _ranks_str(t.ranks), shards))
+            rows.append((t.table, t.sharding_type.value, t.tier.value, ranks_text(t.ranks), shards))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         head = f"ShardingPlan: world_size={self.world_size} local_world_size={self.local_world_size}"
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
         return "\n".join(lines)
 
 
-def _ranks_str(ranks: Sequence[int]) -> str:
+def ranks_text(ranks: Sequence[int]) -> str:
+    """'3', '0-7' or '0,2,5'."""
     uniq = sorted(set(ranks))
     if len(uniq) > 2 and uniq == list(range(uniq[0], uniq[-1] + 1)):
         return f"{uniq[0]}-{uniq[-1]}"
