@@ -117,7 +117,9 @@ def plan_for_job(
             raise ConfigError(f"planner.{e}") from None
         tier = planner_cfg.tier or (MemoryTier.HOST if device_type == "cpu" else MemoryTier.HBM)
         columns = planner_cfg.column_shards or 2
-        plan = simple_plan(tables, world_size, local_world_size, None, tier, columns, constraints)
+        plan = simple_plan(
+            tables, world_size, local_world_size, tier=tier, column_shards=columns, constraints=constraints
+        )
         say(str(plan))
         return plan
     topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
