@@ -2,7 +2,8 @@
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import BoundsCheck, LookupOptions, OutputDtype
-from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, simple_plan
+from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.planner.simple import simple_plan
 from embshard.tables import ConfigError, DataType, Pooling, TableConfig
 
 __all__ = [

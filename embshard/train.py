@@ -16,104 +16,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from embshard.config import DenseOptimizerConfig, LoggingConfig, PlannerConfig, TrainConfig, load_config
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType, simple_plan
-from embshard.tables import ConfigError, TableConfig
-
-
-def make_plan(
-    tables: Sequence[TableConfig],
-    planner_cfg: PlannerConfig,
-    world_size: int,
-    local_world_size: int,
-    device_type: str,
-    batch_size: int,
-    optimizer: FusedOptimizerConfig,
-    log: Callable[[str], None] | None = None,
-) -> ShardingPlan:
-    """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
-    (strategy auto: embshard.planner on the topology of planner.topology_file or of this machine, for
-    `batch_size` samples per rank and the sparse `optimizer`), else by the simple placement (strategy simple).
-    `log` gets the plan and, for auto, the predicted memory and time per rank and the predicted step time.
-    Deterministic; `run` still makes it on rank 0 only and broadcasts it."""
-    say = log or (lambda _text: None)
-    if planner_cfg.plan_file:
-        plan = ShardingPlan.load(planner_cfg.plan_file)
-        if (plan.world_size, plan.local_world_size) != (world_size, local_world_size):
-            raise ConfigError(
-                f"planner.plan_file={planner_cfg.plan_file!r} is a plan for world_size={plan.world_size}, "
-                f"local_world_size={plan.local_world_size}, but this job has {world_size} and {local_world_size}: "
-                "re-plan for this job (`embshard plan CONFIG --world-size N --out FILE`), or leave plan_file unset"
-            )
-        plan.check(tables)
-        say(f"plan loaded from {planner_cfg.plan_file}")
-        say(str(plan))
-        return plan
-    if planner_cfg.strategy == "simple":
-        plan = _simple_plan(tables, planner_cfg, world_size, local_world_size, device_type)
-        say(str(plan))
-        return plan
-    from embshard.planner import PlanningError, plan_with_report
-    from embshard.planner.from_config import topology_for
-
-    topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
-    try:
-        plan, report = plan_with_report(
-            tables, topo, batch_size, optimizer, planner_cfg.constraints, planner_cfg.settings
-        )
-    except PlanningError as e:
-        raise PlanningError(
-            f"planner: no sharding plan fits {topo.describe()}:\n{e}\n(in a training config: planner.hbm_gib and "
-            "planner.ddr_gib set the memory per rank, planner.settings.hbm_reserve_gib the dense model's reserve, "
-            "--nproc / torchrun the number of ranks, planner.constraints.<table> the allowed options)",
-            e.details,
-        ) from None
-    except ConfigError as e:
-        raise ConfigError(f"planner: {e}") from None
-    plan.check(tables)
-    say(str(plan))
-    say(report.format_ranks())
-    say(report.summary())
-    return plan
-
-
-def _simple_plan(
-    tables: Sequence[TableConfig], planner_cfg: PlannerConfig, world_size: int, local_world_size: int, device_type: str
-) -> ShardingPlan:
-    """Strategy simple: the greedy placement of embshard.plan with each table's first allowed sharding type and
-    tier, and the first allowed rank of table-wise tables."""
-    from embshard.planner.constraints import resolve_constraints
-
-    try:
-        constraints = resolve_constraints(tables, planner_cfg.constraints, world_size)
-    except ConfigError as e:
-        raise ConfigError(f"planner.{e}") from None
-    default_tier = planner_cfg.tier or (MemoryTier.HOST if device_type == "cpu" else MemoryTier.HBM)
-    chosen = {name: c.sharding_types[0] for name, c in constraints.items() if c.sharding_types}
-    columns = planner_cfg.column_shards or 2
-    plan = simple_plan(tables, world_size, local_world_size, chosen, default_tier, columns)
-    table_plans = []
-    for tp in plan.tables:
-        c = constraints[tp.table]
-        if c.tiers:
-            tp = replace(tp, tier=c.tiers[0])
-        if c.ranks:
-            if tp.sharding_type is not ShardingType.TABLE_WISE:
-                raise ConfigError(
-                    f"planner.constraints.{tp.table}.ranks: the simple placement pins only table_wise tables, "
-                    f"not {tp.sharding_type.value}; drop ranks, make the table table_wise, or use strategy auto"
-                )
-            tp = replace(tp, shards=(replace(tp.shards[0], rank=c.ranks[0]),))
-        table_plans.append(tp)
-    plan = ShardingPlan(world_size, local_world_size, tuple(table_plans))
-    plan.check(tables)
-    return plan
+from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, load_config
+from embshard.plan import ShardingPlan
+from embshard.planner.policy import plan_for_job
+from embshard.tables import ConfigError
 
 
 class AllRanksError(ConfigError):
@@ -215,7 +125,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     sched = cfg.schedule
     report.line(f"embshard train {config_path}: {cfg.model.kind}, {len(tables)} tables, {world} ranks on {device.type}")
     plan = plan_on_rank0(
-        lambda: make_plan(
+        lambda: plan_for_job(
             tables, cfg.planner, world, local_world, device.type, sched.batch_size, cfg.sparse_optimizer, report.line
         )
     )

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from embshard import simple_plan
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import simple_plan
 from embshard.tables import TableConfig
 from tests.dist_harness import run_distributed, test_device
 from tests.parity import random_batches, to_kjt

@@ -1,5 +1,5 @@
 """YAML config: example configs load, overrides apply, every class of error names file, key path and value,
-docs/config.md is generated from the dataclasses, and make_plan honours constraints and plan files."""
+docs/config.md is generated from the dataclasses, and plan_for_job honours constraints and plan files."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from embshard import simple_plan
 from embshard.config import TrainConfig, load_config
 from embshard.config.doc import _dataclass_in, generate, rows
 from embshard.config.schema import field_docs
-from embshard.plan import MemoryTier, ShardingType, simple_plan
+from embshard.plan import MemoryTier, ShardingType
+from embshard.planner.policy import plan_for_job
 from embshard.tables import ConfigError, TableConfig
-from embshard.train import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -240,7 +241,7 @@ TABLES = [
 ]
 
 
-def test_make_plan_constraints_and_plan_file(tmp_path):
+def test_plan_for_job_constraints_and_plan_file(tmp_path):
     cfg = load_config(
         write(tmp_path, base()),
         [
@@ -254,7 +255,7 @@ def test_make_plan_constraints_and_plan_file(tmp_path):
     opt = cfg.sparse_optimizer
 
     def simple(ws: int, device: str = "cpu", planner=cfg.planner):
-        return make_plan(tables, planner, ws, ws, device, 4, opt)
+        return plan_for_job(tables, planner, ws, ws, device, 4, opt)
 
     plan = simple(2)
     assert plan["t0"].ranks == [1]
@@ -272,7 +273,7 @@ def test_make_plan_constraints_and_plan_file(tmp_path):
             simple(4, planner=planner)
 
 
-def test_make_plan_auto_uses_the_planner(tmp_path):
+def test_plan_for_job_auto_uses_the_planner(tmp_path):
     """strategy auto (the default) on this CPU machine: the planner's plan honours the constraints (also glob
     patterns), the log gets predictions per rank and the step time; hbm/ddr sizes and a topology file apply."""
     from embshard.planner import Topology
@@ -291,7 +292,7 @@ def test_make_plan_auto_uses_the_planner(tmp_path):
     )
     assert cfg.planner.strategy == "auto" and cfg.planner.settings.hbm_reserve_gib is None
     lines: list[str] = []
-    plan = make_plan(tables, cfg.planner, 4, 4, "cpu", 64, cfg.sparse_optimizer, lines.append)
+    plan = plan_for_job(tables, cfg.planner, 4, 4, "cpu", 64, cfg.sparse_optimizer, lines.append)
     plan.check(tables)
     assert (plan.world_size, plan.local_world_size) == (4, 4)
     assert plan["t0"].sharding_type is ShardingType.DATA_PARALLEL and plan["t0"].ranks == [0, 1, 2, 3]
@@ -309,7 +310,7 @@ def test_make_plan_auto_uses_the_planner(tmp_path):
     )
     tiny = load_config(write(tmp_path, data), ["planner.ddr_gib=1"]).planner
     with pytest.raises(ConfigError) as e:
-        make_plan(big, tiny, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+        plan_for_job(big, tiny, 2, 2, "cpu", 64, cfg.sparse_optimizer)
     msg = str(e.value)
     assert msg.startswith("planner: no sharding plan fits 2 x cpu (1 host(s) x 2), 1.0 GiB host memory per rank")
     assert "['big'] fit no rank" in msg and "host memory per rank 0.85 GiB = 1.00 GiB - 0.15 GiB reserve" in msg
@@ -321,15 +322,15 @@ def test_make_plan_auto_uses_the_planner(tmp_path):
     Topology.preset("h100", 8).save(tmp_path / "h100.yaml")
     lines.clear()
     planner = load_config(write(tmp_path, data), [f"planner.topology_file={tmp_path}/cpu.yaml"]).planner
-    make_plan(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer, lines.append)
+    plan_for_job(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer, lines.append)
     assert "2 x cpu (1 host(s) x 2), 3.0 GiB host memory per rank; source: preset cpu" in "\n".join(lines)
     planner = load_config(write(tmp_path, data), [f"planner.topology_file={tmp_path}/h100.yaml"]).planner
     with pytest.raises(ConfigError, match="describes cuda ranks, but this job computes on cpu"):
-        make_plan(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+        plan_for_job(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer)
     # constraints the planner cannot meet, and keys of the other strategy, are config errors
     bad = load_config(write(tmp_path, data), ["planner.constraints.t2.tiers=[hbm]"]).planner
     with pytest.raises(ConfigError, match="^planner: .*t2"):
-        make_plan(tables, bad, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+        plan_for_job(tables, bad, 2, 2, "cpu", 64, cfg.sparse_optimizer)
     path = write(tmp_path, data)
     with pytest.raises(ConfigError, match=r"planner.tier='host' is invalid: tier is a setting of strategy simple"):
         load_config(path, ["planner.tier=host"])

@@ -61,6 +61,18 @@ def test_simple_plan_produces_every_type(st):
     assert plan["a"].sharding_type is st
 
 
+def test_simple_plan_takes_the_first_of_each_constraint():
+    cons = {"a": {"ranks": [1]}, "c": {"sharding_types": ["row_wise", "table_wise"], "tiers": ["uvm", "hbm"]}}
+    plan = simple_plan(TABLES, 2, constraints=cons)
+    assert plan["a"].sharding_type is ShardingType.TABLE_WISE and plan["a"].ranks == [1]
+    assert plan["c"].sharding_type is ShardingType.ROW_WISE and plan["c"].tier is MemoryTier.UVM
+    assert plan["b"].tier is MemoryTier.HOST
+    # the pinned table's bytes count on its rank: the next largest table-wise table goes to the other one
+    assert simple_plan(TABLES, 2, constraints={"a": {"ranks": [1]}})["c"].ranks == [0]
+    with pytest.raises(ConfigError, match=r"constraints of table 'c': ranks \[1\] pin a row_wise table"):
+        simple_plan(TABLES, 2, constraints={"c": {"sharding_types": ["row_wise"], "ranks": [1]}})
+
+
 def test_plan_checks_name_the_table_and_rule():
     good = simple_plan(TABLES, 2)
     bad_rank = TablePlan("a", "table_wise", "host", (Shard(5, 0, 1000, 0, 16),))

@@ -17,8 +17,9 @@ from parity import check_parity, sharded_worker
 from parity import column_blocks as column_blocks_of
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+from embshard.geometry import column_blocks, row_blocks
 from embshard.options import LookupOptions
-from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, column_blocks, row_blocks
+from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.sharded import ShardedEmbeddingBagCollection
 from embshard.tables import ConfigError
 

@@ -124,7 +124,7 @@ def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
     """`embshard plan TRAINING_CONFIG --out FILE` plans the config's tables (overrides too), and training loads the
     file with planner.plan_file: row-wise, column-wise and data-parallel tables train on 2 processes."""
     from embshard.plan import ShardingPlan, ShardingType
-    from embshard.planner.cli import main as plan_main
+    from embshard.planner.tools.cli import main as plan_main
 
     plan_file = tmp_path / "plan.yaml"
     cons = {"t_C1": "[row_wise]", "t_C2": "[column_wise]", "t_C3": "[data_parallel]"}

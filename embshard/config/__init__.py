@@ -20,18 +20,12 @@ import yaml
 
 from embshard.config.data import CriteoConfig, DataConfig, MovieLensConfig, SyntheticConfig
 from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig, TwoTowerConfig
-from embshard.config.run import (
-    CheckpointConfig,
-    DenseOptimizerConfig,
-    LoggingConfig,
-    PlannerConfig,
-    ScheduleConfig,
-    TableConstraint,
-)
+from embshard.config.run import CheckpointConfig, DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TableConstraint
 from embshard.config.runtime import RuntimeConfig
-from embshard.config.schema import FieldError, Source, build
+from embshard.config.schema import Source, build
 from embshard.optim import FusedOptimizerConfig
-from embshard.tables import ConfigError
+from embshard.planner.policy import PlannerConfig
+from embshard.tables import ConfigError, FieldError
 
 __all__ = [
     "CheckpointConfig",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embshard.config.schema import FieldError
+from embshard.tables import FieldError
 
 
 @dataclass(frozen=True)

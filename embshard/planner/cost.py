@@ -94,7 +94,7 @@ import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingType
-from embshard.planner import loads as R
+from embshard.planner import loads
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
 from embshard.tables import TableConfig
@@ -360,7 +360,7 @@ class CostModel:
         """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
         destination (forward phase) and the regroup of the pooled rows into the output, forward and backward,
         with a plain copy each way (module docstring)."""
-        v = np.zeros(R.NROWS)
+        v = np.zeros(loads.NROWS)
         if not tables:
             return v
         B, bw, bag = self.batch, self.mem_bw, self.topo.bag_s
@@ -369,8 +369,8 @@ class CostModel:
         pooled = B * sum(len(t.feature_names) * t.embedding_dim * OUT_BYTES for t in tables)
         permute = BATCH_ID_PASSES * max(bags * bag, 2 * ids / bw)
         regroup = max(bags * bag, 2 * pooled / bw) + 2 * pooled / bw
-        v[R.FWD] = permute + regroup
-        v[R.BWD] = regroup
+        v[loads.FWD] = permute + regroup
+        v[loads.BWD] = regroup
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------
@@ -419,30 +419,30 @@ class CostModel:
         topo = self.topo
         W, lws = topo.world_size, topo.local_world_size
         shape = np.broadcast(wk.in_b, wk.out_b, wk.fwd_s, wk.bwd_s).shape
-        v = np.zeros((*shape, R.NROWS))
+        v = np.zeros((*shape, loads.NROWS))
         bi, bx = topo.intra_host_bw, topo.inter_host_bw
-        v[..., R.IN_RECV_I] = (lws - 1) * wk.in_b / bi
-        v[..., R.IN_RECV_X] = (W - lws) * wk.in_b / bx
-        v[..., R.FWD] = wk.fwd_s
+        v[..., loads.IN_RECV_I] = (lws - 1) * wk.in_b / bi
+        v[..., loads.IN_RECV_X] = (W - lws) * wk.in_b / bx
+        v[..., loads.FWD] = wk.fwd_s
         out_i, out_x = (lws - 1) * wk.out_b / bi, (W - lws) * wk.out_b / bx
-        v[..., R.OUT_SEND_I] = out_i
-        v[..., R.OUT_SEND_X] = out_x
-        v[..., R.GRAD_RECV_I] = out_i
-        v[..., R.GRAD_RECV_X] = out_x
-        v[..., R.BWD] = wk.bwd_s
-        v[..., R.ALLREDUCE] = wk.ar_s
-        v[..., R.DP_UPDATE] = wk.upd_s
+        v[..., loads.OUT_SEND_I] = out_i
+        v[..., loads.OUT_SEND_X] = out_x
+        v[..., loads.GRAD_RECV_I] = out_i
+        v[..., loads.GRAD_RECV_X] = out_x
+        v[..., loads.BWD] = wk.bwd_s
+        v[..., loads.ALLREDUCE] = wk.ar_s
+        v[..., loads.DP_UPDATE] = wk.upd_s
         return v
 
     def peer_vec(self, wk: ShardWork, same_host: bool) -> np.ndarray:
         """[..., NROWS]: what a model-parallel shard puts on another rank of its host (or of another host)."""
         shape = np.broadcast(wk.in_b, wk.out_b).shape
-        v = np.zeros((*shape, R.NROWS))
+        v = np.zeros((*shape, loads.NROWS))
         bw = self.topo.intra_host_bw if same_host else self.topo.inter_host_bw
         x = 0 if same_host else 1
-        v[..., R.IN_SEND_I + x] = wk.in_b / bw
-        v[..., R.OUT_RECV_I + x] = wk.out_b / bw
-        v[..., R.GRAD_SEND_I + x] = wk.out_b / bw
+        v[..., loads.IN_SEND_I + x] = wk.in_b / bw
+        v[..., loads.OUT_RECV_I + x] = wk.out_b / bw
+        v[..., loads.GRAD_SEND_I + x] = wk.out_b / bw
         return v
 
     def group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
@@ -464,30 +464,30 @@ class CostModel:
         sync (one for all schemes) and the launch-bound stretch around it (do not modify: cached)."""
         key = ("step",)
         if key not in self._fixed:
-            v = np.zeros(R.NROWS)
+            v = np.zeros(loads.NROWS)
             if self.topo.world_size > 1:
-                v[R.PHASE_ROWS[0]] = self.topo.host_sync_s
+                v[loads.PHASE_ROWS[0]] = self.topo.host_sync_s
             self._fixed[key] = v
         return self._fixed[key]
 
     def _group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
-        v = np.zeros(R.NROWS)
+        v = np.zeros(loads.NROWS)
         k = self.topo.kernel_s
-        v[R.FWD] = k * (FWD_KERNELS + (CACHE_KERNELS if tier is MemoryTier.UVM_CACHING else 0))
-        v[R.BWD] = BWD_KERNELS * k
+        v[loads.FWD] = k * (FWD_KERNELS + (CACHE_KERNELS if tier is MemoryTier.UVM_CACHING else 0))
+        v[loads.BWD] = BWD_KERNELS * k
         if sharding is ShardingType.DATA_PARALLEL:
-            v[R.DP_UPDATE] = DP_UPDATE_KERNELS * k
+            v[loads.DP_UPDATE] = DP_UPDATE_KERNELS * k
         return v
 
     def _scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
-        v = np.zeros(R.NROWS)
+        v = np.zeros(loads.NROWS)
         if self.topo.world_size == 1:
             return v
         lat = self.latency
         if sharding is ShardingType.DATA_PARALLEL:
-            v[R.ALLREDUCE] = lat
+            v[loads.ALLREDUCE] = lat
             return v
-        v[R.PHASE_ROWS[0]] = (3 + int(weighted)) * lat
-        v[R.PHASE_ROWS[2]] = lat
-        v[R.PHASE_ROWS[3]] = lat
+        v[loads.PHASE_ROWS[0]] = (3 + int(weighted)) * lat
+        v[loads.PHASE_ROWS[2]] = lat
+        v[loads.PHASE_ROWS[3]] = lat
         return v
