@@ -165,7 +165,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     t0, batches = time.time(), source.train_batches(start)
     step = start
     for step in range(start + 1, total + 1):
-        out = model.step(next(batches).to(device))
+        model.ebc.step = step  # every rank agrees on it (checked), and errors name it
+        out = model.step(next(batches).to(device), check_finite=cfg.runtime.nan_check)
         dense_opt.zero_grad(set_to_none=True)
         out.loss.backward()
         dense_opt.step()

@@ -54,6 +54,14 @@ class RecModel(nn.Module):
     def dense_parameters(self) -> list[nn.Parameter]:
         return list(self.dense.parameters())
 
-    def step(self, batch: Batch) -> StepOutput:
-        """Forward and loss on this rank's batch."""
-        return self.kind.step(self.dense, self.ebc(batch.sparse), batch, self.cfg)
+    def step(self, batch: Batch, check_finite: bool = False) -> StepOutput:
+        """Forward and loss on this rank's batch. `check_finite`: raise `guard.NonFiniteError` on every rank
+        (collective) if the loss or a pooled embedding is NaN or Inf, before any update (runtime.nan_check)."""
+        step = self.ebc.step
+        pooled = self.ebc(batch.sparse)
+        out = self.kind.step(self.dense, pooled, batch, self.cfg)
+        if check_finite:
+            from embshard.guard import check_finite as check
+
+            check(step, out.loss, self.ebc, pooled)
+        return out
