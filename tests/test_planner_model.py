@@ -388,3 +388,23 @@ def test_topology_defaults_are_the_h100_preset_and_constants_are_checked():
             assert getattr(plain, f.name) == getattr(h100, f.name), f.name
     with pytest.raises(ConfigError, match="bwd_row_s=-1e-09 is invalid: it must be >= 0"):
         Topology(2, 2, hbm_bytes=GIB, bwd_row_s=-1e-9)
+
+
+def test_exact_column_wise_adagrad_costs_its_backward():
+    """Column-wise under rowwise_adagrad: the exact update's backward is counted unless turned off; other
+    sharding types and optimizers are unaffected."""
+    from embshard.plan import MemoryTier, ShardingType
+    from embshard.planner.settings import PlannerSettings
+
+    t = TableStats.one(TableConfig("t", 100_000, 128, ("f",), ids_per_bag=8))
+    topo = Topology.preset("h100", 2)
+    rw = FusedOptimizerConfig("rowwise_adagrad")
+    exact = CostModel(topo, 1024, rw).work(t, ShardingType.COLUMN_WISE, MemoryTier.HBM, 100_000.0, 64.0)
+    off = CostModel(topo, 1024, rw, PlannerSettings(column_wise_exact=False))
+    plain = off.work(t, ShardingType.COLUMN_WISE, MemoryTier.HBM, 100_000.0, 64.0)
+    assert exact.bwd_s > plain.bwd_s and exact.fwd_s == plain.fwd_s
+    sgd = CostModel(topo, 1024, FusedOptimizerConfig("sgd"))
+    assert sgd.work(t, ShardingType.COLUMN_WISE, MemoryTier.HBM, 100_000.0, 64.0).bwd_s < exact.bwd_s
+    tw = CostModel(topo, 1024, rw).work(t, ShardingType.TABLE_WISE, MemoryTier.HBM, 100_000.0, 128.0)
+    tw_off = off.work(t, ShardingType.TABLE_WISE, MemoryTier.HBM, 100_000.0, 128.0)
+    assert tw.bwd_s == tw_off.bwd_s
