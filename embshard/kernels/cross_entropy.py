@@ -205,7 +205,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
             torch._assert_async(ok.all(), "fused_cross_entropy: a target is outside [0, C) and not ignore_index")
         elif not bool(ok.all()):
             bad = target[~ok][0].item()
-            raise IndexError(f"fused_cross_entropy: target {bad} is out of bounds for {C} classes (ignore_index={ignore_index})")
+            raise IndexError(
+                f"fused_cross_entropy: target {bad} is out of bounds for {C} classes (ignore_index={ignore_index})"
+            )
         lse, loss_rows = _forward_pass(x, target, ignore_index, smoothing, impl, launch)
         n_valid = (target != ignore_index).sum().to(lse.dtype)
         if reduction == "mean":

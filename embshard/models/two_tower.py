@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from embshard.comm import world_and_rank
+from embshard.kernels import fused_cross_entropy
 from embshard.models.dlrm import mlp
+from embshard.retrieval.gather import gather_rows, gather_sizes
 
 
 class TwoTowerDense(nn.Module):
@@ -35,10 +39,31 @@ def bce_scores(user_BD: torch.Tensor, item_BD: torch.Tensor) -> torch.Tensor:
 
 
 def in_batch_softmax_loss(
-    user_BD: torch.Tensor, item_BD: torch.Tensor, temperature: float
+    user_BD: torch.Tensor,
+    item_BD: torch.Tensor,
+    temperature: float,
+    global_negatives: bool = False,
+    item_ids_B: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean cross-entropy of each user against all items of the batch with its own item as the target,
-    the score matrix `[B, B]`)."""
-    logits_BB = user_BD @ item_BD.t() / temperature
-    target_B = torch.arange(logits_BB.shape[0], device=logits_BB.device)
-    return nn.functional.cross_entropy(logits_BB, target_B), logits_BB
+    """(mean cross-entropy of each local user against the batch's items with its own item as the target, the
+    score matrix `[B, B_items]`).
+
+    global_negatives: the items are every rank's batch, all-gathered `[B_global, D]` (collective; the items'
+    gradients return to their ranks), else this rank's `[B, D]`. item_ids_B: the items' ids; an item equal to a
+    user's own item at another position of the batch is then left out of that user's negatives (a duplicate is
+    not a negative)."""
+    B = user_BD.shape[0]
+    offset = 0
+    if global_negatives:
+        sizes = gather_sizes(B, user_BD.device, group)
+        offset = sum(sizes[: world_and_rank(group)[1]])
+        item_BD = gather_rows(item_BD, sizes, group)
+        item_ids_B = gather_rows(item_ids_B, sizes, group) if item_ids_B is not None else None
+    logits = user_BD @ item_BD.t() / temperature
+    target_B = torch.arange(offset, offset + B, device=logits.device)
+    if item_ids_B is not None:
+        dup = item_ids_B.unsqueeze(0) == item_ids_B[target_B].unsqueeze(1)
+        dup[torch.arange(B, device=dup.device), target_B] = False
+        logits = logits.masked_fill(dup, float("-inf"))
+    return fused_cross_entropy(logits, target_B), logits
