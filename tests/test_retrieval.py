@@ -162,7 +162,7 @@ def in_batch_worker(rank, world, device):
     q, t, w = batch(world, 0)[rank]
     items = torch.randn(q.shape[0], 8, generator=torch.Generator().manual_seed(7 + rank))
     q, items = q.to(device).requires_grad_(True), items.to(device).requires_grad_(True)
-    loss, _ = in_batch_softmax_loss(q, items, 0.5, global_negatives=True, item_ids_B=t.to(device))
+    loss, _, _ = in_batch_softmax_loss(q, items, 0.5, global_negatives=True, item_ids_B=t.to(device))
     loss.backward()
     return {"loss": float(loss), "dq": q.grad.cpu(), "di": items.grad.cpu()}
 
