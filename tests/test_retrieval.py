@@ -262,3 +262,29 @@ def test_sampler_draws_follow_the_smoothed_counts():
     assert u.sample(0).max() < 8 and math.isclose(
         float(u.log_expected(torch.tensor([5]))), math.log(3 / 8), rel_tol=1e-6
     )
+
+
+def test_synthetic_affinity_items_come_from_the_users_group():
+    """data.synthetic.affinity: about `strength` of the items are in their user's group (g + G k before the scramble),
+    the rest anywhere; labels are 1; a feature with several ids per bag or a group count that does not divide the
+    item table is refused."""
+    import numpy as np
+
+    from embshard.config.data import AffinityConfig, SyntheticConfig
+    from embshard.data.synthetic import _GOLDEN, SyntheticSource, scramble_multiplier
+    from embshard.tables import ConfigError
+
+    tables = [TableConfig("u", 500, 4, ("user",)), TableConfig("i", 1000, 4, ("item",))]
+    cfg = SyntheticConfig(num_dense=0, affinity=AffinityConfig("user", "item", clusters=50, strength=0.7))
+    b = SyntheticSource(cfg, tables, 4000, seed=1, rank=0).batch(3)
+    users, items = b.sparse["user"].values().numpy(), b.sparse["item"].values().numpy()
+    assert users.size == items.size == 4000 and bool((b.labels == 1).all())
+    unscrambled = items * pow(scramble_multiplier(1000), -1, 1000) % 1000
+    group = ((users.astype(np.uint64) + np.uint64(12345)) * _GOLDEN >> np.uint64(33)) % np.uint64(50)
+    in_group = (unscrambled % 50 == group.astype(np.int64)).mean()
+    assert 0.7 < in_group < 0.7 + 0.3 / 50 + 0.03  # strength, plus the other draws that land in the group by chance
+    bad = [TableConfig("u", 500, 4, ("user",), ids_per_bag=2), tables[1]]
+    with pytest.raises(ConfigError, match="feature 'user' has 2"):
+        SyntheticSource(cfg, bad, 8, seed=1, rank=0)
+    with pytest.raises(ConfigError, match="clusters=50 does not divide table 'i'"):
+        SyntheticSource(cfg, [tables[0], TableConfig("i", 1010, 4, ("item",))], 8, seed=1, rank=0)

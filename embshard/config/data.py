@@ -75,7 +75,7 @@ class AffinityConfig:
     user_feature: str
     """Feature holding the sample's user id (one id per sample)."""
     item_feature: str
-    """Feature holding the sample's item id (one id per sample), drawn as described above."""
+    """Feature holding the sample's item id (one id per sample): from the user's group with probability strength."""
     clusters: int = 100
     """Number of user and item groups (count); the item table's rows must be a multiple of it."""
     strength: float = 0.8
