@@ -226,7 +226,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         x, target, lse, scale = ctx.saved_tensors
         ignore_index, smoothing, inplace, impl, launch, same_buffer = ctx.args
-        out = x if inplace else torch.empty_like(x)
+        out = x.detach() if inplace else torch.empty_like(x)  # detach: the same buffer, not the saved variable
         grad = grad_loss.contiguous()
         _backward_pass(x, out, target, lse, grad, scale, ignore_index, smoothing, impl, launch)
         if inplace and same_buffer:
