@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import run_distributed
+from dist_harness import run_distributed, test_device
 
 from embshard.lookup import init_rows
 from embshard.optim import FusedOptimizerConfig
@@ -89,7 +89,11 @@ def worker(rank, world, device):
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
+@pytest.fixture(
+    scope="module",
+    params=[w for w in (1, 2, 3) if test_device() == "cpu" or w <= torch.cuda.device_count()],
+    ids=lambda w: f"world{w}",
+)
 def ranks(request):
     """(world size, every rank's results of `worker`)."""
     return request.param, run_distributed(worker, request.param)
