@@ -32,7 +32,7 @@ as every sharded lookup does (the dense towers are averaged by DistributedDataPa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -74,8 +74,8 @@ def chunk_rows(batch: int, chunk_mib: float) -> int:
     return max(1, int(chunk_mib * (1 << 20)) // (4 * max(batch, 1)))
 
 
-def _chunk_logits(Q: torch.Tensor, cands: Candidates, c0: int, c1: int) -> torch.Tensor:
-    logits = Q @ cands.rows_RD[c0:c1].t()
+def _chunk_logits(Q: torch.Tensor, rows: torch.Tensor, cands: Candidates, c0: int, c1: int) -> torch.Tensor:
+    logits = Q @ rows[c0:c1].t()
     if cands.candidate_bias is not None:
         logits += cands.candidate_bias[c0:c1]
     if cands.candidate_ids is not None:
@@ -96,7 +96,7 @@ class _ShardedSoftmax(torch.autograd.Function):
         B = Q.shape[0]
         lse_part = Q.new_full((B,), NEG_INF)
         for c0 in range(0, cands.num_candidates, chunk):
-            logits = _chunk_logits(Q, cands, c0, min(c0 + chunk, cands.num_candidates))
+            logits = _chunk_logits(Q, rows, cands, c0, min(c0 + chunk, cands.num_candidates))
             lse_part = torch.logaddexp(lse_part, logsumexp_rows(logits).to(Q.dtype))
         mine, pos = _target_rows(cands)
         t_part = Q.new_zeros(B)
@@ -112,7 +112,8 @@ class _ShardedSoftmax(torch.autograd.Function):
             lse = torch.logaddexp(lse, t_logit)
         loss = lse - t_logit
         ctx.save_for_backward(Q, rows, lse, t_logit)
-        ctx.cands, ctx.sizes, ctx.group, ctx.chunk = cands, sizes, group, chunk
+        ctx.cands = replace(cands, rows_RD=None)  # the rows are saved above, with autograd's checks
+        ctx.sizes, ctx.group, ctx.chunk = sizes, group, chunk
         off = sum(sizes[:rank])
         return loss[off : off + sizes[rank]]
 
@@ -126,7 +127,7 @@ class _ShardedSoftmax(torch.autograd.Function):
         dR = torch.zeros_like(rows)
         for c0 in range(0, cands.num_candidates, chunk):
             c1 = min(c0 + chunk, cands.num_candidates)
-            P = softmax_grad_(_chunk_logits(Q, cands, c0, c1), lse, g)
+            P = softmax_grad_(_chunk_logits(Q, rows, cands, c0, c1), lse, g)
             dQ.addmm_(P, rows[c0:c1])
             dR[c0:c1] = P.t() @ Q
         mine, pos = _target_rows(cands)
