@@ -40,8 +40,8 @@ class Catalog(nn.Module):
         table, plan: the table and a plan holding it (other tables of the plan are ignored).
         optimizer: the fused optimizer of its rows. device, group, seed: as ShardedEmbeddingBagCollection.
         chunk_mib: memory of one chunk of logits `[B_global, rows]` in the softmax and the top-k (MiB).
-        sampler: "unigram" or "uniform" (sampled softmax only); num_negatives: negatives per step over the whole
-        catalog; smoothing: the unigram's pseudo-count.
+        num_negatives: sampled softmax only (None: no sampler): negatives per step over the whole catalog;
+        sampler: "unigram" or "uniform"; smoothing: the unigram's pseudo-count.
     """
 
     def __init__(
@@ -53,8 +53,8 @@ class Catalog(nn.Module):
         group: dist.ProcessGroup | None = None,
         seed: int | None = 0,
         chunk_mib: float = 256.0,
+        num_negatives: int | None = None,
         sampler: str = "unigram",
-        num_negatives: int = 1024,
         smoothing: float = 1.0,
     ) -> None:
         super().__init__()
@@ -81,14 +81,15 @@ class Catalog(nn.Module):
         blocks = {s.rank: (s.row_offset, s.num_rows) for s in tp.shards}
         self.blocks = [blocks.get(r, (table.num_embeddings, 0)) for r in range(self.world_size)]
         self.row_offset, self.num_rows = self.blocks[self.rank]
-        try:
-            k = negatives_per_rank(num_negatives, [n for _, n in self.blocks])[self.rank]
-        except ValueError as e:
-            raise ConfigError(f"catalog table {table.name!r}: {e}") from None
-        self.sampler = BlockSampler(
-            sampler, self.row_offset, self.num_rows, k, smoothing, seed or 0, self.rank, self.device
-        )
-        self.num_negatives = num_negatives
+        self.sampler: BlockSampler | None = None
+        if num_negatives is not None:
+            try:
+                k = negatives_per_rank(num_negatives, [n for _, n in self.blocks])[self.rank]
+            except ValueError as e:
+                raise ConfigError(f"catalog table {table.name!r}: {e}") from None
+            self.sampler = BlockSampler(
+                sampler, self.row_offset, self.num_rows, k, smoothing, seed or 0, self.rank, self.device
+            )
         self._step = 0
 
     # ---- the batch's items ----------------------------------------------------------------------------------
@@ -123,6 +124,8 @@ class Catalog(nn.Module):
     def sampled_softmax_loss(self, query_BD: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
         """Cross-entropy `[B_r]` of each local query's target against the step's sampled negatives (shared by the
         global batch), logQ-corrected, accidental hits removed. Advances the sampler (one step, then counts T)."""
+        if self.sampler is None:
+            raise ValueError("sampled_softmax_loss needs the catalog built with num_negatives (its sampler)")
         sizes, Q, T = self._gather(query_BD, target_B)
         neg = self.sampler.sample(self._step)
         k = neg.numel()
