@@ -42,10 +42,14 @@ def batch(world: int, step: int, dim: int = 8, items: int = 23):
     return out
 
 
+def tier(device: torch.device) -> str:
+    return "hbm" if device.type == "cuda" else "host"
+
+
 def make_catalog(world: int, device, **kw):
     from embshard.retrieval import Catalog
 
-    plan = simple_plan([CATALOG], world, sharding_types={"t_item": "row_wise"})
+    plan = simple_plan([CATALOG], world, sharding_types={"t_item": "row_wise"}, tier=tier(device))
     return Catalog(
         CATALOG, plan, FusedOptimizerConfig("sgd", lr=LR), device, seed=3, chunk_mib=4 * 12 * 5 / (1 << 20), **kw
     )
@@ -207,7 +211,7 @@ def local_rows_worker(rank, world, device):
         TableConfig("a", num_embeddings=10, embedding_dim=4, feature_names=("a1", "a2")),
         TableConfig("b", num_embeddings=7, embedding_dim=8, feature_names=("b1",)),
     ]
-    plan = simple_plan(tables, world, sharding_types={"a": "row_wise", "b": "row_wise"})
+    plan = simple_plan(tables, world, sharding_types={"a": "row_wise", "b": "row_wise"}, tier=tier(device))
     ebc = ShardedEmbeddingBagCollection(tables, plan, FusedOptimizerConfig("sgd", lr=LR), device=device, seed=5)
     before = ebc.full_weights()
     off_a, rows_a = ebc.local_rows("a")
