@@ -129,7 +129,7 @@ class _ShardedSoftmax(torch.autograd.Function):
             c1 = min(c0 + chunk, cands.num_candidates)
             P = softmax_grad_(_chunk_logits(Q, rows, cands, c0, c1), lse, g)
             dQ.addmm_(P, rows[c0:c1])
-            dR[c0:c1] = P.t() @ Q
+            torch.mm(P.t(), Q, out=dR[c0:c1])
         mine, pos = _target_rows(cands)
         if rows.shape[0]:
             p_target = torch.zeros_like(lse) if cands.target_is_candidate else torch.exp(t_logit - lse)
