@@ -325,6 +325,44 @@ class ShardedEmbeddingBagCollection(nn.Module):
             out.append(x * scale_BF.index_select(1, cols) if x.shape[1] else x)
         return out
 
+    # ---- a rank's own rows, differentiable (retrieval: embshard/retrieval) ------------------------------------
+    def local_rows(self, table: str, ids: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """(row_offset, rows `[n, D]`): this rank's block of `table` (rows `row_offset ...`), or the block's rows
+        `ids` (local indices, int64), read through the block's own lookup as bags of one id each, so the result is
+        differentiable and its gradient is applied by the fused optimizer in the backward, like any lookup's. No
+        collective. The table must be split into full-width row blocks (row_wise, table_wise, table_row_wise); a
+        rank without a block gets (num_embeddings, an empty `[0, D]` tensor that requires grad). Cost: one lookup
+        of n bags; when other tables share the lookup (TBE), the output is as wide as all of them for those n bags.
+        Call it at most once per step per table: each call's backward is its own optimizer step."""
+        tp = self.plan[table]
+        if tp.sharding_type.value not in ("row_wise", "table_wise", "table_row_wise"):
+            raise ConfigError(
+                f"local_rows({table!r}): the table is {tp.sharding_type.value}; it needs full-width row blocks, one "
+                "per rank: plan it row_wise (planner.constraints.<table>.sharding_types: [row_wise])"
+            )
+        cfg = next(t for t in self.tables if t.name == table)
+        for scheme in self.schemes:
+            for lk in scheme.lookups:
+                for s in lk.shards:
+                    if s.table.name != table:
+                        continue
+                    n = s.shard.num_rows if ids is None else int(ids.numel())
+                    F, f0 = len(lk.features), lk.features.index(s.features[0])
+                    dev = self.device
+                    offsets = torch.cat(
+                        [
+                            torch.zeros(f0 * n, dtype=torch.int64, device=dev),
+                            torch.arange(n + 1, dtype=torch.int64, device=dev),
+                            torch.full(((F - f0 - 1) * n,), n, dtype=torch.int64, device=dev),
+                        ]
+                    )
+                    idx = torch.arange(n, device=dev) if ids is None else ids.to(dev, torch.int64)
+                    weights = torch.ones(n, device=dev) if lk.weighted else None
+                    out = lk(idx, offsets, weights)
+                    col0 = sum(lk.dims[:f0])
+                    return s.shard.row_offset, out[:, col0 : col0 + cfg.embedding_dim]
+        return cfg.num_embeddings, torch.zeros(0, cfg.embedding_dim, device=self.device, requires_grad=True)
+
     # ---- state -------------------------------------------------------------------------------------------
     def local_shards(self) -> list[tuple[str, Shard, torch.Tensor]]:
         """(table name, Shard, weights) for every shard on this rank (the weights are the live tensors: writing

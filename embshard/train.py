@@ -89,22 +89,41 @@ class Reporter:
 
 @torch.no_grad()
 def evaluate(model, source, device: torch.device) -> dict[str, float]:
-    """Mean loss (weighted by samples) and AUC over every rank's held-out batches."""
+    """Mean loss (weighted by samples), AUC (for models that score pairs) and recall@K (two-tower catalog mode)
+    over every rank's held-out batches."""
     from torchmetrics.classification import BinaryAUROC
 
     model.eval()
     auroc = BinaryAUROC().to(device)
+    scored = False
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+    hits: dict[int, torch.Tensor] = {}
     for batch in source.eval_batches():
         out = model.step(batch.to(device))
         totals[0] += out.loss.double() * batch.size
         totals[1] += batch.size
-        auroc.update(torch.sigmoid(out.scores), out.labels.long())
+        if out.scores is not None:
+            auroc.update(torch.sigmoid(out.scores), out.labels.long())
+            scored = True
+        for k, h in out.hits.items():
+            hits[k] = hits.get(k, 0) + h.double()
+    ks = sorted(hits)
+    summed = torch.cat([totals, torch.stack([hits[k] for k in ks]).to(totals)]) if ks else totals
     if dist.is_initialized():
-        dist.all_reduce(totals)
-    auc = float(auroc.compute())  # torchmetrics gathers every rank's scores
+        dist.all_reduce(summed)
+    result = {"loss": float(summed[0] / summed[1])}
+    if scored:
+        result["auc"] = float(auroc.compute())  # torchmetrics gathers every rank's scores
+    result.update({f"recall@{k}": float(summed[2 + i] / summed[1]) for i, k in enumerate(ks)})
+    result["samples"] = int(summed[1])
     model.train()
-    return {"loss": float(totals[0] / totals[1]), "auc": auc, "samples": int(totals[1])}
+    return result
+
+
+def format_eval(step: int, m: dict[str, float]) -> str:
+    """One console line of an evaluation's metrics."""
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in m.items() if k != "samples")
+    return f"eval  step {step:6d}  {metrics}  ({m['samples']} samples)"
 
 
 def run(config_path: str, overrides: Sequence[str]) -> None:
@@ -145,7 +164,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
 
     def do_eval(step: int) -> None:
         m = evaluate(model, source, device)
-        report.line(f"eval  step {step:6d}  loss {m['loss']:.4f}  auc {m['auc']:.4f}  ({m['samples']} samples)")
+        report.line(format_eval(step, m))
         report.scalars(step, m, "eval")
 
     if sched.eval_at_start and start == 0:

@@ -185,6 +185,42 @@ def test_impossible_values(tmp_path):
     assert "model.two_tower.item_features[0]='f1' is invalid: no table lists this feature" in msg
 
 
+def test_catalog_mode_errors(tmp_path):
+    """Two-tower catalog mode (item_mlp: []) and the catalog losses: each wrong combination names the rule."""
+    data = base()
+    data["model"]["kind"] = "two_tower"
+    tt = {"user_features": ["f0"], "item_features": ["f3"], "user_mlp": [8], "item_mlp": [8], "loss": "full_softmax"}
+    data["model"]["two_tower"] = tt
+    assert "model.two_tower.item_mlp=[8] is invalid: loss full_softmax scores the catalog's rows" in error_of(
+        tmp_path, data
+    )
+    tt["item_mlp"] = []
+    tt["item_features"] = ["f1"]
+    assert "model.tables[1].feature_names=['f1', 'f2'] is invalid: table 't1' is the catalog" in error_of(
+        tmp_path, data
+    )
+    tt["item_features"] = ["f3"]
+    tt["user_mlp"] = [4]
+    assert "model.tables[2].embedding_dim=8 is invalid" in error_of(tmp_path, data)
+    tt["user_mlp"] = [8]
+    tt["in_batch"] = {"global_negatives": True}
+    assert "model.two_tower.in_batch='{...}' is invalid: loss 'full_softmax' does not use it" in error_of(
+        tmp_path, data
+    )
+    del tt["in_batch"]
+    tt["loss"] = "sampled_softmax"
+    tt["sampled_softmax"] = {"num_negatives": 0}
+    assert "model.two_tower.sampled_softmax.num_negatives=0 is invalid" in error_of(tmp_path, data)
+    tt["sampled_softmax"] = {"num_negatives": 16}
+    data["data"] = {"source": "synthetic", "synthetic": {"affinity": {"user_feature": "f0", "item_feature": "f9"}}}
+    assert "data.synthetic.affinity.item_feature='f9' is invalid: no table lists this feature" in error_of(
+        tmp_path, data
+    )
+    data["data"]["synthetic"]["affinity"]["item_feature"] = "f3"
+    cfg = load_config(write(tmp_path, data))
+    assert cfg.model.two_tower.catalog_mode and cfg.model.two_tower.sampled_softmax.sampler == "unigram"
+
+
 def test_override_errors_name_the_override(tmp_path):
     msg = error_of(tmp_path, base(), ["model.tables[2].embedding_dim=-3"])
     assert "command-line override 'model.tables[2].embedding_dim=-3'" in msg

@@ -32,10 +32,10 @@ def test_two_tower_losses():
     user, item = towers(torch.randn(5, 12), torch.randn(5, 6))
     assert user.shape == item.shape == (5, 4)
     torch.testing.assert_close(bce_scores(user, item), torch.stack([user[i] @ item[i] for i in range(5)]))
-    loss, logits = in_batch_softmax_loss(user, item, temperature=0.5)
+    loss, logits, target = in_batch_softmax_loss(user, item, temperature=0.5)
     manual = torch.stack([-(torch.log_softmax(user[i] @ item.t() / 0.5, 0)[i]) for i in range(5)]).mean()
     torch.testing.assert_close(loss, manual)
-    assert logits.shape == (5, 5)
+    assert logits.shape == (5, 5) and torch.equal(target, torch.arange(5))
 
 
 def test_every_config_kind_has_a_registered_model():

@@ -93,6 +93,14 @@ class TrainConfig:
                     raise FieldError(
                         f"data.synthetic.pooling.{f}", f, f"no table lists this feature: {sorted(features)}"
                     )
+            affinity = self.data.synthetic.affinity if self.data.synthetic else None
+            for key in ("user_feature", "item_feature") if affinity else ():
+                if getattr(affinity, key) not in features:
+                    raise FieldError(
+                        f"data.synthetic.affinity.{key}",
+                        getattr(affinity, key),
+                        f"no table lists this feature: {sorted(features)}",
+                    )
 
 
 _KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")

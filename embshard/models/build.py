@@ -1,6 +1,6 @@
 """Build a configured model: the sharded embeddings (fused optimizer) and the dense part (DistributedDataParallel),
 and compute its loss on a batch. Gets only the `model:` section; what differs between model kinds (the feature
-groups, the dense part, the loss) comes from the kind's file (registry.py)."""
+groups, a retrieval catalog, the dense part, the loss) comes from the kind's file (registry.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ __all__ = ["RecModel", "StepOutput"]
 
 
 class RecModel(nn.Module):
-    """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward); `dense`: the dense part,
-    wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
+    """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward); `catalog`: a retrieval catalog
+    serving one table in a collection of its own, or None; `dense`: the dense part, wrapped in
+    DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
 
     def __init__(
         self,
@@ -35,9 +36,15 @@ class RecModel(nn.Module):
 
         self.cfg = cfg
         self.kind = model_kind(cfg.kind)
+        tables = list(cfg.tables)
+        build_catalog = self.kind.build_catalog
+        self.catalog = build_catalog(cfg, plan, sparse_optimizer, device, seed) if build_catalog else None
+        if self.catalog is not None:
+            tables = [t for t in tables if t.name != self.catalog.table.name]
+            plan = ShardingPlan(plan.world_size, plan.local_world_size, tuple(plan[t.name] for t in tables))
         groups = self.kind.output_groups(cfg) if self.kind.output_groups else None
         self.ebc = ShardedEmbeddingBagCollection(
-            list(cfg.tables), plan, sparse_optimizer, output_groups=groups, device=device, seed=seed
+            tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed
         )
         torch.manual_seed(seed)  # identical dense initialisation on every rank
         dense = self.kind.build_dense(cfg, num_dense).to(device)
@@ -54,14 +61,22 @@ class RecModel(nn.Module):
     def dense_parameters(self) -> list[nn.Parameter]:
         return list(self.dense.parameters())
 
+    def collections(self) -> list[nn.Module]:
+        """The sharded embedding collections (the catalog's last, in catalog mode), for checkpoints."""
+        return [self.ebc] + ([self.catalog.ebc] if self.catalog is not None else [])
+
     def step(self, batch: Batch, check_finite: bool = False) -> StepOutput:
         """Forward and loss on this rank's batch. `check_finite`: raise `guard.NonFiniteError` on every rank
         (collective) if the loss or a pooled embedding is NaN or Inf, before any update (runtime.nan_check)."""
-        step = self.ebc.step
-        pooled = self.ebc(batch.sparse)
-        out = self.kind.step(self.dense, pooled, batch, self.cfg)
-        if check_finite:
-            from embshard.guard import check_finite as check
+        if not check_finite:
+            return self.kind.step(self, batch)
+        from embshard.guard import check_finite as check
 
-            check(step, out.loss, self.ebc, pooled)
+        step, seen = self.ebc.step, []
+        hook = self.ebc.register_forward_hook(lambda _m, _i, out: seen.append(out))
+        try:
+            out = self.kind.step(self, batch)
+        finally:
+            hook.remove()
+        check(step, out.loss, self.ebc, seen[-1])
         return out

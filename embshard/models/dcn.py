@@ -56,9 +56,9 @@ def dcn_dense(cfg: ModelConfig, num_dense: int) -> DLRMDCNDense:
     )
 
 
-def dcn_step(dense: nn.Module, pooled: Any, batch: Batch, cfg: ModelConfig) -> StepOutput:
+def dcn_step(model: Any, batch: Batch) -> StepOutput:
     """BCE of the logits of the dense features and the pooled embeddings (KeyedTensor) `[B, sparse_width]`."""
-    return bce_output(dense(batch.dense, pooled.values()), batch.labels)
+    return bce_output(model.dense(batch.dense, model.ebc(batch.sparse).values()), batch.labels)
 
 
 register("dlrm_dcnv2", ModelKind(dcn_dense, dcn_step))

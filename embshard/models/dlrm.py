@@ -52,10 +52,11 @@ def dlrm_dense(cfg: ModelConfig, num_dense: int) -> DLRMDense:
     return DLRMDense(num_dense, len(cfg.features), cfg.tables[0].embedding_dim, cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp)
 
 
-def dlrm_step(dense: nn.Module, pooled: Any, batch: Batch, cfg: ModelConfig) -> StepOutput:
+def dlrm_step(model: Any, batch: Batch) -> StepOutput:
     """BCE of the logits of the dense features and the pooled embeddings (KeyedTensor) `[B, F, D]`."""
-    sparse_BFD = pooled.values().view(batch.size, len(cfg.features), cfg.tables[0].embedding_dim)
-    return bce_output(dense(batch.dense, sparse_BFD), batch.labels)
+    cfg = model.cfg
+    sparse_BFD = model.ebc(batch.sparse).values().view(batch.size, len(cfg.features), cfg.tables[0].embedding_dim)
+    return bce_output(model.dense(batch.dense, sparse_BFD), batch.labels)
 
 
 register("dlrm", ModelKind(dlrm_dense, dlrm_step))

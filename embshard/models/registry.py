@@ -4,9 +4,11 @@ A kind is one file of this package that registers itself when imported:
 
     register("dlrm", ModelKind(build_dense=dlrm_dense, step=dlrm_step))
 
-RecModel (build.py) asks the kind for the feature groups the embeddings hand over (`output_groups`), builds the
-kind's dense part (`build_dense`) and computes a batch's loss with the kind's `step`. A new model kind is its config
-dataclass (embshard.config.model) and one new file here: the package's files are imported on the first lookup.
+RecModel (build.py) asks the kind for the feature groups the embeddings hand over (`output_groups`), for a table it
+serves as a retrieval catalog in a collection of its own (`build_catalog`, embshard.retrieval), builds the kind's
+dense part (`build_dense`) and computes a batch's loss with the kind's `step(model, batch)`, which runs the
+model's collections and dense part. A new model kind is its config dataclass (embshard.config.model) and one new
+file here: the package's files are imported on the first lookup.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,13 @@ from embshard.tables import ConfigError
 
 @dataclass
 class StepOutput:
-    """A step's mean loss, and the scores and 0/1 labels that the AUC is computed on."""
+    """A step's mean loss, the scores and 0/1 labels that the AUC is computed on (None: no AUC), and in evaluation
+    in catalog mode {K: local samples whose item is among the catalog's K best-scored items}."""
 
     loss: torch.Tensor
-    scores: torch.Tensor
-    labels: torch.Tensor
+    scores: torch.Tensor | None
+    labels: torch.Tensor | None
+    hits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,13 @@ class ModelKind:
 
     build_dense: Callable[[ModelConfig, int], nn.Module]
     """(model config, dense features per sample) -> the dense part (wrapped in DistributedDataParallel later)."""
-    step: Callable[[nn.Module, Any, Batch, ModelConfig], StepOutput]
-    """(dense part, the embeddings' output for the batch's sparse features, batch, model config) -> the loss."""
+    step: Callable[[Any, Batch], StepOutput]
+    """(the RecModel: its `ebc`, `dense`, `catalog`, `cfg`, `training`; a batch) -> the loss (and scores)."""
     output_groups: Callable[[ModelConfig], dict[str, list[str]]] | None = None
     """Feature groups the embeddings return, one tensor each (None: one KeyedTensor of every feature)."""
+    build_catalog: Callable[..., nn.Module | None] | None = None
+    """(model config, plan, sparse optimizer, device, seed) -> a retrieval Catalog serving one table in a
+    collection of its own (left out of `ebc`), or None."""
 
 
 _KINDS: dict[str, ModelKind] = {}
