@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from embshard import simple_plan  # noqa: E402
 from embshard.optim import FusedOptimizerConfig  # noqa: E402
-from embshard.plan import simple_plan  # noqa: E402
 from embshard.retrieval import Catalog, gather_rows, gather_sizes  # noqa: E402
 from embshard.tables import TableConfig  # noqa: E402
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from dist_harness import run_distributed, test_device
 
+from embshard import simple_plan
+from embshard.geometry import row_blocks
 from embshard.lookup import init_rows
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import row_blocks, simple_plan
 from embshard.tables import TableConfig
 
 CATALOG = TableConfig("t_item", num_embeddings=23, embedding_dim=8, feature_names=("item",))

@@ -104,10 +104,10 @@ def two_tower_catalog(cfg: ModelConfig, plan, sparse_optimizer, device: torch.de
 
     table = next(t for t in cfg.tables if tt.item_features[0] in t.feature_names)
     sampled = tt.sampled_softmax
-    extra = {"sampler": sampled.sampler, "num_negatives": sampled.num_negatives, "smoothing": sampled.smoothing}
-    return Catalog(
-        table, plan, sparse_optimizer, device, seed=seed, chunk_mib=tt.chunk_mib, **(extra if sampled else {})
-    )
+    extra = {}
+    if sampled:
+        extra = {"sampler": sampled.sampler, "num_negatives": sampled.num_negatives, "smoothing": sampled.smoothing}
+    return Catalog(table, plan, sparse_optimizer, device, seed=seed, chunk_mib=tt.chunk_mib, **extra)
 
 
 def two_tower_step(model, batch: Batch) -> StepOutput:
