@@ -11,8 +11,11 @@ atomics (`red.global.add.v4.f32` on sm_90). One launch covers every feature of t
 - `_bwd_atomic`: the same tiling; each id adds its bag's output gradient (times its per-sample weight, times
   `scale`) into its row of the gradient block with relaxed atomics. No sort; the summation order of a row's
   contributions varies run to run (not bitwise reproducible).
-- `_bwd_sorted`: one program per row of the block; its ids are a range of the stably sorted ids (`bounds`), summed
-  chunk by chunk in that order, so the result is bitwise reproducible. Writes every row (zeros where no id).
+- `_bwd_sorted` + `_bwd_sorted_fixup`: the ids stably sorted by row (torch.sort), cut into fixed tiles of P
+  positions. A program forms the gradient rows of its tile's ids `[P, D]` and sums runs of equal rows with a
+  segmented scan; a row whose ids all lie in the tile is written at once, a row crossing a tile boundary leaves a
+  partial sum per tile, which the fix-up (run by the tile where the row starts) adds in tile order. Fixed tiles,
+  fixed scan tree, fixed order of partials: bitwise reproducible; a hot row's ids are spread over many programs.
 - `_update`: the fused optimizer rules of embshard.optim on the rows whose gradient is non-zero (or that were
   marked touched, when the rule changes rows with a zero gradient: weight decay, adam); zeroes the gradient rows it
   consumed and their marks, so the gradient buffer is all zeros again for the next step without a memset.
@@ -128,9 +131,17 @@ def _bwd_atomic(
 
 
 @triton.jit
+def _seg_add(k1, v1, k2, v2):
+    return k2, tl.where(k1 == k2, v1 + v2, v2)
+
+
+@triton.jit
 def _bwd_sorted(
     G,
     TOUCH,
+    PART,
+    TINFO,
+    SKEY,
     BOUNDS,
     PERM,
     BAG,
@@ -140,37 +151,80 @@ def _bwd_sorted(
     WGT_F,
     B,
     gout_stride,
-    base,
+    key0,
+    R,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    P: tl.constexpr,
     HAS_PSW: tl.constexpr,
     MARK: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64)
-    lo = tl.load(BOUNDS + base + r)
-    hi = tl.load(BOUNDS + base + r + 1)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    n = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s in range(lo, hi, BLOCK_N):
-        ok = s + n < hi
-        i = tl.load(PERM + s + n, mask=ok, other=0)
+    t = tl.program_id(0)
+    start = tl.load(BOUNDS + key0)
+    end = tl.load(BOUNDS + key0 + R)
+    p0 = start + t.to(tl.int64) * P
+    if p0 < end:
+        p = p0 + tl.arange(0, P)
+        ok = p < end
+        key = tl.load(SKEY + p, mask=ok, other=-1)
+        nxt = tl.load(SKEY + p + 1, mask=p + 1 < end, other=-1)
+        first = tl.load(SKEY + p0)
+        head_cont = tl.load(SKEY + p0 - 1, mask=p0 > start, other=-1) == first
+        last_p = tl.minimum(end, p0 + P) - 1
+        last = tl.load(SKEY + last_p)
+        tail_cont = tl.load(SKEY + last_p + 1, mask=last_p + 1 < end, other=-1) == last
+        i = tl.load(PERM + p, mask=ok, other=0)
         bag = tl.load(BAG + i, mask=ok, other=0)
         f = bag // B
         b = bag - f * B
         col = tl.load(COLS_F + f, mask=ok, other=0)
-        ptr = GOUT + (b * gout_stride + col)[:, None] + d[None, :]
-        x = tl.load(ptr, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        x = tl.load(GOUT + (b * gout_stride + col)[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
         if HAS_PSW:
             weighted = tl.load(WGT_F + f, mask=ok, other=0) != 0
-            w = tl.where(weighted, tl.load(PSW + i, mask=ok, other=1.0), 1.0)
-            x = x * w[:, None]
-        acc += tl.sum(x, axis=0)
-    tl.store(G + r * D + d, acc, mask=d_ok)
-    if MARK:
-        tl.store(TOUCH + r, (hi > lo).to(tl.int8))
+            x = x * tl.where(weighted, tl.load(PSW + i, mask=ok, other=1.0), 1.0)[:, None]
+        _, run = tl.associative_scan((tl.broadcast_to(key[:, None], [P, BLOCK_D]), x), 0, _seg_add)
+        tile_end = p == last_p
+        seg_end = ok & ((nxt != key) | tile_end)
+        from_before = (key == first) & ((tl.zeros([P], tl.int32) + head_cont.to(tl.int32)) != 0)
+        complete = seg_end & (nxt != key) & (from_before == 0)
+        row = key - key0
+        tl.store(G + (row * D)[:, None] + d[None, :], run, mask=complete[:, None] & d_ok[None, :])
+        head = seg_end & from_before
+        tl.store(PART + (t * 2 * BLOCK_D + d)[None, :] + tl.zeros_like(row)[:, None], run, mask=head[:, None])
+        owner = tile_end & (nxt == key) & (from_before == 0)
+        tl.store(PART + ((t * 2 + 1) * BLOCK_D + d)[None, :] + tl.zeros_like(row)[:, None], run, mask=owner[:, None])
+        if MARK:
+            tl.store(TOUCH + row, tl.full([P], 1, tl.int8), mask=seg_end)
+        tl.store(TINFO + t * 4, first)
+        tl.store(TINFO + t * 4 + 1, head_cont.to(tl.int64))
+        tl.store(TINFO + t * 4 + 2, last)
+        tl.store(TINFO + t * 4 + 3, tail_cont.to(tl.int64))
+
+
+@triton.jit
+def _bwd_sorted_fixup(G, PART, TINFO, BOUNDS, key0, R, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
+    t = tl.program_id(0)
+    start = tl.load(BOUNDS + key0)
+    end = tl.load(BOUNDS + key0 + R)
+    if start + t.to(tl.int64) * P < end:
+        first = tl.load(TINFO + t * 4)
+        head_cont = tl.load(TINFO + t * 4 + 1) != 0
+        last = tl.load(TINFO + t * 4 + 2)
+        tail_cont = tl.load(TINFO + t * 4 + 3) != 0
+        if tail_cont & ((last != first) | (head_cont == 0)):  # this tile holds the start of a row that goes on
+            d = tl.arange(0, BLOCK_D)
+            acc = tl.load(PART + (t * 2 + 1) * BLOCK_D + d)
+            t2 = t + 1
+            more = tail_cont
+            while more:
+                acc += tl.load(PART + t2 * 2 * BLOCK_D + d)
+                more = (tl.load(TINFO + t2 * 4) == last) & (tl.load(TINFO + t2 * 4 + 2) == last)
+                more = more & (tl.load(TINFO + t2 * 4 + 3) != 0)
+                t2 += 1
+            tl.store(G + (last - key0) * D + d, acc, mask=d < D)
 
 
 @triton.jit
@@ -308,30 +362,36 @@ def backward_sorted(
     grad_out: torch.Tensor,
     tiles: Tiles,
 ) -> None:
-    """Write every row's gradient into `grads[g]` (zeros where no id), summing its ids in the order of a stable
-    sort by row: bitwise reproducible. `key0_F[f]`: first row of feature f's table counted over all groups."""
+    """Write the gradient of every row that has ids into `grads[g]` (other rows are left as they are: zero them
+    first), summing its ids in the order of a stable sort by row: bitwise reproducible. `key0_F[f]`: first row of
+    feature f's table counted over all groups (groups follow each other)."""
     B = grad_out.shape[0]
     F = key0_F.numel()
     n = indices.numel()
-    bag = torch.repeat_interleave(
-        torch.arange(F * B, device=indices.device), offsets.diff().long(), output_size=n
-    )  # fmt: skip
-    key = key0_F[bag // B] + indices.long() if B else bag
-    sorted_key, perm = torch.sort(key, stable=True)
+    if n == 0 or B == 0:
+        return
+    dev = indices.device
+    bag = torch.repeat_interleave(torch.arange(F * B, device=dev), offsets.diff().long(), output_size=n)
+    sorted_key, perm = torch.sort(key0_F[bag // B] + indices.long(), stable=True)
     total = sum(dg.group.rows for dg in groups)
-    bounds = torch.searchsorted(sorted_key, torch.arange(total + 1, device=indices.device))
-    base = 0
+    bounds = torch.searchsorted(sorted_key, torch.arange(total + 1, device=dev))
+    key0 = 0
     for k, (gbuf, dg) in enumerate(zip(grads, groups)):
         g = dg.group
+        block_d = triton.next_power_of_2(g.dim)
+        P = tiles.sorted_block_n if block_d <= 32 else max(8, tiles.sorted_block_n * 32 // block_d)
+        T = triton.cdiv(n, P)
+        part = torch.empty(T + 1, 2, block_d, dtype=torch.float32, device=dev)
+        tinfo = torch.zeros(T + 1, 4, dtype=torch.int64, device=dev)
         has_psw = psw is not None and dg.any_weighted
         mark = touched is not None
-        if g.rows:
-            _bwd_sorted[(g.rows,)](
-                gbuf, touched[k] if mark else gbuf, bounds, perm, bag, psw if has_psw else gbuf, grad_out,
-                cols_F, weighted_F, B, grad_out.stride(0), base, D=g.dim, BLOCK_D=triton.next_power_of_2(g.dim),
-                BLOCK_N=tiles.sorted_block_n, HAS_PSW=has_psw, MARK=mark, num_warps=1,
-            )  # fmt: skip
-        base += g.rows
+        _bwd_sorted[(T,)](
+            gbuf, touched[k] if mark else gbuf, part, tinfo, sorted_key, bounds, perm, bag, psw if has_psw else gbuf,
+            grad_out, cols_F, weighted_F, B, grad_out.stride(0), key0, g.rows, D=g.dim, BLOCK_D=block_d, P=P,
+            HAS_PSW=has_psw, MARK=mark, num_warps=4,
+        )  # fmt: skip
+        _bwd_sorted_fixup[(T,)](gbuf, part, tinfo, bounds, key0, g.rows, D=g.dim, BLOCK_D=block_d, P=P, num_warps=1)
+        key0 += g.rows
 
 
 def update(

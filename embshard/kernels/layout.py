@@ -30,8 +30,8 @@ class Tiles:
     """Warps per program of the pooling kernels."""
     block_r: int = 32
     """Rows per program of the update kernel."""
-    sorted_block_n: int = 32
-    """Sorted ids gathered per step by the deterministic backward."""
+    sorted_block_n: int = 64
+    """Sorted ids per tile of the deterministic backward (rows up to 32 wide; fewer for wider rows)."""
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,9 @@ def dense_gradients(
     touched: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """The gradient of the pooled sums with respect to every row of the groups' blocks, given the output's
-    gradient `grad_out` `[B, layout.out_cols]`. Atomic mode adds into `grads[g]` `[rows, D]` fp32 (zero them
-    first); deterministic mode writes every row. `touched[g]` (int8 `[rows]`, optional): rows read by an id are
-    set to 1 (atomic mode: only set; deterministic: written)."""
+    gradient `grad_out` `[B, layout.out_cols]`, into `grads[g]` `[rows, D]` fp32, which the caller zeroes first:
+    atomic mode adds every id's contribution, deterministic mode writes each row that has ids once (summed in a
+    fixed order). `touched[g]` (int8 `[rows]`, optional): rows read by an id are set to 1."""
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     if not use_triton(impl, indices.device):
@@ -158,11 +158,6 @@ def _pool_torch(layout, weights, indices, offsets, psw, B) -> torch.Tensor:
 
 def _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched) -> None:
     B = grad_out.shape[0]
-    if deterministic:
-        for gbuf in grads:
-            gbuf.zero_()
-        for t in touched or ():
-            t.zero_()
     if B == 0:
         return
     for gi, g, r0, c, w, lo, hi, off in _bags(layout, offsets, B):
@@ -318,7 +313,7 @@ class SmallTableLookup(nn.Module):
             if triton_path:
                 _kernels().update(
                     _KIND[o.kind], w, g, self._state[i], t, o.lr, o.eps, o.weight_decay, o.beta1, o.beta2,
-                    self._step, not k.deterministic, k.tiles,
+                    self._step, True, k.tiles,
                 )  # fmt: skip
             else:
                 apply_update(o, w, self._state[i], g, self._step, False, t.bool() if t is not None else None)
