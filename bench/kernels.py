@@ -3,6 +3,7 @@
     python bench/kernels.py --check          # GPU parity of both kernels (FBGEMM, plain-PyTorch reference): PASS/FAIL
     python bench/kernels.py                  # timings, 1 GPU, about 2-3 minutes on an H200; summary table at the end
     python bench/kernels.py --only small --sweep   # small-table kernel only, with a sweep of tile sizes
+    python bench/kernels.py --calibrate      # fit the kernels' cost-model constants (embshard/kernels/cost.py)
     python bench/kernels.py --cpu --small    # smoke test of the script on the CPU (times meaningless)
 
 Small tables: T tables x R rows x D fp32 (default 100 x 10k x 16), batch B, L ids per bag (fixed), ids uniform or
@@ -37,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from embshard.kernels.calibrate import calibrate_kernels, regroup_layout, zipf_ids  # noqa: E402
 from embshard.kernels.layout import Tiles  # noqa: E402
 from embshard.kernels.regroup import KernelRegroup  # noqa: E402
 from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions  # noqa: E402
@@ -52,6 +54,9 @@ ROWS: list[dict] = []  # the summary table
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="run the GPU parity checks instead of the timings")
+    p.add_argument(
+        "--calibrate", action="store_true", help="fit the kernels' cost constants (embshard/kernels/cost.py)"
+    )
     p.add_argument("--only", choices=["small", "regroup"], help="run one of the two benchmarks")
     p.add_argument("--tables", type=int, default=100)
     p.add_argument("--rows", type=int, default=10_000)
@@ -108,21 +113,6 @@ def record(kernel: str, case: str, impl: str, seconds: float, nbytes: float, bw:
 
 
 # ---- small tables ------------------------------------------------------------------------------------------------
-def zipf_ids(T: int, n: int, rows: int, alpha: float, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    """T x n ids (table-major) in [0, rows): uniform (alpha 0) or Zipf(alpha) by inverse CDF, hot rows permuted."""
-    if alpha == 0:
-        return torch.randint(0, rows, (T * n,), device=device, generator=gen)
-    k = torch.arange(1, rows + 1, dtype=torch.float64, device=device)
-    cdf = (k**-alpha).cumsum(0)
-    cdf /= cdf[-1].clone()
-    out = []
-    for _ in range(T):
-        u = torch.rand(n, dtype=torch.float64, device=device, generator=gen)
-        rank = torch.searchsorted(cdf, u).clamp_(max=rows - 1)
-        out.append(torch.randperm(rows, device=device, generator=gen)[rank])
-    return torch.cat(out)
-
-
 def small_tables(args) -> tuple[list[TableConfig], list[LocalShard]]:
     tier = MemoryTier.HBM if args.device.type == "cuda" else MemoryTier.HOST
     tables = [TableConfig(f"t{i}", args.rows, args.dim, (f"f{i}",)) for i in range(args.tables)]
@@ -186,19 +176,6 @@ def bench_small(args, bw: float) -> None:
 
 
 # ---- regroup -----------------------------------------------------------------------------------------------------
-def regroup_layout(n_keys: int, width: int, seed: int = 0):
-    """3 blocks, two groups: the used keys (90%) shuffled, and a third of them again; the rest unused."""
-    g = torch.Generator().manual_seed(seed)
-    names = [f"k{i}" for i in range(n_keys)]
-    cut = [0, max(1, n_keys // 3), max(2, 2 * n_keys // 3), n_keys]
-    keys = [names[cut[i] : cut[i + 1]] for i in range(3)]
-    dims = [[width] * len(k) for k in keys]
-    order = [names[i] for i in torch.randperm(n_keys, generator=g).tolist()]
-    used = order[: n_keys - max(1, n_keys // 10)]
-    groups = {"all": used, "dup": used[: max(1, len(used) // 3)]}
-    return keys, dims, groups
-
-
 def bench_regroup(args, bw: float) -> None:
     dev, B = args.device, args.regroup_batch
     print(f"regroup: 3 blocks, batch {B}; groups: 90% of the keys shuffled + a third of them again")
@@ -365,6 +342,10 @@ def main(argv=None) -> int:
         return check(args)
     bw = copy_bandwidth(dev, args.rep_ms)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
+    if args.calibrate:
+        l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+        print(calibrate_kernels(bw, l2))
+        return 0
     if args.only in (None, "small"):
         bench_small(args, bw)
     if args.only in (None, "regroup"):
