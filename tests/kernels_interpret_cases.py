@@ -101,18 +101,21 @@ def test_output_dtype_option():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seed,n_keys,widths", [(0, 6, (4, 8, 3)), (1, 30, (16,)), (2, 8, (32, 16, 4))])
-def test_triton_regroup(dtype, seed, n_keys, widths):
+@pytest.mark.parametrize(
+    "seed,n_keys,widths,n_blocks", [(0, 6, (4, 8, 3), 3), (1, 20, (16,), 3), (2, 8, (32, 16, 4), 3), (3, 14, (8,), 10)]
+)
+def test_triton_regroup(dtype, seed, n_keys, widths, n_blocks):
+    # 10 blocks: more tensors than kernel arguments, their addresses go in a table copied to the device
     from embshard.kernels.regroup import KernelRegroup
 
-    keys, dims, groups = random_regroup_case(seed, n_keys, widths)
+    keys, dims, groups = random_regroup_case(seed, n_keys, widths, n_blocks)
     gen = torch.Generator().manual_seed(seed)
     B = 5
     blocks = [torch.randn(B, sum(d), generator=gen).to(dtype).requires_grad_(True) for d in dims]
     if seed == 2:  # a block that is a view at an odd element offset: no vector hint (the kernel must see it)
         wide = torch.randn(B, sum(dims[0]) + 1, generator=gen).to(dtype)
         blocks[0] = wide[:, 1:].detach().requires_grad_(True)
-    out = KernelRegroup(keys, dims, groups, impl="triton", block_b=4, block_w_bytes=64)(blocks)
+    out = KernelRegroup(keys, dims, groups, impl="triton", block_b=4, block_w_bytes=256)(blocks)
     want = regroup_reference([b.detach() for b in blocks], keys, dims, groups)
     for n in groups:
         assert torch.equal(out[n], want[n]), n

@@ -6,8 +6,8 @@ used by no group get an exactly-zero gradient.
 
 Data flow. Built once per (device, dtype), host -> device: for every output column its source (block, column),
 and for every input column the list of output (group, column) that copied it (K = the most any column has; empty
-slots and unused columns point at a zero source). Per call: a table of the tensors' addresses and row strides
-(2*(blocks + groups) int64, one small host-to-device copy), then
+slots and unused columns point at a zero source). Per call: the tensors' addresses and row strides go to the
+kernel as arguments (up to 8 tensors each side; more: a small int64 table copied to the device), then
   forward   one `_gather_cols` launch: tiles of `[BLOCK_B, BLOCK_W]` output columns, each column loaded from its
             block (pure copy);
   backward  one launch over the input columns: each sums its K sources in fp32 (K = 1: pure copy, unused
@@ -40,7 +40,7 @@ class KernelRegroup(Regroup):
         dims: Sequence[Sequence[int]],
         groups: Mapping[str, Sequence[str]],
         impl: str = "auto",
-        block_b: int = 16,
+        block_b: int = 32,
         block_w_bytes: int = 512,
         num_warps: int = 4,
     ) -> None:
@@ -115,30 +115,29 @@ class KernelRegroup(Regroup):
 
     # ---- triton path ------------------------------------------------------------------------------------------
     def _metadata(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        from embshard.kernels._regroup_triton import pack
+
         key = (str(device), dtype)
         if key not in self._meta:
             vmax = VECTOR_BYTES // torch.empty(0, dtype=dtype).element_size()
             n_groups = len(self._groups)
-            fwd = torch.tensor(self._fwd, dtype=torch.int64).reshape(-1, 4)
+            g, gc, i, c = zip(*self._fwd) if self._fwd else ((), (), (), ())
+            fwd = (pack(i, c), pack(g, gc))
             k = self._k
-            bwd_ref, bwd_col, dst_ref, dst_col = [], [], [], []
-            for i, cols in enumerate(self._uses):
-                for c, u in enumerate(cols):
-                    dst_ref.append(i)
-                    dst_col.append(c)
-                    slots = u + [(n_groups, c % vmax)] * (k - len(u))  # the zero source
-                    bwd_ref.append([s[0] for s in slots])
-                    bwd_col.append([s[1] for s in slots])
-            ref_kc = torch.tensor(bwd_ref, dtype=torch.int64).reshape(-1, k).t().contiguous()
-            col_kc = torch.tensor(bwd_col, dtype=torch.int64).reshape(-1, k).t().contiguous()
+            src: list[list[int]] = [[] for _ in range(k)]
+            dst_ref, dst_col = [], []
+            for blk, cols in enumerate(self._uses):
+                for col, u in enumerate(cols):
+                    dst_ref.append(blk)
+                    dst_col.append(col)
+                    slots = u + [(n_groups, col % vmax)] * (k - len(u))  # the zero source
+                    for s, (r, sc) in enumerate(slots):
+                        src[s].append((r, sc))
+            bwd_src = [m for slot in src for m in pack([r for r, _ in slot], [sc for _, sc in slot])]
+            as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
             self._meta[key] = (
-                tuple(fwd[:, j].contiguous().to(device) for j in (2, 3, 0, 1)),
-                (
-                    ref_kc.flatten().to(device),
-                    col_kc.flatten().to(device),
-                    torch.tensor(dst_ref, dtype=torch.int64, device=device),
-                    torch.tensor(dst_col, dtype=torch.int64, device=device),
-                ),
+                (as_tensor(fwd[0]), as_tensor(fwd[1])),
+                (as_tensor(bwd_src), as_tensor(pack(dst_ref, dst_col))),
                 torch.zeros(vmax, dtype=dtype, device=device),
             )
         return self._meta[key]
@@ -162,13 +161,10 @@ class KernelRegroup(Regroup):
         for t in [*srcs, *dsts]:
             while vec > 1 and (t.data_ptr() % (vec * esize) or (t.stride(0) % vec and t is not zero)):
                 vec //= 2
-        strides = [0 if t is zero else t.stride(0) for t in srcs]
-        table = [t.data_ptr() for t in srcs] + strides + [t.data_ptr() for t in dsts] + [t.stride(0) for t in dsts]
-        tab = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
-        src_ref, src_col, dst_ref, dst_col = fwd_meta if forward else bwd_meta
+        src_meta, dst_meta = fwd_meta if forward else bwd_meta
         launch(
-            tab, src_ref, src_col, dst_ref, dst_col, dsts[0], B, dst_ref.numel(), len(srcs), len(dsts),
-            1 if forward else self._k, vec, self.block_b, self.block_w_bytes, self.num_warps,
+            [(t, 0 if t is zero else t.stride(0)) for t in srcs], [(t, t.stride(0)) for t in dsts],
+            src_meta, dst_meta, B, 1 if forward else self._k, vec, self.block_b, self.block_w_bytes, self.num_warps,
         )  # fmt: skip
         return dsts
 
