@@ -99,12 +99,17 @@ def reference_state(ref: ReferenceEBC, opt: FusedOptimizerConfig, table: str) ->
     return {}
 
 
-def check_against_reference(lookup, ref: ReferenceEBC, outs, opt: FusedOptimizerConfig, tables, atol=2e-5, rtol=1e-4):
-    """Forward outputs of every step, weights and optimizer state after the last step."""
+def check_against_reference(
+    lookup, ref: ReferenceEBC, outs, opt: FusedOptimizerConfig, tables, atol=2e-5, rtol=1e-4, with_state=True
+):
+    """Forward outputs of every step, weights and (`with_state`) optimizer state after the last step."""
     for step, (got, want) in enumerate(outs):
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, s=step: f"step {s}: {m}")
-    for t, w, st in zip(tables, lookup.shard_weights(), lookup.shard_optimizer_states()):
+    for t, w in zip(tables, lookup.shard_weights()):
         torch.testing.assert_close(w.cpu().double(), ref.weights[t.name], atol=atol, rtol=rtol, msg=t.name)
+    if not with_state:
+        return
+    for t, st in zip(tables, lookup.shard_optimizer_states()):
         want = reference_state(ref, opt, t.name)
         assert set(st) == set(want), (t.name, set(st), set(want))
         for k in st:

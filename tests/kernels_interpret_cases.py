@@ -126,3 +126,15 @@ def test_triton_regroup(dtype, seed, n_keys, widths, n_blocks):
     tol = 0 if dtype is torch.float32 else 2**-7
     for b, e in zip(blocks, regroup_grad_reference(upstream, keys, dims, groups, B, dtype)):
         torch.testing.assert_close(b.grad.float(), e.float(), rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_data_parallel_lookup_on_the_kernels(deterministic):
+    from embshard.kernels.data_parallel import KernelDataParallelLookup
+
+    cfg = OPTIMIZERS["adam"]
+    tables = sorted(TABLES, key=lambda t: t.embedding_dim)
+    kernel = SmallTableOptions(impl="triton", deterministic=deterministic, tiles=Tiles(sorted_block_n=4))
+    make = lambda: KernelDataParallelLookup(full_shards(tables, CPU), cfg, CPU, None, seed=7, kernel=kernel)
+    lookup, ref, outs = train_against_reference(make, tables, cfg, CPU, steps=2, B=4)
+    check_against_reference(lookup, ref, outs, cfg, tables, with_state=False)

@@ -92,9 +92,10 @@ def pool(
     B = (offsets.numel() - 1) // max(layout.num_features, 1)
     if not use_triton(impl, indices.device):
         return _pool_torch(layout, weights, indices, offsets, psw, B).to(out_dtype)
-    out = torch.zeros(B, layout.out_cols, dtype=out_dtype, device=indices.device)
-    if B and indices.numel():
-        _kernels().forward(list(weights), layout.on(indices.device), indices, offsets, psw, out, tiles or Tiles())
+    if not (B and indices.numel()):
+        return torch.zeros(B, layout.out_cols, dtype=out_dtype, device=indices.device)
+    out = torch.empty(B, layout.out_cols, dtype=out_dtype, device=indices.device)  # every column is written
+    _kernels().forward(list(weights), layout.on(indices.device), indices, offsets, psw, out, tiles or Tiles())
     return out
 
 
@@ -171,6 +172,34 @@ def _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, 
             touched[gi][ids] = 1
 
 
+def shards_layout(shards: Sequence[LocalShard], by_dtype: bool = False) -> tuple[PoolLayout, list[tuple[int, int]]]:
+    """The kernels' layout of `shards` (features in shard order; groups by width, or by (width, data type) as the
+    data-parallel scheme's flat weights) and each shard's (group, first row)."""
+    table_features, f = [], 0
+    for s in shards:
+        table_features.append(list(range(f, f + len(s.features))))
+        f += len(s.features)
+    return build_layout(
+        [s.shard.num_rows for s in shards],
+        [s.shard.num_cols for s in shards],
+        table_features,
+        [s.table.weighted for s in shards],
+        [s.shard.num_cols for s in shards for _ in s.features],
+        [(s.shard.num_cols, s.table.data_type) for s in shards] if by_dtype else None,
+    )
+
+
+def group_views(flat: torch.Tensor, layout: PoolLayout) -> list[torch.Tensor]:
+    """`[rows, D]` views of a flat tensor holding the layout's groups one after another (FBGEMM's dense TBE)."""
+    out, e0 = [], 0
+    for g in layout.groups:
+        out.append(flat[e0 : e0 + g.rows * g.dim].view(g.rows, g.dim))
+        e0 += g.rows * g.dim
+    if e0 != flat.numel():
+        raise ValueError(f"group_views: the layout holds {e0} elements, the flat tensor {flat.numel()}")
+    return out
+
+
 # ---- the lookup module ----------------------------------------------------------------------------------------
 class _Pool(torch.autograd.Function):
     """Pooled sums; backward applies the fused optimizer (the weights get no .grad)."""
@@ -208,17 +237,7 @@ class SmallTableLookup(nn.Module):
         self.dims = [s.shard.num_cols for s in shards for _ in s.features]
         self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
         self._check(device)
-        table_features, f = [], 0
-        for s in shards:
-            table_features.append(list(range(f, f + len(s.features))))
-            f += len(s.features)
-        self.layout, self._place = build_layout(
-            [s.shard.num_rows for s in shards],
-            [s.shard.num_cols for s in shards],
-            table_features,
-            [s.table.weighted for s in shards],
-            self.dims,
-        )
+        self.layout, self._place = shards_layout(self.shards)
         self.weights = nn.ParameterList()
         self._state: list[dict[str, torch.Tensor]] = []
         self._grads: list[torch.Tensor] = []
