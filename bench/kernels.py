@@ -10,6 +10,8 @@ Small tables: T tables x R rows x D fp32 (default 100 x 10k x 16), batch B, L id
 Zipf(s) (inverse-CDF sampling, a random permutation per table spreads the hot rows), one feature per table.
 Timed: forward + backward with the optimizer fused in (exact sgd, rowwise adagrad), FBGEMM's TBE against the
 small-table kernel (atomic backward; deterministic sorted backward; direct sgd), and the forward alone.
+Data-parallel: the forward + dense gradient of the same tables with bag lengths uniform in [0, 2L] (hetero124's),
+FBGEMM's dense TBE against `pool` + `dense_gradients` (the all-reduce and update after it are the same for both).
 Regroup: 3 input blocks (KeyedTensors) of K keys in total of width W, batch 16384, fp32 and bf16; two output groups:
 all used keys shuffled (90% of the keys: the rest are unused, their gradient zero) and a third of them again
 (duplicates). Timed: forward + backward (torch.autograd.grad), embshard's Regroup (FBGEMM permute_multi_embedding
@@ -19,6 +21,8 @@ Times are medians of triton.testing.do_bench (CUDA events, L2 flushed before eac
 floor a kernel must move through device memory, counted like the copy bandwidth (read + write):
   small tables: 2 x (ids + offsets) + pooled output + its gradient + distinct rows read (forward) + distinct rows
                 and their optimizer state read and written (update); rows repeated within a step come from L2.
+  dense:        2 x (ids + offsets) + pooled output + its gradient + distinct rows read + the flat gradient
+                zeroed and written (2 x rows x D x 4).
   regroup:      forward: used input columns read + output written; backward: output gradient read + input
                 gradient written (all columns: unused ones are written as zeros).
 % of copy = bytes / time / (measured device-to-device copy bandwidth, read + write).
@@ -32,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -173,6 +178,49 @@ def bench_small(args, bw: float) -> None:
                     record("small", case, f"{name} fwd", t_fwd, fwd_bytes, bw, base_fwd)
                 del m
                 gc.collect()
+
+
+def bench_dense(args, bw: float) -> None:
+    """The data-parallel lookup's forward + dense gradient (before its all-reduce and update, the same for both):
+    FBGEMM's dense TBE against pool + dense_gradients, on the small-table shape with hetero124's bag lengths
+    (uniform in [0, 2L])."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
+
+    from embshard.kernels.small_tables import dense_gradients, group_views, pool, shards_layout
+
+    dev, T, B, L, D = args.device, args.tables, args.batch, args.ids_per_bag, args.dim
+    _, shards = small_tables(args)
+    layout, _ = shards_layout(shards, by_dtype=True)
+    gen = torch.Generator(device=dev).manual_seed(3)
+    lengths = torch.randint(0, 2 * L + 1, (T * B,), device=dev, generator=gen)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    grad = torch.randn(B, T * D, device=dev, generator=gen)
+    tbe = DenseTableBatchedEmbeddingBagsCodegen([(args.rows, D)] * T, use_cpu=dev.type == "cpu").to(dev)
+    flat = tbe.weights.detach()
+    views = group_views(flat, layout)
+    print(f"data-parallel dense gradient: {T} x {args.rows} x {D}, batch {B}, bag lengths uniform in [0, {2 * L}]")
+    for dist in args.dists.split(","):
+        alpha = 0.0 if dist == "uniform" else float(dist.removeprefix("zipf"))
+        ids = torch.cat([zipf_ids(1, int(offsets[(t + 1) * B] - offsets[t * B]), args.rows, alpha, dev, gen)
+                         for t in range(T)])  # fmt: skip
+        distinct = sum(int(torch.unique(ids[offsets[t * B] : offsets[(t + 1) * B]]).numel()) for t in range(T))
+        nbytes = 2 * (n * 8 + T * B * 8 + B * T * D * 4) + distinct * D * 4 + T * args.rows * D * 4 * 2
+
+        def fbgemm(ids=ids):
+            torch.autograd.grad(tbe(ids, offsets), tbe.weights, grad)
+
+        def kernel(ids=ids, det=False):
+            pool(layout, views, ids, offsets)
+            g = torch.zeros_like(flat)
+            dense_gradients(layout, group_views(g, layout), grad, ids, offsets, deterministic=det)
+
+        base = timed(fbgemm, dev, args.rep_ms)
+        record("dense", f"{dist} ({distinct / T:.0f} rows/table)", "fbgemm dense TBE fwd+bwd", base, nbytes, bw, base)
+        t = timed(kernel, dev, args.rep_ms)
+        record("dense", f"{dist} ({distinct / T:.0f} rows/table)", "kernel atomic fwd+bwd", t, nbytes, bw, base)
+        t = timed(lambda ids=ids: kernel(ids, True), dev, args.rep_ms)
+        record("dense", f"{dist} ({distinct / T:.0f} rows/table)", "kernel sorted fwd+bwd", t, nbytes, bw, base)
 
 
 # ---- regroup -----------------------------------------------------------------------------------------------------
@@ -348,6 +396,7 @@ def main(argv=None) -> int:
         return 0
     if args.only in (None, "small"):
         bench_small(args, bw)
+        bench_dense(args, bw)
     if args.only in (None, "regroup"):
         bench_regroup(args, bw)
     summary()
@@ -356,4 +405,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")  # FBGEMM's CPU dense TBE
     sys.exit(main())
