@@ -138,3 +138,18 @@ def test_data_parallel_lookup_on_the_kernels(deterministic):
     make = lambda: KernelDataParallelLookup(full_shards(tables, CPU), cfg, CPU, None, seed=7, kernel=kernel)
     lookup, ref, outs = train_against_reference(make, tables, cfg, CPU, steps=2, B=4)
     check_against_reference(lookup, ref, outs, cfg, tables, with_state=False)
+
+
+def test_triton_regroup_with_an_empty_block():
+    # a scheme with no shard on this rank sends a [B, 0] block: it must not cost the vector path or break anything
+    from embshard.kernels.regroup import KernelRegroup
+
+    keys, dims = [["a", "b"], [], ["c"]], [[4, 8], [], [4]]
+    groups = {"g": ["c", "a"], "h": ["b", "a"]}
+    blocks = [torch.randn(3, 12, requires_grad=True), torch.randn(3, 0, requires_grad=True)]
+    blocks.append(torch.randn(3, 4, requires_grad=True))
+    out = KernelRegroup(keys, dims, groups, impl="triton")(blocks)
+    want = regroup_reference([b.detach() for b in blocks], keys, dims, groups)
+    assert all(torch.equal(out[n], want[n]) for n in groups)
+    sum(o.sum() for o in out.values()).backward()
+    assert blocks[1].grad.shape == (3, 0) and torch.equal(blocks[0].grad[:, :4], torch.full((3, 4), 2.0))

@@ -62,3 +62,18 @@ def test_same_as_permute_multi_embedding_and_errors():
         KernelRegroup(keys, dims, groups)(blocks[:2])
     with pytest.raises(ValueError, match=r"'g'.*unknown features \['nope'\]"):
         KernelRegroup(keys, dims, {"g": ["nope"]})
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "fbgemm"])
+def test_empty_block(impl):
+    # a scheme with no shard on this rank contributes a [B, 0] block
+    keys, dims = [["a", "b"], [], ["c"]], [[4, 8], [], [4]]
+    groups = {"g": ["c", "a"], "h": ["b", "a"]}
+    blocks = [torch.randn(3, w, device=DEVICE, requires_grad=True) for w in (12, 0, 4)]
+    out = KernelRegroup(keys, dims, groups, impl=impl)(blocks)
+    want = regroup_reference([b.detach() for b in blocks], keys, dims, groups)
+    assert all(torch.equal(out[n], want[n]) for n in groups)
+    sum(o.sum() for o in out.values()).backward()
+    assert blocks[1].grad.shape == (3, 0)
+    assert torch.equal(blocks[0].grad[:, :4].cpu(), torch.full((3, 4), 2.0))
+    assert torch.equal(blocks[2].grad.cpu(), torch.ones(3, 4))
