@@ -2,7 +2,7 @@
 
     python bench/kernels.py --check          # GPU parity of both kernels (FBGEMM, plain-PyTorch reference): PASS/FAIL
     python bench/kernels.py                  # timings, 1 GPU, about 2-3 minutes on an H200; summary table at the end
-    python bench/kernels.py --only small --sweep   # small-table kernel only, with a sweep of tile sizes
+    python bench/kernels.py --sweep          # also a few tile sizes of both kernels
     python bench/kernels.py --calibrate      # fit the kernels' cost-model constants (embshard/kernels/cost.py)
     python bench/kernels.py --cpu --small    # smoke test of the script on the CPU (times meaningless)
 
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--regroup-batch", type=int, default=16384)
     p.add_argument("--regroup-keys", default="3,100,1500")
     p.add_argument("--regroup-widths", default="16,128")
-    p.add_argument("--sweep", action="store_true", help="also time a few tile sizes of the small-table kernel")
+    p.add_argument("--sweep", action="store_true", help="also time a few tile sizes of both kernels")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement (ms)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test; times meaningless)")
     p.add_argument("--small", action="store_true", help="tiny shapes (with --cpu)")
@@ -245,10 +245,16 @@ def bench_regroup(args, bw: float) -> None:
                 nbytes = B * e * (used_cols + out_cols + out_cols + in_cols)
                 case = f"{n_keys} keys x {width} {str(dtype)[6:]}"
                 base = None
-                for name, rg in (
+                variants = [
                     ("fbgemm (Regroup)", Regroup(keys, dims, groups)),
                     ("triton", KernelRegroup(keys, dims, groups)),
-                ):
+                ]
+                if args.sweep and n_keys == max(map(int, args.regroup_keys.split(","))):
+                    for bb, wb, nw in ((16, 512, 4), (64, 256, 4), (32, 1024, 8), (16, 256, 2)):
+                        variants.append(
+                            (f"triton b{bb} w{wb}B nw{nw}", KernelRegroup(keys, dims, groups, "auto", bb, wb, nw))
+                        )
+                for name, rg in variants:
                     out = rg(blocks)
                     grads = [torch.randn_like(o) for o in out.values()]
 

@@ -415,9 +415,10 @@ def update(
         return
     m = state.get("m", w)
     v = state.get("v", w)
-    block_r = tiles.block_r
+    block_d = triton.next_power_of_2(D)
+    block_r = tiles.block_r or max(1, 512 // block_d)
     _update[(triton.cdiv(R, block_r),)](
         w, g, m, v, touched if touched is not None else w, R, lr, eps, weight_decay, beta1, beta2,
-        1.0 - beta1**step, 1.0 - beta2**step, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=block_r, KIND=kind,
+        1.0 - beta1**step, 1.0 - beta2**step, D=D, BLOCK_D=block_d, BLOCK_R=block_r, KIND=kind,
         USE_TOUCH=touched is not None, HAS_WD=weight_decay > 0, ZERO_G=zero_grad, num_warps=4,
     )  # fmt: skip

@@ -28,8 +28,8 @@ class Tiles:
     """Ids of a bag gathered per step."""
     num_warps: int = 4
     """Warps per program of the pooling kernels."""
-    block_r: int = 32
-    """Rows per program of the update kernel."""
+    block_r: int | None = None
+    """Rows per program of the update kernel (default: 512 elements' worth, 32 rows of 16)."""
     sorted_block_n: int = 64
     """Sorted ids per tile of the deterministic backward (rows up to 32 wide; fewer for wider rows)."""
 
