@@ -64,6 +64,7 @@ def _two_ranks(rank, world_size, device, steps):
     return [w.cpu() for w in lookup.shard_weights()], batches
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda" and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_ranks_all_reduce_and_stay_identical():
     from reference import ReferenceEBC
 

@@ -94,6 +94,8 @@ def pool(
         return _pool_torch(layout, weights, indices, offsets, psw, B).to(out_dtype)
     if not (B and indices.numel()):
         return torch.zeros(B, layout.out_cols, dtype=out_dtype, device=indices.device)
+    indices, offsets = indices.contiguous(), offsets.contiguous()
+    psw = psw.contiguous() if psw is not None else None
     out = torch.empty(B, layout.out_cols, dtype=out_dtype, device=indices.device)  # every column is written
     _kernels().forward(list(weights), layout.on(indices.device), indices, offsets, psw, out, tiles or Tiles())
     return out
@@ -120,6 +122,8 @@ def dense_gradients(
     if not use_triton(impl, indices.device):
         _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched)
         return
+    indices, offsets = indices.contiguous(), offsets.contiguous()
+    psw = psw.contiguous() if psw is not None else None
     k = _kernels()
     dgroups = layout.on(indices.device)
     tiles = tiles or Tiles()
@@ -311,8 +315,9 @@ class SmallTableLookup(nn.Module):
         triton_path = use_triton(k.impl, indices.device)
         if k.direct_sgd:
             if triton_path:
-                if grad_BD.stride(-1) != 1:
-                    grad_BD = grad_BD.contiguous()
+                grad_BD = grad_BD if grad_BD.stride(-1) == 1 else grad_BD.contiguous()
+                indices, offsets = indices.contiguous(), offsets.contiguous()
+                psw = psw.contiguous() if psw is not None else None
                 if grad_BD.shape[0] and indices.numel():
                     _kernels().backward_atomic(
                         weights, None, self.layout.on(indices.device), indices, offsets, psw, grad_BD, k.tiles, -o.lr
