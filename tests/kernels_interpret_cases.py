@@ -24,7 +24,7 @@ from kernel_cases import (
 
 from embshard.kernels.layout import Tiles
 from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions, dense_gradients, pool
-from embshard.tiers import LookupOptions
+from embshard.options import LookupOptions
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ from dist_harness import run_distributed, test_device
 from kernel_cases import OPTIMIZERS, TABLES, check_against_reference, full_shards, random_step, train_against_reference
 
 from embshard.kernels.data_parallel import KernelDataParallelLookup
-from embshard.sharding.data_parallel import DataParallelLookup
+from embshard.lookup.replicas import DataParallelLookup
 from embshard.tables import TableConfig
 
 DEVICE = torch.device(test_device())

@@ -19,11 +19,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from embshard.comm import scoped_label
 from embshard.kernels.small_tables import SmallTableOptions, dense_gradients, group_views, pool, shards_layout
 from embshard.lookup import LocalShard
+from embshard.lookup.replicas import DataParallelLookup
 from embshard.optim import FusedOptimizerConfig
-from embshard.sharding.data_parallel import DataParallelLookup
-from embshard.tiers import LookupOptions
+from embshard.options import LookupOptions
 
 
 class _KernelReplicaBags(torch.autograd.Function):
@@ -32,6 +33,9 @@ class _KernelReplicaBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lookup, indices, offsets, psw, weights):  # type: ignore[override]
         ctx.lookup, ctx.inputs = lookup, (indices, offsets, psw)
+        ctx.label = scoped_label("data_parallel gradient all-reduce (backward)")
+        if offsets.numel() == 1:  # an empty local batch: no kernel, but backward still joins the all-reduce
+            return weights.new_zeros(0, sum(lookup.dims))
         return lookup.pooled(indices, offsets, psw)
 
     @staticmethod
@@ -41,9 +45,11 @@ class _KernelReplicaBags(torch.autograd.Function):
         ctx.inputs = None
         k = lookup.kernel
         grad = torch.zeros_like(lookup.tbe.weights, memory_format=torch.contiguous_format).detach()
-        views = group_views(grad, lookup.kernel_layout)
-        dense_gradients(lookup.kernel_layout, views, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles)
-        lookup.apply_gradient(grad, indices, offsets)
+        if offsets.numel() > 1:
+            views = group_views(grad, lookup.kernel_layout)
+            layout = lookup.kernel_layout
+            dense_gradients(layout, views, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles)
+        lookup.apply_gradient(grad, indices, offsets, label=ctx.label)
         return (None,) * 5
 
 
@@ -79,6 +85,8 @@ class KernelDataParallelLookup(DataParallelLookup):
         psw = weights.float() if weights is not None and self._weighted != "none" else None
         if torch.is_grad_enabled():
             pooled = _KernelReplicaBags.apply(self, indices, offsets, psw, self.tbe.weights)
+        elif offsets.numel() == 1:  # an empty local batch
+            pooled = self.tbe.weights.new_zeros(0, sum(self.dims))
         else:
             pooled = self.pooled(indices, offsets, psw)
         return pooled.to(self._out_dtype)

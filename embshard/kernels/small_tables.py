@@ -36,9 +36,9 @@ from torch import nn
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
+from embshard.options import LookupOptions
 from embshard.plan import MemoryTier
 from embshard.tables import ConfigError, DataType
-from embshard.tiers import LookupOptions
 
 _KIND = {OptimizerKind.SGD: 0, OptimizerKind.ADAGRAD: 1, OptimizerKind.ROWWISE_ADAGRAD: 2, OptimizerKind.ADAM: 3}
 
