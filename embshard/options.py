@@ -52,6 +52,9 @@ class LookupOptions:
     """Allow ebc.prefetch(next batch) before the current backward (UVM-caching, LRU only; locks rows in use)."""
     cache_stats: bool = False
     """Collect UVM-cache statistics for ebc.cache_stats() (a few device syncs per step per cached TBE)."""
+    regroup: str = "auto"
+    """Kernel of the feature-group regroup: fbgemm (permute_multi_embedding), triton (embshard/kernels/regroup.py),
+    or auto (triton on CUDA, fbgemm on the CPU)."""
     column_wise_exact: bool = True
     """Column-wise tables under rowwise_adagrad keep one state value per full row (the sum of g^2 over every column
     block, one small all-to-all among the blocks' ranks), so they train exactly like the unsharded table; false:
@@ -66,6 +69,8 @@ class LookupOptions:
                 raise ConfigError(
                     f"lookup option {name}={value!r} is invalid: choose one of {[e.value for e in enum_type]}"
                 ) from None
+        if self.regroup not in ("auto", "fbgemm", "triton"):
+            raise ConfigError(f"lookup option regroup={self.regroup!r} is invalid: choose one of auto, fbgemm, triton")
         for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats", "column_wise_exact"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"lookup option {name}={getattr(self, name)!r} is invalid: it must be true or false")

@@ -49,6 +49,13 @@ class CacheAlgorithm(str, enum.Enum):
     LFU = "lfu"  # evict the least frequently used row (a new row enters only if used more often)
 
 
+class LookupKernel(str, enum.Enum):
+    """Which kernel looks up a table's shards on their rank."""
+
+    FBGEMM = "fbgemm"  # FBGEMM's TBE (split TBE; dense TBE for data-parallel tables)
+    SMALL = "small"  # embshard's small-table kernel (embshard/kernels/small_tables.py): hbm/host, fp32 tables
+
+
 @dataclass(frozen=True)
 class Shard:
     """One rectangular block of a table, held by one rank."""
@@ -81,9 +88,18 @@ class TablePlan:
     """UVM-caching only: fraction of each shard's rows the HBM cache holds (0 < x <= 1)."""
     cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU
     """UVM-caching only: cache replacement policy, lru or lfu."""
+    kernel: LookupKernel = LookupKernel.FBGEMM
+    """Lookup kernel of the table's shards: fbgemm, or small (small, hot fp32 tables in hbm or host)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
+        try:
+            object.__setattr__(self, "kernel", LookupKernel(self.kernel))
+        except ValueError:
+            raise ConfigError(
+                f"plan for table {self.table!r}: kernel={self.kernel!r} is invalid: choose one of "
+                f"{[k.value for k in LookupKernel]}"
+            ) from None
         object.__setattr__(self, "tier", MemoryTier(self.tier))
         try:
             object.__setattr__(self, "cache_algorithm", CacheAlgorithm(self.cache_algorithm))
@@ -148,6 +164,12 @@ class ShardingPlan:
             )
         for cfg in tables:
             _check_table(self[cfg.name], cfg, self.world_size, self.local_world_size)
+        dp = {t.table: t.kernel.value for t in self.tables if t.sharding_type is ShardingType.DATA_PARALLEL}
+        if len(set(dp.values())) > 1:
+            raise ConfigError(
+                f"plan: the data-parallel tables share one lookup, so one kernel, but they name several: {dp}; give "
+                "every data-parallel table the same kernel"
+            )
 
     # ---- serialization -------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -229,6 +251,13 @@ def _check_table(tp: TablePlan, cfg: TableConfig, world_size: int, local_world_s
 
     if not tp.shards:
         raise bad("it has no shards")
+    if tp.kernel is LookupKernel.SMALL and (
+        tp.tier not in (MemoryTier.HBM, MemoryTier.HOST) or cfg.data_type.value != "fp32"
+    ):
+        raise bad(
+            f"kernel 'small' takes fp32 tables in tier hbm or host, not {cfg.data_type.value} in {tp.tier.value}: use "
+            "kernel 'fbgemm' for this table"
+        )
     for s in tp.shards:
         if not 0 <= s.rank < world_size:
             raise bad(f"shard rank {s.rank} is outside 0..{world_size - 1}")

@@ -25,6 +25,7 @@ from torch import nn
 from embshard import comm
 from embshard.bounds import check_ids, count_bad_ids
 from embshard.comm import world_and_rank
+from embshard.kernels.regroup import KernelRegroup
 from embshard.lookup.stats import format_cache_stats
 from embshard.ops import cached_tensor
 from embshard.optim import FusedOptimizerConfig
@@ -128,7 +129,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # The output dists' blocks, in order: each scheme's `out_keys` (routed schemes: one block per serving rank).
         self._block_keys = [keys for s in self.schemes for keys in s.layout.out_keys]
         block_dims = [dims for s in self.schemes for dims in s.layout.out_dims]
-        self.regroup = Regroup(
+        use_kernel = self.options.regroup == "triton" or (self.options.regroup == "auto" and self.device.type == "cuda")
+        self.regroup = (KernelRegroup if use_kernel else Regroup)(
             self._block_keys,
             block_dims,
             {n: [k for f in members for k in self._feature_keys[f]] for n, members in regroup_spec.items()},

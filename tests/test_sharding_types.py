@@ -64,10 +64,13 @@ CASES = {
     "mixed_fp16": (MIXED_FP16, MIXED_TYPES),  # fp16 weights
     "mixed_bf16_out": (MIXED, MIXED_TYPES),  # bf16 pooled outputs (OPTIONS)
     "column_wise_per_block": (TABLES, dict.fromkeys([t.name for t in TABLES], CW)),  # TorchRec's state
+    "mixed_small": (MIXED, MIXED_TYPES),  # every table on embshard's small-table kernel, the kernel regroup
 }
+SMALL_KERNEL = {"mixed_small"}
 OPTIONS = {
     "mixed_bf16_out": LookupOptions(output_dtype="bf16"),
     "column_wise_per_block": LookupOptions(column_wise_exact=False),
+    "mixed_small": LookupOptions(regroup="triton"),
 }
 TOLERANCE = {"mixed_fp16": (3e-3, 1e-2), "mixed_bf16_out": (2e-2, 1e-2)}  # (atol, rtol), as in test_tiers.py
 
@@ -87,6 +90,7 @@ RUNS += [("mixed", "rowwise_adagrad_wd"), ("data_parallel", "adam_wd")]
 RUNS += [("mixed_fp16", "sgd"), ("mixed_fp16", "rowwise_adagrad"), ("mixed_bf16_out", "rowwise_adagrad")]
 RUNS += [("column_wise_per_block", "rowwise_adagrad"), ("column_wise_per_block", "rowwise_adagrad_wd")]
 RUNS += [("column_wise", "rowwise_adagrad_wd")]
+RUNS += [("mixed_small", o) for o in ("sgd", "rowwise_adagrad", "adam", "adagrad")]
 REPEATED = [("mixed", "rowwise_adagrad"), ("mixed", "adam")]  # trained twice, for the determinism test
 
 LOCAL_WORLD = {1: 1, 2: 1, 3: 3, 4: 2}  # ranks per host: world 2 is 2 hosts x 1, world 4 is 2 hosts x 2
@@ -101,7 +105,10 @@ else:
 
 def _plan(case: str, world_size: int, tier: MemoryTier) -> ShardingPlan:
     tables, types = CASES[case]
-    return simple_plan(tables, world_size, LOCAL_WORLD[world_size], types, tier=tier, column_shards=COLUMN_SHARDS)
+    plan = simple_plan(tables, world_size, LOCAL_WORLD[world_size], types, tier=tier, column_shards=COLUMN_SHARDS)
+    if case in SMALL_KERNEL:
+        plan = replace(plan, tables=tuple(replace(t, kernel="small") for t in plan.tables))
+    return plan
 
 
 def _seed(case: str, opt: str) -> int:

@@ -11,28 +11,8 @@ for ids laid out feature-major (offsets of length F*B+1); `shard_weights()` / `s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-from torch import nn
-
 from embshard.lookup.host import HostLookup
 from embshard.lookup.shards import INIT_CHUNK_ROWS, LocalShard, group_shards, init_rows
 from embshard.lookup.tbe import TBELookup
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.options import LookupOptions
 
-__all__ = ["INIT_CHUNK_ROWS", "HostLookup", "LocalShard", "TBELookup", "build_lookups", "group_shards", "init_rows"]
-
-
-def build_lookups(
-    shards: Sequence[LocalShard],
-    optimizer: FusedOptimizerConfig,
-    device: torch.device,
-    seed: int,
-    options: LookupOptions | None = None,
-) -> list[nn.Module]:
-    """Group shards by settings, one lookup module per group (first-seen group order, shard order kept)."""
-    use_host = device.type == "cpu" and (optimizer.kind is OptimizerKind.ADAM or optimizer.weight_decay > 0)
-    cls = HostLookup if use_host else TBELookup
-    return [cls(g, optimizer, device, seed, options) for g in group_shards(shards)]
+__all__ = ["INIT_CHUNK_ROWS", "HostLookup", "LocalShard", "TBELookup", "group_shards", "init_rows"]

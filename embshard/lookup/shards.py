@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embshard.plan import CacheAlgorithm, MemoryTier, Shard
+from embshard.plan import CacheAlgorithm, LookupKernel, MemoryTier, Shard, TablePlan
 from embshard.tables import TableConfig
 
 INIT_CHUNK_ROWS = 65536  # rows drawn per generator seed, so any row block initialises identically
@@ -67,17 +67,28 @@ class LocalShard:
     """UVM-caching cache size as a fraction of the shard's rows."""
     cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU
     """UVM-caching replacement policy."""
+    kernel: LookupKernel = LookupKernel.FBGEMM
+    """Lookup kernel: FBGEMM's TBE or embshard's small-table kernel."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier", MemoryTier(self.tier))
         object.__setattr__(self, "cache_algorithm", CacheAlgorithm(self.cache_algorithm))
+        object.__setattr__(self, "kernel", LookupKernel(self.kernel))
+
+    @classmethod
+    def planned(
+        cls, table: TableConfig, index: int, shard: Shard, features: Sequence[str], tp: TablePlan
+    ) -> LocalShard:
+        """The shard `shard` of `table` (collection index `index`), read by `features`, with its table plan's
+        tier, cache settings and kernel."""
+        return cls(table, index, shard, tuple(features), tp.tier, tp.cache_load_factor, tp.cache_algorithm, tp.kernel)
 
     @property
     def group_key(self) -> tuple:
-        """Shards with equal keys share one TBE: one TBE has one tier, weight type, weighted-ness and (UVM-caching)
-        one cache policy; cache sizes may differ (lookup/settings.py: the group's cache holds the sum)."""
+        """Shards with equal keys share one kernel: one TBE has one tier, weight type, weighted-ness and
+        (UVM-caching) one cache policy; cache sizes may differ (lookup/settings.py: the group's cache holds the sum)."""
         policy = self.cache_algorithm if self.tier is MemoryTier.UVM_CACHING else None
-        return (self.tier, self.table.data_type, self.table.weighted, policy)
+        return (self.tier, self.table.data_type, self.table.weighted, policy, self.kernel)
 
 
 def group_shards(shards: Sequence[LocalShard]) -> list[list[LocalShard]]:

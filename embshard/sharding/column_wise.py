@@ -46,9 +46,7 @@ def column_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: Sharding
             continue
         for shard in sorted(tp.shards, key=lambda s: s.col_offset):
             keys = tuple(column_key(f, shard.col_offset) for f in cfg.feature_names)
-            shards_per_rank[shard.rank].append(
-                LocalShard(cfg, i, shard, keys, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
-            )
+            shards_per_rank[shard.rank].append(LocalShard.planned(cfg, i, shard, keys, tp))
             key_source.update({k: f for k, f in zip(keys, cfg.feature_names)})
     if not key_source:
         return None

@@ -34,10 +34,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from embshard.kernels.data_parallel import KernelDataParallelLookup
 from embshard.lookup import LocalShard
 from embshard.lookup.replicas import DataParallelLookup
 from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
-from embshard.plan import ShardingPlan, ShardingType
+from embshard.plan import LookupKernel, ShardingPlan, ShardingType
 from embshard.sharding.base import OutputLayout, Ready, Scheme, ShardingContext
 from embshard.sharding.exchange import BatchCounts, LocalIds, LookupInput
 from embshard.tables import TableConfig
@@ -48,7 +49,8 @@ class DataParallelSharding(Scheme):
 
     def __init__(self, shards: Sequence[LocalShard], ctx: ShardingContext) -> None:
         super().__init__()
-        lookup = DataParallelLookup(shards, ctx.optimizer, ctx.device, ctx.group, ctx.seed, ctx.options)
+        cls = KernelDataParallelLookup if shards[0].kernel is LookupKernel.SMALL else DataParallelLookup
+        lookup = cls(shards, ctx.optimizer, ctx.device, ctx.group, ctx.seed, ctx.options)
         self.lookups = nn.ModuleList([lookup])
         keys, dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
         self.layout = OutputLayout(list(keys), list(dims), [list(keys)], [list(dims)])  # one output block
@@ -93,7 +95,5 @@ def data_parallel(
         tp = plan[cfg.name]
         if tp.sharding_type is ShardingType.DATA_PARALLEL:
             (mine,) = [s for s in tp.shards if s.rank == ctx.rank]
-            shards.append(
-                LocalShard(cfg, i, mine, cfg.feature_names, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
-            )
+            shards.append(LocalShard.planned(cfg, i, mine, cfg.feature_names, tp))
     return DataParallelSharding(shards, ctx) if shards else None

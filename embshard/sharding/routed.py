@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from embshard.lookup import LocalShard, build_lookups, group_shards
+from embshard.lookup import LocalShard, group_shards
 from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
 from embshard.sharding.base import OutputLayout, Scheme, ShardingContext
 from embshard.sharding.exchange import (
@@ -31,6 +31,7 @@ from embshard.sharding.exchange import (
     start_pooled_exchange,
     start_sparse_exchange,
 )
+from embshard.sharding.lookups import build_lookups
 
 
 def group_in_lookup_order(shards: Sequence[LocalShard]) -> list[LocalShard]:

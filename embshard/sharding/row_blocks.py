@@ -76,9 +76,7 @@ class RowBlockSharding(RoutedSharding):
         for i, cfg, tp in entries:
             blocks = sorted(tp.shards, key=lambda s: s.row_offset)
             for b, shard in enumerate(blocks):
-                shards_per_rank[shard.rank].append(
-                    LocalShard(cfg, i, shard, cfg.feature_names, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
-                )
+                shards_per_rank[shard.rank].append(LocalShard.planned(cfg, i, shard, cfg.feature_names, tp))
                 block_of.update({(shard.rank, f): b for f in cfg.feature_names})
             features += cfg.feature_names
             block_size.update({f: blocks[0].num_rows for f in cfg.feature_names})

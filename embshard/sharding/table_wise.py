@@ -26,8 +26,6 @@ def table_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingC
         if tp.sharding_type is not ShardingType.TABLE_WISE:
             continue
         (shard,) = tp.shards
-        shards_per_rank[shard.rank].append(
-            LocalShard(cfg, i, shard, cfg.feature_names, tp.tier, tp.cache_load_factor, tp.cache_algorithm)
-        )
+        shards_per_rank[shard.rank].append(LocalShard.planned(cfg, i, shard, cfg.feature_names, tp))
         key_source.update({f: f for f in cfg.feature_names})
     return RoutedSharding(shards_per_rank, key_source, ctx) if key_source else None
