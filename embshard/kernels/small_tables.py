@@ -258,7 +258,16 @@ class SmallTableLookup(nn.Module):
             for s, view in zip(shards, self.shard_weights()):
                 sh = s.shard
                 view.copy_(
-                    init_rows(s.table, s.table_index, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols, seed)
+                    init_rows(
+                        s.table,
+                        s.table_index,
+                        sh.row_offset,
+                        sh.num_rows,
+                        sh.col_offset,
+                        sh.num_cols,
+                        seed,
+                        view.device,
+                    )
                 )
         self._step = 0
 

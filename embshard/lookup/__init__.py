@@ -12,7 +12,7 @@ for ids laid out feature-major (offsets of length F*B+1); `shard_weights()` / `s
 from __future__ import annotations
 
 from embshard.lookup.host import HostLookup
-from embshard.lookup.shards import INIT_CHUNK_ROWS, LocalShard, group_shards, init_rows
+from embshard.lookup.shards import LocalShard, group_shards, init_rows
 from embshard.lookup.tbe import TBELookup
 
-__all__ = ["INIT_CHUNK_ROWS", "HostLookup", "LocalShard", "TBELookup", "group_shards", "init_rows"]
+__all__ = ["HostLookup", "LocalShard", "TBELookup", "group_shards", "init_rows"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from embshard.lookup.settings import tbe_settings
-from embshard.lookup.shards import INIT_CHUNK_ROWS, LocalShard, init_rows
+from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import LookupOptions, OutputDtype
@@ -64,8 +64,8 @@ class TBELookup(nn.Module):
         with torch.no_grad():
             for w, s in zip(self.tbe.split_embedding_weights(), shards):
                 sh = s.shard
-                block = max(1, INIT_BLOCK_BYTES // (4 * s.table.embedding_dim * INIT_CHUNK_ROWS)) * INIT_CHUNK_ROWS
-                for r0 in range(0, sh.num_rows, block):  # in blocks: a UVM table may exceed HBM
+                block = max(1, INIT_BLOCK_BYTES // (4 * sh.num_cols))
+                for r0 in range(0, sh.num_rows, block):  # drawn where the weights live, in blocks (UVM > HBM)
                     n = min(block, sh.num_rows - r0)
                     init = init_rows(
                         s.table, s.table_index, sh.row_offset + r0, n, sh.col_offset, sh.num_cols, seed, w.device
