@@ -2,17 +2,23 @@
 
 forward(kjt) for the rank's local batch:
   0. counts       (all schemes) gather_batch_counts: every rank's ids per feature (and bad-id count), one
-                                all-gather and the step's one host sync; ids (per scheme) laid out with them
+                                all-gather and the step's one host sync; ids (per scheme) laid out with them (a
+                                pipeline passes counts gathered on the host instead: `host_counts`, no sync)
   1. input dist   (per scheme)  start_input_dist -> handle; handle.wait() -> ids for this rank's shards
   2. lookup       (per scheme)  TBE kernels pool the rows for the global batch
   3. output dist  (per scheme)  start_output_dist -> handle; handle.wait() -> [B_local, width] blocks (views)
   4. mean pooling               divide mean-pooled features by their bag lengths
   5. regroup                    permute_multi_embedding of the blocks -> one dense tensor per output group
 Backward runs the exchanges in reverse and the TBE applies the fused optimizer to the touched rows.
+
+For training pipelines (embshard/pipeline.py): `prefetch(kjt)` runs steps 0-1 of a coming batch early (and loads
+its rows into UVM caches); `lookup_ahead(kjt)` runs the whole forward of a coming batch early. A later
+`forward(kjt)` with the same kjt object picks either up.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
@@ -34,14 +40,22 @@ from embshard.plan import Shard, ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
 from embshard.sharding.base import ShardingContext, key_feature
-from embshard.sharding.exchange import IdsOutOfRange, LookupInput, exchange_counts, gather_batch_counts
+from embshard.sharding.exchange import (
+    BatchCounts,
+    IdsOutOfRange,
+    LookupInput,
+    counts_row,
+    exchange_counts,
+    gather_batch_counts,
+)
 from embshard.tables import ConfigError, Pooling, TableConfig, feature_columns, feature_order, validate_tables
 
 
-@dataclass
+@dataclass(eq=False)
 class PrefetchHandle:
-    """The next batch, already sent to the ranks that look it up and (UVM-caching) loaded into the caches.
-    Pass it to `ebc(kjt, prefetched=handle)` with the same kjt, once."""
+    """A coming batch, already sent to the ranks that look it up and (UVM-caching, with
+    LookupOptions.prefetch_pipeline) loaded into the caches. `ebc(kjt)` with the same kjt object uses it (or pass it
+    explicitly: `ebc(kjt, prefetched=handle)`), once."""
 
     kjt: Any
     """The batch it was made for (checked by identity)."""
@@ -152,10 +166,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # Training forwards so far (forwards with grad enabled): every rank must agree on it at each forward (the
         # watchdog's messages name it); a training loop that resumes sets it to the resumed step.
         self.step = 0
-        self._prefetches = 0  # prefetched batches not consumed yet
+        self._pending: deque[PrefetchHandle] = deque()  # prefetched batches not consumed yet, in order
+        self._ahead: tuple | None = None  # (kjt, output, event): a forward run ahead (lookup_ahead)
 
     # ---- input handling ----------------------------------------------------------------------------------
-    def _local_input(self, kjt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, int]]:
+    def _layout(self, kjt) -> dict[str, int]:
+        """Check the KJT's keys against the tables' features (once per key order); its key -> row index."""
         keys = tuple(kjt.keys())
         if self._kjt_layout is None or self._kjt_layout[0] != keys:
             missing = [f for f in self.features if f not in keys]
@@ -168,13 +184,30 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._kjt_layout = (keys, {k: i for i, k in enumerate(keys)})
         if kjt.variable_stride_per_key():
             raise ConfigError("variable batch size per feature is not supported: give every feature the same batch")
-        B = kjt.stride()
-        lengths_FB = kjt.lengths().view(len(keys), B)
+        return self._kjt_layout[1]
+
+    def _local_input(self, kjt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, int]]:
+        index = self._layout(kjt)
+        lengths_FB = kjt.lengths().view(len(index), kjt.stride())
         values = kjt.values()
         weights = kjt.weights_or_none()
         if values.device != self.device:
             raise ConfigError(f"input is on {values.device} but the module computes on {self.device}: move it")
-        return lengths_FB, values, weights, self._kjt_layout[1]
+        return lengths_FB, values, weights, index
+
+    def host_counts(self, kjt, check: bool = True) -> torch.Tensor | None:
+        """This rank's row of a step's counts table (`sharding.exchange.counts_row`, step 0), computed from the
+        batch where it is (the CPU batch, before its copy to the device: no device sync): batch size, out-of-range
+        ids and ids per feature. A pipeline gathers these rows over a CPU process group and passes them to
+        `prefetch(..., counts=)`. None in drop mode (the ids sent depend on the drops, made on the device).
+        `check=False` skips the out-of-range count (a source that guarantees every id is in range)."""
+        if self.options.bounds_check is BoundsCheck.DROP:
+            return None
+        index = self._layout(kjt)
+        lengths_FB = kjt.lengths().view(len(index), kjt.stride())
+        bad = count_bad_ids(lengths_FB, kjt.values(), self._kjt_layout[0], self._table_of) if check else None
+        ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, self._canonical_rows(index, lengths_FB.device))
+        return counts_row(ids_F, lengths_FB.shape[1], bad, 0)
 
     def _check_ids(
         self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
@@ -189,18 +222,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """The rows of the batch's `[F, B]` lengths (KJT key order, `index`) that give the canonical order."""
         return cached_tensor([index[f] for f in self.features], device)
 
-    def _input_dist(self, lengths_FB, values, weights, index, check: bool, step: int) -> tuple[list, torch.Tensor]:
+    def _input_dist(
+        self, lengths_FB, values, weights, index, check: bool, step: int, counts: BatchCounts | None = None
+    ) -> tuple[list, torch.Tensor]:
         """One all-gather of every rank's batch size, ids per feature and out-of-range id count, read with the
-        step's one host sync (`gather_batch_counts`); then every scheme lays out its ids with known sizes and starts
-        its exchange (row-wise schemes first swap their bucketed counts: `exchange_counts`). Returns the inputs and
-        the lengths actually sent (drop mode removes ids). In error mode every rank stops together if any rank has
-        bad ids, and the ranks that have them raise the error naming feature, table and value."""
+        step's one host sync (`gather_batch_counts`), unless `counts` were gathered on the host already; then every
+        scheme lays out its ids with known sizes and starts its exchange (row-wise schemes first swap their
+        bucketed counts: `exchange_counts`). Returns the inputs and the lengths actually sent (drop mode removes
+        ids). In error mode every rank stops together if any rank has bad ids, and the ranks that have them raise
+        the error naming feature, table and value."""
         drop = check and self.options.bounds_check is BoundsCheck.DROP
         if drop:
             lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
-        bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if check and not drop else None
-        ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, self._canonical_rows(index, lengths_FB.device))
-        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, step)
+        if counts is None:
+            bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if check and not drop else None
+            ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, self._canonical_rows(index, lengths_FB.device))
+            counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, step)
         if counts.bad_ranks:
             if self.rank in counts.bad_ranks:
                 self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
@@ -221,7 +258,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Pooled embeddings for the local batch: {group: tensor} if output_groups was given, else a KeyedTensor.
 
         `prefetched`: the handle `prefetch(kjt)` returned for this same kjt; its ids are used as they are (the
-        input exchange and the id check already ran)."""
+        input exchange and the id check already ran). Without it, the oldest pending prefetch is used when it was
+        made for this kjt object, and a forward run ahead for it (`lookup_ahead`) is returned as it is."""
+        if self._ahead is not None and self._ahead[0] is kjt:
+            return self._take_ahead()
+        if prefetched is None and self._pending and self._pending[0].kjt is kjt:
+            prefetched = self._pending[0]
         with comm.scope(f"step {self.step}"):
             if prefetched is not None:
                 inputs, lengths_FB, index = self._consume(prefetched, kjt)
@@ -242,33 +284,45 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         return KeyedTensor(keys=self.features, length_per_key=self._feature_dims, values=out["all"], key_dim=1)
 
-    # ---- UVM-caching: prefetch and statistics -------------------------------------------------------------
-    def prefetch(self, kjt, stream: torch.cuda.Stream | None = None) -> PrefetchHandle:
-        """Send the NEXT batch's ids to the ranks that look them up and load its rows into the UVM caches, while
-        the current batch may still be waiting for its backward. Collective (every rank calls it, same order).
-        Needs LookupOptions(prefetch_pipeline=True). Pass the handle to the next forward: `ebc(kjt, prefetched=h)`.
+    # ---- pipelining: early input dist (and UVM-cache prefetch), early lookup -------------------------------
+    @property
+    def next_prefetch_step(self) -> int:
+        """The step the next `prefetch` labels its batch with: the training forward that will consume it."""
+        return self.step + len(self._pending)
 
-        `stream`: a CUDA stream to run on (the caller's stream waits for it at that forward); None: the current
-        stream. Tiers without a cache only get the input exchange done early.
+    def prefetch(
+        self, kjt, stream: torch.cuda.Stream | None = None, counts: BatchCounts | None = None
+    ) -> PrefetchHandle:
+        """Send a COMING batch's ids to the ranks that look them up (input dist), while the current batch may still
+        be waiting for its backward; with LookupOptions(prefetch_pipeline=True) also load its rows into the UVM
+        caches. Collective (every rank calls it, same order). The forward of the same kjt object uses it (oldest
+        first); the handle may also be passed explicitly: `ebc(kjt, prefetched=handle)`.
+
+        `stream`: a CUDA stream to run on (the forward waits for it and records the tensors it uses on its own
+        stream); None: the current stream. `counts`: the step's counts gathered on the host (`host_counts` rows of
+        every rank, step `next_prefetch_step`): no device all-gather and no host sync here.
         """
-        if not self.options.prefetch_pipeline:
-            raise ConfigError(
-                "prefetch() needs the caches built for it (rows in use locked until their backward): construct the "
-                "module with options=LookupOptions(prefetch_pipeline=True)"
-            )
         if stream is not None and self.device.type != "cuda":
             raise ConfigError(f"prefetch(stream=...) needs a CUDA module; this one computes on {self.device}")
-        main = torch.cuda.current_stream(self.device) if stream is not None else None
+        caller = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:
-            stream.wait_stream(main)  # the batch's tensors were made on the caller's stream
-        step = self.step + self._prefetches  # the step that will consume this batch
-        self._prefetches += 1
+            stream.wait_stream(caller)  # the batch's tensors were made on the caller's stream
+        step = self.next_prefetch_step  # the step that will consume this batch
         with torch.cuda.stream(stream) if stream is not None else _nullcontext(), comm.scope(f"step {step} prefetch"):
             lengths_FB, values, weights, index = self._local_input(kjt)
-            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, True, step)
-            for scheme, inp in zip(self.schemes, inputs):
-                scheme.prefetch(inp, main)
-        return PrefetchHandle(kjt, lengths_FB, index, inputs, stream)
+            if counts is not None and counts.batch_sizes[self.rank] != lengths_FB.shape[1]:
+                raise ValueError(
+                    f"prefetch(counts=...): the counts give rank {self.rank} a batch of "
+                    f"{counts.batch_sizes[self.rank]} samples but its kjt has {lengths_FB.shape[1]}: gather the "
+                    "host_counts of this same batch"
+                )
+            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, True, step, counts)
+            if self.options.prefetch_pipeline:
+                for scheme, inp in zip(self.schemes, inputs):
+                    scheme.prefetch(inp, caller)
+        handle = PrefetchHandle(kjt, lengths_FB, index, inputs, stream)
+        self._pending.append(handle)
+        return handle
 
     def _consume(self, handle: PrefetchHandle, kjt) -> tuple[list, torch.Tensor, dict[str, int]]:
         if handle.kjt is not kjt or handle.used:
@@ -277,7 +331,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 "used; pass the kjt that was prefetched, once"
             )
         handle.used = True
-        self._prefetches -= 1
+        for i, pending in enumerate(self._pending):
+            if pending is handle:
+                del self._pending[i]
+                break
         if handle.stream is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_stream(handle.stream)
@@ -289,6 +346,31 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 t.record_stream(main)  # made on the prefetch stream, used on this one
         return handle.inputs, handle.lengths_FB, handle.feature_index
 
+    def lookup_ahead(self, kjt, stream: torch.cuda.Stream | None = None) -> None:
+        """Run `forward(kjt)` now, on `stream` (CUDA) or the current stream, and keep its output for the later
+        `forward(kjt)` with the same kjt object, which returns it as it is (semi-synchronous pipelines: the lookup
+        reads the tables before the sparse update of every batch whose backward has not run yet). Collective."""
+        if self._ahead is not None:
+            raise ValueError("lookup_ahead: the forward run ahead for an earlier batch has not been used yet")
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            out = self.forward(kjt)
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        self._ahead = (kjt, out, event)
+
+    def _take_ahead(self):
+        _, out, event = self._ahead
+        self._ahead = None
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in out.values() if isinstance(out, dict) else [out.values()]:
+                t.record_stream(current)
+        return out
+
+    # ---- UVM-caching: statistics ---------------------------------------------------------------------------
     def cache_stats(self, gather: bool = False) -> dict[str, dict]:
         """UVM-cache statistics per table since the last reset_cache_stats(), for the UVM-caching tables of this
         rank (or, with gather=True, of every rank: collective). Needs LookupOptions(cache_stats=True); {} for

@@ -5,8 +5,9 @@ environment; with `--nproc N` (and no torchrun) N local processes are started he
 plan (by default with the planner, embshard.planner: docs/planner.md) and broadcasts it; it prints the plan with
 the predicted memory and time per rank, a progress bar with samples/s, the training loss every
 logging.log_every steps, and the held-out loss and AUC (torchmetrics BinaryAUROC, synced over ranks) at every
-evaluation; it also writes TensorBoard event files and an optional JSON-lines metrics file. See docs/config.md
-for the configuration and docs/launch.md for launching."""
+evaluation; it also writes TensorBoard event files and an optional JSON-lines metrics file. Each step runs through
+the training pipeline (embshard/pipeline.py, `training.pipeline`): the next batch's copy and id exchange overlap
+the current step by default. See docs/config.md for the configuration and docs/launch.md for launching."""
 
 from __future__ import annotations
 
@@ -88,22 +89,25 @@ class Reporter:
 
 
 @torch.no_grad()
-def evaluate(model, source, device: torch.device) -> dict[str, float]:
+def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, float]:
     """Mean loss (weighted by samples), AUC (for models that score pairs) and recall@K (two-tower catalog mode)
-    over every rank's held-out batches."""
+    over every rank's held-out batches. Collective: a rank with fewer batches feeds empty ones until every rank's
+    have ended (`pipeline.even_batches`, over `host_group` if given, else the default group)."""
     from torchmetrics.classification import BinaryAUROC
+
+    from embshard.pipeline import empty_batch, even_batches
 
     model.eval()
     auroc = BinaryAUROC().to(device)
     scored = False
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     hits: dict[int, torch.Tensor] = {}
-    for batch in source.eval_batches():
+    for batch in even_batches(source.eval_batches(), empty_batch(model), host_group, device):
         out = model.step(batch.to(device))
         totals[0] += out.loss.double() * batch.size
         totals[1] += batch.size
-        if out.scores is not None:
-            auroc.update(torch.sigmoid(out.scores), out.labels.long())
+        if out.scores is not None and batch.size:
+            auroc.update(torch.sigmoid(out.scores.float()), out.labels.long())
             scored = True
         for k, h in out.hits.items():
             hits[k] = hits.get(k, 0) + h.double()
@@ -134,6 +138,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from embshard.data import build_source
     from embshard.distributed import init_distributed
     from embshard.models.build import RecModel
+    from embshard.pipeline import TrainPipeline
 
     cfg: TrainConfig = load_config(config_path, overrides)
     device = init_distributed(cfg.runtime.collective_timeout_s)
@@ -150,20 +155,42 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     )
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
-    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed)
+    t_build = time.time()
+    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
-    start = 0
+    report.line(f"model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
-    if ck.resume_from:
+
+    def save(step: int) -> None:
+        save_checkpoint(checkpoint_path(ck.dir, step), model, dense_opt, step)
+
+    def resume() -> int:
+        """The step to continue from (0: a fresh start)."""
+        if not ck.resume_from:
+            return 0
         path = latest_checkpoint(ck.dir or ".") if ck.resume_from == "latest" else ck.resume_from
         if path is None:
             report.line(f"checkpoint.resume_from=latest: no checkpoint in {ck.dir!r} yet; starting from step 0")
-        else:
-            start = load_checkpoint(path, model, dense_opt)
-            report.line(f"resumed from {path} at step {start}")
+            return 0
+        step = load_checkpoint(path, model, dense_opt)
+        report.line(f"resumed from {path} at step {step}")
+        return step
+
+    start = resume()
+    tr = cfg.training
+    pipeline = TrainPipeline(
+        model,
+        dense_opt,
+        tr.pipeline,
+        check_finite=cfg.runtime.nan_check,
+        precision=tr.precision,
+        prefetch_batches=tr.prefetch_batches,
+        ids_checked=getattr(source, "ids_in_range", False),
+        start_step=start,
+    )
 
     def do_eval(step: int) -> None:
-        m = evaluate(model, source, device)
+        m = evaluate(model, source, device, pipeline.host_group)
         report.line(format_eval(step, m))
         report.scalars(step, m, "eval")
 
@@ -183,17 +210,18 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     window = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps
     t0, batches = time.time(), source.train_batches(start)
     step = start
-    for step in range(start + 1, total + 1):
-        model.ebc.step = step  # every rank agrees on it (checked), and errors name it
-        out = model.step(next(batches).to(device), check_finite=cfg.runtime.nan_check)
-        dense_opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        dense_opt.step()
-        window += torch.stack([out.loss.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
+    while step < total:
+        # model.ebc.step is set to each batch's step before its training forward (inside the pipeline).
+        done = pipeline.progress(batches)
+        if done is None:  # every rank's data has ended
+            break
+        step = done.step
+        if done.size:  # an empty batch (this rank's data ended first) adds no loss
+            window += torch.stack([done.output.loss.detach().double(), torch.ones_like(window[0])])
         bar.update(samples_per_step)
         if step % cfg.logging.log_every == 0 or step == total:
             dist.all_reduce(window)
-            loss = float(window[0] / window[1])
+            loss = float(window[0] / window[1].clamp(min=1))
             rate = (step - start) * samples_per_step / (time.time() - t0)
             bar.set_postfix(loss=f"{loss:.4f}")
             report.line(f"train step {step:6d}  loss {loss:.4f}  {rate:,.0f} samples/s")
@@ -202,11 +230,12 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         if sched.eval_every and step % sched.eval_every == 0 and step != total:
             do_eval(step)
         if ck.dir and ck.every and step % ck.every == 0 and step != total:
-            save_checkpoint(checkpoint_path(ck.dir, step), model, dense_opt, step)
+            save(step)
+    pipeline.close()
     bar.close()
     do_eval(step)
     if ck.dir:
-        save_checkpoint(checkpoint_path(ck.dir, step), model, dense_opt, step)
+        save(step)
         report.line(f"saved checkpoint {checkpoint_path(ck.dir, step)}")
     report.close()
     dist.destroy_process_group()

@@ -20,10 +20,18 @@ import yaml
 
 from embshard.config.data import CriteoConfig, DataConfig, MovieLensConfig, SyntheticConfig
 from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig, TwoTowerConfig
-from embshard.config.run import CheckpointConfig, DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TableConstraint
+from embshard.config.run import (
+    CheckpointConfig,
+    DenseOptimizerConfig,
+    LoggingConfig,
+    ScheduleConfig,
+    TableConstraint,
+    TrainingConfig,
+)
 from embshard.config.runtime import RuntimeConfig
 from embshard.config.schema import Source, build
 from embshard.optim import FusedOptimizerConfig
+from embshard.options import LookupOptions
 from embshard.planner.policy import PlannerConfig
 from embshard.tables import ConfigError, FieldError
 
@@ -35,6 +43,7 @@ __all__ = [
     "DataConfig",
     "DenseOptimizerConfig",
     "LoggingConfig",
+    "LookupOptions",
     "ModelConfig",
     "MovieLensConfig",
     "PlannerConfig",
@@ -43,6 +52,7 @@ __all__ = [
     "SyntheticConfig",
     "TableConstraint",
     "TrainConfig",
+    "TrainingConfig",
     "TwoTowerConfig",
     "apply_overrides",
     "load_config",
@@ -59,8 +69,13 @@ class TrainConfig:
     """Data source and its split over ranks."""
     schedule: ScheduleConfig
     """Batch size, length of training, evaluation interval."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Training pipeline (overlap of consecutive batches) and dense precision."""
     sparse_optimizer: FusedOptimizerConfig = field(default_factory=FusedOptimizerConfig)
     """The optimizer fused into the embedding backward (embshard.optim.FusedOptimizerConfig)."""
+    lookup: LookupOptions = field(default_factory=LookupOptions)
+    """Embedding lookup options (embshard.options.LookupOptions): pooled output dtype, fp16 rounding, out-of-range
+    ids, UVM-cache prefetch and statistics, regroup kernel, column-wise Adagrad state."""
     dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     """The optimizer of the dense (data-parallel) parameters."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)

@@ -98,6 +98,9 @@ class SyntheticConfig:
     """Skew of the ids: P(k-th most popular row) ~ 1 / k^exponent; 0 gives uniform ids."""
     pooling: dict[str, float] | None = None
     """Mean ids per bag for each named feature (ids/bag); features not named use their table's ids_per_bag."""
+    bag_lengths: Literal["poisson", "fixed"] = "poisson"
+    """poisson: 1 + Poisson(p - 1) ids per bag for a pooling factor p >= 1 (0 or 1 with P(1) = p below 1);
+    fixed: every bag holds round(p) ids (MLPerf DLRM-DCNv2's multi-hot sizes)."""
     scramble: bool = True
     """Spread the popular ids over the table by a fixed bijective hash instead of rows 0, 1, 2, ... (tables up to
     2^31 rows; larger tables keep popularity order)."""
@@ -114,6 +117,8 @@ class SyntheticConfig:
         for f, p in (self.pooling or {}).items():
             if not p > 0:
                 raise FieldError(f"pooling.{f}", p, "a pooling factor must be > 0 ids per bag")
+            if self.bag_lengths == "fixed" and round(p) < 1:
+                raise FieldError(f"pooling.{f}", p, "bag_lengths fixed holds round(p) ids per bag: give p >= 0.5")
         if self.eval_batches < 1:
             raise FieldError("eval_batches", self.eval_batches, "it must be >= 1")
 

@@ -1,5 +1,6 @@
-"""The run sections: schedule, dense optimizer, checkpoint and logging; the planner section is the planner's own
-(embshard.planner.policy.PlannerConfig), as its constraints and settings are."""
+"""The run sections: schedule, training (pipeline and precision), dense optimizer, checkpoint and logging; the
+planner section is the planner's own (embshard.planner.policy.PlannerConfig), as its constraints and settings
+are, and the lookup section is embshard.options.LookupOptions."""
 
 from __future__ import annotations
 
@@ -36,6 +37,29 @@ class ScheduleConfig:
             raise FieldError("epochs", self.epochs, "it must be >= 1")
         if self.eval_every < 0:
             raise FieldError("eval_every", self.eval_every, "it must be >= 0 (0: evaluate at the end only)")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How each training step runs: the pipeline that overlaps consecutive batches, and the dense model's precision
+    (embshard/pipeline.py, docs/architecture.md "Training pipeline")."""
+
+    pipeline: Literal["none", "sparse_dist", "semi_sync"] = "sparse_dist"
+    """none: one batch at a time (copy, id exchange, lookup, dense model in sequence); sparse_dist: batch i+1's
+    copy to the device and id exchange run while batch i trains (the same losses as none, bit for bit);
+    semi_sync: also batch i+1's embedding lookup, before batch i's backward: it misses batch i's sparse update
+    (one step stale, docs/architecture.md)."""
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    """Dense model arithmetic: fp32; tf32 (fp32 values, TensorFloat-32 matrix products on CUDA GPUs); bf16
+    (autocast: matrix products in bfloat16, weights, gradients and optimizer in fp32). Tables: their data_type;
+    pooled embeddings: lookup.output_dtype."""
+    prefetch_batches: int = 2
+    """Batches the training process prepares ahead in a background thread (count): taken from the data source,
+    counted on the host and pinned, ready for their copy to the device."""
+
+    def __post_init__(self) -> None:
+        if self.prefetch_batches < 1:
+            raise FieldError("prefetch_batches", self.prefetch_batches, "it must be >= 1 batch")
 
 
 @dataclass(frozen=True)

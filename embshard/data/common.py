@@ -24,18 +24,37 @@ OOV_ROW = 1
 
 @dataclass
 class Batch:
-    """One rank's batch: dense features `[B, num_dense]`, sparse features (KeyedJaggedTensor), labels `[B]`."""
+    """One rank's batch: dense `[B, num_dense]` float32, sparse KeyedJaggedTensor (keys in table order, lengths
+    `[F * B]` int32, ids int64), labels `[B]` float32, and `position` (the source position after this batch, a small
+    dict for checkpoints; None for evaluation and synthetic batches)."""
 
     dense: torch.Tensor
     sparse: object  # torchrec KeyedJaggedTensor
     labels: torch.Tensor
+    position: dict | None = None
 
     @property
     def size(self) -> int:
         return int(self.labels.shape[0])
 
-    def to(self, device: torch.device) -> Batch:
-        return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch on `device` (non_blocking: asynchronous from pinned memory)."""
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.position,
+        )
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory (needs CUDA; a copy)."""
+        return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory(), self.position)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark the batch's device tensors as used on `stream` (when it was copied on another stream)."""
+        self.dense.record_stream(stream)
+        self.sparse.record_stream(stream)
+        self.labels.record_stream(stream)
 
 
 def stable_hash(values: Sequence[str]) -> np.ndarray:

@@ -1,17 +1,21 @@
 """Synthetic click data at any scale, for benchmarks and smoke tests.
 
 - ids: Zipf-skewed, P(k-th most popular row) ~ 1 / k^s (continuous inverse-CDF approximation; s = 0 is uniform);
-  with `scramble` the popularity ranks are spread over the table by k -> (k * A) mod rows (A coprime to rows).
+  with `scramble` the popularity ranks are spread over the table by k -> (k * A) mod rows (A coprime to rows;
+  uniform ids need no scramble).
 - bag lengths: mean = the feature's pooling factor p (data.synthetic.pooling, else its table's ids_per_bag):
-  1 + Poisson(p - 1) for p >= 1, else 0 or 1 with P(1) = p.
+  1 + Poisson(p - 1) for p >= 1, else 0 or 1 with P(1) = p; or, with bag_lengths fixed, round(p) ids in every bag.
 - per-id weights for weighted tables: uniform in [0.5, 1.5).
 - dense features: standard normal.
-- labels: Bernoulli(sigmoid(2 z)), z a fixed hidden function of the dense features and of each bag's mean id
-  score (a hash of the id), so a model that learns shows a falling loss.
+- labels: Bernoulli(sigmoid(2 z)), z a fixed hidden function of the dense features and of the first id of each
+  bag (a hash of the id), so a model that learns shows a falling loss.
 - with `affinity` (retrieval): the item feature's id depends on the user feature's id (`affinity_items`): with
   probability `strength` the k-th most popular item (Zipf) of the user's group, else the usual draw; labels 1.
 Batch t of rank r is drawn from its own seeded stream (seed, r, t): any step can be regenerated, every rank sees
-different samples, and evaluation batches come from a separate fixed stream.
+different samples, and evaluation batches come from a separate fixed stream. Each batch is drawn with a few
+vectorised numpy calls per feature; with `workers` > 0, worker processes draw the training batches (worker k of n:
+steps start + k, start + k + n, ...; torch's DataLoader hands them out in step order), pinned for an
+asynchronous copy when CUDA is available.
 """
 
 from __future__ import annotations
@@ -84,13 +88,37 @@ class SyntheticSource:
     """Endless training batches and a fixed set of evaluation batches for one rank."""
 
     steps_per_epoch = None
+    ids_in_range = True  # every id is drawn below its table's rows: a pipeline may skip the host-side id check
 
-    def __init__(self, cfg: SyntheticConfig, tables: Sequence[TableConfig], batch_size: int, seed: int, rank: int):
+    def __init__(
+        self,
+        cfg: SyntheticConfig,
+        tables: Sequence[TableConfig],
+        batch_size: int,
+        seed: int,
+        rank: int,
+        workers: int = 0,
+        prefetch: int = 4,
+        pin_memory: bool = True,
+    ):
         self.cfg, self.tables, self.batch_size, self.seed, self.rank = cfg, list(tables), batch_size, seed, rank
+        self.workers, self.prefetch = workers, prefetch
+        self.pin = pin_memory and torch.cuda.is_available()
         self.num_dense = cfg.num_dense
         pooling = cfg.pooling or {}
         self.features = [(f, t, pooling.get(f, t.ids_per_bag)) for t in self.tables for f in t.feature_names]
-        self.multiplier = {t.name: scramble_multiplier(t.num_embeddings) if cfg.scramble else None for t in tables}
+        self.keys = [f for f, _, _ in self.features]
+        if cfg.bag_lengths == "fixed":
+            for f, t, p in self.features:
+                if round(p) < 1:
+                    raise ConfigError(
+                        f"data.synthetic.bag_lengths fixed: feature {f!r} has {p} ids per bag (table {t.name!r}'s "
+                        "ids_per_bag or data.synthetic.pooling); fixed bags hold round(p) >= 1 ids: raise it or use "
+                        "bag_lengths: poisson"
+                    )
+        self.weighted = any(t.weighted for t in self.tables)
+        scramble = cfg.scramble and cfg.zipf_exponent > 0  # a bijection of uniform ids is uniform: skip it
+        self.multiplier = {t.name: scramble_multiplier(t.num_embeddings) if scramble else None for t in tables}
         hidden = np.random.default_rng([seed, 999])
         self.affinity = None
         if cfg.affinity is not None:
@@ -111,27 +139,38 @@ class SyntheticSource:
             self.affinity = (at[a.user_feature][0], i, t)
         self.w_dense = hidden.standard_normal(max(cfg.num_dense, 1))[: cfg.num_dense]
 
-    def batch(self, stream: int) -> Batch:
-        """The batch of one stream index (training step t uses t; evaluation uses _EVAL_STREAM + i)."""
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        rng = np.random.default_rng([self.seed, self.rank, stream])
+    def _lengths(self, rng: np.random.Generator, p: float) -> np.ndarray:
         B = self.batch_size
-        dense = rng.standard_normal((B, self.num_dense)).astype(np.float32)
+        if self.cfg.bag_lengths == "fixed":
+            return np.full(B, round(p), dtype=np.int32)
+        if p >= 1:
+            return (1 + rng.poisson(p - 1.0, B)).astype(np.int32)
+        return (rng.random(B) < p).astype(np.int32)
+
+    def draw(self, stream: int) -> dict:
+        """The arrays of the batch of one stream index (training step t uses t; evaluation _EVAL_STREAM + i):
+        dense `[B, num_dense]`, labels `[B]`, feature-major lengths `[F * B]` and ids, weights or None, and the
+        ids per feature (what a KeyedJaggedTensor is built from)."""
+        rng = np.random.default_rng([self.seed, self.rank, stream])
+        B, F = self.batch_size, len(self.features)
+        dense = rng.standard_normal((B, self.num_dense), dtype=np.float32)
         z = dense @ self.w_dense / math.sqrt(max(self.num_dense, 1)) if self.num_dense else np.zeros(B)
         lengths, values, weights = [], [], []
-        weighted = any(t.weighted for t in self.tables)
         for i, (_, t, p) in enumerate(self.features):
-            lens = 1 + rng.poisson(p - 1.0, B) if p >= 1 else (rng.random(B) < p).astype(np.int64)
+            lens = self._lengths(rng, p)
             ids = zipf_ranks(rng, int(lens.sum()), t.num_embeddings, self.cfg.zipf_exponent)
             if self.multiplier[t.name] is not None:
                 ids = ids * self.multiplier[t.name] % t.num_embeddings
-            score = np.zeros(B)
-            np.add.at(score, np.repeat(np.arange(B), lens), id_scores(ids, i))
-            z = z + score / np.maximum(lens, 1) / math.sqrt(len(self.features))
+            starts = np.cumsum(lens) - lens  # each bag's first id; empty bags score 0
+            first = (
+                np.where(lens > 0, id_scores(ids[np.minimum(starts, max(ids.size - 1, 0))], i), 0.0)
+                if ids.size
+                else 0.0
+            )
+            z = z + first / math.sqrt(F)
             lengths.append(lens)
             values.append(ids)
-            if weighted:
+            if self.weighted:
                 weights.append(rng.random(ids.size) + 0.5 if t.weighted else np.ones(ids.size))
         labels = (rng.random(B) < 1.0 / (1.0 + np.exp(-2.0 * z))).astype(np.float32)
         if self.affinity is not None:
@@ -142,22 +181,67 @@ class SyntheticSource:
                 extra, values[u], values[i], rows, a, self.cfg.zipf_exponent, self.multiplier[t.name]
             )
             labels = np.ones(B, dtype=np.float32)
-        kjt = KeyedJaggedTensor(
-            keys=[f for f, _, _ in self.features],
-            values=torch.from_numpy(np.concatenate(values)),
-            lengths=torch.from_numpy(np.concatenate(lengths)).to(torch.int32),
-            weights=torch.from_numpy(np.concatenate(weights)).float() if weighted else None,
-        )
-        return Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
+        return {
+            "dense": torch.from_numpy(dense),
+            "labels": torch.from_numpy(labels),
+            "lengths": torch.from_numpy(np.concatenate(lengths)),
+            "values": torch.from_numpy(np.concatenate(values)),
+            "weights": torch.from_numpy(np.concatenate(weights)).float() if self.weighted else None,
+            "length_per_key": [int(v.size) for v in values],
+        }
 
-    def train_batches(self, start_step: int = 0) -> Iterator[Batch]:
-        """Batches for steps start_step, start_step + 1, ... (endless)."""
-        step = start_step
-        while True:
-            yield self.batch(step)
-            step += 1
+    def _batch(self, d: dict) -> Batch:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor(
+            keys=self.keys,
+            values=d["values"],
+            lengths=d["lengths"],
+            weights=d["weights"],
+            stride=self.batch_size,
+            length_per_key=list(d["length_per_key"]),
+        )
+        return Batch(d["dense"], kjt, d["labels"])
+
+    def batch(self, stream: int) -> Batch:
+        """The batch of one stream index (training step t uses t; evaluation uses _EVAL_STREAM + i)."""
+        return self._batch(self.draw(stream))
+
+    def train_batches(self, start_step: int | None = 0) -> Iterator[Batch]:
+        """Batches for steps start_step, start_step + 1, ... (endless); drawn by `workers` processes if > 0."""
+        start = int(start_step or 0)
+        if self.workers <= 0:
+            step = start
+            while True:
+                yield self.batch(step)
+                step += 1
+        loader = torch.utils.data.DataLoader(
+            _Steps(self, start),
+            batch_size=None,
+            num_workers=self.workers,
+            pin_memory=self.pin,
+            prefetch_factor=self.prefetch,
+        )
+        for d in loader:
+            yield self._batch(d)
 
     def eval_batches(self) -> Iterator[Batch]:
         """The same `eval_batches` held-out batches at every evaluation."""
         for i in range(self.cfg.eval_batches):
             yield self.batch(_EVAL_STREAM + i)
+
+
+class _Steps(torch.utils.data.IterableDataset):
+    """Worker k of n draws the batches of steps start + k, start + k + n, ... (the DataLoader interleaves the
+    workers in order, so the batches arrive in step order)."""
+
+    def __init__(self, source: SyntheticSource, start: int) -> None:
+        self.source, self.start = source, start
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        k, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        step = self.start + k
+        while True:
+            yield self.source.draw(step)
+            step += n

@@ -11,15 +11,16 @@ from embshard.config.model import ModelConfig
 from embshard.data.common import Batch
 from embshard.models.registry import StepOutput, model_kind
 from embshard.optim import FusedOptimizerConfig
+from embshard.options import LookupOptions
 from embshard.plan import ShardingPlan
 
 __all__ = ["RecModel", "StepOutput"]
 
 
 class RecModel(nn.Module):
-    """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward); `catalog`: a retrieval catalog
-    serving one table in a collection of its own, or None; `dense`: the dense part, wrapped in
-    DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
+    """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward; `options`: its LookupOptions);
+    `catalog`: a retrieval catalog serving one table in a collection of its own, or None; `dense`: the dense part,
+    wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
 
     def __init__(
         self,
@@ -30,11 +31,13 @@ class RecModel(nn.Module):
         device: torch.device,
         world_size: int,
         seed: int = 0,
+        options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
         from embshard.sharded import ShardedEmbeddingBagCollection
 
         self.cfg = cfg
+        self.num_dense = num_dense
         self.kind = model_kind(cfg.kind)
         tables = list(cfg.tables)
         build_catalog = self.kind.build_catalog
@@ -44,7 +47,7 @@ class RecModel(nn.Module):
             plan = ShardingPlan(plan.world_size, plan.local_world_size, tuple(plan[t.name] for t in tables))
         groups = self.kind.output_groups(cfg) if self.kind.output_groups else None
         self.ebc = ShardedEmbeddingBagCollection(
-            tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed
+            tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed, options=options
         )
         torch.manual_seed(seed)  # identical dense initialisation on every rank
         dense = self.kind.build_dense(cfg, num_dense).to(device)

@@ -83,5 +83,8 @@ def feature_widths(cfg: ModelConfig) -> dict[str, int]:
 
 
 def bce_output(logits_B: torch.Tensor, labels_B: torch.Tensor) -> StepOutput:
-    """Binary cross-entropy of one logit per sample against its 0/1 label."""
+    """Binary cross-entropy of one logit per sample against its 0/1 label (mean over the samples; an empty batch,
+    which a rank feeds while others still have data, gives 0 and zero gradients)."""
+    if logits_B.shape[0] == 0:
+        return StepOutput(logits_B.sum() * 0.0, logits_B, labels_B)
     return StepOutput(nn.functional.binary_cross_entropy_with_logits(logits_B, labels_B), logits_B, labels_B)

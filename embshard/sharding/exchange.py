@@ -9,7 +9,8 @@ lengths, followed by the next destination. The received batch is feature-major o
 of the rank's lookup features, the bags of rank 0's samples, then rank 1's, ... (`lengths_FBg`).
 
 Host syncs. One all-gather of every rank's batch size, ids per feature and out-of-range id count
-(`gather_batch_counts`) and one host sync size every buffer and every id all-to-all of the step. Row-wise schemes
+(`gather_batch_counts`) and one host sync size every buffer and every id all-to-all of the step (a training
+pipeline gathers the same counts on the host, from the CPU batch, over a CPU group: no device sync). Row-wise schemes
 learn their per-destination counts only after bucketing the ids on the device: `exchange_counts` moves those in
 one more small all-to-all and sync (only when the plan has row-wise tables).
 """
@@ -86,6 +87,28 @@ class BatchCounts:
     """Ranks that found out-of-range ids in their local batch."""
 
 
+def counts_row(ids_F: torch.Tensor, batch_size: int, bad: torch.Tensor | None, step: int) -> torch.Tensor:
+    """This rank's row of the step's counts table: `[batch size, out-of-range ids, step, ids per feature...]` (int64,
+    on `ids_F`'s device; `ids_F` in the canonical feature order)."""
+    row = torch.cat([cached_tensor([batch_size, 0, step], ids_F.device), ids_F.to(torch.int64)])  # a new tensor
+    if bad is not None:
+        row[1:2] = bad.reshape(1)
+    return row
+
+
+def parse_counts(table: np.ndarray) -> BatchCounts:
+    """Every rank's `counts_row`, stacked `[W, 3 + F]` (on the host), as BatchCounts; raises `RanksOutOfStep` on
+    every rank when the ranks' steps differ."""
+    steps = [int(s) for s in table[:, 2]]
+    if len(set(steps)) > 1:
+        raise RanksOutOfStep(steps)
+    return BatchCounts(
+        batch_sizes=[int(b) for b in table[:, 0]],
+        ids=table[:, 3:],
+        bad_ranks=[r for r in range(table.shape[0]) if table[r, 1]],
+    )
+
+
 def gather_batch_counts(
     ids_F: torch.Tensor,
     batch_size: int,
@@ -96,19 +119,12 @@ def gather_batch_counts(
     """One all-gather of every rank's (batch size, out-of-range id count, step, ids per feature), then one host
     sync: every id exchange of the step can be sized from these on the host (row-wise bucketing aside). `ids_F` is
     this rank's `[F]` ids per feature in the canonical order; `step` the collection's step, which every rank must
-    agree on (`RanksOutOfStep` on every rank otherwise)."""
-    row = torch.cat([cached_tensor([batch_size, 0, step], ids_F.device), ids_F.to(torch.int64)])  # a new tensor
-    if bad is not None:
-        row[1:2] = bad.reshape(1)
+    agree on (`RanksOutOfStep` on every rank otherwise). A training pipeline computes the rows on the host from the
+    CPU batch and gathers them over a CPU group instead (`ShardedEmbeddingBagCollection.host_counts`): no device
+    sync at all."""
+    row = counts_row(ids_F, batch_size, bad, step)
     table = start_all_gather(row, group, "batch counts all-gather").wait(host=True).cpu().numpy()  # the host sync
-    steps = [int(s) for s in table[:, 2]]
-    if len(set(steps)) > 1:
-        raise RanksOutOfStep(steps)
-    return BatchCounts(
-        batch_sizes=[int(b) for b in table[:, 0]],
-        ids=table[:, 3:],
-        bad_ranks=[r for r in range(table.shape[0]) if table[r, 1]],
-    )
+    return parse_counts(table)
 
 
 def route_matrix(sources_per_rank: Sequence[Sequence[str]], column: Mapping[str, int]) -> np.ndarray:

@@ -1,0 +1,386 @@
+"""Training pipelines: one optimizer step per `progress()` call, with the next batches' work overlapped.
+
+Stages of a batch, in the order it meets them (docs/architecture.md, "Training pipeline"):
+
+    host     a background thread takes the batch from the data source (itself fed by worker processes), pins it
+             and counts its ids per feature on the host (`ShardedEmbeddingBagCollection.host_counts`)
+    agree    one all-gather of every rank's counts row over a CPU (gloo) group: whether each rank still has
+             data, the batch sizes and ids per feature, the step (no device sync)
+    copy     host -> device, non-blocking from pinned memory, on a side stream ("data")
+    dist     its input dist (`ebc.prefetch`, sized from the host counts), on the data stream; UVM-cache
+             prefetch with LookupOptions(prefetch_pipeline=True)
+    lookup   the embedding forward (semi_sync: run ahead on the "emb" stream, `ebc.lookup_ahead`)
+    train    dense forward, loss, backward (sparse update fused into it), dense optimizer step
+
+Modes (`TrainPipeline(mode=...)`, YAML `training.pipeline`):
+- none: host and agree run ahead; copy, the counts all-gather, dist, lookup and train run in sequence on one
+  stream, with the step's host sync (the plain loop).
+- sparse_dist: while batch i trains, batch i+1 is copied and its input dist runs (issued after batch i's
+  forward, before its backward). Losses are those of `none`, bit for bit.
+- semi_sync: as sparse_dist, and batch i+1's lookup is issued before batch i's backward (on its own stream on
+  CUDA, overlapping batch i's dense work). Staleness: the lookup of batch i+1 reads the tables as they were
+  before batch i's sparse update (batch i's backward runs after it); it sees every earlier update. Only rows
+  touched by both batches differ from sparse_dist's values; the update of batch i+1 still lands on rows that
+  include batch i's update (the fused optimizer applies gradients to the current rows). Dense weights are not
+  stale. Refused with UVM-caching tables and with a retrieval catalog.
+
+Every rank runs the same collectives in the same order: the agree step is one collective per batch, and when some
+rank's data ends first it feeds empty batches (0 samples) until every rank's data has ended; then `progress`
+returns None on every rank. `even_batches` does the same for evaluation loops.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from embshard.comm import start_all_gather, start_all_reduce
+from embshard.data.common import Batch
+from embshard.models.registry import StepOutput
+from embshard.options import BoundsCheck
+from embshard.plan import MemoryTier
+from embshard.sharding.exchange import BatchCounts, parse_counts
+from embshard.tables import ConfigError
+
+MODES = ("none", "sparse_dist", "semi_sync")
+
+
+@dataclass
+class TrainStep:
+    """What one `progress()` call trained."""
+
+    step: int
+    """The step number (1 for the first step after `start_step`)."""
+    output: StepOutput
+    """The model's output for the batch (loss, scores, labels)."""
+    size: int
+    """Samples of this rank's batch (0: this rank's data had ended and it fed an empty batch)."""
+    position: dict | None
+    """The data position after this batch (`Batch.position`), for checkpoints."""
+
+
+def empty_batch(model) -> Batch:
+    """A batch of 0 samples for `model` (RecModel): what a rank whose data has ended feeds while others train."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys = list(model.cfg.features)
+    weighted = any(t.weighted for t in model.cfg.tables)
+    kjt = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.zeros(0, dtype=torch.int64),
+        lengths=torch.zeros(0, dtype=torch.int32),
+        weights=torch.zeros(0) if weighted else None,
+        stride=0,
+        length_per_key=[0] * len(keys),
+    )
+    return Batch(torch.zeros(0, model.num_dense), kjt, torch.zeros(0))
+
+
+def host_group_for(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A CPU (gloo) process group over the ranks of `group` (None: the default group; collective: every rank of
+    the job calls it): the group itself if it is gloo already."""
+    if not dist.is_initialized() or dist.get_backend(group) == "gloo":
+        return group
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+class HostPrefetcher:
+    """A background thread that takes batches from an iterator, pins them (CUDA) and computes each one's host
+    counts row; up to `depth` prepared batches wait in a queue. `next()` returns (batch, row) or None at the end;
+    an exception in the thread is raised there."""
+
+    _END = object()
+
+    def __init__(self, batches: Iterator[Batch], prepare, depth: int) -> None:
+        self._it, self._prepare = batches, prepare
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.wait_s = 0.0  # time the training thread waited for a prepared batch
+        self._thread = threading.Thread(target=self._run, name="embshard-host-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for batch in self._it:
+                item = self._prepare(batch)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                if self._stop.is_set():
+                    return
+            item = self._END
+        except BaseException as e:  # handed to the training thread
+            item = e
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
+
+    def next(self):
+        t0 = time.perf_counter()
+        item = self._queue.get()
+        self.wait_s += time.perf_counter() - t0
+        if item is self._END:
+            self._queue.put(item)  # stays at the end
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@dataclass
+class _Item:
+    """A batch on its way: the device batch, its counts (None: the forward gathers them) and its data position."""
+
+    batch: Batch
+    counts: BatchCounts | None
+    position: dict | None
+    copied: torch.cuda.Event | None = None  # recorded on the data stream after the copy
+
+
+class TrainPipeline:
+    """Trains `model` (embshard.models.build.RecModel) one step per `progress(batches)` call, overlapping the next
+    batches' host work, copy, input dist (and, semi_sync, lookup) with the current step (module docstring).
+
+    Args:
+        model: the RecModel (its `ebc`, dense part and loss).
+        dense_optimizer: the torch optimizer of `model.dense_parameters()`; the sparse optimizer is fused.
+        mode: "none", "sparse_dist" or "semi_sync".
+        check_finite: stop every rank before the update if the loss or a pooled embedding is NaN/Inf (one host
+            sync per step: runtime.nan_check).
+        precision: "fp32", "tf32" (sets torch's TF32 matmul flags, process-wide) or "bf16" (autocast of the
+            forward and loss).
+        prefetch_batches: batches prepared ahead by the host thread.
+        ids_checked: the source guarantees every id is below its table's rows (skip the host-side id check).
+        start_step: the last step already trained (resume); the first `progress` trains start_step + 1.
+        host_group: the CPU process group of the agree step (default: `host_group_for(model.ebc.group)`, made here,
+            collectively).
+    """
+
+    def __init__(
+        self,
+        model,
+        dense_optimizer: torch.optim.Optimizer,
+        mode: str = "sparse_dist",
+        *,
+        check_finite: bool = False,
+        precision: str = "fp32",
+        prefetch_batches: int = 2,
+        ids_checked: bool = False,
+        start_step: int = 0,
+        host_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"training pipeline mode {mode!r} is unknown: choose one of {list(MODES)}")
+        if precision not in ("fp32", "tf32", "bf16"):
+            raise ConfigError(f"training precision {precision!r} is unknown: choose fp32, tf32 or bf16")
+        self.model, self.optimizer, self.mode = model, dense_optimizer, mode
+        self.ebc = model.ebc
+        self.device = self.ebc.device
+        self.cuda = self.device.type == "cuda"
+        self.check_finite, self.prefetch_batches, self.ids_checked = check_finite, prefetch_batches, ids_checked
+        self.step = start_step
+        self._fetched = start_step  # batches taken from the source so far (the step of the last one)
+        # The id exchange runs ahead only where the model hands `ebc` the batch's own kjt (not in catalog mode).
+        self.dist_ahead = mode != "none" and model.catalog is None
+        self.host_counts = self.dist_ahead and self.ebc.options.bounds_check is not BoundsCheck.DROP
+        if mode == "semi_sync":
+            cached = [
+                t
+                for t, tp in ((t, self.ebc.plan[t.name]) for t in self.ebc.tables)
+                if tp.tier is MemoryTier.UVM_CACHING
+            ]
+            if model.catalog is not None or cached:
+                why = (
+                    "a retrieval catalog"
+                    if model.catalog is not None
+                    else f"UVM-caching tables {[t.name for t in cached]}"
+                )
+                raise ConfigError(
+                    f"training.pipeline semi_sync runs a batch's lookup before the previous backward, which {why} "
+                    "cannot take: use training.pipeline sparse_dist"
+                )
+        if precision == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.autocast = precision == "bf16"
+        self.host_group = host_group if host_group is not None else host_group_for(self.ebc.group)
+        self.world = dist.get_world_size(self.host_group) if dist.is_initialized() else 1
+        self.data_stream = torch.cuda.Stream(self.device) if self.cuda and mode != "none" else None
+        self.emb_stream = torch.cuda.Stream(self.device) if self.cuda and mode == "semi_sync" else None
+        self._empty = empty_batch(model)
+        self._source: Iterator[Batch] | None = None
+        self._host: HostPrefetcher | None = None
+        self._cur: _Item | None = None  # the next batch to train (input dist done; semi_sync: lookup done too)
+        self._nxt: _Item | None = None  # semi_sync: the batch after it (input dist done)
+        self._ended = False  # every rank's data has ended
+        self._training = start_step  # the step being trained
+        self.gather_s = 0.0  # host time in the agree all-gathers
+
+    # ---- host side ---------------------------------------------------------------------------------------
+    def _prepare(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:
+        """In the host thread: pin the batch (CUDA) and count it."""
+        if self.cuda and not batch.dense.is_pinned():
+            batch = batch.pin_memory()
+        row = self.ebc.host_counts(batch.sparse, check=not self.ids_checked) if self.host_counts else None
+        return batch, row
+
+    def _fetch(self) -> _Item | None:
+        """The next batch of every rank agreed on (one CPU all-gather), copied to the device; None when every
+        rank's data has ended."""
+        if self._ended:
+            return None
+        got = self._host.next()
+        present = got is not None
+        batch, row = got if present else (self._empty, None)
+        if self.host_counts and row is None:
+            row = self.ebc.host_counts(batch.sparse, check=False)
+        self._fetched += 1
+        step = self._fetched  # the step that will train on this batch
+        if row is None:
+            row = torch.tensor([batch.size, 0, step], dtype=torch.int64)
+        else:
+            row = row.clone()
+            row[2] = step
+        row = torch.cat([torch.tensor([int(present)]), row])
+        t0 = time.perf_counter()
+        if self.world > 1:
+            table = start_all_gather(row, self.host_group, f"step {step} pipeline counts all-gather").wait(host=True)
+        else:
+            table = row.view(1, -1)
+        table = table.numpy()
+        self.gather_s += time.perf_counter() - t0
+        if not table[:, 0].any():
+            self._ended = True
+            return None
+        counts = parse_counts(table[:, 1:])  # raises RanksOutOfStep on every rank if the steps differ
+        copied = None
+        with torch.cuda.stream(self.data_stream) if self.data_stream is not None else nullcontext():
+            on_device = batch.to(self.device, non_blocking=self.cuda)
+            if self.data_stream is not None:
+                copied = torch.cuda.Event()
+                copied.record(self.data_stream)
+        return _Item(on_device, counts if self.host_counts else None, batch.position, copied)
+
+    def _fetch_and_dist(self) -> _Item | None:
+        """`_fetch`, then the batch's input dist (and UVM-cache prefetch) on the data stream."""
+        item = self._fetch()
+        if item is not None and self.dist_ahead:
+            self.ebc.prefetch(item.batch.sparse, stream=self.data_stream, counts=item.counts)
+        return item
+
+    def _use(self, item: _Item) -> None:
+        """The current stream takes over the batch copied on the data stream."""
+        if item.copied is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(item.copied)
+            item.batch.record_stream(current)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def _forward(self, item: _Item) -> StepOutput:
+        ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with ctx:
+            return self.model.step(item.batch, check_finite=self.check_finite)
+
+    def _update(self, out: StepOutput) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        self.optimizer.step()
+
+    def _start(self, batches: Iterator[Batch]) -> None:
+        if self._source is batches:
+            return
+        if self._source is not None:
+            raise ValueError("TrainPipeline.progress: pass the same batch iterator every call (make a new pipeline)")
+        self._source = batches
+        self._host = HostPrefetcher(batches, self._prepare, self.prefetch_batches)
+
+    def progress(self, batches: Iterator[Batch]) -> TrainStep | None:
+        """Train one step on the next batch of `batches` (the same iterator every call); None, on every rank, once
+        every rank's data has ended."""
+        self._start(batches)
+        if self.mode == "none":
+            item = self._fetch()
+            if item is None:
+                return None
+            return self._train(item, None)
+        if self._cur is None and not self._ended:  # fill the pipeline
+            self.ebc.step = self.step + 1  # the step of the first batch (its prefetch is labelled with it)
+            self._cur = self._fetch_and_dist()
+            if self.mode == "semi_sync" and self._cur is not None:
+                self.ebc.step = self._fetched
+                self.ebc.lookup_ahead(self._cur.batch.sparse, stream=self.emb_stream)
+                self._nxt = self._fetch_and_dist()
+        cur = self._cur
+        if cur is None:
+            return None
+        return self._train(cur, self._advance)
+
+    def _advance(self) -> None:
+        """Between the forward and the backward of the current batch: start the next batches' work."""
+        if self.mode == "sparse_dist":
+            self._cur = self._fetch_and_dist()
+            return
+        nxt = self._nxt
+        if nxt is not None:  # batch i+1: its lookup, before batch i's backward updates the tables
+            self.ebc.step = self._training + 1
+            self.ebc.lookup_ahead(nxt.batch.sparse, stream=self.emb_stream)
+        self._nxt = self._fetch_and_dist()  # batch i+2: copy and input dist
+        self._cur = nxt
+
+    def _train(self, item: _Item, advance) -> TrainStep:
+        step = self._training = self.step + 1
+        self._use(item)
+        if self.mode != "semi_sync":
+            self.ebc.step = step  # every rank agrees on it (checked), and errors name it
+        out = self._forward(item)
+        if advance is not None:
+            advance()
+        self._update(out)
+        self.step = step
+        return TrainStep(step, out, item.batch.size, item.position)
+
+    @property
+    def data_wait_s(self) -> float:
+        """Seconds the training thread waited for the host thread (a data path slower than training shows here)."""
+        return self._host.wait_s if self._host is not None else 0.0
+
+    def close(self) -> None:
+        """Stop the host thread (the data source's workers stop with its iterator)."""
+        if self._host is not None:
+            self._host.close()
+
+
+def even_batches(
+    batches: Iterator[Batch], empty: Batch, group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> Iterator[Batch]:
+    """`batches` until every rank's have ended, `empty` in place of a batch on ranks whose ended first (one tiny
+    all-reduce per batch, on `device` for NCCL groups), so every rank runs the same collectives (evaluation)."""
+    it = iter(batches)
+    while True:
+        batch = next(it, None)
+        flag = torch.tensor([0 if batch is None else 1], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            if dist.get_backend(group) != "gloo":
+                flag = flag.to(device)
+            flag = start_all_reduce(flag, group, "evaluation batch count all-reduce").wait(host=True)
+        if not int(flag.sum()):
+            return
+        yield batch if batch is not None else empty
