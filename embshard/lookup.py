@@ -125,6 +125,7 @@ class TBELookup(nn.Module):
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
         )
+        self.opt_kind = optimizer.kind
         self._cast = OutputDtype(self.settings.cast_output_to).torch_dtype if self.settings.cast_output_to else None
         with torch.no_grad():
             for w, s in zip(self.tbe.split_embedding_weights(), shards):
@@ -167,6 +168,13 @@ class TBELookup(nn.Module):
         if self.settings.caching:
             self.tbe.flush()
         return list(self.tbe.split_embedding_weights())
+
+    def shard_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        """The fused optimizer's state of each shard (views, in shard order), named as `optim.optimizer_state`:
+        adagrad `m` `[rows, D]`, rowwise_adagrad `m` `[rows]`, adam `m` and `v` `[rows, D]`, sgd none. Read from
+        FBGEMM's `split_optimizer_states()` (one list of states per table, momentum1 first; the same layout in
+        fbgemm-gpu 1.6 and 1.8). UVM tiers keep optimizer state out of the cache: nothing to flush."""
+        return [_named_states(self.opt_kind, states) for states in _fbgemm_states(self.tbe, len(self.shards))]
 
     def drop_cache(self) -> None:
         """Forget every cached row (after flushing nothing is lost); later lookups reload them from UVM."""
@@ -290,6 +298,10 @@ class HostLookup(nn.Module):
         """The weights of each shard, in shard order."""
         return [p.data for p in self.weights]
 
+    def shard_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        """The optimizer state of each shard, in shard order (`optim.optimizer_state`'s names and shapes)."""
+        return [dict(st) for st in self._state]
+
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
         """No cache on the host: nothing to do."""
 
@@ -302,6 +314,18 @@ class HostLookup(nn.Module):
 
     def reset_cache_stats(self) -> None:
         """No cache on the host: nothing to reset."""
+
+
+def _fbgemm_states(tbe: nn.Module, tables: int) -> list[list[torch.Tensor]]:
+    """FBGEMM's per-table optimizer states; sgd has none (fbgemm-gpu 1.8 then returns an empty list)."""
+    states = tbe.split_optimizer_states()
+    return [list(s) for s in states] if states else [[] for _ in range(tables)]
+
+
+def _named_states(kind: OptimizerKind, states: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FBGEMM's states of one table under embshard's names: momentum1 is `m`, Adam's momentum2 is `v`."""
+    names = {OptimizerKind.SGD: (), OptimizerKind.ADAM: ("m", "v")}.get(kind, ("m",))
+    return dict(zip(names, states))
 
 
 def build_lookups(

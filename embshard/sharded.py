@@ -303,6 +303,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     out.append((s.table.name, s.shard, w))
         return out
 
+    def local_optimizer_states(self) -> list[tuple[str, object, dict[str, torch.Tensor]]]:
+        """(table name, Shard, {state name: tensor}) for every shard on this rank, in `local_shards()` order. Names
+        and shapes as `optim.optimizer_state`: adagrad `m` `[rows, cols]`, rowwise_adagrad `m` `[rows]` (for a
+        column-wise shard: the state of its column block), adam `m` and `v` `[rows, cols]`, sgd none."""
+        out = []
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                for s, st in zip(lookup.shards, lookup.shard_optimizer_states()):
+                    out.append((s.table.name, s.shard, st))
+        return out
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every table's full weights, assembled on every rank (collective; for tests, checkpoints, export).
         Replicated tables are taken from their first replica."""

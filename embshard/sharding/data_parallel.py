@@ -213,6 +213,18 @@ class DataParallelLookup(nn.Module):
             out.append(flat[e0 : e0 + R * D].view(R, D))
         return out
 
+    def shard_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each table's optimizer state (views into the flat state, `optim.optimizer_state`'s names), in shard
+        order: per element `[rows, D]`, rowwise_adagrad's `m` `[rows]`."""
+        per_row = self.opt.kind is OptimizerKind.ROWWISE_ADAGRAD
+        out = []
+        for s, (e0, r0) in zip(self.shards, self._blocks):
+            R, D = s.table.num_embeddings, s.table.embedding_dim
+            out.append(
+                {k: v[r0 : r0 + R] if per_row else v[e0 : e0 + R * D].view(R, D) for k, v in self._state.items()}
+            )
+        return out
+
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
         """No cache: nothing to do."""
 
