@@ -278,6 +278,8 @@ class HostLookup(nn.Module):
             idx = indices[start:end].long()
             w = self.weights[self._feature_shard[f]]
             psw = weights[start:end] if (weights is not None and self.weighted) else None
+            # Also for B == 0 (an empty global batch): the output must reach the weights, so that backward runs
+            # here (the output all-to-all's backward is a collective) and the step is counted (Adam's t).
             outs.append(
                 nn.functional.embedding_bag(
                     idx,
@@ -288,8 +290,6 @@ class HostLookup(nn.Module):
                     per_sample_weights=psw,
                     include_last_offset=False,
                 )
-                if B
-                else w.new_zeros(0, w.shape[1])
             )
         out = torch.cat(outs, dim=1) if outs else indices.new_zeros(B, 0, dtype=torch.float32)
         return out.to(self._out_dtype)
