@@ -1,0 +1,225 @@
+"""Train fuzz cases (fuzz_cases.py) on a process group and compare them with the plain-PyTorch reference.
+
+Data flow: `run_cases(cases)` groups the cases by world size and makes ONE `run_distributed` call per world size
+(spawning a process group costs seconds); `fuzz_worker` loops over that world size's cases on every rank,
+returning per case the outputs of every step, then every local shard's weights and optimizer state, or the
+rank's traceback. A case that fails on some rank does not stop the batch: the ranks agree after every case (one
+all-reduce on the default group) and move to a fresh process group, so a case left hanging (a collective some rank
+never entered) times out after FUZZ_TIMEOUT_S and is reported, and the next case starts clean. `check_case` then
+trains the unsharded reference (tests/reference.py) on the global batches and compares outputs every step, then
+final weights and optimizer state shard by shard, the shards' placement against the plan, and the dropped-id
+counts. Each failure is reported with its seed, the command that reruns it and the case as Python source.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+import warnings
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from dist_harness import run_distributed, test_device
+from fuzz_cases import CW, Case, case_source, clean, column_wise_exact, feature_upstream, make_batches
+from parity import to_kjt
+from reference import ReferenceEBC
+
+FUZZ_TIMEOUT_S = float(os.environ.get("EMBSHARD_FUZZ_TIMEOUT", "30"))  # a collective waiting longer is a hang
+# fp32: GPU kernels sum in other orders (atomics) than the float64 reference. fp16 tables: every stored value is
+# rounded to fp16 (2^-11 relative; stochastic rounding on FBGEMM: up to 2^-10) at init and after every update, and
+# a bag sums up to ~10 such values with per-id weights up to 1.5.
+TOL_FP32 = dict(rtol=1e-4, atol=1e-5)
+TOL_FP16 = dict(rtol=1e-2, atol=1e-2)
+
+
+def _train(rank: int, device: torch.device, case: Case, group) -> dict:
+    from embshard.bounds import DroppedIdsWarning
+    from embshard.sharded import ShardedEmbeddingBagCollection
+
+    ebc = ShardedEmbeddingBagCollection(
+        case.tables,
+        case.plan,
+        case.optimizer,
+        output_groups=case.groups,
+        device=device,
+        group=group,
+        seed=case.seed,
+        options=case.lookup_options(),
+    )
+    names = list(case.output_widths())
+    outputs = []
+    for per_rank, upstream in make_batches(case):
+        kjt = to_kjt(per_rank[rank], case.key_order or case.features, device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DroppedIdsWarning)
+            out = ebc(kjt)
+        got = out if case.groups is not None else out.to_dict()
+        loss = sum((got[n].float() * upstream[rank][n].to(device)).sum() for n in names)
+        loss.backward()
+        outputs.append({n: got[n].detach().float().cpu() for n in names})
+    weights = [(name, s, w.detach().float().cpu().clone()) for name, s, w in ebc.local_shards()]
+    states = [
+        (name, s, {k: v.detach().float().cpu().clone() for k, v in st.items()})
+        for name, s, st in ebc.local_optimizer_states()
+    ]
+    return {"outputs": outputs, "weights": weights, "states": states, "dropped": ebc.dropped_ids()}
+
+
+def fuzz_worker(rank: int, world_size: int, device: torch.device, cases: list[Case], progress: str) -> list[dict]:
+    """Train every case on this rank; per case {"outputs", "weights", "states", "dropped"} or {"error"}.
+    Writes the seed of the case in progress to `progress`/rank<r> (read when a case kills the process)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=FUZZ_TIMEOUT_S)
+    group = dist.new_group(backend=backend, timeout=timeout) if world_size > 1 else None
+    results = []
+    for case in cases:
+        with open(os.path.join(progress, f"rank{rank}"), "w") as f:
+            f.write(str(case.seed))
+        try:
+            results.append(_train(rank, device, case, group))
+        except Exception:
+            results.append({"error": traceback.format_exc()})
+        if world_size > 1:
+            failed = torch.tensor(["error" in results[-1]], dtype=torch.int32, device=device)
+            dist.all_reduce(failed)  # the default group: every rank gets here, hung cases timed out
+            if int(failed):
+                group = dist.new_group(backend=backend, timeout=timeout)  # leave the failed case's collectives
+    return results
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if test_device() == "cuda" else torch.device("cpu")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: dict, what: str) -> str | None:
+    try:
+        torch.testing.assert_close(got.double(), want.double(), **tol)
+    except AssertionError as e:
+        return f"{what}: {e}"
+    return None
+
+
+def check_case(case: Case, results: list[dict]) -> list[str]:
+    """Every way the ranks' results differ from the reference (empty: the case passed)."""
+    errors = [f"rank {r} raised:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    if errors:
+        return errors
+    cw_blocks = {
+        tp.table: [s.num_cols for s in sorted(tp.shards, key=lambda s: s.col_offset)]
+        for tp in case.plan.tables
+        if tp.sharding_type is CW
+    }
+    exact = column_wise_exact(case.options)
+    ref = ReferenceEBC(case.tables, case.optimizer, case.seed, column_blocks=None if exact else cw_blocks)
+    table_of = {f: t for t in case.tables for f in t.feature_names}
+    rows = {f: t.num_embeddings for f, t in table_of.items()}
+    widths = case.output_widths()
+    fp16_out = {n: any(table_of[f].data_type.value == "fp16" for f, _ in cols) for n, cols in widths.items()}
+    batches = make_batches(case)
+    for step, (per_rank, upstream) in enumerate(batches):
+        per_rank = [clean(b, rows) for b in per_rank]
+        glob = {
+            f: tuple(
+                torch.cat([b[f][i] for b in per_rank]) if per_rank[0][f][i] is not None else None for i in range(3)
+            )
+            for f in case.features
+        }
+        up = {n: torch.cat([u[n] for u in upstream]) for n in widths}
+        want_f = ref.step(glob, feature_upstream(case, up))
+        want = {n: torch.cat([want_f[f] for f, _ in cols], dim=1) for n, cols in widths.items()}
+        start = 0
+        for r, B in enumerate(case.batch_sizes[step]):
+            for n, w in want.items():
+                got = results[r]["outputs"][step][n]
+                tol = TOL_FP16 if fp16_out[n] else TOL_FP32
+                err = _close(got, w[start : start + B], tol, f"step {step} rank {r} output {n!r}")
+                if err:
+                    errors.append(err)
+            start += B
+        if errors:
+            return errors  # later steps only repeat the difference
+    fp16 = {t.name: t.data_type.value == "fp16" for t in case.tables}
+    placed = set()
+    for r, res in enumerate(results):
+        for (name, s, w), (name2, s2, st) in zip(res["weights"], res["states"]):
+            assert (name, s) == (name2, s2), "local_shards() and local_optimizer_states() list shards in one order"
+            placed.add((name, s))
+            rows_, cols = slice(s.row_offset, s.row_offset + s.num_rows), slice(s.col_offset, s.col_offset + s.num_cols)
+            tol = TOL_FP16 if fp16[name] else TOL_FP32
+            where = (
+                f"table {name!r} shard rows {s.row_offset}+{s.num_rows} cols {s.col_offset}+{s.num_cols} on rank {r}"
+            )
+            if s.rank != r:
+                errors.append(f"{where}: the shard says rank {s.rank}")
+            err = _close(w, ref.weights[name][rows_, cols], tol, f"weights of {where}")
+            errors += [err] if err else []
+            want_st = ref.optimizer_state(name, s.row_offset, s.num_rows, s.col_offset, s.num_cols)
+            if set(st) != set(want_st):
+                errors.append(f"optimizer state of {where}: names {sorted(st)}, want {sorted(want_st)}")
+                continue
+            for k in want_st:
+                err = _close(
+                    st[k], want_st[k], tol if case.optimizer.weight_decay else TOL_FP32, f"state {k!r} of {where}"
+                )
+                errors += [err] if err else []
+    planned = {(tp.table, s) for tp in case.plan.tables for s in tp.shards}
+    if placed != planned:
+        errors.append(
+            f"shards held {sorted(map(str, placed - planned))} not planned, {sorted(map(str, planned - placed))} missing"
+        )
+    for r, res in enumerate(results):
+        want_dropped: dict[str, int] = defaultdict(int)
+        for per_rank, _ in batches:
+            for f, (_, ids, _) in per_rank[r].items():
+                n = int(((ids < 0) | (ids >= rows[f])).sum())
+                if n:
+                    want_dropped[f] += n
+        if res["dropped"] != dict(want_dropped):
+            errors.append(f"rank {r}: dropped_ids() {res['dropped']}, want {dict(want_dropped)}")
+    return errors
+
+
+def describe_failure(case: Case, errors: list[str], worlds: str) -> str:
+    """A failed case: its seed, how to rerun it, what differed, and the case as Python source."""
+    head = "\n".join(e if len(e) < 3000 else e[:1500] + "\n...\n" + e[-1500:] for e in errors[:3])
+    more = f"\n... and {len(errors) - 3} more differences" if len(errors) > 3 else ""
+    return (
+        f"FUZZ CASE {case.seed} FAILED (world {case.world_size}); rerun: EMBSHARD_FUZZ_SEED={case.seed} "
+        f"EMBSHARD_FUZZ_WORLDS={worlds} pytest tests/test_fuzz.py\n{head}{more}\n{case_source(case)}\n"
+    )
+
+
+def run_cases(cases: list[Case], worlds: str = "") -> tuple[int, list[str]]:
+    """Train and check `cases` (one spawn per world size). Returns (cases run, failure descriptions)."""
+    by_world: dict[int, list[Case]] = defaultdict(list)
+    for c in cases:
+        by_world[c.world_size].append(c)
+    failures = []
+    for W, batch in sorted(by_world.items()):
+        with tempfile.TemporaryDirectory() as progress:
+            t0 = time.perf_counter()
+            try:
+                if W == 1:  # no process group needed: run here, without a spawn
+                    results = [fuzz_worker(0, 1, _device(), batch, progress)]
+                else:
+                    results = run_distributed(fuzz_worker, W, batch, progress)
+            except RuntimeError as e:
+                seeds = sorted({open(os.path.join(progress, p)).read() for p in os.listdir(progress)})
+                running = [c for c in batch if str(c.seed) in seeds]
+                failures += [
+                    describe_failure(c, [f"the batch of world {W} died in this case:\n{e}"], worlds) for c in running
+                ]
+                continue
+        t1 = time.perf_counter()
+        for i, case in enumerate(batch):
+            errors = check_case(case, [results[r][i] for r in range(W)])
+            if errors:
+                failures.append(describe_failure(case, errors, worlds))
+        print(
+            f"fuzz: world {W}: {len(batch)} cases trained in {t1 - t0:.1f} s, checked in {time.perf_counter() - t1:.1f} s"
+        )
+    return len(cases), failures
