@@ -70,6 +70,7 @@ class Case:
     id_span: dict[str, tuple[int, int]] = field(default_factory=dict)  # ids drawn from [lo, hi) (default all rows)
     silent: list[tuple[int, int, str]] = field(default_factory=list)  # (step, rank, feature): no ids at all
     bad: list[tuple[int, int, str, float]] = field(default_factory=list)  # (step, rank, feature, share out of range)
+    rerun: str = ""  # how to rerun this case alone (default: by its seed)
 
     @property
     def steps(self) -> int:

@@ -69,26 +69,26 @@ def _train(rank: int, device: torch.device, case: Case, group) -> dict:
     return {"outputs": outputs, "weights": weights, "states": states, "dropped": ebc.dropped_ids()}
 
 
-def fuzz_worker(rank: int, world_size: int, device: torch.device, cases: list[Case], progress: str) -> list[dict]:
-    """Train every case on this rank; per case {"outputs", "weights", "states", "dropped"} or {"error"}.
-    Writes the seed of the case in progress to `progress`/rank<r> (read when a case kills the process)."""
+def fuzz_worker(rank: int, world_size: int, device: torch.device, cases: list[Case], out_dir: str) -> None:
+    """Train every case on this rank, saving each case's result as soon as it is done to `out_dir`/<i>.<rank>.pt:
+    {"outputs", "weights", "states", "dropped"}, or {"error": traceback}. `out_dir`/running.<rank> names the case
+    in progress, so a case that kills the process is known and the cases done before it are kept."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=FUZZ_TIMEOUT_S)
     group = dist.new_group(backend=backend, timeout=timeout) if world_size > 1 else None
-    results = []
-    for case in cases:
-        with open(os.path.join(progress, f"rank{rank}"), "w") as f:
-            f.write(str(case.seed))
+    for i, case in enumerate(cases):
+        with open(os.path.join(out_dir, f"running.{rank}"), "w") as f:
+            f.write(str(i))
         try:
-            results.append(_train(rank, device, case, group))
+            result = _train(rank, device, case, group)
         except Exception:
-            results.append({"error": traceback.format_exc()})
+            result = {"error": traceback.format_exc()}
+        torch.save(result, os.path.join(out_dir, f"{i}.{rank}.pt"))
         if world_size > 1:
-            failed = torch.tensor(["error" in results[-1]], dtype=torch.int32, device=device)
+            failed = torch.tensor(["error" in result], dtype=torch.int32, device=device)
             dist.all_reduce(failed)  # the default group: every rank gets here, hung cases timed out
             if int(failed):
                 group = dist.new_group(backend=backend, timeout=timeout)  # leave the failed case's collectives
-    return results
 
 
 def _device() -> torch.device:
@@ -187,39 +187,61 @@ def describe_failure(case: Case, errors: list[str], worlds: str) -> str:
     """A failed case: its seed, how to rerun it, what differed, and the case as Python source."""
     head = "\n".join(e if len(e) < 3000 else e[:1500] + "\n...\n" + e[-1500:] for e in errors[:3])
     more = f"\n... and {len(errors) - 3} more differences" if len(errors) > 3 else ""
+    rerun = case.rerun or f"EMBSHARD_FUZZ_SEED={case.seed} EMBSHARD_FUZZ_WORLDS={worlds} pytest tests/test_fuzz.py"
     return (
-        f"FUZZ CASE {case.seed} FAILED (world {case.world_size}); rerun: EMBSHARD_FUZZ_SEED={case.seed} "
-        f"EMBSHARD_FUZZ_WORLDS={worlds} pytest tests/test_fuzz.py\n{head}{more}\n{case_source(case)}\n"
+        f"FUZZ CASE {case.seed} FAILED (world {case.world_size}); rerun: {rerun}\n{head}{more}\n{case_source(case)}\n"
     )
 
 
-def run_cases(cases: list[Case], worlds: str = "") -> tuple[int, list[str]]:
-    """Train and check `cases` (one spawn per world size). Returns (cases run, failure descriptions)."""
-    by_world: dict[int, list[Case]] = defaultdict(list)
-    for c in cases:
-        by_world[c.world_size].append(c)
-    failures = []
-    for W, batch in sorted(by_world.items()):
-        with tempfile.TemporaryDirectory() as progress:
-            t0 = time.perf_counter()
-            try:
-                if W == 1:  # no process group needed: run here, without a spawn
-                    results = [fuzz_worker(0, 1, _device(), batch, progress)]
-                else:
-                    results = run_distributed(fuzz_worker, W, batch, progress)
-            except RuntimeError as e:
-                seeds = sorted({open(os.path.join(progress, p)).read() for p in os.listdir(progress)})
-                running = [c for c in batch if str(c.seed) in seeds]
-                failures += [
-                    describe_failure(c, [f"the batch of world {W} died in this case:\n{e}"], worlds) for c in running
-                ]
-                continue
-        t1 = time.perf_counter()
-        for i, case in enumerate(batch):
-            errors = check_case(case, [results[r][i] for r in range(W)])
-            if errors:
-                failures.append(describe_failure(case, errors, worlds))
-        print(
-            f"fuzz: world {W}: {len(batch)} cases trained in {t1 - t0:.1f} s, checked in {time.perf_counter() - t1:.1f} s"
-        )
-    return len(cases), failures
+def _train_batch(cases: list[Case], W: int) -> tuple[list[list[dict] | None], str | None]:
+    """Train `cases` on W ranks (W == 1: in this process). Per case the ranks' results, or None where the batch
+    died before; and what killed it, if something did (the case in progress gets that as its error)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        death = None
+        try:
+            if W == 1:
+                fuzz_worker(0, 1, _device(), cases, out_dir)
+            else:
+                run_distributed(fuzz_worker, W, cases, out_dir)
+        except Exception as e:  # a rank crashed, or NCCL's watchdog ended a hung case
+            death = f"the processes of world {W} died in this case:\n{e}"
+        results = []
+        for i in range(len(cases)):
+            paths = [os.path.join(out_dir, f"{i}.{r}.pt") for r in range(W)]
+            done = all(os.path.exists(p) for p in paths)
+            results.append([torch.load(p, weights_only=False) for p in paths] if done else None)
+        if death is not None and None in results:
+            running = [os.path.join(out_dir, f"running.{r}") for r in range(W)]
+            started = [int(open(p).read()) for p in running if os.path.exists(p)]
+            i = max(started) if started else results.index(None)
+            results[i] = results[i] or [{"error": death}]
+        return results, death
+
+
+def run_cases(cases: list[Case], worlds: str = "", max_deaths: int = 3) -> dict[int, str | None]:
+    """Train and check `cases`: one spawn per world size (another after a case kills the processes, up to
+    `max_deaths` times). Returns, per case index, its failure description or None."""
+    by_world: dict[int, list[int]] = defaultdict(list)
+    for i, c in enumerate(cases):
+        by_world[c.world_size].append(i)
+    outcome: dict[int, str | None] = {}
+    deaths = 0
+    for W, todo in sorted(by_world.items()):
+        t0, checked = time.perf_counter(), 0.0
+        while todo:
+            results, death = _train_batch([cases[i] for i in todo], W)
+            t1 = time.perf_counter()
+            for i, res in zip(todo, results):
+                if res is not None:
+                    errors = check_case(cases[i], res)
+                    outcome[i] = describe_failure(cases[i], errors, worlds) if errors else None
+            checked += time.perf_counter() - t1
+            todo = [i for i, res in zip(todo, results) if res is None]
+            deaths += death is not None
+            if death is not None and deaths >= max_deaths:
+                for i in todo:
+                    outcome[i] = describe_failure(cases[i], [f"not run: the processes died {deaths} times"], worlds)
+                todo = []
+        n = len(by_world[W])
+        print(f"fuzz: world {W}: {n} cases in {time.perf_counter() - t0:.1f} s (checking {checked:.1f} s)")
+    return outcome
