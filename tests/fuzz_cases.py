@@ -66,6 +66,8 @@ class Case:
     options: dict = field(default_factory=dict)  # LookupOptions keyword arguments
     groups: dict[str, list[str]] | None = None  # output groups; None: the module returns a KeyedTensor
     key_order: list[str] | None = None  # the KJT's key order (default: the tables')
+    shuffle_keys: bool = False  # every step's KJT lists the features in a new order (drawn from the seed)
+    id_dtype: str = "int64"  # dtype of the KJT's ids: int64 or int32
     max_bag: dict[str, int] = field(default_factory=dict)  # bag lengths are 0..max_bag[feature] (default 3)
     id_span: dict[str, tuple[int, int]] = field(default_factory=dict)  # ids drawn from [lo, hi) (default all rows)
     silent: list[tuple[int, int, str]] = field(default_factory=list)  # (step, rank, feature): no ids at all
@@ -88,6 +90,11 @@ class Case:
         if not has_exact_option():
             opts.pop(EXACT_OPTION, None)
         return LookupOptions(**opts)
+
+    def keys_at(self, step: int) -> list[str]:
+        """The KJT's key order at `step`."""
+        order = self.key_order or self.features
+        return random.Random(self.seed * 1009 + step).sample(order, len(order)) if self.shuffle_keys else order
 
     def output_widths(self) -> dict[str, list[tuple[str, int]]]:
         """Each output's (feature, width) columns, in order: groups, or one output per feature."""
@@ -215,7 +222,21 @@ def draw_case(seed: int, device: str = "cpu", worlds: Sequence[int] = (1, 2, 3, 
                 elif options.get("bounds_check") == "drop" and rng.random() < 0.2:
                     bad.append((s, r, f, rng.choice([0.1, 0.5, 1.0])))
     return Case(
-        seed, W, tables, plan, optimizer, batch_sizes, options, groups, key_order, max_bag, id_span, silent, bad
+        seed,
+        W,
+        tables,
+        plan,
+        optimizer,
+        batch_sizes,
+        options,
+        groups,
+        key_order,
+        rng.random() < 0.2,
+        rng.choice(["int64", "int32"]),
+        max_bag,
+        id_span,
+        silent,
+        bad,
     )
 
 
@@ -332,6 +353,8 @@ def case_source(case: Case) -> str:
         f"    options={case.options!r},",
         f"    groups={case.groups!r},",
         f"    key_order={case.key_order!r},",
+        f"    shuffle_keys={case.shuffle_keys!r},",
+        f"    id_dtype={case.id_dtype!r},",
         f"    max_bag={case.max_bag!r},",
         f"    id_span={case.id_span!r},",
         f"    silent={case.silent!r},",

@@ -52,8 +52,11 @@ def _train(rank: int, device: torch.device, case: Case, group) -> dict:
     )
     names = list(case.output_widths())
     outputs = []
-    for per_rank, upstream in make_batches(case):
-        kjt = to_kjt(per_rank[rank], case.key_order or case.features, device)
+    for step, (per_rank, upstream) in enumerate(make_batches(case)):
+        batch = {
+            f: (lengths, ids.to(getattr(torch, case.id_dtype)), w) for f, (lengths, ids, w) in per_rank[rank].items()
+        }
+        kjt = to_kjt(batch, case.keys_at(step), device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DroppedIdsWarning)
             out = ebc(kjt)
