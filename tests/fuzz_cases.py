@@ -22,7 +22,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -71,7 +71,8 @@ class Case:
     max_bag: dict[str, int] = field(default_factory=dict)  # bag lengths are 0..max_bag[feature] (default 3)
     id_span: dict[str, tuple[int, int]] = field(default_factory=dict)  # ids drawn from [lo, hi) (default all rows)
     silent: list[tuple[int, int, str]] = field(default_factory=list)  # (step, rank, feature): no ids at all
-    bad: list[tuple[int, int, str, float]] = field(default_factory=list)  # (step, rank, feature, share out of range)
+    # (step, rank, feature, share of its ids out of range); with bounds_check 'error' every rank must raise there
+    bad: list[tuple[int, int, str, float]] = field(default_factory=list)
     rerun: str = ""  # how to rerun this case alone (default: by its seed)
 
     @property
@@ -221,6 +222,12 @@ def draw_case(seed: int, device: str = "cpu", worlds: Sequence[int] = (1, 2, 3, 
                     bad.append((s, r, f, 1.0))
                 elif options.get("bounds_check") == "drop" and rng.random() < 0.2:
                     bad.append((s, r, f, rng.choice([0.1, 0.5, 1.0])))
+    if "bounds_check" not in options and rng.random() < 0.15:  # error mode: every rank must raise at that step
+        for _ in range(rng.randint(1, 2)):
+            bad.append((rng.randrange(steps), rng.randrange(W), rng.choice(features), rng.choice([0.1, 1.0])))
+    if rng.random() < 0.3:  # the plan's tables and shards in any order
+        plans = [replace(tp, shards=tuple(rng.sample(tp.shards, len(tp.shards)))) for tp in plans]
+        plan = ShardingPlan(W, lws, tuple(rng.sample(plans, len(plans))))
     return Case(
         seed,
         W,
@@ -252,6 +259,7 @@ def make_batches(case: Case) -> list[tuple[list[Batch], list[dict[str, torch.Ten
     silent = set(case.silent)
     bad = {(s, r, f): share for s, r, f, share in case.bad}
     widths = case.output_widths()
+    any_weighted = any(t.weighted for t in case.tables)
     out = []
     for s, sizes in enumerate(case.batch_sizes):
         per_rank, upstream = [], []
@@ -270,7 +278,8 @@ def make_batches(case: Case) -> list[tuple[list[Batch], list[dict[str, torch.Ten
                     pos = torch.randperm(ids.numel(), generator=gen)[:n]
                     far = torch.randint(0, 1000, (n,), generator=gen)
                     ids[pos] = torch.where(torch.rand(n, generator=gen) < 0.5, -1 - far, t.num_embeddings + far)
-                w = torch.rand(ids.numel(), generator=gen) + 0.5 if t.weighted else None
+                # The KJT carries weights for every feature when one table is weighted: junk for the others.
+                w = torch.rand(ids.numel(), generator=gen) + 0.5 if any_weighted else None
                 batch[f] = (lengths, ids, w)
             per_rank.append(batch)
             upstream.append({n: torch.randn(B, sum(w for _, w in cols), generator=gen) for n, cols in widths.items()})

@@ -14,6 +14,7 @@ counts. Each failure is reported with its seed, the command that reruns it and t
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 import traceback
@@ -59,7 +60,11 @@ def _train(rank: int, device: torch.device, case: Case, group) -> dict:
         kjt = to_kjt(batch, case.keys_at(step), device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DroppedIdsWarning)
-            out = ebc(kjt)
+            try:
+                out = ebc(kjt)
+            except ValueError as e:  # out-of-range ids in error mode: every rank must raise at this step
+                outputs.append({"raised": str(e)})
+                continue
         got = out if case.groups is not None else out.to_dict()
         loss = sum((got[n].float() * upstream[rank][n].to(device)).sum() for n in names)
         loss.backward()
@@ -123,7 +128,13 @@ def check_case(case: Case, results: list[dict]) -> list[str]:
     widths = case.output_widths()
     fp16_out = {n: any(table_of[f].data_type.value == "fp16" for f, _ in cols) for n, cols in widths.items()}
     batches = make_batches(case)
+    drop = case.options.get("bounds_check") == "drop"
     for step, (per_rank, upstream) in enumerate(batches):
+        errors += _raised_as_expected(case, step, per_rank, results, rows, drop)
+        if any("raised" in res["outputs"][step] for res in results):
+            if errors:
+                return errors
+            continue  # every rank stopped before any exchange: nothing trained, the reference skips the step too
         per_rank = [clean(b, rows) for b in per_rank]
         glob = {
             f: tuple(
@@ -176,13 +187,38 @@ def check_case(case: Case, results: list[dict]) -> list[str]:
         )
     for r, res in enumerate(results):
         want_dropped: dict[str, int] = defaultdict(int)
-        for per_rank, _ in batches:
+        for per_rank, _ in batches if drop else []:
             for f, (_, ids, _) in per_rank[r].items():
                 n = int(((ids < 0) | (ids >= rows[f])).sum())
                 if n:
                     want_dropped[f] += n
         if res["dropped"] != dict(want_dropped):
             errors.append(f"rank {r}: dropped_ids() {res['dropped']}, want {dict(want_dropped)}")
+    return errors
+
+
+def _raised_as_expected(
+    case: Case, step: int, per_rank: list, results: list[dict], rows: dict, drop: bool
+) -> list[str]:
+    """In error mode a step with out-of-range ids on some ranks raises on every rank: those ranks name the feature,
+    the table and the value, the others name the ranks. Any other step raises nowhere."""
+    bad = [
+        r
+        for r, b in enumerate(per_rank)
+        if any(bool(((ids < 0) | (ids >= rows[f])).any()) for f, (_, ids, _) in b.items())
+    ]
+    errors = []
+    for r, res in enumerate(results):
+        got = res["outputs"][step].get("raised")
+        where = f"step {step} rank {r}"
+        if not bad or drop:
+            errors += [f"{where} raised: {got}"] if got is not None else []
+        elif got is None:
+            errors.append(f"{where}: ranks {bad} have out-of-range ids (bounds_check='error') but nothing was raised")
+        elif r in bad and not re.match(r"feature '\w+': id -?\d+ is outside table '\w+' \(rows 0\.\.\d+\)", got):
+            errors.append(f"{where} has out-of-range ids; the error does not name feature, table and value: {got}")
+        elif r not in bad and f"ranks {bad} have ids outside their tables" not in got:
+            errors.append(f"{where}: ranks {bad} have out-of-range ids; the error does not name them: {got}")
     return errors
 
 

@@ -7,6 +7,7 @@ scenarios, trained in the same spawns as the random cases), and invalid setups d
 Environment:
   EMBSHARD_FUZZ_CASES=N     random cases to run (default DEFAULT_CASES: about 2 minutes on 2 CPU cores)
   EMBSHARD_FUZZ_SEED=S      run only random case S (a failure prints its seed)
+  EMBSHARD_FUZZ_FIRST_SEED  seed of the first random case (default FIRST_SEED; others explore new cases)
   EMBSHARD_FUZZ_WORLDS=1,2  world sizes to draw from (default 1-4 on CPU, 1 and 2 GPUs where present)
   EMBSHARD_FUZZ_TIMEOUT=T   seconds a collective may wait before its case counts as hung (default 30)
   EMBSHARD_TEST_DEVICE=cuda the same on GPUs (NCCL; GPU tiers drawn)
@@ -45,7 +46,8 @@ def _worlds() -> list[int]:
 def _seeds() -> list[int]:
     if os.environ.get("EMBSHARD_FUZZ_SEED"):
         return [int(os.environ["EMBSHARD_FUZZ_SEED"])]
-    return [FIRST_SEED + i for i in range(int(os.environ.get("EMBSHARD_FUZZ_CASES", DEFAULT_CASES)))]
+    first = int(os.environ.get("EMBSHARD_FUZZ_FIRST_SEED", FIRST_SEED))
+    return [first + i for i in range(int(os.environ.get("EMBSHARD_FUZZ_CASES", DEFAULT_CASES)))]
 
 
 # ---- every rank enters every collective, whatever its local data ------------------------------------------------
