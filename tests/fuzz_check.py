@@ -1,11 +1,13 @@
 """Train fuzz cases (fuzz_cases.py) on a process group and compare them with the plain-PyTorch reference.
 
 Data flow: `run_cases(cases)` groups the cases by world size and makes ONE `run_distributed` call per world size
-(spawning a process group costs seconds); `fuzz_worker` loops over that world size's cases on every rank,
-returning per case the outputs of every step, then every local shard's weights and optimizer state, or the
-rank's traceback. A case that fails on some rank does not stop the batch: the ranks agree after every case (one
-all-reduce on the default group) and move to a fresh process group, so a case left hanging (a collective some rank
-never entered) times out after FUZZ_TIMEOUT_S and is reported, and the next case starts clean. `check_case` then
+(spawning a process group costs seconds; world size 1 runs in this process); `fuzz_worker` loops over that world
+size's cases on every rank, saving per case the outputs of every step, then every local shard's weights and
+optimizer state, or the rank's traceback. A case that fails on some rank does not stop the batch: the ranks agree
+after every case (one all-reduce on the default group) and move to a fresh process group, so a case left hanging (a
+collective some rank never entered) times out after FUZZ_TIMEOUT_S and is reported, and the next case starts clean;
+a case that kills the processes (NCCL's watchdog ends hung collectives that way) is reported and the cases after it
+run in a new spawn. `check_case` then
 trains the unsharded reference (tests/reference.py) on the global batches and compares outputs every step, then
 final weights and optimizer state shard by shard, the shards' placement against the plan, and the dropped-id
 counts. Each failure is reported with its seed, the command that reruns it and the case as Python source.
@@ -130,7 +132,7 @@ def check_case(case: Case, results: list[dict]) -> list[str]:
     batches = make_batches(case)
     drop = case.options.get("bounds_check") == "drop"
     for step, (per_rank, upstream) in enumerate(batches):
-        errors += _raised_as_expected(case, step, per_rank, results, rows, drop)
+        errors += _raised_as_expected(step, per_rank, results, rows, drop)
         if any("raised" in res["outputs"][step] for res in results):
             if errors:
                 return errors
