@@ -254,7 +254,10 @@ def _train_batch(cases: list[Case], W: int) -> tuple[list[list[dict] | None], st
             running = [os.path.join(out_dir, f"running.{r}") for r in range(W)]
             started = [int(open(p).read()) for p in running if os.path.exists(p)]
             i = max(started) if started else results.index(None)
-            results[i] = results[i] or [{"error": death}]
+            if results[i] is None:  # what the ranks that finished the case saw (an error there explains a hang)
+                paths = [os.path.join(out_dir, f"{i}.{r}.pt") for r in range(W)]
+                seen = [torch.load(p, weights_only=False) for p in paths if os.path.exists(p)]
+                results[i] = [{"error": death}] + [r for r in seen if "error" in r]
         return results, death
 
 
