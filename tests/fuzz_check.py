@@ -115,6 +115,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: dict, what: str) -> str |
 
 def check_case(case: Case, results: list[dict]) -> list[str]:
     """Every way the ranks' results differ from the reference (empty: the case passed)."""
+    if "died" in results[0]:
+        return [results[0]["died"]]
     errors = [f"rank {r} raised:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
     if errors:
         return errors
@@ -255,9 +257,10 @@ def _train_batch(cases: list[Case], W: int) -> tuple[list[list[dict] | None], st
             started = [int(open(p).read()) for p in running if os.path.exists(p)]
             i = max(started) if started else results.index(None)
             if results[i] is None:  # what the ranks that finished the case saw (an error there explains a hang)
-                paths = [os.path.join(out_dir, f"{i}.{r}.pt") for r in range(W)]
-                seen = [torch.load(p, weights_only=False) for p in paths if os.path.exists(p)]
-                results[i] = [{"error": death}] + [r for r in seen if "error" in r]
+                seen = {r: os.path.join(out_dir, f"{i}.{r}.pt") for r in range(W)}
+                seen = {r: torch.load(p, weights_only=False) for r, p in seen.items() if os.path.exists(p)}
+                raised = [f"(rank {r} had raised) {res['error']}" for r, res in seen.items() if "error" in res]
+                results[i] = [{"died": "\n".join([death, *raised])}]
         return results, death
 
 
