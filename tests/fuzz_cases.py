@@ -12,7 +12,9 @@ every sharding type (random rank orders, fewer row blocks than ranks, uneven col
 table on one rank), every tier of the device (CPU: host; GPU: hbm, uvm, uvm_caching with a random cache size and
 policy), every optimizer with weight decay where the device honours it; local batches of 0 to 8 (some steps 0 on
 every rank), empty bags, features with no ids on a rank, hot rows (repeated ids), out-of-range ids dropped by
-bounds_check='drop' (some ranks lose every id), output groups with repeated and unused features, 2-4 steps.
+bounds_check='drop' (some ranks lose every id) or raised by 'error' (every rank raises at that step; training goes
+on), int32 or int64 ids, the KJT's keys in any order (changing between steps), output groups with repeated and
+unused features, the next batch prefetched before the backward, fp16/bf16 outputs, 2-4 steps.
 Only valid combinations are drawn; fuzz_check.invalid_setups draws the refused ones.
 """
 
@@ -228,6 +230,14 @@ def draw_case(seed: int, device: str = "cpu", worlds: Sequence[int] = (1, 2, 3, 
     if rng.random() < 0.3:  # the plan's tables and shards in any order
         plans = [replace(tp, shards=tuple(rng.sample(tp.shards, len(tp.shards)))) for tp in plans]
         plan = ShardingPlan(W, lws, tuple(rng.sample(plans, len(plans))))
+    if rng.random() < 0.15 and not (bad and "bounds_check" not in options):  # ebc.prefetch(next batch) each step
+        options["prefetch_pipeline"] = True
+        if device == "cuda":  # FBGEMM locks prefetched cache rows only under LRU
+            plan = ShardingPlan(W, lws, tuple(replace(tp, cache_algorithm="lru") for tp in plan.tables))
+    if optimizer.kind.value != "adam" and rng.random() < 0.1:  # (Adam's step is the sign of a tiny gradient)
+        options["output_dtype"] = rng.choice(["fp16", "bf16"])
+    if rng.random() < 0.2:
+        options["stochastic_rounding"] = False
     return Case(
         seed,
         W,
