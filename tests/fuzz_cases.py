@@ -48,11 +48,12 @@ def has_exact_option() -> bool:
 
 
 def column_wise_exact(options: dict) -> bool:
-    """Whether column-wise tables keep one row-wise Adagrad state per full row under these lookup options (the
-    option's default where it exists and is not given), else one per row of each column block."""
-    if not has_exact_option():
-        return False
-    return bool(options.get(EXACT_OPTION, LookupOptions().__dict__[EXACT_OPTION]))
+    """Whether column-wise tables should keep one row-wise Adagrad state per full row under these lookup options
+    (else one per row of each column block): the option if given (a case asking for it where embshard lacks it
+    then fails), else its default where it exists."""
+    if EXACT_OPTION in options:
+        return bool(options[EXACT_OPTION])
+    return has_exact_option() and bool(LookupOptions().__dict__[EXACT_OPTION])
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 from dist_harness import test_device as device_kind
-from fuzz_cases import Case
+from fuzz_cases import Case, has_exact_option
 from fuzz_check import run_cases
 
 from embshard import FusedOptimizerConfig, ShardingPlan, TableConfig
@@ -56,3 +56,28 @@ def test_empty_global_batch_weight_decay():
     check(
         replace(EMPTY_GLOBAL_BATCH_ADAM, optimizer=FusedOptimizerConfig("adagrad", lr=0.1, eps=0.1, weight_decay=0.1))
     )
+
+
+# Issue 10: column-wise tables under row-wise Adagrad keep one state per row of each column block (the mean of g^2
+# over the block), so they train unlike the unsharded table; LookupOptions(column_wise_exact=True) is to keep one
+# state per full row (the sum of g^2 combined over the blocks). The fuzzer draws the option once it exists.
+COLUMN_WISE_EXACT = Case(
+    seed=77,
+    world_size=1,
+    tables=[TableConfig("t0", 23, 20, ("t0f0", "t0f1"), pooling="mean")],
+    plan=ShardingPlan(1, 1, (TablePlan("t0", "column_wise", "host", (Shard(0, 0, 23, 0, 4), Shard(0, 0, 23, 4, 16))),)),
+    optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=0.1),
+    batch_sizes=[[5], [4], [6]],
+    options={"column_wise_exact": True},
+)
+
+
+@pytest.mark.xfail(
+    not has_exact_option(), strict=True, reason="LookupOptions(column_wise_exact) is not in embshard yet"
+)
+def test_column_wise_exact_rowwise_adagrad_matches_the_unsharded_table():
+    check(COLUMN_WISE_EXACT)
+
+
+def test_column_wise_per_block_rowwise_adagrad_matches_the_per_block_reference():
+    check(replace(COLUMN_WISE_EXACT, options={"column_wise_exact": False} if has_exact_option() else {}))
