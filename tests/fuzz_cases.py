@@ -15,7 +15,7 @@ every rank), empty bags, features with no ids on a rank, hot rows (repeated ids)
 bounds_check='drop' (some ranks lose every id) or raised by 'error' (every rank raises at that step; training goes
 on), int32 or int64 ids, the KJT's keys in any order (changing between steps), output groups with repeated and
 unused features, the next batch prefetched before the backward, fp16/bf16 outputs, 2-4 steps.
-Only valid combinations are drawn; fuzz_check.invalid_setups draws the refused ones.
+Only valid combinations are drawn; test_fuzz.invalid_setup draws refused ones.
 """
 
 from __future__ import annotations
@@ -235,7 +235,11 @@ def draw_case(seed: int, device: str = "cpu", worlds: Sequence[int] = (1, 2, 3, 
         options["prefetch_pipeline"] = True
         if device == "cuda":  # FBGEMM locks prefetched cache rows only under LRU
             plan = ShardingPlan(W, lws, tuple(replace(tp, cache_algorithm="lru") for tp in plan.tables))
-    if optimizer.kind.value != "adam" and rng.random() < 0.1:  # (Adam's step is the sign of a tiny gradient)
+    # fp16/bf16 outputs round the gradient too (2^-11, 2^-8): an SGD step of lr 0.5 then moves a weight by up to
+    # 0.01 more or less than the reference's, and Adam's first step follows the sign of a tiny gradient. Only the
+    # optimizers whose step error stays small against the tolerance draw them.
+    kind = optimizer.kind.value
+    if (kind in ("adagrad", "rowwise_adagrad") or (kind == "sgd" and optimizer.lr <= 0.05)) and rng.random() < 0.1:
         options["output_dtype"] = rng.choice(["fp16", "bf16"])
     if rng.random() < 0.2:
         options["stochastic_rounding"] = False
