@@ -72,8 +72,12 @@ def metrics(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
 
 
+# Trained by test_train_e2e_benchmark_trains_scaled_down_on_cpu (bench/train_e2e.py, the same pipeline).
+E2E_TESTED = {"dlrm_dcnv2_mlperf.yaml"}
+
+
 def test_examples_are_all_tested():
-    assert sorted(SHORTEN) == sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert sorted([*SHORTEN, *E2E_TESTED]) == sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", sorted(SHORTEN))
@@ -123,6 +127,27 @@ def resume_under_one_process(tmp: Path, final: dict) -> None:
     assert m["samples"] == final["samples"]
     assert m["loss"] == pytest.approx(final["loss"], abs=1e-5)
     assert m["auc"] == pytest.approx(final["auc"], abs=1e-6)
+
+
+def test_train_e2e_benchmark_trains_scaled_down_on_cpu():
+    """bench/train_e2e.py on the MLPerf config at 1e-5 of its rows (40M-row tables keep 400), 2 CPU processes: the
+    plan summary, the build time, the held-out AUC rising, the RESULT line and the last line with the global
+    samples/s."""
+    cmd = [sys.executable, "bench/train_e2e.py", "--config", "configs/dlrm_dcnv2_mlperf.yaml", "--nproc", "2",
+           "--scale", "1e-5", "--steps", "20", "--warmup", "5", "--batch-size", "32", "--eval",
+           "model.dlrm.bottom_mlp=[32]", "model.dlrm.top_mlp=[64]", "model.dcn.low_rank=16",
+           "sparse_optimizer.lr=0.05", "dense_optimizer.lr=0.01", "data.synthetic.eval_batches=4"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout.strip().splitlines()
+    assert out[0].startswith("plan: ") and "predicted step time" in out[0]
+    assert any(line.startswith("plan+build ") for line in out)
+    result = next(line for line in out if line.startswith("RESULT framework=embshard"))
+    fields = dict(kv.split("=", 1) for kv in result.split()[1:])
+    assert fields["world"] == "2" and fields["batch_per_rank"] == "32" and float(fields["ms_per_step"]) > 0
+    assert float(fields["build_s"]) > 0 and fields["pipeline"] == "sparse_dist"
+    assert float(fields["auc_before"]) + 0.05 < float(fields["auc"]) <= 1.0, result
+    assert re.fullmatch(r"samples_per_s=\d+", out[-1]) and int(out[-1].split("=")[1]) > 0
 
 
 def test_errors_exit_with_one_line(tmp_path):

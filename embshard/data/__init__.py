@@ -21,9 +21,16 @@ __all__ = ["Batch", "build_source", "stable_hash"]
 
 
 def build_source(
-    cfg: DataConfig, tables: Sequence[TableConfig], batch_size: int, seed: int, rank: int, world_size: int
+    cfg: DataConfig,
+    tables: Sequence[TableConfig],
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    workers: int | None = None,
 ):
-    """The configured source, reading this rank's part of the data."""
+    """The configured source, reading this rank's part of the data. `workers`: synthetic batches drawn by this
+    many worker processes (default 0: in the training process; bench/train_e2e.py sets it)."""
     if cfg.source == "criteo":
         from embshard.data.criteo import criteo_source
 
@@ -34,4 +41,4 @@ def build_source(
         return movielens_source(cfg.movielens, tables, batch_size, cfg.shard, cfg.shuffle, seed, rank, world_size)
     from embshard.data.synthetic import SyntheticSource
 
-    return SyntheticSource(cfg.synthetic, tables, batch_size, seed, rank)
+    return SyntheticSource(cfg.synthetic, tables, batch_size, seed, rank, workers=workers or 0)

@@ -1,0 +1,106 @@
+"""Draw the pipeline's timeline from a torch.profiler Chrome trace: one lane per CUDA stream (kernels coloured by
+kind: matmul, embedding, sparse ops, NCCL, copy, other) and the host's step annotations, over the last --steps
+training steps.
+
+    python bench/timeline.py trace_bf16.json --out timeline_bf16.png [--steps 2]
+
+The trace comes from `bench/train_e2e.py --profile-steps K --trace FILE` (its steps are annotated
+"## train step ##"). Prints, per stream, the kernel time and the share of the drawn window it is busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+KINDS = {  # kind -> colour
+    "matmul": "#1f77b4",
+    "embedding": "#2ca02c",
+    "sparse ops": "#98df8a",
+    "nccl": "#d62728",
+    "copy": "#9467bd",
+    "other": "#7f7f7f",
+}
+
+
+def kind_of(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    if any(k in n for k in ("gemm", "cutlass", "sm90_", "sm80_", "wgmma", "xmma", "cublas")):
+        return "matmul"
+    if "embedding" in n or "split_" in n or "tbe" in n:
+        return "embedding"
+    if any(k in n for k in ("permute", "bucketize", "jagged", "cumsum", "bounds_check", "regroup", "segment")):
+        return "sparse ops"
+    return "other"
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--out", required=True, help="PNG file")
+    ap.add_argument("--steps", type=int, default=2, help="draw the last N annotated steps")
+    args = ap.parse_args()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = [e for e in load(args.trace) if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if e.get("name") == "## train step ##" and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])  # fmt: skip
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        raise SystemExit(f"{args.trace}: no GPU kernels in the trace (a CPU run?)")
+    if steps:
+        lo = steps[-args.steps]["ts"] if len(steps) >= args.steps else steps[0]["ts"]
+        hi = max(e["ts"] + e["dur"] for e in kernels)
+    else:
+        lo, hi = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
+    kernels = [e for e in kernels if e["ts"] + e["dur"] >= lo and e["ts"] <= hi]
+    # one lane per (device, stream)
+    lanes = sorted({(e.get("pid"), e.get("args", {}).get("stream", e.get("tid"))) for e in kernels}, key=str)
+    lane_of = {k: i for i, k in enumerate(lanes)}
+    fig, ax = plt.subplots(figsize=(16, 1.0 + 0.6 * (len(lanes) + 1)))
+    busy = collections.Counter()
+    for e in kernels:
+        lane = lane_of[(e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))]
+        start, dur = (e["ts"] - lo) / 1e3, e["dur"] / 1e3
+        ax.broken_barh([(start, dur)], (lane + 0.1, 0.8), color=KINDS[kind_of(e["name"])], linewidth=0)
+        busy[lane] += dur
+    host = len(lanes)
+    for s in steps:
+        if s["ts"] + s["dur"] >= lo:
+            ax.broken_barh([((s["ts"] - lo) / 1e3, s["dur"] / 1e3)], (host + 0.1, 0.8), color="#ffbb78", linewidth=0.5,
+                           edgecolor="k")  # fmt: skip
+            ax.axvline((s["ts"] - lo) / 1e3, color="k", linewidth=0.5, linestyle=":")
+    ax.set_yticks([i + 0.5 for i in range(len(lanes) + 1)])
+    ax.set_yticklabels([f"GPU {p} stream {s}" for p, s in lanes] + ["host: train step"])
+    ax.set_xlabel("ms")
+    ax.set_xlim(0, (hi - lo) / 1e3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KINDS.values()]
+    ax.legend(handles, list(KINDS), ncol=len(KINDS), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax.set_title(f"{args.trace}: last {min(args.steps, len(steps)) or 'all'} steps", pad=28)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    window = (hi - lo) / 1e3
+    for (p, s), i in lane_of.items():
+        print(f"GPU {p} stream {s}: kernels {busy[i]:.2f} ms of {window:.2f} ms ({busy[i] / window:.0%})")
+    print(f"timeline: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""End-to-end training throughput of a YAML-configured model: the training pipeline of `embshard train`, timed.
+
+    python bench/train_e2e.py --config configs/dlrm_dcnv2_mlperf.yaml --nproc 2 --steps 60 [--scale F] [key=value ...]
+
+Starts --nproc local processes (one per GPU with CUDA, gloo on the CPU otherwise; under torchrun it joins
+torchrun's job instead). Each rank: plans (rank 0, broadcast) and builds the model (timed: plan+build), then trains
+through `embshard.pipeline.TrainPipeline` on the config's data source (synthetic: drawn by --workers worker
+processes, pinned): --warmup untimed steps, synchronize + barrier, --steps timed steps, synchronize. ms/step is the
+slowest rank's wall time / steps; samples/s = world x batch / that. Then, optionally, the held-out AUC (--eval) and a
+short torch.profiler window (--profile-steps K): the share of the window the GPU runs kernels (all kernels, and
+without NCCL's, which also spin while waiting for a peer), kernel time per step by kind, and a Chrome trace
+(--trace FILE; bench/timeline.py draws it).
+
+--scale F multiplies every table's rows by F (at least min(rows, 16) rows), so the MLPerf config runs on the CPU
+(F = 1e-5: 40M-row tables keep 400). On the CPU the batch is --batch-size (default 64 per rank), and the defaults
+are 5 steps after 2 of warm-up.
+
+Prints the plan summary once, per rank peak memory, the data path's waits, one line
+`RESULT framework=embshard ... ms_per_step=... samples_per_s=...` and, last, `samples_per_s=<global samples/s>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="training config (YAML)")
+    ap.add_argument("--nproc", type=int, default=1, help="local processes (ignored under torchrun)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 60; CPU 5)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 20; CPU 2)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every table's rows by this (CPU: 1e-5)")
+    ap.add_argument("--batch-size", type=int, default=None, help="per-rank batch (default: the config's; CPU 64)")
+    ap.add_argument("--pipeline", choices=["none", "sparse_dist", "semi_sync"], default=None)
+    ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default=None)
+    ap.add_argument("--workers", type=int, default=None, help="synthetic data worker processes per rank (CUDA: 8)")
+    ap.add_argument("--eval", action="store_true", help="held-out loss and AUC before and after training")
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps (GPU busy share)")
+    ap.add_argument("--trace", default=None, help="write the profiled window's Chrome trace here (rank 0)")
+    ap.add_argument("--tag", default="", help="a label echoed in the RESULT line")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides, as for `embshard train`")
+    return ap.parse_intermixed_args(argv)
+
+
+def overrides_for(args: argparse.Namespace, cfg, cuda: bool) -> list[str]:
+    """The command line's config overrides, the scaled tables, batch, pipeline and precision."""
+    out = list(args.overrides)
+    if args.scale != 1.0:
+        for i, t in enumerate(cfg.model.tables):
+            rows = max(min(t.num_embeddings, 16), math.ceil(t.num_embeddings * args.scale))
+            out.append(f"model.tables[{i}].num_embeddings={rows}")
+    batch = args.batch_size or (None if cuda else 64)
+    if batch:
+        out.append(f"schedule.batch_size={batch}")
+    if args.pipeline:
+        out.append(f"training.pipeline={args.pipeline}")
+    if args.precision:
+        out.append(f"training.precision={args.precision}")
+    return out
+
+
+def plan_summary(plan, predicted: str) -> str:
+    kinds = collections.Counter(f"{t.sharding_type.value}/{t.tier.value}" for t in plan.tables)
+    return f"plan: {', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))}; {predicted or 'no prediction'}"
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if "embedding" in n or "tbe" in n or "split_" in n or "bounds_check" in n:
+        return "embedding"
+    if any(k in n for k in ("gemm", "cutlass", "sm90", "sm80", "wgmma", "xmma", "cublas")):
+        return "matmul"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    return "other"
+
+
+def busy_share(prof, steps: int) -> tuple[float, float, dict[str, float]]:
+    """(share of the window with any kernel running, same without NCCL kernels, kernel ms per step by kind)."""
+    spans, spans_compute, by_kind = [], [], collections.Counter()
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.elapsed_us() <= 0:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        kind = kernel_kind(e.name)
+        by_kind[kind] += (end - start) / 1e3 / steps
+        spans.append((start, end))
+        if kind != "nccl":
+            spans_compute.append((start, end))
+    if not spans:
+        return float("nan"), float("nan"), {}
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+
+    def union(items):
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in sorted(items):
+            if cur_e is None or s > cur_e:
+                total += (cur_e - cur_s) if cur_e is not None else 0.0
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+    return union(spans) / (hi - lo), union(spans_compute) / (hi - lo), dict(by_kind)
+
+
+def run(args: argparse.Namespace) -> None:
+    from embshard.config import load_config
+    from embshard.data import build_source
+    from embshard.distributed import init_distributed
+    from embshard.models.build import RecModel
+    from embshard.pipeline import TrainPipeline
+    from embshard.planner.policy import plan_for_job
+    from embshard.train import evaluate, make_dense_optimizer, plan_on_rank0
+
+    device = init_distributed()
+    cuda = device.type == "cuda"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    steps = args.steps or (60 if cuda else 5)
+    warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
+    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, overrides_for(args, cfg, cuda))
+    tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (imports outside the build time)
+
+    workers = args.workers if args.workers is not None else (8 if cuda else 0)
+    source = build_source(cfg.data, tables, batch, cfg.seed, rank, world, workers=workers)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    lines: list[str] = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    plan = plan_on_rank0(
+        lambda: plan_for_job(
+            tables, cfg.planner, world, local_world, device.type, batch, cfg.sparse_optimizer, lines.append
+        )
+    )
+    plan_s = time.perf_counter() - t0
+    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
+    dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    sync()
+    dist.barrier()
+    build_s = time.perf_counter() - t0
+    predicted = next((ln.strip() for text in lines for ln in text.splitlines() if "predicted step time" in ln), "")
+    say(plan_summary(plan, predicted))
+    say(f"plan+build {build_s:.1f} s (plan {plan_s:.1f} s); {sum(t.num_embeddings for t in tables):,} rows")
+
+    tr = cfg.training
+    pipe = TrainPipeline(
+        model, dense_opt, tr.pipeline, precision=tr.precision, prefetch_batches=max(2, tr.prefetch_batches),
+        ids_checked=getattr(source, "ids_in_range", False),
+    )  # fmt: skip
+    auc = auc_before = float("nan")
+    if args.eval:
+        m = evaluate(model, source, device, pipe.host_group)
+        auc_before = m.get("auc", float("nan"))
+        say(f"held-out before training: loss {m['loss']:.5f} auc {auc_before:.5f} ({m['samples']} samples)")
+    batches = source.train_batches(0)
+    first = None
+    for i in range(warmup):
+        done = pipe.progress(batches)
+        if i == 0:
+            first = float(done.output.loss.detach())
+    sync()
+    dist.barrier()
+    wait0, t0 = pipe.data_wait_s, time.perf_counter()
+    for _ in range(steps):
+        done = pipe.progress(batches)
+    sync()
+    elapsed = time.perf_counter() - t0
+    last = float(done.output.loss.detach())
+    wait_ms = (pipe.data_wait_s - wait0) / steps * 1e3
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    stats = torch.tensor([elapsed, peak, wait_ms], dtype=torch.float64)
+    table = [torch.zeros_like(stats) for _ in range(world)]
+    dist.all_gather_object(table, stats)
+    g = torch.stack(table)
+    ms = float(g[:, 0].max()) / steps * 1e3
+    sps = world * batch / ms * 1e3
+    say(f"per rank: peak GPU memory {[round(float(x), 2) for x in g[:, 1]]} GiB; waits for the data path "
+        f"{[round(float(x), 3) for x in g[:, 2]]} ms/step")  # fmt: skip
+    say(f"loss: first warm-up step {first:.4f}, last timed step {last:.4f}" if first is not None else "")
+    if args.eval:
+        m = evaluate(model, source, device, pipe.host_group)
+        auc = m.get("auc", float("nan"))
+        say(f"held-out after {warmup + steps} steps: loss {m['loss']:.5f} auc {auc:.5f} ({m['samples']} samples)")
+    busy = busy_compute = float("nan")
+    if args.profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        sync()
+        with profile(activities=acts) as prof:
+            for _ in range(args.profile_steps):
+                with torch.profiler.record_function("## train step ##"):
+                    pipe.progress(batches)
+            sync()
+        if cuda:
+            busy, busy_compute, kinds = busy_share(prof, args.profile_steps)
+            say(f"profile ({args.profile_steps} steps, rank 0): GPU busy {busy:.1%} of the window "
+                f"({busy_compute:.1%} without NCCL kernels); kernel ms/step "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))  # fmt: skip
+        if args.trace and rank == 0:
+            prof.export_chrome_trace(args.trace)
+            say(f"trace: {args.trace}")
+    pipe.close()
+    say(
+        f"RESULT framework=embshard tag={args.tag or '-'} pipeline={tr.pipeline} precision={tr.precision} "
+        f"pooled={cfg.lookup.output_dtype.value} world={world} batch_per_rank={batch} scale={args.scale:g} "
+        f"ms_per_step={ms:.3f} samples_per_s={sps:.0f} build_s={build_s:.2f} peak_gib={float(g[:, 1].max()):.2f} "
+        f"data_wait_ms={float(g[:, 2].max()):.3f} gpu_busy={busy:.3f} gpu_busy_compute={busy_compute:.3f} "
+        f"auc={auc:.5f} auc_before={auc_before:.5f} loss_first={first:.4f} loss_last={last:.4f}"
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    say(f"samples_per_s={sps:.0f}")
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    run(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if "RANK" in os.environ or args.nproc <= 1:
+        run(args)
+        return
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        sys.exit(f"--nproc {args.nproc}: only {torch.cuda.device_count()} GPU(s) are visible")
+    from embshard.distributed import spawn_local
+
+    spawn_local(_rank_main, args.nproc, args)
+
+
+if __name__ == "__main__":
+    main()
