@@ -49,7 +49,8 @@ class LookupOptions:
     bounds_check: BoundsCheck = BoundsCheck.ERROR
     """Out-of-range ids: 'error' raises; 'drop' removes them from their bags, warns once per feature, counts them."""
     prefetch_pipeline: bool = False
-    """Allow ebc.prefetch(next batch) before the current backward (UVM-caching, LRU only; locks rows in use)."""
+    """UVM-caching: ebc.prefetch(next batch) also loads its rows into the caches, before the current backward (the
+    training pipeline does this); LRU only; rows in use stay locked until their backward."""
     cache_stats: bool = False
     """Collect UVM-cache statistics for ebc.cache_stats() (a few device syncs per step per cached TBE)."""
     regroup: str = "auto"

@@ -6,6 +6,7 @@ start from the same weights.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -14,6 +15,12 @@ import torch.nn.functional as F
 from embshard.lookup import init_rows
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.tables import Pooling, TableConfig
+
+
+def _init_device() -> str:
+    """The device the module under test computes on (EMBSHARD_TEST_DEVICE): the reference draws its initial rows
+    there too (init_rows gives the same bits on the CPU and on CUDA; tests/test_init_rows.py checks it)."""
+    return os.environ.get("EMBSHARD_TEST_DEVICE", "cpu")
 
 
 class ReferenceEBC:
@@ -38,7 +45,7 @@ class ReferenceEBC:
             dim = next(t.embedding_dim for t in tables if t.name == name)
             assert sum(widths) == dim, f"column blocks {widths} of {name} do not add up to {dim}"
         self.weights = {
-            t.name: init_rows(t, i, 0, t.num_embeddings, 0, t.embedding_dim, seed).double()
+            t.name: init_rows(t, i, 0, t.num_embeddings, 0, t.embedding_dim, seed, _init_device()).cpu().double()
             for i, t in enumerate(tables)
         }
         self.state: dict[str, dict[str, torch.Tensor]] = {}

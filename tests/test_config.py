@@ -185,6 +185,40 @@ def test_impossible_values(tmp_path):
     assert "model.two_tower.item_features[0]='f1' is invalid: no table lists this feature" in msg
 
 
+def test_training_and_lookup_sections(tmp_path):
+    """training: pipeline and precision (default sparse_dist, fp32); lookup: embshard.options.LookupOptions, the
+    collection's options (`RecModel(..., options=cfg.lookup)`); each wrong value names its key."""
+    from embshard.options import BoundsCheck, LookupOptions, OutputDtype
+
+    cfg = load_config(write(tmp_path, base()))
+    assert (cfg.training.pipeline, cfg.training.precision, cfg.training.prefetch_batches) == ("sparse_dist", "fp32", 2)
+    assert cfg.lookup == LookupOptions()
+    data = base()
+    data["training"] = {"pipeline": "semi_sync", "precision": "bf16"}
+    data["lookup"] = {"output_dtype": "bf16", "bounds_check": "drop", "prefetch_pipeline": True}
+    cfg = load_config(write(tmp_path, data))
+    assert cfg.training.pipeline == "semi_sync" and cfg.training.precision == "bf16"
+    assert cfg.lookup.output_dtype is OutputDtype.BF16 and cfg.lookup.bounds_check is BoundsCheck.DROP
+    assert cfg.lookup.prefetch_pipeline
+    data = base()
+    data["training"] = {"pipeline": "async"}
+    msg = error_of(tmp_path, data)
+    assert "training.pipeline='async' is invalid" in msg and "'semi_sync'" in msg
+    data = base()
+    data["training"] = {"prefetch_batches": 0}
+    assert "training.prefetch_batches=0 is invalid" in error_of(tmp_path, data)
+    data = base()
+    data["lookup"] = {"output_dtype": "fp8"}
+    msg = error_of(tmp_path, data)
+    assert "lookup.output_dtype='fp8' is invalid" in msg and "'bf16'" in msg
+    data = base()
+    data["lookup"] = {"prefetch_pipelin": True}
+    assert "lookup.prefetch_pipelin" in error_of(tmp_path, data)
+    data = base()
+    data["data"] = {"source": "synthetic", "synthetic": {"bag_lengths": "fixed", "pooling": {"f0": 0.3}}}
+    assert "data.synthetic.pooling.f0=0.3 is invalid" in error_of(tmp_path, data)
+
+
 def test_catalog_mode_errors(tmp_path):
     """Two-tower catalog mode (item_mlp: []) and the catalog losses: each wrong combination names the rule."""
     data = base()

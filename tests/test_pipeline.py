@@ -108,6 +108,11 @@ def _pooled(out):
 
 def _worker(rank, world, device):
     res = {}
+    model, _ = _build(rank, world, device)  # the initial tables of every sharding type, and the replicas
+    res["init"] = (
+        model.ebc.full_weights(),
+        {n: w.cpu().clone() for n, _, w in model.ebc.local_shards() if n == "m_dp"},
+    )
     losses, model = _plain(rank, world, device, UNEVEN)
     res["plain"] = (losses, _state(model))
     for mode in ("none", "sparse_dist"):
@@ -148,8 +153,15 @@ def _worker(rank, world, device):
 
 
 def test_pipeline_modes_on_two_ranks():
+    from embshard.lookup import init_rows
+
     results = run_distributed(_worker, 2)
     exact = device_kind() == "cpu"
+    for t, i in zip(TABLES, range(len(TABLES))):  # every sharding type starts with the rows of the full table
+        full = init_rows(t, i, 0, t.num_embeddings, 0, t.embedding_dim, 5)
+        for rank, res in enumerate(results):
+            assert torch.equal(res["init"][0][t.name], full), f"rank {rank}: initial {t.name} ({TYPES[t.name].value})"
+    assert torch.equal(results[0]["init"][1]["m_dp"], results[1]["init"][1]["m_dp"])
     for rank, res in enumerate(results):
         plain_losses, plain_state = res["plain"]
         assert len(plain_losses) == max(UNEVEN)

@@ -352,20 +352,28 @@ def test_settings_object_is_plain_data():
     )
 
 
-def test_prefetch_needs_the_option_and_its_own_batch():
+def test_prefetch_runs_the_input_dist_early_for_every_tier():
+    """Without LookupOptions(prefetch_pipeline) prefetch still runs the input dist early (no cache to load); the
+    forward of the same kjt picks the pending handle up, once; counts gathered on the host (host_counts) give the
+    same result as the device's all-gather; a handle made for another batch is refused."""
     from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.sharding.exchange import parse_counts
 
     plan = simple_plan(FP32_TABLES, 1, tier="host")
     features = [f for t in FP32_TABLES for f in t.feature_names]
     (b0, _), (b1, _) = random_batches(FP32_TABLES, [4], 2, seed=0)
     k0, k1 = to_kjt(b0[0], features, "cpu"), to_kjt(b1[0], features, "cpu")
-    with pytest.raises(ConfigError, match=r"prefetch\(\) needs .*LookupOptions\(prefetch_pipeline=True\)"):
-        ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, device="cpu").prefetch(k0)
-    options = LookupOptions(prefetch_pipeline=True)
-    ebc = ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, device="cpu", options=options)
-    handle = ebc.prefetch(k1)
-    with pytest.raises(ValueError, match="made by prefetch\\(\\) for another batch or was already used"):
-        ebc(k0, prefetched=handle)
-    ebc(k1, prefetched=ebc.prefetch(k1))
+    ref = ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, device="cpu")
+    ebc = ShardedEmbeddingBagCollection(FP32_TABLES, plan, SGD, device="cpu")
+    with torch.no_grad():
+        handle = ebc.prefetch(k0)
+        assert ebc.next_prefetch_step == 1
+        assert torch.equal(ebc(k0).values(), ref(k0).values()) and handle.used and ebc.next_prefetch_step == 0
+        row = ebc.host_counts(k1)
+        row[2] = ebc.next_prefetch_step
+        handle = ebc.prefetch(k1, counts=parse_counts(row.view(1, -1).numpy()))
+        with pytest.raises(ValueError, match="made by prefetch\\(\\) for another batch or was already used"):
+            ebc(k0, prefetched=handle)
+        assert torch.equal(ebc(k1, prefetched=handle).values(), ref(k1).values())
     with pytest.raises(ConfigError, match="needs a CUDA module"):
         ebc.prefetch(k1, stream=object())
