@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from dist_harness import test_device as device_kind
+from dist_harness import device_kind as device_kind
 from fuzz_cases import Case, has_exact_option
 from fuzz_check import run_cases
 
