@@ -26,7 +26,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed, test_device
+from dist_harness import device_kind, run_distributed
 from fuzz_cases import CW, Case, case_source, clean, column_wise_exact, feature_upstream, make_batches
 from parity import to_kjt
 from reference import ReferenceEBC
@@ -110,7 +110,7 @@ def fuzz_worker(rank: int, world_size: int, device: torch.device, cases: list[Ca
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if test_device() == "cuda" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if device_kind() == "cuda" else torch.device("cpu")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: dict, what: str) -> str | None:

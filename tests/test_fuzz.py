@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from dist_harness import test_device as device_kind
+from dist_harness import device_kind as device_kind
 from fuzz_cases import CW, DP, RW, TW, TWRW, Case, draw_case
 from fuzz_check import run_cases
 from parity import to_kjt
