@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import torch
-from dist_harness import test_device as device_kind
 
 from embshard.lookup import init_rows
 from embshard.tables import TableConfig
@@ -47,12 +46,12 @@ def test_values_are_the_hash_and_any_block_is_the_tables():
     assert not torch.equal(init_rows(t, 3, 0, 10, 0, 20, 12), full[:10])  # another seed
 
 
-def test_device_draw_equals_the_cpu_draw(monkeypatch):
+def test_device_draw_equals_the_cpu_draw(monkeypatch, device):
     from embshard.lookup import shards
 
     t = TableConfig("t", 70_001, 12, ("f",))
     cpu = init_rows(t, 0, 3, 70_000, 4, 8, seed=5)
-    dev = init_rows(t, 0, 3, 70_000, 4, 8, seed=5, device=device_kind())
-    assert dev.device.type == device_kind() and torch.equal(dev.cpu(), cpu)
+    dev = init_rows(t, 0, 3, 70_000, 4, 8, seed=5, device=device)
+    assert dev.device.type == device.type and torch.equal(dev.cpu(), cpu)
     monkeypatch.setattr(shards, "INIT_BLOCK_ELEMENTS", 1000)  # many passes: the same rows
-    assert torch.equal(init_rows(t, 0, 3, 70_000, 4, 8, seed=5, device=device_kind()).cpu(), cpu)
+    assert torch.equal(init_rows(t, 0, 3, 70_000, 4, 8, seed=5, device=device).cpu(), cpu)

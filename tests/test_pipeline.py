@@ -15,8 +15,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from dist_harness import run_distributed
-from dist_harness import test_device as device_kind
+from dist_harness import device_kind, run_distributed
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.config.data import SyntheticConfig
