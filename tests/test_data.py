@@ -228,3 +228,21 @@ def test_zipf_shapes():
     scrambled = SyntheticSource(SyntheticConfig(zipf_exponent=1.0), SYN_TABLES, 2048, 0, 0).batch(1).sparse
     values = scrambled["a"].values()
     assert values.max() < 100_000 and len(values.unique()) > 100
+
+
+def test_synthetic_workers_fixed_bags_and_host_counts():
+    """Worker processes give the batches of an in-process source, in step order, from any start; fixed bags hold
+    round(p) ids; every id is inside its table (the source declares ids_in_range)."""
+    cfg = SyntheticConfig(num_dense=3, zipf_exponent=0.0, bag_lengths="fixed", pooling={"a": 3.0, "b": 1.0, "c": 2.0})
+    local = SyntheticSource(cfg, SYN_TABLES, 64, seed=1, rank=0).train_batches(5)
+    workers = SyntheticSource(cfg, SYN_TABLES, 64, seed=1, rank=0, workers=2).train_batches(5)
+    for _ in range(5):
+        a, b = next(local), next(workers)
+        assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(a.sparse.lengths(), b.sparse.lengths())
+        assert torch.equal(a.sparse.weights(), b.sparse.weights())
+    kjt = a.sparse
+    assert (kjt["a"].lengths() == 3).all() and (kjt["b"].lengths() == 1).all() and (kjt["c"].lengths() == 2).all()
+    assert SyntheticSource.ids_in_range and kjt["a"].values().max() < 100_000 and kjt["c"].values().max() < 50
+    with pytest.raises(ConfigError, match="fixed bags hold round"):
+        SyntheticSource(SyntheticConfig(bag_lengths="fixed"), SYN_TABLES, 8, 0, 0)  # table small: 0.5 ids per bag

@@ -20,6 +20,7 @@ asynchronous copy when CUDA is available.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -208,13 +209,11 @@ class SyntheticSource:
         return self._batch(self.draw(stream))
 
     def train_batches(self, start_step: int | None = 0) -> Iterator[Batch]:
-        """Batches for steps start_step, start_step + 1, ... (endless); drawn by `workers` processes if > 0."""
+        """Batches for steps start_step, start_step + 1, ... (endless); drawn by `workers` processes if > 0 (started
+        here, in the calling thread)."""
         start = int(start_step or 0)
         if self.workers <= 0:
-            step = start
-            while True:
-                yield self.batch(step)
-                step += 1
+            return (self.batch(step) for step in itertools.count(start))
         loader = torch.utils.data.DataLoader(
             _Steps(self, start),
             batch_size=None,
@@ -222,8 +221,7 @@ class SyntheticSource:
             pin_memory=self.pin,
             prefetch_factor=self.prefetch,
         )
-        for d in loader:
-            yield self._batch(d)
+        return (self._batch(d) for d in iter(loader))
 
     def eval_batches(self) -> Iterator[Batch]:
         """The same `eval_batches` held-out batches at every evaluation."""
