@@ -7,6 +7,7 @@
 #   2. embshard bf16 dense (pooled fp32), and bf16 dense + bf16 pooled embeddings/exchange (with a profile)
 #   3. embshard semi_sync (bf16 + bf16 pooled), embshard tf32 (fp32 storage, TF32 matmuls), embshard none (fp32)
 #   4. timeline PNGs of the traces (bench/timeline.py), and the summary table (median ratio and spread)
+#   optional (LOSS_STEPS=200): bench/loss_curves.py, both frameworks' loss on the same batches (about 1 more minute)
 # Every run prints one RESULT line; everything lands in $OUT (log, traces .json.gz, timeline PNGs).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -48,5 +49,10 @@ for tr in "$OUT"/trace_*.json; do
   timeout 60 python3 bench/timeline.py "$tr" --out "${tr%.json}.png" --steps 2 2>&1 | tail -2 | tee -a "$LOG"
   gzip -f "$tr"
 done
+if [ -n "${LOSS_STEPS:-}" ]; then  # optional: both frameworks' loss on the same batches, full size
+  echo "+ loss curves, $LOSS_STEPS steps" | tee -a "$LOG"
+  timeout 300 python3 bench/loss_curves.py --config "$CFG" --nproc 2 --steps "$LOSS_STEPS" --out "$OUT/loss_curves.png" \
+    2>&1 | filter | grep -E "^embshard|^torchrec|plot|rror" | tee -a "$LOG"
+fi
 echo "wall $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
 python3 bench/e2e_table.py "$LOG" | tee "$OUT/summary.txt"

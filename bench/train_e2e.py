@@ -4,8 +4,8 @@
 
 Starts --nproc local processes (one per GPU with CUDA, gloo on the CPU otherwise; under torchrun it joins
 torchrun's job instead). Each rank: plans (rank 0, broadcast) and builds the model (timed: plan+build), then trains
-through `embshard.pipeline.TrainPipeline` on the config's data source (synthetic: drawn by --workers worker
-processes, pinned): --warmup untimed steps, synchronize + barrier, --steps timed steps, synchronize. ms/step is the
+through `embshard.pipeline.TrainPipeline` on the config's data source (synthetic: drawn by
+data.synthetic.workers worker processes, or --workers; pinned): --warmup untimed steps, synchronize + barrier, --steps timed steps, synchronize. ms/step is the
 slowest rank's wall time / steps; samples/s = world x batch / that. Then, optionally, the held-out AUC (--eval) and a
 short torch.profiler window (--profile-steps K): the share of the window the GPU runs kernels (all kernels, and
 without NCCL's, which also spin while waiting for a peer), kernel time per step by kind, and a Chrome trace
@@ -46,7 +46,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=None, help="per-rank batch (default: the config's; CPU 64)")
     ap.add_argument("--pipeline", choices=["none", "sparse_dist", "semi_sync"], default=None)
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default=None)
-    ap.add_argument("--workers", type=int, default=None, help="synthetic data worker processes per rank (CUDA: 8)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="synthetic data worker processes per rank (default: data.synthetic.workers; CPU: 0)",
+    )
     ap.add_argument("--eval", action="store_true", help="held-out loss and AUC before and after training")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps (GPU busy share)")
     ap.add_argument("--trace", default=None, help="write the profiled window's Chrome trace here (rank 0)")
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (imports outside the build time)
 
-    workers = args.workers if args.workers is not None else (8 if cuda else 0)
+    workers = args.workers if args.workers is not None else (None if cuda else 0)
     source = build_source(cfg.data, tables, batch, cfg.seed, rank, world, workers=workers)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     lines: list[str] = []

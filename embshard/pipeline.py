@@ -201,22 +201,13 @@ class TrainPipeline:
         # The id exchange runs ahead only where the model hands `ebc` the batch's own kjt (not in catalog mode).
         self.dist_ahead = mode != "none" and model.catalog is None
         self.host_counts = self.dist_ahead and self.ebc.options.bounds_check is not BoundsCheck.DROP
-        if mode == "semi_sync":
-            cached = [
-                t
-                for t, tp in ((t, self.ebc.plan[t.name]) for t in self.ebc.tables)
-                if tp.tier is MemoryTier.UVM_CACHING
-            ]
-            if model.catalog is not None or cached:
-                why = (
-                    "a retrieval catalog"
-                    if model.catalog is not None
-                    else f"UVM-caching tables {[t.name for t in cached]}"
-                )
-                raise ConfigError(
-                    f"training.pipeline semi_sync runs a batch's lookup before the previous backward, which {why} "
-                    "cannot take: use training.pipeline sparse_dist"
-                )
+        cached = [t.name for t in self.ebc.tables if self.ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
+        if mode == "semi_sync" and (model.catalog is not None or cached):
+            why = "a retrieval catalog" if model.catalog is not None else f"UVM-caching tables {cached}"
+            raise ConfigError(
+                f"training.pipeline semi_sync runs a batch's lookup before the previous backward, which {why} cannot "
+                "take: use training.pipeline sparse_dist"
+            )
         if precision == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True

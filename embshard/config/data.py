@@ -106,6 +106,9 @@ class SyntheticConfig:
     2^31 rows; larger tables keep popularity order)."""
     eval_batches: int = 4
     """Held-out batches per rank per evaluation (count); drawn from their own fixed random stream."""
+    workers: int = 0
+    """Worker processes per rank drawing the training batches (count; 0: drawn in the training process's host
+    thread). The batches are the same with any number of workers; pinned for the copy to the GPU."""
     affinity: AffinityConfig | None = None
     """Retrieval data: items drawn from their user's group (two-tower softmax losses); unset: independent ids."""
 
@@ -121,6 +124,8 @@ class SyntheticConfig:
                 raise FieldError(f"pooling.{f}", p, "bag_lengths fixed holds round(p) ids per bag: give p >= 0.5")
         if self.eval_batches < 1:
             raise FieldError("eval_batches", self.eval_batches, "it must be >= 1")
+        if self.workers < 0:
+            raise FieldError("workers", self.workers, "it must be >= 0 processes (0: no worker processes)")
 
 
 @dataclass(frozen=True)

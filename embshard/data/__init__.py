@@ -30,7 +30,7 @@ def build_source(
     workers: int | None = None,
 ):
     """The configured source, reading this rank's part of the data. `workers`: synthetic batches drawn by this
-    many worker processes (default 0: in the training process; bench/train_e2e.py sets it)."""
+    many worker processes (default: data.synthetic.workers)."""
     if cfg.source == "criteo":
         from embshard.data.criteo import criteo_source
 
@@ -41,4 +41,5 @@ def build_source(
         return movielens_source(cfg.movielens, tables, batch_size, cfg.shard, cfg.shuffle, seed, rank, world_size)
     from embshard.data.synthetic import SyntheticSource
 
-    return SyntheticSource(cfg.synthetic, tables, batch_size, seed, rank, workers=workers or 0)
+    workers = cfg.synthetic.workers if workers is None else workers
+    return SyntheticSource(cfg.synthetic, tables, batch_size, seed, rank, workers=workers)
