@@ -274,7 +274,7 @@ class TrainPipeline:
         """`_fetch`, then the batch's input dist (and UVM-cache prefetch) on the data stream."""
         item = self._fetch()
         if item is not None and self.dist_ahead:
-            self.ebc.prefetch(item.batch.sparse, stream=self.data_stream, counts=item.counts)
+            self.ebc.prefetch(item.batch.sparse, stream=self.data_stream, counts=item.counts, made_on_stream=True)
         return item
 
     def _use(self, item: _Item) -> None:

@@ -291,7 +291,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self.step + len(self._pending)
 
     def prefetch(
-        self, kjt, stream: torch.cuda.Stream | None = None, counts: BatchCounts | None = None
+        self,
+        kjt,
+        stream: torch.cuda.Stream | None = None,
+        counts: BatchCounts | None = None,
+        made_on_stream: bool = False,
     ) -> PrefetchHandle:
         """Send a COMING batch's ids to the ranks that look them up (input dist), while the current batch may still
         be waiting for its backward; with LookupOptions(prefetch_pipeline=True) also load its rows into the UVM
@@ -300,12 +304,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         `stream`: a CUDA stream to run on (the forward waits for it and records the tensors it uses on its own
         stream); None: the current stream. `counts`: the step's counts gathered on the host (`host_counts` rows of
-        every rank, step `next_prefetch_step`): no device all-gather and no host sync here.
+        every rank, step `next_prefetch_step`): no device all-gather and no host sync here. `made_on_stream`: the
+        kjt was made on `stream` itself (copied there), so the stream need not wait for the caller's work.
         """
         if stream is not None and self.device.type != "cuda":
             raise ConfigError(f"prefetch(stream=...) needs a CUDA module; this one computes on {self.device}")
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
-        if stream is not None:
+        if stream is not None and not made_on_stream:
             stream.wait_stream(caller)  # the batch's tensors were made on the caller's stream
         step = self.next_prefetch_step  # the step that will consume this batch
         with torch.cuda.stream(stream) if stream is not None else _nullcontext(), comm.scope(f"step {step} prefetch"):
