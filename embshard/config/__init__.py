@@ -18,7 +18,15 @@ from typing import Any
 
 import yaml
 
-from embshard.config.data import CriteoConfig, DataConfig, MovieLensConfig, SyntheticConfig
+from embshard.config.data import (
+    CategoricalColumnConfig,
+    CriteoConfig,
+    DataConfig,
+    DenseColumnConfig,
+    MovieLensConfig,
+    SyntheticConfig,
+    TableSourceConfig,
+)
 from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig, TwoTowerConfig
 from embshard.config.run import (
     CheckpointConfig,
@@ -33,11 +41,13 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.tables import ConfigError
 
 __all__ = [
+    "CategoricalColumnConfig",
     "CheckpointConfig",
     "CriteoConfig",
     "DCNConfig",
     "DLRMConfig",
     "DataConfig",
+    "DenseColumnConfig",
     "DenseOptimizerConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -46,6 +56,7 @@ __all__ = [
     "ScheduleConfig",
     "SyntheticConfig",
     "TableConstraint",
+    "TableSourceConfig",
     "TrainConfig",
     "TwoTowerConfig",
     "apply_overrides",
@@ -86,6 +97,11 @@ class TrainConfig:
                     )
             elif name not in tables:
                 raise FieldError(f"planner.constraints.{name}", name, f"no such table; tables: {sorted(tables)}")
+        weighted = {f for t in self.model.tables if t.weighted for f in t.feature_names}
+        try:
+            self.data.check_features(self.model.features, weighted)
+        except FieldError as e:
+            raise FieldError(f"data.{e.key}", e.value, e.rule) from None
         if self.data.source == "synthetic":
             if self.schedule.epochs is not None:
                 raise FieldError("schedule.epochs", self.schedule.epochs, "synthetic data has no epochs: set steps")

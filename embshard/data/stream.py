@@ -1,0 +1,289 @@
+"""Streams of batches over one rank's pieces: shuffle windows, batch assembly, exact cursors, worker processes.
+
+Training (endless). A rank's pieces are dealt to N streams (N = data.workers, at least 1, at most the number of
+pieces); each stream is read by one worker process (or by the training process when workers is 0):
+
+    epoch e: pieces in a seeded order (seed, rank, e) -> stream j takes pieces j, j+N, j+2N, ...
+          -> windows: consecutive pieces of at least shuffle_rows rows -> rows of a window permuted (seed, rank,
+             e, j, window) -> the stream's rows: window after window, epoch after epoch
+          -> batches: consecutive batch_size rows (a batch may span two windows or two epochs)
+    the rank's batches: stream 0's first, stream 1's first, ..., stream 0's second, ...  (round robin)
+
+A stream's cursor (epoch, window, offset) is where its next batch starts; a window is re-read and re-permuted
+from its pieces, so the cursor alone restores the stream exactly. The rank's position is the number of batches
+consumed and every stream's cursor (a small dict, `Batch.position`). Without skipped bad rows the cursor of any
+step is also computed from row counts alone (`cursor_after`). Evaluation: stream j reads a contiguous part of the
+rank's held-out rows (a whole number of batches), in order; the last batch of the last part may be short.
+
+Batches leave a worker as numpy arrays in the layout of a KeyedJaggedTensor (feature-major lengths and ids);
+a fixed-length feature (all bags of a window the same size, e.g. one-hot or MLPerf multi-hot) is gathered as
+one 2-D take, a jagged one through its offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from embshard.data.decode import Chunk, Reader, ReadSpec
+from embshard.data.layout import Layout, Piece
+from embshard.tables import ConfigError
+
+Cursor = tuple[int, int, int]  # (epoch, window, offset) of a stream's next row
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What every stream of one rank and split reads (plain data, sent to the worker processes)."""
+
+    spec: ReadSpec
+    layout: Layout
+    vocab: dict | None
+    pieces: tuple[Piece, ...]  # training: the rank's pieces; evaluation: unused (see parts)
+    parts: tuple[tuple[int, int], ...]  # evaluation: per stream, its rows [lo, hi) of the split
+    batch_size: int
+    streams: int
+    shuffle: bool
+    shuffle_rows: int
+    seed: int
+    rank: int
+
+    def windows(self, stream: int, epoch: int) -> list[list[Piece]]:
+        """The training windows of one stream in one epoch."""
+        order = np.arange(len(self.pieces))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.rank, epoch, 0x5EED]).permutation(len(self.pieces))
+        out: list[list[Piece]] = []
+        cur: list[Piece] = []
+        rows = 0
+        for i in order[stream :: self.streams]:
+            cur.append(self.pieces[int(i)])
+            rows += self.pieces[int(i)].rows
+            if rows >= self.shuffle_rows:
+                out.append(cur)
+                cur, rows = [], 0
+        if cur:
+            out.append(cur)
+        return out
+
+    def window_order(self, stream: int, epoch: int, window: int, n: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, self.rank, epoch, stream, window]).permutation(n)
+
+    def cursor_after(self, stream: int, rows: int) -> Cursor:
+        """The cursor after `rows` rows of a training stream, from row counts alone (no bad rows skipped)."""
+        epoch = 0
+        while True:
+            sizes = [sum(p.rows for p in w) for w in self.windows(stream, epoch)]
+            total = sum(sizes)
+            if rows < total:
+                w = int(np.searchsorted(np.cumsum(sizes), rows, side="right"))
+                return epoch, w, rows - sum(sizes[:w])
+            rows -= total
+            epoch += 1
+            if rows == 0:
+                return epoch, 0, 0
+
+
+class Window:
+    """A window's rows with per-feature offsets and fixed bag sizes, ready for gathers."""
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.chunk = chunk
+        self.offsets = []
+        self.fixed: list[int | None] = []
+        for lens in chunk.lengths:
+            first = int(lens[0]) if len(lens) else 0
+            fixed = first if first > 0 and (lens == first).all() else None
+            self.fixed.append(fixed)
+            if fixed is None:
+                off = np.zeros(len(lens) + 1, dtype=np.int64)
+                np.cumsum(lens, out=off[1:])
+                self.offsets.append(off)
+            else:
+                self.offsets.append(None)
+
+    def __len__(self) -> int:
+        return len(self.chunk)
+
+    def take(self, idx: np.ndarray) -> Chunk:
+        """The given rows as a Chunk (row-major per feature), for a batch's rows carried to the next window."""
+        c = self.chunk
+        lengths, values, weights = [], [], ([] if c.weights is not None else None)
+        for f in range(len(c.lengths)):
+            lens = c.lengths[f][idx]
+            pos = self._positions(f, idx, lens)
+            lengths.append(lens)
+            values.append(c.values[f][pos])
+            if weights is not None:
+                weights.append(c.weights[f][pos])
+        return Chunk(c.labels[idx], c.dense[idx], lengths, values, weights)
+
+    def _positions(self, f: int, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Positions in the feature's ids of the bags of rows idx, concatenated."""
+        k = self.fixed[f]
+        if k is not None:
+            return (idx[:, None] * k + np.arange(k)).ravel()
+        starts = self.offsets[f][idx]
+        total = int(lens.sum())
+        ends = np.cumsum(lens)
+        return np.repeat(starts - (ends - lens), lens) + np.arange(total)
+
+
+def assemble(parts: list[tuple[Window, np.ndarray]], nf: int, weighted: bool) -> dict:
+    """One batch from rows of one or two windows, in the layout of a KeyedJaggedTensor."""
+    B = sum(len(idx) for _, idx in parts)
+    labels = np.concatenate([w.chunk.labels[idx] for w, idx in parts])
+    dense = np.concatenate([w.chunk.dense[idx] for w, idx in parts])
+    lens_fp = [[w.chunk.lengths[f][idx] for w, idx in parts] for f in range(nf)]
+    per_key = [int(sum(int(x.sum()) for x in lens_fp[f])) for f in range(nf)]
+    values = np.empty(sum(per_key), dtype=np.int64)
+    weights = np.empty(sum(per_key), dtype=np.float32) if weighted else None
+    at = 0
+    for f in range(nf):
+        for (w, idx), lens in zip(parts, lens_fp[f]):
+            k = w.fixed[f]
+            n = int(lens.sum())
+            if k is not None:
+                out = values[at : at + n].reshape(len(idx), k)
+                np.take(w.chunk.values[f].reshape(-1, k), idx, axis=0, out=out)
+                if weighted:
+                    np.take(w.chunk.weights[f].reshape(-1, k), idx, axis=0, out=weights[at : at + n].reshape(-1, k))
+            else:
+                pos = w._positions(f, idx, lens)
+                np.take(w.chunk.values[f], pos, out=values[at : at + n])
+                if weighted:
+                    np.take(w.chunk.weights[f], pos, out=weights[at : at + n])
+            at += n
+    lengths = np.concatenate([x for f in range(nf) for x in lens_fp[f]]) if nf else np.zeros(0, np.int32)
+    return {
+        "labels": labels,
+        "dense": dense,
+        "lengths": lengths.astype(np.int32, copy=False),
+        "values": values,
+        "weights": weights,
+        "length_per_key": per_key,
+        "size": B,
+    }
+
+
+class _Skips:
+    """Bad rows skipped since the last batch: {file: [count, first message]}."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list] = {}
+
+    def add(self, path: str, count: int, message: str | None) -> None:
+        if count:
+            entry = self.pending.setdefault(path, [0, message])
+            entry[0] += count
+
+    def take(self) -> dict[str, list]:
+        out, self.pending = self.pending, {}
+        return out
+
+
+def _read_window(reader: Reader, pieces: list[Piece], skips: _Skips) -> Window:
+    chunks = []
+    for p in pieces:
+        chunk, skipped, message = reader.read(p)
+        skips.add(reader.layout.files[p.group.file], skipped, message)
+        chunks.append(chunk)
+    return Window(Chunk.concat(chunks))
+
+
+def train_stream(plan: StreamPlan, stream: int, cursor: Cursor) -> Iterator[dict]:
+    """Stream `stream`'s training batches from `cursor` on (endless); each carries its cursor after it."""
+    reader = Reader(plan.spec, plan.layout, plan.vocab)
+    nf, weighted = len(plan.spec.features), plan.spec.weighted
+    B = plan.batch_size
+    skips = _Skips()
+    carry: Window | None = None  # rows of a batch begun in an earlier window, in order
+    epoch, w, offset = cursor
+    empty_epochs = 0
+    while True:
+        windows = plan.windows(stream, epoch)
+        rows_this_epoch = 0
+        while w < len(windows):
+            win = _read_window(reader, windows[w], skips)
+            rows_this_epoch += len(win)
+            order = plan.window_order(stream, epoch, w, len(win))
+            at = offset
+            while at < len(win):
+                have = len(carry) if carry is not None else 0
+                idx = order[at : at + B - have]
+                at += len(idx)
+                if have + len(idx) < B:  # the window ends inside this batch: carry its rows on
+                    part = win.take(idx)
+                    carry = Window(part if carry is None else Chunk.concat([carry.chunk, part]))
+                    break
+                parts = [(carry, np.arange(have)), (win, idx)] if carry is not None else [(win, idx)]
+                carry = None
+                batch = assemble(parts, nf, weighted)
+                if at < len(win):
+                    after = (epoch, w, at)
+                elif w + 1 < len(windows):
+                    after = (epoch, w + 1, 0)
+                else:
+                    after = (epoch + 1, 0, 0)
+                batch.update(stream=stream, cursor=after, skipped=skips.take())
+                yield batch
+            w, offset = w + 1, 0
+        empty_epochs = empty_epochs + 1 if rows_this_epoch == 0 else 0
+        if empty_epochs >= 2:
+            raise ConfigError(
+                f"{plan.spec.where}: rank {plan.rank}'s stream {stream} read two epochs without one good row: every "
+                "row of its pieces was skipped as bad; fix the data or lower data.workers"
+            )
+        epoch, w = epoch + 1, 0
+
+
+def eval_stream(plan: StreamPlan, stream: int) -> Iterator[dict]:
+    """Stream `stream`'s held-out batches: its rows in order, then empty batches if bad rows were skipped, so
+    that every rank yields the same number of batches."""
+    reader = Reader(plan.spec, plan.layout, plan.vocab)
+    nf, weighted = len(plan.spec.features), plan.spec.weighted
+    B = plan.batch_size
+    lo, hi = plan.parts[stream]
+    expected = -(-(hi - lo) // B)
+    skips = _Skips()
+    sent = 0
+    carry: Window | None = None
+    for piece in plan.layout.pieces(lo, hi):
+        win = _read_window(reader, [piece], skips)
+        at = 0
+        while at < len(win):
+            have = len(carry) if carry is not None else 0
+            idx = np.arange(at, min(at + B - have, len(win)))
+            at += len(idx)
+            if have + len(idx) < B:
+                part = win.take(idx)
+                carry = Window(part if carry is None else Chunk.concat([carry.chunk, part]))
+                break
+            parts = [(carry, np.arange(have)), (win, idx)] if carry is not None else [(win, idx)]
+            carry = None
+            batch = assemble(parts, nf, weighted)
+            batch.update(stream=stream, cursor=None, skipped=skips.take())
+            sent += 1
+            yield batch
+    while sent < expected:
+        part = carry if carry is not None else Window(_empty_chunk(nf, len(plan.spec.dense), weighted))
+        batch = assemble([(part, np.arange(len(part)))], nf, weighted)
+        batch.update(stream=stream, cursor=None, skipped=skips.take())
+        carry = None
+        sent += 1
+        yield batch
+
+
+def _empty_chunk(nf: int, nd: int, weighted: bool) -> Chunk:
+    z = np.zeros(0, dtype=np.int64)
+    return Chunk(
+        np.zeros(0, np.float32),
+        np.zeros((0, nd), np.float32),
+        [z.astype(np.int32) for _ in range(nf)],
+        [z for _ in range(nf)],
+        [np.zeros(0, np.float32) for _ in range(nf)] if weighted else None,
+    )
