@@ -318,33 +318,36 @@ class Reader:
         spec = self.spec
         n = table.num_rows
         label = to_float(numbers(table.column(spec.label).combine_chunks(), spec.label, spec.where, bad))
-        bad.add(np.isnan(label), spec.label, None, "the label is missing")
         if spec.label_threshold is not None:
-            label = (label >= spec.label_threshold).astype(np.float64)
-        else:
+            bad.add(np.isnan(label), spec.label, None, "the label is missing")
+            label = (label >= spec.label_threshold).astype(np.float32)
+        elif n and not (label.min() >= 0 and label.max() <= 1):  # NaN fails both comparisons
+            bad.add(np.isnan(label), spec.label, None, "the label is missing")
             with np.errstate(invalid="ignore"):
                 out = (label < 0) | (label > 1)
             bad.add(out, spec.label, label, "a label must be in [0, 1] (set label_threshold to binarize)")
         dense = np.empty((n, len(spec.dense)), dtype=np.float32)
         for j, d in enumerate(spec.dense):
             x = to_float(numbers(table.column(d.column).combine_chunks(), d.column, spec.where, bad))
-            bad.add(np.isinf(x), d.column, x, "a dense value must be finite")
-            x = np.where(np.isnan(x) | np.isinf(x), d.fill, x)
+            if not np.isfinite(x).all():
+                bad.add(np.isinf(x), d.column, x, "a dense value must be finite")
+                x = np.where(np.isfinite(x), x, d.fill)
             if d.min is not None:
                 x = np.maximum(x, d.min)
             if d.transform == "log1p":
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    x = np.log1p(x)
-                bad.add(~np.isfinite(x), d.column, x, "log1p needs values > -1 (set min)")
+                if n and x.min() <= -1:
+                    bad.add(x <= -1, d.column, x, "log1p needs values > -1 (set min)")
+                    x = np.where(x > -1, x, 0.0)
+                x = np.log1p(x)
             dense[:, j] = x
         lengths, values, weights = [], [], ([] if spec.weighted else None)
         for f in spec.features:
             lens, ids, w = self.bags(table, f, bad)
-            lengths.append(lens.astype(np.int32))
+            lengths.append(lens.astype(np.int32, copy=False))
             values.append(ids)
             if weights is not None:
                 weights.append(w if w is not None else np.ones(len(ids), dtype=np.float32))
-        return Chunk(label.astype(np.float32), dense, lengths, values, weights)
+        return Chunk(label.astype(np.float32, copy=False), dense, lengths, values, weights)
 
     def split(self, table: pa.Table, column: str, separator: str | None) -> tuple[np.ndarray, pa.Array]:
         """A column as bags: lengths [n] (int64) and the flat values (nulls kept), for lists, separator text,
@@ -371,7 +374,7 @@ class Reader:
                 valid = np.asarray(col.is_valid())
                 lengths[~valid] = 0
                 flat = flat[np.repeat(valid, k)]
-            return lengths, pa.array(flat.astype(np.int64, copy=False))
+            return lengths, pa.array(flat)
         return np.ones(n, dtype=np.int64), col
 
     def bags(self, table: pa.Table, f: FeatureSpec, bad: BadRows) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -380,21 +383,29 @@ class Reader:
         lengths, flat = self.split(table, f.column, f.separator)
         values_bad = BadRows(len(flat))
         if spec.mapping == "identity":
-            ids_arr = numbers(flat, f.column, spec.where, values_bad, integer=True)
-            keep = np.asarray(ids_arr.is_valid())
-            ids = np.asarray(ids_arr.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
-            values_bad.add(
-                keep & ((ids < 0) | (ids >= f.rows)),
-                f.column,
-                ids,
-                f"an id must be in [0, {f.rows}) (table {f.table!r} has {f.rows} rows)",
-            )
+            native = flat.type in (pa.int32(), pa.int64())  # kept as they are (widened when a batch is gathered)
+            ids_arr = flat if native else numbers(flat, f.column, spec.where, values_bad, integer=True)
+            if ids_arr.null_count:
+                keep = np.asarray(ids_arr.is_valid())
+                ids_arr = ids_arr.fill_null(0)
+            else:
+                keep = None
+            ids = ids_arr.to_numpy(zero_copy_only=False)
+            if len(ids) and (ids.min() < 0 or ids.max() >= f.rows):
+                out = (ids < 0) | (ids >= f.rows)
+                values_bad.add(
+                    out if keep is None else out & keep,
+                    f.column,
+                    ids,
+                    f"an id must be in [0, {f.rows}) (table {f.table!r} has {f.rows} rows)",
+                )
         else:
             try:
                 text = as_text(flat)
             except TypeError as e:
                 raise ConfigError(f"{spec.where}: column {f.column!r}: {e}") from None
             keep = np.asarray(pc.fill_null(pc.greater(pc.binary_length(text), 0), False))
+            keep = None if keep.all() else keep
             hashed = hash_values(text)
             ids = self.vocab[f.name](hashed) if spec.mapping == "vocab" else hash_rows(hashed, f.rows)
         weights = None
@@ -434,12 +445,13 @@ def _to_rows(values_bad: BadRows, bad: BadRows, parent: np.ndarray) -> None:
 
 
 def _finish_bags(
-    lengths: np.ndarray, ids: np.ndarray, weights: np.ndarray | None, keep: np.ndarray, fill_missing: bool
+    lengths: np.ndarray, ids: np.ndarray, weights: np.ndarray | None, keep: np.ndarray | None, fill_missing: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Drop the values not kept; with fill_missing, a bag left empty gets one id of the missing row (weight 1)."""
     n = len(lengths)
-    if keep.all() and (not fill_missing or n == 0 or lengths.min() > 0):
+    if keep is None and (not fill_missing or n == 0 or lengths.min() > 0):
         return lengths, ids, weights
+    keep = np.ones(len(ids), dtype=bool) if keep is None else keep
     parent = np.repeat(np.arange(n), lengths)[keep]
     counts = np.bincount(parent, minlength=n)
     ids, weights = ids[keep], None if weights is None else weights[keep]

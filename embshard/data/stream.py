@@ -88,12 +88,12 @@ class StreamPlan:
                 return epoch, 0, 0
 
 
-class Window:
-    """A window's rows with per-feature offsets and fixed bag sizes, ready for gathers."""
+class Part:
+    """One piece's rows (a Chunk) with per-feature bag offsets and fixed bag sizes, ready for gathers."""
 
     def __init__(self, chunk: Chunk) -> None:
         self.chunk = chunk
-        self.offsets = []
+        self.offsets: list[np.ndarray | None] = []
         self.fixed: list[int | None] = []
         for lens in chunk.lengths:
             first = int(lens[0]) if len(lens) else 0
@@ -110,59 +110,105 @@ class Window:
         return len(self.chunk)
 
     def take(self, idx: np.ndarray) -> Chunk:
-        """The given rows as a Chunk (row-major per feature), for a batch's rows carried to the next window."""
+        """The given rows as a new Chunk (a batch's rows carried over to the next window)."""
         c = self.chunk
         lengths, values, weights = [], [], ([] if c.weights is not None else None)
         for f in range(len(c.lengths)):
             lens = c.lengths[f][idx]
-            pos = self._positions(f, idx, lens)
+            pos = self.positions(f, idx, lens)
             lengths.append(lens)
             values.append(c.values[f][pos])
             if weights is not None:
                 weights.append(c.weights[f][pos])
         return Chunk(c.labels[idx], c.dense[idx], lengths, values, weights)
 
-    def _positions(self, f: int, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    def positions(self, f: int, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Positions in the feature's ids of the bags of rows idx, concatenated."""
         k = self.fixed[f]
         if k is not None:
             return (idx[:, None] * k + np.arange(k)).ravel()
         starts = self.offsets[f][idx]
-        total = int(lens.sum())
         ends = np.cumsum(lens)
-        return np.repeat(starts - (ends - lens), lens) + np.arange(total)
+        return np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
-def assemble(parts: list[tuple[Window, np.ndarray]], nf: int, weighted: bool) -> dict:
-    """One batch from rows of one or two windows, in the layout of a KeyedJaggedTensor."""
+class Window:
+    """A window's pieces, read but not concatenated: the window's rows are numbered piece after piece."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def select(self, idx: np.ndarray) -> list[tuple[Part, np.ndarray]]:
+        """Window rows idx as (part, its rows) pairs, grouped by part (so a batch's rows come in part order)."""
+        if len(self.parts) == 1:
+            return [(self.parts[0], idx)]
+        pid = (np.searchsorted(self.starts, idx, side="right") - 1).astype(np.int16)
+        order = np.argsort(pid, kind="stable")
+        cuts = np.searchsorted(pid[order], np.arange(len(self.parts) + 1))
+        out = []
+        for j, part in enumerate(self.parts):
+            rows = idx[order[cuts[j] : cuts[j + 1]]] - self.starts[j]
+            if len(rows):
+                out.append((part, rows))
+        return out
+
+
+def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool) -> dict:
+    """One batch from rows of several parts, in the layout of a KeyedJaggedTensor (ids int64)."""
     B = sum(len(idx) for _, idx in parts)
-    labels = np.concatenate([w.chunk.labels[idx] for w, idx in parts])
-    dense = np.concatenate([w.chunk.dense[idx] for w, idx in parts])
-    lens_fp = [[w.chunk.lengths[f][idx] for w, idx in parts] for f in range(nf)]
-    per_key = [int(sum(int(x.sum()) for x in lens_fp[f])) for f in range(nf)]
+    labels = np.concatenate([p.chunk.labels[idx] for p, idx in parts])
+    dense = np.concatenate([p.chunk.dense[idx] for p, idx in parts])
+    lengths = np.empty(nf * B, dtype=np.int32)
+    per_key = []
+    for f in range(nf):
+        at, total = f * B, 0
+        for p, idx in parts:
+            k = p.fixed[f]
+            if k is not None:
+                lengths[at : at + len(idx)] = k
+                total += k * len(idx)
+            else:
+                lens = p.chunk.lengths[f].take(idx, mode="clip")
+                lengths[at : at + len(idx)] = lens
+                total += int(lens.sum())
+            at += len(idx)
+        per_key.append(total)
     values = np.empty(sum(per_key), dtype=np.int64)
-    weights = np.empty(sum(per_key), dtype=np.float32) if weighted else None
+    weights = np.empty(len(values), dtype=np.float32) if weighted else None
     at = 0
     for f in range(nf):
-        for (w, idx), lens in zip(parts, lens_fp[f]):
-            k = w.fixed[f]
-            n = int(lens.sum())
+        row = f * B
+        for p, idx in parts:
+            k, src = p.fixed[f], p.chunk.values[f]
             if k is not None:
-                out = values[at : at + n].reshape(len(idx), k)
-                np.take(w.chunk.values[f].reshape(-1, k), idx, axis=0, out=out)
+                n = k * len(idx)
+                out = values[at : at + n].reshape(-1, k)
+                if src.dtype == np.int64:
+                    np.take(src.reshape(-1, k), idx, axis=0, out=out, mode="clip")
+                else:  # narrower ids (an int32 file): gather, then widen
+                    out[:] = np.take(src.reshape(-1, k), idx, axis=0, mode="clip")
                 if weighted:
-                    np.take(w.chunk.weights[f].reshape(-1, k), idx, axis=0, out=weights[at : at + n].reshape(-1, k))
+                    out = weights[at : at + n].reshape(-1, k)
+                    np.take(p.chunk.weights[f].reshape(-1, k), idx, axis=0, out=out, mode="clip")
             else:
-                pos = w._positions(f, idx, lens)
-                np.take(w.chunk.values[f], pos, out=values[at : at + n])
+                pos = p.positions(f, idx, lengths[row : row + len(idx)])
+                n = len(pos)
+                if src.dtype == np.int64:
+                    np.take(src, pos, out=values[at : at + n], mode="clip")
+                else:
+                    values[at : at + n] = np.take(src, pos, mode="clip")
                 if weighted:
-                    np.take(w.chunk.weights[f], pos, out=weights[at : at + n])
+                    np.take(p.chunk.weights[f], pos, out=weights[at : at + n], mode="clip")
             at += n
-    lengths = np.concatenate([x for f in range(nf) for x in lens_fp[f]]) if nf else np.zeros(0, np.int32)
+            row += len(idx)
     return {
         "labels": labels,
         "dense": dense,
-        "lengths": lengths.astype(np.int32, copy=False),
+        "lengths": lengths,
         "values": values,
         "weights": weights,
         "length_per_key": per_key,
@@ -187,21 +233,57 @@ class _Skips:
 
 
 def _read_window(reader: Reader, pieces: list[Piece], skips: _Skips) -> Window:
-    chunks = []
+    parts = []
     for p in pieces:
         chunk, skipped, message = reader.read(p)
         skips.add(reader.layout.files[p.group.file], skipped, message)
-        chunks.append(chunk)
-    return Window(Chunk.concat(chunks))
+        if len(chunk):
+            parts.append(Part(chunk))
+    return Window(parts)
+
+
+class _Batcher:
+    """Cuts a sequence of windows (each read in some row order) into batches of batch_size rows; rows of a batch
+    begun in one window and finished in the next are carried over as a small copy."""
+
+    def __init__(self, plan: StreamPlan) -> None:
+        self.B, self.nf, self.weighted = plan.batch_size, len(plan.spec.features), plan.spec.weighted
+        self.carry: Part | None = None
+
+    def batches(self, win: Window, order: np.ndarray, at: int) -> Iterator[tuple[dict, int]]:
+        """(batch, rows of `order` used so far) for every batch completed inside this window."""
+        while at < len(order):
+            have = len(self.carry) if self.carry is not None else 0
+            idx = order[at : at + self.B - have]
+            at += len(idx)
+            if have + len(idx) < self.B:  # the window ends inside this batch: carry its rows on
+                self._carry([(p, i) for p, i in win.select(idx)])
+                return
+            parts = win.select(idx)
+            if self.carry is not None:
+                parts = [(self.carry, np.arange(have)), *parts]
+            self.carry = None
+            yield assemble(parts, self.nf, self.weighted), at
+
+    def _carry(self, parts: list[tuple[Part, np.ndarray]]) -> None:
+        chunks = [self.carry.chunk] if self.carry is not None else []
+        chunks += [p.take(i) for p, i in parts]
+        self.carry = Part(Chunk.concat(chunks)) if chunks else None
+
+    def rest(self) -> dict | None:
+        """The carried rows as a last, short batch (evaluation), or None."""
+        if self.carry is None or not len(self.carry):
+            return None
+        batch = assemble([(self.carry, np.arange(len(self.carry)))], self.nf, self.weighted)
+        self.carry = None
+        return batch
 
 
 def train_stream(plan: StreamPlan, stream: int, cursor: Cursor) -> Iterator[dict]:
     """Stream `stream`'s training batches from `cursor` on (endless); each carries its cursor after it."""
     reader = Reader(plan.spec, plan.layout, plan.vocab)
-    nf, weighted = len(plan.spec.features), plan.spec.weighted
-    B = plan.batch_size
+    batcher = _Batcher(plan)
     skips = _Skips()
-    carry: Window | None = None  # rows of a batch begun in an earlier window, in order
     epoch, w, offset = cursor
     empty_epochs = 0
     while True:
@@ -210,19 +292,7 @@ def train_stream(plan: StreamPlan, stream: int, cursor: Cursor) -> Iterator[dict
         while w < len(windows):
             win = _read_window(reader, windows[w], skips)
             rows_this_epoch += len(win)
-            order = plan.window_order(stream, epoch, w, len(win))
-            at = offset
-            while at < len(win):
-                have = len(carry) if carry is not None else 0
-                idx = order[at : at + B - have]
-                at += len(idx)
-                if have + len(idx) < B:  # the window ends inside this batch: carry its rows on
-                    part = win.take(idx)
-                    carry = Window(part if carry is None else Chunk.concat([carry.chunk, part]))
-                    break
-                parts = [(carry, np.arange(have)), (win, idx)] if carry is not None else [(win, idx)]
-                carry = None
-                batch = assemble(parts, nf, weighted)
+            for batch, at in batcher.batches(win, plan.window_order(stream, epoch, w, len(win)), offset):
                 if at < len(win):
                     after = (epoch, w, at)
                 elif w + 1 < len(windows):
@@ -245,45 +315,32 @@ def eval_stream(plan: StreamPlan, stream: int) -> Iterator[dict]:
     """Stream `stream`'s held-out batches: its rows in order, then empty batches if bad rows were skipped, so
     that every rank yields the same number of batches."""
     reader = Reader(plan.spec, plan.layout, plan.vocab)
-    nf, weighted = len(plan.spec.features), plan.spec.weighted
-    B = plan.batch_size
+    batcher = _Batcher(plan)
     lo, hi = plan.parts[stream]
-    expected = -(-(hi - lo) // B)
+    expected = -(-(hi - lo) // plan.batch_size)
     skips = _Skips()
     sent = 0
-    carry: Window | None = None
     for piece in plan.layout.pieces(lo, hi):
         win = _read_window(reader, [piece], skips)
-        at = 0
-        while at < len(win):
-            have = len(carry) if carry is not None else 0
-            idx = np.arange(at, min(at + B - have, len(win)))
-            at += len(idx)
-            if have + len(idx) < B:
-                part = win.take(idx)
-                carry = Window(part if carry is None else Chunk.concat([carry.chunk, part]))
-                break
-            parts = [(carry, np.arange(have)), (win, idx)] if carry is not None else [(win, idx)]
-            carry = None
-            batch = assemble(parts, nf, weighted)
+        for batch, _ in batcher.batches(win, np.arange(len(win)), 0):
             batch.update(stream=stream, cursor=None, skipped=skips.take())
             sent += 1
             yield batch
     while sent < expected:
-        part = carry if carry is not None else Window(_empty_chunk(nf, len(plan.spec.dense), weighted))
-        batch = assemble([(part, np.arange(len(part)))], nf, weighted)
+        batch = batcher.rest()
+        if batch is None:
+            empty = Part(_empty_chunk(len(plan.spec.features), len(plan.spec.dense), plan.spec.weighted))
+            batch = assemble([(empty, np.arange(0))], len(plan.spec.features), plan.spec.weighted)
         batch.update(stream=stream, cursor=None, skipped=skips.take())
-        carry = None
         sent += 1
         yield batch
 
 
 def _empty_chunk(nf: int, nd: int, weighted: bool) -> Chunk:
-    z = np.zeros(0, dtype=np.int64)
     return Chunk(
         np.zeros(0, np.float32),
         np.zeros((0, nd), np.float32),
-        [z.astype(np.int32) for _ in range(nf)],
-        [z for _ in range(nf)],
+        [np.zeros(0, np.int32) for _ in range(nf)],
+        [np.zeros(0, np.int64) for _ in range(nf)],
         [np.zeros(0, np.float32) for _ in range(nf)] if weighted else None,
     )
