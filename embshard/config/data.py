@@ -72,6 +72,8 @@ class TableSourceConfig:
     """CSV/TSV without a header: the name of every field of a line, in order."""
     delimiter: str | None = None
     """CSV/TSV field delimiter (one character); null: comma for csv, tab for tsv."""
+    chunk_rows: int = 65536
+    """CSV/TSV: lines per group, the unit of reading, sharding and shuffling (Parquet files use their row groups)."""
     label_threshold: float | None = None
     """Label = 1 where the label column is >= this, else 0 (ratings to clicks); null: the column is the label, in
     [0, 1]."""
@@ -103,6 +105,8 @@ class TableSourceConfig:
             raise FieldError("delimiter", self.delimiter, "give exactly one character")
         if self.vocab_min_count < 1:
             raise FieldError("vocab_min_count", self.vocab_min_count, "it must be >= 1")
+        if self.chunk_rows < 1:
+            raise FieldError("chunk_rows", self.chunk_rows, "it must be >= 1 line")
         if self.vocab_dir is not None and self.mapping != "vocab":
             raise FieldError("vocab_dir", self.vocab_dir, f"it is read by mapping: vocab, not {self.mapping}")
         seen: dict[str, int] = {}

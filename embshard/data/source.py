@@ -53,7 +53,7 @@ def read_spec(cfg: TableSourceConfig, tables: Sequence[TableConfig], fmt: str, o
     delimiter = cfg.delimiter or ("\t" if fmt == "tsv" else ",")
     return ReadSpec(
         where, fmt, cfg.header, cfg.column_names, delimiter, cfg.label, cfg.label_threshold, cfg.dense, features,
-        cfg.mapping, any(t.weighted for t in tables), on_bad_row,
+        cfg.mapping, any(t.weighted for t in tables), on_bad_row, cfg.chunk_rows,
     )  # fmt: skip
 
 
