@@ -222,11 +222,13 @@ class Reader:
             return "skip"
 
         types: dict[str, pa.DataType] = {c: pa.string() for c in spec.columns()}
-        if not as_text:
+        if not as_text:  # typed reading; a column that is also categorical stays text (numbers are parsed from it)
+            categorical = {f.column for f in spec.features} | {f.weights for f in spec.features}
             for c in [spec.label, *(d.column for d in spec.dense)]:
-                types[c] = pa.float64()
+                if c not in categorical:
+                    types[c] = pa.float64()
             for f in spec.features:
-                if spec.mapping == "identity" and f.separator is None:
+                if spec.mapping == "identity" and f.separator is None and types[f.column] == pa.string():
                     types[f.column] = pa.int64()
         table = pacsv.read_csv(
             pa.BufferReader(data),

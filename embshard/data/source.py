@@ -110,6 +110,8 @@ class TableSource:
             held = train
             n_eval = max(1, round(train.rows * frac))
             train_range, eval_range = (0, train.rows - n_eval), (train.rows - n_eval, train.rows)
+        for layout in (train, held):
+            Reader(spec, layout)  # checks now that every file has the columns
         q_train = (train_range[1] - train_range[0]) // world_size
         q_eval = (eval_range[1] - eval_range[0]) // world_size
         self.steps_per_epoch = q_train // batch_size
@@ -193,6 +195,8 @@ class TableSource:
         batches, cursors = self._start(position)
         dataset = _Train(self.train_plan, batches, cursors)
         for d in self._load(dataset, self.train_plan.streams):
+            if "error" in d:
+                raise ConfigError(d["error"])
             cursors[d["stream"]] = d["cursor"]
             batches += 1
             yield self._batch(d, self._position(batches, cursors))
