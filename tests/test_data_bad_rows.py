@@ -133,7 +133,9 @@ def test_parquet_rows_and_identity_ranges(tmp_path):
     cols = ids_table()
     cols["id"] = pa.array([150 if i == 13 else i for i in range(40)])
     msg = first_error(parquet_source(tmp_path, pa.table(cols)))
-    assert msg.startswith(f"{tmp_path / 'p.parquet'}, row 13 (counting from 0): column 'id'=150: an id must be in "), msg
+    assert msg.startswith(f"{tmp_path / 'p.parquet'}, row 13 (counting from 0): column 'id'=150: an id must be in "), (
+        msg
+    )
     assert "[0, 100) (table 't_id' has 100 rows)" in msg
     cols = ids_table()
     cols["ids"] = pa.array([[i, -1 if i == 7 else i] for i in range(40)])

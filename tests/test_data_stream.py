@@ -105,7 +105,9 @@ def test_worker_processes_give_the_in_process_round_robin(rows_file):
     src = source(path, n, batch=40, workers=3, shuffle_rows=200)
     assert src.train_plan.streams == 3
     with_workers = list(itertools.islice(src.train_batches(5), 30))
-    here = list(itertools.islice(iter(_Train(src.train_plan, 5, [tuple(c) for c in src.position_at(5)["streams"]])), 30))
+    here = list(
+        itertools.islice(iter(_Train(src.train_plan, 5, [tuple(c) for c in src.position_at(5)["streams"]])), 30)
+    )
     for a, b in zip(with_workers, here):
         assert a.sparse.values().tolist() == b["values"].tolist()
         assert a.labels.tolist() == b["labels"].tolist()

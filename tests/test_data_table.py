@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from test_data import expected_row, ref_hash
 
 from embshard.config import load_config
 from embshard.data import build_source
 from embshard.data.preprocess import main as preprocess_main
 from embshard.tables import ConfigError
-from test_data import expected_row, ref_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 
