@@ -79,6 +79,7 @@ class Chunk:
     lengths: list[np.ndarray]
     values: list[np.ndarray]
     weights: list[np.ndarray] | None
+    fixed: list[int | None] | None = None  # per feature: the size of every bag, when known to be one size
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -94,6 +95,7 @@ class Chunk:
             [np.concatenate([c.lengths[f] for c in chunks]) for f in range(nf)],
             [np.concatenate([c.values[f] for c in chunks]) for f in range(nf)],
             None if chunks[0].weights is None else [np.concatenate([c.weights[f] for c in chunks]) for f in range(nf)],
+            [_same([c.fixed[f] if c.fixed else None for c in chunks]) for f in range(nf)],
         )
 
     def keep(self, mask: np.ndarray) -> Chunk:
@@ -105,7 +107,12 @@ class Chunk:
             [lens[mask] for lens in self.lengths],
             [v[m] for v, m in zip(self.values, per_value)],
             None if self.weights is None else [w[m] for w, m in zip(self.weights, per_value)],
+            self.fixed,
         )
+
+
+def _same(sizes: list[int | None]) -> int | None:
+    return sizes[0] if sizes[0] is not None and all(k == sizes[0] for k in sizes) else None
 
 
 class BadRows:
@@ -168,6 +175,12 @@ def numbers(arr: pa.Array, column: str, where: str, bad: BadRows, integer: bool 
     raise ConfigError(
         f"{where}: column {column!r} has type {t}; expected {'integers' if integer else 'numbers'} (or text of them)"
     )
+
+
+def _array(table: pa.Table, name: str) -> pa.Array:
+    """One column as a single array (without a copy when it is one chunk, as a row group read gives it)."""
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
 def to_float(arr: pa.Array) -> np.ndarray:
@@ -311,7 +324,7 @@ class Reader:
         for f in self.spec.features:
             if f.column in out:
                 continue
-            _, flat = self.split(table, f.column, f.separator)
+            _, flat, _ = self.split(table, f.column, f.separator)
             text = as_text(flat)
             out[f.column] = text.filter(pc.fill_null(pc.greater(pc.binary_length(text), 0), False))
         return out
@@ -319,7 +332,7 @@ class Reader:
     def convert(self, table: pa.Table, bad: BadRows) -> Chunk:
         spec = self.spec
         n = table.num_rows
-        label = to_float(numbers(table.column(spec.label).combine_chunks(), spec.label, spec.where, bad))
+        label = to_float(numbers(_array(table, spec.label), spec.label, spec.where, bad))
         if spec.label_threshold is not None:
             bad.add(np.isnan(label), spec.label, None, "the label is missing")
             label = (label >= spec.label_threshold).astype(np.float32)
@@ -330,7 +343,7 @@ class Reader:
             bad.add(out, spec.label, label, "a label must be in [0, 1] (set label_threshold to binarize)")
         dense = np.empty((n, len(spec.dense)), dtype=np.float32)
         for j, d in enumerate(spec.dense):
-            x = to_float(numbers(table.column(d.column).combine_chunks(), d.column, spec.where, bad))
+            x = to_float(numbers(_array(table, d.column), d.column, spec.where, bad))
             if not np.isfinite(x).all():
                 bad.add(np.isinf(x), d.column, x, "a dense value must be finite")
                 x = np.where(np.isfinite(x), x, d.fill)
@@ -342,19 +355,20 @@ class Reader:
                     x = np.where(x > -1, x, 0.0)
                 x = np.log1p(x)
             dense[:, j] = x
-        lengths, values, weights = [], [], ([] if spec.weighted else None)
+        lengths, values, weights, fixed = [], [], ([] if spec.weighted else None), []
         for f in spec.features:
-            lens, ids, w = self.bags(table, f, bad)
+            lens, ids, w, size = self.bags(table, f, bad)
             lengths.append(lens.astype(np.int32, copy=False))
             values.append(ids)
+            fixed.append(size)
             if weights is not None:
                 weights.append(w if w is not None else np.ones(len(ids), dtype=np.float32))
-        return Chunk(label.astype(np.float32, copy=False), dense, lengths, values, weights)
+        return Chunk(label.astype(np.float32, copy=False), dense, lengths, values, weights, fixed)
 
-    def split(self, table: pa.Table, column: str, separator: str | None) -> tuple[np.ndarray, pa.Array]:
-        """A column as bags: lengths [n] (int64) and the flat values (nulls kept), for lists, separator text,
-        packed fixed-width ids or single values."""
-        col = table.column(column).combine_chunks()
+    def split(self, table: pa.Table, column: str, separator: str | None) -> tuple[np.ndarray, pa.Array, int | None]:
+        """A column as bags: lengths [n] (int32), the flat values (nulls kept) and the size of every bag when it
+        is one size by construction; for lists, separator text, packed fixed-width ids or single values."""
+        col = _array(table, column)
         t = col.type
         n = len(col)
         if separator is not None:
@@ -363,26 +377,28 @@ class Reader:
             col = pc.split_pattern(col, separator)
             t = col.type
         if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-            lengths = np.asarray(pc.fill_null(pc.list_value_length(col), 0), dtype=np.int64)
-            return lengths, pc.list_flatten(col)
+            lengths = np.asarray(pc.fill_null(pc.list_value_length(col), 0)).astype(np.int32, copy=False)
+            k = t.list_size if pa.types.is_fixed_size_list(t) and not col.null_count else None
+            return lengths, pc.list_flatten(col), k
         meta = table.schema.field(column).metadata or {}
         if pa.types.is_fixed_size_binary(t) and PACKED_KEY in meta:
             width = np.dtype(meta[PACKED_KEY].decode()).itemsize
             k = t.byte_width // width
             flat = np.frombuffer(col.buffers()[1], dtype="<" + meta[PACKED_KEY].decode()[0] + str(width))
             flat = flat[col.offset * k : (col.offset + n) * k]
-            lengths = np.full(n, k, dtype=np.int64)
+            lengths = np.full(n, k, dtype=np.int32)
             if col.null_count:
                 valid = np.asarray(col.is_valid())
                 lengths[~valid] = 0
-                flat = flat[np.repeat(valid, k)]
-            return lengths, pa.array(flat)
-        return np.ones(n, dtype=np.int64), col
+                return lengths, pa.array(flat[np.repeat(valid, k)]), None
+            return lengths, pa.array(flat), k
+        return np.ones(n, dtype=np.int32), col, 1
 
-    def bags(self, table: pa.Table, f: FeatureSpec, bad: BadRows) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """One feature's bag lengths [n], table rows (int64) and per-id weights (float32 or None)."""
+    def bags(self, table: pa.Table, f: FeatureSpec, bad: BadRows) -> tuple:
+        """One feature's bag lengths [n] (int32), table rows, per-id weights (float32 or None), and the size of
+        every bag when it is one size by construction (else None)."""
         spec = self.spec
-        lengths, flat = self.split(table, f.column, f.separator)
+        lengths, flat, size = self.split(table, f.column, f.separator)
         values_bad = BadRows(len(flat))
         if spec.mapping == "identity":
             native = flat.type in (pa.int32(), pa.int64())  # kept as they are (widened when a batch is gathered)
@@ -415,13 +431,14 @@ class Reader:
             weights = self.weights(table, f, lengths, values_bad, bad)
         if values_bad.first is not None:
             _to_rows(values_bad, bad, np.repeat(np.arange(len(lengths)), lengths))
-        return _finish_bags(lengths, ids, weights, keep, spec.mapping != "identity")
+        bags = _finish_bags(lengths, ids, weights, keep, spec.mapping != "identity")
+        return (*bags, size if bags[0] is lengths else None)
 
     def weights(
         self, table: pa.Table, f: FeatureSpec, lengths: np.ndarray, values_bad: BadRows, bad: BadRows
     ) -> np.ndarray:
         """Per-id weights aligned with the ids; a row whose weights do not match its ids is bad (weights 1)."""
-        wlens, wflat = self.split(table, f.weights, f.separator)
+        wlens, wflat, _ = self.split(table, f.weights, f.separator)
         w = to_float(numbers(wflat, f.weights, self.spec.where, BadRows(len(wflat))))
         match = wlens == lengths
         out = np.ones(int(lengths.sum()), dtype=np.float32)
@@ -455,7 +472,7 @@ def _finish_bags(
         return lengths, ids, weights
     keep = np.ones(len(ids), dtype=bool) if keep is None else keep
     parent = np.repeat(np.arange(n), lengths)[keep]
-    counts = np.bincount(parent, minlength=n)
+    counts = np.bincount(parent, minlength=n).astype(np.int32)
     ids, weights = ids[keep], None if weights is None else weights[keep]
     if not fill_missing or counts.min(initial=1) > 0:
         return counts, ids, weights

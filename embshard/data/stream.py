@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from embshard.data.decode import Chunk, Reader, ReadSpec
 from embshard.data.layout import Layout, Piece
@@ -88,6 +89,9 @@ class StreamPlan:
                 return epoch, 0, 0
 
 
+STACK_MAX = 4  # fixed bags up to this size are stacked row-major (larger bags are already contiguous runs)
+
+
 class Part:
     """One piece's rows (a Chunk) with per-feature bag offsets and fixed bag sizes, ready for gathers."""
 
@@ -95,9 +99,12 @@ class Part:
         self.chunk = chunk
         self.offsets: list[np.ndarray | None] = []
         self.fixed: list[int | None] = []
-        for lens in chunk.lengths:
-            first = int(lens[0]) if len(lens) else 0
-            fixed = first if first > 0 and (lens == first).all() else None
+        for f, lens in enumerate(chunk.lengths):
+            fixed = chunk.fixed[f] if chunk.fixed else None
+            if fixed is None:  # not known from the decoding: look
+                first = int(lens[0]) if len(lens) else 0
+                fixed = first if first > 0 and (lens == first).all() else None
+            fixed = fixed or None  # bags of size 0: the jagged path
             self.fixed.append(fixed)
             if fixed is None:
                 off = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -105,9 +112,32 @@ class Part:
                 self.offsets.append(off)
             else:
                 self.offsets.append(None)
+        # the fixed-size features of an unweighted chunk, side by side in one row-major int64 matrix: a batch's
+        # random rows are then gathered as whole rows (one or two cache lines for 26 one-hot ids, instead of 26)
+        self.matrix: np.ndarray | None = None
+        self.column: list[int | None] = [None] * len(self.fixed)
+        small = [f for f, k in enumerate(self.fixed) if k is not None and k <= STACK_MAX]
+        stacked = small if chunk.weights is None else []
+        if len(stacked) >= 2:
+            n = len(chunk)
+            self.matrix = np.empty((n, sum(self.fixed[f] for f in stacked)), dtype=np.int64)
+            at = 0
+            for f in stacked:
+                k = self.fixed[f]
+                self.matrix[:, at : at + k] = chunk.values[f].reshape(n, k)
+                self.column[f] = at
+                chunk.values[f] = None  # the matrix holds them now
+                at += k
 
     def __len__(self) -> int:
         return len(self.chunk)
+
+    def ids(self, f: int, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """The ids of feature f in rows idx, concatenated."""
+        c = self.column[f]
+        if c is not None:
+            return self.matrix[idx, c : c + self.fixed[f]].ravel()
+        return self.chunk.values[f][self.positions(f, idx, lens)]
 
     def take(self, idx: np.ndarray) -> Chunk:
         """The given rows as a new Chunk (a batch's rows carried over to the next window)."""
@@ -115,12 +145,11 @@ class Part:
         lengths, values, weights = [], [], ([] if c.weights is not None else None)
         for f in range(len(c.lengths)):
             lens = c.lengths[f][idx]
-            pos = self.positions(f, idx, lens)
             lengths.append(lens)
-            values.append(c.values[f][pos])
+            values.append(self.ids(f, idx, lens))
             if weights is not None:
-                weights.append(c.weights[f][pos])
-        return Chunk(c.labels[idx], c.dense[idx], lengths, values, weights)
+                weights.append(c.weights[f][self.positions(f, idx, lens)])
+        return Chunk(c.labels[idx], c.dense[idx], lengths, values, weights, list(self.fixed))
 
     def positions(self, f: int, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Positions in the feature's ids of the bags of rows idx, concatenated."""
@@ -157,34 +186,79 @@ class Window:
         return out
 
 
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
+
+
+def _arrays(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[dict, dict[str, np.ndarray]]:
+    """New arrays {key: (shape, dtype)}: the values to put in a batch, and numpy views to fill them. In a worker
+    process they are tensors carved out of one block of shared memory, so that sending the batch to the training
+    process copies nothing and passes one file descriptor (the DataLoader would copy each tensor into shared
+    memory of its own and pass one descriptor for each)."""
+    if torch.utils.data.get_worker_info() is None:
+        arrays = {k: np.empty(shape, dtype=dt) for k, (shape, dt) in specs.items()}
+        return arrays, arrays
+    offsets, total = {}, 0
+    for k, (shape, dt) in specs.items():
+        total = -(-total // 8) * 8  # 8-byte aligned
+        offsets[k] = total
+        total += int(np.prod(shape)) * np.dtype(dt).itemsize
+    storage = torch.UntypedStorage._new_shared(max(total, 8))
+    tensors, views = {}, {}
+    for k, (shape, dt) in specs.items():
+        dt = np.dtype(dt)
+        t = torch.empty(0, dtype=_TORCH[dt]).set_(storage, offsets[k] // dt.itemsize, shape)
+        tensors[k], views[k] = t, t.numpy()
+    return tensors, views
+
+
 def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool) -> dict:
     """One batch from rows of several parts, in the layout of a KeyedJaggedTensor (ids int64)."""
     B = sum(len(idx) for _, idx in parts)
-    labels = np.concatenate([p.chunk.labels[idx] for p, idx in parts])
-    dense = np.concatenate([p.chunk.dense[idx] for p, idx in parts])
-    lengths = np.empty(nf * B, dtype=np.int32)
+    nd = parts[0][0].chunk.dense.shape[1] if parts else 0
+    lens_fp: list[list[np.ndarray | None]] = []  # per feature and part: bag lengths, None when fixed
     per_key = []
     for f in range(nf):
-        at, total = f * B, 0
+        row, total = [], 0
         for p, idx in parts:
             k = p.fixed[f]
             if k is not None:
-                lengths[at : at + len(idx)] = k
+                row.append(None)
                 total += k * len(idx)
             else:
                 lens = p.chunk.lengths[f].take(idx, mode="clip")
-                lengths[at : at + len(idx)] = lens
+                row.append(lens)
                 total += int(lens.sum())
-            at += len(idx)
+        lens_fp.append(row)
         per_key.append(total)
-    values = np.empty(sum(per_key), dtype=np.int64)
-    weights = np.empty(len(values), dtype=np.float32) if weighted else None
+    n_ids = sum(per_key)
+    specs = {"labels": ((B,), np.float32), "dense": ((B, nd), np.float32), "lengths": ((nf * B,), np.int32)}
+    specs["values"] = ((n_ids,), np.int64)
+    if weighted:
+        specs["weights"] = ((n_ids,), np.float32)
+    batch, out = _arrays(specs)
+    batch.update(size=B, length_per_key=per_key)
+    batch.setdefault("weights", None)
+    labels, dense, lengths, values = out["labels"], out["dense"], out["lengths"], out["values"]
+    weights = out.get("weights")
+    at = 0
+    for p, idx in parts:
+        np.take(p.chunk.labels, idx, out=labels[at : at + len(idx)], mode="clip")
+        np.take(p.chunk.dense, idx, axis=0, out=dense[at : at + len(idx)], mode="clip")
+        at += len(idx)
     at = 0
     for f in range(nf):
-        row = f * B
-        for p, idx in parts:
+        for (p, idx), lens in zip(parts, lens_fp[f]):
+            lengths[at : at + len(idx)] = p.fixed[f] if lens is None else lens
+            at += len(idx)
+    rows = [None if p.matrix is None else np.take(p.matrix, idx, axis=0, mode="clip") for p, idx in parts]
+    at = 0
+    for f in range(nf):
+        for (p, idx), gathered, lens in zip(parts, rows, lens_fp[f]):
             k, src = p.fixed[f], p.chunk.values[f]
-            if k is not None:
+            if p.column[f] is not None:
+                n = k * len(idx)
+                values[at : at + n].reshape(-1, k)[:] = gathered[:, p.column[f] : p.column[f] + k]
+            elif k is not None:
                 n = k * len(idx)
                 out = values[at : at + n].reshape(-1, k)
                 if src.dtype == np.int64:
@@ -195,7 +269,7 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool) -> d
                     out = weights[at : at + n].reshape(-1, k)
                     np.take(p.chunk.weights[f].reshape(-1, k), idx, axis=0, out=out, mode="clip")
             else:
-                pos = p.positions(f, idx, lengths[row : row + len(idx)])
+                pos = p.positions(f, idx, lens)
                 n = len(pos)
                 if src.dtype == np.int64:
                     np.take(src, pos, out=values[at : at + n], mode="clip")
@@ -204,16 +278,7 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool) -> d
                 if weighted:
                     np.take(p.chunk.weights[f], pos, out=weights[at : at + n], mode="clip")
             at += n
-            row += len(idx)
-    return {
-        "labels": labels,
-        "dense": dense,
-        "lengths": lengths,
-        "values": values,
-        "weights": weights,
-        "length_per_key": per_key,
-        "size": B,
-    }
+    return batch
 
 
 class _Skips:
