@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for embshard train")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every core)")
-    ap.add_argument("--part-rows", type=int, default=1 << 22, help="rows per output file, at most (input groups)")
+    ap.add_argument("--part-rows", type=int, default=1 << 20, help="rows per output file, at most (whole input groups)")
     ap.add_argument("--compression", default="lz4", help="Parquet compression: lz4, zstd, snappy, none")
     ap.add_argument("--vocab-only", action="store_true", help="only count the vocabulary into OUT/vocab")
     ap.add_argument("--overwrite", action="store_true", help="start over in an OUT made with another configuration")
