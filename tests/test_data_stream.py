@@ -100,11 +100,15 @@ def test_shuffled_rows_stay_whole_and_resume_exactly(rows_file, workers):
         next(other.train_batches(got[k - 1].position))
 
 
-def test_worker_processes_give_the_in_process_round_robin(rows_file):
+@pytest.mark.parametrize("slots", [False, True], ids=["fresh-blocks", "reused-slots"])
+def test_worker_processes_give_the_in_process_round_robin(rows_file, slots):
+    """Batches from workers (fresh shared memory per batch on CPU; reused slots, as with CUDA, where the pin copy
+    is a plain copy here) equal the same streams read in this process."""
     path, n = rows_file
-    src = source(path, n, batch=40, workers=3, shuffle_rows=200)
+    src = source(path, n, batch=40, workers=3, shuffle_rows=200, prefetch=2)
+    src.pin = slots  # on a CPU machine the DataLoader does not pin: SlotBatch.take copies
     assert src.train_plan.streams == 3
-    with_workers = list(itertools.islice(src.train_batches(5), 30))
+    with_workers = list(itertools.islice(src.train_batches(5), 30))  # 10 batches a worker: each slot reused
     here = list(
         itertools.islice(iter(_Train(src.train_plan, 5, [tuple(c) for c in src.position_at(5)["streams"]])), 30)
     )

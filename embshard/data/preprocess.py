@@ -281,7 +281,7 @@ def preprocess(args: argparse.Namespace) -> dict:
     bar.reset(total=total)
     results = []
     with ctx.Pool(workers, _init, (state,)) as pool:
-        for r in pool.imap_unordered(run_task, todo):
+        for r in pool.imap(run_task, todo):  # in order: the first bad part in file order is the one reported
             results.append(r)
             bar.update(r["rows"] + r["skipped"])
     bar.close()

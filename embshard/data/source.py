@@ -23,6 +23,7 @@ from embshard.config.schema import FieldError
 from embshard.data.common import Batch
 from embshard.data.decode import FeatureSpec, Reader, ReadSpec
 from embshard.data.layout import Layout, detect_format, resolve_files, scan
+from embshard.data.slots import SlotBatch, Slots, SlotWriter, fresh_shared_arrays
 from embshard.data.stream import StreamPlan, eval_stream, train_stream
 from embshard.data.vocab import Counter, VocabLookup, read_vocab
 from embshard.tables import ConfigError, TableConfig
@@ -193,8 +194,8 @@ class TableSource:
     def train_batches(self, position: dict | int | None = None) -> Iterator[Batch]:
         """Training batches from `position` on (endless); each carries the position after it."""
         batches, cursors = self._start(position)
-        dataset = _Train(self.train_plan, batches, cursors)
-        for d in self._load(dataset, self.train_plan.streams):
+        make = lambda slots: _Train(self.train_plan, batches, list(cursors), slots)  # noqa: E731
+        for d in self._load(make, self.train_plan.streams):
             if "error" in d:
                 raise ConfigError(d["error"])
             cursors[d["stream"]] = d["cursor"]
@@ -203,17 +204,24 @@ class TableSource:
 
     def eval_batches(self) -> Iterator[Batch]:
         """Every held-out row of this rank once (the same number of batches on every rank)."""
-        for d in self._load(_Eval(self.eval_plan), self.eval_plan.streams):
+        for d in self._load(lambda slots: _Eval(self.eval_plan, slots), self.eval_plan.streams):
             yield self._batch(d, None)
 
-    def _load(self, dataset: torch.utils.data.IterableDataset, streams: int) -> Iterator[dict]:
+    def _load(self, make, streams: int) -> Iterator[dict]:
+        """Batch dicts of the dataset `make(slots)`: read here (workers 0) or by `streams` worker processes."""
         if self.workers == 0:
-            yield from dataset
+            yield from make(None)
             return
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, num_workers=streams, pin_memory=self.pin, prefetch_factor=self.prefetch
-        )
-        yield from loader
+        if not self.pin:  # CPU training: a fresh block of shared memory per batch, used as it is
+            yield from torch.utils.data.DataLoader(
+                make(None), batch_size=None, num_workers=streams, prefetch_factor=self.prefetch
+            )
+            return
+        with Slots(streams, self.prefetch + 2) as slots:  # CUDA: reused slots, copied out into pinned memory
+            loader = torch.utils.data.DataLoader(
+                make(slots), batch_size=None, num_workers=streams, pin_memory=True, prefetch_factor=self.prefetch
+            )
+            yield from loader
 
     def _batch(self, d: dict, position: dict | None) -> Batch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -229,8 +237,11 @@ class TableSource:
                     flush=True,
                 )
             self.skipped_rows[path] = self.skipped_rows.get(path, 0) + count
-        t = {k: torch.as_tensor(d[k]) for k in ("labels", "dense", "lengths", "values") if d[k] is not None}
-        weights = None if d["weights"] is None else torch.as_tensor(d["weights"])
+        if "slot" in d:  # from a worker: copy out of its shared-memory slot (already done when pinned)
+            arrays = d.pop("slot")
+            d.update(arrays.take() if isinstance(arrays, SlotBatch) else arrays)
+        t = {k: torch.as_tensor(d[k]) for k in ("labels", "dense", "lengths", "values")}
+        weights = None if d.get("weights") is None else torch.as_tensor(d["weights"])
         kjt = KeyedJaggedTensor(
             keys=self.keys,
             values=t["values"],
@@ -241,6 +252,11 @@ class TableSource:
         )
         batch = Batch(t["dense"], kjt, t["labels"], position)
         return batch.pin_memory() if self.pin and self.workers == 0 else batch
+
+
+def _writer(slots: Slots | None, worker: int):
+    """How a worker makes a batch's arrays: in its shared-memory slots (pinned loading) or fresh shared memory."""
+    return fresh_shared_arrays if slots is None else SlotWriter(slots, worker)
 
 
 def _guard(items: Iterator[dict]) -> Iterator[dict]:
@@ -254,15 +270,15 @@ def _guard(items: Iterator[dict]) -> Iterator[dict]:
 class _Train(torch.utils.data.IterableDataset):
     """Worker i of N serves stream (batches + i) mod N, so the round robin continues where the position left it."""
 
-    def __init__(self, plan: StreamPlan, batches: int, cursors: list) -> None:
-        self.plan, self.batches, self.cursors = plan, batches, cursors
+    def __init__(self, plan: StreamPlan, batches: int, cursors: list, slots: Slots | None = None) -> None:
+        self.plan, self.batches, self.cursors, self.slots = plan, batches, cursors, slots
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         n = self.plan.streams
         if info is not None:
             j = (self.batches + info.id) % n
-            yield from _guard(train_stream(self.plan, j, self.cursors[j]))
+            yield from _guard(train_stream(self.plan, j, self.cursors[j], _writer(self.slots, info.id)))
             return
         its = [_guard(train_stream(self.plan, j, self.cursors[j])) for j in range(n)]
         k = self.batches
@@ -272,13 +288,13 @@ class _Train(torch.utils.data.IterableDataset):
 
 
 class _Eval(torch.utils.data.IterableDataset):
-    def __init__(self, plan: StreamPlan) -> None:
-        self.plan = plan
+    def __init__(self, plan: StreamPlan, slots: Slots | None = None) -> None:
+        self.plan, self.slots = plan, slots
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         if info is not None:
-            yield from _guard(eval_stream(self.plan, info.id))
+            yield from _guard(eval_stream(self.plan, info.id, _writer(self.slots, info.id)))
             return
         its = [_guard(eval_stream(self.plan, j)) for j in range(self.plan.streams)]
         active = list(range(len(its)))

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from embshard.data.decode import Chunk, Reader, ReadSpec
 from embshard.data.layout import Layout, Piece
@@ -186,33 +185,16 @@ class Window:
         return out
 
 
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
+def local_arrays(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[dict, dict[str, np.ndarray]]:
+    """New arrays {key: (shape, dtype)} in this process: (items for the batch dict, the same arrays to fill).
+    Worker processes write into shared-memory slots instead (data/slots.py)."""
+    arrays = {k: np.empty(shape, dtype=dt) for k, (shape, dt) in specs.items()}
+    return arrays, arrays
 
 
-def _arrays(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[dict, dict[str, np.ndarray]]:
-    """New arrays {key: (shape, dtype)}: the values to put in a batch, and numpy views to fill them. In a worker
-    process they are tensors carved out of one block of shared memory, so that sending the batch to the training
-    process copies nothing and passes one file descriptor (the DataLoader would copy each tensor into shared
-    memory of its own and pass one descriptor for each)."""
-    if torch.utils.data.get_worker_info() is None:
-        arrays = {k: np.empty(shape, dtype=dt) for k, (shape, dt) in specs.items()}
-        return arrays, arrays
-    offsets, total = {}, 0
-    for k, (shape, dt) in specs.items():
-        total = -(-total // 8) * 8  # 8-byte aligned
-        offsets[k] = total
-        total += int(np.prod(shape)) * np.dtype(dt).itemsize
-    storage = torch.UntypedStorage._new_shared(max(total, 8))
-    tensors, views = {}, {}
-    for k, (shape, dt) in specs.items():
-        dt = np.dtype(dt)
-        t = torch.empty(0, dtype=_TORCH[dt]).set_(storage, offsets[k] // dt.itemsize, shape)
-        tensors[k], views[k] = t, t.numpy()
-    return tensors, views
-
-
-def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool) -> dict:
-    """One batch from rows of several parts, in the layout of a KeyedJaggedTensor (ids int64)."""
+def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, alloc=local_arrays) -> dict:
+    """One batch from rows of several parts, in the layout of a KeyedJaggedTensor (ids int64); `alloc` makes the
+    output arrays (local_arrays, or a worker's shared-memory slot)."""
     B = sum(len(idx) for _, idx in parts)
     nd = parts[0][0].chunk.dense.shape[1] if parts else 0
     lens_fp: list[list[np.ndarray | None]] = []  # per feature and part: bag lengths, None when fixed
@@ -235,7 +217,7 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool) -> d
     specs["values"] = ((n_ids,), np.int64)
     if weighted:
         specs["weights"] = ((n_ids,), np.float32)
-    batch, out = _arrays(specs)
+    batch, out = alloc(specs)
     batch.update(size=B, length_per_key=per_key)
     batch.setdefault("weights", None)
     labels, dense, lengths, values = out["labels"], out["dense"], out["lengths"], out["values"]
@@ -311,8 +293,9 @@ class _Batcher:
     """Cuts a sequence of windows (each read in some row order) into batches of batch_size rows; rows of a batch
     begun in one window and finished in the next are carried over as a small copy."""
 
-    def __init__(self, plan: StreamPlan) -> None:
+    def __init__(self, plan: StreamPlan, alloc) -> None:
         self.B, self.nf, self.weighted = plan.batch_size, len(plan.spec.features), plan.spec.weighted
+        self.alloc = alloc
         self.carry: Part | None = None
 
     def batches(self, win: Window, order: np.ndarray, at: int) -> Iterator[tuple[dict, int]]:
@@ -328,7 +311,7 @@ class _Batcher:
             if self.carry is not None:
                 parts = [(self.carry, np.arange(have)), *parts]
             self.carry = None
-            yield assemble(parts, self.nf, self.weighted), at
+            yield assemble(parts, self.nf, self.weighted, self.alloc), at
 
     def _carry(self, parts: list[tuple[Part, np.ndarray]]) -> None:
         chunks = [self.carry.chunk] if self.carry is not None else []
@@ -339,15 +322,15 @@ class _Batcher:
         """The carried rows as a last, short batch (evaluation), or None."""
         if self.carry is None or not len(self.carry):
             return None
-        batch = assemble([(self.carry, np.arange(len(self.carry)))], self.nf, self.weighted)
+        batch = assemble([(self.carry, np.arange(len(self.carry)))], self.nf, self.weighted, self.alloc)
         self.carry = None
         return batch
 
 
-def train_stream(plan: StreamPlan, stream: int, cursor: Cursor) -> Iterator[dict]:
+def train_stream(plan: StreamPlan, stream: int, cursor: Cursor, alloc=local_arrays) -> Iterator[dict]:
     """Stream `stream`'s training batches from `cursor` on (endless); each carries its cursor after it."""
     reader = Reader(plan.spec, plan.layout, plan.vocab)
-    batcher = _Batcher(plan)
+    batcher = _Batcher(plan, alloc)
     skips = _Skips()
     epoch, w, offset = cursor
     empty_epochs = 0
@@ -376,11 +359,11 @@ def train_stream(plan: StreamPlan, stream: int, cursor: Cursor) -> Iterator[dict
         epoch, w = epoch + 1, 0
 
 
-def eval_stream(plan: StreamPlan, stream: int) -> Iterator[dict]:
+def eval_stream(plan: StreamPlan, stream: int, alloc=local_arrays) -> Iterator[dict]:
     """Stream `stream`'s held-out batches: its rows in order, then empty batches if bad rows were skipped, so
     that every rank yields the same number of batches."""
     reader = Reader(plan.spec, plan.layout, plan.vocab)
-    batcher = _Batcher(plan)
+    batcher = _Batcher(plan, alloc)
     lo, hi = plan.parts[stream]
     expected = -(-(hi - lo) // plan.batch_size)
     skips = _Skips()
@@ -395,7 +378,7 @@ def eval_stream(plan: StreamPlan, stream: int) -> Iterator[dict]:
         batch = batcher.rest()
         if batch is None:
             empty = Part(_empty_chunk(len(plan.spec.features), len(plan.spec.dense), plan.spec.weighted))
-            batch = assemble([(empty, np.arange(0))], len(plan.spec.features), plan.spec.weighted)
+            batch = assemble([(empty, np.arange(0))], len(plan.spec.features), plan.spec.weighted, alloc)
         batch.update(stream=stream, cursor=None, skipped=skips.take())
         sent += 1
         yield batch
