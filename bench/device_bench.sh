@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp}
 steps=${STEPS:-100}
-baseline=shared/baselines/torchrec_dmp.py   # copy of ../shared/baselines, carried to the device
+baseline=bench/baselines/torchrec_dmp.py   # copy of ../shared/baselines
 run() { echo "+ torchrun --nproc-per-node=2 $* --steps $steps"; timeout 300 python3 -m torch.distributed.run --nproc-per-node=2 "$@" --steps $steps 2>&1 | grep -E "ms/step|plan|probe|Error|error" | grep -vE "Warn|WARNING"; }
 es() { local w=$1; shift; run bench/embshard_dmp.py --workload $w --plan planner --save-plan $out/plan_$w.yaml "$@"
        if [ -n "${TOPOLOGY:-}" ]; then run bench/embshard_dmp.py --workload $w --plan planner --topology $TOPOLOGY --save-plan $out/plan_${w}_calibrated.yaml "$@"; fi; }

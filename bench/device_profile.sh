@@ -7,9 +7,9 @@ out=${OUT:-/tmp}
 prof() { echo "+ profile $*"; timeout 200 python3 -m torch.distributed.run --nproc-per-node=2 bench/profile_step.py "$@" --steps 10 2>&1 | grep -vE "Warn|WARN|USDT|fx_tracing|^\*|OMP_NUM" | tee -a $out/profile.log | grep -E "ms/step|syncs|Self CUDA time total|Self CPU time total|plan"; }
 for w in ${@:-uniform26 hetero124}; do
   case $w in
-    hetero124) prof shared/baselines/torchrec_dmp.py --workload hetero124 --hbm-gib 130 --force small-dp
+    hetero124) prof bench/baselines/torchrec_dmp.py --workload hetero124 --hbm-gib 130 --force small-dp
                prof bench/embshard_dmp.py --workload hetero124 --plan planner ;;
-    *)         prof shared/baselines/torchrec_dmp.py --workload $w
+    *)         prof bench/baselines/torchrec_dmp.py --workload $w
                prof bench/embshard_dmp.py --workload $w --plan planner ;;
   esac
 done

@@ -32,7 +32,8 @@ WORKLOADS = {
 
 def make_plan(args, tables, world: int, tier, batch: int, opt):
     """(plan, planner report or None)."""
-    from embshard.plan import ShardingPlan, ShardingType, simple_plan
+    from embshard.plan import ShardingPlan, ShardingType
+    from embshard.planner import simple_plan
 
     if args.plan == "simple":
         return simple_plan(tables, world, tier=tier), None

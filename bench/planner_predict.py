@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType, simple_plan  # noqa: E402
-from embshard.planner import PlanReport, Topology, plan_with_report, predict  # noqa: E402
-from embshard.planner.inputs import PlannerInput, load_planner_input  # noqa: E402
+from embshard.plan import MemoryTier, ShardingPlan, ShardingType  # noqa: E402
+from embshard.planner import PlanReport, Topology, plan_with_report, predict, simple_plan  # noqa: E402
+from embshard.planner.tools.inputs import PlannerInput, load_planner_input  # noqa: E402
 from embshard.planner.topology import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

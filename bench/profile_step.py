@@ -2,7 +2,7 @@
 profiler slows the step; use it to find host syncs, copies and idle GPU time, then time without it).
 
     torchrun --nproc-per-node=2 bench/profile_step.py bench/embshard_dmp.py --workload uniform26 --steps 10
-    torchrun --nproc-per-node=2 bench/profile_step.py shared/baselines/torchrec_dmp.py --workload uniform26 --steps 10
+    torchrun --nproc-per-node=2 bench/profile_step.py bench/baselines/torchrec_dmp.py --workload uniform26 --steps 10
 
 Prints, for rank 0: the top operators by self CUDA time and by self CPU time, and the count of device-to-host
 syncs; writes a Chrome trace to $OUT/trace_<script>.json.gz when $OUT is set.

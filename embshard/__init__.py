@@ -1,9 +1,10 @@
 """embshard: sharded embedding tables on FBGEMM TBE kernels."""
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, simple_plan
+from embshard.options import BoundsCheck, LookupOptions, OutputDtype
+from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.planner.simple import simple_plan
 from embshard.tables import ConfigError, DataType, Pooling, TableConfig
-from embshard.tiers import BoundsCheck, LookupOptions, OutputDtype
 
 __all__ = [
     "BoundsCheck",

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 
+from embshard.ops import cached_tensor, feature_of_ids
+from embshard.options import BoundsCheck
 from embshard.tables import TableConfig
-from embshard.tiers import BoundsCheck
 
 
 class DroppedIdsWarning(RuntimeWarning):
@@ -35,8 +36,8 @@ def count_bad_ids(
     FBGEMM's `bounds_check_indices` (warning mode) counts the ids at or above their table's rows in one pass; it
     zeroes the ids it counts, so it runs on a copy (the caller's batch stays intact for the error message), and it
     lets -1 through (FBGEMM's "pruned" id), so negative ids are counted apart."""
-    from embshard.sharding.exchange import cached_tensor
-
+    if values.numel() == 0:  # no ids (an empty batch or empty bags): nothing to check, no kernel
+        return torch.zeros(1, dtype=torch.int64, device=values.device)
     rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], values.device)
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_FB.reshape(-1)).to(values.dtype)
     warning = torch.zeros(1, dtype=torch.int64, device=values.device)
@@ -63,8 +64,6 @@ def check_ids(
     """
     F, B = lengths_FB.shape
     device = values.device
-    from embshard.sharding.exchange import cached_tensor, feature_of_ids
-
     rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], device)
     ids_F = lengths_FB.sum(1).to(torch.int64)
     feature_of = feature_of_ids(ids_F, values.numel())

@@ -37,7 +37,7 @@ def latest_checkpoint(folder: str) -> str | None:
 
 def save_checkpoint(path: str, model: RecModel, dense_optimizer: torch.optim.Optimizer, step: int) -> None:
     """Collective: every rank calls it; rank 0 writes `path` (atomically, via a temporary file)."""
-    embeddings = model.ebc.full_weights()
+    embeddings = {name: w for c in model.collections() for name, w in c.full_weights().items()}
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         state = {
@@ -75,7 +75,7 @@ def load_checkpoint(path: str, model: RecModel, dense_optimizer: torch.optim.Opt
                 f"{(t.num_embeddings, t.embedding_dim)} in the config"
             )
     with torch.no_grad():
-        for name, s, w in model.ebc.local_shards():
+        for name, s, w in (item for c in model.collections() for item in c.local_shards()):
             block = saved[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols]
             w.copy_(block.to(device=w.device, dtype=w.dtype))
     return int(state["step"])

@@ -7,8 +7,8 @@ import sys
 
 COMMANDS = {
     "train": ("embshard.train", "train a YAML-configured model (torchrun, or --nproc N local processes)"),
-    "plan": ("embshard.planner.cli", "plan a model's sharding without GPUs and print or save the plan"),
-    "calibrate": ("embshard.planner.calibrate", "measure this machine's bandwidths into a topology file"),
+    "plan": ("embshard.planner.tools.cli", "plan a model's sharding without GPUs and print or save the plan"),
+    "calibrate": ("embshard.planner.tools.calibrate", "measure this machine's bandwidths into a topology file"),
     "preprocess": ("embshard.data.preprocess", "convert raw data files (Criteo TSV, CSV, Parquet) to training Parquet"),
 }
 

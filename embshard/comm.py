@@ -3,14 +3,82 @@ received tensor. Nothing waits lazily: a reader sees where every collective star
 
 Float tensors that require grad get an autograd edge at `.wait()`: the backward of an all-to-all is the
 all-to-all with the splits swapped, run when autograd reaches it.
+
+Watchdog. Every collective carries a label (the exchange, and the step from `scope`). With `set_timeout(s)`, a
+wait that blocks the host (every wait on the CPU; on the GPU the waits whose result the host reads) raises
+`CollectiveTimeout` after `s` seconds, naming the exchange, the step and the collectives this rank issued before
+it that have not completed, instead of hanging. On the GPU most waits only order streams: a hang there shows at
+the step's next host wait, whose error lists the collective still pending.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+_TIMEOUT_S: float | None = None
+_SCOPE: list[str] = [""]
+_ISSUED: deque = deque(maxlen=32)  # (label, work) of the latest collectives this rank started
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the timeout (`set_timeout`); raised on the rank that waited."""
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Raise `CollectiveTimeout` when a host-blocking wait exceeds `seconds` (None: wait forever)."""
+    global _TIMEOUT_S
+    _TIMEOUT_S = seconds
+
+
+@contextmanager
+def scope(label: str) -> Iterator[None]:
+    """Prefix the labels of the collectives started inside (e.g. "step 12") for the watchdog's messages."""
+    _SCOPE.append(label)
+    try:
+        yield
+    finally:
+        _SCOPE.pop()
+
+
+def scoped_label(what: str) -> str:
+    """`what` prefixed by the current `scope` (capture it in forward for a collective that backward starts)."""
+    return f"{_SCOPE[-1]}: {what}" if _SCOPE[-1] else what
+
+
+def _issued(label: str, work: dist.Work | None) -> dist.Work | None:
+    if work is not None:
+        _ISSUED.append((label, work))
+    return work
+
+
+def wait_work(work: dist.Work, label: str, host: bool = True) -> None:
+    """Wait for `work`; with a timeout set and a host-blocking wait (`host`, or any CPU collective), raise
+    `CollectiveTimeout` naming `label` and the collectives still pending when it does not complete in time."""
+    if _TIMEOUT_S is None or not host:
+        work.wait()
+        return
+    deadline = time.monotonic() + _TIMEOUT_S
+    spins = 0
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            pending = [lbl for lbl, w in _ISSUED if w is not work and not w.is_completed()]
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise CollectiveTimeout(
+                f"rank {rank}: {label} did not complete within {_TIMEOUT_S:g} s (runtime.collective_timeout_s). "
+                f"Collectives this rank started before it and still pending: {pending or 'none'}. Every rank must "
+                "run the same collectives in the same order: look for a rank that stopped, skipped a step or a "
+                "batch, or ran into an error first (its own log says which)"
+            )
+        spins += 1
+        if spins > 1000:  # spin first (a host sync of the step is usually short), then poll gently
+            time.sleep(0.001)
+    work.wait()  # completes it (and surfaces a backend error)
 
 
 class AllToAllHandle:
@@ -24,7 +92,9 @@ class AllToAllHandle:
         input_splits: list[int],
         output_splits: list[int],
         group: dist.ProcessGroup | None,
+        label: str = "all-to-all",
     ) -> None:
+        self.label = label
         self._sent = sent
         self._received = received
         self._work = work
@@ -32,15 +102,17 @@ class AllToAllHandle:
         self._output_splits = output_splits
         self._group = group
 
-    def wait(self) -> torch.Tensor:
-        """Block until the data has arrived and return it (connected to autograd when the input needs grad)."""
+    def wait(self, host: bool = False) -> torch.Tensor:
+        """Wait until the data has arrived and return it (connected to autograd when the input needs grad);
+        `host=True` when the host reads the result right after (the watchdog's timeout applies)."""
         if self._work is not None:
-            self._work.wait()
+            wait_work(self._work, self.label, host=host or self._received.device.type == "cpu")
             self._work = None
         received, sent = self._received, self._sent
         self._received = self._sent = None  # the handle is done: it must not keep the step's buffers alive
         if sent.requires_grad:
-            return _AllToAllGrad.apply(sent, received, self._input_splits, self._output_splits, self._group)
+            splits = (self._input_splits, self._output_splits)
+            return _AllToAllGrad.apply(sent, received, splits, self._group, self.label)
         return received
 
 
@@ -52,17 +124,17 @@ class _AllToAllGrad(torch.autograd.Function):
     Python's garbage collector runs."""
 
     @staticmethod
-    def forward(ctx, sent, received, input_splits, output_splits, group):  # type: ignore[override]
-        ctx.splits = (input_splits, output_splits)
-        ctx.group = group
+    def forward(ctx, sent, received, splits, group, label):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.label = splits, group, label
         ctx.sent_shape = sent.shape
         return received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         input_splits, output_splits = ctx.splits
-        grad_in = start_all_to_all(grad.contiguous(), output_splits, input_splits, ctx.group).wait()
-        return grad_in.view(ctx.sent_shape), None, None, None, None
+        label = f"{ctx.label} (backward)"
+        grad_in = start_all_to_all(grad.contiguous(), output_splits, input_splits, ctx.group, label, scoped=False)
+        return grad_in.wait().view(ctx.sent_shape), None, None, None, None
 
 
 def start_all_to_all(
@@ -70,9 +142,12 @@ def start_all_to_all(
     input_splits: Sequence[int],
     output_splits: Sequence[int],
     group: dist.ProcessGroup | None = None,
+    label: str = "all-to-all",
+    scoped: bool = True,
 ) -> AllToAllHandle:
     """Start an all-to-all of the first dimension of `tensor`: `input_splits[r]` rows go to rank r and
-    `output_splits[r]` rows arrive from rank r. Returns a handle; call `.wait()` for the received tensor."""
+    `output_splits[r]` rows arrive from rank r. Returns a handle; call `.wait()` for the received tensor.
+    `label` names it in watchdog errors (prefixed by the current `scope` unless `scoped=False`)."""
     input_splits, output_splits = list(input_splits), list(output_splits)
     if sum(input_splits) != tensor.shape[0]:
         raise ValueError(f"all_to_all: input_splits sum to {sum(input_splits)} but the tensor has {tensor.shape[0]}")
@@ -90,32 +165,41 @@ def start_all_to_all(
             group=group,
             async_op=True,
         )
-    return AllToAllHandle(tensor, received, work, input_splits, output_splits, group)
+    label = scoped_label(label) if scoped else label
+    return AllToAllHandle(tensor, received, _issued(label, work), input_splits, output_splits, group, label)
 
 
 class CollectiveHandle:
     """A collective without autograd in flight (all-reduce, all-gather); `wait()` returns its result tensor."""
 
-    def __init__(self, result: torch.Tensor, work: dist.Work | None) -> None:
+    def __init__(self, result: torch.Tensor, work: dist.Work | None, label: str = "collective") -> None:
         self._result = result
         self._work = work
+        self.label = label
 
-    def wait(self) -> torch.Tensor:
-        """Block until the collective is complete and return its result."""
+    def wait(self, host: bool = False) -> torch.Tensor:
+        """Wait until the collective is complete and return its result; `host=True` when the host reads the
+        result right after (the watchdog's timeout applies; it always does on the CPU)."""
         if self._work is not None:
-            self._work.wait()
+            wait_work(self._work, self.label, host=host or self._result.device.type == "cpu")
             self._work = None
         return self._result
 
 
-def start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> CollectiveHandle:
-    """Start an in-place sum over ranks of `tensor` (no autograd); `wait()` returns `tensor`."""
+def start_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, what: str = "all-reduce", scoped: bool = True
+) -> CollectiveHandle:
+    """Start an in-place sum over ranks of `tensor` (no autograd); `wait()` returns `tensor`. `what` names it for
+    the watchdog (prefixed by the current `scope` unless `scoped=False`)."""
     if _world(group) == 1:
         return CollectiveHandle(tensor, None)
-    return CollectiveHandle(tensor, dist.all_reduce(tensor, group=group, async_op=True))
+    label = scoped_label(what) if scoped else what
+    return CollectiveHandle(tensor, _issued(label, dist.all_reduce(tensor, group=group, async_op=True)), label)
 
 
-def start_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> CollectiveHandle:
+def start_all_gather(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, what: str = "all-gather"
+) -> CollectiveHandle:
     """Start gathering `tensor` (same shape on every rank) from every rank (no autograd); `wait()` returns
     `[W, *shape]`, every rank's tensor in rank order."""
     W = _world(group)
@@ -124,7 +208,8 @@ def start_all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
         flat.copy_(tensor.reshape(-1))
         return CollectiveHandle(flat.view(W, *tensor.shape), None)
     work = dist.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
-    return CollectiveHandle(flat.view(W, *tensor.shape), work)
+    name = scoped_label(what)
+    return CollectiveHandle(flat.view(W, *tensor.shape), _issued(name, work), name)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:

@@ -5,15 +5,21 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from embshard import comm
 
-def init_distributed() -> torch.device:
+
+def init_distributed(collective_timeout_s: float | None = 600.0) -> torch.device:
     """Join the process group described by torchrun's environment (NCCL on GPUs, gloo on CPU); returns the
-    device this rank computes on. Without torchrun's variables, a single-process group is created."""
+    device this rank computes on. Without torchrun's variables, a single-process group is created.
+
+    `collective_timeout_s`: embshard's collectives raise `comm.CollectiveTimeout` (naming the step and the
+    exchange) after this long; the process group's own timeout, for every other collective, is 60 s longer."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -24,7 +30,9 @@ def init_distributed() -> torch.device:
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        kwargs = {"timeout": timedelta(seconds=collective_timeout_s + 60)} if collective_timeout_s else {}
+        dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+    comm.set_timeout(collective_timeout_s)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 

@@ -1,14 +1,13 @@
 """The sharding plan: where every shard of every table lives. Printable, serializable, checked on load.
 
-The plan is the one contract between whoever places tables (the simple placement here, the planner) and the
-distributed module, which consumes it and nothing else about placement.
+The plan is the one contract between whoever places tables (embshard.planner: the simple placement, the search, a
+saved file) and the distributed module, which consumes it and nothing else about placement.
 
-Shape rules every placement must follow (checked by `ShardingPlan.check`):
+Shape rules every placement must follow (checked by `ShardingPlan.check`; the block rules are embshard.geometry's):
 - row-wise / table-row-wise: the row blocks, in row order, all have one block size `bs` except the last, which
-  may be shorter (ids are routed by `id // bs`). `row_blocks(rows, n)` gives the canonical split over n ranks:
-  `bs = ceil(rows / n)`, so there are `ceil(rows / bs)` blocks, which can be fewer than n (rows=9, n=4: 3,3,3).
-- column-wise: any tiling of the columns; FBGEMM's TBE needs every block a multiple of 4 columns wide, so
-  `column_blocks(dim, n)` splits in units of 4.
+  may be shorter (ids are routed by `id // bs`); `geometry.row_blocks(rows, n)` gives the canonical split.
+- column-wise: any tiling of the columns; FBGEMM's TBE needs every block a multiple of 4 columns wide
+  (`geometry.column_blocks`).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from embshard.geometry import is_row_split, row_blocks
 from embshard.tables import ConfigError, TableConfig, validate_tables
 
 
@@ -47,6 +47,13 @@ class CacheAlgorithm(str, enum.Enum):
 
     LRU = "lru"  # evict the least recently used row
     LFU = "lfu"  # evict the least frequently used row (a new row enters only if used more often)
+
+
+class LookupKernel(str, enum.Enum):
+    """Which kernel looks up a table's shards on their rank."""
+
+    FBGEMM = "fbgemm"  # FBGEMM's TBE (split TBE; dense TBE for data-parallel tables)
+    SMALL = "small"  # embshard's small-table kernel (embshard/kernels/small_tables.py): hbm/host, fp32 tables
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,18 @@ class TablePlan:
     """UVM-caching only: fraction of each shard's rows the HBM cache holds (0 < x <= 1)."""
     cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU
     """UVM-caching only: cache replacement policy, lru or lfu."""
+    kernel: LookupKernel = LookupKernel.FBGEMM
+    """Lookup kernel of the table's shards: fbgemm, or small (small, hot fp32 tables in hbm or host)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
+        try:
+            object.__setattr__(self, "kernel", LookupKernel(self.kernel))
+        except ValueError:
+            raise ConfigError(
+                f"plan for table {self.table!r}: kernel={self.kernel!r} is invalid: choose one of "
+                f"{[k.value for k in LookupKernel]}"
+            ) from None
         object.__setattr__(self, "tier", MemoryTier(self.tier))
         try:
             object.__setattr__(self, "cache_algorithm", CacheAlgorithm(self.cache_algorithm))
@@ -148,6 +164,12 @@ class ShardingPlan:
             )
         for cfg in tables:
             _check_table(self[cfg.name], cfg, self.world_size, self.local_world_size)
+        dp = {t.table: t.kernel.value for t in self.tables if t.sharding_type is ShardingType.DATA_PARALLEL}
+        if len(set(dp.values())) > 1:
+            raise ConfigError(
+                f"plan: the data-parallel tables share one lookup, so one kernel, but they name several: {dp}; give "
+                "every data-parallel table the same kernel"
+            )
 
     # ---- serialization -------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -208,14 +230,15 @@ class ShardingPlan:
             )
             if len(t.shards) > 4:
                 shards += f", ... ({len(t.shards)} shards)"
-            rows.append((t.table, t.sharding_type.value, t.tier.value, _ranks_str(t.ranks), shards))
+            rows.append((t.table, t.sharding_type.value, t.tier.value, ranks_text(t.ranks), shards))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         head = f"ShardingPlan: world_size={self.world_size} local_world_size={self.local_world_size}"
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
         return "\n".join(lines)
 
 
-def _ranks_str(ranks: Sequence[int]) -> str:
+def ranks_text(ranks: Sequence[int]) -> str:
+    """'3', '0-7' or '0,2,5'."""
     uniq = sorted(set(ranks))
     if len(uniq) > 2 and uniq == list(range(uniq[0], uniq[-1] + 1)):
         return f"{uniq[0]}-{uniq[-1]}"
@@ -228,6 +251,13 @@ def _check_table(tp: TablePlan, cfg: TableConfig, world_size: int, local_world_s
 
     if not tp.shards:
         raise bad("it has no shards")
+    if tp.kernel is LookupKernel.SMALL and (
+        tp.tier not in (MemoryTier.HBM, MemoryTier.HOST) or cfg.data_type.value != "fp32"
+    ):
+        raise bad(
+            f"kernel 'small' takes fp32 tables in tier hbm or host, not {cfg.data_type.value} in {tp.tier.value}: use "
+            "kernel 'fbgemm' for this table"
+        )
     for s in tp.shards:
         if not 0 <= s.rank < world_size:
             raise bad(f"shard rank {s.rank} is outside 0..{world_size - 1}")
@@ -249,12 +279,12 @@ def _check_table(tp: TablePlan, cfg: TableConfig, world_size: int, local_world_s
         if any(s.col_offset != 0 or s.num_cols != cfg.embedding_dim for s in tp.shards):
             raise bad("row-wise shards must span all columns")
         _check_cover(rows, cfg.num_embeddings, "rows", bad)
-        bs = rows[0][1]
-        if any(n != bs for _, n in rows[:-1]) or rows[-1][1] > bs:
+        sizes = [n for _, n in rows]
+        if not is_row_split(sizes):
             raise bad(
-                f"row blocks of sizes {[n for _, n in rows]} are not uniform: every block but the last must have "
-                f"the first block's size ({bs}) and the last at most that (ids are routed by id // block size); "
-                f"split with embshard.plan.row_blocks, e.g. {row_blocks(cfg.num_embeddings, len(rows))}"
+                f"row blocks of sizes {sizes} are not uniform: every block but the last must have the first "
+                f"block's size ({sizes[0]}) and the last at most that (ids are routed by id // block size); "
+                f"split with embshard.geometry.row_blocks, e.g. {row_blocks(cfg.num_embeddings, len(rows))}"
             )
         if len(set(tp.ranks)) != len(tp.ranks):
             raise bad(f"a rank holds two row blocks: {tp.ranks}")
@@ -274,92 +304,3 @@ def _check_cover(spans: list[tuple[int, int]], total: int, what: str, bad: Any) 
         pos += n
     if pos != total:
         raise bad(f"{what} blocks {spans} cover {pos} of {total} {what}")
-
-
-# ---- the simple placement -------------------------------------------------------------------------------------
-def even_splits(total: int, parts: int) -> list[int]:
-    """Split `total` into `parts` contiguous sizes differing by at most one (larger first)."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def row_blocks(rows: int, parts: int) -> list[int]:
-    """Row-block sizes for row-wise sharding over `parts` ranks: block size ceil(rows / parts), the last block
-    shorter; there may be fewer than `parts` blocks (rows=10, parts=4: [3, 3, 3, 1]; rows=9, parts=4: [3, 3, 3])."""
-    bs = -(-rows // parts)
-    n = -(-rows // bs)
-    return [bs] * (n - 1) + [rows - bs * (n - 1)]
-
-
-def column_blocks(dim: int, parts: int, table: str = "?") -> list[int]:
-    """Column-block widths for column-wise sharding: up to `parts` blocks, each a multiple of 4 wide (FBGEMM's
-    TBE needs that), as even as possible (dim=24, parts=4: [8, 8, 4, 4])."""
-    if dim % 4:
-        raise ConfigError(
-            f"table {table!r}: embedding_dim={dim} cannot be cut into column blocks that are multiples of 4 wide "
-            "(FBGEMM's TBE requires it): make embedding_dim a multiple of 4"
-        )
-    return [4 * n for n in even_splits(dim // 4, max(1, min(parts, dim // 4)))]
-
-
-def simple_plan(
-    tables: Sequence[TableConfig],
-    world_size: int,
-    local_world_size: int | None = None,
-    sharding_types: Mapping[str, ShardingType | str] | None = None,
-    tier: MemoryTier | str = MemoryTier.HOST,
-    column_shards: int = 2,
-) -> ShardingPlan:
-    """Greedy placement: tables by size, largest first, each onto the least-loaded rank(s) by bytes.
-
-    `sharding_types` picks a type per table (default table-wise); `column_shards` is the number of column blocks
-    a column-wise table is cut into (fewer if the width has fewer units of 4: see `column_blocks`); row-wise and
-    table-row-wise tables are split by `row_blocks`. No memory budget is checked here: that is the planner's job.
-    """
-    validate_tables(tables)
-    local_world_size = local_world_size or world_size
-    chosen = {name: ShardingType(st) for name, st in (sharding_types or {}).items()}
-    unknown = set(chosen) - {t.name for t in tables}
-    if unknown:
-        raise ConfigError(f"sharding_types names tables that do not exist: {sorted(unknown)}")
-    tier = MemoryTier(tier)
-    load = [0] * world_size
-    plans: dict[str, TablePlan] = {}
-
-    def least_loaded(candidates: Sequence[int]) -> int:
-        return min(candidates, key=lambda r: (load[r], r))
-
-    for cfg in sorted(tables, key=lambda t: (-t.weight_bytes, t.name)):
-        st = chosen.get(cfg.name, ShardingType.TABLE_WISE)
-        R, D = cfg.num_embeddings, cfg.embedding_dim
-        row_bytes = D * cfg.data_type.bytes
-        if st is ShardingType.TABLE_WISE:
-            r = least_loaded(range(world_size))
-            shards = [Shard(r, 0, R, 0, D)]
-        elif st is ShardingType.DATA_PARALLEL:
-            shards = [Shard(r, 0, R, 0, D) for r in range(world_size)]
-        elif st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
-            if st is ShardingType.ROW_WISE:
-                ranks = list(range(world_size))
-            else:
-                hosts = range(world_size // local_world_size)
-                host = min(hosts, key=lambda h: (sum(load[h * local_world_size : (h + 1) * local_world_size]), h))
-                ranks = list(range(host * local_world_size, (host + 1) * local_world_size))
-            offsets = [0]
-            for n in row_blocks(R, len(ranks)):
-                offsets.append(offsets[-1] + n)
-            shards = [Shard(ranks[i], offsets[i], offsets[i + 1] - offsets[i], 0, D) for i in range(len(offsets) - 1)]
-        else:  # column-wise
-            shards, col = [], 0
-            for n in column_blocks(D, column_shards, cfg.name):
-                r = least_loaded(range(world_size))
-                shards.append(Shard(r, 0, R, col, n))
-                load[r] += R * n * cfg.data_type.bytes
-                col += n
-        if st is not ShardingType.COLUMN_WISE:
-            for s in shards:
-                load[s.rank] += s.num_rows * row_bytes
-        plans[cfg.name] = TablePlan(cfg.name, st, tier, tuple(shards))
-    plan = ShardingPlan(world_size, local_world_size, tuple(plans[t.name] for t in tables))
-    plan.check(tables)
-    return plan

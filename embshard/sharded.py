@@ -15,20 +15,46 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext as _nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from embshard import comm
 from embshard.bounds import check_ids, count_bad_ids
 from embshard.comm import world_and_rank
+from embshard.kernels.regroup import KernelRegroup
+from embshard.lookup.stats import format_cache_stats
+from embshard.ops import cached_tensor
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan
+from embshard.options import BoundsCheck, LookupOptions
+from embshard.plan import Shard, ShardingPlan
 from embshard.regroup import Regroup
 from embshard.sharding import build_schemes
-from embshard.sharding.exchange import IdsOutOfRange, cached_tensor, exchange_counts, gather_batch_counts
-from embshard.tables import ConfigError, Pooling, TableConfig, feature_order, validate_tables
-from embshard.tiers import BoundsCheck, LookupOptions, PrefetchHandle, format_cache_stats
+from embshard.sharding.base import ShardingContext, key_feature
+from embshard.sharding.exchange import IdsOutOfRange, LookupInput, exchange_counts, gather_batch_counts
+from embshard.tables import ConfigError, Pooling, TableConfig, feature_columns, feature_order, validate_tables
+
+
+@dataclass
+class PrefetchHandle:
+    """The next batch, already sent to the ranks that look it up and (UVM-caching) loaded into the caches.
+    Pass it to `ebc(kjt, prefetched=handle)` with the same kjt, once."""
+
+    kjt: Any
+    """The batch it was made for (checked by identity)."""
+    lengths_FB: torch.Tensor
+    """`[F, B]` bag lengths after the bounds check (mean pooling divides by these)."""
+    feature_index: dict[str, int]
+    """Feature -> row of lengths_FB."""
+    inputs: list[LookupInput]
+    """Each scheme's received ids."""
+    stream: Any = None
+    """The CUDA stream the prefetch ran on, or None (the current stream)."""
+    used: bool = False
+    """Set once forward consumed it."""
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -44,7 +70,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         group: process group (default: the world).
         seed: initial weights are a deterministic function of (seed, table index), whatever the sharding;
             None draws them on the device (fast for huge tables, but not reproducible across shardings).
-        options: lookup numerics and runtime options (tiers.LookupOptions): output dtype, fp16 rounding,
+        options: lookup numerics and runtime options (embshard.options.LookupOptions): output dtype, fp16 rounding,
             out-of-range ids (error or drop), UVM-cache prefetch and statistics.
     """
 
@@ -80,15 +106,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.features = feature_order(tables)
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self._feature_dims = [self._table_of[f].embedding_dim for f in self.features]
-        self.schemes = nn.ModuleList(
-            build_schemes(self.tables, plan, rank, self.optimizer, self.device, group, seed, self.options)
+        ctx = ShardingContext(
+            rank, world_size, self.device, group, self.optimizer, self.options, seed, feature_columns(self.tables)
         )
+        self.schemes = nn.ModuleList(build_schemes(self.tables, plan, ctx))
         # Each feature's output columns may be split over several keys (column-wise): keys in column order.
         feature_keys: dict[str, list[tuple[int, str]]] = {f: [] for f in self.features}
         for scheme in self.schemes:
-            for key in scheme.keys:
-                feature, _, col = key.partition("#c")
-                feature_keys[feature].append((int(col or 0), key))
+            for key in scheme.layout.keys:
+                feature, col = key_feature(key)
+                feature_keys[feature].append((col, key))
         self._feature_keys = {f: [k for _, k in sorted(v)] for f, v in feature_keys.items()}
         self.groups = dict(output_groups) if output_groups is not None else None
         regroup_spec = self.groups if self.groups is not None else {"all": self.features}
@@ -100,19 +127,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"{self.features}"
                 )
         # The output dists' blocks, in order: each scheme's `out_keys` (routed schemes: one block per serving rank).
-        self._block_keys = [keys for s in self.schemes for keys in s.out_keys]
-        self.regroup = Regroup(
+        self._block_keys = [keys for s in self.schemes for keys in s.layout.out_keys]
+        block_dims = [dims for s in self.schemes for dims in s.layout.out_dims]
+        use_kernel = self.options.regroup == "triton" or (self.options.regroup == "auto" and self.device.type == "cuda")
+        self.regroup = (KernelRegroup if use_kernel else Regroup)(
             self._block_keys,
-            [dims for s in self.schemes for dims in s.out_dims],
+            block_dims,
             {n: [k for f in members for k in self._feature_keys[f]] for n, members in regroup_spec.items()},
         )
         # Mean pooling: per output block, which input feature each column belongs to (None if all sums).
         self._mean_features = [f for f in self.features if self._table_of[f].pooling is Pooling.MEAN]
         self._col_feature: list[torch.Tensor | None] = []
-        for keys, dims in zip(self._block_keys, [d for s in self.schemes for d in s.out_dims]):
+        for keys, dims in zip(self._block_keys, block_dims):
             cols: list[int] = []
             for key, d in zip(keys, dims):
-                cols += [self.features.index(key.partition("#c")[0])] * d
+                cols += [self.features.index(key_feature(key)[0])] * d
             self._col_feature.append(
                 torch.tensor(cols, dtype=torch.int64, device=self.device) if self._mean_features else None
             )
@@ -120,6 +149,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool, device=self.device
         )
         self._kjt_layout: tuple | None = None
+        # Training forwards so far (forwards with grad enabled): every rank must agree on it at each forward (the
+        # watchdog's messages name it); a training loop that resumes sets it to the resumed step.
+        self.step = 0
+        self._prefetches = 0  # prefetched batches not consumed yet
 
     # ---- input handling ----------------------------------------------------------------------------------
     def _local_input(self, kjt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, int]]:
@@ -156,7 +189,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """The rows of the batch's `[F, B]` lengths (KJT key order, `index`) that give the canonical order."""
         return cached_tensor([index[f] for f in self.features], device)
 
-    def _input_dist(self, lengths_FB, values, weights, index, check: bool) -> tuple[list, torch.Tensor]:
+    def _input_dist(self, lengths_FB, values, weights, index, check: bool, step: int) -> tuple[list, torch.Tensor]:
         """One all-gather of every rank's batch size, ids per feature and out-of-range id count, read with the
         step's one host sync (`gather_batch_counts`); then every scheme lays out its ids with known sizes and starts
         its exchange (row-wise schemes first swap their bucketed counts: `exchange_counts`). Returns the inputs and
@@ -167,7 +200,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lengths_FB, values, weights = self._check_ids(lengths_FB, values, weights)
         bad = count_bad_ids(lengths_FB, values, self._kjt_layout[0], self._table_of) if check and not drop else None
         ids_F = lengths_FB.sum(1, dtype=torch.int64).index_select(0, self._canonical_rows(index, lengths_FB.device))
-        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group)
+        counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, step)
         if counts.bad_ranks:
             if self.rank in counts.bad_ranks:
                 self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
@@ -189,14 +222,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         `prefetched`: the handle `prefetch(kjt)` returned for this same kjt; its ids are used as they are (the
         input exchange and the id check already ran)."""
-        if prefetched is not None:
-            inputs, lengths_FB, index = self._consume(prefetched, kjt)
-        else:
-            lengths_FB, values, weights, index = self._local_input(kjt)
-            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids)
-        pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
-        out_handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
-        blocks = [b for h in out_handles for b in h.wait()]
+        with comm.scope(f"step {self.step}"):
+            if prefetched is not None:
+                inputs, lengths_FB, index = self._consume(prefetched, kjt)
+            else:
+                lengths_FB, values, weights, index = self._local_input(kjt)
+                inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids, self.step)
+            pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
+            handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
+            blocks = [b for h in handles for b in h.wait()]
+        if torch.is_grad_enabled():
+            self.step += 1
         if self._mean_features:
             blocks = self._apply_mean(blocks, lengths_FB, index)
         out = self.regroup(blocks)
@@ -225,12 +261,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         main = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:
             stream.wait_stream(main)  # the batch's tensors were made on the caller's stream
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        step = self.step + self._prefetches  # the step that will consume this batch
+        self._prefetches += 1
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext(), comm.scope(f"step {step} prefetch"):
             lengths_FB, values, weights, index = self._local_input(kjt)
-            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check=True)
+            inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, True, step)
             for scheme, inp in zip(self.schemes, inputs):
-                if hasattr(scheme, "prefetch"):
-                    scheme.prefetch(inp, main)
+                scheme.prefetch(inp, main)
         return PrefetchHandle(kjt, lengths_FB, index, inputs, stream)
 
     def _consume(self, handle: PrefetchHandle, kjt) -> tuple[list, torch.Tensor, dict[str, int]]:
@@ -240,6 +277,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 "used; pass the kjt that was prefetched, once"
             )
         handle.used = True
+        self._prefetches -= 1
         if handle.stream is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_stream(handle.stream)
@@ -259,10 +297,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         cache_group (its tables), group_cache_slots, group_evictions (LRU only, else None).
         Training loops log it every N steps: `log(format_cache_stats(ebc.cache_stats())); ebc.reset_cache_stats()`.
         """
-        stats: dict[str, dict] = {}
-        for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                stats.update(lookup.cache_stats())
+        stats = {k: v for scheme in self.schemes for k, v in scheme.cache_stats().items()}
         if gather and self.world_size > 1:
             everyone: list = [None] * self.world_size
             dist.all_gather_object(everyone, stats, group=self.group)
@@ -272,8 +307,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def reset_cache_stats(self) -> None:
         """Zero the UVM-cache statistics of this rank's tables."""
         for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                lookup.reset_cache_stats()
+            scheme.reset_cache_stats()
 
     def format_cache_stats(self, gather: bool = False) -> str:
         """cache_stats() as one log line per table."""
@@ -293,9 +327,48 @@ class ShardedEmbeddingBagCollection(nn.Module):
             out.append(x * scale_BF.index_select(1, cols) if x.shape[1] else x)
         return out
 
+    # ---- a rank's own rows, differentiable (retrieval: embshard/retrieval) ------------------------------------
+    def local_rows(self, table: str, ids: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """(row_offset, rows `[n, D]`): this rank's block of `table` (rows `row_offset ...`), or the block's rows
+        `ids` (local indices, int64), read through the block's own lookup as bags of one id each, so the result is
+        differentiable and its gradient is applied by the fused optimizer in the backward, like any lookup's. No
+        collective. The table must be split into full-width row blocks (row_wise, table_wise, table_row_wise); a
+        rank without a block gets (num_embeddings, an empty `[0, D]` tensor that requires grad). Cost: one lookup
+        of n bags; when other tables share the lookup (TBE), the output is as wide as all of them for those n bags.
+        Call it at most once per step per table: each call's backward is its own optimizer step."""
+        tp = self.plan[table]
+        if tp.sharding_type.value not in ("row_wise", "table_wise", "table_row_wise"):
+            raise ConfigError(
+                f"local_rows({table!r}): the table is {tp.sharding_type.value}; it needs full-width row blocks, one "
+                "per rank: plan it row_wise (planner.constraints.<table>.sharding_types: [row_wise])"
+            )
+        cfg = next(t for t in self.tables if t.name == table)
+        for scheme in self.schemes:
+            for lk in scheme.lookups:
+                for s in lk.shards:
+                    if s.table.name != table:
+                        continue
+                    n = s.shard.num_rows if ids is None else int(ids.numel())
+                    F, f0 = len(lk.features), lk.features.index(s.features[0])
+                    dev = self.device
+                    offsets = torch.cat(
+                        [
+                            torch.zeros(f0 * n, dtype=torch.int64, device=dev),
+                            torch.arange(n + 1, dtype=torch.int64, device=dev),
+                            torch.full(((F - f0 - 1) * n,), n, dtype=torch.int64, device=dev),
+                        ]
+                    )
+                    idx = torch.arange(n, device=dev) if ids is None else ids.to(dev, torch.int64)
+                    weights = torch.ones(n, device=dev) if lk.weighted else None
+                    out = lk(idx, offsets, weights)
+                    col0 = sum(lk.dims[:f0])
+                    return s.shard.row_offset, out[:, col0 : col0 + cfg.embedding_dim]
+        return cfg.num_embeddings, torch.zeros(0, cfg.embedding_dim, device=self.device, requires_grad=True)
+
     # ---- state -------------------------------------------------------------------------------------------
-    def local_shards(self) -> list[tuple[str, object, torch.Tensor]]:
-        """(table name, Shard, weights) for every shard on this rank."""
+    def local_shards(self) -> list[tuple[str, Shard, torch.Tensor]]:
+        """(table name, Shard, weights) for every shard on this rank (the weights are the live tensors: writing
+        into them changes the model; UVM-caching lookups flush their caches first)."""
         out = []
         for scheme in self.schemes:
             for lookup in scheme.lookups:
@@ -303,24 +376,38 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     out.append((s.table.name, s.shard, w))
         return out
 
+    def local_optimizer_states(self) -> list[tuple[str, Shard, dict[str, torch.Tensor]]]:
+        """(table name, Shard, {state name: tensor}) for every shard on this rank, the fused optimizer's state
+        named as `embshard.optim.optimizer_state` ('m': adagrad `[rows, D]`, rowwise_adagrad `[rows]`, adam's
+        first moment; 'v': adam's second moment; {} for sgd). Live tensors, like `local_shards`."""
+        out = []
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                for s, st in zip(lookup.shards, lookup.shard_optimizer_states()):
+                    out.append((s.table.name, s.shard, st))
+        return out
+
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every table's full weights, assembled on every rank (collective; for tests, checkpoints, export).
-        Replicated tables are taken from their first replica."""
-        world, _ = self.world_size, self.rank
+        """Every table's full weights (fp32, CPU), assembled on every rank (collective; for tests and small
+        models: it holds every table on every rank). Replicated tables are taken from their first replica."""
         out = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in self.tables}
-        local = self.local_shards()
-        gathered: list = [None] * world
-        payload = [(name, s, w.detach().float().cpu()) for name, s, w in local]
-        if world > 1:
-            dist.all_gather_object(gathered, payload, group=self.group)
+        for name, s, w in self._gather([(n, s, w.detach().float().cpu()) for n, s, w in self.local_shards()]):
+            out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
+        return out
+
+    def _gather(self, items: list) -> list:
+        """Every rank's (table, Shard, payload) items, each (table, row offset, column offset) once (collective)."""
+        gathered: list = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(gathered, items, group=self.group)
         else:
-            gathered = [payload]
+            gathered = [items]
         done: set = set()
+        out = []
         for rank_items in gathered:
-            for name, s, w in rank_items:
+            for name, s, payload in rank_items:
                 key = (name, s.row_offset, s.col_offset)
-                if key in done:
-                    continue
-                done.add(key)
-                out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
+                if key not in done:
+                    done.add(key)
+                    out.append((name, s, payload))
         return out

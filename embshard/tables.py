@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 class Pooling(str, enum.Enum):
@@ -28,6 +29,15 @@ class DataType(str, enum.Enum):
 
 class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names the item, the value and a fix."""
+
+
+class FieldError(ConfigError):
+    """An impossible value found by a config dataclass's own checks; `key` is the path relative to that dataclass
+    (the YAML reader, embshard.config.schema, prefixes the file and the path to the dataclass)."""
+
+    def __init__(self, key: str, value: Any, rule: str) -> None:
+        super().__init__(f"{key}={value!r} is invalid: {rule}")
+        self.key, self.value, self.rule = key, value, rule
 
 
 @dataclass(frozen=True)

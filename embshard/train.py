@@ -16,104 +16,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from embshard.config import DenseOptimizerConfig, LoggingConfig, PlannerConfig, TrainConfig, load_config
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType, simple_plan
-from embshard.tables import ConfigError, TableConfig
-
-
-def make_plan(
-    tables: Sequence[TableConfig],
-    planner_cfg: PlannerConfig,
-    world_size: int,
-    local_world_size: int,
-    device_type: str,
-    batch_size: int,
-    optimizer: FusedOptimizerConfig,
-    log: Callable[[str], None] | None = None,
-) -> ShardingPlan:
-    """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
-    (strategy auto: embshard.planner on the topology of planner.topology_file or of this machine, for
-    `batch_size` samples per rank and the sparse `optimizer`), else by the simple placement (strategy simple).
-    `log` gets the plan and, for auto, the predicted memory and time per rank and the predicted step time.
-    Deterministic; `run` still makes it on rank 0 only and broadcasts it."""
-    say = log or (lambda _text: None)
-    if planner_cfg.plan_file:
-        plan = ShardingPlan.load(planner_cfg.plan_file)
-        if (plan.world_size, plan.local_world_size) != (world_size, local_world_size):
-            raise ConfigError(
-                f"planner.plan_file={planner_cfg.plan_file!r} is a plan for world_size={plan.world_size}, "
-                f"local_world_size={plan.local_world_size}, but this job has {world_size} and {local_world_size}: "
-                "re-plan for this job (`embshard plan CONFIG --world-size N --out FILE`), or leave plan_file unset"
-            )
-        plan.check(tables)
-        say(f"plan loaded from {planner_cfg.plan_file}")
-        say(str(plan))
-        return plan
-    if planner_cfg.strategy == "simple":
-        plan = _simple_plan(tables, planner_cfg, world_size, local_world_size, device_type)
-        say(str(plan))
-        return plan
-    from embshard.planner import PlanningError, plan_with_report
-    from embshard.planner.from_config import topology_for
-
-    topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
-    try:
-        plan, report = plan_with_report(
-            tables, topo, batch_size, optimizer, planner_cfg.constraints, planner_cfg.settings
-        )
-    except PlanningError as e:
-        raise PlanningError(
-            f"planner: no sharding plan fits {topo.describe()}:\n{e}\n(in a training config: planner.hbm_gib and "
-            "planner.ddr_gib set the memory per rank, planner.settings.hbm_reserve_gib the dense model's reserve, "
-            "--nproc / torchrun the number of ranks, planner.constraints.<table> the allowed options)",
-            e.details,
-        ) from None
-    except ConfigError as e:
-        raise ConfigError(f"planner: {e}") from None
-    plan.check(tables)
-    say(str(plan))
-    say(report.format_ranks())
-    say(report.summary())
-    return plan
-
-
-def _simple_plan(
-    tables: Sequence[TableConfig], planner_cfg: PlannerConfig, world_size: int, local_world_size: int, device_type: str
-) -> ShardingPlan:
-    """Strategy simple: the greedy placement of embshard.plan with each table's first allowed sharding type and
-    tier, and the first allowed rank of table-wise tables."""
-    from embshard.planner.constraints import resolve_constraints
-
-    try:
-        constraints = resolve_constraints(tables, planner_cfg.constraints, world_size)
-    except ConfigError as e:
-        raise ConfigError(f"planner.{e}") from None
-    default_tier = planner_cfg.tier or (MemoryTier.HOST if device_type == "cpu" else MemoryTier.HBM)
-    chosen = {name: c.sharding_types[0] for name, c in constraints.items() if c.sharding_types}
-    columns = planner_cfg.column_shards or 2
-    plan = simple_plan(tables, world_size, local_world_size, chosen, default_tier, columns)
-    table_plans = []
-    for tp in plan.tables:
-        c = constraints[tp.table]
-        if c.tiers:
-            tp = replace(tp, tier=c.tiers[0])
-        if c.ranks:
-            if tp.sharding_type is not ShardingType.TABLE_WISE:
-                raise ConfigError(
-                    f"planner.constraints.{tp.table}.ranks: the simple placement pins only table_wise tables, "
-                    f"not {tp.sharding_type.value}; drop ranks, make the table table_wise, or use strategy auto"
-                )
-            tp = replace(tp, shards=(replace(tp.shards[0], rank=c.ranks[0]),))
-        table_plans.append(tp)
-    plan = ShardingPlan(world_size, local_world_size, tuple(table_plans))
-    plan.check(tables)
-    return plan
+from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, load_config
+from embshard.plan import ShardingPlan
+from embshard.planner.policy import plan_for_job
+from embshard.tables import ConfigError
 
 
 class AllRanksError(ConfigError):
@@ -179,22 +89,41 @@ class Reporter:
 
 @torch.no_grad()
 def evaluate(model, source, device: torch.device) -> dict[str, float]:
-    """Mean loss (weighted by samples) and AUC over every rank's held-out batches."""
+    """Mean loss (weighted by samples), AUC (for models that score pairs) and recall@K (two-tower catalog mode)
+    over every rank's held-out batches."""
     from torchmetrics.classification import BinaryAUROC
 
     model.eval()
     auroc = BinaryAUROC().to(device)
+    scored = False
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+    hits: dict[int, torch.Tensor] = {}
     for batch in source.eval_batches():
         out = model.step(batch.to(device))
         totals[0] += out.loss.double() * batch.size
         totals[1] += batch.size
-        auroc.update(torch.sigmoid(out.scores), out.labels.long())
+        if out.scores is not None:
+            auroc.update(torch.sigmoid(out.scores), out.labels.long())
+            scored = True
+        for k, h in out.hits.items():
+            hits[k] = hits.get(k, 0) + h.double()
+    ks = sorted(hits)
+    summed = torch.cat([totals, torch.stack([hits[k] for k in ks]).to(totals)]) if ks else totals
     if dist.is_initialized():
-        dist.all_reduce(totals)
-    auc = float(auroc.compute())  # torchmetrics gathers every rank's scores
+        dist.all_reduce(summed)
+    result = {"loss": float(summed[0] / summed[1])}
+    if scored:
+        result["auc"] = float(auroc.compute())  # torchmetrics gathers every rank's scores
+    result.update({f"recall@{k}": float(summed[2 + i] / summed[1]) for i, k in enumerate(ks)})
+    result["samples"] = int(summed[1])
     model.train()
-    return {"loss": float(totals[0] / totals[1]), "auc": auc, "samples": int(totals[1])}
+    return result
+
+
+def format_eval(step: int, m: dict[str, float]) -> str:
+    """One console line of an evaluation's metrics."""
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in m.items() if k != "samples")
+    return f"eval  step {step:6d}  {metrics}  ({m['samples']} samples)"
 
 
 def run(config_path: str, overrides: Sequence[str]) -> None:
@@ -207,7 +136,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from embshard.models.build import RecModel
 
     cfg: TrainConfig = load_config(config_path, overrides)
-    device = init_distributed()
+    device = init_distributed(cfg.runtime.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     report = Reporter(cfg.logging, rank)
@@ -215,7 +144,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     sched = cfg.schedule
     report.line(f"embshard train {config_path}: {cfg.model.kind}, {len(tables)} tables, {world} ranks on {device.type}")
     plan = plan_on_rank0(
-        lambda: make_plan(
+        lambda: plan_for_job(
             tables, cfg.planner, world, local_world, device.type, sched.batch_size, cfg.sparse_optimizer, report.line
         )
     )
@@ -235,7 +164,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
 
     def do_eval(step: int) -> None:
         m = evaluate(model, source, device)
-        report.line(f"eval  step {step:6d}  loss {m['loss']:.4f}  auc {m['auc']:.4f}  ({m['samples']} samples)")
+        report.line(format_eval(step, m))
         report.scalars(step, m, "eval")
 
     if sched.eval_at_start and start == 0:
@@ -255,7 +184,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     t0, batches = time.time(), source.train_batches(start)
     step = start
     for step in range(start + 1, total + 1):
-        out = model.step(next(batches).to(device))
+        model.ebc.step = step  # every rank agrees on it (checked), and errors name it
+        out = model.step(next(batches).to(device), check_finite=cfg.runtime.nan_check)
         dense_opt.zero_grad(set_to_none=True)
         out.loss.backward()
         dense_opt.step()

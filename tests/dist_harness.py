@@ -7,6 +7,7 @@ import socket
 import tempfile
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def test_device() -> str:
+def device_kind() -> str:
     """'cpu' (default) or 'cuda', from EMBSHARD_TEST_DEVICE."""
     return os.environ.get("EMBSHARD_TEST_DEVICE", "cpu")
 
@@ -25,14 +26,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    device = test_device()
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
+    device = device_kind()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
     try:
         result = fn(rank, world_size, torch.device(device, rank) if device == "cuda" else torch.device("cpu"), *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
@@ -43,14 +45,19 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """Call fn(rank, world_size, device, *args) on `world_size` processes; return each rank's result."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, pg_timeout_s: float = 300.0) -> list[Any]:
+    """Call fn(rank, world_size, device, *args) on `world_size` processes; return each rank's result.
+    `pg_timeout_s`: the process group's timeout (a hung collective fails the test after it)."""
+    if device_kind() == "cuda" and world_size > torch.cuda.device_count():
+        import pytest
+
+        pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible (one process per GPU)")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
         try:
             mp.start_processes(
                 _entry,
-                args=(world_size, port, out_dir, fn, args),
+                args=(world_size, port, out_dir, fn, args, pg_timeout_s),
                 nprocs=world_size,
                 join=True,
                 start_method="spawn",

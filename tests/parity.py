@@ -15,18 +15,27 @@ from embshard.tables import TableConfig
 Batch = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
+def step_batch_sizes(batch_sizes: Sequence[int] | Sequence[Sequence[int]], steps: int) -> list[list[int]]:
+    """Per step, every rank's local batch size: `batch_sizes` is one list for all steps, or one list per step."""
+    if batch_sizes and not isinstance(batch_sizes[0], int):
+        assert len(batch_sizes) == steps, f"{len(batch_sizes)} per-step batch sizes for {steps} steps"
+        return [list(b) for b in batch_sizes]
+    return [list(batch_sizes)] * steps
+
+
 def random_batches(
-    tables: Sequence[TableConfig], batch_sizes: Sequence[int], steps: int, seed: int
+    tables: Sequence[TableConfig], batch_sizes: Sequence[int] | Sequence[Sequence[int]], steps: int, seed: int
 ) -> list[tuple[list[Batch], list[dict[str, torch.Tensor]]]]:
     """Per step: per rank a batch {feature: (lengths, ids, weights)} and the upstream gradient per feature.
+    `batch_sizes`: every rank's local batch size, the same every step or one list per step (0 allowed).
 
     Bag lengths are 0..2*ids_per_bag+1 (empty bags included), ids uniform over the table, weights in [0.5, 1.5).
     """
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(steps):
+    for sizes in step_batch_sizes(batch_sizes, steps):
         per_rank, upstream = [], []
-        for B in batch_sizes:
+        for B in sizes:
             batch, grads = {}, {}
             for t in tables:
                 for f in t.feature_names:
@@ -153,7 +162,7 @@ def check_parity(
         if groups is not None:
             want = {n: torch.cat([want[f] for f in m], dim=1) for n, m in groups.items()}
         start = 0
-        for r, B in enumerate(batch_sizes):
+        for r, B in enumerate(step_batch_sizes(batch_sizes, steps)[step]):
             for f, w in want.items():
                 got = results[r]["outputs"][step][f]
                 torch.testing.assert_close(

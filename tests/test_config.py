@@ -1,5 +1,5 @@
 """YAML config: example configs load, overrides apply, every class of error names file, key path and value,
-docs/config.md is generated from the dataclasses, and make_plan honours constraints and plan files."""
+docs/config.md is generated from the dataclasses, and plan_for_job honours constraints and plan files."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from embshard import simple_plan
 from embshard.config import TrainConfig, load_config
 from embshard.config.doc import _dataclass_in, generate, rows
 from embshard.config.schema import field_docs
-from embshard.plan import MemoryTier, ShardingType, simple_plan
+from embshard.plan import MemoryTier, ShardingType
+from embshard.planner.policy import plan_for_job
 from embshard.tables import ConfigError, TableConfig
-from embshard.train import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -184,6 +185,42 @@ def test_impossible_values(tmp_path):
     assert "model.two_tower.item_features[0]='f1' is invalid: no table lists this feature" in msg
 
 
+def test_catalog_mode_errors(tmp_path):
+    """Two-tower catalog mode (item_mlp: []) and the catalog losses: each wrong combination names the rule."""
+    data = base()
+    data["model"]["kind"] = "two_tower"
+    tt = {"user_features": ["f0"], "item_features": ["f3"], "user_mlp": [8], "item_mlp": [8], "loss": "full_softmax"}
+    data["model"]["two_tower"] = tt
+    assert "model.two_tower.item_mlp=[8] is invalid: loss full_softmax scores the catalog's rows" in error_of(
+        tmp_path, data
+    )
+    tt["item_mlp"] = []
+    tt["item_features"] = ["f1"]
+    assert "model.tables[1].feature_names=['f1', 'f2'] is invalid: table 't1' is the catalog" in error_of(
+        tmp_path, data
+    )
+    tt["item_features"] = ["f3"]
+    tt["user_mlp"] = [4]
+    assert "model.tables[2].embedding_dim=8 is invalid" in error_of(tmp_path, data)
+    tt["user_mlp"] = [8]
+    tt["in_batch"] = {"global_negatives": True}
+    assert "model.two_tower.in_batch='{...}' is invalid: loss 'full_softmax' does not use it" in error_of(
+        tmp_path, data
+    )
+    del tt["in_batch"]
+    tt["loss"] = "sampled_softmax"
+    tt["sampled_softmax"] = {"num_negatives": 0}
+    assert "model.two_tower.sampled_softmax.num_negatives=0 is invalid" in error_of(tmp_path, data)
+    tt["sampled_softmax"] = {"num_negatives": 16}
+    data["data"] = {"source": "synthetic", "synthetic": {"affinity": {"user_feature": "f0", "item_feature": "f9"}}}
+    assert "data.synthetic.affinity.item_feature='f9' is invalid: no table lists this feature" in error_of(
+        tmp_path, data
+    )
+    data["data"]["synthetic"]["affinity"]["item_feature"] = "f3"
+    cfg = load_config(write(tmp_path, data))
+    assert cfg.model.two_tower.catalog_mode and cfg.model.two_tower.sampled_softmax.sampler == "unigram"
+
+
 def test_override_errors_name_the_override(tmp_path):
     msg = error_of(tmp_path, base(), ["model.tables[2].embedding_dim=-3"])
     assert "command-line override 'model.tables[2].embedding_dim=-3'" in msg
@@ -240,7 +277,7 @@ TABLES = [
 ]
 
 
-def test_make_plan_constraints_and_plan_file(tmp_path):
+def test_plan_for_job_constraints_and_plan_file(tmp_path):
     cfg = load_config(
         write(tmp_path, base()),
         [
@@ -254,7 +291,7 @@ def test_make_plan_constraints_and_plan_file(tmp_path):
     opt = cfg.sparse_optimizer
 
     def simple(ws: int, device: str = "cpu", planner=cfg.planner):
-        return make_plan(tables, planner, ws, ws, device, 4, opt)
+        return plan_for_job(tables, planner, ws, ws, device, 4, opt)
 
     plan = simple(2)
     assert plan["t0"].ranks == [1]
@@ -272,7 +309,7 @@ def test_make_plan_constraints_and_plan_file(tmp_path):
             simple(4, planner=planner)
 
 
-def test_make_plan_auto_uses_the_planner(tmp_path):
+def test_plan_for_job_auto_uses_the_planner(tmp_path):
     """strategy auto (the default) on this CPU machine: the planner's plan honours the constraints (also glob
     patterns), the log gets predictions per rank and the step time; hbm/ddr sizes and a topology file apply."""
     from embshard.planner import Topology
@@ -291,7 +328,7 @@ def test_make_plan_auto_uses_the_planner(tmp_path):
     )
     assert cfg.planner.strategy == "auto" and cfg.planner.settings.hbm_reserve_gib is None
     lines: list[str] = []
-    plan = make_plan(tables, cfg.planner, 4, 4, "cpu", 64, cfg.sparse_optimizer, lines.append)
+    plan = plan_for_job(tables, cfg.planner, 4, 4, "cpu", 64, cfg.sparse_optimizer, lines.append)
     plan.check(tables)
     assert (plan.world_size, plan.local_world_size) == (4, 4)
     assert plan["t0"].sharding_type is ShardingType.DATA_PARALLEL and plan["t0"].ranks == [0, 1, 2, 3]
@@ -309,7 +346,7 @@ def test_make_plan_auto_uses_the_planner(tmp_path):
     )
     tiny = load_config(write(tmp_path, data), ["planner.ddr_gib=1"]).planner
     with pytest.raises(ConfigError) as e:
-        make_plan(big, tiny, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+        plan_for_job(big, tiny, 2, 2, "cpu", 64, cfg.sparse_optimizer)
     msg = str(e.value)
     assert msg.startswith("planner: no sharding plan fits 2 x cpu (1 host(s) x 2), 1.0 GiB host memory per rank")
     assert "['big'] fit no rank" in msg and "host memory per rank 0.85 GiB = 1.00 GiB - 0.15 GiB reserve" in msg
@@ -321,15 +358,15 @@ def test_make_plan_auto_uses_the_planner(tmp_path):
     Topology.preset("h100", 8).save(tmp_path / "h100.yaml")
     lines.clear()
     planner = load_config(write(tmp_path, data), [f"planner.topology_file={tmp_path}/cpu.yaml"]).planner
-    make_plan(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer, lines.append)
+    plan_for_job(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer, lines.append)
     assert "2 x cpu (1 host(s) x 2), 3.0 GiB host memory per rank; source: preset cpu" in "\n".join(lines)
     planner = load_config(write(tmp_path, data), [f"planner.topology_file={tmp_path}/h100.yaml"]).planner
     with pytest.raises(ConfigError, match="describes cuda ranks, but this job computes on cpu"):
-        make_plan(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+        plan_for_job(tables, planner, 2, 2, "cpu", 64, cfg.sparse_optimizer)
     # constraints the planner cannot meet, and keys of the other strategy, are config errors
     bad = load_config(write(tmp_path, data), ["planner.constraints.t2.tiers=[hbm]"]).planner
     with pytest.raises(ConfigError, match="^planner: .*t2"):
-        make_plan(tables, bad, 2, 2, "cpu", 64, cfg.sparse_optimizer)
+        plan_for_job(tables, bad, 2, 2, "cpu", 64, cfg.sparse_optimizer)
     path = write(tmp_path, data)
     with pytest.raises(ConfigError, match=r"planner.tier='host' is invalid: tier is a setting of strategy simple"):
         load_config(path, ["planner.tier=host"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from embshard.models.dlrm import DLRMDCNDense
+from embshard.models.dcn import DLRMDCNDense
 from embshard.models.two_tower import TwoTowerDense, bce_scores, in_batch_softmax_loss
 
 
@@ -32,7 +32,23 @@ def test_two_tower_losses():
     user, item = towers(torch.randn(5, 12), torch.randn(5, 6))
     assert user.shape == item.shape == (5, 4)
     torch.testing.assert_close(bce_scores(user, item), torch.stack([user[i] @ item[i] for i in range(5)]))
-    loss, logits = in_batch_softmax_loss(user, item, temperature=0.5)
+    loss, logits, target = in_batch_softmax_loss(user, item, temperature=0.5)
     manual = torch.stack([-(torch.log_softmax(user[i] @ item.t() / 0.5, 0)[i]) for i in range(5)]).mean()
     torch.testing.assert_close(loss, manual)
-    assert logits.shape == (5, 5)
+    assert logits.shape == (5, 5) and torch.equal(target, torch.arange(5))
+
+
+def test_every_config_kind_has_a_registered_model():
+    import typing
+
+    import pytest
+
+    from embshard.config.model import ModelConfig
+    from embshard.models.registry import model_kind
+    from embshard.tables import ConfigError
+
+    for kind in typing.get_args(typing.get_type_hints(ModelConfig)["kind"]):
+        assert callable(model_kind(kind).build_dense) and callable(model_kind(kind).step), kind
+    assert model_kind("two_tower").output_groups is not None and model_kind("dlrm").output_groups is None
+    with pytest.raises(ConfigError, match=r"model.kind='nope' has no model: known kinds are \['dlrm', 'dlrm_dcnv2'"):
+        model_kind("nope")

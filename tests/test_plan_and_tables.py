@@ -61,6 +61,18 @@ def test_simple_plan_produces_every_type(st):
     assert plan["a"].sharding_type is st
 
 
+def test_simple_plan_takes_the_first_of_each_constraint():
+    cons = {"a": {"ranks": [1]}, "c": {"sharding_types": ["row_wise", "table_wise"], "tiers": ["uvm", "hbm"]}}
+    plan = simple_plan(TABLES, 2, constraints=cons)
+    assert plan["a"].sharding_type is ShardingType.TABLE_WISE and plan["a"].ranks == [1]
+    assert plan["c"].sharding_type is ShardingType.ROW_WISE and plan["c"].tier is MemoryTier.UVM
+    assert plan["b"].tier is MemoryTier.HOST
+    # the pinned table's bytes count on its rank: the next largest table-wise table goes to the other one
+    assert simple_plan(TABLES, 2, constraints={"a": {"ranks": [1]}})["c"].ranks == [0]
+    with pytest.raises(ConfigError, match=r"constraints of table 'c': ranks \[1\] pin a row_wise table"):
+        simple_plan(TABLES, 2, constraints={"c": {"sharding_types": ["row_wise"], "ranks": [1]}})
+
+
 def test_plan_checks_name_the_table_and_rule():
     good = simple_plan(TABLES, 2)
     bad_rank = TablePlan("a", "table_wise", "host", (Shard(5, 0, 1000, 0, 16),))
@@ -105,3 +117,36 @@ def test_out_of_range_id_names_feature_table_and_value():
             ebc(kjt)
     with pytest.raises(ConfigError, match=r"missing \['fb'\]"):
         ebc(KeyedJaggedTensor(keys=["fa"], values=torch.tensor([1]), lengths=torch.tensor([1], dtype=torch.int32)))
+
+
+def test_lookup_kernel_in_the_plan(tmp_path):
+    """TablePlan.kernel round-trips, defaults to fbgemm for older plan files, and is refused where it cannot run."""
+    from dataclasses import replace
+
+    import pytest
+
+    from embshard import simple_plan
+    from embshard.plan import LookupKernel, ShardingPlan
+
+    tables = [
+        TableConfig("a", 50, 8, ("fa",)),
+        TableConfig("b", 60, 8, ("fb",)),
+        TableConfig("h", 60, 8, ("fh",), data_type="fp16"),
+    ]
+    plan = simple_plan(tables, 2, sharding_types={"a": "data_parallel", "b": "data_parallel"}, tier="hbm")
+    small = replace(plan, tables=tuple(replace(t, kernel="small") if t.table != "h" else t for t in plan.tables))
+    small.check(tables)
+    small.save(tmp_path / "p.yaml")
+    loaded = ShardingPlan.load(tmp_path / "p.yaml")
+    assert loaded == small and loaded["a"].kernel is LookupKernel.SMALL and loaded["h"].kernel is LookupKernel.FBGEMM
+    data = small.to_dict()
+    for t in data["tables"]:
+        del t["kernel"]  # a plan file written before the field existed
+    assert all(t.kernel is LookupKernel.FBGEMM for t in ShardingPlan.from_dict(data).tables)
+    with pytest.raises(ConfigError, match=r"table 'h'.*kernel 'small' takes fp32 tables in tier hbm or host, not fp16"):
+        replace(plan, tables=tuple(replace(t, kernel="small") for t in plan.tables)).check(tables)
+    mixed = replace(plan, tables=tuple(replace(t, kernel="small") if t.table == "a" else t for t in plan.tables))
+    with pytest.raises(ConfigError, match=r"data-parallel tables share one lookup.*'a': 'small', 'b': 'fbgemm'"):
+        mixed.check(tables)
+    with pytest.raises(ConfigError, match="kernel='cuda' is invalid"):
+        replace(plan.tables[0], kernel="cuda")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from embshard.geometry import column_blocks, row_blocks
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingType
 from embshard.planner import ParameterConstraints, PlannerSettings, Topology
 from embshard.planner.constraints import resolve_constraints
 from embshard.planner.cost import CostModel, TableStats, zipf_hit_rate
-from embshard.planner.inputs import planner_input_from_dict
-from embshard.planner.options import Option, column_splits, make_shards, row_splits, table_options
+from embshard.planner.options import Option, make_shards, table_options
+from embshard.planner.tools.inputs import planner_input_from_dict
 from embshard.planner.topology import GIB
 from embshard.tables import ConfigError, TableConfig
 
@@ -149,10 +150,10 @@ def test_options_follow_constraints_and_topology():
 
 
 def test_splits():
-    assert column_splits(24, 4) == [8, 8, 4, 4] and all(w % 4 == 0 for w in column_splits(100, 8))
-    assert sum(row_splits(10, 4)) == 10 and len(row_splits(9, 4)) <= 4
+    assert column_blocks(24, 4) == [8, 8, 4, 4] and all(w % 4 == 0 for w in column_blocks(100, 8))
+    assert sum(row_blocks(10, 4)) == 10 and len(row_blocks(9, 4)) <= 4
     t = TableConfig("t", 10, 8, ("f",))
-    shards = make_shards(t, Option(ShardingType.ROW_WISE, HBM, 4), list(range(len(row_splits(10, 4)))))
+    shards = make_shards(t, Option(ShardingType.ROW_WISE, HBM, 4), list(range(len(row_blocks(10, 4)))))
     assert sum(s.num_rows for s in shards) == 10 and shards[0].row_offset == 0
 
 
@@ -335,8 +336,7 @@ def test_the_repository_calibrated_file_loads_and_predicts_the_table_wise_worklo
     import warnings
 
     from embshard.plan import MemoryTier as T
-    from embshard.plan import simple_plan
-    from embshard.planner import plan_with_report, predict
+    from embshard.planner import plan_with_report, predict, simple_plan
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -355,7 +355,7 @@ def test_the_repository_calibrated_file_loads_and_predicts_the_table_wise_worklo
 def test_calibration_fit_recovers_the_constants_it_measures():
     from dataclasses import replace
 
-    from embshard.planner.calibrate import CPU_CASES, GPU_CASES, _bytes_model, fit_lookup, fit_uvm
+    from embshard.planner.tools.calibrate import CPU_CASES, GPU_CASES, _bytes_model, fit_lookup, fit_uvm
 
     for base, cases in ((Topology.preset("h200", 1), GPU_CASES), (Topology.preset("cpu", 1), CPU_CASES)):
         truth = replace(
@@ -388,3 +388,23 @@ def test_topology_defaults_are_the_h100_preset_and_constants_are_checked():
             assert getattr(plain, f.name) == getattr(h100, f.name), f.name
     with pytest.raises(ConfigError, match="bwd_row_s=-1e-09 is invalid: it must be >= 0"):
         Topology(2, 2, hbm_bytes=GIB, bwd_row_s=-1e-9)
+
+
+def test_exact_column_wise_adagrad_costs_its_backward():
+    """Column-wise under rowwise_adagrad: the exact update's backward is counted unless turned off; other
+    sharding types and optimizers are unaffected."""
+    from embshard.plan import MemoryTier, ShardingType
+    from embshard.planner.settings import PlannerSettings
+
+    t = TableStats.one(TableConfig("t", 100_000, 128, ("f",), ids_per_bag=8))
+    topo = Topology.preset("h100", 2)
+    rw = FusedOptimizerConfig("rowwise_adagrad")
+    exact = CostModel(topo, 1024, rw).work(t, ShardingType.COLUMN_WISE, MemoryTier.HBM, 100_000.0, 64.0)
+    off = CostModel(topo, 1024, rw, PlannerSettings(column_wise_exact=False))
+    plain = off.work(t, ShardingType.COLUMN_WISE, MemoryTier.HBM, 100_000.0, 64.0)
+    assert exact.bwd_s > plain.bwd_s and exact.fwd_s == plain.fwd_s
+    sgd = CostModel(topo, 1024, FusedOptimizerConfig("sgd"))
+    assert sgd.work(t, ShardingType.COLUMN_WISE, MemoryTier.HBM, 100_000.0, 64.0).bwd_s < exact.bwd_s
+    tw = CostModel(topo, 1024, rw).work(t, ShardingType.TABLE_WISE, MemoryTier.HBM, 100_000.0, 128.0)
+    tw_off = off.work(t, ShardingType.TABLE_WISE, MemoryTier.HBM, 100_000.0, 128.0)
+    assert tw.bwd_s == tw_off.bwd_s

@@ -12,14 +12,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from dist_harness import run_distributed, test_device
+from dist_harness import device_kind, run_distributed
 from parity import check_parity, sharded_worker
+from parity import column_blocks as column_blocks_of
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan, column_blocks, row_blocks
+from embshard.geometry import column_blocks, row_blocks
+from embshard.options import LookupOptions
+from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.sharded import ShardedEmbeddingBagCollection
 from embshard.tables import ConfigError
-from embshard.tiers import LookupOptions
 
 RW, CW, TWRW, DP, TW = (
     ShardingType.ROW_WISE,
@@ -61,8 +63,15 @@ CASES = {
     "mixed": (MIXED, MIXED_TYPES),
     "mixed_fp16": (MIXED_FP16, MIXED_TYPES),  # fp16 weights
     "mixed_bf16_out": (MIXED, MIXED_TYPES),  # bf16 pooled outputs (OPTIONS)
+    "column_wise_per_block": (TABLES, dict.fromkeys([t.name for t in TABLES], CW)),  # TorchRec's state
+    "mixed_small": (MIXED, MIXED_TYPES),  # every table on embshard's small-table kernel, the kernel regroup
 }
-OPTIONS = {"mixed_bf16_out": LookupOptions(output_dtype="bf16")}
+SMALL_KERNEL = {"mixed_small"}
+OPTIONS = {
+    "mixed_bf16_out": LookupOptions(output_dtype="bf16"),
+    "column_wise_per_block": LookupOptions(column_wise_exact=False),
+    "mixed_small": LookupOptions(regroup="triton"),
+}
 TOLERANCE = {"mixed_fp16": (3e-3, 1e-2), "mixed_bf16_out": (2e-2, 1e-2)}  # (atol, rtol), as in test_tiers.py
 
 OPTIMIZERS = {
@@ -79,13 +88,16 @@ RUNS = [(c, o) for c in list(CASES)[:5] for o in ("sgd", "rowwise_adagrad", "ada
 RUNS += [("column_wise", "adagrad"), ("data_parallel", "adagrad")]
 RUNS += [("mixed", "rowwise_adagrad_wd"), ("data_parallel", "adam_wd")]
 RUNS += [("mixed_fp16", "sgd"), ("mixed_fp16", "rowwise_adagrad"), ("mixed_bf16_out", "rowwise_adagrad")]
+RUNS += [("column_wise_per_block", "rowwise_adagrad"), ("column_wise_per_block", "rowwise_adagrad_wd")]
+RUNS += [("column_wise", "rowwise_adagrad_wd")]
+RUNS += [("mixed_small", o) for o in ("sgd", "rowwise_adagrad", "adam", "adagrad")]
 REPEATED = [("mixed", "rowwise_adagrad"), ("mixed", "adam")]  # trained twice, for the determinism test
 
 LOCAL_WORLD = {1: 1, 2: 1, 3: 3, 4: 2}  # ranks per host: world 2 is 2 hosts x 1, world 4 is 2 hosts x 2
 COLUMN_SHARDS = 3  # column blocks per column-wise table (fewer when the width has fewer units of 4)
 STEPS = 3
 
-if test_device() == "cpu":
+if device_kind() == "cpu":
     WORLD_SIZES = [1, 2, 3, 4]
 else:
     WORLD_SIZES = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]
@@ -93,7 +105,10 @@ else:
 
 def _plan(case: str, world_size: int, tier: MemoryTier) -> ShardingPlan:
     tables, types = CASES[case]
-    return simple_plan(tables, world_size, LOCAL_WORLD[world_size], types, tier=tier, column_shards=COLUMN_SHARDS)
+    plan = simple_plan(tables, world_size, LOCAL_WORLD[world_size], types, tier=tier, column_shards=COLUMN_SHARDS)
+    if case in SMALL_KERNEL:
+        plan = replace(plan, tables=tuple(replace(t, kernel="small") for t in plan.tables))
+    return plan
 
 
 def _seed(case: str, opt: str) -> int:
@@ -131,19 +146,29 @@ def test_parity(trained, case, opt):
     per_rank = [r[(case, opt)] for r in results]
     atol, rtol = TOLERANCE.get(case, (2e-5, 1e-4))
     tables, seed = CASES[case][0], _seed(case, opt)
-    check_parity(per_rank, tables, OPTIMIZERS[opt], batch_sizes, STEPS, seed, atol=atol, plan=plan, rtol=rtol)
+    per_block = plan if case == "column_wise_per_block" else None  # row-wise Adagrad state per column block
+    check_parity(per_rank, tables, OPTIMIZERS[opt], batch_sizes, STEPS, seed, atol=atol, plan=per_block, rtol=rtol)
     if case in OPTIONS:
         want = OPTIONS[case].output_dtype.torch_dtype
         assert all(o.dtype == want for res in per_rank for step in res["outputs"] for o in step.values())
 
 
-def test_column_wise_rowwise_adagrad_keeps_state_per_block(trained):
-    """The per-block reference matches (test_parity); the whole-row reference must not: the state is per block."""
+def test_column_wise_rowwise_adagrad_state_per_block_or_exact(trained):
+    """column_wise_exact=False keeps row-wise Adagrad state per column block: the per-block reference matches
+    (test_parity), the whole-row reference must not. The exact default is the other way round."""
     world_size, batch_sizes, results = trained
-    case, opt = "column_wise", "rowwise_adagrad"
-    per_rank = [r[(case, opt)] for r in results]
-    with pytest.raises(AssertionError):
-        check_parity(per_rank, CASES[case][0], OPTIMIZERS[opt], batch_sizes, STEPS, _seed(case, opt))
+    opt = "rowwise_adagrad"
+    for case, other_reference in (
+        ("column_wise_per_block", None),
+        ("column_wise", _plan("column_wise", world_size, MemoryTier.HOST)),
+    ):
+        per_rank = [r[(case, opt)] for r in results]
+        if other_reference is not None and all(len(b) == 1 for b in column_blocks_of(other_reference).values()):
+            continue  # one block per table (world 1): both references agree
+        with pytest.raises(AssertionError):
+            check_parity(
+                per_rank, CASES[case][0], OPTIMIZERS[opt], batch_sizes, STEPS, _seed(case, opt), plan=other_reference
+            )
 
 
 def test_data_parallel_replicas_bitwise_identical(trained):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,20 @@ SHORTEN = {
     "dcn_criteo.yaml": [],
     "two_tower_movielens.yaml": [],
     "dlrm_synthetic.yaml": ["schedule.steps=120", "schedule.eval_every=0", "checkpoint.every=0"],
+    "two_tower_movielens_full_softmax.yaml": [],
+    "two_tower_synthetic_1m.yaml": [
+        "model.tables[0].num_embeddings=2000",
+        "model.tables[1].num_embeddings=20000",
+        "data.synthetic.affinity.clusters=100",
+        "schedule.batch_size=64",
+        "schedule.steps=40",
+        "schedule.eval_every=0",
+    ],
 }
+# The MovieLens sample's held-out movies are almost all unseen in training: with the catalog softmax only the
+# training loss falls there (and recall@K is reported); every other config's held-out loss falls.
+TRAIN_LOSS_ONLY = {"two_tower_movielens_full_softmax.yaml"}
+DEVICE = "cuda" if os.environ.get("EMBSHARD_TEST_DEVICE", "cpu") == "cuda" else "cpu"  # where `embshard train` runs
 
 
 def env() -> dict[str, str]:
@@ -68,14 +82,21 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
     res = train([f"configs/{name}", "--nproc", "2", *outputs(tmp_path), *SHORTEN[name]])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
-    assert "ShardingPlan: world_size=2" in out and "2 ranks on cpu" in out
+    assert "ShardingPlan: world_size=2" in out and f"2 ranks on {DEVICE}" in out
     assert "predicted step time" in out and "source: detected" in out  # strategy auto: the planner's report
-    assert "samples/s" in out and "auc" in out
+    assert "samples/s" in out and ("auc" in out or "recall@10" in out)
     m = metrics(tmp_path)
     assert m[0]["step"] == 0 and m[-1]["step"] > 0
     assert m[0]["samples"] == m[-1]["samples"] > 0  # the same held-out data before and after
-    assert m[-1]["loss"] < m[0]["loss"], m
-    assert 0.0 <= m[-1]["auc"] <= 1.0
+    if name in TRAIN_LOSS_ONLY:
+        train_losses = [float(v) for v in re.findall(r"train step +\d+ +loss ([0-9.]+)", out)]
+        assert len(train_losses) > 1 and train_losses[-1] < train_losses[0], train_losses
+    else:
+        assert m[-1]["loss"] < m[0]["loss"], m
+    assert 0.0 <= m[-1].get("auc", 0.5) <= 1.0
+    if "recall@10" in m[-1]:  # two-tower catalog mode: recall over the whole catalog
+        assert all(0.0 <= e[k] <= 1.0 for e in m for k in e if k.startswith("recall@")), m
+        assert name in TRAIN_LOSS_ONLY or m[-1]["recall@10"] > m[0]["recall@10"], m
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "ck" / f"step_{m[-1]['step']}.pt").is_file()
     if name == "dlrm_criteo.yaml":
@@ -114,17 +135,18 @@ def test_errors_exit_with_one_line(tmp_path):
     assert res.returncode == 2
     assert "error: data.criteo: file 'no/such.txt' does not exist" in res.stderr and "Traceback" not in res.stderr
     # no plan fits: rank 0 plans, every rank stops with status 2, the message names the numbers once
-    res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", "planner.ddr_gib=0.0005", "logging.tensorboard_dir=null"])
+    tiny = ["planner.ddr_gib=0.0005", "planner.hbm_gib=0.0005", "logging.tensorboard_dir=null"]
+    res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", *tiny])
     assert res.returncode == 2, res.stderr[-3000:]
-    assert res.stderr.count("error: planner: no sharding plan fits 2 x cpu") == 1 and "Traceback" not in res.stderr
-    assert "host memory: needed at least 1.8 MiB" in res.stderr and "planner.ddr_gib" in res.stderr
+    assert res.stderr.count("error: planner: no sharding plan fits 2 x ") == 1 and "Traceback" not in res.stderr
+    assert "needed at least" in res.stderr and "planner.ddr_gib" in res.stderr
 
 
 def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
     """`embshard plan TRAINING_CONFIG --out FILE` plans the config's tables (overrides too), and training loads the
     file with planner.plan_file: row-wise, column-wise and data-parallel tables train on 2 processes."""
     from embshard.plan import ShardingPlan, ShardingType
-    from embshard.planner.cli import main as plan_main
+    from embshard.planner.tools.cli import main as plan_main
 
     plan_file = tmp_path / "plan.yaml"
     cons = {"t_C1": "[row_wise]", "t_C2": "[column_wise]", "t_C3": "[data_parallel]"}

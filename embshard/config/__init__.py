@@ -28,17 +28,12 @@ from embshard.config.data import (
     TableSourceConfig,
 )
 from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig, TwoTowerConfig
-from embshard.config.run import (
-    CheckpointConfig,
-    DenseOptimizerConfig,
-    LoggingConfig,
-    PlannerConfig,
-    ScheduleConfig,
-    TableConstraint,
-)
-from embshard.config.schema import FieldError, Source, build
+from embshard.config.run import CheckpointConfig, DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TableConstraint
+from embshard.config.runtime import RuntimeConfig
+from embshard.config.schema import Source, build
 from embshard.optim import FusedOptimizerConfig
-from embshard.tables import ConfigError
+from embshard.planner.policy import PlannerConfig
+from embshard.tables import ConfigError, FieldError
 
 __all__ = [
     "CategoricalColumnConfig",
@@ -53,6 +48,7 @@ __all__ = [
     "ModelConfig",
     "MovieLensConfig",
     "PlannerConfig",
+    "RuntimeConfig",
     "ScheduleConfig",
     "SyntheticConfig",
     "TableConstraint",
@@ -84,6 +80,8 @@ class TrainConfig:
     """Checkpoint folder, interval and resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Console, progress bar, TensorBoard and metrics file."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Collective timeout (watchdog) and numeric guard."""
     seed: int = 0
     """Seed of the initial weights, the data shuffles and the synthetic data."""
 
@@ -110,6 +108,14 @@ class TrainConfig:
                 if f not in features:
                     raise FieldError(
                         f"data.synthetic.pooling.{f}", f, f"no table lists this feature: {sorted(features)}"
+                    )
+            affinity = self.data.synthetic.affinity if self.data.synthetic else None
+            for key in ("user_feature", "item_feature") if affinity else ():
+                if getattr(affinity, key) not in features:
+                    raise FieldError(
+                        f"data.synthetic.affinity.{key}",
+                        getattr(affinity, key),
+                        f"no table lists this feature: {sorted(features)}",
                     )
 
 

@@ -190,6 +190,29 @@ class MovieLensConfig:
 
 
 @dataclass(frozen=True)
+class AffinityConfig:
+    """Synthetic retrieval data: each sample's item depends on its user, so a two-tower model can learn it. Users
+    and items fall into `clusters` groups (user u: a hash of u; item j: j mod clusters, before scrambling); with
+    probability `strength` the item is drawn from the user's group (Zipf over the group's items, zipf_exponent),
+    else from the whole table as usual. Every sample is a positive (label 1)."""
+
+    user_feature: str
+    """Feature holding the sample's user id (one id per sample)."""
+    item_feature: str
+    """Feature holding the sample's item id (one id per sample): from the user's group with probability strength."""
+    clusters: int = 100
+    """Number of user and item groups (count); the item table's rows must be a multiple of it."""
+    strength: float = 0.8
+    """Probability that a sample's item comes from its user's group, in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        if self.clusters < 1:
+            raise FieldError("clusters", self.clusters, "it must be >= 1")
+        if not 0 <= self.strength <= 1:
+            raise FieldError("strength", self.strength, "it is a probability: give a value in [0, 1]")
+
+
+@dataclass(frozen=True)
 class SyntheticConfig:
     """Generated click data at any scale: Zipf-skewed ids, per-feature pooling factors, learnable labels."""
 
@@ -204,6 +227,8 @@ class SyntheticConfig:
     2^31 rows; larger tables keep popularity order)."""
     eval_batches: int = 4
     """Held-out batches per rank per evaluation (count); drawn from their own fixed random stream."""
+    affinity: AffinityConfig | None = None
+    """Retrieval data: items drawn from their user's group (two-tower softmax losses); unset: independent ids."""
 
     def __post_init__(self) -> None:
         if self.num_dense < 0:

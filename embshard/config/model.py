@@ -49,38 +49,110 @@ class DCNConfig:
 
 
 @dataclass(frozen=True)
+class InBatchConfig:
+    """In-batch softmax: each user's own item is its positive, the other items of the batch are its negatives."""
+
+    global_negatives: bool = False
+    """Negatives from every rank's batch (all-gathered: B_global - 1 per user), else from this rank's (B - 1)."""
+    remove_duplicates: bool = True
+    """Catalog mode (item_mlp: []): a batch item with the same id as a user's own item is not one of its negatives."""
+
+
+@dataclass(frozen=True)
+class SampledSoftmaxConfig:
+    """Sampled softmax over the catalog: the target against negatives drawn per step, logQ-corrected."""
+
+    num_negatives: int = 1024
+    """Negatives drawn from the whole catalog per step, shared by the global batch (count; >= ranks)."""
+    sampler: Literal["unigram", "uniform"] = "unigram"
+    """Proposal within each rank's row block: unigram (items by their count as training targets so far, plus
+    smoothing) or uniform."""
+    smoothing: float = 1.0
+    """Unigram only: pseudo-count added to every item's target count (count)."""
+
+    def __post_init__(self) -> None:
+        if self.num_negatives < 1:
+            raise FieldError("num_negatives", self.num_negatives, "draw at least 1 negative per step")
+        if not self.smoothing > 0:
+            raise FieldError("smoothing", self.smoothing, "it must be > 0 (an unseen item needs a probability)")
+
+
+CATALOG_LOSSES = ("full_softmax", "sampled_softmax")
+
+
+@dataclass(frozen=True)
 class TwoTowerConfig:
-    """Two-tower retrieval: a user tower and an item tower, each an MLP over its group of pooled embeddings."""
+    """Two-tower retrieval: a user tower and an item tower, each an MLP over its group of pooled embeddings; or,
+    with item_mlp: [] (catalog mode), the item vector is the row of the item's id in its table (the catalog)."""
 
     user_features: tuple[str, ...]
     """Sparse features whose pooled embeddings are concatenated into the user tower's input."""
     item_features: tuple[str, ...]
-    """Sparse features whose pooled embeddings are concatenated into the item tower's input."""
+    """Sparse features whose pooled embeddings are concatenated into the item tower's input; catalog mode: the one
+    feature holding each sample's item id (one id per sample)."""
     user_mlp: tuple[int, ...] = (64, 32)
     """Layer widths of the user tower, in units; the last is the output (dot-product) dimension."""
     item_mlp: tuple[int, ...] = (64, 32)
-    """Layer widths of the item tower, in units; the last must equal user_mlp's last."""
-    loss: Literal["bce", "softmax"] = "bce"
-    """bce: binary cross-entropy of dot(user, item) against the label; softmax: in-batch sampled softmax (every
-    row is a positive, the other items of the rank's local batch are its negatives)."""
+    """Layer widths of the item tower, in units; the last must equal user_mlp's last. []: catalog mode, no item
+    tower (the item feature's table, one feature only, has embedding_dim = user_mlp's last)."""
+    loss: Literal["bce", "in_batch", "full_softmax", "sampled_softmax"] = "bce"
+    """bce: binary cross-entropy of dot(user, item) against the label; in_batch: softmax over the batch's items;
+    full_softmax: softmax over every item of the catalog; sampled_softmax: over sampled catalog items (the last two
+    need catalog mode; docs/retrieval.md)."""
     temperature: float = 1.0
-    """Softmax loss only: logits are dot products divided by this (dimensionless)."""
+    """Softmax losses: logits are dot products divided by this (dimensionless)."""
+    in_batch: InBatchConfig | None = None
+    """Options of loss in_batch (defaults apply when omitted)."""
+    sampled_softmax: SampledSoftmaxConfig | None = None
+    """Options of loss sampled_softmax (defaults apply when omitted)."""
+    chunk_mib: float = 256.0
+    """Catalog mode: memory of one chunk of logits [global batch, catalog rows] in the softmax and top-k (MiB)."""
+    recall_at: tuple[int, ...] = (10,)
+    """Catalog mode: evaluation reports recall@K over the whole catalog for each K (count of items); [] for none."""
 
     def __post_init__(self) -> None:
         for key in ("user_features", "item_features"):
             if not getattr(self, key):
                 raise FieldError(key, [], "a tower needs at least one feature")
         positive_ints("user_mlp", self.user_mlp, allow_empty=False)
-        positive_ints("item_mlp", self.item_mlp, allow_empty=False)
-        if self.user_mlp[-1] != self.item_mlp[-1]:
+        positive_ints("item_mlp", self.item_mlp)
+        if self.item_mlp and self.user_mlp[-1] != self.item_mlp[-1]:
             raise FieldError(
                 "item_mlp",
                 list(self.item_mlp),
                 f"the towers' output widths must match for a dot product: user_mlp ends in {self.user_mlp[-1]}, "
                 f"item_mlp in {self.item_mlp[-1]}",
             )
+        if not self.item_mlp and len(self.item_features) != 1:
+            raise FieldError(
+                "item_features",
+                list(self.item_features),
+                "item_mlp: [] (catalog mode) takes the item vector from one feature, the item id: list exactly one",
+            )
+        if self.loss in CATALOG_LOSSES and self.item_mlp:
+            raise FieldError(
+                "item_mlp",
+                list(self.item_mlp),
+                f"loss {self.loss} scores the catalog's rows themselves: set item_mlp: [] (no item tower)",
+            )
         if not self.temperature > 0:
             raise FieldError("temperature", self.temperature, "it must be > 0")
+        if not self.chunk_mib > 0:
+            raise FieldError("chunk_mib", self.chunk_mib, "it must be > 0 MiB")
+        positive_ints("recall_at", self.recall_at)
+        for key, loss, default in (
+            ("in_batch", "in_batch", InBatchConfig),
+            ("sampled_softmax", "sampled_softmax", SampledSoftmaxConfig),
+        ):
+            if getattr(self, key) is not None and self.loss != loss:
+                raise FieldError(key, "{...}", f"loss {self.loss!r} does not use it: remove it or set loss: {loss}")
+            if getattr(self, key) is None and self.loss == loss:
+                object.__setattr__(self, key, default())
+
+    @property
+    def catalog_mode(self) -> bool:
+        """The item vectors are catalog rows (item_mlp: [])."""
+        return not self.item_mlp
 
 
 @dataclass(frozen=True)
@@ -153,6 +225,24 @@ class ModelConfig:
                         raise FieldError(
                             f"two_tower.{key}[{i}]", f, f"no table lists this feature; known features: {sorted(known)}"
                         )
+            if self.two_tower.catalog_mode:
+                item = self.two_tower.item_features[0]
+                i, t = next((i, t) for i, t in enumerate(self.tables) if item in t.feature_names)
+                width = self.two_tower.user_mlp[-1]
+                if list(t.feature_names) != [item]:
+                    raise FieldError(
+                        f"tables[{i}].feature_names",
+                        list(t.feature_names),
+                        f"table {t.name!r} is the catalog (item_mlp: []): its rows are read whole by the softmax, so "
+                        f"only the item id {item!r} may look it up; give the other features their own table",
+                    )
+                if t.embedding_dim != width:
+                    raise FieldError(
+                        f"tables[{i}].embedding_dim",
+                        t.embedding_dim,
+                        f"table {t.name!r} is the catalog (item_mlp: []): its rows are the item vectors, so its width "
+                        f"must be the user tower's output, user_mlp's last ({width})",
+                    )
 
     @property
     def features(self) -> list[str]:

@@ -1,14 +1,13 @@
-"""The run sections: schedule, dense optimizer, planner, checkpoint and logging."""
+"""The run sections: schedule, dense optimizer, checkpoint and logging; the planner section is the planner's own
+(embshard.planner.policy.PlannerConfig), as its constraints and settings are."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Literal
 
 from embshard.config.schema import FieldError
-from embshard.plan import MemoryTier
 from embshard.planner.constraints import ParameterConstraints
-from embshard.planner.settings import PlannerSettings
 
 
 @dataclass(frozen=True)
@@ -71,63 +70,6 @@ class DenseOptimizerConfig:
 
 
 TableConstraint = ParameterConstraints  # the planner's per-table constraints, used as they are (one dataclass)
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    """How the sharding plan is made: a saved plan file, the planner (strategy auto, docs/planner.md) or the simple
-    table-wise placement (strategy simple)."""
-
-    strategy: Literal["auto", "simple"] = "auto"
-    """auto: the cost-model planner (embshard.planner) picks sharding type, tier and ranks per table; simple: the
-    greedy placement of embshard.plan (table-wise unless constrained; for tests and debugging)."""
-    plan_file: str | None = None
-    """Load this saved ShardingPlan (YAML or JSON, from `embshard plan --out` or ShardingPlan.save) instead of
-    planning; strategy and the other planner keys are then not used."""
-    topology_file: str | None = None
-    """auto: plan for the machine described in this topology YAML (from `embshard calibrate`), with the job's rank
-    counts; unset: read this machine (GPU model and memory, host memory)."""
-    hbm_gib: float | None = None
-    """auto: GPU memory per rank to plan for (GiB); unset: the topology's (detected: the GPU's total memory)."""
-    ddr_gib: float | None = None
-    """auto: host memory per rank to plan for (GiB); unset: the topology's (detected: host memory / local ranks)."""
-    settings: PlannerSettings = field(default_factory=PlannerSettings)
-    """auto: planner settings, e.g. hbm_reserve_gib (GPU memory per rank kept for the dense model, GiB)."""
-    tier: MemoryTier | None = None
-    """simple: memory tier of every table without a tiers constraint; unset: host on CPU, hbm on GPU."""
-    column_shards: int | None = None
-    """simple: column blocks per column-wise table (count); unset: 2."""
-    constraints: dict[str, ParameterConstraints] | None = None
-    """Per-table constraints and hints, keyed by table name or glob pattern (t_*); simple honours only the first
-    sharding type, the first tier and the first rank."""
-
-    def __post_init__(self) -> None:
-        if self.column_shards is not None and self.column_shards < 1:
-            raise FieldError("column_shards", self.column_shards, "it must be >= 1")
-        if self.hbm_gib is not None and not self.hbm_gib > 0:
-            raise FieldError("hbm_gib", self.hbm_gib, "it must be > 0 GiB (or unset: detect)")
-        if self.ddr_gib is not None and not self.ddr_gib > 0:
-            raise FieldError("ddr_gib", self.ddr_gib, "it must be > 0 GiB (or unset: detect)")
-        if self.plan_file is not None:
-            return
-        if self.strategy == "auto":
-            for key in ("tier", "column_shards"):
-                if getattr(self, key) is not None:
-                    raise FieldError(
-                        key,
-                        getattr(getattr(self, key), "value", getattr(self, key)),
-                        f"{key} is a setting of strategy simple; with strategy auto use planner.settings.tiers / "
-                        "planner.constraints.<table>.tiers (or column_shards there), or set planner.strategy=simple",
-                    )
-        else:
-            for key in ("topology_file", "hbm_gib", "ddr_gib"):
-                if getattr(self, key) is not None:
-                    raise FieldError(key, getattr(self, key), "it is a setting of strategy auto, not simple")
-            default = PlannerSettings()
-            changed = {f.name: getattr(self.settings, f.name) for f in fields(default)}
-            changed = {k: v for k, v in changed.items() if v != getattr(default, k)}
-            if changed:
-                raise FieldError("settings", changed, "planner settings apply to strategy auto, not simple")
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,10 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-from embshard.tables import ConfigError
+from embshard.tables import ConfigError, FieldError
 
 T = TypeVar("T")
 MISSING = dataclasses.MISSING
-
-
-class FieldError(ConfigError):
-    """An impossible value found by a dataclass's own checks; `key` is the path relative to that dataclass."""
-
-    def __init__(self, key: str, value: Any, rule: str) -> None:
-        super().__init__(f"{key}={value!r} is invalid: {rule}")
-        self.key, self.value, self.rule = key, value, rule
 
 
 class Source:

@@ -8,6 +8,8 @@
 - dense features: standard normal.
 - labels: Bernoulli(sigmoid(2 z)), z a fixed hidden function of the dense features and of each bag's mean id
   score (a hash of the id), so a model that learns shows a falling loss.
+- with `affinity` (retrieval): the item feature's id depends on the user feature's id (`affinity_items`): with
+  probability `strength` the k-th most popular item (Zipf) of the user's group, else the usual draw; labels 1.
 Batch t of rank r is drawn from its own seeded stream (seed, r, t): any step can be regenerated, every rank sees
 different samples, and evaluation batches come from a separate fixed stream.
 """
@@ -20,9 +22,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from embshard.config.data import SyntheticConfig
+from embshard.config.data import AffinityConfig, SyntheticConfig
 from embshard.data.common import Batch
-from embshard.tables import TableConfig
+from embshard.tables import ConfigError, TableConfig
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _EVAL_STREAM = 1 << 40
@@ -58,6 +60,26 @@ def id_scores(ids: np.ndarray, salt: int) -> np.ndarray:
     return (h >> np.uint64(40)).astype(np.float64) / float(1 << 23) - 1.0
 
 
+def affinity_items(
+    rng: np.random.Generator,
+    users: np.ndarray,
+    items: np.ndarray,
+    rows: int,
+    cfg: AffinityConfig,
+    zipf_exponent: float,
+    multiplier: int | None,
+) -> np.ndarray:
+    """Each sample's item: with probability cfg.strength, item g + G k of the user's group g = hash(user) mod G
+    (k Zipf-ranked within the group's rows / G items, then scrambled by `multiplier`), else its `items` entry."""
+    G = cfg.clusters
+    with np.errstate(over="ignore"):
+        group = (((users.astype(np.uint64) + np.uint64(12345)) * _GOLDEN) >> np.uint64(33)) % np.uint64(G)
+    own = group.astype(np.int64) + G * zipf_ranks(rng, users.size, rows // G, zipf_exponent)
+    if multiplier is not None:
+        own = own * multiplier % rows
+    return np.where(rng.random(users.size) < cfg.strength, own, items)
+
+
 class SyntheticSource:
     """Endless training batches and a fixed set of evaluation batches for one rank."""
 
@@ -70,6 +92,23 @@ class SyntheticSource:
         self.features = [(f, t, pooling.get(f, t.ids_per_bag)) for t in self.tables for f in t.feature_names]
         self.multiplier = {t.name: scramble_multiplier(t.num_embeddings) if cfg.scramble else None for t in tables}
         hidden = np.random.default_rng([seed, 999])
+        self.affinity = None
+        if cfg.affinity is not None:
+            a = cfg.affinity
+            at = {f: (i, t, p) for i, (f, t, p) in enumerate(self.features)}
+            for f in (a.user_feature, a.item_feature):
+                if at[f][2] != 1:
+                    raise ConfigError(
+                        f"data.synthetic.affinity: feature {f!r} has {at[f][2]} ids per bag; it holds one id per "
+                        "sample: set its table's ids_per_bag (or data.synthetic.pooling) to 1"
+                    )
+            i, t, _ = at[a.item_feature]
+            if t.num_embeddings % a.clusters:
+                raise ConfigError(
+                    f"data.synthetic.affinity.clusters={a.clusters} does not divide table {t.name!r}'s "
+                    f"{t.num_embeddings} rows: pick a divisor so every group has the same items"
+                )
+            self.affinity = (at[a.user_feature][0], i, t)
         self.w_dense = hidden.standard_normal(max(cfg.num_dense, 1))[: cfg.num_dense]
 
     def batch(self, stream: int) -> Batch:
@@ -95,6 +134,14 @@ class SyntheticSource:
             if weighted:
                 weights.append(rng.random(ids.size) + 0.5 if t.weighted else np.ones(ids.size))
         labels = (rng.random(B) < 1.0 / (1.0 + np.exp(-2.0 * z))).astype(np.float32)
+        if self.affinity is not None:
+            u, i, t = self.affinity
+            extra = np.random.default_rng([self.seed, self.rank, stream, 1])
+            a, rows = self.cfg.affinity, t.num_embeddings
+            values[i] = affinity_items(
+                extra, values[u], values[i], rows, a, self.cfg.zipf_exponent, self.multiplier[t.name]
+            )
+            labels = np.ones(B, dtype=np.float32)
         kjt = KeyedJaggedTensor(
             keys=[f for f, _, _ in self.features],
             values=torch.from_numpy(np.concatenate(values)),

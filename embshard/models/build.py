@@ -1,33 +1,25 @@
 """Build a configured model: the sharded embeddings (fused optimizer) and the dense part (DistributedDataParallel),
-and compute its loss on a batch. Gets only the `model:` section."""
+and compute its loss on a batch. Gets only the `model:` section; what differs between model kinds (the feature
+groups, a retrieval catalog, the dense part, the loss) comes from the kind's file (registry.py)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from embshard.config.model import ModelConfig
 from embshard.data.common import Batch
-from embshard.models.dlrm import DLRMDCNDense, DLRMDense
-from embshard.models.two_tower import TwoTowerDense, bce_scores, in_batch_softmax_loss
+from embshard.models.registry import StepOutput, model_kind
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan
 
-
-@dataclass
-class StepOutput:
-    """A step's mean loss, and the scores and 0/1 labels that the AUC is computed on."""
-
-    loss: torch.Tensor
-    scores: torch.Tensor
-    labels: torch.Tensor
+__all__ = ["RecModel", "StepOutput"]
 
 
 class RecModel(nn.Module):
-    """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward); `dense`: the dense part,
-    wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
+    """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward); `catalog`: a retrieval catalog
+    serving one table in a collection of its own, or None; `dense`: the dense part, wrapped in
+    DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
 
     def __init__(
         self,
@@ -43,43 +35,24 @@ class RecModel(nn.Module):
         from embshard.sharded import ShardedEmbeddingBagCollection
 
         self.cfg = cfg
+        self.kind = model_kind(cfg.kind)
         tables = list(cfg.tables)
-        groups = None
-        if cfg.kind == "two_tower":
-            groups = {"user": list(cfg.two_tower.user_features), "item": list(cfg.two_tower.item_features)}
+        build_catalog = self.kind.build_catalog
+        self.catalog = build_catalog(cfg, plan, sparse_optimizer, device, seed) if build_catalog else None
+        if self.catalog is not None:
+            tables = [t for t in tables if t.name != self.catalog.table.name]
+            plan = ShardingPlan(plan.world_size, plan.local_world_size, tuple(plan[t.name] for t in tables))
+        groups = self.kind.output_groups(cfg) if self.kind.output_groups else None
         self.ebc = ShardedEmbeddingBagCollection(
             tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed
         )
-        width = {f: t.embedding_dim for t in tables for f in t.feature_names}
         torch.manual_seed(seed)  # identical dense initialisation on every rank
-        if cfg.kind == "dlrm":
-            dense = DLRMDense(num_dense, len(width), tables[0].embedding_dim, cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp)
-        elif cfg.kind == "dlrm_dcnv2":
-            dense = DLRMDCNDense(
-                num_dense,
-                sum(width.values()),
-                tables[0].embedding_dim,
-                cfg.dlrm.bottom_mlp,
-                cfg.dlrm.top_mlp,
-                cfg.dcn.num_layers,
-                cfg.dcn.low_rank,
-            )
-        else:
-            tt = cfg.two_tower
-            dense = TwoTowerDense(
-                sum(width[f] for f in tt.user_features),
-                sum(width[f] for f in tt.item_features),
-                tt.user_mlp,
-                tt.item_mlp,
-            )
-        dense = dense.to(device)
+        dense = self.kind.build_dense(cfg, num_dense).to(device)
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None)
         self.dense = dense
-        self.num_features = len(width)
-        self.embedding_dim = tables[0].embedding_dim
 
     def dense_module(self) -> nn.Module:
         """The dense part without its DistributedDataParallel wrapper (for checkpoints)."""
@@ -88,21 +61,22 @@ class RecModel(nn.Module):
     def dense_parameters(self) -> list[nn.Parameter]:
         return list(self.dense.parameters())
 
-    def step(self, batch: Batch) -> StepOutput:
-        """Forward and loss on this rank's batch."""
-        bce = nn.functional.binary_cross_entropy_with_logits
-        B = batch.size
-        if self.cfg.kind == "two_tower":
-            groups = self.ebc(batch.sparse)
-            user_BD, item_BD = self.dense(groups["user"], groups["item"])
-            if self.cfg.two_tower.loss == "softmax":
-                loss, logits_BB = in_batch_softmax_loss(user_BD, item_BD, self.cfg.two_tower.temperature)
-                eye = torch.eye(B, device=logits_BB.device)
-                return StepOutput(loss, logits_BB.flatten(), eye.flatten())
-            logits_B = bce_scores(user_BD, item_BD)
-            return StepOutput(bce(logits_B, batch.labels), logits_B, batch.labels)
-        pooled = self.ebc(batch.sparse).values()
-        if self.cfg.kind == "dlrm":
-            pooled = pooled.view(B, self.num_features, self.embedding_dim)
-        logits_B = self.dense(batch.dense, pooled)
-        return StepOutput(bce(logits_B, batch.labels), logits_B, batch.labels)
+    def collections(self) -> list[nn.Module]:
+        """The sharded embedding collections (the catalog's last, in catalog mode), for checkpoints."""
+        return [self.ebc] + ([self.catalog.ebc] if self.catalog is not None else [])
+
+    def step(self, batch: Batch, check_finite: bool = False) -> StepOutput:
+        """Forward and loss on this rank's batch. `check_finite`: raise `guard.NonFiniteError` on every rank
+        (collective) if the loss or a pooled embedding is NaN or Inf, before any update (runtime.nan_check)."""
+        if not check_finite:
+            return self.kind.step(self, batch)
+        from embshard.guard import check_finite as check
+
+        step, seen = self.ebc.step, []
+        hook = self.ebc.register_forward_hook(lambda _m, _i, out: seen.append(out))
+        try:
+            out = self.kind.step(self, batch)
+        finally:
+            hook.remove()
+        check(step, out.loss, self.ebc, seen[-1])
+        return out

@@ -1,5 +1,5 @@
-"""DLRM: a dense MLP for continuous features, sharded embeddings for categorical ones, pairwise dot interaction,
-and a top MLP producing one logit per sample.
+"""DLRM (model.kind dlrm): a dense MLP for continuous features, sharded embeddings for categorical ones, pairwise
+dot interaction, and a top MLP producing one logit per sample, scored by binary cross-entropy.
 
 The dense part (`DLRMDense`) is an ordinary module: wrap it in DistributedDataParallel so its gradients are
 averaged over ranks; the sparse part is the ShardedEmbeddingBagCollection with its fused optimizer.
@@ -8,9 +8,14 @@ averaged over ranks; the sparse part is the ShardedEmbeddingBagCollection with i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+
+from embshard.config.model import ModelConfig
+from embshard.data.common import Batch
+from embshard.models.registry import ModelKind, StepOutput, bce_output, register
 
 
 def mlp(sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:
@@ -42,29 +47,16 @@ class DLRMDense(nn.Module):
         return self.top(torch.cat([x_BD, pairs_BP], dim=1)).squeeze(1)
 
 
-class DLRMDCNDense(nn.Module):
-    """DLRM-DCNv2's dense part: bottom MLP, a low-rank cross network (torchrec's LowRankCrossNet) over the
-    concatenated dense and sparse vector, and the top MLP. Input: dense features `[B, num_dense]` and pooled
-    embeddings concatenated `[B, sparse_width]` (tables may differ in width); output: logits `[B]`."""
+def dlrm_dense(cfg: ModelConfig, num_dense: int) -> DLRMDense:
+    """DLRM's dense part for the config: one pooled vector per feature, all of the first table's width."""
+    return DLRMDense(num_dense, len(cfg.features), cfg.tables[0].embedding_dim, cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp)
 
-    def __init__(
-        self,
-        num_dense: int,
-        sparse_width: int,
-        dense_width: int,
-        bottom: Sequence[int],
-        top: Sequence[int],
-        num_layers: int,
-        low_rank: int,
-    ):
-        super().__init__()
-        from torchrec.modules.crossnet import LowRankCrossNet
 
-        self.bottom = mlp([num_dense, *bottom, dense_width])
-        width = dense_width + sparse_width
-        self.cross = LowRankCrossNet(width, num_layers, low_rank)
-        self.top = mlp([width, *top, 1], last_activation=False)
+def dlrm_step(model: Any, batch: Batch) -> StepOutput:
+    """BCE of the logits of the dense features and the pooled embeddings (KeyedTensor) `[B, F, D]`."""
+    cfg = model.cfg
+    sparse_BFD = model.ebc(batch.sparse).values().view(batch.size, len(cfg.features), cfg.tables[0].embedding_dim)
+    return bce_output(model.dense(batch.dense, sparse_BFD), batch.labels)
 
-    def forward(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor) -> torch.Tensor:
-        x_BW = torch.cat([self.bottom(dense_BN), sparse_BS], dim=1)
-        return self.top(self.cross(x_BW)).squeeze(1)
+
+register("dlrm", ModelKind(dlrm_dense, dlrm_step))

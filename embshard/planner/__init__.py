@@ -13,24 +13,22 @@ docs/planner.md describes the model, its constants and how to read a plan.
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.errors import PlanningError
 from embshard.planner.explain import explain
-from embshard.planner.inputs import PlannerInput, load_planner_input, planner_input_from_dict
 from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
 from embshard.planner.search import plan_sharding, plan_with_report
 from embshard.planner.settings import PlannerSettings
+from embshard.planner.simple import simple_plan
 from embshard.planner.topology import Topology
 
 __all__ = [
     "ParameterConstraints",
     "PlanReport",
-    "PlannerInput",
     "PlannerSettings",
     "PlanningError",
     "Topology",
     "explain",
-    "load_planner_input",
     "plan_sharding",
     "plan_with_report",
-    "planner_input_from_dict",
     "predict",
+    "simple_plan",
 ]

@@ -6,21 +6,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from embshard.plan import ShardingType
-from embshard.planner import loads as R
+from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, colocation_groups
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.options import Option, shard_runs, table_options
 from embshard.tables import ConfigError, TableConfig
 
 
+class _Blocks:
+    """A per-block array of a Choice: its run arrays' k-th, expanded to one row per block on first use, then kept."""
+
+    def __init__(self, k: int, doc: str) -> None:
+        self.k, self.__doc__ = k, doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, choice: Choice | None, owner: type | None = None) -> Any:
+        if choice is None:
+            return self
+        value = choice._expanded(self.k)
+        choice.__dict__[self.name] = value  # an instance attribute now: later reads do not come here
+        return value
+
+
 class Choice:
     """One option of an item, with what each of its blocks costs and stores. Blocks are kept as runs of equal
     blocks (a row-wise option over 64 ranks is two runs) and expanded to one row per block on first use."""
+
+    owner = _Blocks(0, "[blocks, NROWS]: load on the block's rank.")
+    same = _Blocks(1, "[blocks, NROWS]: load on each other rank of the block's host.")
+    other = _Blocks(2, "[blocks, NROWS]: load on each rank of the other hosts.")
+    hbm = _Blocks(3, "[blocks]: GPU memory of each block (bytes).")
+    ddr = _Blocks(4, "[blocks]: host memory of each block (bytes).")
+    buffers = _Blocks(5, "[blocks]: each block's step memory (ids, backward workspace, pooled rows), part of hbm/ddr.")
 
     def __init__(
         self, option: Option, runs: tuple, counts: np.ndarray, avg: float, members: list[Option], sizes: tuple
@@ -40,37 +64,6 @@ class Choice:
         arrays, a, b = self._runs
         x = arrays[k][a:b]
         return x if self._counts.size == 1 and self._counts[0] == 1 else np.repeat(x, self._counts, axis=0)
-
-    @cached_property
-    def owner(self) -> np.ndarray:
-        """[blocks, NROWS]: load on the block's rank."""
-        return self._expanded(0)
-
-    @cached_property
-    def same(self) -> np.ndarray:
-        """[blocks, NROWS]: load on each other rank of the block's host."""
-        return self._expanded(1)
-
-    @cached_property
-    def other(self) -> np.ndarray:
-        """[blocks, NROWS]: load on each rank of the other hosts."""
-        return self._expanded(2)
-
-    @cached_property
-    def hbm(self) -> np.ndarray:
-        """[blocks]: GPU memory of each block (bytes)."""
-        return self._expanded(3)
-
-    @cached_property
-    def ddr(self) -> np.ndarray:
-        """[blocks]: host memory of each block (bytes)."""
-        return self._expanded(4)
-
-    @cached_property
-    def buffers(self) -> np.ndarray:
-        """[blocks]: the memory of each block's step (ids, backward workspace, pooled rows; GPU memory, host memory
-        on CPUs), part of `hbm` (`ddr`)."""
-        return self._expanded(5)
 
     @property
     def first_owner(self) -> np.ndarray:
@@ -95,7 +88,7 @@ class Item:
 
 def balanced_cost(total: np.ndarray, world_size: int) -> np.ndarray:
     """[..., NROWS] summed loads over all ranks -> step time if spread evenly (s)."""
-    return np.maximum.reduceat(total, R.PHASE_START, axis=-1).sum(axis=-1) / world_size
+    return np.maximum.reduceat(total, loads.PHASE_START, axis=-1).sum(axis=-1) / world_size
 
 
 def build_items(
@@ -128,7 +121,7 @@ def build_items(
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti])
         mem = model.storage(sub, st, tier, rows, cols, clf)
-        shape = (len(ti), R.NROWS)
+        shape = (len(ti), loads.NROWS)
         owner = np.broadcast_to(model.owner_vec(wk), shape)
         same = np.broadcast_to(model.peer_vec(wk, True), shape)
         other = np.broadcast_to(model.peer_vec(wk, False), shape)

@@ -59,6 +59,10 @@ depends on the row width through the bytes (and through fwd_byte_s / bwd_byte_s,
                 else inter_host_bw); update: [8*r*(c+1)*4 + r*2*(rb + sb)] / bw (norm, mask and update passes
                 over the gradient, DP_UPDATE_PASSES fitted to 175 us for 1M x 16 rows; every row's masked update).
 
+  column-wise under rowwise_adagrad with the exact update (settings.column_wise_exact, the runtime's default):
+                bwd += 3*n*c*4 / bw + 14*kernel_s + one collective latency (EXACT_COLUMN_*: gradient rows gathered
+                per id and added per touched row, the row norms swapped, the rows updated).
+
 Per rank, whatever the plan (`batch_loads`, with B*F bags and B*F*L ids of its own, P = B*F*D*4 pooled bytes):
 the sender's permute of its ids by destination and the id check, 2 * max(bags*bag_s, 2*ids*i/bw) (forward
 phase), and the regroup of the pooled rows into the output and its gradient, max(bags*bag_s, 2P/bw) + 2P/bw
@@ -92,9 +96,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embshard.optim import FusedOptimizerConfig
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.plan import MemoryTier, ShardingType
-from embshard.planner import loads as R
+from embshard.planner import loads
+from embshard.planner.access import distinct_rows, gather, zipf_hit_rate
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
 from embshard.tables import TableConfig
@@ -125,6 +130,11 @@ ROUTE_PASSES = 1
 BATCH_ID_PASSES = 2
 """Segment-wise passes over a rank's own bags: the sender's permute by destination and the id check."""
 DP_UPDATE_PASSES = 8
+# Exact column-wise row-wise Adagrad (sharding/column_wise.py): its backward instead of the fused one gathers a
+# gradient row per id, adds them per touched row and updates those rows (passes over n*c*4 bytes), in about this
+# many kernels, with one host sync (the touched-row count) and one small all-to-all per step.
+EXACT_COLUMN_PASSES = 3
+EXACT_COLUMN_KERNELS = 14
 """Passes of the data-parallel update over the flat gradient, in bytes (norm, mask, update; fitted: 175 us for
 1M rows x 16 on an H200, its row-norm kernel runs well below the copy bandwidth)."""
 FWD_KERNELS, CACHE_KERNELS, BWD_KERNELS, DP_UPDATE_KERNELS = 1, 8, 12, 4
@@ -209,50 +219,6 @@ class Storage:
         return self.ddr_weights + self.ddr_state + self.ddr_buffers
 
 
-def _zipf_mass(n, a):
-    """H(n, a) = integral of x^-a over [0.5, n + 0.5] (unnormalised mass of the n most popular rows)."""
-    near1 = np.abs(a - 1.0) < 1e-6
-    safe = np.where(near1, 0.5, 1.0 - a)
-    power = ((n + 0.5) ** safe - 0.5**safe) / safe
-    return np.where(near1, np.log(2 * n + 1.0), power)
-
-
-def zipf_hit_rate(cache_rows, rows, alpha):
-    """Share of accesses that hit a cache of the `cache_rows` most popular of `rows` rows, ids ~ Zipf(alpha)."""
-    cache_rows = np.minimum(cache_rows, rows)
-    a = np.asarray(alpha, dtype=float)
-    return np.clip(_zipf_mass(cache_rows, a) / _zipf_mass(rows, a), 0.0, 1.0)
-
-
-_QUAD = np.linspace(0.0, 1.0, 97)
-
-
-def distinct_rows(n, rows, alpha):
-    """Expected distinct rows among n ids drawn from `rows` rows ~ Zipf(alpha): rows * (1 - exp(-n / rows)) for
-    uniform ids (alpha 0), else the integral of 1 - exp(-n p(x)) over the rows with p(x) = x^-alpha / H(rows)
-    (trapezoid rule on a log scale, 97 points: within a few % of the exact sum)."""
-    uniform = rows * -np.expm1(-n / np.maximum(rows, 1.0))
-    if not np.any(np.asarray(alpha) > 0):
-        return uniform
-    shape = np.broadcast(n, rows, alpha).shape
-    n, rows, a = (np.ravel(np.broadcast_to(np.asarray(x, dtype=float), shape)) for x in (n, rows, alpha))
-    uniform = np.ravel(np.broadcast_to(uniform, shape)).copy()
-    skewed = a > 0
-    ns, rs, al = n[skewed], rows[skewed], a[skewed]
-    span = np.log(2 * rs + 1.0)[:, None]
-    x = 0.5 * np.exp(_QUAD[None, :] * span)
-    f = -np.expm1(-ns[:, None] * x ** -al[:, None] / _zipf_mass(rs, al)[:, None]) * x * span
-    uniform[skewed] = np.minimum(np.trapezoid(f, _QUAD, axis=1), uniform[skewed])
-    return uniform.reshape(shape)
-
-
-def gather(row_bytes, sector: int):
-    """Bytes moved to fetch one row at a random address: whole sectors; a row that is not a multiple of the sector
-    straddles half a sector more on average (rows that are are aligned to it)."""
-    whole = np.ceil(row_bytes / sector) * sector
-    return whole + np.where(whole > row_bytes, sector / 2, 0.0)
-
-
 class CostModel:
     """Per-shard work and storage for one topology, batch size and optimizer."""
 
@@ -279,6 +245,7 @@ class CostModel:
         self.ar_bw = topology.intra_host_bw if topology.num_hosts == 1 else topology.inter_host_bw
         self.latency = topology.collective_latency_s if topology.num_hosts == 1 else topology.inter_collective_latency_s
         self._fixed: dict[tuple, np.ndarray] = {}
+        self.exact_column = self.settings.column_wise_exact and optimizer.kind is OptimizerKind.ROWWISE_ADAGRAD
 
     # ---- volumes ------------------------------------------------------------------------------------------
     def volumes(self, t: TableStats, sharding: ShardingType, rows):
@@ -354,13 +321,16 @@ class CostModel:
                 prefetch = n * topo.bwd_id_s + (n * (SORT_BYTES_PER_ID + CACHE_PROBE_BYTES) + m * rb) / bw
                 fwd = per_id_f + prefetch + (fwd_lin + reads * g) / bw + m * CACHE_MISS_LINKS * link
                 bwd = per_id_b + (bwd_lin + u * 2 * g) / bw + state
+        if sharding is ShardingType.COLUMN_WISE and self.exact_column:
+            bwd = bwd + EXACT_COLUMN_PASSES * n * cols * OUT_BYTES / bw + EXACT_COLUMN_KERNELS * topo.kernel_s
+            bwd = bwd + self.latency
         return ShardWork(in_b, out_b, fwd + route, bwd)
 
     def batch_loads(self, tables: Sequence[TableConfig]) -> np.ndarray:
         """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
         destination (forward phase) and the regroup of the pooled rows into the output, forward and backward,
         with a plain copy each way (module docstring)."""
-        v = np.zeros(R.NROWS)
+        v = np.zeros(loads.NROWS)
         if not tables:
             return v
         B, bw, bag = self.batch, self.mem_bw, self.topo.bag_s
@@ -369,8 +339,8 @@ class CostModel:
         pooled = B * sum(len(t.feature_names) * t.embedding_dim * OUT_BYTES for t in tables)
         permute = BATCH_ID_PASSES * max(bags * bag, 2 * ids / bw)
         regroup = max(bags * bag, 2 * pooled / bw) + 2 * pooled / bw
-        v[R.FWD] = permute + regroup
-        v[R.BWD] = regroup
+        v[loads.FWD] = permute + regroup
+        v[loads.BWD] = regroup
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------
@@ -419,30 +389,30 @@ class CostModel:
         topo = self.topo
         W, lws = topo.world_size, topo.local_world_size
         shape = np.broadcast(wk.in_b, wk.out_b, wk.fwd_s, wk.bwd_s).shape
-        v = np.zeros((*shape, R.NROWS))
+        v = np.zeros((*shape, loads.NROWS))
         bi, bx = topo.intra_host_bw, topo.inter_host_bw
-        v[..., R.IN_RECV_I] = (lws - 1) * wk.in_b / bi
-        v[..., R.IN_RECV_X] = (W - lws) * wk.in_b / bx
-        v[..., R.FWD] = wk.fwd_s
+        v[..., loads.IN_RECV_I] = (lws - 1) * wk.in_b / bi
+        v[..., loads.IN_RECV_X] = (W - lws) * wk.in_b / bx
+        v[..., loads.FWD] = wk.fwd_s
         out_i, out_x = (lws - 1) * wk.out_b / bi, (W - lws) * wk.out_b / bx
-        v[..., R.OUT_SEND_I] = out_i
-        v[..., R.OUT_SEND_X] = out_x
-        v[..., R.GRAD_RECV_I] = out_i
-        v[..., R.GRAD_RECV_X] = out_x
-        v[..., R.BWD] = wk.bwd_s
-        v[..., R.ALLREDUCE] = wk.ar_s
-        v[..., R.DP_UPDATE] = wk.upd_s
+        v[..., loads.OUT_SEND_I] = out_i
+        v[..., loads.OUT_SEND_X] = out_x
+        v[..., loads.GRAD_RECV_I] = out_i
+        v[..., loads.GRAD_RECV_X] = out_x
+        v[..., loads.BWD] = wk.bwd_s
+        v[..., loads.ALLREDUCE] = wk.ar_s
+        v[..., loads.DP_UPDATE] = wk.upd_s
         return v
 
     def peer_vec(self, wk: ShardWork, same_host: bool) -> np.ndarray:
         """[..., NROWS]: what a model-parallel shard puts on another rank of its host (or of another host)."""
         shape = np.broadcast(wk.in_b, wk.out_b).shape
-        v = np.zeros((*shape, R.NROWS))
+        v = np.zeros((*shape, loads.NROWS))
         bw = self.topo.intra_host_bw if same_host else self.topo.inter_host_bw
         x = 0 if same_host else 1
-        v[..., R.IN_SEND_I + x] = wk.in_b / bw
-        v[..., R.OUT_RECV_I + x] = wk.out_b / bw
-        v[..., R.GRAD_SEND_I + x] = wk.out_b / bw
+        v[..., loads.IN_SEND_I + x] = wk.in_b / bw
+        v[..., loads.OUT_RECV_I + x] = wk.out_b / bw
+        v[..., loads.GRAD_SEND_I + x] = wk.out_b / bw
         return v
 
     def group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
@@ -464,30 +434,30 @@ class CostModel:
         sync (one for all schemes) and the launch-bound stretch around it (do not modify: cached)."""
         key = ("step",)
         if key not in self._fixed:
-            v = np.zeros(R.NROWS)
+            v = np.zeros(loads.NROWS)
             if self.topo.world_size > 1:
-                v[R.PHASE_ROWS[0]] = self.topo.host_sync_s
+                v[loads.PHASE_ROWS[0]] = self.topo.host_sync_s
             self._fixed[key] = v
         return self._fixed[key]
 
     def _group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
-        v = np.zeros(R.NROWS)
+        v = np.zeros(loads.NROWS)
         k = self.topo.kernel_s
-        v[R.FWD] = k * (FWD_KERNELS + (CACHE_KERNELS if tier is MemoryTier.UVM_CACHING else 0))
-        v[R.BWD] = BWD_KERNELS * k
+        v[loads.FWD] = k * (FWD_KERNELS + (CACHE_KERNELS if tier is MemoryTier.UVM_CACHING else 0))
+        v[loads.BWD] = BWD_KERNELS * k
         if sharding is ShardingType.DATA_PARALLEL:
-            v[R.DP_UPDATE] = DP_UPDATE_KERNELS * k
+            v[loads.DP_UPDATE] = DP_UPDATE_KERNELS * k
         return v
 
     def _scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
-        v = np.zeros(R.NROWS)
+        v = np.zeros(loads.NROWS)
         if self.topo.world_size == 1:
             return v
         lat = self.latency
         if sharding is ShardingType.DATA_PARALLEL:
-            v[R.ALLREDUCE] = lat
+            v[loads.ALLREDUCE] = lat
             return v
-        v[R.PHASE_ROWS[0]] = (3 + int(weighted)) * lat
-        v[R.PHASE_ROWS[2]] = lat
-        v[R.PHASE_ROWS[3]] = lat
+        v[loads.PHASE_ROWS[0]] = (3 + int(weighted)) * lat
+        v[loads.PHASE_ROWS[2]] = lat
+        v[loads.PHASE_ROWS[3]] = lat
         return v

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from embshard.planner.choices import Choice, Item
+from embshard.planner.problem import Problem
 from embshard.planner.topology import GIB, Topology
 from embshard.tables import ConfigError, TableConfig
 
@@ -67,9 +68,9 @@ def _steps(ch: Choice, k: int) -> str:
     return f"; of which {gib(ch.buffers[k])} step buffers" if ch.buffers[k] > 0 else ""
 
 
-def too_large_for_a_rank(item: Item, tables: Sequence[TableConfig], topo: Topology, budgets) -> PlanningError:
+def too_large_for_a_rank(p: Problem, item: Item) -> PlanningError:
     """A table none of whose allowed options has blocks that fit one rank."""
-    names = [tables[i].name for i in item.tables]
+    names, topo, budgets = p.names(item), p.topology, p.budgets
     lines = [
         f"table(s) {names} fit no rank under any allowed option: every option has a shard larger than a rank's "
         f"budget ({_budget_line(topo, budgets)})."
@@ -82,22 +83,16 @@ def too_large_for_a_rank(item: Item, tables: Sequence[TableConfig], topo: Topolo
         )
     fixes = [
         "allow row_wise or column_wise sharding for it (constraints: sharding_types) so it is split over ranks",
-        *_fixes(topo, [tables[i] for i in item.tables]),
+        *_fixes(topo, [p.tables[i] for i in item.tables]),
     ]
     lines.append("fixes: " + "; ".join(fixes))
     return PlanningError("\n".join(lines), {"tables": names, "hbm_budget": budgets.hbm, "ddr_budget": budgets.ddr})
 
 
-def totals_do_not_fit(
-    items: list[Item],
-    usable: list[list[int]],
-    tables: Sequence[TableConfig],
-    topo: Topology,
-    budgets,
-    fill: float,
-) -> PlanningError:
+def totals_do_not_fit(p: Problem) -> PlanningError:
     """Even the least-memory options of the tables exceed the summed budgets of a tier, or of both together."""
-    W = topo.world_size
+    items, usable, tables, topo, budgets = p.items, p.usable, p.tables, p.topology, p.budgets
+    fill, W = p.settings.memory_fill, topo.world_size
     least = [min(u, key=lambda c, it=it: it.choices[c].total_hbm) for it, u in zip(items, usable)]
     min_hbm = sum(it.choices[c].total_hbm for it, c in zip(items, least))
     min_steps = sum(float(it.choices[c].buffers.sum()) for it, c in zip(items, least))
@@ -145,16 +140,10 @@ def totals_do_not_fit(
 
 
 def placement_failed(
-    item: Item,
-    tried: list[int],
-    tables: Sequence[TableConfig],
-    topo: Topology,
-    budgets,
-    hbm_free: np.ndarray,
-    ddr_free: np.ndarray,
+    p: Problem, item: Item, tried: list[int], hbm_free: np.ndarray, ddr_free: np.ndarray
 ) -> PlanningError:
     """The totals fit but this table's shards find no rank with room (memory is fragmented)."""
-    names = [tables[i].name for i in item.tables]
+    names, topo, budgets = p.names(item), p.topology, p.budgets
     lines = [f"table(s) {names} could not be placed: no rank has room left for any of its options."]
     for c in tried:
         ch = item.choices[c]

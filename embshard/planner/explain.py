@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from embshard.plan import ShardingType
-from embshard.planner import loads as R
+from embshard.plan import ShardingType, ranks_text
+from embshard.planner import loads
 from embshard.planner.choices import build_items
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.predict import budgets
-from embshard.planner.report import PlanReport, _b, _columns, ranks_text
+from embshard.planner.report import PlanReport, _b, _columns
 
 _TW = (ShardingType.TABLE_WISE,)
 
@@ -41,7 +41,7 @@ def explain(report: PlanReport, table: str) -> str:
     alone = _phases(model, cfg, tp, model.settings.zipf_alpha if hint is None else hint)
     lines.append(
         f"predicted: {tr.time_s * 1e3:.4f} ms per step if it were alone ("
-        + ", ".join(f"{n} {t * 1e3:.4f}" for n, t in zip(R.PHASES, alone) if t > 0)
+        + ", ".join(f"{n} {t * 1e3:.4f}" for n, t in zip(loads.PHASES, alone) if t > 0)
         + f"); the whole plan: {report.step_time_s * 1e3:.3f} ms"
     )
     if tr.notes:
@@ -85,9 +85,9 @@ def _phases(model: CostModel, cfg, tp, alpha: float) -> np.ndarray:
     rows = np.array([s.num_rows for s in tp.shards], dtype=float)
     cols = np.array([s.num_cols for s in tp.shards], dtype=float)
     wk = model.work(stats, tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, alpha)
-    shape = (len(rows), R.NROWS)
+    shape = (len(rows), loads.NROWS)
     topo = model.topo
-    loads = R.spread(
+    matrix = loads.spread(
         np.array(tp.ranks),
         np.broadcast_to(model.owner_vec(wk), shape),
         np.broadcast_to(model.peer_vec(wk, True), shape),
@@ -95,4 +95,4 @@ def _phases(model: CostModel, cfg, tp, alpha: float) -> np.ndarray:
         topo.world_size,
         topo.local_world_size,
     )
-    return R.phase_times(loads).max(axis=1)
+    return loads.phase_times(matrix).max(axis=1)

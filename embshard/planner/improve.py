@@ -7,42 +7,30 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.planner import exact
-from embshard.planner import loads as R
-from embshard.planner.choices import Item, is_dense
+from embshard.planner import exact, loads
+from embshard.planner.choices import is_dense
+from embshard.planner.problem import Problem
 from embshard.planner.state import State
-from embshard.tables import TableConfig
 
 CANDIDATES_PER_ROUND = 6
 SWAP_PARTNERS = 8
 
 
-def note(notes: dict[str, list[str]], tables: Sequence[TableConfig], item: Item, text: str) -> None:
-    """Record a reason for the item's tables (shown by the report and explain)."""
-    for i in item.tables:
-        notes[tables[i].name].append(text)
-
-
-def improve(
-    state: State,
-    items: list[Item],
-    usable: list[list[int]],
-    max_moves: int,
-    tables: Sequence[TableConfig],
-    notes: dict[str, list[str]],
-) -> None:
-    """Local search on the bottleneck: re-place the tables loading the slowest (phase, rank) most."""
+def improve(state: State, p: Problem) -> None:
+    """Local search on the bottleneck: re-place the tables loading the slowest (phase, rank) most, at most
+    settings.max_moves tries."""
+    items, usable, max_moves = p.items, p.usable, p.settings.max_moves
     tried = 0
     while tried < max_moves:
         J0 = state.objective()
         tol = 1e-9 + 1e-6 * J0
-        phases = R.phase_times(state.loads)
+        phases = loads.phase_times(state.loads)
         scores: dict[int, float] = {}
-        for p in np.argsort(-phases.max(axis=1), kind="stable"):
-            if phases[p].max() <= 0:
+        for phase in np.argsort(-phases.max(axis=1), kind="stable"):
+            if phases[phase].max() <= 0:
                 break
-            r = int(phases[p].argmax())
-            rows = R.PHASE_ROWS[p]
+            r = int(phases[phase].argmax())
+            rows = loads.PHASE_ROWS[phase]
             for i, (c, ranks) in state.placed.items():
                 ch = items[i].choices[c]
                 if r in ranks:
@@ -50,7 +38,7 @@ def improve(
                 else:
                     contrib = float(ch.same[0][rows].max() + ch.other[0][rows].max()) * 0.5
                 if contrib > 0:
-                    scores[i] = max(scores.get(i, 0.0), contrib * phases[p].max())
+                    scores[i] = max(scores.get(i, 0.0), contrib * phases[phase].max())
             if len(scores) >= CANDIDATES_PER_ROUND:
                 break
         candidates = sorted(scores, key=lambda i: (-scores[i], i))[:CANDIDATES_PER_ROUND]
@@ -69,9 +57,7 @@ def improve(
             if best[1] is not None and (best[1], best[2]) != (c0, r0):
                 state.apply(i, it, best[1], best[2])
                 old, new = it.choices[c0].option.label, it.choices[best[1]].option.label
-                note(
-                    notes,
-                    tables,
+                p.note(
                     it,
                     f"local search: {old} on {_rk(r0)} -> {new} on {_rk(best[2])}, step "
                     f"{J0 * 1e3:.4f} -> {best[0] * 1e3:.4f} ms",
@@ -80,23 +66,16 @@ def improve(
                 break
             state.apply(i, it, c0, r0)
         if not moved and candidates:
-            moved, tries = _try_swaps(state, items, candidates[:3], phases, J0 - tol, tables, notes)
+            moved, tries = _try_swaps(state, p, candidates[:3], phases, J0 - tol)
             tried += tries
         if not moved:
             break
 
 
-def _try_swaps(
-    state: State,
-    items: list[Item],
-    candidates: list[int],
-    phases: np.ndarray,
-    target: float,
-    tables: Sequence[TableConfig],
-    notes: dict[str, list[str]],
-) -> tuple[bool, int]:
+def _try_swaps(state: State, p: Problem, candidates: list[int], phases: np.ndarray, target: float) -> tuple[bool, int]:
     """Swap a single-block table on a bottleneck rank with one on a less loaded rank; keep the first swap that
     brings the step time under `target`. Returns (swapped, swaps tried)."""
+    items = p.items
     singles = {
         i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)
     }
@@ -130,9 +109,9 @@ def _try_swaps(
                 state.apply(j, items[j], cj, (ri,))
                 J = state.objective()
                 if J < J_before:
-                    text = f"local search: swapped with {tables[items[j].tables[0]].name!r}: rank {ri} -> {rj}"
-                    note(notes, tables, items[i], text + f", step -> {J * 1e3:.4f} ms")
-                    note(notes, tables, items[j], f"local search: swapped with {tables[items[i].tables[0]].name!r}")
+                    text = f"local search: swapped with {p.names(items[j])[0]!r}: rank {ri} -> {rj}"
+                    p.note(items[i], text + f", step -> {J * 1e3:.4f} ms")
+                    p.note(items[j], f"local search: swapped with {p.names(items[i])[0]!r}")
                     return True, tries
                 state.remove(i, items[i])
                 state.remove(j, items[j])
@@ -141,30 +120,20 @@ def _try_swaps(
     return False, tries
 
 
-def exact_if_better(
-    greedy: State,
-    fresh: State,
-    items: list[Item],
-    usable: list[list[int]],
-    tables: Sequence[TableConfig],
-    notes: dict[str, list[str]],
-) -> State:
+def exact_if_better(greedy: State, fresh: State, p: Problem) -> State:
     """The exhaustive optimum (built in the empty state `fresh`) when it beats the greedy plan, else `greedy`."""
-    J, assignment = exact.exhaustive(fresh, items, usable)
+    items = p.items
+    J, assignment = exact.exhaustive(fresh, items, p.usable)
     J0 = greedy.objective()
     if not assignment or J >= J0 - 1e-12:
         for it in items:
-            note(notes, tables, it, f"exact search over all placements: the greedy plan is optimal ({J0 * 1e3:.4f} ms)")
+            p.note(it, f"exact search over all placements: the greedy plan is optimal ({J0 * 1e3:.4f} ms)")
         return greedy
     for i, (c, ranks) in enumerate(assignment):
         fresh.apply(i, items[i], c, ranks)
         if (c, ranks) != greedy.placed[i]:
-            note(
-                notes,
-                tables,
-                items[i],
-                f"exact search: {items[i].choices[c].option.label} on {_rk(ranks)} (step {J0 * 1e3:.4f} -> {J * 1e3:.4f} ms)",
-            )
+            label = items[i].choices[c].option.label
+            p.note(items[i], f"exact search: {label} on {_rk(ranks)} (step {J0 * 1e3:.4f} -> {J * 1e3:.4f} ms)")
     return fresh
 
 

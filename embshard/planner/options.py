@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from embshard.plan import MemoryTier, Shard, ShardingType, even_splits
+from embshard.geometry import column_blocks, offsets, row_blocks, runs
+from embshard.plan import MemoryTier, Shard, ShardingType
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
@@ -49,26 +50,6 @@ class Option:
         if self.tier is MemoryTier.UVM_CACHING:
             tier += f"({self.cache_load_factor:g})"
         return f"{kind} {tier}"
-
-
-def row_splits(rows: int, parts: int) -> list[int]:
-    """Row-block sizes over `parts` ranks: embshard.plan's row rule when it defines one (`row_blocks`), else one
-    block size ceil(rows / parts) with a shorter last block (there may be fewer blocks than parts)."""
-    from embshard import plan
-
-    rule = getattr(plan, "row_blocks", None)
-    if rule is not None:
-        return list(rule(rows, parts))
-    bs = -(-rows // parts)
-    n = -(-rows // bs)
-    return [bs] * (n - 1) + [rows - bs * (n - 1)]
-
-
-def column_splits(dim: int, parts: int) -> list[int]:
-    """Column-block widths: `parts` blocks, each a multiple of 4 columns (FBGEMM's TBE needs that)."""
-    if dim % 4 or parts > dim // 4:
-        raise ConfigError(f"embedding_dim={dim} cannot be cut into {parts} column blocks that are multiples of 4")
-    return [4 * n for n in even_splits(dim // 4, parts)]
 
 
 def table_options(
@@ -143,25 +124,21 @@ def _column_parts(table: TableConfig, constraint: ParameterConstraints, W: int, 
 
 def make_shards(table: TableConfig, option: Option, ranks: Sequence[int]) -> tuple[Shard, ...]:
     """Shards of `table` under `option` on `ranks`: one rank per block in block order (row blocks from
-    row_splits(rows, option.parts), column blocks from column_splits); every rank for data-parallel."""
+    geometry.row_blocks(rows, option.parts), column blocks from geometry.column_blocks); every rank for
+    data-parallel."""
     R, D = table.num_embeddings, table.embedding_dim
     st = option.sharding
     if st in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
         return tuple(Shard(r, 0, R, 0, D) for r in ranks)
     if st is ShardingType.COLUMN_WISE:
-        out, col = [], 0
-        for r, width in zip(ranks, column_splits(D, option.parts)):
-            out.append(Shard(r, 0, R, col, width))
-            col += width
-        return tuple(out)
-    sizes = row_splits(R, option.parts)
+        sizes = column_blocks(D, option.parts, table.name)
+    else:
+        sizes = row_blocks(R, option.parts)
     if len(sizes) != len(ranks):
-        raise ValueError(f"{table.name}: {len(sizes)} row blocks but {len(ranks)} ranks given")
-    out, row = [], 0
-    for r, n in zip(ranks, sizes):
-        out.append(Shard(r, row, n, 0, D))
-        row += n
-    return tuple(out)
+        raise ValueError(f"{table.name}: {len(sizes)} blocks but {len(ranks)} ranks given")
+    if st is ShardingType.COLUMN_WISE:
+        return tuple(Shard(r, 0, R, c, n) for r, c, n in zip(ranks, offsets(sizes), sizes))
+    return tuple(Shard(r, o, n, 0, D) for r, o, n in zip(ranks, offsets(sizes), sizes))
 
 
 def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]:
@@ -177,19 +154,9 @@ def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]
 
 @lru_cache(maxsize=4096)
 def _column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
-    return _runs(tuple(column_splits(dim, parts)))
+    return runs(column_blocks(dim, parts))
 
 
 @lru_cache(maxsize=4096)
 def _row_runs(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
-    return _runs(tuple(row_splits(rows, parts)))
-
-
-def _runs(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    runs: list[tuple[int, int]] = []
-    for x in sizes:
-        if runs and runs[-1][0] == x:
-            runs[-1] = (x, runs[-1][1] + 1)
-        else:
-            runs.append((x, 1))
-    return tuple(runs)
+    return runs(row_blocks(rows, parts))

@@ -10,7 +10,7 @@ import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType
-from embshard.planner import loads as R
+from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel, Storage, TableStats
 from embshard.planner.report import PlanReport, RankReport, TableReport
@@ -90,7 +90,7 @@ def predict(
         tp = plan[t.name]
         key = (tp.sharding_type, tp.tier, tp.cache_load_factor)
         kinds.setdefault(key, []).extend((i, s.rank, s.num_rows, s.num_cols) for s in tp.shards)
-    total = np.zeros((R.NROWS, W))
+    total = np.zeros((loads.NROWS, W))
     fields = list(Storage.__dataclass_fields__)
     rank_mem = {f: np.zeros(W) for f in fields}
     table_hbm, table_ddr = np.zeros(len(tables)), np.zeros(len(tables))
@@ -102,11 +102,11 @@ def predict(
         rows, cols = rows.astype(float), cols.astype(float)
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti])
-        shape = (len(ti), R.NROWS)
+        shape = (len(ti), loads.NROWS)
         owner = np.broadcast_to(model.owner_vec(wk), shape)
         same = np.broadcast_to(model.peer_vec(wk, True), shape)
         other = np.broadcast_to(model.peer_vec(wk, False), shape)
-        total += R.spread(rk, owner, same, other, W, lws)
+        total += loads.spread(rk, owner, same, other, W, lws)
         mem = model.storage(sub, st, tier, rows, cols, clf)
         for f in fields:
             np.add.at(rank_mem[f], rk, np.broadcast_to(getattr(mem, f), rows.shape))
@@ -119,7 +119,7 @@ def predict(
             peak = np.maximum(peak, same[single])
         if W > lws:
             peak = np.maximum(peak, other[single])
-        alone[ti[single]] = np.maximum.reduceat(peak, R.PHASE_START, axis=1).sum(axis=1)
+        alone[ti[single]] = np.maximum.reduceat(peak, loads.PHASE_START, axis=1).sum(axis=1)
         for k in np.flatnonzero(~single).tolist():
             per_table[ti[k]].append((rk[k], owner[k], same[k], other[k]))
         groups.update((st, tier, int(r)) for r in set(rk.tolist()))
@@ -128,7 +128,7 @@ def predict(
         tp = plan[t.name]
         if per_table[i]:
             rk, ow, sa, ot = (np.array(x) for x in zip(*per_table[i]))
-            alone[i] = R.step_time(R.spread(rk, ow, sa, ot, W, lws))
+            alone[i] = loads.step_time(loads.spread(rk, ow, sa, ot, W, lws))
         table_reports.append(
             TableReport(
                 name=t.name,
@@ -158,7 +158,7 @@ def predict(
         total += model.step_fixed()[:, None]
     total += model.batch_loads(tables)[:, None]
     b = budgets(model, tables)
-    phases = R.phase_times(total)
+    phases = loads.phase_times(total)
     ranks = [
         RankReport(
             rank=r,
@@ -178,7 +178,7 @@ def predict(
         batch_size=batch_size,
         optimizer=optimizer,
         settings=settings,
-        step_time_s=R.step_time(total),
+        step_time_s=loads.step_time(total),
         phase_s=tuple(float(x) for x in phases.max(axis=1)),
         ranks=ranks,
         tables=table_reports,

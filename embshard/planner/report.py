@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan
+from embshard.plan import ShardingPlan, ranks_text
 from embshard.planner.cost import Storage
 from embshard.planner.loads import PHASES
 from embshard.planner.settings import PlannerSettings
@@ -273,11 +273,3 @@ def _b(x: float) -> str:
 def _columns(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def ranks_text(ranks) -> str:
-    """'3', '0-7' or '0,2,5'."""
-    uniq = sorted(set(ranks))
-    if len(uniq) > 2 and uniq == list(range(uniq[0], uniq[-1] + 1)):
-        return f"{uniq[0]}-{uniq[-1]}"
-    return ",".join(map(str, uniq))

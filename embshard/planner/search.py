@@ -21,20 +21,21 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, TablePlan
-from embshard.planner import errors, exact
-from embshard.planner import loads as R
-from embshard.planner.choices import Item, build_items, is_dense
+from embshard.planner import errors, exact, loads
+from embshard.planner.choices import build_items, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
 from embshard.planner.errors import gib
-from embshard.planner.improve import exact_if_better, improve, note
+from embshard.planner.improve import exact_if_better, improve
 from embshard.planner.options import make_shards
-from embshard.planner.predict import Budgets, budgets, predict
+from embshard.planner.predict import budgets, predict
+from embshard.planner.problem import Problem
 from embshard.planner.report import PlanReport
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.state import State
@@ -42,16 +43,9 @@ from embshard.planner.topology import Topology
 from embshard.tables import ConfigError, TableConfig, validate_tables
 
 
-def plan_sharding(
-    tables: Sequence[TableConfig],
-    topology: Topology,
-    batch_size: int,
-    optimizer: FusedOptimizerConfig | None = None,
-    constraints: Mapping[str, ParameterConstraints | Mapping] | None = None,
-    settings: PlannerSettings | None = None,
-) -> ShardingPlan:
-    """A ShardingPlan for `tables` on `topology` (batch_size: samples per rank per step)."""
-    return plan_with_report(tables, topology, batch_size, optimizer, constraints, settings)[0]
+def plan_sharding(*args: Any, **kwargs: Any) -> ShardingPlan:
+    """The ShardingPlan of `plan_with_report` (same arguments), without the report."""
+    return plan_with_report(*args, **kwargs)[0]
 
 
 def plan_with_report(
@@ -71,60 +65,58 @@ def plan_with_report(
     settings = settings or PlannerSettings()
     cons = resolve_constraints(tables, constraints, topology.world_size)
     model = CostModel(topology, batch_size, optimizer, settings)
-    bud = budgets(model, tables)
-    items = build_items(model, tables, cons)
-    notes: dict[str, list[str]] = {t.name: [] for t in tables}
-    usable = []
-    for it in items:
-        u = [c for c, ch in enumerate(it.choices) if ch.hbm_max <= bud.hbm + 0.5 and ch.ddr_max <= bud.ddr + 0.5]
-        if not u:
-            raise errors.too_large_for_a_rank(it, tables, topology, bud)
-        usable.append(u)
-    chosen = [min(u, key=lambda c, it=it: (round(it.choices[c].avg * 1e12), c)) for it, u in zip(items, usable)]
-    for it, c, u in zip(items, chosen, usable):
-        ranked = sorted(u, key=lambda k, it=it: (it.choices[k].avg, k))
-        runner = next((k for k in ranked if k != c), None)
-        why = f"cheapest option, {it.choices[c].avg * 1e3:.4f} ms balanced"
-        if runner is not None:
-            why += f" (next: {it.choices[runner].option.label} {it.choices[runner].avg * 1e3:.4f} ms)"
-        note(notes, tables, it, why)
-    _fit_totals(items, usable, chosen, bud, topology, settings.memory_fill, tables, notes)
+    p = Problem(model, tables, budgets(model, tables), build_items(model, tables, cons))
+    p.notes = {t.name: [] for t in tables}
+    _cheapest(p)
+    _fit_totals(p)
     base = model.batch_loads(tables)
-    state = State(model, bud.hbm, bud.ddr, base)
-    _place_all(state, items, usable, chosen, bud, tables, topology, notes)
-    improve(state, items, usable, settings.max_moves, tables, notes)
-    if settings.exact_limit and exact.count(state, items, usable) <= settings.exact_limit:
-        state = exact_if_better(state, State(model, bud.hbm, bud.ddr, base), items, usable, tables, notes)
-    plan = _to_plan(state, items, tables, topology)
-    report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, notes)
+    state = State(model, p.budgets.hbm, p.budgets.ddr, base)
+    _place_all(state, p)
+    improve(state, p)
+    if settings.exact_limit and exact.count(state, p.items, p.usable) <= settings.exact_limit:
+        state = exact_if_better(state, State(model, p.budgets.hbm, p.budgets.ddr, base), p)
+    plan = _to_plan(state, p)
+    report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, p.notes)
     report.search_step_time_s = state.objective()
     report.planner_seconds = time.perf_counter() - start
     return plan, report
 
 
-def _fit_totals(
-    items: list[Item],
-    usable: list[list[int]],
-    chosen: list[int],
-    bud: Budgets,
-    topo: Topology,
-    fill: float,
-    tables: Sequence[TableConfig],
-    notes: dict[str, list[str]],
-) -> None:
+def _cheapest(p: Problem) -> None:
+    """Each item's usable choices (its largest shard fits a rank) and, as its first choice, the cheapest of them
+    by balanced cost."""
+    bud = p.budgets
+    for it in p.items:
+        u = [c for c, ch in enumerate(it.choices) if ch.hbm_max <= bud.hbm + 0.5 and ch.ddr_max <= bud.ddr + 0.5]
+        if not u:
+            raise errors.too_large_for_a_rank(p, it)
+        p.usable.append(u)
+    for it, u in zip(p.items, p.usable):
+        c = min(u, key=lambda k, it=it: (round(it.choices[k].avg * 1e12), k))
+        p.chosen.append(c)
+        ranked = sorted(u, key=lambda k, it=it: (it.choices[k].avg, k))
+        runner = next((k for k in ranked if k != c), None)
+        why = f"cheapest option, {it.choices[c].avg * 1e3:.4f} ms balanced"
+        if runner is not None:
+            why += f" (next: {it.choices[runner].option.label} {it.choices[runner].avg * 1e3:.4f} ms)"
+        p.note(it, why)
+
+
+def _fit_totals(p: Problem) -> None:
     """Move tables to options with less GPU memory, least time lost per byte freed first, until the totals fit."""
-    W = topo.world_size
-    cap_h, cap_d = fill * W * bud.hbm, fill * W * bud.ddr
-    need_h = sum(it.choices[c].total_hbm for it, c in zip(items, chosen))
-    need_d = sum(it.choices[c].total_ddr for it, c in zip(items, chosen))
+    items, usable, chosen, topo = p.items, p.usable, p.chosen, p.topology
+    fill = p.settings.memory_fill
+    cap_h, cap_d = fill * topo.world_size * p.budgets.hbm, fill * topo.world_size * p.budgets.ddr
+    need_h = sum(p.choice(i).total_hbm for i in range(len(items)))
+    need_d = sum(p.choice(i).total_ddr for i in range(len(items)))
     if need_h <= cap_h and need_d <= cap_d:
         return
     if need_d > cap_d or not topo.is_gpu:
-        raise errors.totals_do_not_fit(items, usable, tables, topo, bud, fill)
+        raise errors.totals_do_not_fit(p)
     over = need_h - cap_h
 
     def best_move(i: int) -> tuple[float, int, int] | None:
-        it, cur = items[i], items[i].choices[chosen[i]]
+        it, cur = items[i], p.choice(i)
         best = None
         for c in usable[i]:
             ch = it.choices[c]
@@ -141,19 +133,17 @@ def _fit_totals(
     while need_h > cap_h:
         while heap:
             ratio, c, i = heapq.heappop(heap)
-            ch, cur = items[i].choices[c], items[i].choices[chosen[i]]
+            ch, cur = items[i].choices[c], p.choice(i)
             if cur.total_hbm - ch.total_hbm <= 1.0:
                 continue  # stale
             if need_d - cur.total_ddr + ch.total_ddr > cap_d:
                 continue
             break
         else:
-            raise errors.totals_do_not_fit(items, usable, tables, topo, bud, fill)
+            raise errors.totals_do_not_fit(p)
         need_h += ch.total_hbm - cur.total_hbm
         need_d += ch.total_ddr - cur.total_ddr
-        note(
-            notes,
-            tables,
+        p.note(
             items[i],
             f"GPU memory over budget by {gib(over)} in total: moved from {cur.option.label} to {ch.option.label}, "
             f"freeing {gib(cur.total_hbm - ch.total_hbm)} for +{(ch.avg - cur.avg) * 1e3:.4f} ms "
@@ -165,60 +155,50 @@ def _fit_totals(
             heapq.heappush(heap, nxt)
 
 
-def _place_all(
-    state: State,
-    items: list[Item],
-    usable: list[list[int]],
-    chosen: list[int],
-    bud: Budgets,
-    tables: Sequence[TableConfig],
-    topo: Topology,
-    notes: dict[str, list[str]],
-) -> None:
+def _place_all(state: State, p: Problem) -> None:
     """Greedy: replicated / row-wise items first, then the largest (in time or memory) first."""
-    target = max(sum(it.choices[c].avg for it, c in zip(items, chosen)), 1e-12)
+    items, bud = p.items, p.budgets
+    target = max(sum(p.choice(i).avg for i in range(len(items))), 1e-12)
 
     def weight(i: int) -> float:
-        ch = items[i].choices[chosen[i]]
+        ch = p.choice(i)
         if is_dense(ch.option):
             return float("inf")
-        peak = np.maximum.reduceat(ch.first_owner, R.PHASE_START).sum()
+        peak = np.maximum.reduceat(ch.first_owner, loads.PHASE_START).sum()
         return max(peak / target, ch.hbm_max / max(bud.hbm, 1.0), ch.ddr_max / max(bud.ddr, 1.0))
 
     order = sorted(range(len(items)), key=lambda i: (-weight(i), i))
     for i in order:
         it = items[i]
-        first = chosen[i]
+        first = p.chosen[i]
         got = state.best_ranks(it, it.choices[first])
         if got is not None:
             state.apply(i, it, first, got[1])
             continue
-        fallbacks = sorted((c for c in usable[i] if c != first), key=lambda c: (it.choices[c].avg, c))
+        fallbacks = sorted((c for c in p.usable[i] if c != first), key=lambda c: (it.choices[c].avg, c))
         for c in fallbacks:
             got = state.best_ranks(it, it.choices[c])
             if got is None:
                 continue
             state.apply(i, it, c, got[1])
-            note(
-                notes,
-                tables,
+            p.note(
                 it,
                 f"{it.choices[first].option.label} fit no rank's free memory: placed as {it.choices[c].option.label}",
             )
             break
         else:
-            tried = [first, *fallbacks]
-            raise errors.placement_failed(it, tried, tables, topo, bud, state.hbm_free, state.ddr_free)
+            raise errors.placement_failed(p, it, [first, *fallbacks], state.hbm_free, state.ddr_free)
 
 
-def _to_plan(state: State, items: list[Item], tables: Sequence[TableConfig], topo: Topology) -> ShardingPlan:
+def _to_plan(state: State, p: Problem) -> ShardingPlan:
     out: dict[str, TablePlan] = {}
-    for i, it in enumerate(items):
+    for i, it in enumerate(p.items):
         c, ranks = state.placed[i]
         ch = it.choices[c]
         for k, ti in enumerate(it.tables):
-            t, opt = tables[ti], ch.members[k]
+            t, opt = p.tables[ti], ch.members[k]
             shards = make_shards(t, opt, ranks)
             kw = {"cache_load_factor": opt.cache_load_factor} if opt.tier is MemoryTier.UVM_CACHING else {}
             out[t.name] = TablePlan(t.name, opt.sharding, opt.tier, shards, **kw)
-    return ShardingPlan(topo.world_size, topo.local_world_size, tuple(out[t.name] for t in tables))
+    topo = p.topology
+    return ShardingPlan(topo.world_size, topo.local_world_size, tuple(out[t.name] for t in p.tables))

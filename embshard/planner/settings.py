@@ -31,6 +31,9 @@ class PlannerSettings:
     """Memory tiers the planner may use for any table; empty: all the compute device supports."""
     dp_kernels_per_table: float = 0.0
     """Extra kernel launches per data-parallel table per step (0: one batched kernel for all, as FBGEMM's)."""
+    column_wise_exact: bool = True
+    """Column-wise tables under rowwise_adagrad use the exact update (LookupOptions.column_wise_exact, the
+    runtime's default): its backward passes and swap of row norms are counted."""
     max_moves: int = 400
     """Local-search budget: at most this many candidate moves are evaluated after the greedy placement."""
     exact_limit: int = 20000

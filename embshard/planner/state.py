@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from embshard.plan import ShardingType
-from embshard.planner import loads as R
+from embshard.planner import loads
 from embshard.planner.choices import Choice, Item
 from embshard.planner.cost import CostModel
 
@@ -21,7 +21,7 @@ class State:
         topo = model.topo
         self.model = model
         self.W, self.lws, self.H = topo.world_size, topo.local_world_size, topo.num_hosts
-        self.loads = np.zeros((R.NROWS, self.W))
+        self.loads = np.zeros((loads.NROWS, self.W))
         if base is not None:
             self.loads += np.asarray(base, dtype=float)[:, None]
         self.version = 0  # bumped whenever the loads change (invalidates _host_stats)
@@ -43,9 +43,9 @@ class State:
         the once-per-step host sync when the plan gains its first or loses its last model-parallel table."""
         st = ch.option.sharding
         n, nw = self.scheme_count.get(st, [0, 0])
-        before = self.model.scheme_fixed(st, nw > 0) if n else np.zeros(R.NROWS)
+        before = self.model.scheme_fixed(st, nw > 0) if n else np.zeros(loads.NROWS)
         n2, nw2 = n + sign, nw + sign * int(item.weighted)
-        after = self.model.scheme_fixed(st, nw2 > 0) if n2 else np.zeros(R.NROWS)
+        after = self.model.scheme_fixed(st, nw2 > 0) if n2 else np.zeros(loads.NROWS)
         if st is not ShardingType.DATA_PARALLEL:
             others = any(
                 c[0] > 0 for s, c in self.scheme_count.items() if s is not st and s is not ShardingType.DATA_PARALLEL
@@ -79,7 +79,7 @@ class State:
         key = tuple(ranks.tolist())
         cached = ch.dense.get(key)
         if cached is None:
-            cached = R.spread(ranks, ch.owner, ch.same, ch.other, self.W, self.lws)
+            cached = loads.spread(ranks, ch.owner, ch.same, ch.other, self.W, self.lws)
             if len(ch.dense) < 16:
                 ch.dense[key] = cached
         return cached.copy()
@@ -115,7 +115,7 @@ class State:
 
     def objective(self) -> float:
         """Predicted step time of the current loads (s)."""
-        return R.step_time(self.loads)
+        return loads.step_time(self.loads)
 
     # ---- where would a choice go best -----------------------------------------------------------------------
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
@@ -157,7 +157,7 @@ class State:
         return result
 
     def _block_delta(self, item: Item, ch: Choice, b: int, r: int, first: bool, ranks_so_far: list[int]) -> np.ndarray:
-        d = R.spread(np.array([r]), ch.owner[b : b + 1], ch.same[b : b + 1], ch.other[b : b + 1], self.W, self.lws)
+        d = loads.spread(np.array([r]), ch.owner[b : b + 1], ch.same[b : b + 1], ch.other[b : b + 1], self.W, self.lws)
         counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
         if counts[r] == 0 and r not in ranks_so_far:
             d[:, r] += self.model.group_fixed(*self._group(ch))
@@ -168,7 +168,7 @@ class State:
     def _try_dense(self, item: Item, ch: Choice, ranks: np.ndarray) -> tuple[float, tuple[int, ...]] | None:
         if np.any(self.hbm_free[ranks] < ch.hbm - 0.5) or np.any(self.ddr_free[ranks] < ch.ddr - 0.5):
             return None
-        return R.step_time(self.loads + self.delta(item, ch, ranks)), tuple(int(r) for r in ranks)
+        return loads.step_time(self.loads + self.delta(item, ch, ranks)), tuple(int(r) for r in ranks)
 
     def _best_single(self, item: Item, ch: Choice, b: int, exclude: tuple[int, ...]) -> tuple[float, int] | None:
         """Best rank for block b alone: (step time, rank), vectorised over ranks, exact for this model.
@@ -193,7 +193,7 @@ class State:
         if exclude:
             absent[np.isin(q, exclude)] = 0.0
         fixed = self.model.group_fixed(*self._group(ch))
-        scheme = self._scheme_delta(item, ch, +1) if b == 0 else np.zeros(R.NROWS)
+        scheme = self._scheme_delta(item, ch, +1) if b == 0 else np.zeros(loads.NROWS)
         L = self.loads
         arg_in, top1_in, top2_in, best_h, first_v, second_v = self._host_stats()
         hq, jq = q // self.lws, q % self.lws
@@ -205,8 +205,8 @@ class State:
             excl = same_host
         own = L[:, q] + o[:, None] + np.outer(fixed, absent)
         new = np.maximum(excl, own) + scheme[:, None]
-        J = np.maximum.reduceat(new, R.PHASE_START, axis=0).sum(axis=0)
-        own_t = np.maximum.reduceat(own, R.PHASE_START, axis=0).sum(axis=0)
+        J = np.maximum.reduceat(new, loads.PHASE_START, axis=0).sum(axis=0)
+        own_t = np.maximum.reduceat(own, loads.PHASE_START, axis=0).sum(axis=0)
         # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
         k = np.lexsort((q, -self.hbm_free[q], own_t, np.round(J * 1e9)))[0]
         return float(J[k]), int(q[k])
@@ -217,7 +217,7 @@ class State:
         key = (id(self.loads), self.version)
         if self._stats_key == key:
             return self._stats
-        by_host = self.loads.reshape(R.NROWS, self.H, self.lws)
+        by_host = self.loads.reshape(loads.NROWS, self.H, self.lws)
         arg_in = by_host.argmax(axis=2)  # [NROWS, H], index within the host
         srt = np.sort(by_host, axis=2)
         top1_in = srt[:, :, -1]
@@ -226,7 +226,7 @@ class State:
         if self.H > 1:
             hsrt = np.argsort(-top1_in, axis=1, kind="stable")
             best_h, second_h = hsrt[:, 0], hsrt[:, 1]
-            rows = np.arange(R.NROWS)
+            rows = np.arange(loads.NROWS)
             first_v, second_v = top1_in[rows, best_h], top1_in[rows, second_h]
         self._stats = (arg_in, top1_in, top2_in, best_h, first_v, second_v)
         self._stats_key = key

@@ -109,7 +109,7 @@ class Topology:
             raise ConfigError(f"topology: compute_device={self.compute_device!r} is invalid: use 'cuda' or 'cpu'")
         if self.compute_device == "cuda" and self.hbm_bytes <= 0:
             raise ConfigError("topology: a cuda topology needs hbm_bytes > 0 (GPU memory per rank)")
-        for f in ("hbm_bw", "uvm_bw", "ddr_bw", "intra_host_bw", "inter_host_bw"):
+        for f in _BANDWIDTHS:
             if not getattr(self, f) > 0:
                 raise ConfigError(f"topology: {f}={getattr(self, f)!r} is invalid: bandwidths must be > 0")
         for f in _NONNEGATIVE:
@@ -174,15 +174,18 @@ class Topology:
         return base.with_sizes(hbm_gib=hbm_gib, ddr_gib=ddr_gib)
 
     @classmethod
-    def detect(cls, world_size: int | None = None, local_world_size: int | None = None) -> Topology:
+    def detect(
+        cls, world_size: int | None = None, local_world_size: int | None = None, device_type: str | None = None
+    ) -> Topology:
         """Read the local machine: GPU model, memory and L2 size (torch.cuda), host memory (/proc/meminfo). Speeds
         come from the matching preset. Rank counts default to torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else one rank
-        per local GPU (on CPUs: all ranks on this host)."""
+        per local GPU (on CPUs: all ranks on this host). `device_type` ('cuda' or 'cpu'): where the ranks compute
+        (default: the GPUs if there are any); 'cpu' reads the host even on a machine with GPUs."""
         import torch
 
         env_ws, env_lws = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
         l2 = 0
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and device_type != "cpu":
             n_local = torch.cuda.device_count()
             props = [torch.cuda.get_device_properties(i) for i in range(n_local)]
             hbm = min(p.total_memory for p in props)
@@ -293,12 +296,9 @@ class Topology:
         )
 
 
-_NONNEGATIVE = (
-    "collective_latency_s",
-    "inter_collective_latency_s",
-    "kernel_s",
-    "host_sync_s",
-    "l2_bytes",
+_BANDWIDTHS = ("hbm_bw", "uvm_bw", "ddr_bw", "intra_host_bw", "inter_host_bw")  # bytes/s; YAML: GB/s (NAME_gbps)
+_LATENCIES = ("collective_latency_s", "inter_collective_latency_s", "kernel_s", "host_sync_s")  # YAML: us (NAME_us)
+_PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
     "fwd_id_s",
     "fwd_byte_s",
     "bwd_id_s",
@@ -309,28 +309,14 @@ _NONNEGATIVE = (
     "uvm_row_s",
     "uvm_page_s",
 )
-_UNITS: dict[str, tuple[str, float]] = {
+_NONNEGATIVE = (*_LATENCIES, "l2_bytes", *_PER_ITEM)
+_UNITS: dict[str, tuple[str, float]] = {  # field -> (YAML key, its unit in code units)
     "hbm_bytes": ("hbm_gib", GIB),
     "ddr_bytes": ("ddr_gib", GIB),
-    "hbm_bw": ("hbm_gbps", GB),
-    "uvm_bw": ("uvm_gbps", GB),
-    "ddr_bw": ("ddr_gbps", GB),
-    "intra_host_bw": ("intra_host_gbps", GB),
-    "inter_host_bw": ("inter_host_gbps", GB),
-    "collective_latency_s": ("collective_latency_us", US),
-    "inter_collective_latency_s": ("inter_collective_latency_us", US),
-    "kernel_s": ("kernel_us", US),
-    "host_sync_s": ("host_sync_us", US),
     "l2_bytes": ("l2_mib", MIB),
-    "fwd_id_s": ("fwd_id_ns", 1e-9),
-    "fwd_byte_s": ("fwd_byte_ns", 1e-9),
-    "bwd_id_s": ("bwd_id_ns", 1e-9),
-    "bwd_byte_s": ("bwd_byte_ns", 1e-9),
-    "bwd_row_s": ("bwd_row_ns", 1e-9),
-    "routed_id_s": ("routed_id_ns", 1e-9),
-    "bag_s": ("bag_ns", 1e-9),
-    "uvm_row_s": ("uvm_row_ns", 1e-9),
-    "uvm_page_s": ("uvm_page_ns", 1e-9),
+    **{f: (f.removesuffix("_bw") + "_gbps", GB) for f in _BANDWIDTHS},
+    **{f: (f.removesuffix("_s") + "_us", US) for f in _LATENCIES},
+    **{f: (f.removesuffix("_s") + "_ns", 1e-9) for f in _PER_ITEM},
 }
 
 # Per-GPU-model defaults. HBM sizes are what torch reports as total_memory. hbm_bw: device-to-device copy,
@@ -358,48 +344,22 @@ _GPU_FITTED: dict[str, Any] = dict(
     uvm_page_s=0.35e-9,
 )
 _A100_SCALE = 1.7
+_A100_FITTED = {k: v * _A100_SCALE for k, v in _GPU_FITTED.items() if k.endswith(("_id_s", "row_s")) or k == "bag_s"}
+_HOPPER_LINKS = dict(uvm_bw=55e9, ddr_bw=50e9, intra_host_bw=290e9, inter_host_bw=45e9)
+_A100_LINKS = dict(uvm_bw=25e9, ddr_bw=40e9, intra_host_bw=200e9, inter_host_bw=22e9)
+
+
+def _gpu(name: str, hbm_gib: float, **speeds: float) -> dict[str, Any]:
+    """A GPU preset: its memory, 256 GiB of host memory per GPU, its bandwidths, and the fitted constants
+    (_GPU_FITTED, unless `speeds` names them)."""
+    gpu = dict(device_name=name, compute_device="cuda", hbm_bytes=int(hbm_gib * GIB), ddr_bytes=256 * GIB)
+    return {**gpu, **_GPU_FITTED, **speeds}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    "h100": dict(
-        device_name="h100",
-        compute_device="cuda",
-        hbm_bytes=int(79.2 * GIB),
-        ddr_bytes=256 * GIB,
-        hbm_bw=3.0e12,
-        uvm_bw=55e9,
-        ddr_bw=50e9,
-        intra_host_bw=290e9,
-        inter_host_bw=45e9,
-        **_GPU_FITTED,
-    ),
-    "h200": dict(
-        device_name="h200",
-        compute_device="cuda",
-        hbm_bytes=int(139.8 * GIB),
-        ddr_bytes=256 * GIB,
-        hbm_bw=3.9e12,
-        uvm_bw=55e9,
-        ddr_bw=50e9,
-        intra_host_bw=290e9,
-        inter_host_bw=45e9,
-        **_GPU_FITTED,
-    ),
-    "a100": dict(
-        device_name="a100",
-        compute_device="cuda",
-        hbm_bytes=int(79.2 * GIB),
-        ddr_bytes=256 * GIB,
-        hbm_bw=1.7e12,
-        uvm_bw=25e9,
-        ddr_bw=40e9,
-        intra_host_bw=200e9,
-        inter_host_bw=22e9,
-        **{
-            **_GPU_FITTED,
-            "l2_bytes": 40 * MIB,
-            **{k: v * _A100_SCALE for k, v in _GPU_FITTED.items() if k.endswith("_id_s") or k.endswith("row_s")},
-            "bag_s": _GPU_FITTED["bag_s"] * _A100_SCALE,
-        },
-    ),
+    "h100": _gpu("h100", 79.2, hbm_bw=3.0e12, **_HOPPER_LINKS),
+    "h200": _gpu("h200", 139.8, hbm_bw=3.9e12, **_HOPPER_LINKS),
+    "a100": _gpu("a100", 79.2, hbm_bw=1.7e12, l2_bytes=40 * MIB, **_A100_LINKS, **_A100_FITTED),
     # CPU training: one process per rank on one host; gloo over shared memory / loopback TCP. Lookups are bound by
     # arithmetic: per id 7 ns + 0.17 ns per row byte forward, 13 ns + 0.25 ns per row byte backward (FBGEMM's CPU
     # kernels, `embshard calibrate` on a 2-core CI machine: 16-wide rows ~18 / ~29 ns, 128-wide ~94 / ~144 ns).

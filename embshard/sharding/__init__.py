@@ -1,23 +1,20 @@
-"""Sharding schemes. Each file builds one scheme with a plain function; `build_schemes` applies them in a fixed
-order so every rank builds the same schemes, and so issues the same collectives in the same order (forward and
-backward: a rank with no shard of a scheme still takes part in its all-to-alls)."""
+"""Sharding schemes. Each file builds one scheme with a plain function `(tables, plan, ctx) -> Scheme | None`;
+`build_schemes` applies them in a fixed order so every rank builds the same schemes, and so issues the same
+collectives in the same order (forward and backward: a rank with no shard of a scheme still takes part in its
+all-to-alls). The contract is `Scheme` in base.py; the engines are routed.py and row_blocks.py."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
-
-from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
+from embshard.sharding.base import Scheme, ShardingContext
 from embshard.sharding.column_wise import column_wise
 from embshard.sharding.data_parallel import data_parallel
 from embshard.sharding.row_wise import row_wise
 from embshard.sharding.table_row_wise import table_row_wise
 from embshard.sharding.table_wise import table_wise
-from embshard.tables import ConfigError, TableConfig
-from embshard.tiers import LookupOptions
+from embshard.tables import TableConfig
 
 # The scheme builders, in the order every rank applies them.
 BUILDERS = {
@@ -27,25 +24,9 @@ BUILDERS = {
     ShardingType.TABLE_ROW_WISE: table_row_wise,
     ShardingType.DATA_PARALLEL: data_parallel,
 }
-SUPPORTED = set(BUILDERS)
 
 
-def build_schemes(
-    tables: Sequence[TableConfig],
-    plan: ShardingPlan,
-    rank: int,
-    optimizer: FusedOptimizerConfig,
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-    seed: int | None,
-    options: LookupOptions | None = None,
-) -> list:
-    """One scheme module per sharding type present in the plan, in a fixed order."""
-    for t in plan.tables:
-        if t.sharding_type not in SUPPORTED:
-            raise ConfigError(
-                f"table {t.table!r}: sharding type {t.sharding_type.value!r} is not implemented yet; "
-                f"use one of {[s.value for s in SUPPORTED]}"
-            )
-    schemes = [build(tables, plan, rank, optimizer, device, group, seed, options) for build in BUILDERS.values()]
+def build_schemes(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> list[Scheme]:
+    """One scheme per sharding type present in the plan, in the fixed order of BUILDERS."""
+    schemes = [build(tables, plan, ctx) for build in BUILDERS.values()]
     return [s for s in schemes if s is not None]

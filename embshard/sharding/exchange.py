@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from embshard.comm import AllToAllHandle, start_all_gather, start_all_to_all
+from embshard.ops import cached_tensor, permute_1d, permute_2d, segment_sums
 
 
 @dataclass
@@ -50,6 +51,18 @@ class LookupInput:
         return sum(self.batch_sizes)
 
 
+class RanksOutOfStep(RuntimeError):
+    """The ranks called the collection at different steps; raised on every rank at the same point."""
+
+    def __init__(self, steps: list[int]) -> None:
+        super().__init__(
+            f"the ranks are at different steps of the embedding collection (rank: step) "
+            f"{dict(enumerate(steps))}: every rank must call forward once per step, with an empty local batch "
+            "(0 samples) if it has no data, and the same number of evaluation batches"
+        )
+        self.steps = steps
+
+
 class IdsOutOfRange(ValueError):
     """Some rank's local batch has ids outside their tables; raised on every rank at the same point."""
 
@@ -59,38 +72,6 @@ class IdsOutOfRange(ValueError):
             "error naming the feature, the table and the value); every rank stops here so none waits forever"
         )
         self.ranks = ranks
-
-
-_DEVICE_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def cached_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A device copy of a small constant list, made once per (values, device, dtype): no per-step copy."""
-    key = (tuple(values), str(device), dtype)
-    t = _DEVICE_CACHE.get(key)
-    if t is None:
-        if len(_DEVICE_CACHE) > 4096:
-            _DEVICE_CACHE.clear()
-        t = _DEVICE_CACHE[key] = torch.tensor(list(values), device=device, dtype=dtype)
-    return t
-
-
-def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-    """Sums of consecutive segments of `lengths` with the given sizes (on the same device, no sync)."""
-    ends = [0]
-    for n in sizes:
-        ends.append(ends[-1] + n)
-    bounds = cached_tensor(ends, lengths.device)
-    csum = torch.cat([lengths.new_zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
-    return csum[bounds[1:]] - csum[bounds[:-1]]
-
-
-def feature_of_ids(ids_F: torch.Tensor, n: int) -> torch.Tensor:
-    """For `n` ids laid out feature-major with `ids_F[f]` ids of feature f, the feature of each id (no host sync).
-    The same as `repeat_interleave(arange(F), ids_F)`, whose CUDA kernel spends one thread per feature: slow for a
-    few features of many ids."""
-    ends = ids_F.to(torch.int64).cumsum(0)
-    return torch.searchsorted(ends, torch.arange(n, device=ids_F.device), right=True)
 
 
 @dataclass
@@ -110,17 +91,22 @@ def gather_batch_counts(
     batch_size: int,
     bad: torch.Tensor | None,
     group: dist.ProcessGroup | None,
+    step: int = 0,
 ) -> BatchCounts:
-    """One all-gather of every rank's (batch size, out-of-range id count, ids per feature), then one host sync:
-    every id exchange of the step can be sized from these on the host (row-wise bucketing aside). `ids_F` is this
-    rank's `[F]` ids per feature in the canonical order."""
-    row = torch.cat([cached_tensor([batch_size, 0], ids_F.device), ids_F.to(torch.int64)])  # a new tensor
+    """One all-gather of every rank's (batch size, out-of-range id count, step, ids per feature), then one host
+    sync: every id exchange of the step can be sized from these on the host (row-wise bucketing aside). `ids_F` is
+    this rank's `[F]` ids per feature in the canonical order; `step` the collection's step, which every rank must
+    agree on (`RanksOutOfStep` on every rank otherwise)."""
+    row = torch.cat([cached_tensor([batch_size, 0, step], ids_F.device), ids_F.to(torch.int64)])  # a new tensor
     if bad is not None:
         row[1:2] = bad.reshape(1)
-    table = start_all_gather(row, group).wait().cpu().numpy()  # the host sync
+    table = start_all_gather(row, group, "batch counts all-gather").wait(host=True).cpu().numpy()  # the host sync
+    steps = [int(s) for s in table[:, 2]]
+    if len(set(steps)) > 1:
+        raise RanksOutOfStep(steps)
     return BatchCounts(
         batch_sizes=[int(b) for b in table[:, 0]],
-        ids=table[:, 2:],
+        ids=table[:, 3:],
         bad_ranks=[r for r in range(table.shape[0]) if table[r, 1]],
     )
 
@@ -160,7 +146,11 @@ def exchange_counts(parts: Sequence[LocalIds], group: dist.ProcessGroup | None, 
     their `[W]` counts and one host sync."""
     W = world_size
     table = torch.stack([p.counts.to(torch.int64) for p in parts], dim=1)  # [W destinations, parts]
-    recv = start_all_to_all(table, [1] * W, [1] * W, group).wait() if W > 1 else table
+    recv = (
+        start_all_to_all(table, [1] * W, [1] * W, group, "row-block id counts all-to-all").wait(host=True)
+        if W > 1
+        else table
+    )
     both = torch.cat([recv, table], dim=1).t().tolist()  # the host sync
     K = len(parts)
     for k, p in enumerate(parts):
@@ -194,18 +184,15 @@ class SparseExchangeHandle:
             # Received segments are (source s, feature f) of B_s bags each; reorder them to (f, s).
             perm = cached_tensor([s * F + f for f in range(F) for s in range(W)], lengths.device, torch.int32)
             if len(set(self._batch_sizes)) == 1:  # a [W*F, B] grid: FBGEMM's 2-D permute (fast, one row a block)
-                lengths_2d, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                lengths_2d, values, weights = permute_2d(
                     perm, lengths.view(W * F, self._batch_sizes[0]), values, weights, values.numel()
                 )
                 lengths = lengths_2d.reshape(-1)
             else:
                 bags = [b for b in self._batch_sizes for _ in range(F)]
-                seg_bags = cached_tensor(bags, lengths.device)
                 seg_ids = segment_sums(lengths, bags)
-                _, lengths, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, seg_bags, lengths, None, lengths.numel())
-                _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
-                    perm, seg_ids, values, weights, values.numel()
-                )  # the output size is known: no sync
+                lengths, _ = permute_1d(perm, cached_tensor(bags, lengths.device), lengths)
+                values, weights = permute_1d(perm, seg_ids, values, weights)  # output sizes known: no sync
         return LookupInput(lengths, values, weights, self._batch_sizes, key_ids=self._key_ids)
 
 
@@ -215,14 +202,18 @@ def start_sparse_exchange(
     batch_sizes: Sequence[int],
     group: dist.ProcessGroup | None,
     rank: int,
+    label: str = "ids",
 ) -> SparseExchangeHandle:
     """Send each destination its ids (`n_features[d]` lookup features go to rank d; send layout in the module
     docstring), with the sizes in `ids.sent` / `ids.received`; returns without waiting."""
     B = batch_sizes[rank]
     F_me = n_features[rank]
-    lengths_h = start_all_to_all(ids.lengths, [f * B for f in n_features], [F_me * b for b in batch_sizes], group)
-    values_h = start_all_to_all(ids.values, ids.sent, ids.received, group)
-    weights_h = start_all_to_all(ids.weights, ids.sent, ids.received, group) if ids.weights is not None else None
+    splits = ([f * B for f in n_features], [F_me * b for b in batch_sizes])
+    lengths_h = start_all_to_all(ids.lengths, *splits, group, f"{label} lengths all-to-all")
+    values_h = start_all_to_all(ids.values, ids.sent, ids.received, group, f"{label} all-to-all")
+    weights_h = None
+    if ids.weights is not None:
+        weights_h = start_all_to_all(ids.weights, ids.sent, ids.received, group, f"{label} weights all-to-all")
     return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, list(batch_sizes), ids.key_ids)
 
 
@@ -248,11 +239,11 @@ def start_pooled_exchange(
     dims_per_rank: Sequence[int],
     group: dist.ProcessGroup | None,
     rank: int,
+    label: str = "pooled",
 ) -> PooledExchangeHandle:
     """Send rows of `pooled` `[B_global, D_me]` (source-rank order) back to their ranks; D_d is rank d's width."""
     D_me = dims_per_rank[rank]
     B_me = batch_sizes[rank]
-    handle = start_all_to_all(
-        pooled.reshape(-1), [b * D_me for b in batch_sizes], [B_me * d for d in dims_per_rank], group
-    )
+    splits = ([b * D_me for b in batch_sizes], [B_me * d for d in dims_per_rank])
+    handle = start_all_to_all(pooled.reshape(-1), *splits, group, f"{label} all-to-all")
     return PooledExchangeHandle(handle, B_me, dims_per_rank)

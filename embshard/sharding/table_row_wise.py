@@ -1,7 +1,7 @@
 """Table-row-wise sharding: a table's rows cut into blocks over the ranks of one host (row-wise inside the host,
 table-wise across hosts), so the table's partial sums stay within one host's fast links.
 
-Data flow: exactly row-wise's (row_wise.py), with the blocks on the host's ranks: the ids are bucketed by block
+Data flow: the row-block engine's (row_blocks.py), with the blocks on the host's ranks: the ids are bucketed by block
 into that host's ranks and sent with the one global all-to-all, whose sends to the other hosts' ranks are empty
 (zero-sized) for these features; the partial sums come back with the global pooled all-to-all and are added up
 on the rank owning each sample. A hierarchical version (ids first to one peer per host, then within the host;
@@ -13,31 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
-
-from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.row_wise import RowBlockSharding, row_block_entries
-from embshard.tables import TableConfig, feature_columns
-from embshard.tiers import LookupOptions
+from embshard.sharding.base import ShardingContext
+from embshard.sharding.row_blocks import RowBlockSharding, row_block_entries
+from embshard.tables import TableConfig
 
 
-def table_row_wise(
-    tables: Sequence[TableConfig],
-    plan: ShardingPlan,
-    rank: int,
-    optimizer: FusedOptimizerConfig,
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-    seed: int | None,
-    options: LookupOptions | None = None,
-) -> RowBlockSharding | None:
+def table_row_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RowBlockSharding | None:
     """The table-row-wise part of the collection: each table's row blocks over one host's ranks. None if no
     table is table-row-wise."""
     entries = row_block_entries(tables, plan, ShardingType.TABLE_ROW_WISE)
-    if not entries:
-        return None
-    return RowBlockSharding(
-        entries, feature_columns(tables), plan.world_size, rank, optimizer, device, group, seed, options
-    )
+    return RowBlockSharding(entries, ctx, "table_row_wise") if entries else None

@@ -12,9 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from embshard.planner.explain import explain
-from embshard.planner.from_config import is_training_config, topology_for, training_planner_input
-from embshard.planner.inputs import PlannerInput, planner_input_from_dict
+from embshard.planner.policy import topology_for
 from embshard.planner.search import plan_with_report
+from embshard.planner.tools.inputs import (
+    PlannerInput,
+    is_training_config,
+    planner_input_from_dict,
+    training_planner_input,
+)
 from embshard.planner.topology import Topology
 from embshard.tables import ConfigError
 
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             report.save(args.report)
             print(f"report saved to {args.report}", file=sys.stderr)
         if args.plot:
-            from embshard.planner.plot import plot_report
+            from embshard.planner.tools.plot import plot_report
 
             plot_report(report, args.plot)
             print(f"plot saved to {args.plot}", file=sys.stderr)

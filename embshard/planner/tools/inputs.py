@@ -1,5 +1,7 @@
-"""The planner-input YAML: tables, optimizer, batch size, per-table constraints and planner settings, parsed
-strictly (an unknown key is an error naming the file and the key). Example files: configs/planner/*.yaml.
+"""The planner's input read from a file: a planner-input YAML (tables, optimizer, batch size, per-table constraints
+and planner settings, parsed strictly: an unknown key is an error naming the file and the key; examples in
+configs/planner/*.yaml), or a training config (its tables, schedule.batch_size, sparse_optimizer and planner
+section, for `embshard plan configs/dlrm_criteo.yaml`). A planner-input YAML:
 
     batch_size: 8192                      # samples per rank per step
     device: h200                          # GPU preset for dry runs (h100, h200, a100, cpu); optional
@@ -11,7 +13,9 @@ strictly (an unknown key is an error naming the file and the key). Example files
       "big_*": {sharding_types: [row_wise, table_wise], zipf_alpha: 1.0}
     settings: {hbm_reserve_fraction: 0.1}
 
-`count: N` expands one entry into N tables NAME_0 .. NAME_{N-1}, each with its own feature (FEATURE_i).
+`count: N` expands one entry into N tables NAME_0 .. NAME_{N-1}, each with its own feature (FEATURE_i). The
+training config's per-table constraints and settings are the planner's own dataclasses (ParameterConstraints,
+PlannerSettings), so nothing is converted.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from embshard.config import PlannerConfig, load_config
 from embshard.optim import FusedOptimizerConfig
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.settings import PlannerSettings
@@ -28,6 +33,8 @@ from embshard.tables import ConfigError, TableConfig, check_known_keys, validate
 
 TOP_KEYS = ("batch_size", "device", "optimizer", "tables", "constraints", "settings")
 TABLE_KEYS = {f.name for f in fields(TableConfig)} - {"extra", "init_std"} | {"count"}
+TRAINING_KEYS = ("model", "data", "schedule")
+"""Top-level keys that only a training config (embshard.config.TrainConfig) has; planner inputs have 'tables'."""
 
 
 @dataclass(frozen=True)
@@ -132,3 +139,23 @@ def parse_tables(entries: Any, where: str) -> list[TableConfig]:
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return out
+
+
+def is_training_config(data: Any) -> bool:
+    """Whether parsed YAML is a training config rather than a planner input (by its top-level keys)."""
+    return isinstance(data, Mapping) and "tables" not in data and any(k in data for k in TRAINING_KEYS)
+
+
+def training_planner_input(path: str | Path, overrides: Sequence[str] = ()) -> tuple[PlannerInput, PlannerConfig]:
+    """The planner input of a training config: the model's tables, schedule.batch_size (per rank), the sparse
+    optimizer, planner.constraints and planner.settings; and the config's planner section."""
+    cfg = load_config(path, overrides)
+    p = cfg.planner
+    inp = PlannerInput(
+        tables=tuple(cfg.model.tables),
+        batch_size=cfg.schedule.batch_size,
+        optimizer=cfg.sparse_optimizer,
+        constraints=dict(p.constraints or {}),
+        settings=p.settings,
+    )
+    return inp, p

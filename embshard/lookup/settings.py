@@ -1,9 +1,9 @@
-"""Memory tiers: which FBGEMM TBE settings a group of shards gets, lookup options, and UVM-cache statistics.
+"""Which FBGEMM TBE settings a group of shards gets, as plain data (testable without a GPU).
 
 A rank's shards are grouped into TBEs by `LocalShard.group_key` (tier, weight type, weighted-ness and, for
 UVM-caching, the cache algorithm: one TBE has one cache and one replacement policy). `tbe_settings` derives one
-group's settings as plain data (a pure function: testable without a GPU); `TBESettings.fbgemm_kwargs` turns them
-into SplitTableBatchedEmbeddingBagsCodegen arguments.
+group's settings (a pure function); `TBESettings.fbgemm_kwargs` turns them into SplitTableBatchedEmbeddingBagsCodegen
+arguments.
 
 Tier -> FBGEMM EmbeddingLocation: hbm -> DEVICE, uvm -> MANAGED, uvm_caching -> MANAGED_CACHING (CUDA compute),
 host -> HOST (CPU compute). Optimizer state follows FBGEMM's placement rule: with the table for hbm and host;
@@ -18,72 +18,15 @@ than its share. Every slot is as wide as the widest table of the group.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from embshard.lookup.shards import LocalShard
+from embshard.options import LookupOptions
 from embshard.plan import MemoryTier
 from embshard.tables import ConfigError, DataType
-
-if TYPE_CHECKING:
-    import torch
-
-    from embshard.lookup import LocalShard
-    from embshard.sharding.exchange import LookupInput
-
-
-class OutputDtype(str, enum.Enum):
-    """Dtype of the pooled embeddings."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The matching torch dtype."""
-        import torch
-
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.value]
-
-
-class BoundsCheck(str, enum.Enum):
-    """What to do with an id outside its table (negative, or not below the table's row count)."""
-
-    ERROR = "error"  # raise, naming the feature, the table and the value
-    DROP = "drop"  # remove the id from its bag, warn once per feature, count in ebc.dropped_ids()
-
-
-@dataclass(frozen=True)
-class LookupOptions:
-    """Numerics and runtime options of the embedding lookups (the same for every table of a collection)."""
-
-    output_dtype: OutputDtype = OutputDtype.FP32
-    """Dtype of the pooled embeddings the module returns: fp32, fp16 or bf16."""
-    stochastic_rounding: bool = True
-    """fp16 weights: round each updated weight stochastically (unbiased) rather than to the nearest fp16 value."""
-    bounds_check: BoundsCheck = BoundsCheck.ERROR
-    """Out-of-range ids: 'error' raises; 'drop' removes them from their bags, warns once per feature, counts them."""
-    prefetch_pipeline: bool = False
-    """Allow ebc.prefetch(next batch) before the current backward (UVM-caching, LRU only; locks rows in use)."""
-    cache_stats: bool = False
-    """Collect UVM-cache statistics for ebc.cache_stats() (a few device syncs per step per cached TBE)."""
-
-    def __post_init__(self) -> None:
-        for name, enum_type in (("output_dtype", OutputDtype), ("bounds_check", BoundsCheck)):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, enum_type(value))
-            except ValueError:
-                raise ConfigError(
-                    f"lookup option {name}={value!r} is invalid: choose one of {[e.value for e in enum_type]}"
-                ) from None
-        for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"lookup option {name}={getattr(self, name)!r} is invalid: it must be true or false")
-
 
 _LOCATION = {
     MemoryTier.HBM: "DEVICE",
@@ -228,77 +171,3 @@ def tbe_settings(shards: Sequence[LocalShard], options: LookupOptions, device_ty
         prefetch_pipeline=caching and options.prefetch_pipeline,
         cache_stats=caching and options.cache_stats,
     )
-
-
-# ---- UVM-cache statistics -------------------------------------------------------------------------------------
-def summarize_cache_stats(
-    settings: TBESettings,
-    requested_F: Sequence[int],
-    misses_F: Sequence[int],
-    tbe_counters: Sequence[int],
-    cached_rows_T: Sequence[int],
-    occupied_base: int,
-    cache_slots: int,
-) -> dict[str, dict[str, Any]]:
-    """Per-table statistics of one UVM-caching TBE, from counters accumulated since the last reset.
-
-    `requested_F` / `misses_F`: ids looked up and unique cache misses (rows fetched from UVM) per feature;
-    `tbe_counters`: FBGEMM's six TBE-wide counters (calls, requested, unique, unique misses, conflict unique
-    misses, conflict misses); `cached_rows_T`: each shard's rows now in the cache; `occupied_base`: slots
-    occupied at the last reset; `cache_slots`: rows the cache holds. Evictions are TBE-wide (the cache is
-    shared): rows inserted minus slots newly filled, exact for LRU, None for LFU (FBGEMM counts no insertions).
-    """
-    T = len(settings.tables)
-    req_T, miss_T = [0] * T, [0] * T
-    for f, t in enumerate(settings.feature_table_map):
-        req_T[t] += int(requested_F[f])
-        miss_T[t] += int(misses_F[f])
-    lru = settings.cache_algorithm == "LRU"
-    inserted = int(tbe_counters[3]) - int(tbe_counters[4]) if lru else None
-    occupied = sum(int(c) for c in cached_rows_T)
-    evictions = inserted - (occupied - occupied_base) if inserted is not None else None
-    out: dict[str, dict[str, Any]] = {}
-    for t, name in enumerate(settings.tables):
-        out[name] = {
-            "requested": req_T[t],
-            "unique_misses": miss_T[t],
-            "hit_rate": 1.0 - miss_T[t] / req_T[t] if req_T[t] else None,
-            "cached_rows": int(cached_rows_T[t]),
-            "rows": settings.rows[t],
-            "cache_group": list(settings.tables),
-            "group_cache_slots": cache_slots,
-            "group_evictions": evictions,
-        }
-    return out
-
-
-def format_cache_stats(stats: dict[str, dict[str, Any]]) -> str:
-    """One line per table, for logs."""
-    lines = []
-    for name, s in stats.items():
-        hit = "n/a" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
-        ev = "n/a" if s["group_evictions"] is None else str(s["group_evictions"])
-        lines.append(
-            f"cache {name}: hit {hit} ({s['unique_misses']} misses / {s['requested']} ids), "
-            f"{s['cached_rows']} of {s['rows']} rows cached, group evictions {ev}"
-        )
-    return "\n".join(lines)
-
-
-@dataclass
-class PrefetchHandle:
-    """The next batch, already sent to the ranks that look it up and (UVM-caching) loaded into the caches.
-    Pass it to `ebc(kjt, prefetched=handle)` with the same kjt, once."""
-
-    kjt: Any
-    """The batch it was made for (checked by identity)."""
-    lengths_FB: torch.Tensor
-    """`[F, B]` bag lengths after the bounds check (mean pooling divides by these)."""
-    feature_index: dict[str, int]
-    """Feature -> row of lengths_FB."""
-    inputs: list[LookupInput]
-    """Each scheme's received ids."""
-    stream: Any = None
-    """The CUDA stream the prefetch ran on, or None (the current stream)."""
-    used: bool = False
-    """Set once forward consumed it."""

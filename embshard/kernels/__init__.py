@@ -1,0 +1,14 @@
+"""Kernels beyond FBGEMM's (docs/kernels.md), in Triton, each with a plain-torch path of the same semantics for the
+CPU.
+
+- `cross_entropy.fused_cross_entropy`: softmax cross-entropy in one pass forward, gradient in place backward.
+- `small_tables.SmallTableLookup`: TBELookup's contract for small, hot fp32 tables (fused pooled forward, atomic
+  backward, fused optimizer); `pool` / `dense_gradients`, the forward and dense backward without an optimizer.
+- `data_parallel.KernelDataParallelLookup`: DataParallelLookup on `pool` / `dense_gradients`.
+- `regroup.KernelRegroup`: Regroup's contract, one column-gather launch forward and one backward.
+- `cost`: pure functions the planner uses to predict both kernels; `calibrate`: their measurements.
+"""
+
+from embshard.kernels.cross_entropy import LaunchConfig, fused_cross_entropy, logsumexp_rows, softmax_grad_
+
+__all__ = ["LaunchConfig", "fused_cross_entropy", "logsumexp_rows", "softmax_grad_"]

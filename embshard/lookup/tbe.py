@@ -1,0 +1,164 @@
+"""`TBELookup`: one FBGEMM TBE (SplitTableBatchedEmbeddingBagsCodegen) over a group of compatible shards, the
+sparse optimizer fused into its backward.
+
+Input: the ids of the lookup's keys for the (global) batch, as indices + offsets in feature-major order. Output:
+pooled sums `[B, sum of key widths]`, keys in the lookup's order. Pooling is always a sum here; mean pooling is
+applied after the output exchange, where every bag's full length is known (row-wise shards see only part).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from embshard.lookup.settings import tbe_settings
+from embshard.lookup.shards import INIT_CHUNK_ROWS, LocalShard, init_rows
+from embshard.lookup.stats import summarize_cache_stats
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.options import LookupOptions, OutputDtype
+from embshard.tables import ConfigError
+
+INIT_BLOCK_BYTES = 64 << 20  # a TBE's weights are initialised in row blocks of about this size (temporary buffer)
+
+
+class TBELookup(nn.Module):
+    """One FBGEMM TBE over a group of compatible shards, optimizer fused into its backward."""
+
+    def __init__(
+        self,
+        shards: Sequence[LocalShard],
+        optimizer: FusedOptimizerConfig,
+        device: torch.device,
+        seed: int = 0,
+        options: LookupOptions | None = None,
+    ) -> None:
+        super().__init__()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        self.shards = list(shards)
+        self.features = [f for s in shards for f in s.features]
+        self.dims = [s.shard.num_cols for s in shards for _ in s.features]
+        self.weighted = shards[0].table.weighted
+        self.optimizer = optimizer
+        self.settings = tbe_settings(shards, options or LookupOptions(), device.type)
+        if device.type == "cuda" and optimizer.weight_decay and optimizer.kind is not OptimizerKind.ROWWISE_ADAGRAD:
+            raise ConfigError(
+                f"optimizer {optimizer.kind.value} with weight_decay={optimizer.weight_decay}: FBGEMM's fused GPU kernel "
+                "ignores weight decay for this optimizer (seen with fbgemm-gpu 1.6 and 1.8); use rowwise_adagrad, or "
+                "weight_decay: 0"
+            )
+        if device.type == "cuda" and optimizer.kind is OptimizerKind.ADAM and self.settings.weights_precision == "fp16":
+            raise ConfigError(
+                f"tables {[s.table.name for s in shards]}: fp16 weights with adam fail inside FBGEMM's GPU kernel "
+                "(seen with fbgemm-gpu 1.6.0: 'row_counter_dev' Half vs Float); use data_type fp32 for these tables, "
+                "or sgd/adagrad/rowwise_adagrad"
+            )
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
+        )
+        self._cast = OutputDtype(self.settings.cast_output_to).torch_dtype if self.settings.cast_output_to else None
+        with torch.no_grad():
+            for w, s in zip(self.tbe.split_embedding_weights(), shards):
+                sh = s.shard
+                block = max(1, INIT_BLOCK_BYTES // (4 * s.table.embedding_dim * INIT_CHUNK_ROWS)) * INIT_CHUNK_ROWS
+                for r0 in range(0, sh.num_rows, block):  # in blocks: a UVM table may exceed HBM
+                    n = min(block, sh.num_rows - r0)
+                    init = init_rows(
+                        s.table, s.table_index, sh.row_offset + r0, n, sh.col_offset, sh.num_cols, seed, w.device
+                    )
+                    w[r0 : r0 + n].copy_(init.to(w.dtype))
+        if self.settings.cache_stats:
+            requested_F = torch.zeros(len(self.features), dtype=torch.int64, device=device)
+            self.register_buffer("_requested_F", requested_F, persistent=False)
+            self._occupied_base = 0
+
+    def forward(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Pooled sums `[B, sum(dims)]` for ids laid out feature-major (offsets of length F*B+1)."""
+        offsets = offsets.long()
+        if self.settings.cache_stats:
+            F = len(self.features)
+            bounds = offsets[torch.arange(F + 1, device=offsets.device) * ((offsets.numel() - 1) // F)]
+            self._requested_F += bounds[1:] - bounds[:-1]
+        out = self.tbe(indices.long(), offsets, per_sample_weights=weights if self.weighted else None)
+        return out.to(self._cast) if self._cast is not None else out
+
+    def prefetch(
+        self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Load the rows of a coming batch into the UVM cache (no-op without a cache). The next forward must get
+        the same ids."""
+        if self.settings.caching:
+            self.tbe.prefetch(indices.long(), offsets.long(), forward_stream=forward_stream)
+
+    def shard_weights(self) -> list[torch.Tensor]:
+        """The weights of each shard (views, in shard order). UVM-caching: the cache is written back first (FBGEMM's
+        flush also empties it); after writing into these tensors call `drop_cache()` so no stale row hides them."""
+        if self.settings.caching:
+            self.tbe.flush()
+        return list(self.tbe.split_embedding_weights())
+
+    def shard_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        """The fused optimizer's state of each shard (views, in shard order), named as `optim.optimizer_state`:
+        'm' (adagrad: `[rows, D]`; rowwise_adagrad: `[rows]`; adam: first moment `[rows, D]`), 'v' (adam: second
+        moment); {} for sgd. UVM-caching: call `shard_weights()` first if the weights are needed too."""
+        names = {
+            OptimizerKind.SGD: (),
+            OptimizerKind.ADAGRAD: ("m",),
+            OptimizerKind.ROWWISE_ADAGRAD: ("m",),
+            OptimizerKind.ADAM: ("m", "v"),
+        }[self.optimizer.kind]
+        if not names:
+            return [{} for _ in self.shards]
+        return [dict(zip(names, states)) for states in self.tbe.split_optimizer_states()]
+
+    @property
+    def optimizer_step(self) -> int:
+        """Steps the fused optimizer has taken (Adam's bias-correction count; FBGEMM's `iter`)."""
+        return int(self.tbe.iter.item()) if self.optimizer.kind is OptimizerKind.ADAM else 0
+
+    @optimizer_step.setter
+    def optimizer_step(self, step: int) -> None:
+        if self.optimizer.kind is OptimizerKind.ADAM:
+            self.tbe.iter.fill_(step)
+
+    def drop_cache(self) -> None:
+        """Forget every cached row (after flushing nothing is lost); later lookups reload them from UVM."""
+        if self.settings.caching:
+            self.tbe.flush()
+            self.tbe.reset_cache_states()
+
+    # ---- UVM-cache statistics ----------------------------------------------------------------------------
+    def _cached_rows(self) -> list[int]:
+        state = self.tbe.lxu_cache_state.flatten()
+        state = state[(state >= 0) & (state < int(sum(self.settings.rows)))]
+        bounds = torch.tensor(self.settings.rows, device=state.device).cumsum(0)
+        table = torch.bucketize(state, bounds, right=True)
+        return torch.bincount(table, minlength=len(self.settings.rows)).tolist()
+
+    def cache_stats(self) -> dict[str, dict]:
+        """Per-table cache statistics since the last reset (lookup.stats.summarize_cache_stats); {} without stats."""
+        if not self.settings.cache_stats:
+            return {}
+        return summarize_cache_stats(
+            self.settings,
+            self._requested_F.tolist(),
+            self.tbe.get_table_wise_cache_miss().tolist(),
+            self.tbe.get_uvm_cache_stats().tolist(),
+            self._cached_rows(),
+            self._occupied_base,
+            int(self.tbe.lxu_cache_state.numel()),
+        )
+
+    def reset_cache_stats(self) -> None:
+        """Start counting afresh."""
+        if self.settings.cache_stats:
+            self._requested_F.zero_()
+            self.tbe.get_table_wise_cache_miss().zero_()
+            self.tbe.reset_uvm_cache_stats()
+            self._occupied_base = sum(self._cached_rows())

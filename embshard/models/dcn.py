@@ -1,0 +1,64 @@
+"""DLRM-DCNv2 (model.kind dlrm_dcnv2): DLRM's bottom and top MLPs with a low-rank cross network (torchrec's
+LowRankCrossNet) in place of the dot interaction, so tables may differ in width; scored by binary cross-entropy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from embshard.config.model import ModelConfig
+from embshard.data.common import Batch
+from embshard.models.dlrm import mlp
+from embshard.models.registry import ModelKind, StepOutput, bce_output, feature_widths, register
+
+
+class DLRMDCNDense(nn.Module):
+    """DLRM-DCNv2's dense part: bottom MLP, a low-rank cross network (torchrec's LowRankCrossNet) over the
+    concatenated dense and sparse vector, and the top MLP. Input: dense features `[B, num_dense]` and pooled
+    embeddings concatenated `[B, sparse_width]` (tables may differ in width); output: logits `[B]`."""
+
+    def __init__(
+        self,
+        num_dense: int,
+        sparse_width: int,
+        dense_width: int,
+        bottom: Sequence[int],
+        top: Sequence[int],
+        num_layers: int,
+        low_rank: int,
+    ):
+        super().__init__()
+        from torchrec.modules.crossnet import LowRankCrossNet
+
+        self.bottom = mlp([num_dense, *bottom, dense_width])
+        width = dense_width + sparse_width
+        self.cross = LowRankCrossNet(width, num_layers, low_rank)
+        self.top = mlp([width, *top, 1], last_activation=False)
+
+    def forward(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor) -> torch.Tensor:
+        x_BW = torch.cat([self.bottom(dense_BN), sparse_BS], dim=1)
+        return self.top(self.cross(x_BW)).squeeze(1)
+
+
+def dcn_dense(cfg: ModelConfig, num_dense: int) -> DLRMDCNDense:
+    """The dense part for the config: the pooled vectors of every feature side by side."""
+    return DLRMDCNDense(
+        num_dense,
+        sum(feature_widths(cfg).values()),
+        cfg.tables[0].embedding_dim,
+        cfg.dlrm.bottom_mlp,
+        cfg.dlrm.top_mlp,
+        cfg.dcn.num_layers,
+        cfg.dcn.low_rank,
+    )
+
+
+def dcn_step(model: Any, batch: Batch) -> StepOutput:
+    """BCE of the logits of the dense features and the pooled embeddings (KeyedTensor) `[B, sparse_width]`."""
+    return bce_output(model.dense(batch.dense, model.ebc(batch.sparse).values()), batch.labels)
+
+
+register("dlrm_dcnv2", ModelKind(dcn_dense, dcn_step))

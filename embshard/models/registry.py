@@ -1,0 +1,87 @@
+"""Model kinds: what each kind of model adds to the sharded embeddings, looked up by the config's `model.kind`.
+
+A kind is one file of this package that registers itself when imported:
+
+    register("dlrm", ModelKind(build_dense=dlrm_dense, step=dlrm_step))
+
+RecModel (build.py) asks the kind for the feature groups the embeddings hand over (`output_groups`), for a table it
+serves as a retrieval catalog in a collection of its own (`build_catalog`, embshard.retrieval), builds the kind's
+dense part (`build_dense`) and computes a batch's loss with the kind's `step(model, batch)`, which runs the
+model's collections and dense part. A new model kind is its config dataclass (embshard.config.model) and one new
+file here: the package's files are imported on the first lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from embshard.config.model import ModelConfig
+from embshard.data.common import Batch
+from embshard.tables import ConfigError
+
+
+@dataclass
+class StepOutput:
+    """A step's mean loss, the scores and 0/1 labels that the AUC is computed on (None: no AUC), and in evaluation
+    in catalog mode {K: local samples whose item is among the catalog's K best-scored items}."""
+
+    loss: torch.Tensor
+    scores: torch.Tensor | None
+    labels: torch.Tensor | None
+    hits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """How one kind of model is built on the sharded embeddings and scored."""
+
+    build_dense: Callable[[ModelConfig, int], nn.Module]
+    """(model config, dense features per sample) -> the dense part (wrapped in DistributedDataParallel later)."""
+    step: Callable[[Any, Batch], StepOutput]
+    """(the RecModel: its `ebc`, `dense`, `catalog`, `cfg`, `training`; a batch) -> the loss (and scores)."""
+    output_groups: Callable[[ModelConfig], dict[str, list[str]]] | None = None
+    """Feature groups the embeddings return, one tensor each (None: one KeyedTensor of every feature)."""
+    build_catalog: Callable[..., nn.Module | None] | None = None
+    """(model config, plan, sparse optimizer, device, seed) -> a retrieval Catalog serving one table in a
+    collection of its own (left out of `ebc`), or None."""
+
+
+_KINDS: dict[str, ModelKind] = {}
+
+
+def register(name: str, kind: ModelKind) -> None:
+    """Make `kind` the model of `model.kind: name` (called by the kind's file when it is imported)."""
+    if name in _KINDS and _KINDS[name] is not kind:
+        raise ValueError(f"model kind {name!r} is registered twice")
+    _KINDS[name] = kind
+
+
+def model_kind(name: str) -> ModelKind:
+    """The registered kind `name`; the first lookup imports every file of embshard/models."""
+    if name not in _KINDS:
+        for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+            importlib.import_module(f"{__package__}.{module.name}")
+    if name not in _KINDS:
+        raise ConfigError(
+            f"model.kind={name!r} has no model: known kinds are {sorted(_KINDS)}; a new kind registers itself in "
+            "a file of embshard/models (embshard.models.registry.register)"
+        )
+    return _KINDS[name]
+
+
+def feature_widths(cfg: ModelConfig) -> dict[str, int]:
+    """Sparse feature -> the width of its pooled embedding (its table's embedding_dim), in table order."""
+    return {f: t.embedding_dim for t in cfg.tables for f in t.feature_names}
+
+
+def bce_output(logits_B: torch.Tensor, labels_B: torch.Tensor) -> StepOutput:
+    """Binary cross-entropy of one logit per sample against its 0/1 label."""
+    return StepOutput(nn.functional.binary_cross_entropy_with_logits(logits_B, labels_B), logits_B, labels_B)

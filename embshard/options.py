@@ -1,0 +1,76 @@
+"""Lookup options: the numerics and runtime choices of a collection's embedding lookups (the same for every table).
+
+Given as `ShardedEmbeddingBagCollection(options=...)`; they travel inside `ShardingContext` (sharding/base.py) to
+every scheme and lookup.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from embshard.tables import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class OutputDtype(str, enum.Enum):
+    """Dtype of the pooled embeddings."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The matching torch dtype."""
+        import torch
+
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.value]
+
+
+class BoundsCheck(str, enum.Enum):
+    """What to do with an id outside its table (negative, or not below the table's row count)."""
+
+    ERROR = "error"  # raise, naming the feature, the table and the value
+    DROP = "drop"  # remove the id from its bag, warn once per feature, count in ebc.dropped_ids()
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """Numerics and runtime options of the embedding lookups (the same for every table of a collection)."""
+
+    output_dtype: OutputDtype = OutputDtype.FP32
+    """Dtype of the pooled embeddings the module returns: fp32, fp16 or bf16."""
+    stochastic_rounding: bool = True
+    """fp16 weights: round each updated weight stochastically (unbiased) rather than to the nearest fp16 value."""
+    bounds_check: BoundsCheck = BoundsCheck.ERROR
+    """Out-of-range ids: 'error' raises; 'drop' removes them from their bags, warns once per feature, counts them."""
+    prefetch_pipeline: bool = False
+    """Allow ebc.prefetch(next batch) before the current backward (UVM-caching, LRU only; locks rows in use)."""
+    cache_stats: bool = False
+    """Collect UVM-cache statistics for ebc.cache_stats() (a few device syncs per step per cached TBE)."""
+    regroup: str = "auto"
+    """Kernel of the feature-group regroup: fbgemm (permute_multi_embedding), triton (embshard/kernels/regroup.py),
+    or auto (triton on CUDA, fbgemm on the CPU)."""
+    column_wise_exact: bool = True
+    """Column-wise tables under rowwise_adagrad keep one state value per full row (the sum of g^2 over every column
+    block, one small all-to-all among the blocks' ranks), so they train exactly like the unsharded table; false:
+    one state value per row of each block, as TorchRec does (sharding/column_wise.py)."""
+
+    def __post_init__(self) -> None:
+        for name, enum_type in (("output_dtype", OutputDtype), ("bounds_check", BoundsCheck)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, enum_type(value))
+            except ValueError:
+                raise ConfigError(
+                    f"lookup option {name}={value!r} is invalid: choose one of {[e.value for e in enum_type]}"
+                ) from None
+        if self.regroup not in ("auto", "fbgemm", "triton"):
+            raise ConfigError(f"lookup option regroup={self.regroup!r} is invalid: choose one of auto, fbgemm, triton")
+        for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats", "column_wise_exact"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"lookup option {name}={getattr(self, name)!r} is invalid: it must be true or false")

@@ -1,0 +1,168 @@
+"""The plan of a training job: its config's `planner:` section (PlannerConfig) says where the plan comes from, a
+saved file (plan_file), the search (strategy auto: search.py on the topology of topology_file or of this machine) or
+the simple placement (strategy simple: simple.py), and `plan_for_job` makes it, checked against the tables.
+
+The section is the planner's own dataclass, as its constraints and settings are: the training config
+(embshard.config) composes it, and the planner never imports the config package, which sits above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import MemoryTier, ShardingPlan
+from embshard.planner.constraints import ParameterConstraints, resolve_constraints
+from embshard.planner.errors import PlanningError
+from embshard.planner.search import plan_with_report
+from embshard.planner.settings import PlannerSettings
+from embshard.planner.simple import simple_plan
+from embshard.planner.topology import Topology
+from embshard.tables import ConfigError, FieldError, TableConfig
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the sharding plan is made: a saved plan file, the planner (strategy auto, docs/planner.md) or the simple
+    table-wise placement (strategy simple)."""
+
+    strategy: Literal["auto", "simple"] = "auto"
+    """auto: the cost-model planner (embshard.planner) picks sharding type, tier and ranks per table; simple: the
+    greedy placement of embshard.planner.simple (table-wise unless constrained; for tests and debugging)."""
+    plan_file: str | None = None
+    """Load this saved ShardingPlan (YAML or JSON, from `embshard plan --out` or ShardingPlan.save) instead of
+    planning; strategy and the other planner keys are then not used."""
+    topology_file: str | None = None
+    """auto: plan for the machine described in this topology YAML (from `embshard calibrate`), with the job's rank
+    counts; unset: read this machine (GPU model and memory, host memory)."""
+    hbm_gib: float | None = None
+    """auto: GPU memory per rank to plan for (GiB); unset: the topology's (detected: the GPU's total memory)."""
+    ddr_gib: float | None = None
+    """auto: host memory per rank to plan for (GiB); unset: the topology's (detected: host memory / local ranks)."""
+    settings: PlannerSettings = field(default_factory=PlannerSettings)
+    """auto: planner settings, e.g. hbm_reserve_gib (GPU memory per rank kept for the dense model, GiB)."""
+    tier: MemoryTier | None = None
+    """simple: memory tier of every table without a tiers constraint; unset: host on CPU, hbm on GPU."""
+    column_shards: int | None = None
+    """simple: column blocks per column-wise table (count); unset: 2."""
+    constraints: dict[str, ParameterConstraints] | None = None
+    """Per-table constraints and hints, keyed by table name or glob pattern (t_*); simple honours only the first
+    sharding type, the first tier and the first rank."""
+
+    def __post_init__(self) -> None:
+        if self.column_shards is not None and self.column_shards < 1:
+            raise FieldError("column_shards", self.column_shards, "it must be >= 1")
+        if self.hbm_gib is not None and not self.hbm_gib > 0:
+            raise FieldError("hbm_gib", self.hbm_gib, "it must be > 0 GiB (or unset: detect)")
+        if self.ddr_gib is not None and not self.ddr_gib > 0:
+            raise FieldError("ddr_gib", self.ddr_gib, "it must be > 0 GiB (or unset: detect)")
+        if self.plan_file is not None:
+            return
+        if self.strategy == "auto":
+            for key in ("tier", "column_shards"):
+                if getattr(self, key) is not None:
+                    raise FieldError(
+                        key,
+                        getattr(getattr(self, key), "value", getattr(self, key)),
+                        f"{key} is a setting of strategy simple; with strategy auto use planner.settings.tiers / "
+                        "planner.constraints.<table>.tiers (or column_shards there), or set planner.strategy=simple",
+                    )
+        else:
+            for key in ("topology_file", "hbm_gib", "ddr_gib"):
+                if getattr(self, key) is not None:
+                    raise FieldError(key, getattr(self, key), "it is a setting of strategy auto, not simple")
+            default = PlannerSettings()
+            changed = {f.name: getattr(self.settings, f.name) for f in fields(default)}
+            changed = {k: v for k, v in changed.items() if v != getattr(default, k)}
+            if changed:
+                raise FieldError("settings", changed, "planner settings apply to strategy auto, not simple")
+
+
+def plan_for_job(
+    tables: Sequence[TableConfig],
+    planner_cfg: PlannerConfig,
+    world_size: int,
+    local_world_size: int,
+    device_type: str,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    log: Callable[[str], None] | None = None,
+) -> ShardingPlan:
+    """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
+    (strategy auto: the search on the topology of planner.topology_file or of this machine, for `batch_size`
+    samples per rank and the sparse `optimizer`), else by the simple placement (strategy simple: each table's first
+    allowed sharding type, tier and rank, planner.tier and planner.column_shards for the rest). `log` gets the
+    plan and, for auto, the predicted memory and time per rank and the predicted step time. Deterministic; a
+    training job still makes it on rank 0 only and broadcasts it (train.plan_on_rank0)."""
+    say = log or (lambda _text: None)
+    if planner_cfg.plan_file:
+        plan = ShardingPlan.load(planner_cfg.plan_file)
+        if (plan.world_size, plan.local_world_size) != (world_size, local_world_size):
+            raise ConfigError(
+                f"planner.plan_file={planner_cfg.plan_file!r} is a plan for world_size={plan.world_size}, "
+                f"local_world_size={plan.local_world_size}, but this job has {world_size} and {local_world_size}: "
+                "re-plan for this job (`embshard plan CONFIG --world-size N --out FILE`), or leave plan_file unset"
+            )
+        plan.check(tables)
+        say(f"plan loaded from {planner_cfg.plan_file}")
+        say(str(plan))
+        return plan
+    if planner_cfg.strategy == "simple":
+        try:
+            constraints = resolve_constraints(tables, planner_cfg.constraints, world_size)
+        except ConfigError as e:
+            raise ConfigError(f"planner.{e}") from None
+        tier = planner_cfg.tier or (MemoryTier.HOST if device_type == "cpu" else MemoryTier.HBM)
+        columns = planner_cfg.column_shards or 2
+        plan = simple_plan(
+            tables, world_size, local_world_size, tier=tier, column_shards=columns, constraints=constraints
+        )
+        say(str(plan))
+        return plan
+    topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
+    try:
+        plan, report = plan_with_report(
+            tables, topo, batch_size, optimizer, planner_cfg.constraints, planner_cfg.settings
+        )
+    except PlanningError as e:
+        raise PlanningError(
+            f"planner: no sharding plan fits {topo.describe()}:\n{e}\n(in a training config: planner.hbm_gib and "
+            "planner.ddr_gib set the memory per rank, planner.settings.hbm_reserve_gib the dense model's reserve, "
+            "--nproc / torchrun the number of ranks, planner.constraints.<table> the allowed options)",
+            e.details,
+        ) from None
+    except ConfigError as e:
+        raise ConfigError(f"planner: {e}") from None
+    plan.check(tables)
+    say(str(plan))
+    say(report.format_ranks())
+    say(report.summary())
+    return plan
+
+
+def topology_for(
+    cfg: PlannerConfig, world_size: int, local_world_size: int | None = None, device_type: str | None = None
+) -> Topology:
+    """The topology to plan for: planner.topology_file, else this machine (Topology.detect), with the job's rank
+    counts and planner.hbm_gib / planner.ddr_gib applied. With `device_type` ('cuda' or 'cpu': where training
+    computes) a topology of the other kind is an error."""
+    if cfg.topology_file:
+        if not Path(cfg.topology_file).is_file():
+            raise ConfigError(
+                f"planner.topology_file={cfg.topology_file!r} does not exist: write one with `embshard calibrate "
+                "--out FILE`, or leave topology_file unset to read this machine"
+            )
+        topo = Topology.load(cfg.topology_file).with_sizes(world_size, local_world_size)
+    else:
+        topo = Topology.detect(world_size, local_world_size, device_type)
+    topo = topo.with_sizes(hbm_gib=cfg.hbm_gib, ddr_gib=cfg.ddr_gib)
+    if device_type is not None and topo.compute_device != device_type:
+        where = f"planner.topology_file={cfg.topology_file!r}" if cfg.topology_file else "this machine"
+        raise ConfigError(
+            f"{where} describes {topo.compute_device} ranks, but this job computes on {device_type}: use a "
+            f"topology file measured on {device_type} ranks (`embshard calibrate`), or leave topology_file unset"
+        )
+    return topo

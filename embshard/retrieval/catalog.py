@@ -1,0 +1,160 @@
+"""The item catalog of a retrieval model: one embedding table whose rows are the items' vectors, row-sharded over
+the ranks, scored against the queries by the full softmax, the sampled softmax, or top-k for recall@K.
+
+The catalog is its own ShardedEmbeddingBagCollection of one table with one feature (the item id), apart from
+the collection of the query side's tables. Why not a table of that collection: the softmax reads the rank's
+whole block every step through `local_rows`, and a table also looked up by the batch's features would be read by
+two lookups a step, each applying its own optimizer step (and, sharing a TBE with other tables, the block's
+lookup would be as wide as all of them). On its own, each step makes exactly one lookup of the catalog: the
+block (full softmax), the sampled and target rows (sampled softmax), or the batch's items (bce, in-batch).
+
+Data flow (full softmax), on rank r holding rows [o_r, o_r + R_r):
+  queries [B_r, D], item ids [B_r] --gather--> Q [B, D], T [B]
+  local_rows(table) -> E_r [R_r, D] (differentiable, fused optimizer) --sharded_softmax_loss--> loss [B_r]
+Sampled softmax: local_rows(table, ids = k_r negatives of this block ++ the targets of T in this block) instead
+of the whole block, with the logQ correction of the BlockSampler. Recall@K: sharded_topk over E_r.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from embshard.comm import world_and_rank
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import ShardingPlan
+from embshard.retrieval.gather import gather_rows, gather_sizes
+from embshard.retrieval.sampler import BlockSampler, negatives_per_rank
+from embshard.retrieval.softmax import Candidates, block_targets, sharded_softmax_loss
+from embshard.retrieval.topk import recall_hits
+from embshard.tables import ConfigError, TableConfig
+
+ROW_BLOCK_TYPES = ("row_wise", "table_wise", "table_row_wise")
+
+
+class Catalog(nn.Module):
+    """The catalog table `table` (one feature: the item id) placed as `plan` says (full-width row blocks).
+
+    Args:
+        table, plan: the table and a plan holding it (other tables of the plan are ignored).
+        optimizer: the fused optimizer of its rows. device, group, seed: as ShardedEmbeddingBagCollection.
+        chunk_mib: memory of one chunk of logits `[B_global, rows]` in the softmax and the top-k (MiB).
+        num_negatives: sampled softmax only (None: no sampler): negatives per step over the whole catalog;
+        sampler: "unigram" or "uniform"; smoothing: the unigram's pseudo-count.
+    """
+
+    def __init__(
+        self,
+        table: TableConfig,
+        plan: ShardingPlan,
+        optimizer: FusedOptimizerConfig,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        seed: int | None = 0,
+        chunk_mib: float = 256.0,
+        num_negatives: int | None = None,
+        sampler: str = "unigram",
+        smoothing: float = 1.0,
+    ) -> None:
+        super().__init__()
+        from embshard.sharded import ShardedEmbeddingBagCollection
+
+        if len(table.feature_names) != 1:
+            raise ConfigError(
+                f"catalog table {table.name!r} is looked up by features {list(table.feature_names)}; a catalog has "
+                "exactly one feature, the item id (its rows are read whole by the softmax): give other features "
+                "their own table"
+            )
+        tp = plan[table.name]
+        if tp.sharding_type.value not in ROW_BLOCK_TYPES:
+            raise ConfigError(
+                f"catalog table {table.name!r} is planned {tp.sharding_type.value}; the softmax over the catalog needs "
+                f"full-width row blocks ({', '.join(ROW_BLOCK_TYPES)}): set "
+                f"planner.constraints.{table.name}.sharding_types: [row_wise]"
+            )
+        sub = ShardingPlan(plan.world_size, plan.local_world_size, (tp,))
+        self.table, self.feature = table, table.feature_names[0]
+        self.ebc = ShardedEmbeddingBagCollection([table], sub, optimizer, device=device, group=group, seed=seed)
+        self.group, self.chunk_mib, self.device = group, chunk_mib, self.ebc.device
+        self.world_size, self.rank = world_and_rank(group)
+        blocks = {s.rank: (s.row_offset, s.num_rows) for s in tp.shards}
+        self.blocks = [blocks.get(r, (table.num_embeddings, 0)) for r in range(self.world_size)]
+        self.row_offset, self.num_rows = self.blocks[self.rank]
+        self.sampler: BlockSampler | None = None
+        if num_negatives is not None:
+            try:
+                k = negatives_per_rank(num_negatives, [n for _, n in self.blocks])[self.rank]
+            except ValueError as e:
+                raise ConfigError(f"catalog table {table.name!r}: {e}") from None
+            self.sampler = BlockSampler(
+                sampler, self.row_offset, self.num_rows, k, smoothing, seed or 0, self.rank, self.device
+            )
+        self._step = 0
+
+    # ---- the batch's items ----------------------------------------------------------------------------------
+    def vectors(self, ids_B: torch.Tensor) -> torch.Tensor:
+        """The rows of a batch's item ids `[B, D]` (the sharded lookup: collective, fused optimizer)."""
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor(keys=[self.feature], values=ids_B, lengths=torch.ones_like(ids_B, dtype=torch.int32))
+        return self.ebc(kjt).values().float()
+
+    def _gather(self, query_BD: torch.Tensor, target_B: torch.Tensor):
+        sizes = gather_sizes(query_BD.shape[0], query_BD.device, self.group)
+        Q = gather_rows(query_BD.float(), sizes, self.group)
+        T = gather_rows(target_B.to(torch.int64), sizes, self.group)
+        bad = (T < 0) | (T >= self.table.num_embeddings)
+        if bool(bad.any()):  # every rank sees every target: all raise together
+            raise ValueError(
+                f"item id {int(T[bad][0])} of feature {self.feature!r} is not a row of catalog table "
+                f"{self.table.name!r} ({self.table.num_embeddings} rows): map the ids into [0, num_embeddings) or "
+                "enlarge the table"
+            )
+        return sizes, Q, T
+
+    # ---- losses ---------------------------------------------------------------------------------------------
+    def full_softmax_loss(self, query_BD: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy `[B_r]` of each local query's target item against every item of the catalog."""
+        sizes, Q, T = self._gather(query_BD, target_B)
+        _, rows = self.ebc.local_rows(self.table.name)
+        cands = Candidates(rows, rows.shape[0], block_targets(T, self.row_offset, self.num_rows), True)
+        return sharded_softmax_loss(Q, cands, sizes, self.group, self.chunk_mib)
+
+    def sampled_softmax_loss(self, query_BD: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy `[B_r]` of each local query's target against the step's sampled negatives (shared by the
+        global batch), logQ-corrected, accidental hits removed. Advances the sampler (one step, then counts T)."""
+        if self.sampler is None:
+            raise ValueError("sampled_softmax_loss needs the catalog built with num_negatives (its sampler)")
+        sizes, Q, T = self._gather(query_BD, target_B)
+        neg = self.sampler.sample(self._step)
+        k = neg.numel()
+        pos = block_targets(T, self.row_offset, self.num_rows)
+        mine = pos >= 0
+        t_rows = pos[mine]  # the block's targets, in batch order (a host sync: only rows in use are looked up)
+        if self.num_rows:
+            _, rows = self.ebc.local_rows(self.table.name, torch.cat([neg, t_rows]))
+        else:
+            rows = torch.zeros(0, self.table.embedding_dim, device=self.device, requires_grad=True)
+        cands = Candidates(
+            rows_RD=rows,
+            num_candidates=k,
+            target_pos=torch.where(mine, k + torch.cumsum(mine.to(torch.int64), 0) - 1, -1),
+            target_is_candidate=False,
+            candidate_bias=-self.sampler.log_expected(neg),
+            target_bias=-self.sampler.log_expected(pos.clamp(min=0)),
+            candidate_ids=neg + self.row_offset,
+            targets=T,
+        )
+        loss = sharded_softmax_loss(Q, cands, sizes, self.group, self.chunk_mib)
+        if torch.is_grad_enabled():
+            self.sampler.observe(T)
+            self._step += 1
+        return loss
+
+    # ---- evaluation -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def recall(self, query_BD: torch.Tensor, target_B: torch.Tensor, ks: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """{K: local queries whose target is among the catalog's K best-scored items} (collective)."""
+        _, rows = self.ebc.local_rows(self.table.name)
+        return recall_hits(query_BD.float(), target_B, rows.float(), self.row_offset, ks, self.group, self.chunk_mib)

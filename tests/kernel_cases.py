@@ -1,0 +1,164 @@
+"""Shared cases of the kernel tests (tests/test_kernels_*.py, tests/kernels_interpret_cases.py, bench/kernels.py
+--check): small tables of several widths with Zipf ids (many repeated rows), empty and weighted bags, features
+sharing a table, and the plain-PyTorch reference they are trained against."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from reference import ReferenceEBC
+
+from embshard.lookup import LocalShard
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.plan import MemoryTier, Shard
+from embshard.tables import TableConfig
+
+TABLES = [
+    TableConfig("ta", 40, 8, ("a1", "a2"), weighted=True),  # two features share a table
+    TableConfig("tb", 30, 12, ("b1",)),  # width 12: a 16-wide tile with 4 masked columns
+    TableConfig("tc", 25, 8, ("c1",)),  # second table of width 8: same width group as ta
+    TableConfig("td", 50, 4, ("d1",), weighted=True),
+]
+OPTIMIZERS = {
+    "sgd": FusedOptimizerConfig("sgd", lr=0.1),
+    "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
+    "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
+    "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
+    "rowwise_adagrad_wd": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6, weight_decay=0.05),
+    "sgd_wd": FusedOptimizerConfig("sgd", lr=0.1, weight_decay=0.05),
+}
+
+
+def full_shards(tables: Sequence[TableConfig], device: torch.device) -> list[LocalShard]:
+    """One shard per table holding the whole table."""
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    return [
+        LocalShard(t, i, Shard(0, 0, t.num_embeddings, 0, t.embedding_dim), t.feature_names, tier)
+        for i, t in enumerate(tables)
+    ]
+
+
+def zipf_ids(n: int, rows: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """n ids in [0, rows) with P(i) ~ (i + 1)^-alpha (alpha 0: uniform)."""
+    p = torch.arange(1, rows + 1, dtype=torch.float64) ** -alpha
+    return torch.multinomial(p, n, replacement=True, generator=gen) if n else torch.zeros(0, dtype=torch.int64)
+
+
+def random_step(tables: Sequence[TableConfig], B: int, gen: torch.Generator, alpha: float = 1.2, max_len: int = 7):
+    """One step: feature-major (indices, offsets, per-sample weights) for every feature of `tables` in order, the
+    same batch as {feature: (lengths, ids, weights)} for ReferenceEBC, and an upstream gradient per feature.
+    Bag lengths 0..max_len with at least one empty bag per feature; weights in [0.5, 1.5) for every id (the
+    lookups must ignore them for unweighted features)."""
+    batch, upstream, ids_all, lengths_all, w_all = {}, {}, [], [], []
+    for t in tables:
+        for f in t.feature_names:
+            lengths = torch.randint(0, max_len + 1, (B,), generator=gen)
+            lengths[int(torch.randint(0, B, (1,), generator=gen))] = 0
+            ids = zipf_ids(int(lengths.sum()), t.num_embeddings, alpha, gen)
+            w = torch.rand(ids.numel(), generator=gen) + 0.5
+            batch[f] = (lengths, ids, w if t.weighted else None)
+            upstream[f] = torch.randn(B, t.embedding_dim, generator=gen)
+            ids_all.append(ids)
+            lengths_all.append(lengths)
+            w_all.append(w)
+    lengths = torch.cat(lengths_all)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return torch.cat(ids_all), offsets, torch.cat(w_all), batch, upstream
+
+
+def train_against_reference(
+    make_lookup, tables: Sequence[TableConfig], opt: FusedOptimizerConfig, device: torch.device, steps: int, B: int
+):
+    """Train `make_lookup()` and ReferenceEBC side by side; returns (lookup, reference, list of (got, want) forward
+    outputs per step) for the caller to compare."""
+    lookup = make_lookup()
+    ref = ReferenceEBC(list(tables), opt, seed=7)
+    gen = torch.Generator().manual_seed(11)
+    outs = []
+    features = [f for t in tables for f in t.feature_names]
+    for _ in range(steps):
+        idx, off, psw, batch, upstream = random_step(tables, B, gen)
+        got = lookup(idx.to(device), off.to(device), psw.to(device))
+        up = torch.cat([upstream[f] for f in features], dim=1).to(device)
+        (got.float() * up).sum().backward()
+        want = ref.step(batch, upstream)
+        outs.append((got.detach().cpu().double(), torch.cat([want[f] for f in features], dim=1)))
+    return lookup, ref, outs
+
+
+def reference_state(ref: ReferenceEBC, opt: FusedOptimizerConfig, table: str) -> dict[str, torch.Tensor]:
+    """The reference's optimizer state under embshard.optim's names."""
+    st = ref.state[table]
+    if opt.kind is OptimizerKind.ADAGRAD:
+        return {"m": st["sum"]}
+    if opt.kind is OptimizerKind.ROWWISE_ADAGRAD:
+        return {"m": st["row_sum"][:, 0]}
+    if opt.kind is OptimizerKind.ADAM:
+        return {"m": st["m"], "v": st["v"]}
+    return {}
+
+
+def check_against_reference(
+    lookup, ref: ReferenceEBC, outs, opt: FusedOptimizerConfig, tables, atol=2e-5, rtol=1e-4, with_state=True
+):
+    """Forward outputs of every step, weights and (`with_state`) optimizer state after the last step."""
+    for step, (got, want) in enumerate(outs):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, s=step: f"step {s}: {m}")
+    for t, w in zip(tables, lookup.shard_weights()):
+        torch.testing.assert_close(w.cpu().double(), ref.weights[t.name], atol=atol, rtol=rtol, msg=t.name)
+    if not with_state:
+        return
+    for t, st in zip(tables, lookup.shard_optimizer_states()):
+        want = reference_state(ref, opt, t.name)
+        assert set(st) == set(want), (t.name, set(st), set(want))
+        for k in st:
+            torch.testing.assert_close(st[k].cpu().double(), want[k], atol=atol, rtol=rtol, msg=f"{t.name} {k}")
+
+
+def regroup_reference(blocks, keys, dims, groups):
+    """{group: torch.cat of its keys' columns}: autograd gives the reference gradients."""
+    cols = {}
+    for b, k_list, d_list in zip(blocks, keys, dims):
+        pos = 0
+        for k, d in zip(k_list, d_list):
+            cols[k] = b[:, pos : pos + d]
+            pos += d
+    return {name: torch.cat([cols[k] for k in members], dim=1) for name, members in groups.items()}
+
+
+def regroup_grad_reference(upstream, keys, dims, groups, batch, dtype):
+    """Expected block gradients: each column sums the upstream gradients of its uses in fp32, in group order, and
+    is rounded once to `dtype` (the kernel's order); unused columns are zero."""
+    grads = [torch.zeros(batch, sum(d), dtype=torch.float32) for d in dims]
+    where = {}
+    for i, (k_list, d_list) in enumerate(zip(keys, dims)):
+        pos = 0
+        for k, d in zip(k_list, d_list):
+            where[k] = (i, pos, d)
+            pos += d
+    for name, members in groups.items():
+        col = 0
+        for k in members:
+            i, pos, d = where[k]
+            grads[i][:, pos : pos + d] += upstream[name][:, col : col + d].float().cpu()
+            col += d
+    return [g.to(dtype) for g in grads]
+
+
+def random_regroup_case(seed: int, n_keys: int, width_choices: Sequence[int], n_blocks: int = 3):
+    """Keys split into blocks, three groups: one whole block in order, a random mix with duplicates (within and
+    across groups), a run; some keys unused."""
+    gen = torch.Generator().manual_seed(seed)
+    names = [f"k{i}" for i in range(n_keys)]
+    cuts = sorted(torch.randperm(n_keys - 1, generator=gen)[: n_blocks - 1].add(1).tolist())
+    bounds = [0, *cuts, n_keys]
+    keys = [names[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    dims = [[width_choices[int(torch.randint(0, len(width_choices), (1,), generator=gen))] for _ in k] for k in keys]
+    picks = torch.randint(0, n_keys, (max(3, n_keys // 2),), generator=gen).tolist()
+    groups = {
+        "whole": list(keys[1]),
+        "mixed": [names[i] for i in picks] + [names[picks[0]]],
+        "run": names[: max(1, n_keys // 4)],
+    }
+    return keys, dims, groups

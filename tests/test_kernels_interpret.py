@@ -1,0 +1,37 @@
+"""Runs tests/kernels_interpret_cases.py (the Triton kernels on CPU tensors under Triton's interpreter) in its own
+pytest process: TRITON_INTERPRET=1 must be set before triton is first imported, which this process has done."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_triton_kernels_under_the_interpreter():
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            str(here / "kernels_interpret_cases.py"),
+        ],
+        env=env,
+        cwd=here.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
