@@ -161,3 +161,50 @@ def test_identity_text_that_is_not_an_integer(tmp_path):
     )
     src = TableSource(cfg, DataConfig(source="table", table=cfg), [TableConfig("t", 50, 4, ("id",))], 4, 0, 0, 1)
     assert first_error(src).startswith(f"{path}:11: column 'id'='x7': not an integer")
+
+
+def test_training_with_a_rank_whose_held_out_rows_were_all_bad(tmp_path):
+    """2 processes; rank 1's held-out rows are all bad and skipped: it evaluates on an empty batch (every rank takes
+    part in every exchange), the loss stays finite and counts rank 0's rows only."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    lines = ["label,x,cat"] + [f"{i % 2},{'abc' if i >= 90 else i * 0.1},c{i % 21}" for i in range(100)]
+    (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
+    cfg = {
+        "model": {
+            "kind": "dlrm",
+            "tables": [{"name": "t_cat", "num_embeddings": 32, "embedding_dim": 8, "feature_names": ["cat"]}],
+            "dlrm": {"bottom_mlp": [8], "top_mlp": [8]},
+        },
+        "data": {
+            "source": "table",
+            "table": {
+                "files": [str(tmp_path / "d.csv")],
+                "label": "label",
+                "dense": [{"column": "x"}],
+                "categorical": [{"column": "cat"}],
+                "eval_fraction": 0.2,  # rows 80-99: rank 0 reads 80-89, rank 1 90-99 (all bad)
+            },
+            "on_bad_row": "skip",
+        },
+        "schedule": {"batch_size": 10, "steps": 4, "eval_at_start": True},
+        "logging": {"tensorboard_dir": None, "progress_bar": False, "log_every": 2},
+        "checkpoint": {"dir": None},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    res = subprocess.run(
+        [sys.executable, "-m", "embshard.cli", "train", str(tmp_path / "run.yaml"), "--nproc", "2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": "", "PATH": str(Path(sys.executable).parent)},
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    evals = [line for line in res.stdout.splitlines() if line.startswith("eval")]
+    assert len(evals) == 2 and all("(10 samples)" in e and "loss nan" not in e for e in evals), evals
+    assert "rank 1: data.table: skipped bad rows" in res.stderr
