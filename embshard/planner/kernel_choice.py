@@ -52,7 +52,7 @@ def select(p: Problem) -> None:
                     pairs.append((i, c, twin))
     fb = [p.items[i].choices[c].lookup_s for i, c, _ in pairs]
     wins = faster_alone(fb, [p.items[i].choices[s].lookup_s for i, _, s in pairs], True).tolist()
-    loser = {(i, s if w else c) for (i, c, s), w in zip(pairs, wins)}
+    loser = {(i, c if w else s) for (i, c, s), w in zip(pairs, wins)}
     for i, it in enumerate(p.items):
         if not it.twins and not _forced(it):
             continue

@@ -48,30 +48,34 @@ class State:
         """[W]: change of each rank's longest hot chain in the choice's group if it joins (+1) or leaves (-1)."""
         out = np.zeros(self.W)
         key = self._group(ch)
-        top = self.hot_max.get(key)
-        if top is None:
-            top = np.zeros(self.W)
-        for b, r in enumerate(ranks):
-            h = float(ch.hot[b])
-            if sign > 0:
-                out[r] = max(h - top[r], 0.0)
-            elif h >= top[r]:
-                rest = list(self.hot[key][r])
-                rest.remove(h)
-                out[r] = max(rest, default=0.0) - top[r]
+        top = self.hot_max.get(key, out)
+        r = np.asarray(ranks)
+        hot = ch.hot[: len(r)]
+        if sign > 0:
+            out[r] = np.maximum(hot - top[r], 0.0)
+            return out
+        for b in np.flatnonzero(hot >= top[r]).tolist():  # it held the longest chain there: the next longest
+            rest = list(self.hot[key][r[b]])
+            rest.remove(float(hot[b]))
+            out[r[b]] = max(rest, default=0.0) - top[r[b]]
         return out
 
     def _track_hot(self, ch: Choice, ranks: Sequence[int], sign: int) -> None:
         key = self._group(ch)
         lists = self.hot.setdefault(key, [[] for _ in range(self.W)])
         top = self.hot_max.setdefault(key, np.zeros(self.W))
-        for b, r in enumerate(ranks):
-            h = float(ch.hot[b])
+        r = np.asarray(ranks)
+        hot = ch.hot[: len(r)]
+        for b, q in enumerate(r.tolist()):
             if sign > 0:
-                lists[r].append(h)
+                lists[q].append(float(hot[b]))
             else:
-                lists[r].remove(h)
-            top[r] = max(lists[r], default=0.0)
+                lists[q].remove(float(hot[b]))
+        if sign > 0:
+            top[r] = np.maximum(top[r], hot)
+        else:
+            for q in r[hot >= top[r]].tolist():
+                top[q] = max(lists[q], default=0.0)
 
     def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1), and of
