@@ -10,8 +10,9 @@ planner takes it in three steps around the search (search.py):
    (kernels.cost.faster_alone on the lookup's forward + backward), so the search sees one choice per option
    and its size, and its speed, stay the same. A table constrained to `kernels: [small]` keeps the small forms
    only. Data-parallel tables share one lookup on every rank, so they get one kernel (ShardingPlan.check): the
-   small one when every table whose cheapest option is data-parallel has a small form and
-   choose_small_tables takes all of them together; the other kernel's data-parallel choices leave the search.
+   one with the lower summed balanced cost of the tables that may be data-parallel, each at its cheapest
+   choice (the small one only if choose_small_tables takes those that would be data-parallel on it, with their
+   longest chain); the other kernel's data-parallel choices leave the search.
 2. The search places and moves choices; the state counts each small-kernel group's launches and its longest
    chain per rank (state.py), so predicted step times include both.
 3. `check_groups` (after the search): per rank and group, choose_small_tables on the placed small blocks with
@@ -70,51 +71,65 @@ def select(p: Problem) -> None:
 
 
 def _data_parallel_kernel(p: Problem) -> None:
-    """One kernel for all data-parallel tables: small when choose_small_tables takes every table whose cheapest
-    choice (as _cheapest ranks them) is data-parallel, with its small form; else FBGEMM."""
-    cheapest_dp = []
-    for i, (it, u) in enumerate(zip(p.items, p.usable)):
-        dp = [c for c in u if it.choices[c].option.sharding is DP]
-        if not dp:
-            continue
-        if len(dp) == len(u) or min(u, key=lambda k, it=it: (round(it.choices[k].avg * 1e12), k)) in dp:
-            cheapest_dp.append((i, dp[0]))
-    if not cheapest_dp:
-        return
-    kernel = FBGEMM
-    if all(p.items[i].choices[c].option.kernel is SMALL for i, c in cheapest_dp):
-        small = [p.items[i].choices[c] for i, c in cheapest_dp]
-        fb = [p.items[i].choices[p.items[i].twins[c]] for i, c in cheapest_dp if c in p.items[i].twins]
-        if len(fb) == len(small):  # per rank: one block of each table (lookup_s is over all ranks' blocks)
-            per = np.array([[f.lookup_s / f.blocks, s.lookup_s / s.blocks, s.hot[0]] for f, s in zip(fb, small)])
-            if choose_small_tables(per[:, 0], per[:, 1], per[:, 2], True).all():
-                kernel = SMALL
-        elif all(_forced(p.items[i]) for i, _ in cheapest_dp):
-            kernel = SMALL
+    """One kernel for all data-parallel tables: for each kernel, every table that may be data-parallel takes its
+    cheapest choice with the data-parallel choice on that kernel (or none, where it has no such form); the kernel
+    with the lower sum of those balanced costs wins, the small one only if choose_small_tables also takes all
+    the tables that would be data-parallel on it (with their longest hot chain). The data-parallel choices of the
+    other kernel leave the search."""
+    usable = {SMALL: {}, FBGEMM: {}}  # kernel -> item -> its usable choices with that data-parallel kernel
+    total = {SMALL: 0.0, FBGEMM: 0.0}
+    chosen_dp = {SMALL: [], FBGEMM: []}  # kernel -> (item, choice) of the tables that would be data-parallel
     for i, it in enumerate(p.items):
         u = p.usable[i]
-        for k, c in enumerate(u):
-            ch = it.choices[c]
-            if ch.option.sharding is DP and ch.option.kernel is not kernel:
-                twin = it.twins.get(c)
-                ok = twin is not None and it.choices[twin].hbm_max <= p.budgets.hbm + 0.5
-                u[k] = twin if ok and not (kernel is FBGEMM and _forced(it)) else -1
-        p.usable[i] = [c for c in u if c >= 0]
-        if not p.usable[i]:
-            other = "fbgemm" if kernel is SMALL else "small"
-            raise ConfigError(
-                f"table {p.names(it)[0]!r}: its only options are data-parallel with the {other} kernel, but the "
-                f"data-parallel tables share one lookup and use {kernel.value}: allow other sharding types for it, "
-                "or change its kernels constraint"
-            )
-    names = [n for i, _ in cheapest_dp for n in p.names(p.items[i])]
-    for i, c in cheapest_dp:
-        if kernel is SMALL or any(p.items[i].choices[k].option.kernel is SMALL for k in p.items[i].twins):
-            p.note(
-                p.items[i],
-                f"data-parallel tables share one lookup: kernel {kernel.value} for all of them ({len(names)} tables "
-                "cheapest data-parallel)",
-            )
+        c = next((c for c in u if it.choices[c].option.sharding is DP), None)
+        if c is None:
+            continue
+        for kernel in (SMALL, FBGEMM):
+            dp = c if it.choices[c].option.kernel is kernel else it.twins.get(c)
+            if dp is not None and (it.choices[dp].hbm_max > p.budgets.hbm + 0.5 or (kernel is FBGEMM and _forced(it))):
+                dp = None
+            uk = [x for x in (dp if x == c else x for x in u) if x is not None]
+            usable[kernel][i] = uk
+            if not uk:
+                total[kernel] = np.inf
+                continue
+            best = min(uk, key=lambda k, it=it: (round(it.choices[k].avg * 1e12), k))
+            total[kernel] += it.choices[best].avg
+            if best == dp:
+                chosen_dp[kernel].append((i, dp))
+    if not usable[FBGEMM]:
+        return
+    kernel = FBGEMM
+    if total[SMALL] < total[FBGEMM]:
+        per = np.array([_per_rank(p.items[i], c) for i, c in chosen_dp[SMALL]]).reshape(-1, 3)
+        if choose_small_tables(per[:, 0], per[:, 1], per[:, 2], True).all() or total[FBGEMM] == np.inf:
+            kernel = SMALL
+    if total[kernel] == np.inf:
+        i = next(i for i, u in usable[kernel].items() if not u)
+        other = "fbgemm" if kernel is SMALL else "small"
+        raise ConfigError(
+            f"table {p.names(p.items[i])[0]!r}: its only options are data-parallel with the {other} kernel, but the "
+            f"data-parallel tables share one lookup and use {kernel.value}: allow other sharding types for it, or "
+            "change its kernels constraint"
+        )
+    for i, u in usable[kernel].items():
+        p.usable[i] = u
+    if any(p.items[i].twins for i in usable[kernel]):
+        other = FBGEMM if kernel is SMALL else SMALL
+        why = (
+            f"data-parallel tables share one lookup: kernel {kernel.value} for all of them ({len(chosen_dp[kernel])} "
+            f"cheapest data-parallel; summed balanced cost {total[kernel] * 1e3:.4f} ms, with {other.value} "
+            f"{total[other] * 1e3:.4f} ms)"
+        )
+        for i, _ in chosen_dp[kernel]:
+            p.note(p.items[i], why)
+
+
+def _per_rank(it: Item, c: int) -> tuple[float, float, float]:
+    """(FBGEMM lookup, small lookup, hot chain) of one block of a small data-parallel choice (one per rank)."""
+    twin = it.twins.get(c)
+    fb = it.choices[twin].lookup_s / it.choices[twin].blocks if twin is not None else np.inf
+    return fb, it.choices[c].lookup_s / it.choices[c].blocks, float(it.choices[c].hot[0])
 
 
 def check_groups(state: State, p: Problem) -> None:
@@ -126,7 +141,7 @@ def check_groups(state: State, p: Problem) -> None:
             for b, r in enumerate(ranks[:1] if ch.option.sharding is DP else ranks):
                 groups.setdefault((ch.option.sharding.value, ch.option.tier.value, r), []).append((i, b))
     back: set[int] = set()
-    for key, members in sorted(groups.items()):
+    for _key, members in sorted(groups.items()):
         fb, sm, hot = [], [], []
         for i, b in members:
             it = p.items[i]
