@@ -102,9 +102,9 @@ def test_data_parallel_tables_get_one_kernel():
     them, the notes say so) and the tenth table-wise on the small kernel."""
     topo = Topology.preset("h200", 2)
     tables = tiny(10)
-    plan, report = plan_with_report(tables, topo, 8192, ROWWISE)
-    checked(plan, report, tables)
-    assert {(t.sharding_type, t.kernel) for t in plan.tables} == {(DP, SMALL)}
+    all_dp, report = plan_with_report(tables, topo, 8192, ROWWISE)
+    checked(all_dp, report, tables)
+    assert {(t.sharding_type, t.kernel) for t in all_dp.tables} == {(DP, SMALL)}
     plan, report = plan_with_report(tables, topo, 8192, ROWWISE, {"s3": {"kernels": ["fbgemm"]}})
     checked(plan, report, tables)
     assert plan["s3"].sharding_type is not DP and plan["s3"].kernel is FBGEMM
@@ -114,7 +114,7 @@ def test_data_parallel_tables_get_one_kernel():
     assert {(t.sharding_type, t.kernel) for t in plan.tables if t.table != "s0"} == {(DP, FBGEMM)}
     assert (plan["s0"].sharding_type, plan["s0"].kernel) == (TW, SMALL)  # its best without a small replica
     assert any("kernel fbgemm for all of them" in n for n in report.table("s1").notes)
-    bad = ShardingPlan(2, 2, tuple(replace(t, kernel=SMALL if t.table == "s0" else FBGEMM) for t in plan.tables))
+    bad = ShardingPlan(2, 2, tuple(replace(t, kernel=FBGEMM) if t.table == "s0" else t for t in all_dp.tables))
     with pytest.raises(ConfigError, match="data-parallel tables share one lookup"):
         predict(bad, tables, topo, 8192, ROWWISE)
 
