@@ -240,7 +240,7 @@ def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
         tp = plan[t.name]
         rows = np.array([s.num_rows for s in tp.shards], dtype=float)
         cols = np.array([s.num_cols for s in tp.shards], dtype=float)
-        wk = model.work(TableStats.one(t), tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor)
+        wk = model.work(TableStats.one(t), tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, 0.0, tp.kernel)
         shape = (len(rows), loads.NROWS)
         vecs = [
             np.broadcast_to(v, shape)
