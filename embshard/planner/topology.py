@@ -200,15 +200,18 @@ class Topology:
         return base.with_sizes(hbm_gib=hbm_gib, ddr_gib=ddr_gib)
 
     @classmethod
-    def detect(cls, world_size: int | None = None, local_world_size: int | None = None) -> Topology:
+    def detect(
+        cls, world_size: int | None = None, local_world_size: int | None = None, device_type: str | None = None
+    ) -> Topology:
         """Read the local machine: GPU model, memory and L2 size (torch.cuda), host memory (/proc/meminfo). Speeds
         come from the matching preset. Rank counts default to torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else one rank
-        per local GPU (on CPUs: all ranks on this host)."""
+        per local GPU (on CPUs: all ranks on this host). `device_type` ('cuda' or 'cpu'): where the ranks compute
+        (default: the GPUs if there are any); 'cpu' reads the host even on a machine with GPUs."""
         import torch
 
         env_ws, env_lws = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
         l2 = 0
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and device_type != "cpu":
             n_local = torch.cuda.device_count()
             props = [torch.cuda.get_device_properties(i) for i in range(n_local)]
             hbm = min(p.total_memory for p in props)
