@@ -81,3 +81,43 @@ def test_column_wise_exact_rowwise_adagrad_matches_the_unsharded_table():
 
 def test_column_wise_per_block_rowwise_adagrad_matches_the_per_block_reference():
     check(replace(COLUMN_WISE_EXACT, options={"column_wise_exact": False} if has_exact_option() else {}))
+
+
+# Fuzz seed 1042 on 1 GPU: a column-wise table in uvm_caching (per-block state, its own fused update) beside an
+# exact column-wise table in hbm. The exact update read its gradient columns at offsets counted over every lookup's
+# output, not only the exact lookups' ("source tensor shape must match", or the wrong columns). Fixed in
+# sharding/column_wise.py. Needs a GPU tier. Seeds 1000, 1029, 1045, 1088 (Adam with an empty global batch on GPU):
+# the skipped step was counted in FBGEMM's `iter` but not in its host copy `iter_cpu`, which Adam reads.
+COLUMN_WISE_EXACT_BESIDE_CACHING = Case(
+    seed=1042,
+    world_size=1,
+    tables=[
+        TableConfig("t0", 2, 12, ("t0f0",)),
+        TableConfig("t2", 1, 4, ("t2f0",), pooling="mean"),
+        TableConfig("t3", 4786, 16, ("t3f0", "t3f1")),
+    ],
+    plan=ShardingPlan(
+        1,
+        1,
+        (
+            TablePlan("t0", "column_wise", "uvm_caching", (Shard(0, 0, 2, 0, 12),), cache_load_factor=0.1),
+            TablePlan("t3", "row_wise", "hbm", (Shard(0, 0, 4786, 0, 16),)),
+            TablePlan("t2", "column_wise", "hbm", (Shard(0, 0, 1, 0, 4),)),
+        ),
+    ),
+    optimizer=FusedOptimizerConfig("rowwise_adagrad", eps=0.1),
+    batch_sizes=[[0], [5]],
+)
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="needs a GPU tier (uvm_caching)")
+def test_column_wise_exact_beside_a_caching_column_wise_table():
+    check(COLUMN_WISE_EXACT_BESIDE_CACHING)
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="FBGEMM's GPU Adam (on the CPU Adam runs in HostLookup)")
+def test_adam_counts_an_empty_global_batch_on_gpu():
+    tables = [TableConfig("t", 40, 8, ("f",))]
+    plan = ShardingPlan(1, 1, (TablePlan("t", "table_wise", "hbm", (Shard(0, 0, 40, 0, 8),)),))
+    opt = FusedOptimizerConfig("adam", lr=0.05, eps=0.1)
+    check(Case(seed=7, world_size=1, tables=tables, plan=plan, optimizer=opt, batch_sizes=[[3], [0], [4], [2]]))
