@@ -1,5 +1,5 @@
 """The Triton kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is
-imported, so tests/test_kernels_interpret.py runs this file in its own pytest process; alone:
+imported, so tests/kernels/test_kernels_interpret.py runs this file in its own pytest process; alone:
 `TRITON_INTERPRET=1 pytest tests/kernels_interpret_cases.py`). Same cases as the device tests: small tables
 against the plain-PyTorch reference (atomic and sorted backward, every update rule), the sorted mode bitwise
 reproducible, the dense gradient against the torch path, the regroup against torch.cat."""
@@ -122,7 +122,7 @@ def test_triton_regroup(dtype, seed, n_keys, widths, n_blocks):
     upstream = {n: torch.randn(want[n].shape, generator=gen).to(dtype) for n in groups}
     sum((out[n].float() * upstream[n].float()).sum() for n in groups).backward()
     # fp32: exact. bf16: the interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest, exact there,
-    # tests/test_kernels_regroup.py), so a summed duplicate may be one bf16 step off.
+    # tests/kernels/test_kernels_regroup.py), so a summed duplicate may be one bf16 step off.
     tol = 0 if dtype is torch.float32 else 2**-7
     for b, e in zip(blocks, regroup_grad_reference(upstream, keys, dims, groups, B, dtype)):
         torch.testing.assert_close(b.grad.float(), e.float(), rtol=tol, atol=0)

@@ -13,9 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import paths
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
 
 # Keep every run short: the sample configs already are; the synthetic one is cut to 120 steps.

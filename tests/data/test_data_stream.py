@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import paths
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -21,7 +22,7 @@ from embshard.data.source import TableSource, _Train
 from embshard.data.stream import train_stream
 from embshard.tables import ConfigError, TableConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.ROOT
 
 
 def tags_of(rowid: int) -> list[int]:

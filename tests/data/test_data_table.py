@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import paths
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -24,7 +25,7 @@ from embshard.data import build_source
 from embshard.data.preprocess import main as preprocess_main
 from embshard.tables import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.ROOT
 
 
 def write_config(tmp: Path, tables: list[dict], data: dict, **extra) -> str:

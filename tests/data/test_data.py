@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import paths
 import pyarrow as pa
 import pytest
 import torch
@@ -20,7 +21,7 @@ from embshard.data.hashing import hash_strings, hash_values
 from embshard.data.synthetic import SyntheticSource, zipf_ranks
 from embshard.tables import ConfigError, TableConfig
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = paths.DATA
 CRITEO = DATA / "criteo_sample.txt"
 MOVIELENS = DATA / "movielens_sample.txt"
 ROWS = 1000

@@ -9,6 +9,7 @@ import itertools
 from pathlib import Path
 
 import numpy as np
+import paths
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -171,7 +172,7 @@ def test_training_with_a_rank_whose_held_out_rows_were_all_bad(tmp_path):
 
     import yaml
 
-    root = Path(__file__).resolve().parent.parent
+    root = paths.ROOT
     lines = ["label,x,cat"] + [f"{i % 2},{'abc' if i >= 90 else i * 0.1},c{i % 21}" for i in range(100)]
     (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
     cfg = {

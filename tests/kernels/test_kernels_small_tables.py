@@ -1,7 +1,7 @@
 """SmallTableLookup against the plain-PyTorch reference (tests/reference.py) and FBGEMM's TBE, on the test device
 (CPU: the torch path; EMBSHARD_TEST_DEVICE=cuda: the Triton kernels). Zipf ids make rows repeat within and across
 bags, bags may be empty, weighted and unweighted features mix, features share a table, widths 4/8/12 form three
-width groups. The Triton kernels on the CPU (interpreter) are tests/test_kernels_interpret.py."""
+width groups. The Triton kernels on the CPU (interpreter) are tests/kernels/test_kernels_interpret.py."""
 
 from __future__ import annotations
 

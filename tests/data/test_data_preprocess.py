@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import paths
 import pytest
 import torch
 import yaml
@@ -22,7 +23,7 @@ from embshard.data import build_source
 from embshard.data.preprocess import main as preprocess_main
 from embshard.tables import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.ROOT
 DENSE = [f"I{i}" for i in range(1, 14)]
 CAT = [f"C{i}" for i in range(1, 27)]
 
