@@ -68,23 +68,53 @@ def random_step(tables: Sequence[TableConfig], B: int, gen: torch.Generator, alp
 
 
 def train_against_reference(
-    make_lookup, tables: Sequence[TableConfig], opt: FusedOptimizerConfig, device: torch.device, steps: int, B: int
+    make_lookup,
+    tables: Sequence[TableConfig],
+    opt: FusedOptimizerConfig,
+    device: torch.device,
+    steps: int,
+    B: int,
+    alpha: float = 1.2,
+    max_len: int = 7,
 ):
-    """Train `make_lookup()` and ReferenceEBC side by side; returns (lookup, reference, list of (got, want) forward
-    outputs per step) for the caller to compare."""
+    """Train `make_lookup()` and ReferenceEBC side by side on `random_step` batches (Zipf `alpha` ids, bags of up to
+    `max_len`); returns (lookup, reference, list of (got, want) forward outputs per step) for the caller to
+    compare."""
     lookup = make_lookup()
     ref = ReferenceEBC(list(tables), opt, seed=7)
     gen = torch.Generator().manual_seed(11)
     outs = []
     features = [f for t in tables for f in t.feature_names]
     for _ in range(steps):
-        idx, off, psw, batch, upstream = random_step(tables, B, gen)
+        idx, off, psw, batch, upstream = random_step(tables, B, gen, alpha, max_len)
         got = lookup(idx.to(device), off.to(device), psw.to(device))
         up = torch.cat([upstream[f] for f in features], dim=1).to(device)
         (got.float() * up).sum().backward()
         want = ref.step(batch, upstream)
         outs.append((got.detach().cpu().double(), torch.cat([want[f] for f in features], dim=1)))
     return lookup, ref, outs
+
+
+def reference_row_gradients(tables: Sequence[TableConfig], idx, off, psw, upstream_BD: torch.Tensor):
+    """{table: float64 gradient of every row} of the pooled sums of feature-major bags (`random_step`'s layout)
+    times `upstream_BD` (features side by side), by autograd through F.embedding_bag: independent of the kernels."""
+    import torch.nn.functional as F
+
+    features = [(t, f) for t in tables for f in t.feature_names]
+    B = (off.numel() - 1) // len(features)
+    weights = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim, dtype=torch.float64, requires_grad=True)
+               for t in tables}  # fmt: skip
+    total, col = 0.0, 0
+    for k, (t, _) in enumerate(features):
+        lo, hi = int(off[k * B]), int(off[(k + 1) * B])
+        bag_off = off[k * B : (k + 1) * B + 1] - lo
+        w = psw[lo:hi].double() if t.weighted else None
+        pooled = F.embedding_bag(idx[lo:hi], weights[t.name], bag_off, mode="sum", per_sample_weights=w,
+                                 include_last_offset=True)  # fmt: skip
+        total = total + (pooled * upstream_BD[:, col : col + t.embedding_dim].double()).sum()
+        col += t.embedding_dim
+    total.backward()
+    return {name: w.grad for name, w in weights.items()}
 
 
 def reference_state(ref: ReferenceEBC, opt: FusedOptimizerConfig, table: str) -> dict[str, torch.Tensor]:

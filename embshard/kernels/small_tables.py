@@ -76,6 +76,12 @@ def _kernels():
     return _pool_triton
 
 
+def _grad_kernels():
+    from embshard.kernels import _grad_triton
+
+    return _grad_triton
+
+
 # ---- functional API (also the data-parallel scheme's forward and dense backward) ---------------------------------
 def pool(
     layout: PoolLayout,
@@ -124,7 +130,7 @@ def dense_gradients(
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
     psw = psw.contiguous() if psw is not None else None
-    k = _kernels()
+    k = _grad_kernels()
     dgroups = layout.on(indices.device)
     tiles = tiles or Tiles()
     if deterministic:
@@ -319,7 +325,7 @@ class SmallTableLookup(nn.Module):
                 indices, offsets = indices.contiguous(), offsets.contiguous()
                 psw = psw.contiguous() if psw is not None else None
                 if grad_BD.shape[0] and indices.numel():
-                    _kernels().backward_atomic(
+                    _grad_kernels().backward_atomic(
                         weights, None, self.layout.on(indices.device), indices, offsets, psw, grad_BD, k.tiles, -o.lr
                     )
                 return
