@@ -205,40 +205,56 @@ class PieceSavePlanner(DefaultSavePlanner):
 
 class PieceLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner for the plain state dict, plus reads into pieces: for each piece, the parts of every
-    saved chunk that overlap it (DCP's resharding), copied straight into the piece's tensor."""
+    saved chunk that overlap it (DCP's resharding), copied straight into the piece's tensor. Pieces of the same
+    place (the column blocks of one rank all holding a table's per-row state) are read once and copied."""
 
     def __init__(self, pieces: Sequence[Piece]) -> None:
         super().__init__()
-        self._pieces = {(p.key, tuple(p.offsets)): p for p in pieces}
+        self._pieces: dict[tuple, list[Piece]] = {}
+        for p in pieces:
+            same = self._pieces.setdefault((p.key, tuple(p.offsets)), [])
+            if same and same[0].tensor.shape != p.tensor.shape:
+                raise ValueError(f"two pieces of {p.key!r} at {p.offsets} differ in shape")
+            same.append(p)
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
         items: list[ReadItem] = []
-        for p in self._pieces.values():
-            md = self.metadata.state_dict_metadata.get(p.key)
+        for (key, offsets), (p, *_) in self._pieces.items():
+            md = self.metadata.state_dict_metadata.get(key)
             if md is None or not hasattr(md, "chunks"):
-                raise ConfigError(f"the checkpoint has no tensor {p.key!r}: it was saved from another model")
+                raise ConfigError(f"the checkpoint has no tensor {key!r}: it was saved from another model")
             if tuple(md.size) != tuple(p.size):
                 raise ConfigError(
-                    f"the checkpoint's {p.key!r} is {tuple(md.size)} but this model's is {tuple(p.size)}: tables "
+                    f"the checkpoint's {key!r} is {tuple(md.size)} but this model's is {tuple(p.size)}: tables "
                     "keep their shape across a resume"
                 )
-            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.size())
-            items += create_read_items_for_chunk_list(p.key, md, [chunk])
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=p.tensor.size())
+            items += create_read_items_for_chunk_list(key, md, [chunk])
         return dataclasses.replace(plan, items=list(plan.items) + items)
 
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        piece = self._pieces.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())))
-        if piece is None:
-            return super().resolve_tensor(read_item)
-        t = piece.tensor
+    @staticmethod
+    def _region(t: torch.Tensor, read_item: ReadItem) -> torch.Tensor:
         for dim, (off, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             t = t.narrow(dim, off, n)
         return t
 
+    def _find(self, read_item: ReadItem) -> list[Piece] | None:
+        return self._pieces.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())))
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        same = self._find(read_item)
+        if same is None:
+            return super().resolve_tensor(read_item)
+        return self._region(same[0].tensor, read_item)
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        if (read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())) not in self._pieces:
+        same = self._find(read_item)
+        if same is None:
             super().commit_tensor(read_item, tensor)
+            return
+        for other in same[1:]:
+            self._region(other.tensor, read_item).copy_(tensor)
 
 
 def writer(path: Path, io_threads: int) -> FileSystemWriter:
