@@ -66,7 +66,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = dev.type == "cuda"  # on the CPU (a smoke test at a tiny --scale): host tier, no pinned memory
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    spec = [(int(r * args.scale), d, m) for r, d, m in [BIG] * 4 + [MID] * 20] + [SMALL] * 100
+    os.makedirs(args.dir, exist_ok=True)
+    free = shutil.disk_usage(args.dir).free
+    scale = args.scale
+    while scale > 1e-4 and 2.2 * sum(4 * (int(r * scale) * (d + 1)) for r, d, _ in [BIG] * 4 + [MID] * 20) > free:
+        scale /= 2  # two checkpoints exist at once (keep_last=1, while the next one is written)
+    if scale != args.scale and rank == 0:
+        print(f"--scale {args.scale} does not fit twice in {free / 1e9:.0f} GB free at {args.dir}: using {scale}")
+    spec = [(int(r * scale), d, m) for r, d, m in [BIG] * 4 + [MID] * 20] + [SMALL] * 100
     tables = [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     dp = {t.name: ShardingType.DATA_PARALLEL for t in tables if t.num_embeddings <= 10_000}
@@ -111,14 +118,13 @@ def main() -> None:
     total = torch.tensor([float(mine)], device=dev)
     dist.all_reduce(total)
     total_gb = total.item() / 1e9
-    os.makedirs(args.dir, exist_ok=True)
     if rank == 0:
         usage = shutil.disk_usage(args.dir)
         print(
             f"checkpoint of {total_gb:.1f} GB in {args.dir}: {usage.free / 1e9:.0f} GB free of {usage.total / 1e9:.0f}"
         )
         print(f"built in {build_s:.1f} s; {step_s * 1e3:.1f} ms/step; plan: {len(dp)} tables data-parallel, "
-              f"{len(tables) - len(dp)} table-wise in HBM", flush=True)  # fmt: skip
+              f"{len(tables) - len(dp)} table-wise in {plan[tables[0].name].tier.value}", flush=True)  # fmt: skip
 
     # dd: this rank's bytes, all ranks at once
     dd_file = os.path.join(args.dir, f"dd_{rank}.bin")
@@ -172,6 +178,9 @@ def main() -> None:
     note_rss("async #2")
     ckpt.close()
     plain.close()
+    del ckpt, plain  # their host buffers
+    if cuda and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()  # pinned blocks back to the system
 
     # reload into one GPU, every table uvm_caching (rank 0 alone)
     one = dist.new_group([0])
@@ -186,17 +195,19 @@ def main() -> None:
         with torch.no_grad():
             after = uvm(probe).values().float().cpu()
         diff = float((after - before).abs().max())
-        scale = float(before.abs().max())
-        ok = "parity OK" if diff <= 1e-5 * max(1.0, scale) else "PARITY FAILED"
+        magnitude = float(before.abs().max())
+        ok = "parity OK" if diff <= 1e-5 * max(1.0, magnitude) else "PARITY FAILED"
         tier = "uvm_caching" if cuda else "host"
-        rows.append((f"reload: 1 rank, all {tier}", total_gb, load_s, f"{ok}: max |diff| {diff:.2e} of {scale:.2f}"))
+        rows.append(
+            (f"reload: 1 rank, all {tier}", total_gb, load_s, f"{ok}: max |diff| {diff:.2e} of {magnitude:.2f}")
+        )
     dist.barrier()
     note_rss("reload")
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     if rank == 0:
-        print(f"\nhetero124 x{args.scale} on {world} x {device_name}: {total_gb:.1f} GB of weights + "
+        print(f"\nhetero124 x{scale} on {world} x {device_name}: {total_gb:.1f} GB of weights + "
               f"row-wise Adagrad state; step {stats.step} checkpoint at {path}")  # fmt: skip
-        print(f"{'phase':34s} {'GB':>6s} {'seconds':>8s} {'GB/s':>6s}  note")
+        print(f"{'phase':34s} {'GB':>6s} {'seconds':>8s} {'GB/s':>6s}  note (blocking rows: GB/s of the copy)")
         for phase, gb, s, note in rows:
             print(f"{phase:34s} {gb:6.1f} {s:8.2f} {gb / s:6.2f}  {note}")
         print("\npeak RSS per rank (GiB; current / peak since start):")
