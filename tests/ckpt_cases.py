@@ -6,6 +6,7 @@ straight and resumed. Full tables and optimizer states are assembled here indepe
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -197,3 +198,62 @@ def toy_run(rank, world, device, folder, resume, start, end, save_at=(), keep_la
             ckpt.save(s, {"batches": s, "rank": rank})
     ckpt.close()
     return {**toy_result(state, losses), "position": position}
+
+
+# ---- a two-tower model in catalog mode (sampled softmax), for the catalog's collection and sampler ----------
+
+
+def catalog_model(world, device, seed, item_plan="row_wise", user_plan="table_wise"):
+    """(RecModel, dense optimizer, data source) of configs/two_tower_synthetic_1m.yaml made small."""
+    from embshard.config import load_config
+    from embshard.data import build_source
+    from embshard.models.build import RecModel
+    from embshard.train import make_dense_optimizer
+
+    overrides = ["model.tables[0].num_embeddings=300", "model.tables[1].num_embeddings=1000"]
+    overrides += ["model.two_tower.loss=sampled_softmax", "model.two_tower.sampled_softmax.num_negatives=64"]
+    overrides += ["data.synthetic.affinity.clusters=10", "schedule.batch_size=16", f"seed={seed}"]
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs/two_tower_synthetic_1m.yaml"), overrides)
+    tables = list(cfg.model.tables)
+    plan = simple_plan(tables, world, world, {"t_user": user_plan, "t_item": item_plan})
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    source = build_source(cfg.data, tables, cfg.schedule.batch_size, cfg.seed, rank, world)
+    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed)
+    return model, make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters()), source
+
+
+def catalog_result(model) -> dict:
+    sampler = model.catalog.sampler
+    counts = gather([(sampler.row_offset, sampler.counts.cpu().clone())])
+    full = torch.full((model.catalog.table.num_embeddings,), float("nan"), dtype=torch.float64)
+    for r0, c in counts:
+        full[r0 : r0 + c.numel()] = c
+    return {
+        "tables": {"ebc": full_state(model.ebc), "catalog": full_state(model.catalog.ebc)},
+        "dense": {k: v.detach().cpu().clone() for k, v in model.dense_module().state_dict().items()},
+        "counts": full,
+        "sampler_step": model.catalog.sampler_step,
+    }
+
+
+def catalog_save(rank, world, device, folder):
+    """Train the catalog model 3 steps and save it."""
+    model, opt, source = catalog_model(world, device, seed=0)
+    batches = source.train_batches(0)
+    for _ in range(3):
+        out = model.step(next(batches).to(device))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+    ckpt = Checkpointer(TrainState.of_model(model, opt), folder, chunk_bytes=CHUNK_BYTES)
+    ckpt.save(3)
+    ckpt.close()
+    return catalog_result(model)
+
+
+def catalog_load(rank, world, device, folder):
+    """A fresh catalog model (other seed, other plan) loaded from the checkpoint."""
+    model, opt, _ = catalog_model(world, device, seed=5, user_plan="row_wise")
+    ckpt = Checkpointer(TrainState.of_model(model, opt), folder)
+    assert ckpt.resume("latest")[0] == 3
+    return catalog_result(model)

@@ -22,6 +22,8 @@ from ckpt_cases import (
     TABLES,
     TYPES,
     build,
+    catalog_load,
+    catalog_save,
     full_state,
     plan_for,
     toy_run,
@@ -61,6 +63,7 @@ def _save_worker(rank, world, device, folder):
     out["straight"] = toy_run(rank, world, device, None, False, 0, 20)
     out["first"] = toy_run(rank, world, device, f"{folder}/toy", False, 0, 10, (5, 10), 1)
     out["resumed"] = toy_run(rank, world, device, f"{folder}/toy", True, 10, 20)
+    out["catalog"] = catalog_save(rank, world, device, f"{folder}/catalog")
     return out
 
 
@@ -104,6 +107,7 @@ def _load_worker(rank, world, device, folder):
         out = {3: _loads(3, rank, device, folder, three, reads) if rank < 3 else None}
         out[4] = _loads(4, rank, device, folder, None, reads)
         out["resumed_4"] = toy_run(rank, world, device, f"{folder}/toy", True, 10, 20)
+        out["catalog"] = catalog_load(rank, world, device, f"{folder}/catalog")
         return out
     finally:
         FileSystemReader.read_data = original
@@ -305,6 +309,20 @@ def test_resume_under_another_world_size_same_global_batch(saved, spawned_loads)
     global_losses = [sum(r["resumed_4"]["losses"][i] for r in spawned_loads) / 4 for i in range(10)]
     want = [sum(r["straight"]["losses"][10 + i] for r in saved_ranks) / 2 for i in range(10)]
     assert global_losses == pytest.approx(want, rel=1e-4)
+
+
+def test_catalog_mode(saved, spawned_loads):
+    """A two-tower model in catalog mode (sampled softmax) saved on 2 ranks and loaded on 4 under another plan:
+    both collections (query tables 'ebc', item catalog 'catalog'), the dense part, the sampler's per-row target
+    counts (resharded by rows) and its step (the seed of each step's negatives)."""
+    _, saved_ranks = saved
+    want = saved_ranks[0]["catalog"]
+    assert want["sampler_step"] == 3 and float(want["counts"].sum()) > 0
+    for rank, r in enumerate(spawned_loads):
+        got = r["catalog"]
+        assert got["sampler_step"] == 3
+        _equal(got["counts"], want["counts"], f"rank {rank}: sampler counts")
+        _same_model(got, want, f"rank {rank}: catalog model", exact=True)
 
 
 def test_inspect_and_export(saved, tmp_path, capsys):

@@ -104,6 +104,10 @@ def load_checkpoint(
         if piece.key not in saved_rows:
             raise ConfigError(f"{where} has no {piece.key!r}: it was saved from a model without it")
         pieces.append(piece)
+    for name in state.counters:
+        if name not in manifest.get("counters", []):
+            raise ConfigError(f"{where} has no {name!r}: it was saved from a model without it")
+        plain[name] = torch.zeros((), dtype=torch.int64)
     if state.dense is not None:
         if not manifest.get("dense"):
             raise ConfigError(f"{where} holds no dense model")
@@ -122,6 +126,8 @@ def load_checkpoint(
     for prefix, ebc in state.collections.items():
         ebc.optimizer_step = int(loaded[f"{prefix}/optimizer_step"])
         ebc.drop_caches()
+    for name, counter in state.counters.items():
+        counter.set(int(loaded[name]))
     position: Any = manifest["step"]
     if same_world:
         import json

@@ -60,6 +60,8 @@ def _collect(state: TrainState, position: Any) -> tuple[list[Piece], dict[str, A
     for prefix in steps:  # the ranks' lookups step together; a rank without lookups counts 0
         plain[f"{prefix}/optimizer_step"] = torch.tensor(max(s[prefix] for s, _ in everyone), dtype=torch.int64)
     pieces += list(state.row_tensors)
+    for name, counter in state.counters.items():
+        plain[name] = torch.tensor(int(counter.get()), dtype=torch.int64)
     dense = dense_state(state)
     if dense:
         plain["dense"] = dense
@@ -86,7 +88,8 @@ def manifest(state: TrainState, step: int, world: int, config: Any, positions: b
         "world_size": world,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "collections": collections,
-        "row_tensors": [p.key for p in state.row_tensors],
+        "row_tensors": sorted({p.key for p in state.row_tensors}),
+        "counters": sorted(state.counters),
         "dense": state.dense is not None,
         "dense_optimizer": type(opt).__name__ if opt is not None else None,
         "data_position": "per_rank" if positions else "step",

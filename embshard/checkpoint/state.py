@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,14 @@ import torch
 from torch import nn
 
 from embshard.checkpoint.layout import Piece
+
+
+@dataclass(frozen=True)
+class Counter:
+    """An integer of the run that a checkpoint saves and restores."""
+
+    get: Callable[[], int]
+    set: Callable[[int], None]
 
 
 @dataclass
@@ -30,20 +39,27 @@ class TrainState:
     """The dense model's optimizer, or None."""
     row_tensors: list[Piece] = field(default_factory=list)
     """Other state kept per table row, this rank's rows (live tensors), saved and resharded like the tables."""
+    counters: dict[str, Counter] = field(default_factory=dict)
+    """Other integers of the run, the same on every rank (a catalog sampler's step), by name."""
 
     @classmethod
     def of_model(cls, model: Any, dense_optimizer: torch.optim.Optimizer | None) -> TrainState:
         """A RecModel's state: its collection 'ebc', in catalog mode 'catalog' and the catalog sampler's counts."""
         collections = {"ebc": model.ebc}
         rows: list[Piece] = []
+        counters: dict[str, Counter] = {}
         catalog = getattr(model, "catalog", None)
         if catalog is not None:
             collections["catalog"] = catalog.ebc
             sampler = getattr(catalog, "sampler", None)
-            if sampler is not None and sampler.num_rows > 0:
-                key = f"catalog/{catalog.table.name}/sampler_counts"
-                rows.append(Piece(key, (catalog.table.num_embeddings,), (sampler.row_offset,), sampler.counts))
-        return cls(collections, model.dense, dense_optimizer, rows)
+            if sampler is not None:  # sampled softmax: its counts of targets per row and its step (the seeds)
+                if sampler.num_rows > 0:
+                    key = f"catalog/{catalog.table.name}/sampler_counts"
+                    rows.append(Piece(key, (catalog.table.num_embeddings,), (sampler.row_offset,), sampler.counts))
+                counters["catalog/sampler_step"] = Counter(
+                    lambda: catalog.sampler_step, lambda v: setattr(catalog, "sampler_step", v)
+                )
+        return cls(collections, model.dense, dense_optimizer, rows, counters)
 
 
 def dense_state(state: TrainState) -> dict[str, Any]:
