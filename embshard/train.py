@@ -99,8 +99,9 @@ def evaluate(model, source, device: torch.device) -> dict[str, float]:
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     hits: dict[int, torch.Tensor] = {}
     for batch in source.eval_batches():
-        out = model.step(batch.to(device))
-        totals[0] += out.loss.double() * batch.size
+        out = model.step(batch.to(device))  # every rank steps, an empty batch too (the exchanges are collective)
+        if batch.size:  # a file source pads a rank whose held-out rows had bad rows skipped with empty batches
+            totals[0] += out.loss.double() * batch.size
         totals[1] += batch.size
         if out.scores is not None:
             auroc.update(torch.sigmoid(out.scores), out.labels.long())

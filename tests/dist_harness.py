@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def test_device() -> str:
+def device_kind() -> str:
     """'cpu' (default) or 'cuda', from EMBSHARD_TEST_DEVICE."""
     return os.environ.get("EMBSHARD_TEST_DEVICE", "cpu")
 
@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
-    device = test_device()
+    device = device_kind()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
 def run_distributed(fn: Callable, world_size: int, *args: Any, pg_timeout_s: float = 300.0) -> list[Any]:
     """Call fn(rank, world_size, device, *args) on `world_size` processes; return each rank's result.
     `pg_timeout_s`: the process group's timeout (a hung collective fails the test after it)."""
-    if test_device() == "cuda" and world_size > torch.cuda.device_count():
+    if device_kind() == "cuda" and world_size > torch.cuda.device_count():
         import pytest
 
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible (one process per GPU)")

@@ -52,6 +52,36 @@ class ReferenceEBC:
                 "v": torch.zeros_like(w),
             }
 
+    def optimizer_state(
+        self,
+        name: str,
+        row_offset: int = 0,
+        num_rows: int | None = None,
+        col_offset: int = 0,
+        num_cols: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Table `name`'s optimizer state for rows [row_offset, +num_rows) x columns [col_offset, +num_cols), named
+        as embshard.optim.optimizer_state: adagrad `m` `[rows, cols]`, rowwise_adagrad `m` `[rows]`, adam `m` and
+        `v` `[rows, cols]`, sgd none. Row-wise Adagrad keeps one value per row of each column block: the columns
+        must be one block (with one block, the full row, every column range reads the row's one value)."""
+        w = self.weights[name]
+        rows = slice(row_offset, row_offset + (num_rows if num_rows is not None else w.shape[0] - row_offset))
+        cols = slice(col_offset, col_offset + (num_cols if num_cols is not None else w.shape[1] - col_offset))
+        st, kind = self.state[name], self.opt.kind
+        if kind is OptimizerKind.SGD:
+            return {}
+        if kind is OptimizerKind.ADAGRAD:
+            return {"m": st["sum"][rows, cols]}
+        if kind is OptimizerKind.ADAM:
+            return {"m": st["m"][rows, cols], "v": st["v"][rows, cols]}
+        blocks = self.column_blocks[name]
+        if len(blocks) == 1:
+            return {"m": st["row_sum"][rows, 0]}
+        starts = [sum(blocks[:k]) for k in range(len(blocks))]
+        if cols.start not in starts or blocks[starts.index(cols.start)] != cols.stop - cols.start:
+            raise ValueError(f"{name}: columns {cols.start}..{cols.stop} are not one of the column blocks {blocks}")
+        return {"m": st["row_sum"][rows, starts.index(cols.start)]}
+
     def forward(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], params=None):
         """batch: feature -> (lengths [B], ids, weights or None). Returns feature -> pooled [B, D] (float64)."""
         params = params or self.weights

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_harness import device_kind, run_distributed
+from parity import random_batches, to_kjt
 
 from embshard import simple_plan
 from embshard.optim import FusedOptimizerConfig
 from embshard.tables import TableConfig
-from tests.dist_harness import run_distributed, test_device
-from tests.parity import random_batches, to_kjt
 
 TABLES = [
     TableConfig("t_tw", 50, 8, ("f_tw",), ids_per_bag=2),
@@ -60,7 +60,7 @@ def _worker(rank, world_size, device):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_one_bad_id_stops_every_rank_and_is_named(world_size):
-    if test_device() == "cuda" and torch.cuda.device_count() < world_size:
+    if device_kind() == "cuda" and torch.cuda.device_count() < world_size:
         pytest.skip("needs more GPUs")
     results = run_distributed(_worker, world_size)
     for rank, (outcome, unchanged, changed) in enumerate(results):

@@ -1,21 +1,22 @@
-"""Loaders on the real samples (values checked against the raw text), stable hashing, missing values, rank splits,
-jagged genres, and the synthetic generator's pooling factors and Zipf skew."""
+"""Loaders on the real samples (values checked against the raw text with an independent pure-Python hash), the
+hash itself (fixed values, every byte length, sliced and null arrays, integers as text), the criteo and movielens
+presets of the table source (TSV = CSV, missing values, vocabulary, rank splits, errors), and the synthetic
+generator's pooling factors and Zipf skew."""
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
-from embshard.config.data import CriteoConfig, MovieLensConfig, SyntheticConfig
-from embshard.data.common import rank_positions, stable_hash
-from embshard.data.criteo import criteo_source
-from embshard.data.movielens import movielens_source
+from embshard.config.data import CriteoConfig, DataConfig, MovieLensConfig, SyntheticConfig
+from embshard.data import build_source
+from embshard.data.hashing import hash_strings, hash_values
 from embshard.data.synthetic import SyntheticSource, zipf_ranks
 from embshard.tables import ConfigError, TableConfig
 
@@ -24,6 +25,32 @@ CRITEO = DATA / "criteo_sample.txt"
 MOVIELENS = DATA / "movielens_sample.txt"
 ROWS = 1000
 CRITEO_TABLES = [TableConfig(f"t_C{i}", ROWS, 8, (f"C{i}",)) for i in (1, 2, 19, 26)]
+M64 = (1 << 64) - 1
+
+
+def fmix(k: int) -> int:
+    k ^= k >> 33
+    k = (k * 0xFF51AFD7ED558CCD) & M64
+    k ^= k >> 33
+    k = (k * 0xC4CEB9FE1A85EC53) & M64
+    return k ^ (k >> 33)
+
+
+def ref_hash(value: str | bytes) -> int:
+    """embshard-hash-v1 written out byte by byte (docs/data.md), independent of the numpy implementation."""
+    s = value.encode() if isinstance(value, str) else value
+    words = (len(s) + 7) // 8
+    padded = s + b"\0" * (8 * words - len(s))
+    total = 0
+    for j in range(words):
+        w = int.from_bytes(padded[8 * j : 8 * j + 8], "little")
+        total = (total + fmix((w + (j + 1) * 0xC2B2AE3D27D4EB4F) & M64)) & M64
+    return fmix((len(s) * 0x9E3779B97F4A7C15 + total) & M64)
+
+
+def expected_row(value: str, rows: int = ROWS) -> int:
+    """0 for a missing value, else 1 + hash mod (rows - 1)."""
+    return 0 if not value else 1 + ref_hash(value) % (rows - 1)
 
 
 def raw_csv(path: Path) -> tuple[list[str], list[list[str]]]:
@@ -32,25 +59,44 @@ def raw_csv(path: Path) -> tuple[list[str], list[list[str]]]:
     return rows[0], rows[1:]
 
 
-def expected_row(value: str, rows: int = ROWS) -> int:
-    """The hash mapping, computed independently: 0 for missing, else 1 + blake2b-64 mod (rows - 1)."""
-    if not value:
-        return 0
-    return 1 + int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little") % (rows - 1)
+def criteo(path=CRITEO, rank=0, world=1, batch=4, tables=CRITEO_TABLES, **kw):
+    cfg = DataConfig(source="criteo", criteo=CriteoConfig(path=str(path), eval_fraction=0.2, **kw), shuffle=False)
+    return build_source(cfg, tables, batch, 0, rank, world)
 
 
-def criteo(path=CRITEO, rank=0, world=1, shard="strided", **kw):
-    cfg = CriteoConfig(path=str(path), eval_fraction=0.2, **kw)
-    return criteo_source(cfg, CRITEO_TABLES, 4, shard, False, 0, rank, world)
+def rows_of(batches) -> dict:
+    """Concatenated labels, dense and per-feature (lengths, ids) of some batches."""
+    out = {"labels": [], "dense": [], "sparse": {}}
+    for b in batches:
+        out["labels"].append(b.labels)
+        out["dense"].append(b.dense)
+        for k in b.sparse.keys():
+            jt = b.sparse[k]
+            out["sparse"].setdefault(k, ([], []))
+            out["sparse"][k][0].append(jt.lengths())
+            out["sparse"][k][1].append(jt.values())
+    return {
+        "labels": torch.cat(out["labels"]),
+        "dense": torch.cat(out["dense"]),
+        "sparse": {k: (torch.cat(a), torch.cat(b)) for k, (a, b) in out["sparse"].items()},
+    }
 
 
-def test_stable_hash_is_fixed():
-    # Fixed values: a change of hash function (or Python's salted hash()) would remap every trained row.
-    assert stable_hash(["05db9164", "", "Comedy"]).tolist() == [
-        4582638078171527438,
-        13020603013274838756,
-        8315559345618375674,
+def test_hash_is_fixed_and_matches_the_reference():
+    # Fixed values: a change of the function would remap every trained row (and preprocessed files).
+    assert hash_strings(["05db9164", "", "Comedy"]).tolist() == [
+        3594015254338282171,
+        0,
+        9737968226417342519,
     ]
+    rng = np.random.default_rng(0)
+    values = ["", "a", "é€", "x" * 8, "y" * 9, "z" * 16, "w" * 17, "0123456789abcdef" * 5 + "!"]
+    values += ["".join(chr(c) for c in rng.integers(32, 0x2FF, n)) for n in rng.integers(0, 40, 200)]
+    assert hash_strings(values).tolist() == [ref_hash(v) for v in values]
+    arr = pa.array(["ab", None, "abcdefgh", "q", "tail"]).slice(1, 3)  # nulls and an offset into the buffers
+    assert hash_values(arr).tolist() == [ref_hash(""), ref_hash("abcdefgh"), ref_hash("q")]
+    assert hash_values(pa.array([235, -1, 0])).tolist() == [ref_hash("235"), ref_hash("-1"), ref_hash("0")]
+    assert hash_values(pa.array([b"\x00\xff"], pa.binary())).tolist() == [ref_hash(b"\x00\xff")]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -59,29 +105,36 @@ def test_criteo_csv_matches_raw_text(world):
     assert len(raw) == 200
     for rank in range(world):
         src = criteo(rank=rank, world=world)
-        assert len(src.train) == 160 // world and len(src.held_out) == 40 // world
-        assert src.num_dense == 13
-        for j in (0, 1, 2, 57, len(src.train) - 1):
-            line = raw[rank + world * j]  # strided: rank r reads rows r, r + W, ...
-            assert src.train.labels[j] == float(line[0])
+        assert src.num_dense == 13 and src.steps_per_epoch == 160 // world // 4
+        got = rows_of(_take(src.train_batches(), src.steps_per_epoch))  # one epoch, file order
+        first = rank * (160 // world)  # contiguous: rank r reads the r-th block of the training rows
+        for j in (0, 1, 2, 57 % (160 // world), 160 // world - 1):
+            line = raw[first + j]
+            assert got["labels"][j] == float(line[0])
             for k in range(13):
                 text = line[header.index(f"I{k + 1}")]
                 want = math.log1p(max(float(text), 0.0)) if text else 0.0
-                assert src.train.dense[j, k] == pytest.approx(want, rel=1e-6)
-            for f, col in src.train.sparse.items():
-                assert col.lengths[j] == 1
-                assert col.values[j] == expected_row(line[header.index(f)])
-        line = raw[160 + rank]  # held-out rows are the file's last 40
-        assert src.held_out.sparse["C1"].values[0] == expected_row(line[header.index("C1")])
+                assert got["dense"][j, k].item() == pytest.approx(want, rel=1e-6)
+            for f, (lengths, ids) in got["sparse"].items():
+                assert lengths[j] == 1
+                assert ids[j] == expected_row(line[header.index(f)])
+        held = rows_of(src.eval_batches())
+        assert len(held["labels"]) == 40 // world
+        line = raw[160 + rank * (40 // world)]  # held-out rows are the file's last 40
+        assert held["sparse"]["C1"][1][0] == expected_row(line[header.index("C1")])
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
 
 
 def test_criteo_missing_and_negative_values():
-    src = criteo()
     _, raw = raw_csv(CRITEO)
-    assert raw[0][1] == "" and src.train.dense[0, 0] == 0.0  # missing I1 -> 0
-    assert raw[1][2] == "-1" and src.train.dense[1, 1] == 0.0  # negative I2 clamped -> log(1 + 0)
-    assert raw[0][14 + 18] == "" and src.train.sparse["C19"].values[0] == 0  # missing C19 -> row 0
-    assert (src.train.sparse["C26"].values == 0).mean() > 0.3  # C26 is mostly empty in the sample
+    got = rows_of(_take(criteo().train_batches(), 40))
+    assert raw[0][1] == "" and got["dense"][0, 0] == 0.0  # missing I1 -> 0
+    assert raw[1][2] == "-1" and got["dense"][1, 1] == 0.0  # negative I2 raised to 0 -> log(1 + 0)
+    assert raw[0][14 + 18] == "" and got["sparse"]["C19"][1][0] == 0  # missing C19 -> row 0
+    assert (got["sparse"]["C26"][1] == 0).float().mean() > 0.3  # C26 is mostly empty in the sample
 
 
 def test_criteo_tsv_equals_csv(tmp_path):
@@ -89,20 +142,10 @@ def test_criteo_tsv_equals_csv(tmp_path):
     tsv = tmp_path / "day_0"
     tsv.write_text("".join("\t".join(r) + "\n" for r in raw))  # the original format: no header, tabs
     a, b = criteo(), criteo(path=tsv)
-    np.testing.assert_array_equal(a.train.dense, b.train.dense)
-    np.testing.assert_array_equal(a.train.labels, b.train.labels)
-    for f in a.train.sparse:
-        np.testing.assert_array_equal(a.train.sparse[f].values, b.train.sparse[f].values)
-
-
-def test_criteo_malformed_line(tmp_path):
-    _, raw = raw_csv(CRITEO)
-    bad = tmp_path / "bad.tsv"
-    lines = ["\t".join(r) for r in raw]
-    lines[6] = "\t".join(raw[6][:30])
-    bad.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ConfigError, match=r"bad.tsv:7: 30 tsv fields, expected 40"):
-        criteo(path=bad)
+    x, y = rows_of(_take(a.train_batches(), 40)), rows_of(_take(b.train_batches(), 40))
+    assert torch.equal(x["dense"], y["dense"]) and torch.equal(x["labels"], y["labels"])
+    for f in x["sparse"]:
+        assert torch.equal(x["sparse"][f][1], y["sparse"][f][1])
 
 
 def test_criteo_vocab():
@@ -111,15 +154,14 @@ def test_criteo_vocab():
     col = header.index("C1")
     train_values = [r[col] for r in raw[:160] if r[col]]
     counts = {v: train_values.count(v) for v in set(train_values)}
-    top = max(sorted(counts), key=lambda v: counts[v])
-    rows = src.train.sparse["C1"].values
-    first = [r[col] for r in raw[:160]]
-    assert rows[first.index(top)] == 2  # the most frequent training value gets the first vocabulary row
-    for v, r in zip(first, rows):
-        assert (r == 0) == (v == "")
-    unseen = [i for i, r in enumerate(raw[160:]) if r[col] and r[col] not in counts]
-    assert unseen, "the sample has held-out values unseen in training"
-    assert src.held_out.sparse["C1"].values[unseen[0]] == 1  # out of vocabulary
+    ranked = sorted(counts, key=lambda v: (-counts[v], v))
+    got = rows_of(_take(src.train_batches(), 40))["sparse"]["C1"][1].tolist()
+    want = [0 if not r[col] else 2 + ranked.index(r[col]) for r in raw[:160]]
+    assert got == want  # most frequent first, ties by value; row 0 missing
+    held = rows_of(src.eval_batches())["sparse"]["C1"][1].tolist()
+    for r, row in zip(raw[160:], held):
+        assert row == (0 if not r[col] else (2 + ranked.index(r[col]) if r[col] in counts else 1))
+    assert 1 in held  # the sample has held-out values unseen in training: out of vocabulary
 
 
 def test_criteo_batches_and_errors():
@@ -127,26 +169,30 @@ def test_criteo_batches_and_errors():
     batch = next(src.train_batches())
     assert batch.dense.shape == (4, 13) and batch.labels.shape == (4,)
     kjt = batch.sparse
-    assert kjt.keys() == ["C1", "C2", "C19", "C26"]
-    np.testing.assert_array_equal(kjt["C2"].values().numpy(), src.train.sparse["C2"].values[:4])
+    assert kjt.keys() == ["C1", "C2", "C19", "C26"] and kjt.values().dtype == torch.int64
+    assert kjt.lengths().dtype == torch.int32 and kjt.stride() == 4
     assert len(list(src.eval_batches())) == 10
     with pytest.raises(ConfigError, match=r"features \['C99'\] are not Criteo columns"):
-        criteo_source(CriteoConfig(path=str(CRITEO)), [TableConfig("t", 10, 4, ("C99",))], 4, "strided", False, 0, 0, 1)
+        criteo(tables=[TableConfig("t", 10, 4, ("C99",))])
     with pytest.raises(ConfigError, match="fewer than schedule.batch_size=500"):
-        criteo_source(CriteoConfig(path=str(CRITEO)), CRITEO_TABLES, 500, "strided", False, 0, 0, 1)
+        criteo(batch=500)
     with pytest.raises(ConfigError, match="does not exist"):
         criteo(path="no/such/file.txt")
+    with pytest.raises(ConfigError, match="matches no file"):
+        criteo(path="no/such/day_*")
 
 
-@pytest.mark.parametrize("mode", ["strided", "contiguous"])
-def test_rank_split_is_disjoint_and_even(mode):
-    parts = [set(rank_positions(103, r, 4, mode).tolist()) for r in range(4)]
-    assert all(len(p) == 25 for p in parts)
-    assert len(set.union(*parts)) == 100 and max(set.union(*parts)) < 103
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_split_is_contiguous_disjoint_and_even(world):
     _, raw = raw_csv(CRITEO)
-    src = criteo(rank=1, world=2, shard=mode)
-    first = 1 if mode == "strided" else 80
-    assert src.train.sparse["C2"].values[0] == expected_row(raw[first][15])
+    per_rank = 160 // world
+    seen = []
+    for rank in range(world):
+        src = criteo(rank=rank, world=world)
+        ids = rows_of(_take(src.train_batches(), per_rank // 4))["sparse"]["C2"][1].tolist()
+        seen.append(ids)
+        assert ids == [expected_row(r[15]) for r in raw[rank * per_rank : rank * per_rank + len(ids)]]
+    assert sum(len(s) for s in seen) == world * (per_rank // 4) * 4
 
 
 ML_TABLES = [
@@ -157,40 +203,44 @@ ML_TABLES = [
 ]
 
 
+def movielens(rank=0, world=1, **kw):
+    cfg = DataConfig(source="movielens", movielens=MovieLensConfig(path=str(MOVIELENS), **kw), shuffle=False)
+    return build_source(cfg, ML_TABLES, 4, 0, rank, world)
+
+
 def test_movielens_matches_raw_text():
     header, raw = raw_csv(MOVIELENS)
-    src = movielens_source(MovieLensConfig(path=str(MOVIELENS)), ML_TABLES, 8, "strided", False, 0, 0, 1)
-    assert len(src.train) == 180 and len(src.held_out) == 20 and src.num_dense == 0
-    genres = src.train.sparse["genres"]
+    src = movielens()
+    assert src.steps_per_epoch == 45 and src.num_dense == 0
+    got = rows_of(_take(src.train_batches(), 45))
+    lengths, ids = got["sparse"]["genres"]
     want_lengths = [len(r[header.index("genres")].split("|")) for r in raw[:180]]
-    assert genres.lengths.tolist() == want_lengths
-    assert max(want_lengths) >= 3
-    offsets = genres.offsets()
+    assert lengths.tolist() == want_lengths and max(want_lengths) >= 3
+    offsets = np.concatenate([[0], np.cumsum(want_lengths)])
     assert "," in raw[2][header.index("title")]  # a quoted title with a comma: the columns after it must still align
     for j in (0, 2, 101):
         row = raw[j]
         want = [expected_row(g, 40) for g in row[header.index("genres")].split("|")]
-        assert genres.values[offsets[j] : offsets[j + 1]].tolist() == want
-        assert src.train.sparse["zip"].values[j] == expected_row(row[header.index("zip")], 100)
-        assert src.train.labels[j] == float(int(row[header.index("rating")]) >= 4)
-    batch = src.train.take(np.array([2, 0]))
-    kjt = batch.sparse
-    assert kjt["genres"].lengths().tolist() == [want_lengths[2], want_lengths[0]]
-    assert kjt["genres"].values().tolist() == (
-        genres.values[offsets[2] : offsets[3]].tolist() + genres.values[offsets[0] : offsets[1]].tolist()
-    )
-    with pytest.raises(ConfigError, match=r"features \['rating'\] are not columns"):
-        movielens_source(
-            MovieLensConfig(path=str(MOVIELENS)), [TableConfig("t", 10, 4, ("rating",))], 8, "strided", False, 0, 0, 1
+        assert ids[offsets[j] : offsets[j + 1]].tolist() == want
+        assert got["sparse"]["zip"][1][j] == expected_row(row[header.index("zip")], 100)
+        assert got["labels"][j] == float(int(row[header.index("rating")]) >= 4)
+    with pytest.raises(ConfigError, match=r"features \['rating'\] are not MovieLens feature columns"):
+        build_source(
+            DataConfig(source="movielens", movielens=MovieLensConfig(path=str(MOVIELENS))),
+            [TableConfig("t", 10, 4, ("rating",))],
+            8,
+            0,
+            0,
+            1,
         )
 
 
 def test_movielens_positive_rating_and_ranks():
     _, raw = raw_csv(MOVIELENS)
-    cfg = MovieLensConfig(path=str(MOVIELENS), positive_rating=3, eval_fraction=0.2)
-    a = movielens_source(cfg, ML_TABLES, 8, "contiguous", False, 0, 1, 2)
-    assert len(a.train) == 80 and len(a.held_out) == 20
-    assert a.train.labels.tolist() == [float(int(r[2]) >= 3) for r in raw[80:160]]
+    src = movielens(rank=1, world=2, positive_rating=3, eval_fraction=0.2)
+    got = rows_of(_take(src.train_batches(), 20))
+    assert got["labels"].tolist() == [float(int(r[2]) >= 3) for r in raw[80:160]]
+    assert sum(b.size for b in src.eval_batches()) == 20
 
 
 SYN_TABLES = [

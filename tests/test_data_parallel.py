@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import test_device
+from dist_harness import device_kind
 from reference import ReferenceEBC
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
@@ -59,7 +59,7 @@ def _batches(seed: int):
 def test_zero_gradient_touched_rows_follow_the_reference(opt):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    device = torch.device(test_device())
+    device = torch.device(device_kind())
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     types = dict.fromkeys([t.name for t in TABLES], ShardingType.DATA_PARALLEL)
     plan = simple_plan(TABLES, 1, sharding_types=types, tier=tier)

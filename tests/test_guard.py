@@ -4,7 +4,6 @@ update, naming the step, the feature and its table; finite steps pass and train 
 from __future__ import annotations
 
 import torch
-from dist_harness import run_distributed
 from parity import random_batches, to_kjt
 
 from embshard import FusedOptimizerConfig, ShardingType, TableConfig, simple_plan
@@ -49,8 +48,8 @@ def _worker(rank, world, device, poison_rank):
     return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
 
 
-def test_nan_in_one_rank_stops_every_rank_before_the_update():
-    res = run_distributed(_worker, 2, 1)
+def test_nan_in_one_rank_stops_every_rank_before_the_update(run):
+    res = run(_worker, 2, 1)
     assert all(r["error"] is not None and r["unchanged"] for r in res), res
     assert "step 1" in res[1]["error"] and "feature 'f_w' (table 't_w')" in res[1]["error"], res[1]["error"]
     assert "another rank" in res[0]["error"]

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import run_distributed, test_device
+from dist_harness import device_kind, run_distributed
 from kernel_cases import OPTIMIZERS, TABLES, check_against_reference, full_shards, random_step, train_against_reference
 
 from embshard.kernels.data_parallel import KernelDataParallelLookup
 from embshard.lookup.replicas import DataParallelLookup
 from embshard.tables import TableConfig
 
-DEVICE = torch.device(test_device())
+DEVICE = torch.device(device_kind())
 DP_TABLES = sorted(TABLES, key=lambda t: t.embedding_dim)  # DataParallelLookup orders its tables by width
 
 

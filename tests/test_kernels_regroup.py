@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import test_device
+from dist_harness import device_kind
 from kernel_cases import random_regroup_case, regroup_grad_reference, regroup_reference
 
 from embshard.kernels.regroup import KernelRegroup
 from embshard.regroup import Regroup
 
-DEVICE = torch.device(test_device())
+DEVICE = torch.device(device_kind())
 IMPLS = ["auto", "torch", "fbgemm"] + (["triton"] if DEVICE.type == "cuda" else [])
 
 

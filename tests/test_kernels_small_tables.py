@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import test_device
+from dist_harness import device_kind
 from kernel_cases import (
     OPTIMIZERS,
     TABLES,
@@ -24,7 +24,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, Shard
 from embshard.tables import ConfigError, TableConfig
 
-DEVICE = torch.device(test_device())
+DEVICE = torch.device(device_kind())
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from dist_harness import run_distributed, test_device
+from dist_harness import device_kind, run_distributed
 from parity import check_parity, random_batches, sharded_worker, to_kjt
 
 from embshard import FusedOptimizerConfig, ShardingType, TableConfig, simple_plan
@@ -35,7 +35,7 @@ ROWWISE = FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6)
 
 
 def _tier() -> MemoryTier:
-    return MemoryTier.HOST if test_device() == "cpu" else MemoryTier.HBM
+    return MemoryTier.HOST if device_kind() == "cpu" else MemoryTier.HBM
 
 
 def _plan(world_size: int):

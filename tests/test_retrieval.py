@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import run_distributed, test_device
+from dist_harness import device_kind, run_distributed
 
 from embshard import simple_plan
 from embshard.geometry import row_blocks
@@ -96,7 +96,7 @@ def worker(rank, world, device):
 
 @pytest.fixture(
     scope="module",
-    params=[w for w in (1, 2, 3) if test_device() == "cpu" or w <= torch.cuda.device_count()],
+    params=[w for w in (1, 2, 3) if device_kind() == "cpu" or w <= torch.cuda.device_count()],
     ids=lambda w: f"world{w}",
 )
 def ranks(request):

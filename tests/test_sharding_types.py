@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from dist_harness import run_distributed, test_device
+from dist_harness import device_kind, run_distributed
 from parity import check_parity, sharded_worker
 from parity import column_blocks as column_blocks_of
 
@@ -97,7 +97,7 @@ LOCAL_WORLD = {1: 1, 2: 1, 3: 3, 4: 2}  # ranks per host: world 2 is 2 hosts x 1
 COLUMN_SHARDS = 3  # column blocks per column-wise table (fewer when the width has fewer units of 4)
 STEPS = 3
 
-if test_device() == "cpu":
+if device_kind() == "cpu":
     WORLD_SIZES = [1, 2, 3, 4]
 else:
     WORLD_SIZES = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()]

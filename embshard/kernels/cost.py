@@ -134,7 +134,18 @@ def eligible(rows, cols, elem_bytes, tier_is_hbm, l2_bytes, max_l2_share: float 
     return (np.asarray(elem_bytes) == 4) & np.asarray(tier_is_hbm, dtype=bool) & (2 * table <= max_l2_share * l2_bytes)
 
 
-def choose_small_tables(fbgemm_s, small_s, hot_s, ok, margin: float = 0.9):
+MARGIN = 0.9
+"""The small-table kernel is chosen only where it is predicted below this share of FBGEMM's time."""
+
+
+def faster_alone(fbgemm_s, small_s, ok, margin: float = MARGIN):
+    """Tables where the small-table kernel may run (`ok`, from `eligible`) and its own forward + backward
+    (`small_s`, without the hot chain) is below `margin` times FBGEMM's (`fbgemm_s`): the first step of
+    `choose_small_tables`, which the planner takes per table before it knows the groups."""
+    return np.asarray(ok, dtype=bool) & (np.asarray(small_s, dtype=float) < margin * np.asarray(fbgemm_s, dtype=float))
+
+
+def choose_small_tables(fbgemm_s, small_s, hot_s, ok, margin: float = MARGIN):
     """Which tables of one group (the tables a rank's lookup of one sharding scheme holds) the small-table kernel
     takes: first each table where it may (`ok`, from `eligible`) and its own forward + backward (`small_s`, without
     the hot chain) is below `margin` times FBGEMM's (`fbgemm_s`, forward + backward); then all of those together
@@ -143,7 +154,7 @@ def choose_small_tables(fbgemm_s, small_s, hot_s, ok, margin: float = 0.9):
     fbgemm_s, small_s, hot_s = (
         np.broadcast_to(np.asarray(x, dtype=float), np.shape(small_s)) for x in (fbgemm_s, small_s, hot_s)
     )
-    pick = np.asarray(ok, dtype=bool) & (small_s < margin * fbgemm_s)
+    pick = faster_alone(fbgemm_s, small_s, np.broadcast_to(ok, np.shape(small_s)), margin).copy()
     if pick.any() and small_s[pick].sum() + hot_s[pick].max() >= margin * fbgemm_s[pick].sum():
         pick[:] = False
     return pick

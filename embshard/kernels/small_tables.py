@@ -352,6 +352,15 @@ class SmallTableLookup(nn.Module):
             out.append(self.weights[gi].data[r0 : r0 + s.shard.num_rows])
         return out
 
+    @property
+    def optimizer_step(self) -> int:
+        """Steps the optimizer has taken (Adam's bias-correction count)."""
+        return self._step
+
+    @optimizer_step.setter
+    def optimizer_step(self, step: int) -> None:
+        self._step = step
+
     def shard_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         """Each shard's optimizer state (views; names as embshard.optim.optimizer_state: 'm' [, 'v'])."""
         out = []

@@ -126,6 +126,8 @@ class TBELookup(nn.Module):
     def optimizer_step(self, step: int) -> None:
         if self.optimizer.kind is OptimizerKind.ADAM:
             self.tbe.iter.fill_(step)
+            if hasattr(self.tbe, "iter_cpu"):  # FBGEMM counts on this host copy once it is non-zero
+                self.tbe.iter_cpu.fill_(step)
 
     def drop_cache(self) -> None:
         """Forget every cached row (after flushing nothing is lost); later lookups reload them from UVM."""

@@ -157,7 +157,7 @@ def topology_for(
             )
         topo = Topology.load(cfg.topology_file).with_sizes(world_size, local_world_size)
     else:
-        topo = Topology.detect(world_size, local_world_size)
+        topo = Topology.detect(world_size, local_world_size, device_type)
     topo = topo.with_sizes(hbm_gib=cfg.hbm_gib, ddr_gib=cfg.ddr_gib)
     if device_type is not None and topo.compute_device != device_type:
         where = f"planner.topology_file={cfg.topology_file!r}" if cfg.topology_file else "this machine"

@@ -112,10 +112,10 @@ class ExactColumnSharding(RoutedSharding):
             pos = 0
             for j, s in enumerate(lk.shards):
                 n = len(s.features)
-                if self._exact[i]:
+                if self._exact[i]:  # columns of the exact lookups' output (the uvm_caching ones are not in it)
                     cols = [col + k * s.shard.num_cols for k in range(n)]
                     self._mine.setdefault(s.table_index, []).append((i, j, list(range(pos, pos + n)), cols))
-                col += n * s.shard.num_cols
+                    col += n * s.shard.num_cols
                 pos += n
         self._key_base = np.cumsum([0] + [len(lk.features) for lk in self.lookups]).tolist()
         self._device = ctx.device
@@ -158,6 +158,10 @@ class ExactColumnSharding(RoutedSharding):
         sq_local: dict[int, torch.Tensor] = {}
         for t, blocks in sorted(self._mine.items()) if Bg else []:
             rows, inverse, bag, weight = self._touched(inp, blocks[0])
+            # Deterministic sums per touched row (no atomics): ids in row order, one segment per row.
+            order = torch.argsort(inverse, stable=True)
+            counts_U = torch.bincount(inverse, minlength=rows.numel())
+            bag, weight = bag[order], weight[order] if weight is not None else None
             g_per_block = []
             for i, j, _, cols in blocks:
                 w_RD = self.lookups[i].shard_weights()[j]
@@ -165,7 +169,7 @@ class ExactColumnSharding(RoutedSharding):
                 per_id = torch.cat([grad_BD[:, c : c + width] for c in cols], dim=0).float()[bag]
                 if weight is not None:
                     per_id = per_id * weight.unsqueeze(1)
-                g_UD = per_id.new_zeros(rows.numel(), width).index_add_(0, inverse, per_id)
+                g_UD = torch.segment_reduce(per_id, "sum", lengths=counts_U) if rows.numel() else per_id[:0]
                 if self._opt.weight_decay:
                     g_UD = g_UD + self._opt.weight_decay * w_RD[rows].float()
                 g_per_block.append(g_UD)

@@ -1,0 +1,38 @@
+"""Shared fixtures. Tests run on the CPU (gloo, several processes) by default and on GPUs with
+EMBSHARD_TEST_DEVICE=cuda (NCCL, one process per GPU); a test that only makes sense on one kind says so with
+`cpu_only` / `cuda_only`, and a distributed test needing more GPUs than are visible skips itself
+(dist_harness.run_distributed).
+
+- `device`: the device a single-process test computes on.
+- `run`: `run(fn, world_size, *args)` calls fn(rank, world_size, device, *args) on that many processes and returns
+  every rank's result (dist_harness.run_distributed).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # the helpers (dist_harness, parity, reference, ...) for every test
+
+from dist_harness import device_kind, run_distributed  # noqa: E402
+
+cpu_only = pytest.mark.skipif(device_kind() != "cpu", reason="CPU-only behaviour (EMBSHARD_TEST_DEVICE=cpu)")
+cuda_only = pytest.mark.skipif(
+    device_kind() != "cuda" or not torch.cuda.is_available(), reason="needs EMBSHARD_TEST_DEVICE=cuda and a GPU"
+)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device of a single-process test: cuda:0 under EMBSHARD_TEST_DEVICE=cuda, else the CPU."""
+    return torch.device("cuda", 0) if device_kind() == "cuda" else torch.device("cpu")
+
+
+@pytest.fixture
+def run():
+    """run(fn, world_size, *args, pg_timeout_s=...) -> every rank's result (dist_harness.run_distributed)."""
+    return run_distributed

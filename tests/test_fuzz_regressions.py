@@ -1,0 +1,123 @@
+"""Failures the fuzzer (test_fuzz.py) found, minimised to small cases, trained and compared with the reference
+exactly as the fuzzer does. A case whose bug is not fixed yet is xfail(strict=True) with its reason.
+
+Each case is pasted from the fuzzer's failure report (`case_source`), then cut down; `on_device` moves the 'host'
+tier to 'hbm' when the tests run on GPUs (EMBSHARD_TEST_DEVICE=cuda).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from dist_harness import device_kind as device_kind
+from fuzz_cases import Case, has_exact_option
+from fuzz_check import run_cases
+
+from embshard import FusedOptimizerConfig, ShardingPlan, TableConfig
+from embshard.plan import Shard, TablePlan
+
+
+def on_device(case: Case) -> Case:
+    """The case with tier 'host' replaced by 'hbm' on GPUs."""
+    if device_kind() == "cpu":
+        return case
+    tables = tuple(replace(tp, tier="hbm") if tp.tier.value == "host" else tp for tp in case.plan.tables)
+    return replace(case, plan=ShardingPlan(case.plan.world_size, case.plan.local_world_size, tables))
+
+
+def check(case: Case) -> None:
+    (failure,) = run_cases([replace(on_device(case), rerun="pytest tests/test_fuzz_regressions.py")]).values()
+    assert failure is None, failure
+
+
+# Fuzz seeds 1010 and 1013 (world 2 and 4): a step whose global batch is empty, with Adam or weight decay on the
+# CPU (HostLookup). HostLookup.forward returned a fresh zeros tensor for B == 0, not connected to the weights:
+# the module's output did not require grad on that rank, so its loss.backward() raised ("element 0 of tensors does
+# not require grad") while the ranks without a shard of that scheme (whose empty output does require grad) waited
+# forever in the output all-to-all's backward. Even alone, the step went uncounted: Adam's bias correction then
+# used t - 1 on every later step. Fixed in embshard/lookup.py (embedding_bag also for zero bags).
+EMPTY_GLOBAL_BATCH_ADAM = Case(
+    seed=1010,
+    world_size=1,
+    tables=[TableConfig("t0", 5, 4, ("t0f0",))],
+    plan=ShardingPlan(1, 1, (TablePlan("t0", "table_wise", "host", (Shard(0, 0, 5, 0, 4),)),)),
+    optimizer=FusedOptimizerConfig("adam", lr=0.05, eps=0.1),
+    batch_sizes=[[0], [2], [3]],
+)
+
+
+def test_empty_global_batch_adam():
+    check(EMPTY_GLOBAL_BATCH_ADAM)
+
+
+@pytest.mark.skipif(device_kind() == "cuda", reason="FBGEMM's GPU kernels take weight decay only with rowwise_adagrad")
+def test_empty_global_batch_weight_decay():
+    check(
+        replace(EMPTY_GLOBAL_BATCH_ADAM, optimizer=FusedOptimizerConfig("adagrad", lr=0.1, eps=0.1, weight_decay=0.1))
+    )
+
+
+# Issue 10: column-wise tables under row-wise Adagrad keep one state per row of each column block (the mean of g^2
+# over the block), so they train unlike the unsharded table; LookupOptions(column_wise_exact=True) is to keep one
+# state per full row (the sum of g^2 combined over the blocks). The fuzzer draws the option once it exists.
+COLUMN_WISE_EXACT = Case(
+    seed=77,
+    world_size=1,
+    tables=[TableConfig("t0", 23, 20, ("t0f0", "t0f1"), pooling="mean")],
+    plan=ShardingPlan(1, 1, (TablePlan("t0", "column_wise", "host", (Shard(0, 0, 23, 0, 4), Shard(0, 0, 23, 4, 16))),)),
+    optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=0.1),
+    batch_sizes=[[5], [4], [6]],
+    options={"column_wise_exact": True},
+)
+
+
+@pytest.mark.xfail(
+    not has_exact_option(), strict=True, reason="LookupOptions(column_wise_exact) is not in embshard yet"
+)
+def test_column_wise_exact_rowwise_adagrad_matches_the_unsharded_table():
+    check(COLUMN_WISE_EXACT)
+
+
+def test_column_wise_per_block_rowwise_adagrad_matches_the_per_block_reference():
+    check(replace(COLUMN_WISE_EXACT, options={"column_wise_exact": False} if has_exact_option() else {}))
+
+
+# Fuzz seed 1042 on 1 GPU: a column-wise table in uvm_caching (per-block state, its own fused update) beside an
+# exact column-wise table in hbm. The exact update read its gradient columns at offsets counted over every lookup's
+# output, not only the exact lookups' ("source tensor shape must match", or the wrong columns). Fixed in
+# sharding/column_wise.py. Needs a GPU tier. Seeds 1000, 1029, 1045, 1088 (Adam with an empty global batch on GPU):
+# the skipped step was counted in FBGEMM's `iter` but not in its host copy `iter_cpu`, which Adam reads.
+COLUMN_WISE_EXACT_BESIDE_CACHING = Case(
+    seed=1042,
+    world_size=1,
+    tables=[
+        TableConfig("t0", 2, 12, ("t0f0",)),
+        TableConfig("t2", 1, 4, ("t2f0",), pooling="mean"),
+        TableConfig("t3", 4786, 16, ("t3f0", "t3f1")),
+    ],
+    plan=ShardingPlan(
+        1,
+        1,
+        (
+            TablePlan("t0", "column_wise", "uvm_caching", (Shard(0, 0, 2, 0, 12),), cache_load_factor=0.1),
+            TablePlan("t3", "row_wise", "hbm", (Shard(0, 0, 4786, 0, 16),)),
+            TablePlan("t2", "column_wise", "hbm", (Shard(0, 0, 1, 0, 4),)),
+        ),
+    ),
+    optimizer=FusedOptimizerConfig("rowwise_adagrad", eps=0.1),
+    batch_sizes=[[0], [5]],
+)
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="needs a GPU tier (uvm_caching)")
+def test_column_wise_exact_beside_a_caching_column_wise_table():
+    check(COLUMN_WISE_EXACT_BESIDE_CACHING)
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="FBGEMM's GPU Adam (on the CPU Adam runs in HostLookup)")
+def test_adam_counts_an_empty_global_batch_on_gpu():
+    tables = [TableConfig("t", 40, 8, ("f",))]
+    plan = ShardingPlan(1, 1, (TablePlan("t", "table_wise", "hbm", (Shard(0, 0, 40, 0, 8),)),))
+    opt = FusedOptimizerConfig("adam", lr=0.05, eps=0.1)
+    check(Case(seed=7, world_size=1, tables=tables, plan=plan, optimizer=opt, batch_sizes=[[3], [0], [4], [2]]))
