@@ -29,7 +29,7 @@ from ckpt_cases import (
     toy_run,
     train,
 )
-from dist_harness import run_distributed, test_device
+from dist_harness import device_kind, run_distributed
 
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint
 from embshard.checkpoint.cli import main as checkpoint_cli
@@ -130,7 +130,7 @@ def loaded(request, saved, spawned_loads):
     folder, _ = saved
     world = request.param
     if world == 1:  # one rank: in this process, without torch.distributed
-        return world, [_load_worker(0, 1, torch.device(test_device()), str(folder))[1]]
+        return world, [_load_worker(0, 1, torch.device(device_kind()), str(folder))[1]]
     return world, [r[world] for r in spawned_loads[:world]]
 
 
