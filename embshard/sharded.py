@@ -401,8 +401,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 lookup.optimizer_step = int(step)
 
     def drop_caches(self) -> None:
-        """Forget every UVM-cached row (no-op for other tiers): call it after writing into the weights that
-        `local_shards()` returned (loading a checkpoint), so no stale cached row hides the new values."""
+        """Write every UVM-cached row back and empty the caches (no-op for other tiers). Call it BEFORE writing
+        into the weights that `local_shards()` returned (loading a checkpoint): FBGEMM's flush keeps rows cached,
+        and a flush after the write would put those old rows back over the new values."""
         for scheme in self.schemes:
             for lookup in scheme.lookups:
                 lookup.drop_cache()

@@ -11,22 +11,25 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from dist_harness import device_kind
 from parity import random_batches, to_kjt
 from torch import nn
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.checkpoint import Checkpointer, TrainState
 from embshard.options import LookupOptions
-from embshard.plan import ShardingType
+from embshard.plan import MemoryTier, ShardingType
 from embshard.sharded import ShardedEmbeddingBagCollection
 
+CUDA = device_kind() == "cuda"
+TIER = MemoryTier.HBM if CUDA else MemoryTier.HOST
 TABLES = [
     TableConfig("a", 70, 8, ("fa",), ids_per_bag=2),
     TableConfig("b", 130, 16, ("fb1", "fb2"), ids_per_bag=2),
     TableConfig("c", 50, 12, ("fc",), pooling="mean", ids_per_bag=3),
     TableConfig("d", 40, 8, ("fd",), weighted=True, ids_per_bag=2),
     TableConfig("e", 90, 16, ("fe",), ids_per_bag=2),
-    TableConfig("f", 33, 8, ("ff",), data_type="fp16", ids_per_bag=2),
+    TableConfig("f", 33, 8, ("ff",), data_type="fp32" if CUDA else "fp16", ids_per_bag=2),  # GPU Adam: no fp16
 ]
 TYPES = ["table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise"]
 OPTIMIZERS = {
@@ -44,7 +47,7 @@ LOCAL_WORLD = {1: 1, 2: 2, 3: 3, 4: 2}
 def plan_for(world: int, rotation: int, column_shards: int = 2):
     """Table i gets sharding type TYPES[(i + rotation) % 5]."""
     types = {t.name: TYPES[(i + rotation) % len(TYPES)] for i, t in enumerate(TABLES)}
-    return simple_plan(TABLES, world, LOCAL_WORLD[world], types, column_shards=column_shards)
+    return simple_plan(TABLES, world, LOCAL_WORLD[world], types, tier=TIER, column_shards=column_shards)
 
 
 def gather(items: list, group=None) -> list:
@@ -127,17 +130,17 @@ class _ScaleGrad(torch.autograd.Function):
 def toy(world, device, seed):
     """(TrainState, step function) of the small model."""
     types_a = {"u": "column_wise", "w": "row_wise"}
-    plan_a = simple_plan(TOY_A, world, world, types_a)
-    plan_b = simple_plan(TOY_B, world, world, {"x": "table_wise"})
+    plan_a = simple_plan(TOY_A, world, world, types_a, tier=TIER)
+    plan_b = simple_plan(TOY_B, world, world, {"x": "table_wise"}, tier=TIER)
     ebc_a = ShardedEmbeddingBagCollection(TOY_A, plan_a, OPTIMIZERS["rowwise"], device=device, seed=seed)
     ebc_b = ShardedEmbeddingBagCollection(TOY_B, plan_b, OPTIMIZERS["adam"], device=device, seed=seed)
     torch.manual_seed(seed)  # a training script seeds every stream at the start
     np.random.seed(seed)
     random.seed(seed)
     width = NUM_DENSE + 8 + 12 + 8
-    dense: nn.Module = nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, 1))
+    dense: nn.Module = nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
     if world > 1:
-        dense = nn.parallel.DistributedDataParallel(dense)
+        dense = nn.parallel.DistributedDataParallel(dense, device_ids=[device.index] if CUDA else None)
     opt = torch.optim.Adam(dense.parameters(), lr=0.01)
     state = TrainState({"ebc": ebc_a, "extra": ebc_b}, dense, opt)
 
@@ -215,7 +218,7 @@ def catalog_model(world, device, seed, item_plan="row_wise", user_plan="table_wi
     overrides += ["data.synthetic.affinity.clusters=10", "schedule.batch_size=16", f"seed={seed}"]
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs/two_tower_synthetic_1m.yaml"), overrides)
     tables = list(cfg.model.tables)
-    plan = simple_plan(tables, world, world, {"t_user": user_plan, "t_item": item_plan})
+    plan = simple_plan(tables, world, world, {"t_user": user_plan, "t_item": item_plan}, tier=TIER)
     rank = dist.get_rank() if dist.is_initialized() else 0
     source = build_source(cfg.data, tables, cfg.schedule.batch_size, cfg.seed, rank, world)
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed)

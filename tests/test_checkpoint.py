@@ -126,12 +126,15 @@ def spawned_loads(saved):
 
 
 @pytest.fixture(scope="module", params=sorted(LOADS), ids=lambda w: f"load_on_{w}")
-def loaded(request, saved, spawned_loads):
+def loaded(request, saved):
     folder, _ = saved
     world = request.param
     if world == 1:  # one rank: in this process, without torch.distributed
         return world, [_load_worker(0, 1, torch.device(device_kind()), str(folder))[1]]
-    return world, [r[world] for r in spawned_loads[:world]]
+    return world, [r[world] for r in request.getfixturevalue("spawned_loads")[:world]]
+
+
+EXACT = device_kind() == "cpu"  # bitwise resume on the CPU; on GPUs the kernels may sum in another order
 
 
 def _equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -275,9 +278,12 @@ def test_resume_is_bitwise_the_straight_run(saved):
     for rank, r in enumerate(ranks):
         straight, first, resumed = r["straight"], r["first"], r["resumed"]
         assert resumed["position"] == {"batches": 10, "rank": rank}
-        assert first["losses"] + resumed["losses"] == straight["losses"], f"rank {rank}: losses"
+        if EXACT:
+            assert first["losses"] + resumed["losses"] == straight["losses"], f"rank {rank}: losses"
+        else:
+            assert first["losses"] + resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5)
         assert resumed["steps"] == straight["steps"] and resumed["draws"] == straight["draws"]
-        _same_model(resumed, straight, f"rank {rank}", exact=True)
+        _same_model(resumed, straight, f"rank {rank}", exact=EXACT)
 
 
 def _same_model(got: dict, want: dict, where: str, exact: bool) -> None:
@@ -345,3 +351,53 @@ def test_inspect_and_export(saved, tmp_path, capsys):
     with pytest.raises(SystemExit):
         checkpoint_cli(["export", f"{folder}/adam", "--out", str(tmp_path / "x"), "--tables", "nope"])
     assert "'nope'" in capsys.readouterr().err
+
+
+def _uvm_worker(rank, world, device, folder, opt):
+    from ckpt_cases import TABLES, build, random_batches, to_kjt
+
+    from embshard import simple_plan
+    from embshard.plan import MemoryTier
+
+    types = {t.name: "table_wise" for t in TABLES}
+
+    def plan(tier):
+        return simple_plan(TABLES, 1, 1, types, tier=tier)
+
+    keys = [f for t in TABLES for f in t.feature_names]
+    (probe,), _ = random_batches(TABLES, [16], 1, 77)[0]
+    uvm = build(device, opt, plan(MemoryTier.UVM_CACHING))
+    train(uvm, 0, 1, device, 3, seed=1)  # rows updated in the cache
+    ckpt = Checkpointer(TrainState({"ebc": uvm}), f"{folder}/uvm", chunk_bytes=CHUNK_BYTES)
+    ckpt.save(3)  # must write the cached rows back first
+    ckpt.close()
+    want = full_state(uvm)
+    hbm = build(device, opt, plan(MemoryTier.HBM), seed=5)
+    load_checkpoint(latest(f"{folder}/uvm"), TrainState({"ebc": hbm}), chunk_bytes=CHUNK_BYTES)
+    in_hbm = full_state(hbm)
+    back = build(device, opt, plan(MemoryTier.UVM_CACHING), seed=9)
+    with torch.no_grad():
+        back(to_kjt(probe, keys, device))  # its cache now holds the probe's rows of the seed-9 weights
+    ckpt = Checkpointer(TrainState({"ebc": hbm}), f"{folder}/hbm", async_save=False)
+    ckpt.save(3)
+    ckpt.close()
+    load_checkpoint(latest(f"{folder}/hbm"), TrainState({"ebc": back}))
+    with torch.no_grad():
+        pooled_back = back(to_kjt(probe, keys, device)).values().cpu()  # before full_state (which flushes)
+        pooled_hbm = hbm(to_kjt(probe, keys, device)).values().cpu()
+    return want, in_hbm, full_state(back), pooled_back, pooled_hbm
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="UVM-caching needs a GPU")
+@pytest.mark.parametrize("opt", ["rowwise", "adam"])
+def test_uvm_caching_and_back(tmp_path, opt):
+    """Trained in UVM-caching (updated rows in the cache), saved, loaded into HBM: the same weights and state;
+    saved from HBM and loaded into a UVM-caching model whose cache held stale rows: the same again, and its lookups
+    pool the loaded rows, not the stale cached ones."""
+    want, in_hbm, back, pooled_back, pooled_hbm = run_distributed(_uvm_worker, 1, str(tmp_path), opt)[0]
+    for table, st in want.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                _equal(in_hbm[table][k], v, f"uvm_caching -> hbm: {table} {k}")
+                _equal(back[table][k], v, f"hbm -> uvm_caching: {table} {k}")
+    torch.testing.assert_close(pooled_back, pooled_hbm, rtol=1e-5, atol=1e-6)

@@ -1,7 +1,7 @@
 """Load a checkpoint into a training run of any world size and plan: every rank, on its own (no collective),
 reads the rows its shards need (layout.load_targets) straight into its live tensors with DCP's resharding reads,
 one saved chunk at a time; then the dense part, Adam's step counts, and (same world size only) its data position
-and random number generator states. UVM caches are dropped after the weights are written."""
+and random number generator states. UVM caches are written back and emptied before the weights are written."""
 
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ def load_checkpoint(
     plain: dict[str, Any] = {}
     saved_collections = manifest["collections"]
     for prefix, ebc in state.collections.items():
+        ebc.drop_caches()  # UVM-caching: written back and emptied BEFORE the weights are written (sharded.py)
         saved = saved_collections.get(prefix)
         try:
             check_tables(ebc, prefix, saved["tables"] if saved else None, where)
@@ -125,7 +126,6 @@ def load_checkpoint(
         set_dense_state(state, loaded["dense"])
     for prefix, ebc in state.collections.items():
         ebc.optimizer_step = int(loaded[f"{prefix}/optimizer_step"])
-        ebc.drop_caches()
     for name, counter in state.counters.items():
         counter.set(int(loaded[name]))
     position: Any = manifest["step"]
