@@ -62,3 +62,25 @@ def test_a_save_killed_midway_never_loads(tmp_path):
         ckpt.close()
         assert latest(folder) == killed and not (folder / "step_1").exists()
         assert read_manifest(killed)["step"] == 2
+
+
+def test_folder_protocol(tmp_path):
+    """`latest` takes the highest committed step; after committing step N, `prune` keeps the K newest committed
+    checkpoints up to N and removes uncommitted folders below N and every folder above N (another run's)."""
+    from embshard.checkpoint import storage
+
+    for step, committed in ((1, True), (2, False), (3, True), (4, True), (6, True), (7, False), (9, True)):
+        path = storage.step_dir(tmp_path, step)
+        path.mkdir()
+        if committed:
+            storage.commit(path, {"step": step})
+    assert storage.latest(tmp_path) == tmp_path / "step_9"
+    gone = storage.prune(tmp_path, keep=2, current=4)
+    assert sorted(p.name for p in gone) == ["step_1", "step_2", "step_6", "step_7", "step_9"]
+    assert [(s, ok) for s, _, ok in storage.checkpoints(tmp_path)] == [(3, True), (4, True)]
+    assert storage.latest(tmp_path) == tmp_path / "step_4"
+    (tmp_path / "old.pt").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="old single-file format"):
+        read_manifest(tmp_path / "old.pt")
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_manifest(tmp_path / "step_5")

@@ -154,6 +154,10 @@ class Checkpointer:
                 return 0, None
         resumed: Resumed = load_checkpoint(path, self.state, self.chunk_bytes)
         self.log(f"resumed from {path} at step {resumed.step}")
+        later = [s for s, _, _ in storage.checkpoints(self.folder)] if self.folder is not None else []
+        later = [s for s in later if s > resumed.step]
+        if later:
+            self.log(f"{self.folder} holds checkpoints of later steps {later}: the first save of this run removes them")
         return resumed.step, resumed.position
 
     # ---- save --------------------------------------------------------------------------------------------
@@ -178,6 +182,8 @@ class Checkpointer:
             chunks = self._snapshot(chunks)
             plain = host_copy(plain)
             stats.blocking_s = time.perf_counter() - t0
+            self.log(f"checkpoint step {step}: {stats.bytes / 2**20:.1f} MiB copied in {stats.blocking_s:.2f} s, written "
+                     "in the background")  # fmt: skip
             self._thread = threading.Thread(
                 target=self._run, args=(path, chunks, plain, info, stats), name=f"checkpoint-{step}", daemon=True
             )

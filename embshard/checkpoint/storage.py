@@ -8,7 +8,8 @@ A checkpoint is one folder `DIR/step_<N>/`:
     COMMIT          written last, atomically (temporary file, fsync, rename): only then the checkpoint exists
 
 `latest(DIR)` is the committed checkpoint with the highest step; a folder without COMMIT (a save that was killed)
-is never loaded, and is removed by the next save. The data are a standard DCP checkpoint: the tables' pieces
+is never loaded, and is removed by the next save, as are checkpoints of later steps than the one just saved (left
+by a run that went further: a run resumed from an earlier step replaces its future). The data are a standard DCP checkpoint: the tables' pieces
 are chunks of logical tensors (as TorchRec's ShardedTensors save them), written and read by the planners here,
 which take pieces (layout.Piece) instead of a state dict's tensors, so any process can read any rows of any
 logical tensor, with or without a process group (DCP's resharding: `create_read_items_for_chunk_list`).
@@ -111,11 +112,13 @@ def commit(path: Path, info: dict) -> None:
 
 
 def prune(folder: Path, keep: int, current: int) -> list[Path]:
-    """Delete committed checkpoints older than the `keep` newest (keep 0: none) and uncommitted folders below
-    step `current` (saves that were killed); returns what was deleted."""
+    """After committing step `current`: delete checkpoints of later steps (another run's, which went further from
+    an earlier point: not this run's future, and `latest` must not pick them), committed ones older than the
+    `keep` newest (keep 0: none), and uncommitted folders (saves that were killed); returns what was deleted."""
     found = checkpoints(folder)
-    done = [p for _, p, ok in found if ok]
-    gone = done[:-keep] if keep > 0 else []
+    gone = [p for s, p, _ in found if s > current]
+    done = [p for s, p, ok in found if ok and s <= current]
+    gone += done[:-keep] if keep > 0 else []
     gone += [p for s, p, ok in found if not ok and s < current]
     for p in gone:
         remove(p)
