@@ -44,31 +44,34 @@ class SaveStats:
     done: bool = False
 
 
-def _collect(state: TrainState, position: Any) -> tuple[list[Piece], dict[str, Any], bool]:
-    """This rank's pieces (live views), the plain state dict (dense part, step counts) to save, and whether every
-    rank has a data position (else the run resumes by step count). One all-gather of small objects."""
+def _collect(state: TrainState, position: Any) -> tuple[list[Piece], dict[str, Any], bool, list[str]]:
+    """This rank's pieces (live views), the plain state dict (dense part, step counts) to save, whether every
+    rank has a data position (else the run resumes by step count), and the row tensors' names on any rank. One
+    all-gather of small objects."""
     pieces: list[Piece] = []
     steps = {}
     for prefix, ebc in state.collections.items():
         pieces += save_pieces(ebc, prefix)
         steps[prefix] = ebc.optimizer_step
-    everyone = [(steps, position is not None)]
+    mine = (steps, position is not None, sorted({p.key for p in state.row_tensors}))
+    everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (steps, position is not None))
+        dist.all_gather_object(everyone, mine)
     plain: dict[str, Any] = {}
     for prefix in steps:  # the ranks' lookups step together; a rank without lookups counts 0
-        plain[f"{prefix}/optimizer_step"] = torch.tensor(max(s[prefix] for s, _ in everyone), dtype=torch.int64)
+        plain[f"{prefix}/optimizer_step"] = torch.tensor(max(e[0][prefix] for e in everyone), dtype=torch.int64)
     pieces += list(state.row_tensors)
     for name, counter in state.counters.items():
         plain[name] = torch.tensor(int(counter.get()), dtype=torch.int64)
     dense = dense_state(state)
     if dense:
         plain["dense"] = dense
-    return pieces, plain, all(has for _, has in everyone)
+    row_names = sorted({k for e in everyone for k in e[2]})  # a rank holding no rows of them has none
+    return pieces, plain, all(e[1] for e in everyone), row_names
 
 
-def manifest(state: TrainState, step: int, world: int, config: Any, positions: bool) -> dict:
+def manifest(state: TrainState, step: int, world: int, config: Any, positions: bool, row_names: list[str]) -> dict:
     """The manifest of a checkpoint of `state` at `step`."""
     from dataclasses import asdict
 
@@ -88,7 +91,7 @@ def manifest(state: TrainState, step: int, world: int, config: Any, positions: b
         "world_size": world,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "collections": collections,
-        "row_tensors": sorted({p.key for p in state.row_tensors}),
+        "row_tensors": row_names,
         "counters": sorted(state.counters),
         "dense": state.dense is not None,
         "dense_optimizer": type(opt).__name__ if opt is not None else None,
@@ -100,7 +103,7 @@ def manifest(state: TrainState, step: int, world: int, config: Any, positions: b
 class Checkpointer:
     """Saves a run every so often and resumes it (collective: every rank builds it and calls `save` together).
 
-        ckpt = Checkpointer(state, folder, every=..., keep_last=3, async_save=True)
+        ckpt = Checkpointer(state, folder, keep_last=3, async_save=True)
         start, position = ckpt.resume(resume_from)       # (0, None) when there is nothing to resume
         for step in range(start + 1, total + 1):
             batch = next(batches); ...train on it...
@@ -170,13 +173,13 @@ class Checkpointer:
         self.wait()
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # its own group: the writer thread's collectives
-        pieces, plain, positions = _collect(self.state, position)
+        pieces, plain, positions, row_names = _collect(self.state, position)
         record = {"position": position if positions else None, "rng": rng_states()}
         plain[f"rank/{self.rank}"] = storage.to_json(record)
         chunks = [c for p in pieces for c in split_rows(p, self.chunk_bytes)]
         path = storage.step_dir(self.folder, step)
         stats = SaveStats(step, str(path), bytes=sum(c.nbytes for c in chunks))
-        info = manifest(self.state, step, self.world, self.config, positions)
+        info = manifest(self.state, step, self.world, self.config, positions, row_names)
         self.history.append(stats)
         if self.async_save:
             chunks = self._snapshot(chunks)
