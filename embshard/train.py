@@ -131,7 +131,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     """One rank's training job."""
     from tqdm import tqdm
 
-    from embshard.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+    from embshard.checkpoint import checkpointer
     from embshard.data import build_source
     from embshard.distributed import init_distributed
     from embshard.models.build import RecModel
@@ -153,15 +153,9 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
-    start = 0
     ck = cfg.checkpoint
-    if ck.resume_from:
-        path = latest_checkpoint(ck.dir or ".") if ck.resume_from == "latest" else ck.resume_from
-        if path is None:
-            report.line(f"checkpoint.resume_from=latest: no checkpoint in {ck.dir!r} yet; starting from step 0")
-        else:
-            start = load_checkpoint(path, model, dense_opt)
-            report.line(f"resumed from {path} at step {start}")
+    ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
+    start, position = ckpt.resume(ck.resume_from)  # position: after the last trained batch (or the step count)
 
     def do_eval(step: int) -> None:
         m = evaluate(model, source, device)
@@ -182,11 +176,13 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         dynamic_ncols=True,
     )
     window = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps
-    t0, batches = time.time(), source.train_batches(start)
+    t0, batches = time.time(), source.train_batches(position if position is not None else start)
     step = start
     for step in range(start + 1, total + 1):
         model.ebc.step = step  # every rank agrees on it (checked), and errors name it
-        out = model.step(next(batches).to(device), check_finite=cfg.runtime.nan_check)
+        batch = next(batches)
+        out = model.step(batch.to(device), check_finite=cfg.runtime.nan_check)
+        position = getattr(batch, "position", None)  # the data position after the last TRAINED batch
         dense_opt.zero_grad(set_to_none=True)
         out.loss.backward()
         dense_opt.step()
@@ -203,12 +199,14 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         if sched.eval_every and step % sched.eval_every == 0 and step != total:
             do_eval(step)
         if ck.dir and ck.every and step % ck.every == 0 and step != total:
-            save_checkpoint(checkpoint_path(ck.dir, step), model, dense_opt, step)
+            ckpt.save(step, position)
     bar.close()
     do_eval(step)
-    if ck.dir:
-        save_checkpoint(checkpoint_path(ck.dir, step), model, dense_opt, step)
-        report.line(f"saved checkpoint {checkpoint_path(ck.dir, step)}")
+    if ck.dir and step > start:
+        ckpt.save(step, position)
+    ckpt.close()
+    if ck.dir and step > start:
+        report.line(f"saved checkpoint {ckpt.history[-1].path}")
     report.close()
     dist.destroy_process_group()
 

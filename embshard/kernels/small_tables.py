@@ -377,6 +377,15 @@ class SmallTableLookup(nn.Module):
             out.append({k: v[r0 : r0 + s.shard.num_rows] for k, v in self._state[gi].items()})
         return out
 
+    @property
+    def optimizer_step(self) -> int:
+        """Steps the optimizer has taken (Adam's bias-correction count)."""
+        return self._step
+
+    @optimizer_step.setter
+    def optimizer_step(self, step: int) -> None:
+        self._step = step
+
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
         """No cache: nothing to do."""
 
