@@ -6,13 +6,13 @@ straight and resumed. Full tables and optimizer states are assembled here indepe
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from dist_harness import device_kind
 from parity import random_batches, to_kjt
+from paths import ROOT
 from torch import nn
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
@@ -216,7 +216,7 @@ def catalog_model(world, device, seed, item_plan="row_wise", user_plan="table_wi
     overrides = ["model.tables[0].num_embeddings=300", "model.tables[1].num_embeddings=1000"]
     overrides += ["model.two_tower.loss=sampled_softmax", "model.two_tower.sampled_softmax.num_negatives=64"]
     overrides += ["data.synthetic.affinity.clusters=10", "schedule.batch_size=16", f"seed={seed}"]
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs/two_tower_synthetic_1m.yaml"), overrides)
+    cfg = load_config(str(ROOT / "configs/two_tower_synthetic_1m.yaml"), overrides)
     tables = list(cfg.model.tables)
     plan = simple_plan(tables, world, world, {"t_user": user_plan, "t_item": item_plan}, tier=TIER)
     rank = dist.get_rank() if dist.is_initialized() else 0

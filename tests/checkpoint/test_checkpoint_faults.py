@@ -15,17 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_cases import build, full_state, plan_for
+from paths import ROOT, TESTS
 
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint, read_manifest
 from embshard.tables import ConfigError
 
-HERE = Path(__file__).resolve().parent
-
 
 def _start(folder: Path, where: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, str(HERE / "ckpt_faults.py"), "save", str(folder), where]
+    cmd = [sys.executable, str(TESTS / "ckpt_faults.py"), "save", str(folder), where]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
