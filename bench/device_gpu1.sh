@@ -13,13 +13,13 @@ case "${1:-check}" in
   check)
     timeout 200 python3 bench/kernels.py --check > "$out/check_kernels.log" 2>&1; echo "kernels --check rc $?"
     grep -E "FAIL|ALL PASS" "$out/check_kernels.log" | head -30
-    EMBSHARD_TEST_DEVICE=cuda timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_small_tables.py \
-      tests/test_kernels_regroup.py tests/test_kernels_data_parallel.py tests/test_cross_entropy.py tests/test_tiers_gpu.py \
-      tests/test_regroup.py > "$out/check_tests.log" 2>&1; echo "kernel/tier tests rc $?"
+    EMBSHARD_TEST_DEVICE=cuda timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernels_small_tables.py \
+      tests/kernels/test_kernels_regroup.py tests/kernels/test_kernels_data_parallel.py tests/kernels/test_cross_entropy.py tests/lookup/test_tiers_gpu.py \
+      tests/sharding/test_regroup.py > "$out/check_tests.log" 2>&1; echo "kernel/tier tests rc $?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/check_tests.log" | tail -15 ;;
   tests)
     EMBSHARD_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q -p no:cacheprovider tests --deselect tests/test_train.py \
-      --ignore tests/test_fuzz.py --ignore tests/test_kernels_interpret.py -x > "$out/tests.log" 2>&1; echo "tests rc $?"
+      --ignore tests/test_fuzz.py --ignore tests/kernels/test_kernels_interpret.py -x > "$out/tests.log" 2>&1; echo "tests rc $?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -25 ;;
   bench)
     timeout 330 python3 bench/kernels.py > "$out/bench_kernels.log" 2>&1; echo "kernels rc $?"; tail -45 "$out/bench_kernels.log"

@@ -42,7 +42,7 @@ def line(workload: str, variant: str, report: PlanReport, plan_file: Path | None
     host = ",".join(f"{float(r.storage.ddr) / GIB:.2f}" for r in report.ranks)
     kinds: dict[str, int] = {}
     for t in report.tables:
-        key = f"{t.sharding}/{t.tier}"
+        key = f"{t.sharding}/{t.tier}" + (f"/{t.kernel}" if t.kernel != "fbgemm" else "")
         kinds[key] = kinds.get(key, 0) + 1
     mix = ",".join(f"{k}:{v}" for k, v in sorted(kinds.items()))
     return (

@@ -9,6 +9,8 @@ COMMANDS = {
     "train": ("embshard.train", "train a YAML-configured model (torchrun, or --nproc N local processes)"),
     "plan": ("embshard.planner.tools.cli", "plan a model's sharding without GPUs and print or save the plan"),
     "calibrate": ("embshard.planner.tools.calibrate", "measure this machine's bandwidths into a topology file"),
+    "preprocess": ("embshard.data.preprocess", "convert raw data files (Criteo TSV, CSV, Parquet) to training Parquet"),
+    "checkpoint": ("embshard.checkpoint.cli", "inspect a checkpoint, or export its tables as safetensors files"),
 }
 
 

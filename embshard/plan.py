@@ -223,17 +223,20 @@ class ShardingPlan:
         return cls.from_dict(yaml.safe_load(Path(path).read_text()))
 
     def __str__(self) -> str:
-        rows = [("table", "sharding", "tier", "ranks", "shards (rows x cols @ offset)")]
+        kernels = any(t.kernel is not LookupKernel.FBGEMM for t in self.tables)  # the column only when it says more
+        rows = [("table", "sharding", "tier", *(("kernel",) * kernels), "ranks", "shards (rows x cols @ offset)")]
         for t in self.tables:
             shards = ", ".join(
                 f"r{s.rank}:{s.num_rows}x{s.num_cols}@{s.row_offset},{s.col_offset}" for s in t.shards[:4]
             )
             if len(t.shards) > 4:
                 shards += f", ... ({len(t.shards)} shards)"
-            rows.append((t.table, t.sharding_type.value, t.tier.value, ranks_text(t.ranks), shards))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+            kernel = (t.kernel.value,) * kernels
+            rows.append((t.table, t.sharding_type.value, t.tier.value, *kernel, ranks_text(t.ranks), shards))
+        n = len(rows[0]) - 1
+        widths = [max(len(r[i]) for r in rows) for i in range(n)]
         head = f"ShardingPlan: world_size={self.world_size} local_world_size={self.local_world_size}"
-        lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:n], widths)) + "  " + r[n] for r in rows]
         return "\n".join(lines)
 
 

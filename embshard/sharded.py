@@ -474,6 +474,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     out.append((s.table.name, s.shard, st))
         return out
 
+    @property
+    def optimizer_step(self) -> int:
+        """Steps the fused optimizer has taken on this rank (Adam's bias-correction count): the largest count of
+        its lookups, which step together (0 for optimizers that keep none, or a rank without lookups). Setting it
+        sets every lookup's count (resuming from a checkpoint)."""
+        return max((int(lk.optimizer_step) for s in self.schemes for lk in s.lookups), default=0)
+
+    @optimizer_step.setter
+    def optimizer_step(self, step: int) -> None:
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                lookup.optimizer_step = int(step)
+
+    def drop_caches(self) -> None:
+        """Write every UVM-cached row back and empty the caches (no-op for other tiers). Call it BEFORE writing
+        into the weights that `local_shards()` returned (loading a checkpoint): FBGEMM's flush keeps rows cached,
+        and a flush after the write would put those old rows back over the new values."""
+        for scheme in self.schemes:
+            for lookup in scheme.lookups:
+                lookup.drop_cache()
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every table's full weights (fp32, CPU), assembled on every rank (collective; for tests and small
         models: it holds every table on every rank). Replicated tables are taken from their first replica."""

@@ -103,8 +103,9 @@ def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, 
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     hits: dict[int, torch.Tensor] = {}
     for batch in even_batches(source.eval_batches(), empty_batch(model), host_group, device):
-        out = model.step(batch.to(device))
-        totals[0] += out.loss.double() * batch.size
+        out = model.step(batch.to(device))  # every rank steps, an empty batch too (the exchanges are collective)
+        if batch.size:  # ranks whose held-out data ended first (or had bad rows skipped) step on empty batches
+            totals[0] += out.loss.double() * batch.size
         totals[1] += batch.size
         if out.scores is not None and batch.size:
             auroc.update(torch.sigmoid(out.scores.float()), out.labels.long())
@@ -134,7 +135,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     """One rank's training job."""
     from tqdm import tqdm
 
-    from embshard.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+    from embshard.checkpoint import checkpointer
     from embshard.data import build_source
     from embshard.distributed import init_distributed
     from embshard.models.build import RecModel
@@ -162,23 +163,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
-
-    def save(step: int) -> None:
-        save_checkpoint(checkpoint_path(ck.dir, step), model, dense_opt, step)
-
-    def resume() -> int:
-        """The step to continue from (0: a fresh start)."""
-        if not ck.resume_from:
-            return 0
-        path = latest_checkpoint(ck.dir or ".") if ck.resume_from == "latest" else ck.resume_from
-        if path is None:
-            report.line(f"checkpoint.resume_from=latest: no checkpoint in {ck.dir!r} yet; starting from step 0")
-            return 0
-        step = load_checkpoint(path, model, dense_opt)
-        report.line(f"resumed from {path} at step {step}")
-        return step
-
-    start = resume()
+    ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
+    start, position = ckpt.resume(ck.resume_from)  # position: after the last trained batch (or the step count)
     tr = cfg.training
     pipeline = TrainPipeline(
         model,
@@ -210,14 +196,14 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         dynamic_ncols=True,
     )
     window = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps
-    t0, batches = time.time(), source.train_batches(start)
+    t0, batches = time.time(), source.train_batches(position if position is not None else start)
     step = start
     while step < total:
         # model.ebc.step is set to each batch's step before its training forward (inside the pipeline).
         done = pipeline.progress(batches)
         if done is None:  # every rank's data has ended
             break
-        step = done.step
+        step, position = done.step, done.position  # position: the data position after the last TRAINED batch
         if done.size:  # an empty batch (this rank's data ended first) adds no loss
             window += torch.stack([done.output.loss.detach().double(), torch.ones_like(window[0])])
         bar.update(samples_per_step)
@@ -232,13 +218,15 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         if sched.eval_every and step % sched.eval_every == 0 and step != total:
             do_eval(step)
         if ck.dir and ck.every and step % ck.every == 0 and step != total:
-            save(step)
+            ckpt.save(step, position)
     pipeline.close()
     bar.close()
     do_eval(step)
-    if ck.dir:
-        save(step)
-        report.line(f"saved checkpoint {checkpoint_path(ck.dir, step)}")
+    if ck.dir and step > start:
+        ckpt.save(step, position)
+    ckpt.close()
+    if ck.dir and step > start:
+        report.line(f"saved checkpoint {ckpt.history[-1].path}")
     report.close()
     dist.destroy_process_group()
 

@@ -43,7 +43,8 @@ def train(
         name: job name
         env: extra environment variables, e.g. NCCL_DEBUG=INFO
         rdzv_port: port of the c10d rendezvous store on the first host (multi-host jobs)
-        max_retries: times the scheduler may restart the job after a failure
+        max_retries: times the scheduler may restart the job after a failure (with checkpoint.resume_from=latest
+            it goes on from its newest complete checkpoint)
     """
     if not args:
         raise ValueError("give the config file after `--`, e.g. -- configs/dlrm_criteo.yaml schedule.steps=100")
@@ -57,7 +58,7 @@ def train(
         gpu=gpu,
         memMB=memMB,
         j=f"{nnodes}x{nproc_per_node}",
-        env=dict(env or {}),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})},  # as launch/torchrun.sh (restarts)
         rdzv_port=rdzv_port,
         max_retries=max_retries,
     )

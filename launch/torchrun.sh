@@ -7,8 +7,14 @@
 #
 # Environment: NPROC_PER_NODE (default: the number of GPUs, or 2 without GPUs), NNODES (1), NODE_RANK (0),
 # RDZV_ENDPOINT (host:port of the first host, multi-host only), RDZV_ID (job id shared by all hosts; default
-# embshard), TORCHRUN (default: the torchrun next to this Python, else the one on PATH). See docs/launch.md.
+# embshard), MAX_RESTARTS (0: how often torchrun restarts every worker after one fails; with
+# checkpoint.resume_from=latest the job goes on from its newest complete checkpoint), TORCHRUN (default: the
+# torchrun next to this Python, else the one on PATH). See docs/launch.md and docs/checkpoints.md.
 set -euo pipefail
+# Restarted workers must not find the failed attempt's process-group addresses in torchrun's shared store (seen
+# with torch 2.13: a restarted rank connects to a dead peer); a store of their own per attempt avoids it.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [ $# -lt 1 ]; then
   echo "usage: $0 CONFIG [key.sub=value ...]" >&2
   exit 2
@@ -24,9 +30,10 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 if [ "$NNODES" = 1 ]; then
-  exec "$TORCHRUN" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" -m embshard.cli train "$@"
+  exec "$TORCHRUN" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+    -m embshard.cli train "$@"
 fi
 : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first host for a multi-host run}"
 exec "$TORCHRUN" --nnodes="$NNODES" --node-rank="${NODE_RANK:-0}" --nproc-per-node="$NPROC_PER_NODE" \
-  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-embshard}" \
+  --max-restarts="$MAX_RESTARTS" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-embshard}" \
   -m embshard.cli train "$@"

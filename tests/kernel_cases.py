@@ -1,4 +1,4 @@
-"""Shared cases of the kernel tests (tests/test_kernels_*.py, tests/kernels_interpret_cases.py, bench/kernels.py
+"""Shared cases of the kernel tests (tests/kernels/test_kernels_*.py, tests/kernels_interpret_cases.py, bench/kernels.py
 --check): small tables of several widths with Zipf ids (many repeated rows), empty and weighted bags, features
 sharing a table, and the plain-PyTorch reference they are trained against."""
 
@@ -68,23 +68,53 @@ def random_step(tables: Sequence[TableConfig], B: int, gen: torch.Generator, alp
 
 
 def train_against_reference(
-    make_lookup, tables: Sequence[TableConfig], opt: FusedOptimizerConfig, device: torch.device, steps: int, B: int
+    make_lookup,
+    tables: Sequence[TableConfig],
+    opt: FusedOptimizerConfig,
+    device: torch.device,
+    steps: int,
+    B: int,
+    alpha: float = 1.2,
+    max_len: int = 7,
 ):
-    """Train `make_lookup()` and ReferenceEBC side by side; returns (lookup, reference, list of (got, want) forward
-    outputs per step) for the caller to compare."""
+    """Train `make_lookup()` and ReferenceEBC side by side on `random_step` batches (Zipf `alpha` ids, bags of up to
+    `max_len`); returns (lookup, reference, list of (got, want) forward outputs per step) for the caller to
+    compare."""
     lookup = make_lookup()
     ref = ReferenceEBC(list(tables), opt, seed=7)
     gen = torch.Generator().manual_seed(11)
     outs = []
     features = [f for t in tables for f in t.feature_names]
     for _ in range(steps):
-        idx, off, psw, batch, upstream = random_step(tables, B, gen)
+        idx, off, psw, batch, upstream = random_step(tables, B, gen, alpha, max_len)
         got = lookup(idx.to(device), off.to(device), psw.to(device))
         up = torch.cat([upstream[f] for f in features], dim=1).to(device)
         (got.float() * up).sum().backward()
         want = ref.step(batch, upstream)
         outs.append((got.detach().cpu().double(), torch.cat([want[f] for f in features], dim=1)))
     return lookup, ref, outs
+
+
+def reference_row_gradients(tables: Sequence[TableConfig], idx, off, psw, upstream_BD: torch.Tensor):
+    """{table: float64 gradient of every row} of the pooled sums of feature-major bags (`random_step`'s layout)
+    times `upstream_BD` (features side by side), by autograd through F.embedding_bag: independent of the kernels."""
+    import torch.nn.functional as F
+
+    features = [(t, f) for t in tables for f in t.feature_names]
+    B = (off.numel() - 1) // len(features)
+    weights = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim, dtype=torch.float64, requires_grad=True)
+               for t in tables}  # fmt: skip
+    total, col = 0.0, 0
+    for k, (t, _) in enumerate(features):
+        lo, hi = int(off[k * B]), int(off[(k + 1) * B])
+        bag_off = off[k * B : (k + 1) * B + 1] - lo
+        w = psw[lo:hi].double() if t.weighted else None
+        pooled = F.embedding_bag(idx[lo:hi], weights[t.name], bag_off, mode="sum", per_sample_weights=w,
+                                 include_last_offset=True)  # fmt: skip
+        total = total + (pooled * upstream_BD[:, col : col + t.embedding_dim].double()).sum()
+        col += t.embedding_dim
+    total.backward()
+    return {name: w.grad for name, w in weights.items()}
 
 
 def reference_state(ref: ReferenceEBC, opt: FusedOptimizerConfig, table: str) -> dict[str, torch.Tensor]:
@@ -99,21 +129,44 @@ def reference_state(ref: ReferenceEBC, opt: FusedOptimizerConfig, table: str) ->
     return {}
 
 
+def assert_close_scaled(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float, name: str) -> None:
+    """|got - want| <= atol + rtol * max|want| everywhere: for sums of many fp32 terms, whose rounding error
+    follows the size of the terms, not of the (possibly cancelling) result."""
+    tol = atol + rtol * float(want.abs().max()) if want.numel() else atol
+    torch.testing.assert_close(got, want, atol=tol, rtol=0.0, msg=lambda m: f"{name}: {m}")
+
+
 def check_against_reference(
-    lookup, ref: ReferenceEBC, outs, opt: FusedOptimizerConfig, tables, atol=2e-5, rtol=1e-4, with_state=True
+    lookup,
+    ref: ReferenceEBC,
+    outs,
+    opt: FusedOptimizerConfig,
+    tables,
+    atol=2e-5,
+    rtol=1e-4,
+    with_state=True,
+    scaled=False,
 ):
-    """Forward outputs of every step, weights and (`with_state`) optimizer state after the last step."""
+    """Forward outputs of every step, weights and (`with_state`) optimizer state after the last step; `scaled`:
+    rtol relative to each tensor's largest value (`assert_close_scaled`)."""
+
+    def close(got, want, name):
+        if scaled:
+            assert_close_scaled(got, want, atol, rtol, name)
+        else:
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
     for step, (got, want) in enumerate(outs):
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, s=step: f"step {s}: {m}")
+        close(got, want, f"step {step}")
     for t, w in zip(tables, lookup.shard_weights()):
-        torch.testing.assert_close(w.cpu().double(), ref.weights[t.name], atol=atol, rtol=rtol, msg=t.name)
+        close(w.cpu().double(), ref.weights[t.name], t.name)
     if not with_state:
         return
     for t, st in zip(tables, lookup.shard_optimizer_states()):
         want = reference_state(ref, opt, t.name)
         assert set(st) == set(want), (t.name, set(st), set(want))
         for k in st:
-            torch.testing.assert_close(st[k].cpu().double(), want[k], atol=atol, rtol=rtol, msg=f"{t.name} {k}")
+            close(st[k].cpu().double(), want[k], f"{t.name} {k}")
 
 
 def regroup_reference(blocks, keys, dims, groups):

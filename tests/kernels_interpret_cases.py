@@ -1,8 +1,11 @@
 """The Triton kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is
-imported, so tests/test_kernels_interpret.py runs this file in its own pytest process; alone:
+imported, so tests/kernels/test_kernels_interpret.py runs this file in its own pytest process; alone:
 `TRITON_INTERPRET=1 pytest tests/kernels_interpret_cases.py`). Same cases as the device tests: small tables
-against the plain-PyTorch reference (atomic and sorted backward, every update rule), the sorted mode bitwise
-reproducible, the dense gradient against the torch path, the regroup against torch.cat."""
+against the plain-PyTorch reference (atomic backward with and without the per-bag dedup, interleaved features,
+sorted backward, every update rule), heavily skewed ids (one row takes most ids: repeats within a bag chunk, runs
+across chunks and across dozens of sorted tiles), int64 sort keys, the sorted mode bitwise reproducible, the dense
+gradient against the torch path, the regroup against torch.cat. Tiles are small (4-8 ids a chunk, 2-4 sorted
+positions a tile): hot rows cross chunks and tiles, and the interpreter's sorts stay cheap."""
 
 from __future__ import annotations
 
@@ -17,18 +20,34 @@ from kernel_cases import (
     full_shards,
     random_regroup_case,
     random_step,
+    reference_row_gradients,
     regroup_grad_reference,
     regroup_reference,
     train_against_reference,
 )
 
 from embshard.kernels.layout import Tiles
-from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions, dense_gradients, pool
+from embshard.kernels.small_tables import (
+    SmallTableLookup,
+    SmallTableOptions,
+    dense_gradients,
+    pool,
+    shards_layout,
+)
 from embshard.options import LookupOptions
+from embshard.tables import TableConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 CPU = torch.device("cpu")
 TRITON = SmallTableOptions(impl="triton")
+SMALL_TILES = Tiles(bags=2, block_n=4, sorted_block_n=4, interleave=2)  # 5 features: phases of 2, 2 and 1
+# one width group of five features (two share a table), two of them weighted: ids ~ Zipf(2.5), bags of up to 24
+SKEW_TABLES = [
+    TableConfig("sa", 60, 8, ("s1", "s2"), weighted=True),
+    TableConfig("sb", 40, 8, ("s3",)),
+    TableConfig("sc", 30, 8, ("s4",)),
+    TableConfig("sd", 50, 8, ("s5",), weighted=True),
+]
 
 
 @pytest.mark.parametrize(
@@ -38,16 +57,25 @@ TRITON = SmallTableOptions(impl="triton")
 )
 def test_triton_trains_like_the_reference(opt, deterministic):
     cfg = OPTIMIZERS[opt]
-    # small sorted tiles: hot rows cross many tile boundaries (the fix-up pass)
-    kernel = SmallTableOptions(impl="triton", deterministic=deterministic, tiles=Tiles(sorted_block_n=4))
+    kernel = SmallTableOptions(impl="triton", deterministic=deterministic, tiles=SMALL_TILES)
     make = lambda: SmallTableLookup(full_shards(TABLES, CPU), cfg, CPU, seed=7, kernel=kernel)
     lookup, ref, outs = train_against_reference(make, TABLES, cfg, CPU, steps=2, B=4)
     check_against_reference(lookup, ref, outs, cfg, TABLES)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_triton_default_tiles_train_like_the_reference(deterministic):
+    # the heuristics' own tile shapes: 4 bags x 32-id chunks (the dedup sorts 32 ids), 64 sorted positions
+    cfg = OPTIMIZERS["rowwise_adagrad"]
+    kernel = SmallTableOptions(impl="triton", deterministic=deterministic)
+    make = lambda: SmallTableLookup(full_shards(TABLES, CPU), cfg, CPU, seed=7, kernel=kernel)
+    lookup, ref, outs = train_against_reference(make, TABLES, cfg, CPU, steps=1, B=5, max_len=40)
+    check_against_reference(lookup, ref, outs, cfg, TABLES)
+
+
 def test_triton_direct_sgd():
     cfg = OPTIMIZERS["sgd"]
-    kernel = SmallTableOptions(impl="triton", direct_sgd=True)
+    kernel = SmallTableOptions(impl="triton", direct_sgd=True, tiles=SMALL_TILES)
     make = lambda: SmallTableLookup(full_shards(TABLES, CPU), cfg, CPU, seed=7, kernel=kernel)
     lookup, ref, outs = train_against_reference(make, TABLES, cfg, CPU, steps=2, B=4)
     check_against_reference(lookup, ref, outs, cfg, TABLES)
@@ -56,7 +84,7 @@ def test_triton_direct_sgd():
 def test_sorted_backward_is_bitwise_reproducible_and_tiles_do_not_matter():
     cfg = OPTIMIZERS["rowwise_adagrad"]
     runs = []
-    for tiles in ({}, {"bags": 2, "block_n": 4, "sorted_block_n": 2}, {}):
+    for tiles in ({"sorted_block_n": 4}, {"bags": 2, "block_n": 4, "sorted_block_n": 2}, {"sorted_block_n": 4}):
         kernel = SmallTableOptions(impl="triton", deterministic=True, tiles=Tiles(**tiles))
         lookup = SmallTableLookup(full_shards(TABLES[:2], CPU), cfg, CPU, seed=2, kernel=kernel)
         gen = torch.Generator().manual_seed(4)
@@ -67,6 +95,72 @@ def test_sorted_backward_is_bitwise_reproducible_and_tiles_do_not_matter():
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[2]))  # bitwise, run to run
     for a, b in zip(runs[0], runs[1]):  # other tiles: same values up to the summation order
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def _skewed_gradients(
+    tiles: Tiles, deterministic: bool, B: int = 6, max_len: int = 24, alpha: float = 2.5, tables=SKEW_TABLES
+):
+    """dense_gradients of the Triton kernels on a heavily skewed batch of `tables` (one width group): per table
+    (table, gradient, touched marks); the float64 reference gradients; ids per row of each table."""
+    layout, place = shards_layout(full_shards(tables, CPU))
+    idx, off, psw, _, up = random_step(tables, B, torch.Generator().manual_seed(21), alpha, max_len)
+    grad_out = torch.cat(list(up.values()), dim=1)
+    (group,) = layout.groups
+    g, touched = torch.zeros(group.rows, group.dim), torch.zeros(group.rows, dtype=torch.int8)
+    dense_gradients(layout, [g], grad_out, idx, off, psw, deterministic, "triton", tiles, [touched])
+    want = reference_row_gradients(tables, idx, off, psw, grad_out)
+    feats = [(t, f) for t in tables for f in t.feature_names]
+    counts = {t.name: torch.zeros(t.num_embeddings, dtype=torch.int64) for t in tables}
+    for k, (t, _) in enumerate(feats):
+        counts[t.name] += torch.bincount(idx[int(off[k * B]) : int(off[(k + 1) * B])], minlength=t.num_embeddings)
+    got = [(t, g[r0 : r0 + t.num_embeddings], touched[r0 : r0 + t.num_embeddings]) for t, (_, r0) in
+           zip(tables, place)]  # fmt: skip
+    return got, want, counts
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        Tiles(bags=2, block_n=8, interleave=2),  # chunks of 8 (3 per bag), phases of 2, 2, 1 features
+        Tiles(bags=1, block_n=4, interleave=3),
+        Tiles(bags=4, block_n=8),  # default interleave: all five features side by side
+        Tiles(bags=2, block_n=8, dedup=False, interleave=2),  # one add per id
+    ],
+    ids=["dedup-8-phases2", "dedup-4-phases3", "dedup-8-all", "no-dedup"],
+)
+def test_atomic_backward_under_heavy_skew(tiles):
+    got, want, counts = _skewed_gradients(tiles, False)
+    assert max(int(c.max()) for c in counts.values()) > 40, "a row must repeat within bags and across chunks"
+    for t, g, touched in got:
+        torch.testing.assert_close(g.double(), want[t.name], atol=1e-5, rtol=1e-5, msg=t.name)
+        assert torch.equal(touched != 0, counts[t.name] > 0), t.name
+
+
+def test_int64_sort_keys_give_the_same_gradients(monkeypatch):
+    # tables past int32 keys (rows x chunk >= 2^31) sort int64 keys: forced here by a lower limit
+    from embshard.kernels import _grad_triton
+
+    tiles = Tiles(bags=2, block_n=8, interleave=2)
+    before, _, _ = _skewed_gradients(tiles, True)
+    monkeypatch.setattr(_grad_triton, "KEY32_LIMIT", 16)
+    for det in (False, True):
+        after, want, counts = _skewed_gradients(tiles, det)
+        for (t, g0, _), (_, g1, touched) in zip(before, after):
+            torch.testing.assert_close(g1.double(), want[t.name], atol=1e-5, rtol=1e-5, msg=t.name)
+            assert torch.equal(touched != 0, counts[t.name] > 0), t.name
+            if det:  # the same sort order: the same bits
+                assert torch.equal(g0, g1), t.name
+
+
+def test_sorted_backward_with_rows_across_many_tiles():
+    # Zipf(3): a table's top row takes ~80% of its ~160 ids; 2 sorted positions a tile: its run crosses ~65
+    # tiles, so the fix-up walks several blocks of 32 tiles. Against the reference, and bitwise equal run to run.
+    runs = [_skewed_gradients(Tiles(sorted_block_n=2), True, 4, 40, 3.0, SKEW_TABLES[:2]) for _ in range(2)]
+    (got, want, counts), (again, _, _) = runs
+    assert int(counts["sa"].max()) > 2 * 33  # the hottest row's run: more than one block of 32 tiles to walk
+    for (t, g, _), (_, g2, _) in zip(got, again):
+        torch.testing.assert_close(g.double(), want[t.name], atol=1e-5, rtol=1e-5, msg=t.name)
+        assert torch.equal(g, g2), t.name
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -122,7 +216,7 @@ def test_triton_regroup(dtype, seed, n_keys, widths, n_blocks):
     upstream = {n: torch.randn(want[n].shape, generator=gen).to(dtype) for n in groups}
     sum((out[n].float() * upstream[n].float()).sum() for n in groups).backward()
     # fp32: exact. bf16: the interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest, exact there,
-    # tests/test_kernels_regroup.py), so a summed duplicate may be one bf16 step off.
+    # tests/kernels/test_kernels_regroup.py), so a summed duplicate may be one bf16 step off.
     tol = 0 if dtype is torch.float32 else 2**-7
     for b, e in zip(blocks, regroup_grad_reference(upstream, keys, dims, groups, B, dtype)):
         torch.testing.assert_close(b.grad.float(), e.float(), rtol=tol, atol=0)
@@ -134,7 +228,7 @@ def test_data_parallel_lookup_on_the_kernels(deterministic):
 
     cfg = OPTIMIZERS["adam"]
     tables = sorted(TABLES, key=lambda t: t.embedding_dim)
-    kernel = SmallTableOptions(impl="triton", deterministic=deterministic, tiles=Tiles(sorted_block_n=4))
+    kernel = SmallTableOptions(impl="triton", deterministic=deterministic, tiles=SMALL_TILES)
     make = lambda: KernelDataParallelLookup(full_shards(tables, CPU), cfg, CPU, None, seed=7, kernel=kernel)
     lookup, ref, outs = train_against_reference(make, tables, cfg, CPU, steps=2, B=4)
     check_against_reference(lookup, ref, outs, cfg, tables, with_state=False)

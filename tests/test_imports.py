@@ -25,7 +25,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import paths
+
+ROOT = paths.ROOT
 RUNTIME = re.compile(r"^embshard\.(sharded|sharding(\..*)?|lookup(\..*)?|tiers|options|bounds|regroup|comm)$")
 Edges = dict[str, set[str]]
 

@@ -6,9 +6,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import paths
+
+ROOT = paths.ROOT
 
 
 def test_readme_example_runs(tmp_path):

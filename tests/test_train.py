@@ -1,7 +1,8 @@
 """`embshard train` end to end on 2 CPU processes: every example config's held-out loss falls, the run prints the
-plan, progress and AUC and writes TensorBoard events and checkpoints; a checkpoint reloads exactly under another
-world size; config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains;
-the torchx component launches a CPU run."""
+plan, progress and AUC and writes TensorBoard events and checkpoints; a run resumed from a checkpoint ends exactly
+like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes;
+config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
+torchx component launches a CPU run."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import paths
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
 
 # Keep every run short: the sample configs already are; the synthetic one is cut to 120 steps.
 SHORTEN = {
-    "dlrm_criteo.yaml": [],
+    "dlrm_criteo.yaml": ["checkpoint.every=10"],  # step_10 is resumed by checkpoint_checks
     "dcn_criteo.yaml": [],
     "two_tower_movielens.yaml": [],
     "dlrm_synthetic.yaml": ["schedule.steps=120", "schedule.eval_every=0", "checkpoint.every=0"],
@@ -102,32 +104,51 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         assert all(0.0 <= e[k] <= 1.0 for e in m for k in e if k.startswith("recall@")), m
         assert name in TRAIN_LOSS_ONLY or m[-1]["recall@10"] > m[0]["recall@10"], m
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
-    assert (tmp_path / "ck" / f"step_{m[-1]['step']}.pt").is_file()
+    assert (tmp_path / "ck" / f"step_{m[-1]['step']}" / "COMMIT").is_file()
     if name == "dlrm_criteo.yaml":
-        resume_under_one_process(tmp_path, m[-1])
+        checkpoint_checks(tmp_path, m)
 
 
-def resume_under_one_process(tmp: Path, final: dict) -> None:
-    """Reload the 2-process checkpoint in 1 process (another plan) and evaluate without training: same numbers."""
-    step = final["step"]
-    again = tmp / "again"
+def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
+    """The 20-step run saved step 10 on the way (`straight`: its evaluations at 0, 10, 20). A run of 20 steps
+    resumed from it (`resume_from=latest`, 2 processes) ends with the same held-out loss and AUC, bitwise; the same
+    checkpoint resumes on 3 processes; a rank killed with SIGKILL mid-training under torchrun --max-restarts makes
+    the job restart from its latest complete checkpoint and end with the uninterrupted run's numbers."""
+    assert [m["step"] for m in straight] == [0, 10, 20]
+    common = ["configs/dlrm_criteo.yaml", "schedule.epochs=null", "schedule.steps=20", "logging.tensorboard_dir=null"]
+    common.append("logging.progress_bar=false")
+    resumed = tmp / "resumed"
+    shutil.copytree(tmp / "ck" / "step_10", resumed / "ck" / "step_10")
     res = train(
-        [
-            "configs/dlrm_criteo.yaml",
-            f"checkpoint.resume_from={tmp}/ck/step_{step}.pt",
-            f"checkpoint.dir={again}/ck",
-            f"logging.metrics_file={again}/metrics.jsonl",
-            "logging.tensorboard_dir=null",
-            "schedule.epochs=null",
-            f"schedule.steps={step}",
-        ]
+        [*common, "--nproc", "2", f"checkpoint.dir={resumed}/ck", "checkpoint.resume_from=latest"]
+        + [f"logging.metrics_file={resumed}/metrics.jsonl"]
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"resumed from {tmp}/ck/step_{step}.pt at step {step}" in res.stdout
-    (m,) = metrics(again)
-    assert m["samples"] == final["samples"]
-    assert m["loss"] == pytest.approx(final["loss"], abs=1e-5)
-    assert m["auc"] == pytest.approx(final["auc"], abs=1e-6)
+    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout
+    assert metrics(resumed) == [straight[-1]]  # step 20: the same loss, AUC and samples, bitwise
+    three = tmp / "three"
+    res = train(
+        [*common, "--nproc", "3", f"checkpoint.resume_from={resumed}/ck/step_10", f"checkpoint.dir={three}/ck"]
+        + [f"logging.metrics_file={three}/metrics.jsonl"]
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout and "ShardingPlan: world_size=3" in res.stdout
+    (m,) = metrics(three)
+    assert m["step"] == 20 and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
+    elastic = tmp / "elastic"
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    torchrun += ["--monitor-interval=0.5", str(ROOT / "tests" / "ckpt_faults.py"), "train"]
+    env_kill = dict(env(), KILL_STEP="7", KILL_RANK="1", KILL_AFTER=f"{elastic}/ck/step_5")
+    env_kill["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as launch/torchrun.sh sets it (docs/launch.md)
+    args = [*common, f"checkpoint.dir={elastic}/ck", "checkpoint.every=5", "checkpoint.resume_from=latest"]
+    args += [f"logging.metrics_file={elastic}/metrics.jsonl", "schedule.eval_at_start=true"]
+    res = subprocess.run(torchrun + args, cwd=ROOT, env=env_kill, capture_output=True, text=True, timeout=300)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # rank 1 was killed, the job went on
+    assert f"resumed from {elastic}/ck/step_5 at step 5" in res.stdout, log[-4000:]
+    got = metrics(elastic)  # step 0 (first attempt), then 10 and 20 after the restart
+    assert [m["step"] for m in got] == [0, 10, 20] and got[1:] == straight[1:], got
 
 
 def test_train_e2e_benchmark_trains_scaled_down_on_cpu():

@@ -18,7 +18,15 @@ from typing import Any
 
 import yaml
 
-from embshard.config.data import CriteoConfig, DataConfig, MovieLensConfig, SyntheticConfig
+from embshard.config.data import (
+    CategoricalColumnConfig,
+    CriteoConfig,
+    DataConfig,
+    DenseColumnConfig,
+    MovieLensConfig,
+    SyntheticConfig,
+    TableSourceConfig,
+)
 from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig, TwoTowerConfig
 from embshard.config.run import (
     CheckpointConfig,
@@ -36,11 +44,13 @@ from embshard.planner.policy import PlannerConfig
 from embshard.tables import ConfigError, FieldError
 
 __all__ = [
+    "CategoricalColumnConfig",
     "CheckpointConfig",
     "CriteoConfig",
     "DCNConfig",
     "DLRMConfig",
     "DataConfig",
+    "DenseColumnConfig",
     "DenseOptimizerConfig",
     "LoggingConfig",
     "LookupOptions",
@@ -51,6 +61,7 @@ __all__ = [
     "ScheduleConfig",
     "SyntheticConfig",
     "TableConstraint",
+    "TableSourceConfig",
     "TrainConfig",
     "TrainingConfig",
     "TwoTowerConfig",
@@ -99,6 +110,11 @@ class TrainConfig:
                     )
             elif name not in tables:
                 raise FieldError(f"planner.constraints.{name}", name, f"no such table; tables: {sorted(tables)}")
+        weighted = {f for t in self.model.tables if t.weighted for f in t.feature_names}
+        try:
+            self.data.check_features(self.model.features, weighted)
+        except FieldError as e:
+            raise FieldError(f"data.{e.key}", e.value, e.rule) from None
         if self.data.source == "synthetic":
             if self.schedule.epochs is not None:
                 raise FieldError("schedule.epochs", self.schedule.epochs, "synthetic data has no epochs: set steps")

@@ -1,6 +1,6 @@
 """Generate docs/config.md from the config dataclasses' field docstrings: `python -m embshard.config.doc [OUT]`.
 
-tests/test_config.py checks that docs/config.md equals this output, so the reference cannot drift."""
+tests/config/test_config.py checks that docs/config.md equals this output, so the reference cannot drift."""
 
 from __future__ import annotations
 

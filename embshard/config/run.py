@@ -98,19 +98,36 @@ TableConstraint = ParameterConstraints  # the planner's per-table constraints, u
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Saving and resuming: dense model, dense optimizer and full embedding tables (not the fused optimizer's
-    state, which restarts from zero on resume)."""
+    """Saving and resuming (docs/checkpoints.md): every rank writes its own shards of the tables with the fused
+    optimizer's state, plus the dense model and optimizer, data position and RNG states; loads under any world
+    size or plan."""
 
     dir: str | None = None
-    """Folder for checkpoints (step_<N>.pt); unset: no checkpoints are written. Must be shared by all hosts."""
+    """Folder of the checkpoints (step_<N>/ folders); unset: none are written. Must be shared by all hosts."""
     every: int = 0
     """Save every this many steps; 0: only after the last step."""
     resume_from: str | None = None
-    """Checkpoint file to load before training, or 'latest' for the newest step_<N>.pt in dir."""
+    """Checkpoint folder to load before training, or 'latest' for the newest complete one in dir."""
+    keep_last: int = 3
+    """Keep this many newest complete checkpoints in dir (older ones are deleted after a save); 0: keep all."""
+    async_save: bool = True
+    """Write in the background: training waits only for the copy to host memory (one copy of the rank's shards)."""
+    chunk_mib: float = 64.0
+    """Largest piece of a table copied, written or read at once (MiB): bounds host memory of loads and sync saves."""
+    io_threads: int = 2
+    """Threads writing each rank's files."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise FieldError("every", self.every, "it must be >= 0 (0: save after the last step only)")
+        if self.keep_last < 0:
+            raise FieldError("keep_last", self.keep_last, "it must be >= 0 (0: keep every checkpoint)")
+        if not self.chunk_mib > 0:
+            raise FieldError("chunk_mib", self.chunk_mib, "it must be > 0 MiB")
+        if self.io_threads < 1:
+            raise FieldError("io_threads", self.io_threads, "it must be >= 1")
+        if self.resume_from == "latest" and not self.dir:
+            raise FieldError("resume_from", self.resume_from, "'latest' looks in checkpoint.dir: set dir too")
 
 
 @dataclass(frozen=True)

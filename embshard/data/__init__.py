@@ -1,12 +1,15 @@
-"""Data loaders: each yields `Batch(dense [B, num_dense], sparse KeyedJaggedTensor, labels [B])` for one rank.
+"""Data loaders: each yields `Batch(dense [B, num_dense], sparse KeyedJaggedTensor, labels [B], position)` for one
+rank (docs/data.md).
 
-- criteo (data/criteo.py): Criteo click logs, tab-separated original or CSV with header.
-- movielens (data/movielens.py): MovieLens ratings with user/movie attributes; genres is a jagged feature.
+- table (data/source.py): any Parquet, CSV or TSV files, columns mapped to features in YAML; streamed in row
+  groups by worker processes with a seeded shuffle window, an exact resume position, pinned memory.
+- criteo (data/criteo.py), movielens (data/movielens.py): configurations of the table source.
 - synthetic (data/synthetic.py): Zipf-skewed ids and per-feature pooling factors at any scale.
 
-Every source has `num_dense`, `steps_per_epoch` (None for the endless synthetic stream), `train_batches(start_step)`
-and `eval_batches()`. File sources give every rank the same number of rows, so all ranks take the same number of
-steps (the sharded embedding exchange needs every rank in every step).
+Every source has `num_dense`, `steps_per_epoch` (None for the endless synthetic stream), `train_batches(position)`
+(position: None, a step count, or a training batch's `position`) and `eval_batches()`. File sources give every
+rank the same number of rows, so all ranks take the same number of steps (the sharded embedding exchange needs
+every rank in every step).
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from embshard.config.data import DataConfig
-from embshard.data.common import Batch, stable_hash
+from embshard.data.common import Batch
+from embshard.data.hashing import hash_strings
 from embshard.tables import TableConfig
 
-__all__ = ["Batch", "build_source", "stable_hash"]
+__all__ = ["Batch", "build_source", "hash_strings"]
 
 
 def build_source(
@@ -31,15 +35,26 @@ def build_source(
 ):
     """The configured source, reading this rank's part of the data. `workers`: synthetic batches drawn by this
     many worker processes (default: data.synthetic.workers)."""
+    if cfg.source == "synthetic":
+        from embshard.data.synthetic import SyntheticSource
+
+        workers = cfg.synthetic.workers if workers is None else workers
+        return SyntheticSource(cfg.synthetic, tables, batch_size, seed, rank, workers=workers)
+    from embshard.data.source import TableSource
+
+    return TableSource(table_config(cfg, tables), cfg, tables, batch_size, seed, rank, world_size, f"data.{cfg.source}")
+
+
+def table_config(cfg: DataConfig, tables: Sequence[TableConfig]):
+    """The TableSourceConfig of a file source (criteo and movielens are configurations of it)."""
     if cfg.source == "criteo":
-        from embshard.data.criteo import criteo_source
+        from embshard.data.criteo import criteo_table
 
-        return criteo_source(cfg.criteo, tables, batch_size, cfg.shard, cfg.shuffle, seed, rank, world_size)
+        return criteo_table(cfg.criteo, tables)
     if cfg.source == "movielens":
-        from embshard.data.movielens import movielens_source
+        from embshard.data.movielens import movielens_table
 
-        return movielens_source(cfg.movielens, tables, batch_size, cfg.shard, cfg.shuffle, seed, rank, world_size)
-    from embshard.data.synthetic import SyntheticSource
-
-    workers = cfg.synthetic.workers if workers is None else workers
-    return SyntheticSource(cfg.synthetic, tables, batch_size, seed, rank, workers=workers)
+        return movielens_table(cfg.movielens, tables)
+    if cfg.source == "table":
+        return cfg.table
+    raise ValueError(f"data.source {cfg.source!r} reads no files")

@@ -3,7 +3,8 @@ CPU.
 
 - `cross_entropy.fused_cross_entropy`: softmax cross-entropy in one pass forward, gradient in place backward.
 - `small_tables.SmallTableLookup`: TBELookup's contract for small, hot fp32 tables (fused pooled forward, atomic
-  backward, fused optimizer); `pool` / `dense_gradients`, the forward and dense backward without an optimizer.
+  backward robust to skewed ids, fused optimizer); `pool` / `dense_gradients`, the forward and dense backward
+  without an optimizer. Their Triton kernels: `_pool_triton` (forward, update), `_grad_triton` (backward).
 - `data_parallel.KernelDataParallelLookup`: DataParallelLookup on `pool` / `dense_gradients`.
 - `regroup.KernelRegroup`: Regroup's contract, one column-gather launch forward and one backward.
 - `cost`: pure functions the planner uses to predict both kernels; `calibrate`: their measurements.

@@ -1,21 +1,13 @@
-"""Triton kernels of the small-table lookup: pooled forward, atomic backward, sorted (deterministic) backward and the
-row update. Imported only when a Triton path runs (GPU, or CPU tensors under TRITON_INTERPRET=1).
+"""Triton kernels of the small-table lookup: pooled forward and the row update (the backward's gradient kernels are
+in `_grad_triton`). Imported only when a Triton path runs (GPU, or CPU tensors under TRITON_INTERPRET=1).
 
 Every kernel works on one width group (`layout.WidthGroup`): a `[rows, D]` block with D a compile-time constant,
-so row addresses `row * D` are multiples of 4 elements when D is, and Triton issues 16-byte loads and vector
-atomics (`red.global.add.v4.f32` on sm_90). One launch covers every feature of the group.
+so row addresses `row * D` are multiples of 4 elements when D is, and Triton issues 16-byte loads. One launch
+covers every feature of the group.
 
 - `_fwd`: grid (bag tiles, features). A program pools BAGS bags of one feature: for chunks of BLOCK_N ids of
   each bag it loads the ids `[BAGS, BLOCK_N]`, gathers their rows `[BAGS, BLOCK_N, D]` and sums over the chunk.
   Bags of one tile that are shorter than the longest are masked (masked lanes issue no memory traffic).
-- `_bwd_atomic`: the same tiling; each id adds its bag's output gradient (times its per-sample weight, times
-  `scale`) into its row of the gradient block with relaxed atomics. No sort; the summation order of a row's
-  contributions varies run to run (not bitwise reproducible).
-- `_bwd_sorted` + `_bwd_sorted_fixup`: the ids stably sorted by row (torch.sort), cut into fixed tiles of P
-  positions. A program forms the gradient rows of its tile's ids `[P, D]` and sums runs of equal rows with a
-  segmented scan; a row whose ids all lie in the tile is written at once, a row crossing a tile boundary leaves a
-  partial sum per tile, which the fix-up (run by the tile where the row starts) adds in tile order. Fixed tiles,
-  fixed scan tree, fixed order of partials: bitwise reproducible; a hot row's ids are spread over many programs.
 - `_update`: the fused optimizer rules of embshard.optim on the rows whose gradient is non-zero (or that were
   marked touched, when the rule changes rows with a zero gradient: weight decay, adam); zeroes the gradient rows it
   consumed and their marks, so the gradient buffer is all zeros again for the next step without a memset.
@@ -83,148 +75,6 @@ def _fwd(
         acc += tl.sum(x, axis=1)
     optr = OUT + bag[:, None].to(tl.int64) * out_stride + col + d[None, :]
     tl.store(optr, acc.to(OUT.dtype.element_ty), mask=bag_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _bwd_atomic(
-    G,
-    TOUCH,
-    IDX,
-    OFF,
-    PSW,
-    GOUT,
-    FEATS,
-    ROW0,
-    COLS,
-    WGT,
-    B,
-    gout_stride,
-    scale,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BAGS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_PSW: tl.constexpr,
-    MARK: tl.constexpr,
-):
-    j, bag, bag_ok, start, length = _bag_setup(OFF, FEATS, B, BAGS)
-    row0 = tl.load(ROW0 + j)
-    col = tl.load(COLS + j)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    n = tl.arange(0, BLOCK_N)
-    weighted = tl.load(WGT + j) != 0
-    gptr = GOUT + bag[:, None].to(tl.int64) * gout_stride + col + d[None, :]
-    go = tl.load(gptr, mask=bag_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale
-    for s in range(0, tl.max(length, axis=0), BLOCK_N):
-        ok = (s + n)[None, :] < length[:, None]
-        pos = start[:, None] + (s + n)[None, :]
-        rows = tl.load(IDX + pos, mask=ok, other=0).to(tl.int64) + row0
-        val = tl.broadcast_to(go[:, None, :], [BAGS, BLOCK_N, BLOCK_D])
-        if HAS_PSW:
-            w = tl.where(weighted, tl.load(PSW + pos, mask=ok, other=1.0), 1.0)
-            val = val * w[:, :, None]
-        ptr = G + (rows * D)[:, :, None] + d[None, None, :]
-        tl.atomic_add(ptr, val, mask=ok[:, :, None] & d_ok[None, None, :], sem="relaxed")
-        if MARK:
-            tl.store(TOUCH + rows, tl.full([BAGS, BLOCK_N], 1, tl.int8), mask=ok)
-
-
-@triton.jit
-def _seg_add(k1, v1, k2, v2):
-    return k2, tl.where(k1 == k2, v1 + v2, v2)
-
-
-@triton.jit
-def _bwd_sorted(
-    G,
-    TOUCH,
-    PART,
-    TINFO,
-    SKEY,
-    BOUNDS,
-    PERM,
-    BAG,
-    PSW,
-    GOUT,
-    COLS_F,
-    WGT_F,
-    B,
-    gout_stride,
-    key0,
-    R,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    P: tl.constexpr,
-    HAS_PSW: tl.constexpr,
-    MARK: tl.constexpr,
-):
-    t = tl.program_id(0)
-    start = tl.load(BOUNDS + key0)
-    end = tl.load(BOUNDS + key0 + R)
-    p0 = start + t.to(tl.int64) * P
-    if p0 < end:
-        p = p0 + tl.arange(0, P)
-        ok = p < end
-        key = tl.load(SKEY + p, mask=ok, other=-1)
-        nxt = tl.load(SKEY + p + 1, mask=p + 1 < end, other=-1)
-        first = tl.load(SKEY + p0)
-        head_cont = tl.load(SKEY + p0 - 1, mask=p0 > start, other=-1) == first
-        last_p = tl.minimum(end, p0 + P) - 1
-        last = tl.load(SKEY + last_p)
-        tail_cont = tl.load(SKEY + last_p + 1, mask=last_p + 1 < end, other=-1) == last
-        i = tl.load(PERM + p, mask=ok, other=0)
-        bag = tl.load(BAG + i, mask=ok, other=0)
-        f = bag // B
-        b = bag - f * B
-        col = tl.load(COLS_F + f, mask=ok, other=0)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        x = tl.load(GOUT + (b * gout_stride + col)[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        x = x.to(tl.float32)
-        if HAS_PSW:
-            weighted = tl.load(WGT_F + f, mask=ok, other=0) != 0
-            x = x * tl.where(weighted, tl.load(PSW + i, mask=ok, other=1.0), 1.0)[:, None]
-        _, run = tl.associative_scan((tl.broadcast_to(key[:, None], [P, BLOCK_D]), x), 0, _seg_add)
-        tile_end = p == last_p
-        seg_end = ok & ((nxt != key) | tile_end)
-        from_before = (key == first) & ((tl.zeros([P], tl.int32) + head_cont.to(tl.int32)) != 0)
-        complete = seg_end & (nxt != key) & (from_before == 0)
-        row = key - key0
-        tl.store(G + (row * D)[:, None] + d[None, :], run, mask=complete[:, None] & d_ok[None, :])
-        head = seg_end & from_before
-        tl.store(PART + (t * 2 * BLOCK_D + d)[None, :] + tl.zeros_like(row)[:, None], run, mask=head[:, None])
-        owner = tile_end & (nxt == key) & (from_before == 0)
-        tl.store(PART + ((t * 2 + 1) * BLOCK_D + d)[None, :] + tl.zeros_like(row)[:, None], run, mask=owner[:, None])
-        if MARK:
-            tl.store(TOUCH + row, tl.full([P], 1, tl.int8), mask=seg_end)
-        tl.store(TINFO + t * 4, first)
-        tl.store(TINFO + t * 4 + 1, head_cont.to(tl.int64))
-        tl.store(TINFO + t * 4 + 2, last)
-        tl.store(TINFO + t * 4 + 3, tail_cont.to(tl.int64))
-
-
-@triton.jit
-def _bwd_sorted_fixup(G, PART, TINFO, BOUNDS, key0, R, D: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
-    t = tl.program_id(0)
-    start = tl.load(BOUNDS + key0)
-    end = tl.load(BOUNDS + key0 + R)
-    if start + t.to(tl.int64) * P < end:
-        first = tl.load(TINFO + t * 4)
-        head_cont = tl.load(TINFO + t * 4 + 1) != 0
-        last = tl.load(TINFO + t * 4 + 2)
-        tail_cont = tl.load(TINFO + t * 4 + 3) != 0
-        if tail_cont & ((last != first) | (head_cont == 0)):  # this tile holds the start of a row that goes on
-            d = tl.arange(0, BLOCK_D)
-            acc = tl.load(PART + (t * 2 + 1) * BLOCK_D + d)
-            t2 = t + 1
-            more = tail_cont
-            while more:
-                acc += tl.load(PART + t2 * 2 * BLOCK_D + d)
-                more = (tl.load(TINFO + t2 * 4) == last) & (tl.load(TINFO + t2 * 4 + 2) == last)
-                more = more & (tl.load(TINFO + t2 * 4 + 3) != 0)
-                t2 += 1
-            tl.store(G + (last - key0) * D + d, acc, mask=d < D)
 
 
 @triton.jit
@@ -319,79 +169,6 @@ def forward(
             B, out.stride(0), D=g.dim, BLOCK_D=block_d, BAGS=bags, BLOCK_N=block_n, HAS_PSW=has_psw,
             num_warps=tiles.num_warps,
         )  # fmt: skip
-
-
-def backward_atomic(
-    grads: list[torch.Tensor],
-    touched: list[torch.Tensor] | None,
-    groups: list[DeviceGroup],
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    psw: torch.Tensor | None,
-    grad_out: torch.Tensor,
-    tiles: Tiles,
-    scale: float = 1.0,
-) -> None:
-    """Add every id's gradient row (`scale` x its bag's output gradient x its weight) into `grads[g]` with atomics;
-    mark its row in `touched[g]` (int8) if given."""
-    B = grad_out.shape[0]
-    for k, (gbuf, dg) in enumerate(zip(grads, groups)):
-        g = dg.group
-        block_d, bags, block_n = tiles_for(g.dim, tiles)
-        has_psw = psw is not None and dg.any_weighted
-        mark = touched is not None
-        grid = (triton.cdiv(B, bags), len(g.features))
-        _bwd_atomic[grid](
-            gbuf, touched[k] if mark else gbuf, indices, offsets, psw if has_psw else gbuf, grad_out,
-            dg.features, dg.row0, dg.cols, dg.weighted, B, grad_out.stride(0), scale,
-            D=g.dim, BLOCK_D=block_d, BAGS=bags, BLOCK_N=block_n, HAS_PSW=has_psw, MARK=mark,
-            num_warps=tiles.num_warps,
-        )  # fmt: skip
-
-
-def backward_sorted(
-    grads: list[torch.Tensor],
-    touched: list[torch.Tensor] | None,
-    groups: list[DeviceGroup],
-    key0_F: torch.Tensor,
-    cols_F: torch.Tensor,
-    weighted_F: torch.Tensor,
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    psw: torch.Tensor | None,
-    grad_out: torch.Tensor,
-    tiles: Tiles,
-) -> None:
-    """Write the gradient of every row that has ids into `grads[g]` (other rows are left as they are: zero them
-    first), summing its ids in the order of a stable sort by row: bitwise reproducible. `key0_F[f]`: first row of
-    feature f's table counted over all groups (groups follow each other)."""
-    B = grad_out.shape[0]
-    F = key0_F.numel()
-    n = indices.numel()
-    if n == 0 or B == 0:
-        return
-    dev = indices.device
-    bag = torch.repeat_interleave(torch.arange(F * B, device=dev), offsets.diff().long(), output_size=n)
-    sorted_key, perm = torch.sort(key0_F[bag // B] + indices.long(), stable=True)
-    total = sum(dg.group.rows for dg in groups)
-    bounds = torch.searchsorted(sorted_key, torch.arange(total + 1, device=dev))
-    key0 = 0
-    for k, (gbuf, dg) in enumerate(zip(grads, groups)):
-        g = dg.group
-        block_d = triton.next_power_of_2(g.dim)
-        P = tiles.sorted_block_n if block_d <= 32 else max(8, tiles.sorted_block_n * 32 // block_d)
-        T = triton.cdiv(n, P)
-        part = torch.empty(T + 1, 2, block_d, dtype=torch.float32, device=dev)
-        tinfo = torch.zeros(T + 1, 4, dtype=torch.int64, device=dev)
-        has_psw = psw is not None and dg.any_weighted
-        mark = touched is not None
-        _bwd_sorted[(T,)](
-            gbuf, touched[k] if mark else gbuf, part, tinfo, sorted_key, bounds, perm, bag, psw if has_psw else gbuf,
-            grad_out, cols_F, weighted_F, B, grad_out.stride(0), key0, g.rows, D=g.dim, BLOCK_D=block_d, P=P,
-            HAS_PSW=has_psw, MARK=mark, num_warps=4,
-        )  # fmt: skip
-        _bwd_sorted_fixup[(T,)](gbuf, part, tinfo, bounds, key0, g.rows, D=g.dim, BLOCK_D=block_d, P=P, num_warps=1)
-        key0 += g.rows
 
 
 def update(

@@ -1,7 +1,8 @@
 """Measurements for `embshard calibrate`: the small-table kernel's and the regroup's constants (cost.py).
 
 `calibrate_kernels(hbm_bw, l2_bytes)` times the small-table kernel (rowwise adagrad; forward, forward + backward
-with atomics, and with the sorted backward) on cost.CALIBRATION_CASES and fits fwd_id_s, atomic_sector_s,
+with the default atomic backward, with the first version's (one add per id, one table after another: its hot-row
+chains in sequence) and with the sorted backward) on cost.CALIBRATION_CASES and fits fwd_id_s, atomic_sector_s,
 same_row_s and sorted_id_s (cost.fit), then times the regroup forward + backward on a 16-wide and a 128-wide
 layout and takes the share of `hbm_bw` it reaches (the lower of the two). Returns cost.KernelConstants and prints
 one line per case. GPU only; `embshard calibrate` passes its measured copy bandwidth and L2 size.
@@ -53,8 +54,12 @@ def _queued(fn: Callable[[], None], iters: int, device: torch.device) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def measure_small_table(case: SmallTableCase, iters: int, device: str = "cuda") -> tuple[float, float, float, int]:
-    """(forward, backward, sorted backward) seconds per call and the distinct rows the ids touch."""
+def measure_small_table(
+    case: SmallTableCase, iters: int, device: str = "cuda"
+) -> tuple[float, float, float, int, float]:
+    """(forward, backward, sorted backward) seconds per call, the distinct rows the ids touch, and the first
+    version's backward (no dedup, one table after another) seconds."""
+    from embshard.kernels.layout import Tiles
     from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions
     from embshard.lookup import LocalShard
     from embshard.optim import FusedOptimizerConfig
@@ -73,8 +78,9 @@ def measure_small_table(case: SmallTableCase, iters: int, device: str = "cuda") 
     grad = torch.ones(B, T * D, device=dev)
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     times = []
-    for det in (False, True):
-        m = SmallTableLookup(shards, opt, dev, seed=None, kernel=SmallTableOptions(deterministic=det))
+    variants = (SmallTableOptions(), SmallTableOptions(deterministic=True))
+    for kernel in (*variants, SmallTableOptions(tiles=Tiles(dedup=False, interleave=1))):
+        m = SmallTableLookup(shards, opt, dev, seed=None, kernel=kernel)
 
         def fwd(m=m) -> None:
             with torch.no_grad():
@@ -86,7 +92,7 @@ def measure_small_table(case: SmallTableCase, iters: int, device: str = "cuda") 
         f = _queued(fwd, iters, dev)
         times.append((f, max(_queued(step, iters, dev) - f, 0.0)))
         del m
-    return times[0][0], times[0][1], times[1][1], distinct
+    return times[0][0], times[0][1], times[1][1], distinct, times[2][1]
 
 
 def regroup_layout(n_keys: int, width: int, seed: int = 0):
@@ -125,18 +131,19 @@ def calibrate_kernels(
     hbm_bw: float, l2_bytes: float, iters: int = 10, log: Callable[[str], None] = print
 ) -> KernelConstants:
     """Measure and fit the kernels' constants on this GPU (module docstring)."""
-    measured, distinct, sorted_bwd = [], [], []
+    measured, distinct, sorted_bwd, chained = [], [], [], []
     for case in CALIBRATION_CASES:
-        f, b, s, u = measure_small_table(case, iters)
+        f, b, s, u, v1 = measure_small_table(case, iters)
         measured.append((f, b))
         distinct.append(float(u))
         sorted_bwd.append(s)
+        chained.append(v1)
         n = case.ids
         log(
             f"  small tables {case.name:28s} {n:>9d} ids: forward {f / n * 1e9:.3f} ns/id, backward {b / n * 1e9:.3f} "
-            f"ns/id (sorted {s / n * 1e9:.3f})"
+            f"ns/id (sorted {s / n * 1e9:.3f}, first version {v1 / n * 1e9:.3f})"
         )
-    k = fit(CALIBRATION_CASES, distinct, measured, hbm_bw, l2_bytes, sorted_bwd)
+    k = fit(CALIBRATION_CASES, distinct, measured, hbm_bw, l2_bytes, sorted_bwd, chained)
     shares = []
     for n_keys, width in ((1500, 16), (100, 128)):
         seconds, nbytes = measure_regroup(n_keys, width, 16384, iters)

@@ -9,19 +9,27 @@ Small-table kernel (embshard/kernels/small_tables.py), atomic backward:
               reads = u + (n - u)(1 - min(1, L2 / (u rb))): lookups of rows that miss L2 (as the TBE model)
   backward  = throughput + update per table, and for the group of tables one launch serves: + max over its
               tables of hot
-    throughput = n*sectors(c)*atomic_sector_s + [n*i + 8b + 4bc + 2u rb] / bw
-              sectors(c) = ceil(4c / 32): each id adds its row with vector atomics, sector by sector, in L2; the
+    throughput = adds*sectors(c)*atomic_sector_s + [n*i + 8b + 4bc + 2u rb] / bw
+              sectors(c) = ceil(4c / 32): each add moves a row with vector atomics, sector by sector, in L2; the
               touched rows of the gradient buffer go to memory and back (2u rb)
-    hot       = n * top(r, a) * same_row_s: the hottest row's ids add into the same addresses one after another
-              (top(r, a): the most popular row's share of the ids, 1/r for uniform ids); the tables' chains run
-              side by side, so a group pays the longest one (`group_backward`)
+              adds = (n / m) * distinct(m, r, a): the kernel sorts each bag's chunk of m = min(n/b, chunk(c)) ids
+              (chunk 32 for rows up to 32 wide, 16 beyond) and adds once per distinct row of the chunk
+              (`dedup=False`, the first version: adds = n)
+    hot       = (n / m) * (1 - (1 - top)^m) * same_row_s: the adds into the hottest row, one per bag chunk that
+              holds it, land on the same addresses one after another (top = top(r, a): its share of the ids, 1/r
+              for uniform ids; `dedup=False`: n * top adds). The launch interleaves the programs of its tables
+              (as many as fit 16 MB of L2), so the chains of different tables overlap with each other and with the
+              other tables' adds: a group pays at most its longest chain once (`group_backward`)
     update    = [r rb + u (3 rb + 2 sb)] / bw: the update kernel scans the gradient buffer, reads and writes the
               touched rows and their state, and zeroes their gradient
-  deterministic backward (sorted) = n*sorted_id_s + [n(96 + i) + n rb + 4bc] / bw + update
-              (a radix sort of the ids; every id gathers its bag's gradient row; the same update)
+  deterministic backward (sorted) = n*sorted_id_s + [n(i + 8) + n*SORT_BYTES_PER_ID + n(12 + 32 (1 + w))
+              + u rb + 4bc] / bw + update: one pass writes int32 row keys and bags, a radix sort of int32 keys
+              with int64 positions (4 passes of 24 B), then every sorted id reads its key and position and
+              gathers its bag (and weight) by sector; the rows are written once; no chain (sorted_id_s: the
+              segmented scan's instructions, about 16 warp-instructions per id for 16-wide rows)
   data-parallel dense gradient (`dense_gradients`, the caller all-reduces and updates): throughput and hot as
               above, plus zeroing the buffer, r rb / bw, and no update.
-  fixed: one kernel_s per width group forward, two backward (atomics, update; sorted: five).
+  fixed: one kernel_s per width group forward, two backward (atomics, update; sorted: six).
 
 What FBGEMM's TBE costs is the planner's CostModel.work (hbm tier): per id it also pays bwd_id_s and 96 B of
 sorting, and bwd_row_s per touched row; the small-table kernel has neither, and pays atomics instead. So it wins
@@ -34,10 +42,11 @@ B e (out_cols + in_cols) backward (+ B e out_cols per extra duplicate); time = b
 + kernel_s. FBGEMM's permute_multi_embedding, as the planner has it: max(segments * bag_s, bytes / bw).
 
 `embshard calibrate` should time (embshard/kernels/calibrate.py does): the small-table forward and forward +
-backward (rowwise adagrad) on CALIBRATION_CASES (16 and 128 wide, uniform and Zipf 1.2 ids), then `fit` gives
-fwd_id_s, atomic_sector_s, same_row_s (least squares on relative errors, constants >= 0), and the sorted mode
-gives sorted_id_s; and the regroup forward + backward on a 16-wide and a 128-wide layout: regroup_efficiency =
-(bytes / time) / hbm_bw.
+backward (rowwise adagrad) on CALIBRATION_CASES (16 and 128 wide, uniform and Zipf 1.2 ids), with the default
+backward and with the first version's (no dedup, one table after another: its chains add up, which is what pins
+same_row_s down); then `fit` gives fwd_id_s, atomic_sector_s, same_row_s (least squares on relative errors,
+constants >= 0), and the sorted mode gives sorted_id_s; and the regroup forward + backward on a 16-wide and a
+128-wide layout: regroup_efficiency = (bytes / time) / hbm_bw.
 """
 
 from __future__ import annotations
@@ -59,8 +68,9 @@ class KernelConstants:
     """Forward time per id beyond its bytes (seconds)."""
     atomic_sector_s: float = 7e-12
     """Backward time per 32-byte sector of atomic adds (seconds): L2 atomic throughput."""
-    same_row_s: float = 1e-9
-    """Time per id of one row's serialized atomic adds to the same addresses (seconds)."""
+    same_row_s: float = 1.4e-9
+    """Time per add of one row's serialized atomic adds to the same addresses (seconds; 1 x H200: 1.43 ns, from
+    the first version's Zipf 1.05 and 1.2 backward, 100 tables' chains in sequence)."""
     sorted_id_s: float = 40e-12
     """Deterministic backward time per id beyond its bytes (seconds): sort, segmented scan."""
     regroup_efficiency: float = 0.85
@@ -97,22 +107,59 @@ def small_table_forward(n, b, rows, cols, u, weighted, hbm_bw, l2_bytes, k: Kern
     return n * k.fwd_id_s + (n * idb + 8.0 * b + b * rb + reads * gather(rb)) / hbm_bw
 
 
+def dedup_chunk(cols):
+    """Ids of a bag the atomic backward sorts at once (`_grad_triton.backward_tiles`): 32 for rows up to 32
+    wide, 16 beyond."""
+    return np.where(np.asarray(cols, dtype=float) <= 32, 32.0, 16.0)
+
+
+def atomic_adds(n, b, rows, cols, alpha, dedup: bool = True):
+    """(atomic adds, adds into the hottest row) of one table's atomic backward: with `dedup`, one add per distinct
+    row of each bag chunk of m = min(n / b, chunk) ids (expected distinct rows of m Zipf(alpha) draws, as the
+    planner's access model); without, one per id."""
+    n = np.asarray(n, dtype=float)
+    top = zipf_top_share(rows, alpha)
+    if not dedup:
+        return n, n * top
+    from embshard.planner.access import distinct_rows  # numpy only; imported here: the planner imports this module
+
+    m = np.clip(np.minimum(n / np.maximum(np.asarray(b, dtype=float), 1.0), dedup_chunk(cols)), 1.0, None)
+    chunks = n / m
+    hot = chunks * -np.expm1(m * np.log1p(-np.minimum(top, 1.0 - 1e-12)))
+    return chunks * np.minimum(distinct_rows(m, rows, alpha), m), np.minimum(hot, n * top)
+
+
 def small_table_backward(
-    n, b, rows, cols, u, weighted, state_bytes, alpha, hbm_bw, k: KernelConstants, mode: str = "atomic"
+    n,
+    b,
+    rows,
+    cols,
+    u,
+    weighted,
+    state_bytes,
+    alpha,
+    hbm_bw,
+    k: KernelConstants,
+    mode: str = "atomic",
+    dedup: bool = True,
 ):
     """(seconds, hot chain seconds) of one table's backward in the small-table kernel, fused update included.
     `mode`: "atomic" (default), "sorted" (deterministic: no chain) or "dense" (data-parallel: the dense gradient
-    only, no update). A group's backward is `group_backward` of its tables' pairs."""
+    only, no update); `dedup=False`: the atomic backward without the per-bag sums (`Tiles.dedup`). A group's
+    backward is `group_backward` of its tables' pairs."""
     rows = np.asarray(rows, dtype=float)
     rb = 4.0 * np.asarray(cols, dtype=float)
-    idb = 8.0 + 4.0 * np.asarray(weighted, dtype=float)
+    w = np.asarray(weighted, dtype=float)
+    idb = 8.0 + 4.0 * w
     update = (rows * rb + u * (3.0 * rb + 2.0 * np.asarray(state_bytes, dtype=float))) / hbm_bw
     if mode == "sorted":
-        seconds = n * k.sorted_id_s + (n * (SORT_BYTES_PER_ID + idb) + n * rb + b * rb) / hbm_bw + update
+        per_id = idb + 8.0 + SORT_BYTES_PER_ID + 12.0 + SECTOR * (1.0 + w)
+        seconds = n * k.sorted_id_s + (n * per_id + u * rb + b * rb) / hbm_bw + update
         return seconds, np.zeros_like(seconds)
     sectors = np.ceil(rb / SECTOR)
-    throughput = n * sectors * k.atomic_sector_s + (n * idb + 8.0 * b + b * rb + 2.0 * u * rb) / hbm_bw
-    hot = n * zipf_top_share(rows, alpha) * k.same_row_s
+    adds, hot_adds = atomic_adds(n, b, rows, np.asarray(cols, dtype=float), alpha, dedup)
+    throughput = adds * sectors * k.atomic_sector_s + (n * idb + 8.0 * b + b * rb + 2.0 * u * rb) / hbm_bw
+    hot = hot_adds * k.same_row_s
     if mode == "dense":
         return throughput + rows * rb / hbm_bw, hot
     if mode != "atomic":
@@ -121,7 +168,8 @@ def small_table_backward(
 
 
 def group_backward(seconds, hot) -> float:
-    """Backward seconds of the tables one launch serves: the sum of their times plus the longest hot chain."""
+    """Backward seconds of the tables one launch serves: the sum of their times plus the longest hot chain (the
+    launch interleaves its tables: their chains overlap; counting the longest once is an upper bound)."""
     seconds, hot = np.atleast_1d(seconds), np.atleast_1d(hot)
     return float(seconds.sum() + (hot.max() if hot.size else 0.0))
 
@@ -134,7 +182,18 @@ def eligible(rows, cols, elem_bytes, tier_is_hbm, l2_bytes, max_l2_share: float 
     return (np.asarray(elem_bytes) == 4) & np.asarray(tier_is_hbm, dtype=bool) & (2 * table <= max_l2_share * l2_bytes)
 
 
-def choose_small_tables(fbgemm_s, small_s, hot_s, ok, margin: float = 0.9):
+MARGIN = 0.9
+"""The small-table kernel is chosen only where it is predicted below this share of FBGEMM's time."""
+
+
+def faster_alone(fbgemm_s, small_s, ok, margin: float = MARGIN):
+    """Tables where the small-table kernel may run (`ok`, from `eligible`) and its own forward + backward
+    (`small_s`, without the hot chain) is below `margin` times FBGEMM's (`fbgemm_s`): the first step of
+    `choose_small_tables`, which the planner takes per table before it knows the groups."""
+    return np.asarray(ok, dtype=bool) & (np.asarray(small_s, dtype=float) < margin * np.asarray(fbgemm_s, dtype=float))
+
+
+def choose_small_tables(fbgemm_s, small_s, hot_s, ok, margin: float = MARGIN):
     """Which tables of one group (the tables a rank's lookup of one sharding scheme holds) the small-table kernel
     takes: first each table where it may (`ok`, from `eligible`) and its own forward + backward (`small_s`, without
     the hot chain) is below `margin` times FBGEMM's (`fbgemm_s`, forward + backward); then all of those together
@@ -143,7 +202,7 @@ def choose_small_tables(fbgemm_s, small_s, hot_s, ok, margin: float = 0.9):
     fbgemm_s, small_s, hot_s = (
         np.broadcast_to(np.asarray(x, dtype=float), np.shape(small_s)) for x in (fbgemm_s, small_s, hot_s)
     )
-    pick = np.asarray(ok, dtype=bool) & (small_s < margin * fbgemm_s)
+    pick = faster_alone(fbgemm_s, small_s, np.broadcast_to(ok, np.shape(small_s)), margin).copy()
     if pick.any() and small_s[pick].sum() + hot_s[pick].max() >= margin * fbgemm_s[pick].sum():
         pick[:] = False
     return pick
@@ -209,10 +268,13 @@ def fit(
     hbm_bw: float,
     l2_bytes: float,
     sorted_bwd: Sequence[float] | None = None,
+    chained_bwd: Sequence[float] | None = None,
 ) -> KernelConstants:
     """Constants that explain the measured (forward, backward) seconds of the cases (rowwise adagrad, 4 bytes of
     state a row) on top of the modelled bytes; `distinct[i]`: distinct rows the case's ids touch (all tables).
-    Least squares on relative errors, constants >= 0."""
+    `measured` backward: the default kernel (its tables' chains overlap: the longest counts once);
+    `chained_bwd`: the first version's backward (one add per id, one table after another: every table's chain
+    in turn); `sorted_bwd`: the deterministic backward. Least squares on relative errors, constants >= 0."""
     zero = KernelConstants(0.0, 0.0, 0.0, 0.0)
     rows_f, rhs_f, rows_b, rhs_b, rows_s, rhs_s = [], [], [], [], [], []
     for j, (c, u, (fwd, bwd)) in enumerate(zip(cases, distinct, measured)):
@@ -223,9 +285,13 @@ def fit(
         rhs_f.append((fwd - f0) / fwd)
         b0 = T * float(small_table_backward(n, b, c.rows, c.dim, ut, 0, 4, 0.0, hbm_bw, zero)[0])
         sectors = np.ceil(4.0 * c.dim / SECTOR)
-        hot = n * float(zipf_top_share(c.rows, c.alpha))  # ids of the hottest row of one table
-        rows_b.append([T * n * sectors / bwd, hot / bwd])
+        adds, hot = (float(x) for x in atomic_adds(n, b, c.rows, c.dim, c.alpha))
+        rows_b.append([T * adds * sectors / bwd, hot / bwd])
         rhs_b.append((bwd - b0) / bwd)
+        if chained_bwd is not None:
+            v1 = chained_bwd[j]
+            rows_b.append([T * n * sectors / v1, T * n * float(zipf_top_share(c.rows, c.alpha)) / v1])
+            rhs_b.append((v1 - b0) / v1)
         if sorted_bwd is not None:
             s0 = T * float(small_table_backward(n, b, c.rows, c.dim, ut, 0, 4, 0.0, hbm_bw, zero, "sorted")[0])
             rows_s.append([T * n / sorted_bwd[j]])

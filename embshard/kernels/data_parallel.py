@@ -1,5 +1,6 @@
 """Data-parallel tables on the small-table kernels: `DataParallelLookup` with its FBGEMM dense TBE forward and
-dense backward replaced by `pool` and `dense_gradients` (atomics, no sort), on the same flat weights.
+dense backward replaced by `pool` and `dense_gradients` (the small-table lookup's backward: atomics after each bag
+chunk's repeated rows are summed, no global sort), on the same flat weights.
 
 Data flow of one step (as DataParallelLookup otherwise): forward pools the local batch from the flat replica
 (`group_views`: one `[rows, D]` view per (width, data type) block); backward forms the flat gradient of the

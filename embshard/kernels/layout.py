@@ -20,7 +20,8 @@ import torch
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes of the small-table kernels (None: the heuristic of `_pool_triton.tiles_for`)."""
+    """Tile sizes of the small-table kernels (None: the heuristics of `_pool_triton.tiles_for` (forward) and
+    `_grad_triton.backward_tiles` (atomic backward))."""
 
     bags: int | None = None
     """Bags pooled by one program."""
@@ -32,6 +33,12 @@ class Tiles:
     """Rows per program of the update kernel (default: 512 elements' worth, 32 rows of 16)."""
     sorted_block_n: int = 64
     """Sorted ids per tile of the deterministic backward (rows up to 32 wide; fewer for wider rows)."""
+    dedup: bool = True
+    """Atomic backward: sum the repeats of a row within a bag's chunk of `block_n` ids before adding (a sort in
+    registers): a hot row costs one atomic add per bag chunk instead of one per id. False: one add per id."""
+    interleave: int | None = None
+    """Atomic backward: features of a width group whose programs run side by side, so the chains of adds into
+    their hottest rows overlap (None: as many as their tables fit in 16 MB of L2; 1: one feature after another)."""
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,18 @@ sorting ids. Data flow of one step:
 
   forward   ids, offsets (F*B+1), per-sample weights -> one Triton launch per row width (`_pool_triton._fwd`):
             each program pools a few bags of one feature from the width group's `[rows, D]` block -> `[B, cols]`
-  backward  output gradient -> `_bwd_atomic`: every id adds its bag's gradient row into the group's gradient
-            buffer (relaxed atomics, no sort) -> `_update`: the rule of embshard.optim on every row whose gradient
-            is non-zero (or that was marked touched: weight decay, adam), which also zeroes the buffer again
-  deterministic mode: `_bwd_sorted` instead of the atomics (a stable sort of the ids by row, then one program
-            per row sums its ids in that order), bitwise reproducible run to run
+  backward  output gradient -> `_grad_triton._bwd_atomic`: each bag's chunk of ids is sorted in registers and
+            every distinct row adds (count or weight sum) x its bag's gradient row into the group's gradient
+            buffer (relaxed atomics, no global sort; the launch interleaves its tables so hot rows' chains of
+            adds overlap) -> `_update`: the rule of embshard.optim on every row whose gradient is non-zero (or
+            that was marked touched: weight decay, adam), which also zeroes the buffer again
+  deterministic mode: `_grad_triton._bwd_sorted` instead of the atomics (int32 row keys, a stable radix sort,
+            fixed tiles of sorted ids summed by a segmented scan, rows across tiles fixed up in tile order),
+            bitwise reproducible run to run
 
-Atomics are the default: they are the fast path this module exists for (no sort, no segment reduction), and the
-update rule is the same; only the order in which one row's contributions are summed varies between runs (last
-bits of fp32). `deterministic=True` trades speed for bitwise reproducibility. On the CPU (`impl="auto"`) a plain
+Atomics are the default: they are the fast path this module exists for (no global sort, no segment reduction),
+and the update rule is the same; only the order in which one row's contributions are summed varies between runs
+(last bits of fp32). `deterministic=True` trades speed for bitwise reproducibility. On the CPU (`impl="auto"`) a plain
 torch path runs the same math (embedding_bag forward, index_add_ backward, embshard.optim.apply_update), which is
 deterministic; `impl="triton"` with CPU tensors runs the Triton kernels under TRITON_INTERPRET=1 (tests).
 
@@ -76,6 +79,12 @@ def _kernels():
     return _pool_triton
 
 
+def _grad_kernels():
+    from embshard.kernels import _grad_triton
+
+    return _grad_triton
+
+
 # ---- functional API (also the data-parallel scheme's forward and dense backward) ---------------------------------
 def pool(
     layout: PoolLayout,
@@ -124,7 +133,7 @@ def dense_gradients(
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
     psw = psw.contiguous() if psw is not None else None
-    k = _kernels()
+    k = _grad_kernels()
     dgroups = layout.on(indices.device)
     tiles = tiles or Tiles()
     if deterministic:
@@ -328,7 +337,7 @@ class SmallTableLookup(nn.Module):
                 indices, offsets = indices.contiguous(), offsets.contiguous()
                 psw = psw.contiguous() if psw is not None else None
                 if grad_BD.shape[0] and indices.numel():
-                    _kernels().backward_atomic(
+                    _grad_kernels().backward_atomic(
                         weights, None, self.layout.on(indices.device), indices, offsets, psw, grad_BD, k.tiles, -o.lr
                     )
                 return
@@ -376,6 +385,15 @@ class SmallTableLookup(nn.Module):
         for s, (gi, r0) in zip(self.shards, self._place):
             out.append({k: v[r0 : r0 + s.shard.num_rows] for k, v in self._state[gi].items()})
         return out
+
+    @property
+    def optimizer_step(self) -> int:
+        """Steps the optimizer has taken (Adam's bias-correction count)."""
+        return self._step
+
+    @optimizer_step.setter
+    def optimizer_step(self, step: int) -> None:
+        self._step = step
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
         """No cache: nothing to do."""

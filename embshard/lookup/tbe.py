@@ -97,8 +97,9 @@ class TBELookup(nn.Module):
             self.tbe.prefetch(indices.long(), offsets.long(), forward_stream=forward_stream)
 
     def shard_weights(self) -> list[torch.Tensor]:
-        """The weights of each shard (views, in shard order). UVM-caching: the cache is written back first (FBGEMM's
-        flush also empties it); after writing into these tensors call `drop_cache()` so no stale row hides them."""
+        """The weights of each shard (views, in shard order). UVM-caching: the cache is written back first; it keeps
+        its rows (FBGEMM's flush does not empty it), so call `drop_cache()` BEFORE writing into these tensors: a
+        flush after the write would put the cached old rows back over the new values."""
         if self.settings.caching:
             self.tbe.flush()
         return list(self.tbe.split_embedding_weights())
@@ -130,7 +131,8 @@ class TBELookup(nn.Module):
                 self.tbe.iter_cpu.fill_(step)
 
     def drop_cache(self) -> None:
-        """Forget every cached row (after flushing nothing is lost); later lookups reload them from UVM."""
+        """Write every cached row back and empty the cache; later lookups reload rows from UVM. Call it before
+        writing into the weights (loading a checkpoint): with the cache empty, nothing can overwrite them."""
         if self.settings.caching:
             self.tbe.flush()
             self.tbe.reset_cache_states()

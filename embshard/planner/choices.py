@@ -1,11 +1,13 @@
 """Choices: every option of every table with its per-block load vectors and storage, computed at once with
-numpy (one call of the cost model per sharding type x tier x cache size). Co-located tables form one item whose
-choices are the tiers they can share, as table-wise."""
+numpy (one call of the cost model per sharding type x tier x cache size x kernel). An option that may run on the
+small-table kernel has a twin with kernel 'small' after the table's options (`Item.twins`; kernel_choice.py
+decides which of the two the search uses). Co-located tables form one item whose choices are the tiers they can
+share, as table-wise, with FBGEMM."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ from embshard.plan import ShardingType
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, colocation_groups
 from embshard.planner.cost import CostModel, TableStats
-from embshard.planner.options import Option, shard_runs, table_options
+from embshard.planner.options import Option, shard_runs, small_forms, table_options
 from embshard.tables import ConfigError, TableConfig
 
 
@@ -45,6 +47,8 @@ class Choice:
     hbm = _Blocks(3, "[blocks]: GPU memory of each block (bytes).")
     ddr = _Blocks(4, "[blocks]: host memory of each block (bytes).")
     buffers = _Blocks(5, "[blocks]: each block's step memory (ids, backward workspace, pooled rows), part of hbm/ddr.")
+    hot = _Blocks(6, "[blocks]: small-table kernel: the block's hot-row chain, paid once per group: its longest (s).")
+    lookup = _Blocks(7, "[blocks]: the block's lookup forward + backward, the part that depends on the kernel (s).")
 
     def __init__(
         self, option: Option, runs: tuple, counts: np.ndarray, avg: float, members: list[Option], sizes: tuple
@@ -54,16 +58,16 @@ class Choice:
         """Balanced cost: the step time this choice adds if its work were spread evenly over the ranks (s)."""
         self.members = members
         """The option of each of the item's tables (co-located tables may differ in cache size)."""
-        self._runs = runs  # (kind arrays: owner, same, other [n, NROWS]; hbm, ddr, step buffers [n]), first, end
-        self._counts = counts.astype(int)
-        self.blocks, self.hbm_max, self.ddr_max, self.total_hbm, self.total_ddr = sizes
+        self._runs = runs  # (kind arrays: owner, same, other [n, NROWS]; the others [n]), first, end
+        self._counts = counts
+        self.blocks, self.hbm_max, self.ddr_max, self.total_hbm, self.total_ddr, self.lookup_s = sizes
         self.dense: dict = {}
         """Cache of [NROWS, W] loads for placements on fixed ranks (row-wise kinds, DP)."""
 
     def _expanded(self, k: int) -> np.ndarray:
         arrays, a, b = self._runs
         x = arrays[k][a:b]
-        return x if self._counts.size == 1 and self._counts[0] == 1 else np.repeat(x, self._counts, axis=0)
+        return x if self.blocks == 1 else np.repeat(x, self._counts.astype(int), axis=0)
 
     @property
     def first_owner(self) -> np.ndarray:
@@ -84,6 +88,10 @@ class Item:
     """Ranks its blocks may use (empty: any)."""
     weighted: bool = False
     """Whether any of its tables is weighted (one more input collective)."""
+    twins: dict[int, int] = field(default_factory=dict)
+    """Choice index -> the same option with the other lookup kernel (both ways), where it has one."""
+    kernels: tuple = ()
+    """The lookup kernels its constraints allow (empty: any)."""
 
 
 def balanced_cost(total: np.ndarray, world_size: int) -> np.ndarray:
@@ -104,6 +112,17 @@ def build_items(
     groups = colocation_groups(names, constraints)
     grouped = {index[n] for g in groups if len(g) > 1 for n in g}
     opts = [table_options(t, constraints[t.name], topo, settings, colocated=i in grouped) for i, t in enumerate(tables)]
+    twins: list[dict[int, int]] = [{} for _ in tables]
+    alone = [i for i in range(len(tables)) if i not in grouped]
+    cons = [constraints[names[i]] for i in alone]
+    forms = small_forms(
+        [tables[i] for i in alone], [opts[i] for i in alone], cons, topo, settings, not model.exact_column
+    )
+    for i, small in zip(alone, forms):
+        for j, o in enumerate(small):
+            if o is not None:
+                twins[i][j], twins[i][len(opts[i])] = len(opts[i]), j
+                opts[i].append(o)
     hints = [constraints[t.name].zipf_alpha for t in tables]
     alpha = np.array([settings.zipf_alpha if a is None else a for a in hints], dtype=float)
     # Runs of equal blocks of every (table, option), grouped by (sharding, tier, clf) for one vectorized call each.
@@ -111,16 +130,16 @@ def build_items(
     kinds: dict[tuple, list[tuple]] = {}
     for i, t in enumerate(tables):
         for j, o in enumerate(opts[i]):
-            entries = kinds.setdefault((o.sharding, o.tier, o.cache_load_factor), [])
+            entries = kinds.setdefault((o.sharding, o.tier, o.cache_load_factor, o.kernel), [])
             entries.extend((i, j, rows, c, n) for rows, c, n in shard_runs(t, o))
     per: dict[tuple[int, int], tuple] = {}
-    for (st, tier, clf), entries in kinds.items():
+    for (st, tier, clf, kernel), entries in kinds.items():
         table = np.array(entries, dtype=np.int64)
         ti, oj = table[:, 0], table[:, 1]
         rows, cols, count = (table[:, k].astype(float) for k in (2, 3, 4))
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
-        wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti])
-        mem = model.storage(sub, st, tier, rows, cols, clf)
+        wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti], kernel)
+        mem = model.storage(sub, st, tier, rows, cols, clf, kernel)
         shape = (len(ti), loads.NROWS)
         owner = np.broadcast_to(model.owner_vec(wk), shape)
         same = np.broadcast_to(model.peer_vec(wk, True), shape)
@@ -128,6 +147,8 @@ def build_items(
         hbm = np.broadcast_to(np.asarray(mem.hbm, dtype=float), rows.shape)
         ddr = np.broadcast_to(np.asarray(mem.ddr, dtype=float), rows.shape)
         step = np.broadcast_to(np.asarray(mem.hbm_buffers + mem.ddr_buffers, dtype=float), rows.shape)
+        hot = np.broadcast_to(np.asarray(wk.hot_s, dtype=float), rows.shape)
+        look = np.broadcast_to(np.asarray(wk.fwd_s - wk.route_s + wk.bwd_s, dtype=float), rows.shape)
         total = count[:, None] * (owner + (lws - 1) * same + (W - lws) * other)
         starts = np.flatnonzero(np.r_[True, (ti[1:] != ti[:-1]) | (oj[1:] != oj[:-1])])
         avg = balanced_cost(np.add.reduceat(total, starts, axis=0), W).tolist()
@@ -137,8 +158,9 @@ def build_items(
             np.maximum.reduceat(ddr, starts).tolist(),
             np.add.reduceat(hbm * count, starts).tolist(),
             np.add.reduceat(ddr * count, starts).tolist(),
+            np.add.reduceat(look * count, starts).tolist(),
         )
-        arrays = (owner, same, other, hbm, ddr, step)
+        arrays = (owner, same, other, hbm, ddr, step, hot, look)
         starts_l = starts.tolist()
         ends = [*starts_l[1:], len(ti)]
         ti_l, oj_l = ti.tolist(), oj.tolist()
@@ -155,7 +177,8 @@ def build_items(
         if len(members) == 1:
             i = members[0]
             chs = [choice(o, (i, j), [o]) for j, o in enumerate(opts[i])]
-            items.append(Item([i], chs, constraints[names[i]].ranks, tables[i].weighted))
+            cons = constraints[names[i]]
+            items.append(Item([i], chs, cons.ranks, tables[i].weighted, twins[i], cons.kernels))
         else:
             items.append(_colocated(g, members, opts, per, constraints, tables, W, lws))
     return items
@@ -181,10 +204,11 @@ def _colocated(g, members, opts, per, constraints, tables, W: int, lws: int) -> 
             j = next(j for j, o in enumerate(opts[i]) if o.tier is tier)
             parts.append(per[(i, j)])
             member_opts.append(opts[i][j])
-        ow, sa, ot, hb, dd, bu = (sum(p[0][0][k][p[0][1] : p[0][2]] for p in parts) for k in range(6))
+        ow, sa, ot, hb, dd, bu, ho, lk = (sum(p[0][0][k][p[0][1] : p[0][2]] for p in parts) for k in range(8))
         avg = float(balanced_cost(ow[0] + (lws - 1) * sa[0] + (W - lws) * ot[0], W))
-        size = (1, float(hb[0]), float(dd[0]), float(hb[0]), float(dd[0]))
-        chs.append(Choice(member_opts[0], ((ow, sa, ot, hb, dd, bu), 0, 1), np.ones(1), avg, member_opts, size))
+        size = (1, float(hb[0]), float(dd[0]), float(hb[0]), float(dd[0]), float(lk[0]))
+        arrays = (ow, sa, ot, hb, dd, bu, ho, lk)
+        chs.append(Choice(member_opts[0], (arrays, 0, 1), np.ones(1), avg, member_opts, size))
     weighted = any(tables[i].weighted for i in members)
     return Item(members, chs, tuple(sorted(pinned)) if len(pinned) < W else (), weighted)
 

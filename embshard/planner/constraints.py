@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from embshard.plan import MemoryTier, ShardingType
+from embshard.plan import LookupKernel, MemoryTier, ShardingType
 from embshard.tables import ConfigError, TableConfig, check_known_keys
 
 
@@ -30,12 +30,14 @@ class ParameterConstraints:
     """UVM-caching: HBM cache size as a fraction of the shard's rows (0-1]; unset: the planner's default."""
     zipf_alpha: float | None = None
     """Access skew hint: ids follow Zipf(alpha) by row popularity (0 = uniform, ~1 = typical click logs)."""
+    kernels: tuple[LookupKernel, ...] = ()
+    """Allowed lookup kernels (fbgemm, small); empty: any, the planner gives small where it predicts a win."""
 
     def __post_init__(self) -> None:
         def bad(fld: str, value: object, rule: str) -> ConfigError:
             return ConfigError(f"constraints: {fld}={value!r} is invalid: {rule}")
 
-        for fld, enum_cls in (("sharding_types", ShardingType), ("tiers", MemoryTier)):
+        for fld, enum_cls in (("sharding_types", ShardingType), ("tiers", MemoryTier), ("kernels", LookupKernel)):
             raw = getattr(self, fld)
             if isinstance(raw, str):
                 raw = (raw,)

@@ -66,7 +66,10 @@ depends on the row width through the bytes (and through fwd_byte_s / bwd_byte_s,
 Per rank, whatever the plan (`batch_loads`, with B*F bags and B*F*L ids of its own, P = B*F*D*4 pooled bytes):
 the sender's permute of its ids by destination and the id check, 2 * max(bags*bag_s, 2*ids*i/bw) (forward
 phase), and the regroup of the pooled rows into the output and its gradient, max(bags*bag_s, 2P/bw) + 2P/bw
-in the forward and again in the backward phase.
+in the forward and again in the backward phase (on GPUs the Triton regroup's time, kernel_cost.py, + 2P/bw).
+
+Shards whose TablePlan.kernel is 'small' (embshard's small-table kernel, GPUs): kernel_cost.py's forward,
+backward, hot-row chain (ShardWork.hot_s, paid once per lookup group: its longest), step memory and launches.
 
 Fixed costs (seconds): per lookup-kernel group (sharding type x tier x dtype x weighted) on a rank: kernel_s
 forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort passes, run-length encoding,
@@ -97,8 +100,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import MemoryTier, ShardingType
-from embshard.planner import loads
+from embshard.plan import LookupKernel, MemoryTier, ShardingType
+from embshard.planner import kernel_cost, loads
 from embshard.planner.access import distinct_rows, gather, zipf_hit_rate
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
@@ -194,6 +197,10 @@ class ShardWork:
     """Data-parallel gradient all-reduce seconds."""
     upd_s: np.ndarray | float = 0.0
     """Data-parallel update seconds."""
+    hot_s: np.ndarray | float = 0.0
+    """Small-table kernel: the hottest row's chain of atomic adds (s), paid once per lookup group: its longest."""
+    route_s: np.ndarray | float = 0.0
+    """Part of fwd_s that does not depend on the kernel: the receiver's permute of the ids (s)."""
 
 
 @dataclass(frozen=True)
@@ -276,8 +283,11 @@ class CostModel:
         return topo.uvm_row_s + gather(row_bytes, LINK_SECTOR) / topo.uvm_bw + miss * topo.uvm_page_s
 
     # ---- time ---------------------------------------------------------------------------------------------
-    def work(self, t: TableStats, sharding: ShardingType, tier: MemoryTier, rows, cols, clf=0.0, alpha=0.0):
-        """ShardWork of one shard (formulas in the module docstring)."""
+    def work(
+        self, t: TableStats, sharding: ShardingType, tier: MemoryTier, rows, cols, clf=0.0, alpha=0.0, kernel=None
+    ):
+        """ShardWork of one shard (formulas in the module docstring; kernel 'small': kernel_cost.py)."""
+        small = kernel is LookupKernel.SMALL and self.topo.is_gpu
         topo, B, bw = self.topo, self.batch, self.mem_bw
         n, bags = self.volumes(t, sharding, rows)
         idb = ID_BYTES + WEIGHT_BYTES * t.weighted
@@ -295,7 +305,9 @@ class CostModel:
             ar = 2 * (W - 1) / W * flat / self.ar_bw
             upd = (DP_UPDATE_PASSES * flat + rows * 2 * (rb + sb)) / bw
             extra = self.settings.dp_kernels_per_table * topo.kernel_s / 2
-            return ShardWork(0.0, 0.0, fwd + extra, bwd + extra, ar, upd)
+            if small:
+                fwd, bwd, hot = kernel_cost.small_times(self, t, sharding, rows, cols, n, bags, u, alpha)
+            return ShardWork(0.0, 0.0, fwd + extra, bwd + extra, ar, upd, hot if small else 0.0)
         in_b = B * t.features * ((n / (topo.world_size * B * t.features)) * idb + LENGTH_BYTES)
         out_b = B * t.features * cols * OUT_BYTES
         fwd_lin = n * idb + pooled
@@ -321,10 +333,13 @@ class CostModel:
                 prefetch = n * topo.bwd_id_s + (n * (SORT_BYTES_PER_ID + CACHE_PROBE_BYTES) + m * rb) / bw
                 fwd = per_id_f + prefetch + (fwd_lin + reads * g) / bw + m * CACHE_MISS_LINKS * link
                 bwd = per_id_b + (bwd_lin + u * 2 * g) / bw + state
-        if sharding is ShardingType.COLUMN_WISE and self.exact_column:
+        exact, hot = sharding is ShardingType.COLUMN_WISE and self.exact_column, 0.0
+        if small:  # the exact column-wise backward replaces either kernel's
+            fwd, bwd, hot = kernel_cost.small_times(self, t, sharding, rows, cols, n, bags, u, alpha, exact, bwd)
+        if exact:
             bwd = bwd + EXACT_COLUMN_PASSES * n * cols * OUT_BYTES / bw + EXACT_COLUMN_KERNELS * topo.kernel_s
             bwd = bwd + self.latency
-        return ShardWork(in_b, out_b, fwd + route, bwd)
+        return ShardWork(in_b, out_b, fwd + route, bwd, hot_s=hot, route_s=route)
 
     def batch_loads(self, tables: Sequence[TableConfig]) -> np.ndarray:
         """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
@@ -341,15 +356,24 @@ class CostModel:
         regroup = max(bags * bag, 2 * pooled / bw) + 2 * pooled / bw
         v[loads.FWD] = permute + regroup
         v[loads.BWD] = regroup
+        if self.topo.is_gpu:  # the Triton regroup (kernel_cost.py), then the same plain copy
+            fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * OUT_BYTES))
+            v[loads.FWD] = permute + fwd + 2 * pooled / bw
+            v[loads.BWD] = bwd + 2 * pooled / bw
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------
-    def storage(self, t: TableStats, sharding: ShardingType, tier: MemoryTier, rows, cols, clf=0.0) -> Storage:
+    def storage(
+        self, t: TableStats, sharding: ShardingType, tier: MemoryTier, rows, cols, clf=0.0, kernel=None
+    ) -> Storage:
         """Bytes one shard keeps, and the GPU memory its step allocates (formulas in the module docstring)."""
         n, bags = self.volumes(t, sharding, rows)
         pooled = bags * cols * OUT_BYTES * 2
         state = rows * self.state_bytes(cols)
-        if sharding is ShardingType.DATA_PARALLEL:
+        if kernel is LookupKernel.SMALL:  # fp32 weights in the compute device's memory (kernel_cost.py)
+            weights = rows * cols * 4.0
+            buffers = kernel_cost.small_step_bytes(sharding, rows, cols, n, WEIGHT_BYTES * t.weighted) + pooled
+        elif sharding is ShardingType.DATA_PARALLEL:
             weights = rows * cols * 4.0
             buffers = n * (DP_ID_STEP_BYTES + WEIGHT_BYTES * t.weighted) + pooled + 2 * rows * (cols + 1) * 4.0
         else:
@@ -415,11 +439,11 @@ class CostModel:
         v[..., loads.GRAD_SEND_I + x] = wk.out_b / bw
         return v
 
-    def group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
+    def group_fixed(self, sharding: ShardingType, tier: MemoryTier, kernel=LookupKernel.FBGEMM) -> np.ndarray:
         """[NROWS]: kernel launch costs of one lookup group on a rank (do not modify: cached)."""
-        key = ("group", sharding, tier)
+        key = ("group", sharding, tier, kernel)
         if key not in self._fixed:
-            self._fixed[key] = self._group_fixed(sharding, tier)
+            self._fixed[key] = self._group_fixed(sharding, tier, kernel)
         return self._fixed[key]
 
     def scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
@@ -440,11 +464,13 @@ class CostModel:
             self._fixed[key] = v
         return self._fixed[key]
 
-    def _group_fixed(self, sharding: ShardingType, tier: MemoryTier) -> np.ndarray:
+    def _group_fixed(self, sharding: ShardingType, tier: MemoryTier, kernel: LookupKernel) -> np.ndarray:
         v = np.zeros(loads.NROWS)
         k = self.topo.kernel_s
         v[loads.FWD] = k * (FWD_KERNELS + (CACHE_KERNELS if tier is MemoryTier.UVM_CACHING else 0))
         v[loads.BWD] = BWD_KERNELS * k
+        if kernel is LookupKernel.SMALL and self.topo.is_gpu:
+            v[loads.FWD], v[loads.BWD] = kernel_cost.SMALL_FWD_KERNELS * k, kernel_cost.SMALL_BWD_KERNELS * k
         if sharding is ShardingType.DATA_PARALLEL:
             v[loads.DP_UPDATE] = DP_UPDATE_KERNELS * k
         return v

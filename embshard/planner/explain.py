@@ -31,6 +31,7 @@ def explain(report: PlanReport, table: str) -> str:
         + (", weighted" if cfg.weighted else ""),
         f"placed: {tr.sharding} in {tr.tier}"
         + (f" (cache {tr.cache_load_factor:g} of rows)" if tr.cache_load_factor is not None else "")
+        + (f" with kernel {tr.kernel}" if tr.kernel != "fbgemm" else "")
         + f" on rank(s) {ranks_text(tr.ranks)}, {len(tp.shards)} shard(s): "
         + ", ".join(f"r{s.rank}:{s.num_rows}x{s.num_cols}" for s in tp.shards[:4])
         + (" ..." if len(tp.shards) > 4 else ""),
@@ -59,7 +60,11 @@ def explain(report: PlanReport, table: str) -> str:
     rows = [("option", "balanced ms", "GPU mem", "host mem", "largest shard fits", "")]
     for ch in sorted(item.choices, key=lambda c: c.avg):
         fits = ch.hbm_max <= bud.hbm + 0.5 and ch.ddr_max <= bud.ddr + 0.5
-        chosen = ch.option.sharding.value == tr.sharding and ch.option.tier.value == tr.tier
+        chosen = (ch.option.sharding.value, ch.option.tier.value, ch.option.kernel.value) == (
+            tr.sharding,
+            tr.tier,
+            tr.kernel,
+        )
         if ch.option.sharding.value == "column_wise" and chosen:
             chosen = ch.blocks == len(tp.shards)
         rows.append(
@@ -74,7 +79,8 @@ def explain(report: PlanReport, table: str) -> str:
         )
     lines.append(
         "options (balanced ms: the step time the table adds if its work were spread evenly over the ranks; "
-        "memory over all shards):"
+        "memory over all shards; 'small': on the small-table kernel, which the planner considers where it is "
+        "predicted 10% faster for the table alone):"
     )
     lines += ["  " + line for line in _columns(rows).splitlines()]
     return "\n".join(lines)
@@ -84,7 +90,7 @@ def _phases(model: CostModel, cfg, tp, alpha: float) -> np.ndarray:
     stats = TableStats.one(cfg)
     rows = np.array([s.num_rows for s in tp.shards], dtype=float)
     cols = np.array([s.num_cols for s in tp.shards], dtype=float)
-    wk = model.work(stats, tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, alpha)
+    wk = model.work(stats, tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, alpha, tp.kernel)
     shape = (len(rows), loads.NROWS)
     topo = model.topo
     matrix = loads.spread(

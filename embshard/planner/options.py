@@ -1,5 +1,6 @@
 """Sharding options: the ways one table may be placed (sharding type x tier x number of blocks), which of them a
-table's constraints and the topology allow, and the shards an option gives on chosen ranks."""
+table's constraints and the topology allow, their forms with embshard's small-table kernel (`small_form`), and the
+shards an option gives on chosen ranks."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from embshard.geometry import column_blocks, offsets, row_blocks, runs
-from embshard.plan import MemoryTier, Shard, ShardingType
+from embshard.kernels.cost import eligible
+from embshard.plan import LookupKernel, MemoryTier, Shard, ShardingType
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
@@ -39,17 +43,19 @@ class Option:
     """Column blocks (column-wise), row blocks asked for (row-wise kinds), 1 (table-wise), world size (DP)."""
     cache_load_factor: float = 0.0
     """UVM-caching cache size (fraction of rows); 0 for other tiers."""
+    kernel: LookupKernel = LookupKernel.FBGEMM
+    """Lookup kernel of its shards (kernel_choice.py gives small tables 'small' forms of their options)."""
 
     @property
     def label(self) -> str:
-        """Short text, e.g. 'column_wise/4 hbm' or 'table_wise uvm_caching(0.2)'."""
+        """Short text, e.g. 'column_wise/4 hbm', 'table_wise uvm_caching(0.2)' or 'data_parallel hbm small'."""
         kind = self.sharding.value
         if self.sharding is ShardingType.COLUMN_WISE:
             kind += f"/{self.parts}"
         tier = self.tier.value
         if self.tier is MemoryTier.UVM_CACHING:
             tier += f"({self.cache_load_factor:g})"
-        return f"{kind} {tier}"
+        return f"{kind} {tier}" + (" small" if self.kernel is LookupKernel.SMALL else "")
 
 
 def table_options(
@@ -103,6 +109,43 @@ def table_options(
             "allow more sharding types or tiers (data_parallel needs hbm/host; row_wise needs all ranks)"
         )
     return out
+
+
+def small_forms(
+    tables: Sequence[TableConfig],
+    options: Sequence[Sequence[Option]],
+    constraints: Sequence[ParameterConstraints],
+    topology: Topology,
+    settings: PlannerSettings,
+    column_wise: bool = True,
+) -> list[list[Option | None]]:
+    """Per table, each option with the small-table kernel if the planner may consider it, else None: fp32 weights
+    in GPU memory (tier hbm), on a GPU topology, with settings.small_table_kernel and the table's `kernels`
+    constraint allowing it, and every block small enough for the kernel (kernels.cost.eligible: the block and its
+    gradient buffer within half the L2). A table constrained to `kernels: [small]` gets it wherever the runtime
+    can run it (tier hbm, or host on CPUs), without the size rule. `column_wise` False: none for column-wise
+    options (under the exact column-wise update, whose backward replaces either kernel's)."""
+    out: list[list[Option | None]] = [[None] * len(o) for o in options]
+    auto = settings.small_table_kernel and topology.is_gpu
+    sized = []  # (table, option, largest block rows, cols) under the size rule
+    for i, (t, opts, c) in enumerate(zip(tables, options, constraints)):
+        allowed, fp32 = c.kernels, t.data_type.bytes == 4
+        if allowed == (LookupKernel.SMALL,) and fp32:
+            tiers = (MemoryTier.HBM, MemoryTier.HOST)
+            out[i] = [_with_kernel(o) if o.tier in tiers else None for o in opts]
+        elif auto and fp32 and (not allowed or LookupKernel.SMALL in allowed):
+            for j, o in enumerate(opts):
+                if o.tier is MemoryTier.HBM and (column_wise or o.sharding is not ShardingType.COLUMN_WISE):
+                    sized.append((i, j, *shard_runs(t, o)[0][:2]))
+    if sized:
+        blocks = np.array(sized, dtype=float)
+        for (i, j, _, _), ok in zip(sized, eligible(blocks[:, 2], blocks[:, 3], 4, True, topology.l2_bytes)):
+            out[i][j] = _with_kernel(options[i][j]) if ok else None
+    return out
+
+
+def _with_kernel(o: Option) -> Option:
+    return Option(o.sharding, o.tier, o.parts, o.cache_load_factor, LookupKernel.SMALL)
 
 
 def _allowed(order: Sequence, *filters: Sequence) -> tuple:

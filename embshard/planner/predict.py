@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType
+from embshard.plan import LookupKernel, MemoryTier, ShardingPlan, ShardingType
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel, Storage, TableStats
@@ -84,11 +84,11 @@ def predict(
     stats = TableStats.of(tables)
     hints = [cons[t.name].zipf_alpha for t in tables]
     alpha = np.array([settings.zipf_alpha if a is None else a for a in hints], dtype=float)
-    # Every shard, grouped by (sharding, tier, cache size) for one vectorized cost-model call each.
+    # Every shard, grouped by (sharding, tier, cache size, kernel) for one vectorized cost-model call each.
     kinds: dict[tuple, list[tuple[int, int, int, int]]] = {}
     for i, t in enumerate(tables):
         tp = plan[t.name]
-        key = (tp.sharding_type, tp.tier, tp.cache_load_factor)
+        key = (tp.sharding_type, tp.tier, tp.cache_load_factor, tp.kernel)
         kinds.setdefault(key, []).extend((i, s.rank, s.num_rows, s.num_cols) for s in tp.shards)
     total = np.zeros((loads.NROWS, W))
     fields = list(Storage.__dataclass_fields__)
@@ -97,17 +97,18 @@ def predict(
     per_table: list[list] = [[] for _ in tables]
     alone = np.zeros(len(tables))
     groups: set[tuple] = set()
-    for (st, tier, clf), entries in kinds.items():
+    hot: dict[tuple, float] = {}  # (sharding, tier, rank) of small-kernel groups -> the longest hot-row chain
+    for (st, tier, clf, kernel), entries in kinds.items():
         ti, rk, rows, cols = (np.array(x) for x in zip(*entries))
         rows, cols = rows.astype(float), cols.astype(float)
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
-        wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti])
+        wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti], kernel)
         shape = (len(ti), loads.NROWS)
         owner = np.broadcast_to(model.owner_vec(wk), shape)
         same = np.broadcast_to(model.peer_vec(wk, True), shape)
         other = np.broadcast_to(model.peer_vec(wk, False), shape)
         total += loads.spread(rk, owner, same, other, W, lws)
-        mem = model.storage(sub, st, tier, rows, cols, clf)
+        mem = model.storage(sub, st, tier, rows, cols, clf, kernel)
         for f in fields:
             np.add.at(rank_mem[f], rk, np.broadcast_to(getattr(mem, f), rows.shape))
         np.add.at(table_hbm, ti, np.broadcast_to(mem.hbm, rows.shape))
@@ -122,7 +123,10 @@ def predict(
         alone[ti[single]] = np.maximum.reduceat(peak, loads.PHASE_START, axis=1).sum(axis=1)
         for k in np.flatnonzero(~single).tolist():
             per_table[ti[k]].append((rk[k], owner[k], same[k], other[k]))
-        groups.update((st, tier, int(r)) for r in set(rk.tolist()))
+        groups.update((st, tier, kernel, int(r)) for r in set(rk.tolist()))
+        for r, h in zip(rk.tolist(), np.broadcast_to(wk.hot_s, rows.shape).tolist()):
+            if kernel is LookupKernel.SMALL:
+                hot[(st, tier, r)] = max(hot.get((st, tier, r), 0.0), h)
     table_reports = []
     for i, t in enumerate(tables):
         tp = plan[t.name]
@@ -136,6 +140,7 @@ def predict(
                 dim=t.embedding_dim,
                 sharding=tp.sharding_type.value,
                 tier=tp.tier.value,
+                kernel=tp.kernel.value,
                 ranks=tuple(tp.ranks),
                 cache_load_factor=tp.cache_load_factor if tp.tier is MemoryTier.UVM_CACHING else None,
                 hbm_bytes=float(table_hbm[i]),
@@ -150,8 +155,10 @@ def predict(
         sc[0] += 1
         sc[1] += int(t.weighted)
     rank_mem_list = [Storage(*(float(rank_mem[f][r]) for f in fields)) for r in range(W)]
-    for st, tier, r in sorted(groups, key=lambda g: (g[0].value, g[1].value, g[2])):
-        total[:, r] += model.group_fixed(st, tier)
+    for st, tier, kernel, r in sorted(groups, key=lambda g: (g[0].value, g[1].value, g[2].value, g[3])):
+        total[:, r] += model.group_fixed(st, tier, kernel)
+    for (_st, _tier, r), h in sorted(hot.items(), key=lambda g: (g[0][0].value, g[0][1].value, g[0][2])):
+        total[loads.BWD, r] += h
     for st, (_n, nw) in schemes.items():
         total += model.scheme_fixed(st, nw > 0)[:, None]
     if any(st is not ShardingType.DATA_PARALLEL for st in schemes):

@@ -38,6 +38,8 @@ class TableReport:
     """Step time the table would take alone with this placement (s), fixed costs excluded."""
     notes: tuple[str, ...] = ()
     """Why the planner placed it so."""
+    kernel: str = "fbgemm"
+    """Lookup kernel of its shards: fbgemm, or small (embshard's small-table kernel)."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,9 @@ class PlanReport:
 
     def format_tables(self) -> str:
         """One line per table."""
-        rows = [("table", "rows x dim", "sharding", "tier", "ranks", "GPU mem", "host mem", "alone ms", "why")]
+        kernels = any(t.kernel != "fbgemm" for t in self.tables)  # a kernel column when any table is not FBGEMM's
+        rows = [("table", "rows x dim", "sharding", "tier", *(("kernel",) * kernels), "ranks", "GPU mem", "host mem")]
+        rows[0] += ("alone ms", "why")
         for t in self.tables:
             tier = t.tier + (f"({t.cache_load_factor:g})" if t.cache_load_factor is not None else "")
             why = t.notes[-1] if t.notes else ""
@@ -167,6 +171,7 @@ class PlanReport:
                     f"{t.rows}x{t.dim}",
                     t.sharding,
                     tier,
+                    *((t.kernel,) * kernels),
                     ranks_text(t.ranks),
                     _b(t.hbm_bytes),
                     _b(t.ddr_bytes),
@@ -233,6 +238,7 @@ class PlanReport:
                     "name": t.name,
                     "sharding": t.sharding,
                     "tier": t.tier,
+                    "kernel": t.kernel,
                     "ranks": list(t.ranks),
                     "hbm_gib": t.hbm_bytes / GIB,
                     "ddr_gib": t.ddr_bytes / GIB,

@@ -14,6 +14,8 @@ the memory budgets. Deterministic (no randomness; ties go to the first option / 
    or after settings.max_moves tries.
 6. Small models (at most settings.exact_limit assignments): exhaustive search (exact.py); its optimum replaces
    the greedy plan when better.
+The lookup kernel (FBGEMM's TBE or the small-table kernel) is chosen per option before step 2 and checked per
+group of tables after step 6 (kernel_choice.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, TablePlan
-from embshard.planner import errors, exact, loads
+from embshard.planner import errors, exact, kernel_choice, loads
 from embshard.planner.choices import build_items, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
@@ -75,6 +77,7 @@ def plan_with_report(
     improve(state, p)
     if settings.exact_limit and exact.count(state, p.items, p.usable) <= settings.exact_limit:
         state = exact_if_better(state, State(model, p.budgets.hbm, p.budgets.ddr, base), p)
+    kernel_choice.check_groups(state, p)
     plan = _to_plan(state, p)
     report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, p.notes)
     report.search_step_time_s = state.objective()
@@ -91,6 +94,7 @@ def _cheapest(p: Problem) -> None:
         if not u:
             raise errors.too_large_for_a_rank(p, it)
         p.usable.append(u)
+    kernel_choice.select(p)
     for it, u in zip(p.items, p.usable):
         c = min(u, key=lambda k, it=it: (round(it.choices[k].avg * 1e12), k))
         p.chosen.append(c)
@@ -199,6 +203,6 @@ def _to_plan(state: State, p: Problem) -> ShardingPlan:
             t, opt = p.tables[ti], ch.members[k]
             shards = make_shards(t, opt, ranks)
             kw = {"cache_load_factor": opt.cache_load_factor} if opt.tier is MemoryTier.UVM_CACHING else {}
-            out[t.name] = TablePlan(t.name, opt.sharding, opt.tier, shards, **kw)
+            out[t.name] = TablePlan(t.name, opt.sharding, opt.tier, shards, kernel=opt.kernel, **kw)
     topo = p.topology
     return ShardingPlan(topo.world_size, topo.local_world_size, tuple(out[t.name] for t in p.tables))

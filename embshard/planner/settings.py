@@ -34,6 +34,9 @@ class PlannerSettings:
     column_wise_exact: bool = True
     """Column-wise tables under rowwise_adagrad use the exact update (LookupOptions.column_wise_exact, the
     runtime's default): its backward passes and swap of row norms are counted."""
+    small_table_kernel: bool = True
+    """Let the planner give small, hot fp32 tables in GPU memory embshard's small-table kernel where it predicts a
+    win (false: FBGEMM's TBE for every table)."""
     max_moves: int = 400
     """Local-search budget: at most this many candidate moves are evaluated after the greedy placement."""
     exact_limit: int = 20000
@@ -57,6 +60,8 @@ class PlannerSettings:
             raise bad("zipf_alpha", "it must be in [0, 5]")
         if self.dp_kernels_per_table < 0:
             raise bad("dp_kernels_per_table", "it must be >= 0")
+        if not isinstance(self.small_table_kernel, bool):
+            raise bad("small_table_kernel", "it must be true or false")
         if self.max_moves < 0:
             raise bad("max_moves", "it must be >= 0")
         if self.exact_limit < 0:

@@ -1,5 +1,9 @@
 """The search state: per-rank loads and free memory, and the moves the search makes on them (place an item's
-choice on ranks, take it back), with the fast evaluation of where a choice would go best."""
+choice on ranks, take it back), with the fast evaluation of where a choice would go best.
+
+Fixed costs per lookup group (sharding type x tier x kernel) on a rank: its launches, paid while the group has a
+block there, and for small-kernel groups the longest hot-row chain of its blocks (`hot_max`, with each rank's
+chains kept in `hot` to find the next longest when one leaves)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.plan import ShardingType
+from embshard.plan import LookupKernel, ShardingType
 from embshard.planner import loads
 from embshard.planner.choices import Choice, Item
 from embshard.planner.cost import CostModel
@@ -32,11 +36,46 @@ class State:
         self.group_count: dict[tuple, np.ndarray] = {}
         self.scheme_count: dict[ShardingType, list[int]] = {}  # [items, weighted items]
         self.placed: dict[int, tuple[int, tuple[int, ...]]] = {}  # item -> (choice index, ranks)
+        self.hot: dict[tuple, list[list[float]]] = {}  # small-kernel group -> per rank, its blocks' hot chains
+        self.hot_max: dict[tuple, np.ndarray] = {}  # small-kernel group -> [W] longest chain per rank
         self.rank_host = np.arange(self.W) // self.lws
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
-        return (ch.option.sharding, ch.option.tier)
+        return (ch.option.sharding, ch.option.tier, ch.option.kernel)
+
+    def _hot_change(self, ch: Choice, ranks: Sequence[int], sign: int) -> np.ndarray:
+        """[W]: change of each rank's longest hot chain in the choice's group if it joins (+1) or leaves (-1)."""
+        out = np.zeros(self.W)
+        key = self._group(ch)
+        top = self.hot_max.get(key, out)
+        r = np.asarray(ranks)
+        hot = ch.hot[: len(r)]
+        if sign > 0:
+            out[r] = np.maximum(hot - top[r], 0.0)
+            return out
+        for b in np.flatnonzero(hot >= top[r]).tolist():  # it held the longest chain there: the next longest
+            rest = list(self.hot[key][r[b]])
+            rest.remove(float(hot[b]))
+            out[r[b]] = max(rest, default=0.0) - top[r[b]]
+        return out
+
+    def _track_hot(self, ch: Choice, ranks: Sequence[int], sign: int) -> None:
+        key = self._group(ch)
+        lists = self.hot.setdefault(key, [[] for _ in range(self.W)])
+        top = self.hot_max.setdefault(key, np.zeros(self.W))
+        r = np.asarray(ranks)
+        hot = ch.hot[: len(r)]
+        for b, q in enumerate(r.tolist()):
+            if sign > 0:
+                lists[q].append(float(hot[b]))
+            else:
+                lists[q].remove(float(hot[b]))
+        if sign > 0:
+            top[r] = np.maximum(top[r], hot)
+        else:
+            for q in r[hot >= top[r]].tolist():
+                top[q] = max(lists[q], default=0.0)
 
     def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1), and of
@@ -67,6 +106,8 @@ class State:
         changed = (counts > 0) != (new > 0)
         d[:, changed] += np.outer(fixed, np.where(new[changed] > 0, 1.0, -1.0))
         d += self._scheme_delta(item, ch, sign)[:, None]
+        if ch.option.kernel is LookupKernel.SMALL:
+            d[loads.BWD] += self._hot_change(ch, ranks, sign)
         return d
 
     def _dense(self, ch: Choice, ranks: np.ndarray) -> np.ndarray:
@@ -98,6 +139,8 @@ class State:
         sc[0] += 1
         sc[1] += int(item.weighted)
         self.placed[i] = (c, tuple(int(r) for r in ranks))
+        if ch.option.kernel is LookupKernel.SMALL:
+            self._track_hot(ch, self.placed[i][1], +1)
 
     def remove(self, i: int, item: Item) -> tuple[int, tuple[int, ...]]:
         """Take item i off its ranks; returns where it was."""
@@ -111,6 +154,8 @@ class State:
         sc = self.scheme_count[ch.option.sharding]
         sc[0] -= 1
         sc[1] -= int(item.weighted)
+        if ch.option.kernel is LookupKernel.SMALL:
+            self._track_hot(ch, ranks, -1)
         return c, ranks
 
     def objective(self) -> float:
@@ -161,6 +206,9 @@ class State:
         counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
         if counts[r] == 0 and r not in ranks_so_far:
             d[:, r] += self.model.group_fixed(*self._group(ch))
+        if ch.option.kernel is LookupKernel.SMALL:  # column blocks go to distinct ranks
+            top = self.hot_max.get(self._group(ch))
+            d[loads.BWD, r] += max(float(ch.hot[b]) - (top[r] if top is not None else 0.0), 0.0)
         if first:
             d += self._scheme_delta(item, ch, +1)[:, None]
         return d
@@ -204,6 +252,9 @@ class State:
         else:
             excl = same_host
         own = L[:, q] + o[:, None] + np.outer(fixed, absent)
+        if ch.option.kernel is LookupKernel.SMALL:
+            top = self.hot_max.get(self._group(ch))
+            own[loads.BWD] += np.maximum(float(ch.hot[b]) - (top[q] if top is not None else 0.0), 0.0)
         new = np.maximum(excl, own) + scheme[:, None]
         J = np.maximum.reduceat(new, loads.PHASE_START, axis=0).sum(axis=0)
         own_t = np.maximum.reduceat(own, loads.PHASE_START, axis=0).sum(axis=0)

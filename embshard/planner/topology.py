@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from embshard.kernels.cost import KernelConstants
 from embshard.tables import ConfigError
 
 GIB = 1 << 30
@@ -89,6 +90,16 @@ class Topology:
     uvm_page_s: float = 0.35e-9
     """Extra time per host-memory row access when the shard is much larger than the GPU's translation reach for
     host memory (seconds; scaled by the share of accesses that miss, see cost.py)."""
+    small_fwd_id_s: float = KernelConstants.fwd_id_s
+    """Small-table kernel (embshard/kernels/cost.py): forward time per id beyond its bytes (seconds)."""
+    small_atomic_sector_s: float = KernelConstants.atomic_sector_s
+    """Small-table kernel: backward time per 32-byte sector of an id's atomic adds into L2 (seconds)."""
+    small_same_row_s: float = KernelConstants.same_row_s
+    """Small-table kernel: time per id of the hottest row's atomic adds to one address, in sequence (seconds)."""
+    small_sorted_id_s: float = KernelConstants.sorted_id_s
+    """Small-table kernel, deterministic backward: time per id beyond its bytes (seconds; sort, segmented scan)."""
+    regroup_efficiency: float = KernelConstants.regroup_efficiency
+    """Share of hbm_bw the Triton regroup of the pooled rows reaches (0-1]."""
     source: str = "preset"
     """Where the numbers come from (preset NAME, detected, calibrated ...)."""
     measured: tuple[str, ...] = ()
@@ -115,6 +126,10 @@ class Topology:
         for f in _NONNEGATIVE:
             if not getattr(self, f) >= 0:
                 raise ConfigError(f"topology: {f}={getattr(self, f)!r} is invalid: it must be >= 0")
+        if not 0 < self.regroup_efficiency <= 1:
+            raise ConfigError(
+                f"topology: regroup_efficiency={self.regroup_efficiency!r} is invalid: it must be in (0, 1]"
+            )
         if self.ddr_bytes < 0:
             raise ConfigError(f"topology: ddr_bytes={self.ddr_bytes} is invalid: it must be >= 0")
         object.__setattr__(self, "measured", tuple(self.measured))
@@ -129,6 +144,17 @@ class Topology:
     def is_gpu(self) -> bool:
         """Whether ranks compute on GPUs."""
         return self.compute_device == "cuda"
+
+    @property
+    def kernel_constants(self) -> KernelConstants:
+        """The small-table kernel's and the regroup's constants, as embshard/kernels/cost.py takes them."""
+        return KernelConstants(
+            self.small_fwd_id_s,
+            self.small_atomic_sector_s,
+            self.small_same_row_s,
+            self.small_sorted_id_s,
+            self.regroup_efficiency,
+        )
 
     def host_of(self, rank: int) -> int:
         """The host a rank sits on."""
@@ -296,6 +322,8 @@ class Topology:
         )
 
 
+KERNEL_FIELDS = ("small_fwd_id_s", "small_atomic_sector_s", "small_same_row_s", "small_sorted_id_s")
+"""The small-table kernel's constants (`embshard calibrate` measures them on GPUs; presets: estimates)."""
 _BANDWIDTHS = ("hbm_bw", "uvm_bw", "ddr_bw", "intra_host_bw", "inter_host_bw")  # bytes/s; YAML: GB/s (NAME_gbps)
 _LATENCIES = ("collective_latency_s", "inter_collective_latency_s", "kernel_s", "host_sync_s")  # YAML: us (NAME_us)
 _PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
@@ -308,6 +336,7 @@ _PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
     "bag_s",
     "uvm_row_s",
     "uvm_page_s",
+    *KERNEL_FIELDS,
 )
 _NONNEGATIVE = (*_LATENCIES, "l2_bytes", *_PER_ITEM)
 _UNITS: dict[str, tuple[str, float]] = {  # field -> (YAML key, its unit in code units)
@@ -342,9 +371,20 @@ _GPU_FITTED: dict[str, Any] = dict(
     bag_s=0.2e-9,
     uvm_row_s=1.5e-9,
     uvm_page_s=0.35e-9,
+    # The small-table kernel's: estimates for an H100/H200 (docs/kernels.md "What to expect": 100 tables of
+    # 10k x 16, 24.6 M ids: forward ~0.3 ms, atomic backward ~0.35 ms), until `embshard calibrate` measures them.
+    small_fwd_id_s=KernelConstants.fwd_id_s,
+    small_atomic_sector_s=KernelConstants.atomic_sector_s,
+    small_same_row_s=KernelConstants.same_row_s,
+    small_sorted_id_s=KernelConstants.sorted_id_s,
+    regroup_efficiency=KernelConstants.regroup_efficiency,
 )
 _A100_SCALE = 1.7
-_A100_FITTED = {k: v * _A100_SCALE for k, v in _GPU_FITTED.items() if k.endswith(("_id_s", "row_s")) or k == "bag_s"}
+_A100_FITTED = {
+    k: v * _A100_SCALE
+    for k, v in _GPU_FITTED.items()
+    if k.endswith(("_id_s", "row_s")) or k in ("bag_s", "small_atomic_sector_s")
+}
 _HOPPER_LINKS = dict(uvm_bw=55e9, ddr_bw=50e9, intra_host_bw=290e9, inter_host_bw=45e9)
 _A100_LINKS = dict(uvm_bw=25e9, ddr_bw=40e9, intra_host_bw=200e9, inter_host_bw=22e9)
 

@@ -92,6 +92,15 @@ class Catalog(nn.Module):
             )
         self._step = 0
 
+    @property
+    def sampler_step(self) -> int:
+        """Training steps the sampled softmax has taken: it seeds each step's negatives (checkpoints restore it)."""
+        return self._step
+
+    @sampler_step.setter
+    def sampler_step(self, step: int) -> None:
+        self._step = int(step)
+
     # ---- the batch's items ----------------------------------------------------------------------------------
     def vectors(self, ids_B: torch.Tensor) -> torch.Tensor:
         """The rows of a batch's item ids `[B, D]` (the sharded lookup: collective, fused optimizer)."""

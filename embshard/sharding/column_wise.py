@@ -27,7 +27,8 @@ import torch
 
 from embshard.comm import scoped_label, start_all_to_all
 from embshard.lookup import LocalShard
-from embshard.optim import OptimizerKind
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.options import LookupOptions
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType
 from embshard.sharding.base import ShardingContext, column_key
 from embshard.sharding.exchange import LookupInput
@@ -55,6 +56,14 @@ def column_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: Sharding
     return RoutedSharding(shards_per_rank, key_source, ctx, name="column_wise")
 
 
+def shares_row_state(optimizer: FusedOptimizerConfig, options: LookupOptions, tier: MemoryTier | str) -> bool:
+    """Whether the column blocks of a row-wise Adagrad table each hold the table's own per-row state (exact mode:
+    identical copies, equal to the unsharded table's) rather than a per-block state of their own (TorchRec's
+    behaviour: `column_wise_exact=False`, and uvm_caching blocks). Checkpoints map the state by this rule."""
+    exact = optimizer.kind is OptimizerKind.ROWWISE_ADAGRAD and options.column_wise_exact
+    return exact and MemoryTier(tier) is not MemoryTier.UVM_CACHING
+
+
 class _ExactColumnStep(torch.autograd.Function):
     """Pooled sums of the exact lookups (no fused update); backward runs the exact row-wise Adagrad update."""
 
@@ -78,7 +87,7 @@ class ExactColumnSharding(RoutedSharding):
     def __init__(self, shards_per_rank, key_source, ctx: ShardingContext) -> None:
         super().__init__(shards_per_rank, key_source, ctx, name="column_wise")
         self._opt = ctx.optimizer
-        self._exact = [lk.shards[0].tier is not MemoryTier.UVM_CACHING for lk in self.lookups]
+        self._exact = [shares_row_state(ctx.optimizer, ctx.options, lk.shards[0].tier) for lk in self.lookups]
         caching = sorted(
             {s.table.name for shards in shards_per_rank for s in shards if s.tier is MemoryTier.UVM_CACHING}
         )

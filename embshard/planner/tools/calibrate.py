@@ -7,9 +7,12 @@ tables; with --uvm-large-gib also a table beyond the translation reach, uvm_page
 between the local GPUs (intra_host_bw, NCCL, when there are 2 or more), and FBGEMM's TBE lookups, forward and
 backward apart, at two row widths (16 and 128 columns) and two access patterns (tiny tables read from L2, large
 ones from HBM): the time per id and per touched row beyond what the cost model's byte counts explain
-(fwd_id_s, fwd_byte_s, bwd_id_s, bwd_byte_s, bwd_row_s; least squares over the cases). On CPUs: memory copy (ddr_bw), the all-to-all
-bandwidth between 2 local processes (gloo) and the same lookup fit on the CPU kernels. What cannot be measured
-here (inter-host links; HBM and UVM on a CPU machine) keeps the preset value and is listed as such.
+(fwd_id_s, fwd_byte_s, bwd_id_s, bwd_byte_s, bwd_row_s; least squares over the cases), and embshard's own
+kernels (embshard/kernels/calibrate.py: the small-table kernel's small_fwd_id_s, small_atomic_sector_s,
+small_same_row_s, small_sorted_id_s and the Triton regroup's regroup_efficiency; needs Triton). On CPUs: memory
+copy (ddr_bw), the all-to-all bandwidth between 2 local processes (gloo) and the same lookup fit on the CPU
+kernels. What cannot be measured here (inter-host links; HBM, UVM and the GPU kernels' constants on a CPU
+machine) keeps the preset value and is listed as such.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embshard.planner.topology import GB, GIB, Topology
+from embshard.planner.topology import GB, GIB, KERNEL_FIELDS, Topology
 
 
 def _timed(fn, iters: int, sync) -> float:
@@ -296,6 +299,25 @@ def measure_all_to_all(nproc: int, nbytes: int, iters: int) -> float:
         return json.loads(Path(out).read_text())["bus_bw"]
 
 
+def _small_kernel(topo: Topology, iters: int, log) -> dict:
+    """The small-table kernel's and the regroup's constants measured on this GPU (embshard/kernels/calibrate.py),
+    as Topology fields; {} when they cannot be measured (no Triton)."""
+    try:
+        from embshard.kernels.calibrate import calibrate_kernels
+
+        k = calibrate_kernels(topo.hbm_bw, float(topo.l2_bytes), max(3, iters // 2), log)
+    except Exception as e:  # noqa: BLE001 - Triton missing or the kernel failing: the planner keeps its estimates
+        log(f"small-table kernel: not measured ({type(e).__name__}: {e}); preset estimates kept")
+        return {}
+    return {
+        "small_fwd_id_s": k.fwd_id_s,
+        "small_atomic_sector_s": k.atomic_sector_s,
+        "small_same_row_s": k.same_row_s,
+        "small_sorted_id_s": k.sorted_id_s,
+        "regroup_efficiency": k.regroup_efficiency,
+    }
+
+
 # ---- all of it --------------------------------------------------------------------------------------------------
 def calibrate(
     size_mib: int = 256, iters: int = 10, collectives: bool = True, kernels: bool = True, uvm_large_gib: float = 0.0
@@ -379,6 +401,11 @@ def calibrate(
                 f"{kw['bwd_byte_s'] * 1e12:.2f} ps per row byte + {kw['bwd_row_s'] * 1e9:.3f} ns per touched row:"
             )
             log(lookup_report(replace(now, **kw), cases, times))
+    if kernels and device == "cuda":
+        kw.update(_small_kernel(replace(topo, **kw), iters, log))
+        measured += [k for k in (*KERNEL_FIELDS, "regroup_efficiency") if k in kw]
+    elif kernels:
+        log("small-table kernel and regroup: GPU kernels, not measurable here; preset estimates kept")
     log("inter-host links cannot be measured from one host: inter_host_bw keeps the preset value")
     stamp = time.strftime("%Y-%m-%d %H:%M")
     return replace(topo, **kw, measured=tuple(measured), source=f"calibrated {stamp} on {topo.device_name}")
@@ -390,7 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size-mib", type=int, default=256, help="buffer size of the bandwidth tests (MiB)")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per test (median is kept)")
     p.add_argument("--no-collectives", action="store_true", help="skip the multi-process all-to-all test")
-    p.add_argument("--no-kernels", action="store_true", help="skip the FBGEMM lookup tests")
+    p.add_argument(
+        "--no-kernels", action="store_true", help="skip the lookup kernel tests (FBGEMM's and the small-table kernel's)"
+    )
     p.add_argument(
         "--uvm-large-gib",
         type=float,

@@ -3,7 +3,7 @@ the plain-PyTorch reference (several tables and tiers on one rank, LRU and LFU, 
 prefetch on the current and on a side stream, cache statistics, fp16 weights, bf16 outputs); a model larger than a
 reduced HBM budget trains with UVM-caching; out-of-range ids fail as on CPU.
 
-Run on the device: EMBSHARD_TEST_DEVICE=cuda python -m pytest -q tests/test_tiers_gpu.py
+Run on the device: EMBSHARD_TEST_DEVICE=cuda python -m pytest -q tests/lookup/test_tiers_gpu.py
 (the test sets EMBSHARD_TEST_DEVICE=cuda for its own processes if unset).
 """
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+import paths
 import pytest
 
 pytest.importorskip("triton")
 
 
 def test_triton_kernels_under_the_interpreter():
-    here = Path(__file__).parent
+    here = paths.TESTS
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run(
         [

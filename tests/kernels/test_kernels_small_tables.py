@@ -1,7 +1,9 @@
 """SmallTableLookup against the plain-PyTorch reference (tests/reference.py) and FBGEMM's TBE, on the test device
 (CPU: the torch path; EMBSHARD_TEST_DEVICE=cuda: the Triton kernels). Zipf ids make rows repeat within and across
 bags, bags may be empty, weighted and unweighted features mix, features share a table, widths 4/8/12 form three
-width groups. The Triton kernels on the CPU (interpreter) are tests/test_kernels_interpret.py."""
+width groups; heavily skewed ids (Zipf 2.5, bags of up to 60) train every backward variant (atomic with and
+without the per-bag dedup, one feature at a time, sorted). The Triton kernels on the CPU (interpreter) are
+tests/kernels/test_kernels_interpret.py."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from kernel_cases import (
     train_against_reference,
 )
 
-from embshard.kernels.layout import build_layout
+from embshard.kernels.layout import Tiles, build_layout
 from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions, dense_gradients, pool
 from embshard.lookup import LocalShard, TBELookup
 from embshard.optim import FusedOptimizerConfig
@@ -35,6 +37,42 @@ def test_trains_like_the_reference(opt, deterministic):
     make = lambda: SmallTableLookup(full_shards(TABLES, DEVICE), cfg, DEVICE, seed=7, kernel=kernel)
     lookup, ref, outs = train_against_reference(make, TABLES, cfg, DEVICE, steps=3, B=6)
     check_against_reference(lookup, ref, outs, cfg, TABLES)
+
+
+SKEW_VARIANTS = {
+    "atomic": SmallTableOptions(),
+    "atomic-no-dedup": SmallTableOptions(tiles=Tiles(dedup=False)),
+    "atomic-one-feature-at-a-time": SmallTableOptions(tiles=Tiles(interleave=1)),
+    "atomic-8-id-chunks": SmallTableOptions(tiles=Tiles(bags=2, block_n=8)),
+    "sorted": SmallTableOptions(deterministic=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(SKEW_VARIANTS))
+@pytest.mark.parametrize("opt", ["rowwise_adagrad", "adam"])
+def test_heavily_skewed_ids_train_like_the_reference(opt, variant):
+    # Zipf(2.5): each table's top row takes most of its ids, many times in every bag and bag chunk
+    cfg = OPTIMIZERS[opt]
+    make = lambda: SmallTableLookup(full_shards(TABLES, DEVICE), cfg, DEVICE, seed=7, kernel=SKEW_VARIANTS[variant])
+    lookup, ref, outs = train_against_reference(make, TABLES, cfg, DEVICE, steps=3, B=16, alpha=2.5, max_len=60)
+    check_against_reference(lookup, ref, outs, cfg, TABLES)
+
+
+def test_sorted_backward_is_bitwise_reproducible():
+    cfg = OPTIMIZERS["rowwise_adagrad"]
+    runs = []
+    for _ in range(2):
+        kernel = SmallTableOptions(deterministic=True)
+        lookup = SmallTableLookup(full_shards(TABLES, DEVICE), cfg, DEVICE, seed=2, kernel=kernel)
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            idx, off, psw, _, up = random_step(TABLES, 32, gen, alpha=2.0, max_len=50)
+            out = lookup(idx.to(DEVICE), off.to(DEVICE), psw.to(DEVICE))
+            (out * torch.cat(list(up.values()), dim=1).to(DEVICE)).sum().backward()
+        runs.append(
+            [w.clone() for w in lookup.shard_weights()] + [s["m"].clone() for s in lookup.shard_optimizer_states()]
+        )
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_direct_sgd_trains_like_the_reference():
@@ -99,7 +137,8 @@ def test_row_and_column_blocks_of_a_table():
     assert reference_state(ref, cfg, "t")["m"].shape == (30,)
 
 
-def test_dense_gradients_match_fbgemm_dense_tbe():
+@pytest.mark.parametrize("alpha,max_len", [(1.2, 7), (2.5, 60)])
+def test_dense_gradients_match_fbgemm_dense_tbe(alpha, max_len):
     # The data-parallel scheme's layout: FBGEMM's dense TBE with tables ordered by width in one flat tensor.
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 
@@ -126,7 +165,7 @@ def test_dense_gradients_match_fbgemm_dense_tbe():
         e0 += g.rows * g.dim
     assert e0 == flat.numel()
     gen = torch.Generator().manual_seed(8)
-    idx, off, psw, _, upstream = random_step(tables, 7, gen)
+    idx, off, psw, _, upstream = random_step(tables, 7, gen, alpha, max_len)
     weighted_per_id = torch.cat(
         [torch.full((int(off[(k + 1) * 7] - off[k * 7]),), float(t.weighted)) for k, t in enumerate(
             [t for t in tables for _ in t.feature_names])]

@@ -8,6 +8,7 @@ import re
 import typing
 from pathlib import Path
 
+import paths
 import pytest
 import yaml
 
@@ -19,7 +20,7 @@ from embshard.plan import MemoryTier, ShardingType
 from embshard.planner.policy import plan_for_job
 from embshard.tables import ConfigError, TableConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.ROOT
 EXAMPLES = sorted((ROOT / "configs").glob("*.yaml"))
 
 

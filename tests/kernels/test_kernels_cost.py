@@ -9,6 +9,7 @@ import pytest
 from embshard.kernels.cost import (
     CALIBRATION_CASES,
     KernelConstants,
+    atomic_adds,
     choose_small_tables,
     eligible,
     fit,
@@ -53,31 +54,60 @@ def test_backward_parts():
     atomic, hot = small_table_backward(n, b, r, 16, u, 0, 4, 1.2, BW, k)
     dense, hot_dense = small_table_backward(n, b, r, 16, u, 0, 4, 1.2, BW, k, mode="dense")
     srt, no_chain = small_table_backward(n, b, r, 16, u, 0, 4, 1.2, BW, k, mode="sorted")
+    v1, hot_v1 = small_table_backward(n, b, r, 16, u, 0, 4, 1.2, BW, k, dedup=False)
     update = (r * 64 + u * (3 * 64 + 8)) / BW
     assert atomic - update == pytest.approx(dense - r * 64 / BW)
-    assert hot == hot_dense == pytest.approx(n * zipf_top_share(r, 1.2) * 1e-9) and no_chain == 0
-    assert atomic == pytest.approx(n * 2 * 7e-12 + (n * 8 + 8 * b + b * 64 + 2 * u * 64) / BW + update)
-    assert srt == pytest.approx(n * 4e-11 + (n * (96 + 8) + n * 64 + b * 64) / BW + update)
+    adds, hot_adds = atomic_adds(n, b, r, 16, 1.2)
+    assert hot == hot_dense == pytest.approx(hot_adds * 1e-9) and no_chain == 0
+    assert atomic == pytest.approx(adds * 2 * 7e-12 + (n * 8 + 8 * b + b * 64 + 2 * u * 64) / BW + update)
+    assert v1 == pytest.approx(n * 2 * 7e-12 + (n * 8 + 8 * b + b * 64 + 2 * u * 64) / BW + update)
+    assert hot_v1 == pytest.approx(n * zipf_top_share(r, 1.2) * 1e-9)
+    per_id = 8 + 8 + 96 + 12 + 32  # ids, keys and bags written, the sort, sorted keys and positions, bag sectors
+    assert srt == pytest.approx(n * 4e-11 + (n * per_id + u * 64 + b * 64) / BW + update)
     assert group_backward([1.0, 2.0], [0.5, 0.25]) == pytest.approx(3.5)
     with pytest.raises(ValueError, match="mode='fast'"):
         small_table_backward(n, b, r, 16, u, 0, 4, 1.2, BW, k, mode="fast")
 
 
+def test_atomic_adds_by_hand():
+    # 30 ids a bag in one chunk: adds = bags x distinct rows among 30 draws; the hottest row once per bag holding it
+    n, b, r = 8192 * 30, 8192, 10_000
+    p = np.arange(1, r + 1, dtype=float) ** -1.2
+    p /= p.sum()
+    distinct30 = np.sum(1 - (1 - p) ** 30)  # exact expectation over the rows
+    adds, hot = atomic_adds(n, b, r, 16, 1.2)
+    assert adds == pytest.approx(b * distinct30, rel=0.05) and adds < 0.75 * n  # Zipf 1.2: ~35% fewer adds
+    assert hot == pytest.approx(b * (1 - (1 - zipf_top_share(r, 1.2)) ** 30), rel=1e-9)
+    assert hot < 1.01 * b < n * zipf_top_share(r, 1.2) / 6  # the hot chain: once a bag instead of ~6 times
+    # uniform ids: nothing to sum (adds ~ n), the chain as before (n / r)
+    adds_u, hot_u = atomic_adds(n, b, r, 16, 0.0)
+    assert adds_u == pytest.approx(n, rel=2e-3) and hot_u == pytest.approx(n / r, rel=2e-3)
+    # bags longer than a chunk: chunks of 32 (16 for rows wider than 32 columns); without dedup: one add per id
+    _, hot_long = atomic_adds(8192 * 100, 8192, r, 16, 1.2)
+    _, hot_wide = atomic_adds(8192 * 100, 8192, r, 64, 1.2)
+    assert hot_long == pytest.approx(8192 * 100 / 32 * (1 - (1 - zipf_top_share(r, 1.2)) ** 32))
+    assert hot_wide == pytest.approx(8192 * 100 / 16 * (1 - (1 - zipf_top_share(r, 1.2)) ** 16))
+    assert atomic_adds(n, b, r, 16, 1.2, dedup=False) == (n, pytest.approx(n * zipf_top_share(r, 1.2)))
+
+
 def test_fit_recovers_the_constants_that_made_the_times():
     true = KernelConstants(fwd_id_s=12e-12, atomic_sector_s=6e-12, same_row_s=2e-9, sorted_id_s=50e-12)
-    distinct, measured, sorted_bwd = [], [], []
+    distinct, measured, sorted_bwd, chained = [], [], [], []
     for c in CALIBRATION_CASES:
         n, b = c.batch * c.ids_per_bag, c.batch
         u = c.rows * (1 - np.exp(-n / c.rows)) * (0.6 if c.alpha else 1.0)
         fwd = c.tables * small_table_forward(n, b, c.rows, c.dim, u, 0, BW, L2, true)
         s, hot = small_table_backward(n, b, c.rows, c.dim, u, 0, 4, c.alpha, BW, true)
+        v1, hot_v1 = small_table_backward(n, b, c.rows, c.dim, u, 0, 4, c.alpha, BW, true, dedup=False)
         srt, _ = small_table_backward(n, b, c.rows, c.dim, u, 0, 4, c.alpha, BW, true, mode="sorted")
         distinct.append(u * c.tables)
-        measured.append((float(fwd), c.tables * float(s) + float(hot)))
+        measured.append((float(fwd), c.tables * float(s) + float(hot)))  # the longest chain once
+        chained.append(c.tables * float(v1 + hot_v1))  # the first version: every table's chain in turn
         sorted_bwd.append(c.tables * float(srt))
-    got = fit(CALIBRATION_CASES, distinct, measured, BW, L2, sorted_bwd)
-    for name in ("fwd_id_s", "atomic_sector_s", "same_row_s", "sorted_id_s"):
-        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), name
+    for extra in ({}, {"chained_bwd": chained}):
+        got = fit(CALIBRATION_CASES, distinct, measured, BW, L2, sorted_bwd, **extra)
+        for name in ("fwd_id_s", "atomic_sector_s", "same_row_s", "sorted_id_s"):
+            assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), (name, extra.keys())
 
 
 def test_choice_gives_the_kernel_small_collision_heavy_tables_only():
@@ -96,8 +126,11 @@ def test_choice_gives_the_kernel_small_collision_heavy_tables_only():
     pick = choose_small_tables(fbgemm[idx], (fwd + bwd)[idx], hot[idx], ok[idx])
     assert pick.tolist() == [True] * 100 + [False, False]
     assert not choose_small_tables(fbgemm[idx] / 100, (fwd + bwd)[idx], hot[idx], ok[idx]).any()  # FBGEMM faster
-    # one such table alone: its hottest row's chain of atomics is longer than FBGEMM's whole step for it
-    assert hot[0] > fbgemm[0] and not choose_small_tables(fbgemm[:1], (fwd + bwd)[:1], hot[:1], ok[:1]).any()
+    # one such table alone: its hottest row's chain of atomics (once per bag) is shorter than FBGEMM's whole step
+    # for it, and the kernel takes it; the first version's chain (once per id, ~51,000 adds) was longer
+    assert hot[0] < 0.5 * fbgemm[0] and choose_small_tables(fbgemm[:1], (fwd + bwd)[:1], hot[:1], ok[:1]).all()
+    bwd_v1, hot_v1 = small_table_backward(n, b, rows, cols, u, 0, 4, 1.2, BW, k, dedup=False)
+    assert hot_v1[0] > fbgemm[0] and not choose_small_tables(fbgemm[:1], (fwd + bwd_v1)[:1], hot_v1[:1], ok[:1])
 
 
 def test_regroup_bytes_and_time():
@@ -113,8 +146,8 @@ def test_calibration_measurements_run():
     from embshard.kernels.cost import SmallTableCase
 
     case = SmallTableCase("tiny", 3, 50, 8, 4, 16, 1.2)
-    fwd, bwd, srt, distinct = measure_small_table(case, iters=1, device="cpu")
-    assert fwd > 0 and bwd >= 0 and srt >= 0 and 3 <= distinct <= 150
+    fwd, bwd, srt, distinct, v1 = measure_small_table(case, iters=1, device="cpu")
+    assert fwd > 0 and bwd >= 0 and srt >= 0 and v1 >= 0 and 3 <= distinct <= 150
     seconds, nbytes = measure_regroup(6, 16, 8, iters=1, device="cpu")
     # 6 keys: 5 used (forward reads 5 x 16 columns), outputs 5 + 1 duplicate keys; backward writes all 6
     assert seconds > 0 and nbytes == 8 * 4 * ((5 * 16 + 6 * 16) + (6 * 16 + 6 * 16))

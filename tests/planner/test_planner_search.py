@@ -241,7 +241,7 @@ def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
         tp = plan[t.name]
         rows = np.array([s.num_rows for s in tp.shards], dtype=float)
         cols = np.array([s.num_cols for s in tp.shards], dtype=float)
-        wk = model.work(TableStats.one(t), tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor)
+        wk = model.work(TableStats.one(t), tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, 0.0, tp.kernel)
         shape = (len(rows), loads.NROWS)
         vecs = [
             np.broadcast_to(v, shape)
@@ -265,6 +265,11 @@ def test_calibrate_on_cpu(tmp_path):
     # The fitted constants depend on this machine's timing (0 when the modelled bytes explain it all): finite, >= 0.
     fitted = [topo.fwd_id_s, topo.fwd_byte_s, topo.bwd_id_s, topo.bwd_byte_s, topo.bwd_row_s]
     assert all(np.isfinite(x) and x >= 0 for x in fitted) and "fwd_id_ns" in out.read_text()
+    # the small-table kernel's constants are GPU-only: the preset's estimates stay, not marked measured
+    assert list(vars(topo.kernel_constants).values()) == pytest.approx(
+        list(vars(Topology.preset("cpu", 2).kernel_constants).values())
+    )
+    assert not {"small_fwd_id_s", "regroup_efficiency"} & set(topo.measured)
     plan, report = plan_with_report(random_tables(1, 6), topo.with_sizes(2, ddr_gib=256), 64)
     assert {t.tier for t in plan.tables} == {MemoryTier.HOST}
 

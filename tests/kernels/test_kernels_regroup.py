@@ -1,7 +1,7 @@
 """KernelRegroup against a plain torch.cat reference and FBGEMM's permute_multi_embedding (the parent Regroup), on
 the test device (CPU: the torch path and FBGEMM; EMBSHARD_TEST_DEVICE=cuda: the Triton kernel too), forward and
 backward, fp32 and bf16, keys repeated within and across groups, unused keys with exactly-zero gradients. The
-Triton kernel on the CPU (interpreter) is tests/test_kernels_interpret.py."""
+Triton kernel on the CPU (interpreter) is tests/kernels/test_kernels_interpret.py."""
 
 from __future__ import annotations
 

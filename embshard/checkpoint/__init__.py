@@ -1,0 +1,51 @@
+"""Sharded checkpoints of a training run (docs/checkpoints.md).
+
+Save: every rank writes only its own shards of every table, with the fused optimizer's state, in chunks, as a
+torch.distributed.checkpoint (DCP) checkpoint; rank 0 adds the dense model and optimizer (replicated, written
+once), Adam's step counts, per rank the data position and RNG states, and a manifest (plan, tables, config);
+a COMMIT marker written last makes it visible. Asynchronous by default: the step loop waits only for the copy
+to host memory. Load: under any world size, plan, sharding type or tier, every rank reads only the rows its
+shards need.
+
+- layout.py: the logical tensors of a collection; the pieces a rank writes and reads; state-layout mapping
+- storage.py: the folder layout (manifest, COMMIT, latest, pruning) and the DCP planners over pieces
+- state.py: what else a run saves (dense part, RNG states); `TrainState`
+- save.py: `Checkpointer` (save: sync or async, keep the last K; resume)
+- load.py: `load_checkpoint`
+- cli.py: `embshard checkpoint inspect DIR` and `embshard checkpoint export DIR --out OUT`
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from embshard.checkpoint.load import Resumed, load_checkpoint
+from embshard.checkpoint.save import Checkpointer, SaveStats
+from embshard.checkpoint.state import TrainState
+from embshard.checkpoint.storage import latest, read_manifest, step_dir
+
+__all__ = [
+    "Checkpointer",
+    "Resumed",
+    "SaveStats",
+    "TrainState",
+    "checkpointer",
+    "latest",
+    "load_checkpoint",
+    "read_manifest",
+    "step_dir",
+]
+
+
+def checkpointer(cfg: Any, model: Any, dense_optimizer: Any, config: Any = None, log: Any = None) -> Checkpointer:
+    """The Checkpointer of a RecModel and its dense optimizer, set up from the `checkpoint:` config section."""
+    return Checkpointer(
+        TrainState.of_model(model, dense_optimizer),
+        cfg.dir,
+        keep_last=cfg.keep_last,
+        async_save=cfg.async_save,
+        chunk_bytes=int(cfg.chunk_mib * (1 << 20)),
+        io_threads=cfg.io_threads,
+        config=config,
+        log=log,
+    )

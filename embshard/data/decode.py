@@ -1,0 +1,491 @@
+"""One piece of a file -> numpy arrays for the model: labels, dense features, and per sparse feature its bag
+lengths, table rows and per-id weights. Vectorized throughout (pyarrow compute, numpy); no Python loop per value.
+
+    Parquet row group (read_row_group) | CSV chunk (its byte range, pyarrow's CSV reader)
+      -> Arrow columns -> label (threshold or 0/1 check), dense (fill, min, transform), bags (lists, separator
+         text or single values) -> rows (hash, vocab or identity) -> bad rows -> Chunk
+
+Missing values (hash and vocab): a null or empty value is dropped from its bag and a bag left empty becomes one
+id of row 0. Identity: nulls are dropped and a bag may stay empty. A bad row (wrong field count, a number that
+does not parse, a missing or out-of-range label, an infinite dense value, an id out of range, weights that do not
+match the ids) raises a ConfigError naming file, line or row, column, value and the rule (on_bad_row: error) or
+is dropped and counted (on_bad_row: skip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from embshard.config.data import DenseColumnConfig
+from embshard.data.hashing import as_text, hash_rows, hash_values
+from embshard.data.layout import Layout, Piece
+from embshard.tables import ConfigError
+
+MISSING_ROW = 0
+FLOAT_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf|infinity)$"
+INT_RE = r"^[+-]?\d+$"
+PACKED_KEY = b"embshard.packed"  # field metadata of a fixed_size_binary column of packed little-endian ids
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One sparse feature: its column, its table's rows, how multi-valued text is split, its weight column."""
+
+    name: str
+    column: str
+    rows: int
+    table: str
+    separator: str | None = None
+    weights: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """Everything a reader needs (plain data: it is sent to worker processes)."""
+
+    where: str  # config key for messages, e.g. data.table
+    fmt: str
+    header: bool
+    column_names: tuple[str, ...] | None
+    delimiter: str
+    label: str
+    label_threshold: float | None
+    dense: tuple[DenseColumnConfig, ...]
+    features: tuple[FeatureSpec, ...]
+    mapping: str
+    weighted: bool
+    on_bad_row: str
+    chunk_rows: int = 65536
+
+    def columns(self) -> list[str]:
+        """The columns read, each once."""
+        names = [self.label, *(d.column for d in self.dense)]
+        for f in self.features:
+            names += [f.column] + ([f.weights] if f.weights else [])
+        return list(dict.fromkeys(names))
+
+
+@dataclass
+class Chunk:
+    """Rows of one piece (or a window of pieces): labels [n], dense [n, D], and per feature lengths [n] int32,
+    ids int64 and per-id weights float32 (None when no table is weighted)."""
+
+    labels: np.ndarray
+    dense: np.ndarray
+    lengths: list[np.ndarray]
+    values: list[np.ndarray]
+    weights: list[np.ndarray] | None
+    fixed: list[int | None] | None = None  # per feature: the size of every bag, when known to be one size
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @staticmethod
+    def concat(chunks: list[Chunk]) -> Chunk:
+        if len(chunks) == 1:
+            return chunks[0]
+        nf = len(chunks[0].lengths)
+        return Chunk(
+            np.concatenate([c.labels for c in chunks]),
+            np.concatenate([c.dense for c in chunks]),
+            [np.concatenate([c.lengths[f] for c in chunks]) for f in range(nf)],
+            [np.concatenate([c.values[f] for c in chunks]) for f in range(nf)],
+            None if chunks[0].weights is None else [np.concatenate([c.weights[f] for c in chunks]) for f in range(nf)],
+            [_same([c.fixed[f] if c.fixed else None for c in chunks]) for f in range(nf)],
+        )
+
+    def keep(self, mask: np.ndarray) -> Chunk:
+        """The rows where mask is true."""
+        per_value = [np.repeat(mask, lens) for lens in self.lengths]
+        return Chunk(
+            self.labels[mask],
+            self.dense[mask],
+            [lens[mask] for lens in self.lengths],
+            [v[m] for v, m in zip(self.values, per_value)],
+            None if self.weights is None else [w[m] for w, m in zip(self.weights, per_value)],
+            self.fixed,
+        )
+
+
+def _same(sizes: list[int | None]) -> int | None:
+    return sizes[0] if sizes[0] is not None and all(k == sizes[0] for k in sizes) else None
+
+
+class BadRows:
+    """Bad rows of one table read from a piece: a mask, and the first one's description."""
+
+    def __init__(self, n: int) -> None:
+        self.mask = np.zeros(n, dtype=bool)
+        self.first: tuple[int, str] | None = None  # (row index, "column ...: rule")
+
+    def add(self, mask: np.ndarray, column: str, values: pa.Array | np.ndarray | None, rule: str) -> None:
+        if not mask.any():
+            return
+        i = int(np.argmax(mask))
+        self.mask |= mask
+        if self.first is None or i < self.first[0]:
+            shown = "" if values is None else f"={_show(values[i])}"
+            self.first = (i, f"column {column!r}{shown}: {rule}")
+
+
+def _show(v: object) -> str:
+    if isinstance(v, pa.Scalar):
+        v = v.as_py()
+    if isinstance(v, np.generic):
+        v = v.item()
+    return repr(v)
+
+
+def text_to_numbers(arr: pa.Array, integer: bool) -> tuple[pa.Array, np.ndarray]:
+    """Parse text values as numbers: (float64 or int64 array with nulls where missing or bad, bad mask)."""
+    ok = pc.match_substring_regex(arr, INT_RE if integer else FLOAT_RE, ignore_case=True)
+    bad = np.asarray(pc.fill_null(pc.invert(ok), False))
+    kept = pc.if_else(pc.fill_null(ok, False), arr, pa.nulls(len(arr), arr.type))
+    try:
+        return pc.cast(kept, pa.int64() if integer else pa.float64()), bad
+    except pa.ArrowInvalid:  # the regex let through something the cast refuses: find it value by value
+        parse = int if integer else float
+        out, bad = [], bad.copy()
+        for i, v in enumerate(kept.to_pylist()):
+            try:
+                out.append(None if v is None else parse(v))
+            except ValueError:
+                out.append(None)
+                bad[i] = True
+        return pa.array(out, pa.int64() if integer else pa.float64()), bad
+
+
+def numbers(arr: pa.Array, column: str, where: str, bad: BadRows, integer: bool = False) -> pa.Array:
+    """A numeric or text column as float64 (int64 if integer), nulls kept; unparsable text marks bad rows."""
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr, t = arr.dictionary_decode(), t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        parsed, is_bad = text_to_numbers(arr, integer)
+        bad.add(is_bad, column, arr, "not an integer" if integer else "not a number")
+        return parsed
+    if integer and pa.types.is_integer(t):
+        return arr.cast(pa.int64())
+    if not integer and (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        return arr.cast(pa.float64())
+    raise ConfigError(
+        f"{where}: column {column!r} has type {t}; expected {'integers' if integer else 'numbers'} (or text of them)"
+    )
+
+
+def _array(table: pa.Table, name: str) -> pa.Array:
+    """One column as a single array (without a copy when it is one chunk, as a row group read gives it)."""
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
+def to_float(arr: pa.Array) -> np.ndarray:
+    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+class Reader:
+    """Reads pieces of one split's files into Chunks (one per process; keeps Parquet files open)."""
+
+    def __init__(self, spec: ReadSpec, layout: Layout, vocab: dict | None = None) -> None:
+        self.spec, self.layout, self.vocab = spec, layout, vocab or {}
+        self._open: dict[int, object] = {}
+        need = spec.columns()
+        for f, cols in zip(layout.files, layout.columns):
+            missing = [c for c in need if c not in cols]
+            if missing:
+                raise ConfigError(
+                    f"{spec.where}: {f} has no column(s) {missing}; its columns: {cols}"
+                    + (" (a headerless file needs column_names)" if spec.fmt != "parquet" and spec.header else "")
+                )
+
+    # ---- reading Arrow tables ----
+
+    def _parquet(self, piece: Piece) -> pa.Table:
+        import pyarrow.parquet as pq
+
+        g = piece.group
+        pf = self._open.get(g.file)
+        if pf is None:
+            if len(self._open) >= 64:
+                self._open.clear()
+            pf = self._open[g.file] = pq.ParquetFile(self.layout.files[g.file])
+        table = pf.read_row_group(g.index, columns=self.spec.columns(), use_threads=False)
+        if piece.start or piece.stop < g.rows:
+            table = table.slice(piece.start, piece.rows)
+        return table
+
+    def _csv(self, piece: Piece, as_text: bool) -> tuple[pa.Table, list[tuple[int, str]]]:
+        """The group's rows as a table, and its rows of the wrong width as (row number, message)."""
+        import pyarrow.csv as pacsv
+
+        g, spec = piece.group, self.spec
+        path = self.layout.files[g.file]
+        with open(path, "rb") as f:
+            f.seek(g.byte_start)
+            data = f.read(g.byte_end - g.byte_start)
+        names = self.layout.columns[g.file]
+        invalid: list[tuple[int, str]] = []
+
+        def handler(row) -> str:
+            invalid.append((row.number, f"{row.actual_columns} fields, expected {row.expected_columns}"))
+            return "skip"
+
+        types: dict[str, pa.DataType] = {c: pa.string() for c in spec.columns()}
+        if not as_text:  # typed reading; a column that is also categorical stays text (numbers are parsed from it)
+            categorical = {f.column for f in spec.features} | {f.weights for f in spec.features}
+            for c in [spec.label, *(d.column for d in spec.dense)]:
+                if c not in categorical:
+                    types[c] = pa.float64()
+            for f in spec.features:
+                if spec.mapping == "identity" and f.separator is None and types[f.column] == pa.string():
+                    types[f.column] = pa.int64()
+        table = pacsv.read_csv(
+            pa.BufferReader(data),
+            read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(data) + 1),
+            parse_options=pacsv.ParseOptions(delimiter=spec.delimiter, invalid_row_handler=handler),
+            convert_options=pacsv.ConvertOptions(
+                include_columns=spec.columns(),
+                column_types=types,
+                null_values=[""],
+                strings_can_be_null=True,
+                quoted_strings_can_be_null=True,
+            ),
+        )
+        if table.num_rows + len(invalid) != g.rows:
+            raise ConfigError(
+                f"{path}:{g.first_line}: the CSV reader found {table.num_rows + len(invalid)} rows in lines "
+                f"{g.first_line}.. where the line index counted {g.rows}: lines must end in \\n or \\r\\n and quoted "
+                "fields must not contain line breaks"
+            )
+        return table, invalid
+
+    def line_of(self, piece: Piece, number: int) -> str:
+        """'path:line' of the group's number-th non-blank line (1-based); 'path, row r' for Parquet."""
+        g = piece.group
+        path = self.layout.files[g.file]
+        if self.layout.fmt == "parquet":
+            return f"{path}, row {g.first_row + piece.start + number - 1} (counting from 0)"
+        if not g.blank_lines:
+            return f"{path}:{g.first_line + number - 1}"
+        with open(path, "rb") as f:
+            f.seek(g.byte_start)
+            lines = f.read(g.byte_end - g.byte_start).split(b"\n")
+        nonblank = [i for i, line in enumerate(lines) if line.strip(b"\r")]
+        return f"{path}:{g.first_line + nonblank[number - 1]}"
+
+    # ---- one piece ----
+
+    def table(self, piece: Piece, text: bool = False) -> tuple[pa.Table, np.ndarray, list[tuple[int, str]]]:
+        """The piece's rows as an Arrow table, each row's number in its group (1-based), and the CSV rows of the
+        wrong width as (number, message). text: read every CSV column as text."""
+        if self.layout.fmt == "parquet":
+            table = self._parquet(piece)
+            return table, np.arange(1, table.num_rows + 1), []
+        try:
+            table, invalid = self._csv(piece, as_text=text)
+        except pa.ArrowInvalid:  # a value that is not a number: read the numbers as text to find the rows
+            table, invalid = self._csv(piece, as_text=True)
+        bad_numbers = np.array([n for n, _ in invalid], dtype=np.int64)
+        row_numbers = np.setdiff1d(np.arange(1, piece.group.rows + 1), bad_numbers)
+        inside = (row_numbers > piece.start) & (row_numbers <= piece.stop)
+        if not inside.all():
+            table = table.filter(pa.array(inside))
+            row_numbers = row_numbers[inside]
+        return table, row_numbers, [(n, m) for n, m in invalid if piece.start < n <= piece.stop]
+
+    def read(self, piece: Piece) -> tuple[Chunk, int, str | None]:
+        """The piece's rows, the number of bad rows skipped and the first one's description."""
+        spec = self.spec
+        table, row_numbers, invalid = self.table(piece)
+        bad = BadRows(table.num_rows)
+        chunk = self.convert(table, bad)
+        events = [(int(row_numbers[bad.first[0]]), bad.first[1])] if bad.first else []
+        events += invalid[:1]
+        skipped = int(bad.mask.sum()) + len(invalid)
+        if not skipped:
+            return chunk, 0, None
+        number, what = min(events)
+        message = f"{self.line_of(piece, number)}: {what}"
+        if spec.on_bad_row == "error":
+            raise ConfigError(
+                f"{message} (bad row; {spec.where}: fix the data, or set data.on_bad_row: skip to drop such rows "
+                "and count them)"
+            )
+        return chunk.keep(~bad.mask), skipped, message
+
+    def raw(self, piece: Piece) -> dict[str, pa.Array]:
+        """Per categorical column, its present values as text (for counting a vocabulary)."""
+        table, _, _ = self.table(piece, text=True)
+        out = {}
+        for f in self.spec.features:
+            if f.column in out:
+                continue
+            _, flat, _ = self.split(table, f.column, f.separator)
+            text = as_text(flat)
+            out[f.column] = text.filter(pc.fill_null(pc.greater(pc.binary_length(text), 0), False))
+        return out
+
+    def convert(self, table: pa.Table, bad: BadRows) -> Chunk:
+        spec = self.spec
+        n = table.num_rows
+        label = to_float(numbers(_array(table, spec.label), spec.label, spec.where, bad))
+        if spec.label_threshold is not None:
+            bad.add(np.isnan(label), spec.label, None, "the label is missing")
+            label = (label >= spec.label_threshold).astype(np.float32)
+        elif n and not (label.min() >= 0 and label.max() <= 1):  # NaN fails both comparisons
+            bad.add(np.isnan(label), spec.label, None, "the label is missing")
+            with np.errstate(invalid="ignore"):
+                out = (label < 0) | (label > 1)
+            bad.add(out, spec.label, label, "a label must be in [0, 1] (set label_threshold to binarize)")
+        dense = np.empty((n, len(spec.dense)), dtype=np.float32)
+        for j, d in enumerate(spec.dense):
+            x = to_float(numbers(_array(table, d.column), d.column, spec.where, bad))
+            if not np.isfinite(x).all():
+                bad.add(np.isinf(x), d.column, x, "a dense value must be finite")
+                x = np.where(np.isfinite(x), x, d.fill)
+            if d.min is not None:
+                x = np.maximum(x, d.min)
+            if d.transform == "log1p":
+                if n and x.min() <= -1:
+                    bad.add(x <= -1, d.column, x, "log1p needs values > -1 (set min)")
+                    x = np.where(x > -1, x, 0.0)
+                x = np.log1p(x)
+            dense[:, j] = x
+        lengths, values, weights, fixed = [], [], ([] if spec.weighted else None), []
+        for f in spec.features:
+            lens, ids, w, size = self.bags(table, f, bad)
+            lengths.append(lens.astype(np.int32, copy=False))
+            values.append(ids)
+            fixed.append(size)
+            if weights is not None:
+                weights.append(w if w is not None else np.ones(len(ids), dtype=np.float32))
+        return Chunk(label.astype(np.float32, copy=False), dense, lengths, values, weights, fixed)
+
+    def split(self, table: pa.Table, column: str, separator: str | None) -> tuple[np.ndarray, pa.Array, int | None]:
+        """A column as bags: lengths [n] (int32), the flat values (nulls kept) and the size of every bag when it
+        is one size by construction; for lists, separator text, packed fixed-width ids or single values."""
+        col = _array(table, column)
+        t = col.type
+        n = len(col)
+        if separator is not None:
+            if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+                raise ConfigError(f"{self.spec.where}: column {column!r} has type {t}; a separator needs text values")
+            col = pc.split_pattern(col, separator)
+            t = col.type
+        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            lengths = np.asarray(pc.fill_null(pc.list_value_length(col), 0)).astype(np.int32, copy=False)
+            k = t.list_size if pa.types.is_fixed_size_list(t) and not col.null_count else None
+            return lengths, pc.list_flatten(col), k
+        meta = table.schema.field(column).metadata or {}
+        if pa.types.is_fixed_size_binary(t) and PACKED_KEY in meta:
+            width = np.dtype(meta[PACKED_KEY].decode()).itemsize
+            k = t.byte_width // width
+            flat = np.frombuffer(col.buffers()[1], dtype="<" + meta[PACKED_KEY].decode()[0] + str(width))
+            flat = flat[col.offset * k : (col.offset + n) * k]
+            lengths = np.full(n, k, dtype=np.int32)
+            if col.null_count:
+                valid = np.asarray(col.is_valid())
+                lengths[~valid] = 0
+                return lengths, pa.array(flat[np.repeat(valid, k)]), None
+            return lengths, pa.array(flat), k
+        return np.ones(n, dtype=np.int32), col, 1
+
+    def bags(self, table: pa.Table, f: FeatureSpec, bad: BadRows) -> tuple:
+        """One feature's bag lengths [n] (int32), table rows, per-id weights (float32 or None), and the size of
+        every bag when it is one size by construction (else None)."""
+        spec = self.spec
+        lengths, flat, size = self.split(table, f.column, f.separator)
+        values_bad = BadRows(len(flat))
+        if spec.mapping == "identity":
+            native = flat.type in (pa.int32(), pa.int64())  # kept as they are (widened when a batch is gathered)
+            ids_arr = flat if native else numbers(flat, f.column, spec.where, values_bad, integer=True)
+            if ids_arr.null_count:
+                keep = np.asarray(ids_arr.is_valid())
+                ids_arr = ids_arr.fill_null(0)
+            else:
+                keep = None
+            ids = ids_arr.to_numpy(zero_copy_only=False)
+            if len(ids) and (ids.min() < 0 or ids.max() >= f.rows):
+                out = (ids < 0) | (ids >= f.rows)
+                values_bad.add(
+                    out if keep is None else out & keep,
+                    f.column,
+                    ids,
+                    f"an id must be in [0, {f.rows}) (table {f.table!r} has {f.rows} rows)",
+                )
+        else:
+            try:
+                text = as_text(flat)
+            except TypeError as e:
+                raise ConfigError(f"{spec.where}: column {f.column!r}: {e}") from None
+            keep = np.asarray(pc.fill_null(pc.greater(pc.binary_length(text), 0), False))
+            keep = None if keep.all() else keep
+            hashed = hash_values(text)
+            ids = self.vocab[f.name](hashed) if spec.mapping == "vocab" else hash_rows(hashed, f.rows)
+        weights = None
+        if f.weights is not None:
+            weights = self.weights(table, f, lengths, values_bad, bad)
+        if values_bad.first is not None:
+            _to_rows(values_bad, bad, np.repeat(np.arange(len(lengths)), lengths))
+        bags = _finish_bags(lengths, ids, weights, keep, spec.mapping != "identity")
+        return (*bags, size if bags[0] is lengths else None)
+
+    def weights(
+        self, table: pa.Table, f: FeatureSpec, lengths: np.ndarray, values_bad: BadRows, bad: BadRows
+    ) -> np.ndarray:
+        """Per-id weights aligned with the ids; a row whose weights do not match its ids is bad (weights 1)."""
+        wlens, wflat, _ = self.split(table, f.weights, f.separator)
+        w = to_float(numbers(wflat, f.weights, self.spec.where, BadRows(len(wflat))))
+        match = wlens == lengths
+        out = np.ones(int(lengths.sum()), dtype=np.float32)
+        out[np.repeat(match, lengths)] = w[np.repeat(match, wlens)]
+        bad_w = ~np.isfinite(out)
+        values_bad.add(bad_w, f.weights, out, "a weight must be a finite number")
+        out[bad_w] = 1.0
+        if not match.all():
+            i = int(np.argmax(~match))
+            rule = f"{int(wlens[i])} weights for {int(lengths[i])} ids of column {f.column!r}"
+            bad.add(~match, f.weights, None, rule)
+        return out
+
+
+def _to_rows(values_bad: BadRows, bad: BadRows, parent: np.ndarray) -> None:
+    """Move value-level bad marks to their rows (parent: the row of every value)."""
+    rows = np.zeros(len(bad.mask), dtype=bool)
+    rows[parent[values_bad.mask]] = True
+    i, what = values_bad.first
+    if bad.first is None or parent[i] < bad.first[0]:
+        bad.first = (int(parent[i]), what)
+    bad.mask |= rows
+
+
+def _finish_bags(
+    lengths: np.ndarray, ids: np.ndarray, weights: np.ndarray | None, keep: np.ndarray | None, fill_missing: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Drop the values not kept; with fill_missing, a bag left empty gets one id of the missing row (weight 1)."""
+    n = len(lengths)
+    if keep is None and (not fill_missing or n == 0 or lengths.min() > 0):
+        return lengths, ids, weights
+    keep = np.ones(len(ids), dtype=bool) if keep is None else keep
+    parent = np.repeat(np.arange(n), lengths)[keep]
+    counts = np.bincount(parent, minlength=n).astype(np.int32)
+    ids, weights = ids[keep], None if weights is None else weights[keep]
+    if not fill_missing or counts.min(initial=1) > 0:
+        return counts, ids, weights
+    new_lengths = np.maximum(counts, 1)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(new_lengths[:-1], out=starts[1:])
+    kept_starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(counts[:-1], out=kept_starts[1:])
+    pos = starts[parent] + np.arange(len(ids)) - kept_starts[parent]
+    out = np.full(int(new_lengths.sum()), MISSING_ROW, dtype=np.int64)
+    out[pos] = ids
+    w_out = None
+    if weights is not None:
+        w_out = np.ones(len(out), dtype=np.float32)
+        w_out[pos] = weights
+    return new_lengths, out, w_out

@@ -1,0 +1,172 @@
+"""Streaming: every row of a shuffled batch keeps its own values (jagged gathers across windows, carries and
+epochs), bounded memory on a file much larger than the shuffle window, exact resume from a batch's position (in
+this process and with worker processes, from a step count, refused when the settings changed), worker processes
+deliver the same round robin as this process, and the shards of ranks and workers are disjoint and complete."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import paths
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from embshard.config.data import CategoricalColumnConfig, DataConfig, DenseColumnConfig, TableSourceConfig
+from embshard.data.source import TableSource, _Train
+from embshard.data.stream import train_stream
+from embshard.tables import ConfigError, TableConfig
+
+ROOT = paths.ROOT
+
+
+def tags_of(rowid: int) -> list[int]:
+    """A row's bag of ids, a function of its row id: 0 to 3 ids."""
+    return [(rowid * 7 + j) % 50 for j in range(rowid % 4)]
+
+
+def write_rows(path: Path, n: int, group_sizes: list[int] | None = None) -> None:
+    rowid = np.arange(n)
+    tags = [tags_of(int(i)) for i in rowid]
+    table = pa.table(
+        {
+            "y": (rowid % 3 == 0).astype(np.float32),
+            "x": rowid.astype(np.float64) / n,
+            "rowid": rowid,
+            "tags": pa.array(tags, pa.list_(pa.int64())),
+        }
+    )
+    with pq.ParquetWriter(path, table.schema) as w:
+        at = 0
+        for size in group_sizes or [n]:
+            w.write_table(table.slice(at, size))
+            at += size
+
+
+def source(path: Path, n: int, batch: int = 16, rank: int = 0, world: int = 1, **data) -> TableSource:
+    cfg = TableSourceConfig(
+        files=(str(path),),
+        label="y",
+        dense=(DenseColumnConfig("x"),),
+        categorical=(CategoricalColumnConfig("rowid"), CategoricalColumnConfig("tags")),
+        mapping="identity",
+        eval_fraction=data.pop("eval_fraction", 0.1),
+    )
+    tables = [TableConfig("t_row", n, 4, ("rowid",)), TableConfig("t_tag", 50, 4, ("tags",))]
+    return TableSource(cfg, DataConfig(source="table", table=cfg, **data), tables, batch, 0, rank, world)
+
+
+def check_rows(batch) -> list[int]:
+    """The batch's row ids, after checking that every row's label, dense value and bag belong to it."""
+    rowid = batch.sparse["rowid"].values()
+    assert batch.sparse["rowid"].lengths().eq(1).all()
+    ids = rowid.tolist()
+    assert batch.labels.tolist() == [float(i % 3 == 0) for i in ids]
+    tags = batch.sparse["tags"]
+    assert tags.lengths().tolist() == [len(tags_of(i)) for i in ids]
+    assert tags.values().tolist() == [t for i in ids for t in tags_of(i)]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory) -> tuple[Path, int]:
+    path = tmp_path_factory.mktemp("stream") / "rows.parquet"
+    sizes = [int(s) for s in np.random.default_rng(0).integers(20, 90, 30)]
+    write_rows(path, sum(sizes), sizes)
+    return path, sum(sizes)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shuffled_rows_stay_whole_and_resume_exactly(rows_file, workers):
+    path, n = rows_file
+    src = source(path, n, batch=50, workers=workers, shuffle_rows=300)
+    got = list(itertools.islice(src.train_batches(), 70))  # several epochs of each stream
+    seen = [check_rows(b) for b in got]
+    assert len({i for s in seen[:10] for i in s}) == 500  # no row twice within the first batches
+    assert sorted(seen[0]) != seen[0]  # shuffled
+    k = 37
+    again = list(itertools.islice(src.train_batches(got[k - 1].position), 70 - k))
+    for a, b in zip(again, got[k:]):
+        assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(a.dense, b.dense)
+    assert src.position_at(k) == got[k - 1].position  # the cursor from row counts alone
+    from_step = next(src.train_batches(k))
+    assert torch.equal(from_step.sparse.values(), got[k].sparse.values())
+    other = source(path, n, batch=50, workers=workers + 3, shuffle_rows=300)
+    with pytest.raises(ConfigError, match=r"does not fit this run \(streams: saved \d, now \d\)"):
+        next(other.train_batches(got[k - 1].position))
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["fresh-blocks", "reused-slots"])
+def test_worker_processes_give_the_in_process_round_robin(rows_file, slots):
+    """Batches from workers (fresh shared memory per batch on CPU; reused slots, as with CUDA, where the pin copy
+    is a plain copy here) equal the same streams read in this process."""
+    path, n = rows_file
+    src = source(path, n, batch=40, workers=3, shuffle_rows=200, prefetch=2)
+    src.pin = slots  # on a CPU machine the DataLoader does not pin: SlotBatch.take copies
+    assert src.train_plan.streams == 3
+    with_workers = list(itertools.islice(src.train_batches(5), 30))  # 10 batches a worker: each slot reused
+    here = list(
+        itertools.islice(iter(_Train(src.train_plan, 5, [tuple(c) for c in src.position_at(5)["streams"]])), 30)
+    )
+    for a, b in zip(with_workers, here):
+        assert a.sparse.values().tolist() == b["values"].tolist()
+        assert a.labels.tolist() == b["labels"].tolist()
+    held_workers = [check_rows(b) for b in src.eval_batches()]
+    held_here = [check_rows(b) for b in source(path, n, batch=40, workers=0).eval_batches()]
+    assert sorted(i for b in held_workers for i in b) == [i for b in held_here for i in b]
+
+
+@pytest.mark.parametrize("world,workers", [(3, 2), (2, 4)])
+def test_shards_of_ranks_and_workers_are_disjoint_and_complete(rows_file, world, workers):
+    path, n = rows_file
+    n_eval = round(n * 0.1)
+    q = (n - n_eval) // world
+    train_rows, held_rows = [], []
+    for rank in range(world):
+        src = source(path, n, batch=1, rank=rank, world=world, workers=workers, shuffle_rows=100)
+        plan = src.train_plan
+        assert plan.streams == workers
+        for j in range(plan.streams):  # one epoch of each stream, batch size 1: its rows exactly
+            rows = sum(p.rows for w in plan.windows(j, 0) for p in w)
+            batches = itertools.islice(train_stream(plan, j, (0, 0, 0)), rows)
+            train_rows += [int(b["values"][0]) for b in batches]
+        held_rows += [int(i) for b in src.eval_batches() for i in b.sparse["rowid"].values()]
+    assert sorted(train_rows) == list(range(world * q))
+    e0 = n - n_eval
+    assert sorted(held_rows) == list(range(e0, e0 + world * (n_eval // world)))
+
+
+def test_memory_is_bounded_by_the_window(tmp_path):
+    """A file of ~60 MB decoded, streamed with a window of 4000 rows in a fresh process: the peak of Arrow's pool
+    plus numpy's allocations stays within a few windows, far below the file."""
+    n, per = 120_000, 2_000
+    rng = np.random.default_rng(1)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(40, 80, n))])
+    tags = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 50, offsets[-1])))
+    table = pa.table({"y": np.zeros(n, np.float32), "x": rng.random(n), "rowid": np.arange(n), "tags": tags})
+    pq.write_table(table, tmp_path / "big.parquet", row_group_size=per)
+    data_bytes = table.nbytes
+    assert data_bytes > 50e6
+    script = f"""
+import sys, tracemalloc, itertools
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import pyarrow as pa
+from pathlib import Path
+from test_data_stream import source
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # imported first: its modules are not data
+src = source(Path({str(tmp_path)!r}) / "big.parquet", {n}, batch=512, shuffle_rows=4000)
+tracemalloc.start()
+rows = sum(b.size for b in itertools.islice(src.train_batches(), 2 * {n} // 512))  # two epochs
+print("RESULT", tracemalloc.get_traced_memory()[1], pa.default_memory_pool().max_memory(), rows)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    numpy_peak, arrow_peak, rows = map(int, res.stdout.split("RESULT")[1].split())
+    assert rows == 2 * n // 512 * 512
+    window_bytes = data_bytes / n * 6_000  # a window: at least 4000 rows, whole row groups of 2000
+    assert numpy_peak + arrow_peak < 6 * window_bytes < data_bytes / 3, (numpy_peak, arrow_peak, window_bytes)
