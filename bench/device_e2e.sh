@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end MLPerf DLRM-DCNv2 training on 2 GPUs, embshard vs TorchRec's TrainPipelineSparseDist, interleaved (about
+# End-to-end MLPerf DLRM-DCNv2 training on NPROC GPUs (default 2), embshard vs TorchRec's TrainPipelineSparseDist, interleaved (about
 # 6 minutes on 2 x H200). Usage, from the repository root: bash bench/device_e2e.sh   (fbgemm/torchrec in /tmp/site)
 #   1. 3 pairs, TorchRec first in each: torchrec_dlrm_train.py (sparse_dist, fp32) then embshard fp32 sparse_dist
 #      (configs/dlrm_dcnv2_mlperf.yaml, bench/train_e2e.py), 20 warm-up + 60 timed steps each; embshard also reports
@@ -7,6 +7,7 @@
 #   2. embshard bf16 dense (pooled fp32), and bf16 dense + bf16 pooled embeddings/exchange (with a profile)
 #   3. embshard semi_sync (bf16 + bf16 pooled), embshard tf32 (fp32 storage, TF32 matmuls), embshard none (fp32)
 #   4. timeline PNGs of the traces (bench/timeline.py), and the summary table (median ratio and spread)
+#   NPROC=1 runs both frameworks on one GPU; SCALE=F passes --scale F to both (smaller GPUs); SHORT=1 skips step 3
 #   optional (LOSS_STEPS=200): bench/loss_curves.py, both frameworks' loss on the same batches (about 1 more minute)
 # Every run prints one RESULT line; everything lands in $OUT (log, traces .json.gz, timeline PNGs).
 set -uo pipefail
@@ -17,16 +18,19 @@ LOG=$OUT/e2e.log
 : >"$LOG"
 CFG=configs/dlrm_dcnv2_mlperf.yaml
 STEPS=${STEPS:-60}
+NPROC=${NPROC:-2}
+SCALE_ARGS=()
+[ -n "${SCALE:-}" ] && SCALE_ARGS=(--scale "$SCALE")
 WARMUP=${WARMUP:-20}
 filter() { grep -vE "Warn|WARN|warn\(|compat|fx_tracing|return func|^ *$|USDT|profiler_st" ; }
 torchrec() {
   echo "+ torchrec sparse_dist $*" | tee -a "$LOG"
-  timeout 240 python3 -m torch.distributed.run --nproc-per-node=2 bench/baselines/torchrec_dlrm_train.py \
-    --steps "$STEPS" --warmup "$WARMUP" "$@" 2>&1 | filter | grep -E "RESULT|plan\+build|ms/step|pipelined|rror" | tee -a "$LOG"
+  timeout 240 python3 -m torch.distributed.run --nproc-per-node="$NPROC" bench/baselines/torchrec_dlrm_train.py \
+    --steps "$STEPS" --warmup "$WARMUP" "${SCALE_ARGS[@]}" "$@" 2>&1 | filter | grep -E "RESULT|plan\+build|ms/step|pipelined|rror" | tee -a "$LOG"
 }
 embshard() {
   echo "+ embshard $*" | tee -a "$LOG"
-  timeout 240 python3 bench/train_e2e.py --config "$CFG" --nproc 2 --steps "$STEPS" --warmup "$WARMUP" --eval "$@" \
+  timeout 240 python3 bench/train_e2e.py --config "$CFG" --nproc "$NPROC" --steps "$STEPS" --warmup "$WARMUP" --eval "${SCALE_ARGS[@]}" "$@" \
     2>&1 | filter | grep -vE "^samples_per_s=" | tail -12 | tee -a "$LOG"
 }
 t0=$(date +%s)
@@ -41,9 +45,11 @@ for pair in 1 2 3; do
 done
 embshard --tag bf16 --precision bf16
 embshard --tag bf16_pooled_bf16 --precision bf16 lookup.output_dtype=bf16 --profile-steps 3 --trace "$OUT/trace_bf16.json"
-embshard --tag semi_sync_bf16 --precision bf16 --pipeline semi_sync lookup.output_dtype=bf16
-embshard --tag tf32 --precision tf32
-embshard --tag none_fp32 --pipeline none
+if [ -z "${SHORT:-}" ]; then
+  embshard --tag semi_sync_bf16 --precision bf16 --pipeline semi_sync lookup.output_dtype=bf16
+  embshard --tag tf32 --precision tf32
+  embshard --tag none_fp32 --pipeline none
+fi
 for tr in "$OUT"/trace_*.json; do
   [ -f "$tr" ] || continue
   timeout 60 python3 bench/timeline.py "$tr" --out "${tr%.json}.png" --steps 2 2>&1 | tail -2 | tee -a "$LOG"
@@ -51,7 +57,7 @@ for tr in "$OUT"/trace_*.json; do
 done
 if [ -n "${LOSS_STEPS:-}" ]; then  # optional: both frameworks' loss on the same batches, full size
   echo "+ loss curves, $LOSS_STEPS steps" | tee -a "$LOG"
-  timeout 300 python3 bench/loss_curves.py --config "$CFG" --nproc 2 --steps "$LOSS_STEPS" --out "$OUT/loss_curves.png" \
+  timeout 300 python3 bench/loss_curves.py --config "$CFG" --nproc "$NPROC" --steps "$LOSS_STEPS" --out "$OUT/loss_curves.png" \
     2>&1 | filter | grep -E "^embshard|^torchrec|plot|rror" | tee -a "$LOG"
 fi
 echo "wall $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
