@@ -283,7 +283,12 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", layout, "--child-workers", str(w), "--data-dir", str(folder)]
             cmd += ["--batch-size", str(args.batch_size), "--seconds", str(args.seconds), "--warmup", str(args.warmup)]
             cmd += ["--shuffle-rows", str(args.shuffle_rows)]
-            env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+            env = dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join(
+                    [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+                ),
+            )
             runs = []
             for _ in range(args.repeat):
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env)

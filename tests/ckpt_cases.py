@@ -44,10 +44,10 @@ CHUNK_BYTES = 2048  # tables are cut into several chunks
 LOCAL_WORLD = {1: 1, 2: 2, 3: 3, 4: 2}
 
 
-def plan_for(world: int, rotation: int, column_shards: int = 2):
-    """Table i gets sharding type TYPES[(i + rotation) % 5]."""
+def plan_for(world: int, rotation: int, column_shards: int = 2, tier: MemoryTier = TIER):
+    """Table i gets sharding type TYPES[(i + rotation) % 5], every table in `tier` (default: the test device's)."""
     types = {t.name: TYPES[(i + rotation) % len(TYPES)] for i, t in enumerate(TABLES)}
-    return simple_plan(TABLES, world, LOCAL_WORLD[world], types, tier=TIER, column_shards=column_shards)
+    return simple_plan(TABLES, world, LOCAL_WORLD[world], types, tier=tier, column_shards=column_shards)
 
 
 def gather(items: list, group=None) -> list:

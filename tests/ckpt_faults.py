@@ -33,8 +33,9 @@ def save_then_stop(folder: str, where: str) -> None:
     from ckpt_cases import build, full_state, plan_for, train
 
     from embshard.checkpoint import Checkpointer, TrainState, save, storage
+    from embshard.plan import MemoryTier
 
-    ebc = build(torch.device("cpu"), "rowwise", plan_for(1, 0))
+    ebc = build(torch.device("cpu"), "rowwise", plan_for(1, 0, tier=MemoryTier.HOST))
     ckpt = Checkpointer(TrainState({"ebc": ebc}), folder, async_save=where == "data", chunk_bytes=1024)
     train(ebc, 0, 1, torch.device("cpu"), 1, 1)
     ckpt.save(1)

@@ -128,13 +128,13 @@ def check_case(case: Case, results: list[dict]) -> list[str]:
     errors = [f"rank {r} raised:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
     if errors:
         return errors
-    cw_blocks = {
+    exact = column_wise_exact(case.options)
+    cw_blocks = {  # column-wise tables whose blocks keep their own row-wise state (not exact, or uvm_caching)
         tp.table: [s.num_cols for s in sorted(tp.shards, key=lambda s: s.col_offset)]
         for tp in case.plan.tables
-        if tp.sharding_type is CW
+        if tp.sharding_type is CW and not (exact and tp.tier.value != "uvm_caching")
     }
-    exact = column_wise_exact(case.options)
-    ref = ReferenceEBC(case.tables, case.optimizer, case.seed, column_blocks=None if exact else cw_blocks)
+    ref = ReferenceEBC(case.tables, case.optimizer, case.seed, column_blocks=cw_blocks)
     table_of = {f: t for t in case.tables for f in t.feature_names}
     rows = {f: t.num_embeddings for f, t in table_of.items()}
     widths = case.output_widths()

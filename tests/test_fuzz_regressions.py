@@ -121,3 +121,35 @@ def test_adam_counts_an_empty_global_batch_on_gpu():
     plan = ShardingPlan(1, 1, (TablePlan("t", "table_wise", "hbm", (Shard(0, 0, 40, 0, 8),)),))
     opt = FusedOptimizerConfig("adam", lr=0.05, eps=0.1)
     check(Case(seed=7, world_size=1, tables=tables, plan=plan, optimizer=opt, batch_sizes=[[3], [0], [4], [2]]))
+
+
+# Fuzz seed 1053 on 1 GPU: a column-wise table in uvm_caching split into two column blocks, with exact column-wise
+# on. Its blocks keep per-block row-wise Adagrad state (the exact update skips uvm_caching: its cache would hold stale
+# rows), but the fuzzer's reference kept one state per full row for every column-wise table once exact mode was on.
+# The checker's rule was wrong, not embshard: fixed in tests/fuzz_check.py (the rule of sharding/column_wise.py).
+CACHING_COLUMN_BLOCKS_UNDER_EXACT = Case(
+    seed=1053,
+    world_size=1,
+    tables=[TableConfig("t0", 2, 48, ("t0f0",), weighted=True), TableConfig("t1", 55, 4, ("t1f0",), pooling="mean")],
+    plan=ShardingPlan(
+        1,
+        1,
+        (
+            TablePlan(
+                "t0",
+                "column_wise",
+                "uvm_caching",
+                (Shard(0, 0, 2, 0, 28), Shard(0, 0, 2, 28, 20)),
+                cache_load_factor=0.1,
+            ),
+            TablePlan("t1", "column_wise", "hbm", (Shard(0, 0, 55, 0, 4),)),
+        ),
+    ),
+    optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=0.3, weight_decay=0.1),
+    batch_sizes=[[6], [5], [6]],
+)
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="needs a GPU tier (uvm_caching)")
+def test_caching_column_blocks_keep_their_own_state_under_exact_mode():
+    check(CACHING_COLUMN_BLOCKS_UNDER_EXACT)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import paths
 import pytest
+import torch
 
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
@@ -39,15 +40,16 @@ SHORTEN = {
 # The MovieLens sample's held-out movies are almost all unseen in training: with the catalog softmax only the
 # training loss falls there (and recall@K is reported); every other config's held-out loss falls.
 TRAIN_LOSS_ONLY = {"two_tower_movielens_full_softmax.yaml"}
-DEVICE = "cuda" if os.environ.get("EMBSHARD_TEST_DEVICE", "cpu") == "cuda" else "cpu"  # where `embshard train` runs
+# Where `embshard train` runs its 2 processes: the GPUs when asked for CUDA and 2 are there, else the CPU (gloo).
+DEVICE = "cuda" if os.environ.get("EMBSHARD_TEST_DEVICE", "cpu") == "cuda" and torch.cuda.device_count() >= 2 else "cpu"
 
 
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["PATH"] = str(BIN) + os.pathsep + e.get("PATH", "")  # the venv's torchrun / torchx first
-    if os.environ.get("EMBSHARD_TEST_DEVICE", "cpu") != "cuda":
-        e["CUDA_VISIBLE_DEVICES"] = ""  # CPU runs (gloo) even on a GPU machine unless asked for CUDA
+    if DEVICE == "cpu":
+        e["CUDA_VISIBLE_DEVICES"] = ""  # CPU runs (gloo) even on a GPU machine unless asked for CUDA on 2 GPUs
     return e
 
 

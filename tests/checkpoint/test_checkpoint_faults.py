@@ -18,6 +18,7 @@ from ckpt_cases import build, full_state, plan_for
 from paths import ROOT, TESTS
 
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint, read_manifest
+from embshard.plan import MemoryTier
 from embshard.tables import ConfigError
 
 
@@ -47,7 +48,7 @@ def test_a_save_killed_midway_never_loads(tmp_path):
         assert latest(folder) == folder / "step_1", where
         with pytest.raises(ConfigError, match="incomplete"):
             read_manifest(killed)
-        ebc = build(torch.device("cpu"), "rowwise", plan_for(1, 1), seed=3)
+        ebc = build(torch.device("cpu"), "rowwise", plan_for(1, 1, tier=MemoryTier.HOST), seed=3)
         ckpt = Checkpointer(TrainState({"ebc": ebc}), str(folder), async_save=False, keep_last=1)
         assert ckpt.resume("latest")[0] == 1
         want, got = torch.load(folder / "step1.pt"), full_state(ebc)

@@ -154,7 +154,7 @@ def test_memory_is_bounded_by_the_window(tmp_path):
     assert data_bytes > 50e6
     script = f"""
 import sys, tracemalloc, itertools
-sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}, {str(ROOT / "tests" / "data")!r}]
 import pyarrow as pa
 from pathlib import Path
 from test_data_stream import source

@@ -55,7 +55,9 @@ def test_heavily_skewed_ids_train_like_the_reference(opt, variant):
     cfg = OPTIMIZERS[opt]
     make = lambda: SmallTableLookup(full_shards(TABLES, DEVICE), cfg, DEVICE, seed=7, kernel=SKEW_VARIANTS[variant])
     lookup, ref, outs = train_against_reference(make, TABLES, cfg, DEVICE, steps=3, B=16, alpha=2.5, max_len=60)
-    check_against_reference(lookup, ref, outs, cfg, TABLES)
+    # bags of up to 60 ids, fp32 sums on the device against the float64 reference: the tolerance follows the size of
+    # the terms (Adam divides by sqrt(v), so its updates carry the gradients' rounding relative to their size)
+    check_against_reference(lookup, ref, outs, cfg, TABLES, scaled=True)
 
 
 def test_sorted_backward_is_bitwise_reproducible():
