@@ -7,7 +7,7 @@
 #   2. embshard bf16 dense (pooled fp32), and bf16 dense + bf16 pooled embeddings/exchange (with a profile)
 #   3. embshard semi_sync (bf16 + bf16 pooled), embshard tf32 (fp32 storage, TF32 matmuls), embshard none (fp32)
 #   4. timeline PNGs of the traces (bench/timeline.py), and the summary table (median ratio and spread)
-#   NPROC=1 runs both frameworks on one GPU; SCALE=F passes --scale F to both (smaller GPUs); SHORT=1 skips step 3
+#   NPROC=1 runs both frameworks on one GPU; SCALE=F keeps F of every table's rows in both (smaller GPUs); SHORT=1 skips step 3
 #   optional (LOSS_STEPS=200): bench/loss_curves.py, both frameworks' loss on the same batches (about 1 more minute)
 # Every run prints one RESULT line; everything lands in $OUT (log, traces .json.gz, timeline PNGs).
 set -uo pipefail
@@ -20,13 +20,17 @@ CFG=configs/dlrm_dcnv2_mlperf.yaml
 STEPS=${STEPS:-60}
 NPROC=${NPROC:-2}
 SCALE_ARGS=()
-[ -n "${SCALE:-}" ] && SCALE_ARGS=(--scale "$SCALE")
+TR_SCALE_ARGS=()
+if [ -n "${SCALE:-}" ]; then  # embshard's --scale multiplies the rows, the baseline's divides them
+  SCALE_ARGS=(--scale "$SCALE")
+  TR_SCALE_ARGS=(--scale "$(python3 -c "print(1 / float('$SCALE'))")")
+fi
 WARMUP=${WARMUP:-20}
 filter() { grep -vE "Warn|WARN|warn\(|compat|fx_tracing|return func|^ *$|USDT|profiler_st" ; }
 torchrec() {
   echo "+ torchrec sparse_dist $*" | tee -a "$LOG"
   timeout 240 python3 -m torch.distributed.run --nproc-per-node="$NPROC" bench/baselines/torchrec_dlrm_train.py \
-    --steps "$STEPS" --warmup "$WARMUP" "${SCALE_ARGS[@]}" "$@" 2>&1 | filter | grep -E "RESULT|plan\+build|ms/step|pipelined|rror" | tee -a "$LOG"
+    --steps "$STEPS" --warmup "$WARMUP" "${TR_SCALE_ARGS[@]}" "$@" 2>&1 | filter | grep -E "RESULT|plan\+build|ms/step|pipelined|rror" | tee -a "$LOG"
 }
 embshard() {
   echo "+ embshard $*" | tee -a "$LOG"
