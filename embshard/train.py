@@ -107,7 +107,7 @@ def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, 
         if batch.size:  # ranks whose held-out data ended first (or had bad rows skipped) step on empty batches
             totals[0] += out.loss.double() * batch.size
         totals[1] += batch.size
-        if out.scores is not None and batch.size:
+        if out.scores is not None:  # also an empty batch: every rank then joins AUROC's gather in compute()
             auroc.update(torch.sigmoid(out.scores.float()), out.labels.long())
             scored = True
         for k, h in out.hits.items():
