@@ -5,8 +5,8 @@ deliver the same round robin as this process, and the shards of ranks and worker
 
 from __future__ import annotations
 
-import os
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
