@@ -43,6 +43,7 @@ from embshard.sharding.base import ShardingContext, key_feature
 from embshard.sharding.exchange import (
     BatchCounts,
     IdsOutOfRange,
+    LocalBatch,
     LookupInput,
     counts_row,
     exchange_counts,
@@ -242,7 +243,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if self.rank in counts.bad_ranks:
                 self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
             raise IdsOutOfRange(counts.bad_ranks)
-        parts = [s.local_ids(lengths_FB, values, weights, index, counts) for s in self.schemes]
+        batch = LocalBatch(lengths_FB, values, weights, index, counts)
+        parts = [s.local_ids(batch) for s in self.schemes]
         pending = [p for p in parts if p.sent is None]
         if pending:
             exchange_counts(pending, self.group, self.world_size)

@@ -3,7 +3,7 @@
 `ShardingContext`: what every scheme and lookup of a collection is built with (one frozen value instead of eight
 arguments). `Scheme`: what the collection calls on each scheme, every step, on every rank, in this order:
 
-    ids  = scheme.local_ids(lengths_FB, values, weights, feature_index, counts)  # lay out the local batch's ids
+    ids  = scheme.local_ids(LocalBatch(lengths_FB, values, weights, feature_index, counts))  # lay out its ids
     h    = scheme.start_input_dist(ids, batch_sizes);  inp = h.wait()            # ids to the ranks that look up
     pooled = scheme.lookup(inp)                                                  # pooled sums, this rank's keys
     h    = scheme.start_output_dist(pooled, batch_sizes);  blocks = h.wait()     # back to the samples' ranks
@@ -26,7 +26,7 @@ from torch import nn
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.options import LookupOptions
-from embshard.sharding.exchange import BatchCounts, LocalIds, LookupInput
+from embshard.sharding.exchange import LocalBatch, LocalIds, LookupInput
 
 COLUMN_SEPARATOR = "#c"
 
@@ -96,16 +96,10 @@ class Scheme(nn.Module):
     layout: OutputLayout
     lookups: nn.ModuleList
 
-    def local_ids(
-        self,
-        lengths_FB: torch.Tensor,
-        values: torch.Tensor,
-        weights: torch.Tensor | None,
-        feature_index: dict[str, int],
-        counts: BatchCounts,
-    ) -> LocalIds:
-        """Lay out the local batch's ids for this scheme's input dist. `lengths_FB` is the local batch's `[F, B]`
-        bag lengths, rows in the order `feature_index` gives; `counts` every rank's sizes (no host sync needed)."""
+    def local_ids(self, batch: LocalBatch) -> LocalIds:
+        """Lay out the local batch's ids for this scheme's input dist. `batch.lengths_FB` is the local batch's
+        `[F, B]` bag lengths, rows in the order `batch.feature_index` gives; `batch.counts` every rank's sizes (no
+        host sync needed)."""
         raise NotImplementedError
 
     def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]):
