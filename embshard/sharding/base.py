@@ -17,7 +17,7 @@ Output keys. A scheme's output columns are named by keys: a feature name, or for
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,9 @@ from torch import nn
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.options import LookupOptions
+from embshard.plan import ShardingPlan, ShardingType, TablePlan
 from embshard.sharding.exchange import LocalBatch, LocalIds, LookupInput
+from embshard.tables import TableConfig
 
 COLUMN_SEPARATOR = "#c"
 
@@ -40,6 +42,13 @@ def key_feature(key: str) -> tuple[str, int]:
     """(feature, first column) of an output key: `column_key`'s inverse, (key, 0) for a whole-feature key."""
     feature, _, col = key.partition(COLUMN_SEPARATOR)
     return feature, int(col or 0)
+
+
+def planned_as(
+    tables: Sequence[TableConfig], plan: ShardingPlan, sharding_type: ShardingType
+) -> list[tuple[int, TableConfig, TablePlan]]:
+    """(table index, table, plan) of the tables planned with `sharding_type`, in collection order."""
+    return [(i, cfg, plan[cfg.name]) for i, cfg in enumerate(tables) if plan[cfg.name].sharding_type is sharding_type]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from embshard.lookup import LocalShard
 from embshard.lookup.replicas import DataParallelLookup
 from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
 from embshard.plan import LookupKernel, ShardingPlan, ShardingType
-from embshard.sharding.base import OutputLayout, Ready, Scheme, ShardingContext
+from embshard.sharding.base import OutputLayout, Ready, Scheme, ShardingContext, planned_as
 from embshard.sharding.exchange import LocalBatch, LocalIds, LookupInput
 from embshard.tables import TableConfig
 
@@ -86,9 +86,7 @@ def data_parallel(
     """The data-parallel part of the collection: this rank's replica of each data-parallel table. None if no
     table is data-parallel."""
     shards = []
-    for i, cfg in enumerate(tables):
-        tp = plan[cfg.name]
-        if tp.sharding_type is ShardingType.DATA_PARALLEL:
-            (mine,) = [s for s in tp.shards if s.rank == ctx.rank]
-            shards.append(LocalShard.planned(cfg, i, mine, cfg.feature_names, tp))
+    for i, cfg, tp in planned_as(tables, plan, ShardingType.DATA_PARALLEL):
+        (mine,) = [s for s in tp.shards if s.rank == ctx.rank]
+        shards.append(LocalShard.planned(cfg, i, mine, cfg.feature_names, tp))
     return DataParallelSharding(shards, ctx) if shards else None

@@ -25,7 +25,7 @@ import torch
 
 from embshard.lookup import LocalShard
 from embshard.ops import cached_tensor, permute_2d, segment_sums, weights_or_ones
-from embshard.plan import ShardingPlan, ShardingType, TablePlan
+from embshard.plan import TablePlan
 from embshard.sharding.base import OutputLayout, ShardingContext
 from embshard.sharding.exchange import LocalBatch, LocalIds, PooledExchangeHandle
 from embshard.sharding.routed import RoutedSharding
@@ -49,13 +49,6 @@ class SummedPooledHandle:
         for block, cols in zip(blocks, self._cols):
             out = out.index_add(1, cols, block.float())  # cols unique within a rank: deterministic
         return [out.to(dtype)]
-
-
-def row_block_entries(
-    tables: Sequence[TableConfig], plan: ShardingPlan, sharding_type: ShardingType
-) -> list[tuple[int, TableConfig, TablePlan]]:
-    """(table index, table, plan) of the tables planned with `sharding_type`, in collection order."""
-    return [(i, cfg, plan[cfg.name]) for i, cfg in enumerate(tables) if plan[cfg.name].sharding_type is sharding_type]
 
 
 class RowBlockSharding(RoutedSharding):
