@@ -39,12 +39,6 @@ def pack(refs, cols):
 
 
 @triton.jit
-def _unpack(meta):
-    """`pack`'s inverse: (tensor index, column) of packed metadata."""
-    return meta >> _COL_BITS, meta & _COL_MASK
-
-
-@triton.jit
 def _pick(ref, x0, x1, x2, x3, x4, x5, x6, x7):
     v = tl.where(ref == 1, x1, x0)
     v = tl.where(ref == 2, x2, v)
@@ -91,7 +85,9 @@ def _gather_cols(
     c_ok = (c // V) < ncols_v
     mask = (row < B)[:, None] & c_ok[None, :]
     ncols = ncols_v * V
-    dref, dcol = _unpack(tl.load(DST + c, mask=c_ok, other=0))
+    dmeta = tl.load(DST + c, mask=c_ok, other=0)
+    dref = dmeta >> _COL_BITS
+    dcol = dmeta & _COL_MASK
     if FROM_ARGS:
         daddr = _pick(dref, b0, b1, b2, b3, b4, b5, b6, b7)
         dstride = _pick(dref, t0, t1, t2, t3, t4, t5, t6, t7)
@@ -101,7 +97,9 @@ def _gather_cols(
     dptr = _ptrs(daddr, dstride, dcol, row, ELEM, V, VB)
     acc = tl.zeros([BLOCK_B, BLOCK_W], dtype=tl.float32)
     for k in tl.static_range(K):
-        sref, scol = _unpack(tl.load(SRC + k * ncols + c, mask=c_ok, other=0))
+        smeta = tl.load(SRC + k * ncols + c, mask=c_ok, other=0)
+        sref = smeta >> _COL_BITS
+        scol = smeta & _COL_MASK
         if FROM_ARGS:
             saddr = _pick(sref, a0, a1, a2, a3, a4, a5, a6, a7)
             sstride = _pick(sref, s0, s1, s2, s3, s4, s5, s6, s7)
