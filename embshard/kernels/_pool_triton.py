@@ -25,30 +25,15 @@ SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3
 
 
 @triton.jit
-def _bags(OFF, f, tile, B, BAGS: tl.constexpr):
-    """Bag tile `tile` of feature `f` (int64): its bags, which of them exist, and their start and length in the
-    ids (from the feature-major offsets OFF)."""
-    bag = tile * BAGS + tl.arange(0, BAGS)
+def _bag_setup(OFF, FEATS, B, BAGS: tl.constexpr):
+    j = tl.program_id(1)
+    f = tl.load(FEATS + j).to(tl.int64)
+    bag = tl.program_id(0) * BAGS + tl.arange(0, BAGS)
     bag_ok = bag < B
     first = f * B + bag
     start = tl.load(OFF + first, mask=bag_ok, other=0).to(tl.int64)
     end = tl.load(OFF + first + 1, mask=bag_ok, other=0).to(tl.int64)
-    return bag, bag_ok, start, end - start
-
-
-@triton.jit
-def _feature_place(ROW0, COLS, WGT, j):
-    """Feature j of the width group: its table's first row in the group's block, its first output column, and
-    whether its ids carry weights."""
-    return tl.load(ROW0 + j), tl.load(COLS + j), tl.load(WGT + j) != 0
-
-
-@triton.jit
-def _bag_setup(OFF, FEATS, B, BAGS: tl.constexpr):
-    j = tl.program_id(1)
-    f = tl.load(FEATS + j).to(tl.int64)
-    bag, bag_ok, start, length = _bags(OFF, f, tl.program_id(0), B, BAGS)
-    return j, bag, bag_ok, start, length
+    return j, bag, bag_ok, start, end - start
 
 
 @triton.jit
@@ -71,10 +56,12 @@ def _fwd(
     HAS_PSW: tl.constexpr,
 ):
     j, bag, bag_ok, start, length = _bag_setup(OFF, FEATS, B, BAGS)
-    row0, col, weighted = _feature_place(ROW0, COLS, WGT, j)
+    row0 = tl.load(ROW0 + j)
+    col = tl.load(COLS + j)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     n = tl.arange(0, BLOCK_N)
+    weighted = tl.load(WGT + j) != 0
     acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
     for s in range(0, tl.max(length, axis=0), BLOCK_N):
         ok = (s + n)[None, :] < length[:, None]
