@@ -77,13 +77,6 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 # ---- the two passes, Triton or torch ------------------------------------------------------------------------
 
 
-def _launch_flags(x: torch.Tensor, target, smoothing: float, launch: LaunchConfig | None) -> dict:
-    """The compile-time flags and launch settings of both passes' kernels (the two must agree on them)."""
-    cfg = launch or default_launch(x.shape[1], x.dtype)
-    has_target = target is not None
-    return dict(HAS_TARGET=has_target, SMOOTH=smoothing > 0 and has_target, BLOCK=cfg.block, num_warps=cfg.num_warps)
-
-
 def _forward_pass(x, target, ignore_index: int, smoothing: float, impl: Impl, launch: LaunchConfig | None):
     """(lse [N] fp32, loss [N] fp32 or None). `target` None: logsumexp only."""
     N, C = x.shape
@@ -95,6 +88,7 @@ def _forward_pass(x, target, ignore_index: int, smoothing: float, impl: Impl, la
     if _use_triton(x, impl):
         from embshard.kernels._cross_entropy_triton import _forward_kernel
 
+        cfg = launch or default_launch(C, x.dtype)
         _forward_kernel[(N,)](
             x,
             x.stride(0),
@@ -104,7 +98,10 @@ def _forward_pass(x, target, ignore_index: int, smoothing: float, impl: Impl, la
             C,
             ignore_index,
             float(smoothing),
-            **_launch_flags(x, target, smoothing, launch),
+            HAS_TARGET=target is not None,
+            SMOOTH=smoothing > 0 and target is not None,
+            BLOCK=cfg.block,
+            num_warps=cfg.num_warps,
         )
         return lse, loss
     step = max(1, TORCH_CHUNK_ELEMENTS // max(C, 1))
@@ -132,6 +129,7 @@ def _backward_pass(x, out, target, lse, grad, scale, ignore_index: int, smoothin
     if _use_triton(x, impl):
         from embshard.kernels._cross_entropy_triton import _backward_kernel
 
+        cfg = launch or default_launch(C, x.dtype)
         _backward_kernel[(N,)](
             x,
             x.stride(0),
@@ -145,7 +143,10 @@ def _backward_pass(x, out, target, lse, grad, scale, ignore_index: int, smoothin
             C,
             ignore_index,
             float(smoothing),
-            **_launch_flags(x, target, smoothing, launch),
+            HAS_TARGET=target is not None,
+            SMOOTH=smoothing > 0 and target is not None,
+            BLOCK=cfg.block,
+            num_warps=cfg.num_warps,
         )
         return
     acc = lse.dtype
