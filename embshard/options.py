@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from embshard.tables import ConfigError
+from embshard.tables import ConfigError, set_enum_field
 
 if TYPE_CHECKING:
     import torch
@@ -62,14 +62,8 @@ class LookupOptions:
     one state value per row of each block, as TorchRec does (sharding/column_wise.py)."""
 
     def __post_init__(self) -> None:
-        for name, enum_type in (("output_dtype", OutputDtype), ("bounds_check", BoundsCheck)):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, enum_type(value))
-            except ValueError:
-                raise ConfigError(
-                    f"lookup option {name}={value!r} is invalid: choose one of {[e.value for e in enum_type]}"
-                ) from None
+        set_enum_field(self, "output_dtype", OutputDtype, "lookup option ")
+        set_enum_field(self, "bounds_check", BoundsCheck, "lookup option ")
         if self.regroup not in ("auto", "fbgemm", "triton"):
             raise ConfigError(f"lookup option regroup={self.regroup!r} is invalid: choose one of auto, fbgemm, triton")
         for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats", "column_wise_exact"):

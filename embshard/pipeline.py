@@ -107,27 +107,25 @@ class HostPrefetcher:
         self._thread = threading.Thread(target=self._run, name="embshard-host-prefetch", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        try:
-            for batch in self._it:
-                item = self._prepare(batch)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-                if self._stop.is_set():
-                    return
-            item = self._END
-        except BaseException as e:  # handed to the training thread
-            item = e
+    def _put(self, item) -> None:
+        """Queue `item`, waiting for room until it is queued or the prefetcher is stopped."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
                 return
             except queue.Full:
                 pass
+
+    def _run(self) -> None:
+        try:
+            for batch in self._it:
+                self._put(self._prepare(batch))
+                if self._stop.is_set():
+                    return
+            item = self._END
+        except BaseException as e:  # handed to the training thread
+            item = e
+        self._put(item)
 
     def next(self):
         t0 = time.perf_counter()

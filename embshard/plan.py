@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from embshard.geometry import is_row_split, row_blocks
-from embshard.tables import ConfigError, TableConfig, validate_tables
+from embshard.tables import ConfigError, TableConfig, set_enum_field, validate_tables
 
 
 class ShardingType(str, enum.Enum):
@@ -93,21 +93,9 @@ class TablePlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
-        try:
-            object.__setattr__(self, "kernel", LookupKernel(self.kernel))
-        except ValueError:
-            raise ConfigError(
-                f"plan for table {self.table!r}: kernel={self.kernel!r} is invalid: choose one of "
-                f"{[k.value for k in LookupKernel]}"
-            ) from None
+        set_enum_field(self, "kernel", LookupKernel, f"plan for table {self.table!r}: ")
         object.__setattr__(self, "tier", MemoryTier(self.tier))
-        try:
-            object.__setattr__(self, "cache_algorithm", CacheAlgorithm(self.cache_algorithm))
-        except ValueError:
-            raise ConfigError(
-                f"plan for table {self.table!r}: cache_algorithm={self.cache_algorithm!r} is invalid: choose one of "
-                f"{[a.value for a in CacheAlgorithm]}"
-            ) from None
+        set_enum_field(self, "cache_algorithm", CacheAlgorithm, f"plan for table {self.table!r}: ")
         clf = self.cache_load_factor
         if isinstance(clf, bool) or not isinstance(clf, int | float) or not 0 < clf <= 1:
             raise ConfigError(

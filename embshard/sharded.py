@@ -13,7 +13,8 @@ Backward runs the exchanges in reverse and the TBE applies the fused optimizer t
 
 For training pipelines (embshard/pipeline.py): `prefetch(kjt)` runs steps 0-1 of a coming batch early (and loads
 its rows into UVM caches); `lookup_ahead(kjt)` runs the whole forward of a coming batch early. A later
-`forward(kjt)` with the same kjt object picks either up.
+`forward(kjt)` with the same kjt object picks either up. The state methods (`local_shards`, `full_weights`,
+`optimizer_step`, ...) are in embshard/shard_state.py.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ from embshard.lookup.stats import format_cache_stats
 from embshard.ops import cached_tensor
 from embshard.optim import FusedOptimizerConfig
 from embshard.options import BoundsCheck, LookupOptions
-from embshard.plan import Shard, ShardingPlan
+from embshard.plan import ShardingPlan
 from embshard.regroup import Regroup
+from embshard.shard_state import ShardState
 from embshard.sharding import build_schemes
 from embshard.sharding.base import ShardingContext, key_feature
 from embshard.sharding.exchange import (
     BatchCounts,
     IdsOutOfRange,
+    LocalBatch,
     LookupInput,
     counts_row,
     exchange_counts,
@@ -71,7 +74,7 @@ class PrefetchHandle:
     """Set once forward consumed it."""
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(ShardState, nn.Module):
     """Embedding-bag tables sharded by `plan`, trained with a fused sparse optimizer.
 
     Args:
@@ -242,7 +245,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if self.rank in counts.bad_ranks:
                 self._check_ids(lengths_FB, values, weights)  # raises, naming feature, table and value
             raise IdsOutOfRange(counts.bad_ranks)
-        parts = [s.local_ids(lengths_FB, values, weights, index, counts) for s in self.schemes]
+        batch = LocalBatch(lengths_FB, values, weights, index, counts)
+        parts = [s.local_ids(batch) for s in self.schemes]
         pending = [p for p in parts if p.sent is None]
         if pending:
             exchange_counts(pending, self.group, self.world_size)
@@ -451,71 +455,3 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     col0 = sum(lk.dims[:f0])
                     return s.shard.row_offset, out[:, col0 : col0 + cfg.embedding_dim]
         return cfg.num_embeddings, torch.zeros(0, cfg.embedding_dim, device=self.device, requires_grad=True)
-
-    # ---- state -------------------------------------------------------------------------------------------
-    def local_shards(self) -> list[tuple[str, Shard, torch.Tensor]]:
-        """(table name, Shard, weights) for every shard on this rank (the weights are the live tensors: writing
-        into them changes the model; UVM-caching lookups flush their caches first)."""
-        out = []
-        for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                for s, w in zip(lookup.shards, lookup.shard_weights()):
-                    out.append((s.table.name, s.shard, w))
-        return out
-
-    def local_optimizer_states(self) -> list[tuple[str, Shard, dict[str, torch.Tensor]]]:
-        """(table name, Shard, {state name: tensor}) for every shard on this rank, the fused optimizer's state
-        named as `embshard.optim.optimizer_state` ('m': adagrad `[rows, D]`, rowwise_adagrad `[rows]`, adam's
-        first moment; 'v': adam's second moment; {} for sgd). Live tensors, like `local_shards`."""
-        out = []
-        for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                for s, st in zip(lookup.shards, lookup.shard_optimizer_states()):
-                    out.append((s.table.name, s.shard, st))
-        return out
-
-    @property
-    def optimizer_step(self) -> int:
-        """Steps the fused optimizer has taken on this rank (Adam's bias-correction count): the largest count of
-        its lookups, which step together (0 for optimizers that keep none, or a rank without lookups). Setting it
-        sets every lookup's count (resuming from a checkpoint)."""
-        return max((int(lk.optimizer_step) for s in self.schemes for lk in s.lookups), default=0)
-
-    @optimizer_step.setter
-    def optimizer_step(self, step: int) -> None:
-        for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                lookup.optimizer_step = int(step)
-
-    def drop_caches(self) -> None:
-        """Write every UVM-cached row back and empty the caches (no-op for other tiers). Call it BEFORE writing
-        into the weights that `local_shards()` returned (loading a checkpoint): FBGEMM's flush keeps rows cached,
-        and a flush after the write would put those old rows back over the new values."""
-        for scheme in self.schemes:
-            for lookup in scheme.lookups:
-                lookup.drop_cache()
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every table's full weights (fp32, CPU), assembled on every rank (collective; for tests and small
-        models: it holds every table on every rank). Replicated tables are taken from their first replica."""
-        out = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in self.tables}
-        for name, s, w in self._gather([(n, s, w.detach().float().cpu()) for n, s, w in self.local_shards()]):
-            out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
-        return out
-
-    def _gather(self, items: list) -> list:
-        """Every rank's (table, Shard, payload) items, each (table, row offset, column offset) once (collective)."""
-        gathered: list = [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(gathered, items, group=self.group)
-        else:
-            gathered = [items]
-        done: set = set()
-        out = []
-        for rank_items in gathered:
-            for name, s, payload in rank_items:
-                key = (name, s.row_offset, s.col_offset)
-                if key not in done:
-                    done.add(key)
-                    out.append((name, s, payload))
-        return out

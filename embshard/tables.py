@@ -85,14 +85,8 @@ class TableConfig:
         for f in self.feature_names:
             if not isinstance(f, str) or not f:
                 raise bad("feature_names", list(self.feature_names), "each feature name is a non-empty string")
-        try:
-            object.__setattr__(self, "pooling", Pooling(self.pooling))
-        except ValueError:
-            raise bad("pooling", self.pooling, f"choose one of {[p.value for p in Pooling]}") from None
-        try:
-            object.__setattr__(self, "data_type", DataType(self.data_type))
-        except ValueError:
-            raise bad("data_type", self.data_type, f"choose one of {[d.value for d in DataType]}") from None
+        set_enum_field(self, "pooling", Pooling, f"table {self.name!r}: ")
+        set_enum_field(self, "data_type", DataType, f"table {self.name!r}: ")
         if not isinstance(self.weighted, bool):
             raise bad("weighted", self.weighted, "it must be true or false")
         if not isinstance(self.ids_per_bag, int | float) or not self.ids_per_bag >= 0:
@@ -130,6 +124,16 @@ def validate_tables(tables: Sequence[TableConfig]) -> None:
             owner[f] = t.name
     if not tables:
         raise ConfigError("no tables given: an embedding collection needs at least one table")
+
+
+def set_enum_field(obj: Any, name: str, kind: type[enum.Enum], where: str) -> None:
+    """Set field `name` of the frozen dataclass `obj` to its member of `kind`; for a value that is none of them,
+    ConfigError "{where}{name}=value is invalid: choose one of [the members' values]"."""
+    value = getattr(obj, name)
+    try:
+        object.__setattr__(obj, name, kind(value))
+    except ValueError:
+        raise ConfigError(f"{where}{name}={value!r} is invalid: choose one of {[k.value for k in kind]}") from None
 
 
 def check_known_keys(cls: type, keys: Iterable[str], where: str) -> None:

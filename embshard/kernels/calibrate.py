@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from embshard.kernels.cost import CALIBRATION_CASES, KernelConstants, SmallTableCase, fit, regroup_bytes
+from embshard.kernels.cost import CALIBRATION_CASES, CalibrationCase, KernelConstants, fit, regroup_bytes
 
 
 def zipf_ids(T: int, n: int, rows: int, alpha: float, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -34,12 +34,12 @@ def zipf_ids(T: int, n: int, rows: int, alpha: float, device: torch.device, gen:
     return torch.cat(out)
 
 
-def _queued(fn: Callable[[], None], iters: int, device: torch.device) -> float:
-    """Seconds per fn() with `iters` calls queued back to back (CUDA events; wall clock on the CPU), after 2
-    warm-ups."""
+def queued_seconds(fn: Callable[[], None], iters: int, device: str | torch.device) -> float:
+    """Seconds per fn() with `iters` calls queued back to back (CUDA events on GPUs, so host launch overhead
+    hides behind the kernels as it does in training; wall clock on the CPU), after 2 warm-ups."""
     for _ in range(2):
         fn()
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
@@ -55,7 +55,7 @@ def _queued(fn: Callable[[], None], iters: int, device: torch.device) -> float:
 
 
 def measure_small_table(
-    case: SmallTableCase, iters: int, device: str = "cuda"
+    case: CalibrationCase, iters: int, device: str = "cuda"
 ) -> tuple[float, float, float, int, float]:
     """(forward, backward, sorted backward) seconds per call, the distinct rows the ids touch, and the first
     version's backward (no dedup, one table after another) seconds."""
@@ -89,8 +89,8 @@ def measure_small_table(
         def step(m=m) -> None:
             m(ids, offsets).backward(grad)
 
-        f = _queued(fwd, iters, dev)
-        times.append((f, max(_queued(step, iters, dev) - f, 0.0)))
+        f = queued_seconds(fwd, iters, dev)
+        times.append((f, max(queued_seconds(step, iters, dev) - f, 0.0)))
         del m
     return times[0][0], times[0][1], times[1][1], distinct, times[2][1]
 
@@ -124,7 +124,7 @@ def measure_regroup(n_keys: int, width: int, batch: int, iters: int, device: str
 
     out_cols = sum(rg.out_dims)
     fwd, bwd = regroup_bytes(batch, 4, n_keys * width, len(used) * width, out_cols)
-    return _queued(step, iters, torch.device(device)), fwd + bwd
+    return queued_seconds(step, iters, torch.device(device)), fwd + bwd
 
 
 def calibrate_kernels(

@@ -224,8 +224,9 @@ def regroup_seconds(nbytes, hbm_bw: float, kernel_s: float, k: KernelConstants):
 
 # ---- calibration fit --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SmallTableCase:
-    """One calibration shape: `tables` tables of rows x dim, batch bags of `ids_per_bag` ids, Zipf `alpha`."""
+class CalibrationCase:
+    """One calibration shape: `tables` tables of rows x dim, batch bags of `ids_per_bag` ids, uniform (alpha 0) or
+    Zipf(`alpha`); the small-table kernel's fit here and the TBE fit of `embshard calibrate` both time these."""
 
     name: str
     tables: int
@@ -233,7 +234,7 @@ class SmallTableCase:
     dim: int
     ids_per_bag: int
     batch: int
-    alpha: float
+    alpha: float = 0.0
 
     @property
     def ids(self) -> int:
@@ -242,14 +243,15 @@ class SmallTableCase:
 
 
 CALIBRATION_CASES = (
-    SmallTableCase("16-wide 10k rows, uniform", 100, 10_000, 16, 30, 8192, 0.0),
-    SmallTableCase("16-wide 10k rows, Zipf 1.2", 100, 10_000, 16, 30, 8192, 1.2),
-    SmallTableCase("128-wide 20k rows, uniform", 16, 20_000, 128, 10, 8192, 0.0),
-    SmallTableCase("128-wide 20k rows, Zipf 1.2", 16, 20_000, 128, 10, 8192, 1.2),
+    CalibrationCase("16-wide 10k rows, uniform", 100, 10_000, 16, 30, 8192, 0.0),
+    CalibrationCase("16-wide 10k rows, Zipf 1.2", 100, 10_000, 16, 30, 8192, 1.2),
+    CalibrationCase("128-wide 20k rows, uniform", 16, 20_000, 128, 10, 8192, 0.0),
+    CalibrationCase("128-wide 20k rows, Zipf 1.2", 16, 20_000, 128, 10, 8192, 1.2),
 )
 
 
-def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares a x = b with x >= 0 (drops a column whose coefficient comes out negative and refits)."""
     keep = list(range(a.shape[1]))
     while keep:
         x, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
@@ -262,7 +264,7 @@ def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit(
-    cases: Sequence[SmallTableCase],
+    cases: Sequence[CalibrationCase],
     distinct: Sequence[float],
     measured: Sequence[tuple[float, float]],
     hbm_bw: float,
@@ -296,7 +298,7 @@ def fit(
             s0 = T * float(small_table_backward(n, b, c.rows, c.dim, ut, 0, 4, 0.0, hbm_bw, zero, "sorted")[0])
             rows_s.append([T * n / sorted_bwd[j]])
             rhs_s.append((sorted_bwd[j] - s0) / sorted_bwd[j])
-    (fwd_id,) = _nonneg_lstsq(np.array(rows_f), np.array(rhs_f))
-    atomic, same = _nonneg_lstsq(np.array(rows_b), np.array(rhs_b))
-    sorted_id = _nonneg_lstsq(np.array(rows_s), np.array(rhs_s))[0] if rows_s else KernelConstants().sorted_id_s
+    (fwd_id,) = nonneg_lstsq(np.array(rows_f), np.array(rhs_f))
+    atomic, same = nonneg_lstsq(np.array(rows_b), np.array(rhs_b))
+    sorted_id = nonneg_lstsq(np.array(rows_s), np.array(rhs_s))[0] if rows_s else KernelConstants().sorted_id_s
     return KernelConstants(float(fwd_id), float(atomic), float(same), float(sorted_id))

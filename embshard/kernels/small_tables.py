@@ -38,6 +38,7 @@ from torch import nn
 
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
+from embshard.lookup.base import CountedSteps, NoCache
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.options import LookupOptions
 from embshard.plan import MemoryTier
@@ -229,7 +230,7 @@ class _Pool(torch.autograd.Function):
         return (None,) * (4 + ctx.n)
 
 
-class SmallTableLookup(nn.Module):
+class SmallTableLookup(NoCache, CountedSteps, nn.Module):
     """Shards of small tables (fp32, in device memory) pooled by the small-table kernels, optimizer fused into
     the backward. Same contract as TBELookup (constructor, forward, shard_weights and the cache no-ops)."""
 
@@ -370,40 +371,9 @@ class SmallTableLookup(nn.Module):
             out.append(self.weights[gi].data[r0 : r0 + s.shard.num_rows])
         return out
 
-    @property
-    def optimizer_step(self) -> int:
-        """Steps the optimizer has taken (Adam's bias-correction count)."""
-        return self._step
-
-    @optimizer_step.setter
-    def optimizer_step(self, step: int) -> None:
-        self._step = step
-
     def shard_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         """Each shard's optimizer state (views; names as embshard.optim.optimizer_state: 'm' [, 'v'])."""
         out = []
         for s, (gi, r0) in zip(self.shards, self._place):
             out.append({k: v[r0 : r0 + s.shard.num_rows] for k, v in self._state[gi].items()})
         return out
-
-    @property
-    def optimizer_step(self) -> int:
-        """Steps the optimizer has taken (Adam's bias-correction count)."""
-        return self._step
-
-    @optimizer_step.setter
-    def optimizer_step(self, step: int) -> None:
-        self._step = step
-
-    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None) -> None:
-        """No cache: nothing to do."""
-
-    def drop_cache(self) -> None:
-        """No cache: nothing to do."""
-
-    def cache_stats(self) -> dict[str, dict]:
-        """No cache: no statistics."""
-        return {}
-
-    def reset_cache_stats(self) -> None:
-        """No cache: nothing to reset."""

@@ -1,4 +1,8 @@
-"""`NoCache`: the cache methods of a lookup without a UVM cache (host and data-parallel lookups)."""
+"""Mixins of the lookup contract (lookup/__init__.py).
+
+`NoCache`: the cache methods of a lookup without a UVM cache (host, data-parallel and small-table lookups).
+`CountedSteps`: `optimizer_step` of a lookup that counts its optimizer's steps itself, in `self._step`.
+"""
 
 from __future__ import annotations
 
@@ -18,3 +22,18 @@ class NoCache:
 
     def reset_cache_stats(self) -> None:
         """No cache: nothing to reset."""
+
+
+class CountedSteps:
+    """`optimizer_step` read and written as `self._step`, the count a lookup's own update rule advances."""
+
+    _step: int
+
+    @property
+    def optimizer_step(self) -> int:
+        """Steps the optimizer has taken (Adam's bias-correction count)."""
+        return self._step
+
+    @optimizer_step.setter
+    def optimizer_step(self, step: int) -> None:
+        self._step = step

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from embshard.comm import scoped_label, start_all_reduce
-from embshard.lookup.base import NoCache
+from embshard.lookup.base import CountedSteps, NoCache
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.ops import feature_of_ids
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
@@ -53,7 +53,7 @@ class _ReplicaBags(torch.autograd.Function):
         return (None,) * 5
 
 
-class DataParallelLookup(NoCache, nn.Module):
+class DataParallelLookup(NoCache, CountedSteps, nn.Module):
     """Full replicas of the data-parallel tables in one FBGEMM dense TBE (one flat weight tensor), updated with
     the all-reduced gradient in backward.
 
@@ -199,12 +199,3 @@ class DataParallelLookup(NoCache, nn.Module):
                 {k: v[r0 : r0 + R] if per_row else v[e0 : e0 + R * D].view(R, D) for k, v in self._state.items()}
             )
         return out
-
-    @property
-    def optimizer_step(self) -> int:
-        """Steps the optimizer has taken (Adam's bias-correction count)."""
-        return self._step
-
-    @optimizer_step.setter
-    def optimizer_step(self, step: int) -> None:
-        self._step = step

@@ -3,7 +3,7 @@
 `ShardingContext`: what every scheme and lookup of a collection is built with (one frozen value instead of eight
 arguments). `Scheme`: what the collection calls on each scheme, every step, on every rank, in this order:
 
-    ids  = scheme.local_ids(lengths_FB, values, weights, feature_index, counts)  # lay out the local batch's ids
+    ids  = scheme.local_ids(LocalBatch(lengths_FB, values, weights, feature_index, counts))  # lay out its ids
     h    = scheme.start_input_dist(ids, batch_sizes);  inp = h.wait()            # ids to the ranks that look up
     pooled = scheme.lookup(inp)                                                  # pooled sums, this rank's keys
     h    = scheme.start_output_dist(pooled, batch_sizes);  blocks = h.wait()     # back to the samples' ranks
@@ -17,7 +17,7 @@ Output keys. A scheme's output columns are named by keys: a feature name, or for
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,9 @@ from torch import nn
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.options import LookupOptions
-from embshard.sharding.exchange import BatchCounts, LocalIds, LookupInput
+from embshard.plan import ShardingPlan, ShardingType, TablePlan
+from embshard.sharding.exchange import LocalBatch, LocalIds, LookupInput
+from embshard.tables import TableConfig
 
 COLUMN_SEPARATOR = "#c"
 
@@ -40,6 +42,13 @@ def key_feature(key: str) -> tuple[str, int]:
     """(feature, first column) of an output key: `column_key`'s inverse, (key, 0) for a whole-feature key."""
     feature, _, col = key.partition(COLUMN_SEPARATOR)
     return feature, int(col or 0)
+
+
+def planned_as(
+    tables: Sequence[TableConfig], plan: ShardingPlan, sharding_type: ShardingType
+) -> list[tuple[int, TableConfig, TablePlan]]:
+    """(table index, table, plan) of the tables planned with `sharding_type`, in collection order."""
+    return [(i, cfg, plan[cfg.name]) for i, cfg in enumerate(tables) if plan[cfg.name].sharding_type is sharding_type]
 
 
 @dataclass(frozen=True)
@@ -96,16 +105,10 @@ class Scheme(nn.Module):
     layout: OutputLayout
     lookups: nn.ModuleList
 
-    def local_ids(
-        self,
-        lengths_FB: torch.Tensor,
-        values: torch.Tensor,
-        weights: torch.Tensor | None,
-        feature_index: dict[str, int],
-        counts: BatchCounts,
-    ) -> LocalIds:
-        """Lay out the local batch's ids for this scheme's input dist. `lengths_FB` is the local batch's `[F, B]`
-        bag lengths, rows in the order `feature_index` gives; `counts` every rank's sizes (no host sync needed)."""
+    def local_ids(self, batch: LocalBatch) -> LocalIds:
+        """Lay out the local batch's ids for this scheme's input dist. `batch.lengths_FB` is the local batch's
+        `[F, B]` bag lengths, rows in the order `batch.feature_index` gives; `batch.counts` every rank's sizes (no
+        host sync needed)."""
         raise NotImplementedError
 
     def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]):

@@ -30,7 +30,7 @@ from embshard.lookup import LocalShard
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import LookupOptions
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType
-from embshard.sharding.base import ShardingContext, column_key
+from embshard.sharding.base import ShardingContext, column_key, planned_as
 from embshard.sharding.exchange import LookupInput
 from embshard.sharding.routed import RoutedSharding
 from embshard.tables import TableConfig
@@ -41,10 +41,7 @@ def column_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: Sharding
     feature. None if no table is column-wise."""
     shards_per_rank: list[list[LocalShard]] = [[] for _ in range(plan.world_size)]
     key_source: dict[str, str] = {}
-    for i, cfg in enumerate(tables):
-        tp = plan[cfg.name]
-        if tp.sharding_type is not ShardingType.COLUMN_WISE:
-            continue
+    for i, cfg, tp in planned_as(tables, plan, ShardingType.COLUMN_WISE):
         for shard in sorted(tp.shards, key=lambda s: s.col_offset):
             keys = tuple(column_key(f, shard.col_offset) for f in cfg.feature_names)
             shards_per_rank[shard.rank].append(LocalShard.planned(cfg, i, shard, keys, tp))

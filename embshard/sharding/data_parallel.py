@@ -39,8 +39,8 @@ from embshard.lookup import LocalShard
 from embshard.lookup.replicas import DataParallelLookup
 from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
 from embshard.plan import LookupKernel, ShardingPlan, ShardingType
-from embshard.sharding.base import OutputLayout, Ready, Scheme, ShardingContext
-from embshard.sharding.exchange import BatchCounts, LocalIds, LookupInput
+from embshard.sharding.base import OutputLayout, Ready, Scheme, ShardingContext, planned_as
+from embshard.sharding.exchange import LocalBatch, LocalIds, LookupInput
 from embshard.tables import TableConfig
 
 
@@ -58,18 +58,13 @@ class DataParallelSharding(Scheme):
         self._cols = np.array([ctx.columns[f] for f in keys], dtype=np.int64)  # in BatchCounts.ids
         self.weighted = any(s.table.weighted for s in shards)
 
-    def local_ids(
-        self,
-        lengths_FB: torch.Tensor,
-        values: torch.Tensor,
-        weights: torch.Tensor | None,
-        feature_index: dict[str, int],
-        counts: BatchCounts,
-    ) -> LocalIds:
-        """Select this scheme's features from the local batch (sized from `counts`: no host sync)."""
-        n = int(counts.ids[self.rank, self._cols].sum())
-        select = cached_tensor([feature_index[f] for f in self.layout.keys], values.device, torch.int32)
-        lengths, ids, w = permute_2d(select, lengths_FB, values, weights_or_ones(values, weights, self.weighted), n)
+    def local_ids(self, batch: LocalBatch) -> LocalIds:
+        """Select this scheme's features from the local batch (sized from `batch.counts`: no host sync)."""
+        n = int(batch.counts.ids[self.rank, self._cols].sum())
+        values = batch.values
+        select = cached_tensor([batch.feature_index[f] for f in self.layout.keys], values.device, torch.int32)
+        weights = weights_or_ones(values, batch.weights, self.weighted)
+        lengths, ids, w = permute_2d(select, batch.lengths_FB, values, weights, n)
         return LocalIds(lengths.reshape(-1), ids, w, [n], [n])
 
     def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]) -> Ready:
@@ -91,9 +86,7 @@ def data_parallel(
     """The data-parallel part of the collection: this rank's replica of each data-parallel table. None if no
     table is data-parallel."""
     shards = []
-    for i, cfg in enumerate(tables):
-        tp = plan[cfg.name]
-        if tp.sharding_type is ShardingType.DATA_PARALLEL:
-            (mine,) = [s for s in tp.shards if s.rank == ctx.rank]
-            shards.append(LocalShard.planned(cfg, i, mine, cfg.feature_names, tp))
+    for i, cfg, tp in planned_as(tables, plan, ShardingType.DATA_PARALLEL):
+        (mine,) = [s for s in tp.shards if s.rank == ctx.rank]
+        shards.append(LocalShard.planned(cfg, i, mine, cfg.feature_names, tp))
     return DataParallelSharding(shards, ctx) if shards else None

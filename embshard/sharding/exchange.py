@@ -127,6 +127,22 @@ def gather_batch_counts(
     return parse_counts(table)
 
 
+@dataclass(frozen=True)
+class LocalBatch:
+    """This rank's local batch as every scheme's `local_ids` reads it (one value instead of five arguments)."""
+
+    lengths_FB: torch.Tensor
+    """`[F, B]` bag lengths of the local batch, rows in the order `feature_index` gives."""
+    values: torch.Tensor
+    """Ids, concatenated in bag order (int64)."""
+    weights: torch.Tensor | None
+    """Per-id weights (same layout as `values`), or None."""
+    feature_index: dict[str, int]
+    """Feature -> its row of `lengths_FB` (the batch's key order)."""
+    counts: BatchCounts
+    """Every rank's batch size and ids per feature this step, on the host (no host sync needed)."""
+
+
 def route_matrix(sources_per_rank: Sequence[Sequence[str]], column: Mapping[str, int]) -> np.ndarray:
     """`[F, W]`: how many of rank d's lookup keys read feature f (the ids of f go to d that many times)."""
     m = np.zeros((len(column), len(sources_per_rank)), dtype=np.int64)

@@ -22,7 +22,7 @@ from embshard.lookup import LocalShard, group_shards
 from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
 from embshard.sharding.base import OutputLayout, Scheme, ShardingContext
 from embshard.sharding.exchange import (
-    BatchCounts,
+    LocalBatch,
     LocalIds,
     LookupInput,
     PooledExchangeHandle,
@@ -84,23 +84,18 @@ class RoutedSharding(Scheme):
         self.lookups = nn.ModuleList(build_lookups(mine, ctx.optimizer, ctx.device, ctx.seed, ctx.options))
         self.weighted = any(s.table.weighted for shards in ordered for s in shards)
 
-    def local_ids(
-        self,
-        lengths_FB: torch.Tensor,
-        values: torch.Tensor,
-        weights: torch.Tensor | None,
-        feature_index: dict[str, int],
-        counts: BatchCounts,
-    ) -> LocalIds:
+    def local_ids(self, batch: LocalBatch) -> LocalIds:
         """The local batch's ids of each rank's lookup keys, destination-major, with the ids sent to and received
-        from every rank (from `counts`: no host sync)."""
-        sent = counts.ids[self.rank] @ self._routes  # [W] ids to each destination
-        received = counts.ids @ self._routes[:, self.rank]  # [W] ids from each source
-        perm = cached_tensor([feature_index[f] for f in self.sources], values.device, torch.int32)
+        from every rank (from `batch.counts`: no host sync)."""
+        ids = batch.counts.ids
+        sent = ids[self.rank] @ self._routes  # [W] ids to each destination
+        received = ids @ self._routes[:, self.rank]  # [W] ids from each source
+        perm = cached_tensor([batch.feature_index[f] for f in self.sources], batch.values.device, torch.int32)
+        weights = weights_or_ones(batch.values, batch.weights, self.weighted)
         send_lengths, send_values, send_weights = permute_2d(
-            perm, lengths_FB, values, weights_or_ones(values, weights, self.weighted), int(sent.sum())
+            perm, batch.lengths_FB, batch.values, weights, int(sent.sum())
         )
-        key_ids = counts.ids[:, self._my_cols].sum(0).tolist()  # per key of mine, over all sources
+        key_ids = ids[:, self._my_cols].sum(0).tolist()  # per key of mine, over all sources
         return LocalIds(
             send_lengths.reshape(-1), send_values, send_weights, sent.tolist(), received.tolist(), key_ids=key_ids
         )

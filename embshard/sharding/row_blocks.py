@@ -25,9 +25,9 @@ import torch
 
 from embshard.lookup import LocalShard
 from embshard.ops import cached_tensor, permute_2d, segment_sums, weights_or_ones
-from embshard.plan import ShardingPlan, ShardingType, TablePlan
+from embshard.plan import TablePlan
 from embshard.sharding.base import OutputLayout, ShardingContext
-from embshard.sharding.exchange import BatchCounts, LocalIds, PooledExchangeHandle
+from embshard.sharding.exchange import LocalBatch, LocalIds, PooledExchangeHandle
 from embshard.sharding.routed import RoutedSharding
 from embshard.tables import TableConfig
 
@@ -49,13 +49,6 @@ class SummedPooledHandle:
         for block, cols in zip(blocks, self._cols):
             out = out.index_add(1, cols, block.float())  # cols unique within a rank: deterministic
         return [out.to(dtype)]
-
-
-def row_block_entries(
-    tables: Sequence[TableConfig], plan: ShardingPlan, sharding_type: ShardingType
-) -> list[tuple[int, TableConfig, TablePlan]]:
-    """(table index, table, plan) of the tables planned with `sharding_type`, in collection order."""
-    return [(i, cfg, plan[cfg.name]) for i, cfg in enumerate(tables) if plan[cfg.name].sharding_type is sharding_type]
 
 
 class RowBlockSharding(RoutedSharding):
@@ -107,21 +100,15 @@ class RowBlockSharding(RoutedSharding):
             cached_tensor(self._route_rows, dev, torch.int32),
         )
 
-    def local_ids(
-        self,
-        lengths_FB: torch.Tensor,
-        values: torch.Tensor,
-        weights: torch.Tensor | None,
-        feature_index: dict[str, int],
-        counts: BatchCounts,
-    ) -> LocalIds:
+    def local_ids(self, batch: LocalBatch) -> LocalIds:
         """Bucket the local batch's ids by row block, destination-major. How many go to each rank is known only
         on the device (`LocalIds.counts`): `exchange_counts` fills in `sent` / `received`."""
-        select, block_sizes, route = self._tensors(feature_index, values)
-        weights = weights_or_ones(values, weights, self.weighted)
+        lengths_FB, values = batch.lengths_FB, batch.values
+        select, block_sizes, route = self._tensors(batch.feature_index, values)
+        weights = weights_or_ones(values, batch.weights, self.weighted)
         B = lengths_FB.shape[1]
         W, F = self.world_size, len(self.in_features)
-        n = int(counts.ids[self.rank, self._cols].sum())
+        n = int(batch.counts.ids[self.rank, self._cols].sum())
         if n == 0:  # no ids to bucket (an empty local batch, or empty bags only): FBGEMM's kernels need some
             send_lengths = lengths_FB.new_zeros(sum(self.n_features) * B)
             w = weights[:0] if weights is not None else None

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.base import ShardingContext
-from embshard.sharding.row_blocks import RowBlockSharding, row_block_entries
+from embshard.sharding.base import ShardingContext, planned_as
+from embshard.sharding.row_blocks import RowBlockSharding
 from embshard.tables import TableConfig
 
 
 def row_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RowBlockSharding | None:
     """The row-wise part of the collection: row blocks over all ranks. None if no table is row-wise."""
-    entries = row_block_entries(tables, plan, ShardingType.ROW_WISE)
+    entries = planned_as(tables, plan, ShardingType.ROW_WISE)
     return RowBlockSharding(entries, ctx) if entries else None

@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.base import ShardingContext
-from embshard.sharding.row_blocks import RowBlockSharding, row_block_entries
+from embshard.sharding.base import ShardingContext, planned_as
+from embshard.sharding.row_blocks import RowBlockSharding
 from embshard.tables import TableConfig
 
 
 def table_row_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RowBlockSharding | None:
     """The table-row-wise part of the collection: each table's row blocks over one host's ranks. None if no
     table is table-row-wise."""
-    entries = row_block_entries(tables, plan, ShardingType.TABLE_ROW_WISE)
+    entries = planned_as(tables, plan, ShardingType.TABLE_ROW_WISE)
     return RowBlockSharding(entries, ctx, "table_row_wise") if entries else None

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from embshard.lookup import LocalShard
 from embshard.plan import ShardingPlan, ShardingType
-from embshard.sharding.base import ShardingContext
+from embshard.sharding.base import ShardingContext, planned_as
 from embshard.sharding.routed import RoutedSharding
 from embshard.tables import TableConfig
 
@@ -21,10 +21,7 @@ def table_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingC
     its features. None if no table is table-wise."""
     shards_per_rank: list[list[LocalShard]] = [[] for _ in range(plan.world_size)]
     key_source: dict[str, str] = {}
-    for i, cfg in enumerate(tables):
-        tp = plan[cfg.name]
-        if tp.sharding_type is not ShardingType.TABLE_WISE:
-            continue
+    for i, cfg, tp in planned_as(tables, plan, ShardingType.TABLE_WISE):
         (shard,) = tp.shards
         shards_per_rank[shard.rank].append(LocalShard.planned(cfg, i, shard, cfg.feature_names, tp))
         key_source.update({f: f for f in cfg.feature_names})

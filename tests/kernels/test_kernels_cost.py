@@ -143,9 +143,9 @@ def test_regroup_bytes_and_time():
 def test_calibration_measurements_run():
     # The timing helpers of embshard calibrate, on tiny shapes on the CPU (torch paths): they return sane numbers.
     from embshard.kernels.calibrate import measure_regroup, measure_small_table
-    from embshard.kernels.cost import SmallTableCase
+    from embshard.kernels.cost import CalibrationCase
 
-    case = SmallTableCase("tiny", 3, 50, 8, 4, 16, 1.2)
+    case = CalibrationCase("tiny", 3, 50, 8, 4, 16, 1.2)
     fwd, bwd, srt, distinct, v1 = measure_small_table(case, iters=1, device="cpu")
     assert fwd > 0 and bwd >= 0 and srt >= 0 and v1 >= 0 and 3 <= distinct <= 150
     seconds, nbytes = measure_regroup(6, 16, 8, iters=1, device="cpu")

@@ -24,11 +24,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from embshard.kernels.cost import CalibrationCase, nonneg_lstsq
 from embshard.planner.topology import GB, GIB, KERNEL_FIELDS, Topology
 
 
@@ -44,28 +45,6 @@ def _timed(fn, iters: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
-
-
-def _timed_queue(fn, iters: int, device: str) -> float:
-    """Seconds per fn() with `iters` runs queued back to back (CUDA events on GPUs, so host launch overhead
-    hides behind the kernels as it does in training), after 2 warm-ups."""
-    import torch
-
-    for _ in range(2):
-        fn()
-    if not device.startswith("cuda"):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def measure_copy(device: str, nbytes: int, iters: int) -> float:
@@ -121,40 +100,27 @@ def fit_uvm(t128: float, t512: float) -> tuple[float, float]:
 
 
 # ---- FBGEMM lookups ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LookupCase:
-    """One TBE shape timed by the calibration: `tables` tables of rows x dim, fixed bags of `ids_per_bag` ids."""
-
-    name: str
-    tables: int
-    rows: int
-    dim: int
-    ids_per_bag: int
-    batch: int
-
-    @property
-    def ids(self) -> int:
-        """Ids looked up per call."""
-        return self.tables * self.batch * self.ids_per_bag
-
-
 GPU_CASES = (
-    LookupCase("16-wide, 10k rows (L2)", 16, 10_000, 16, 30, 8192),
-    LookupCase("16-wide, 1M rows (HBM)", 8, 1_000_000, 16, 10, 16384),
-    LookupCase("128-wide, 1M rows (HBM)", 8, 1_000_000, 128, 10, 16384),
+    CalibrationCase("16-wide, 10k rows (L2)", 16, 10_000, 16, 30, 8192),
+    CalibrationCase("16-wide, 1M rows (HBM)", 8, 1_000_000, 16, 10, 16384),
+    CalibrationCase("128-wide, 1M rows (HBM)", 8, 1_000_000, 128, 10, 16384),
 )
 CPU_CASES = (
-    LookupCase("16-wide, 2k rows", 4, 2_000, 16, 30, 256),
-    LookupCase("16-wide, 200k rows", 4, 200_000, 16, 10, 512),
-    LookupCase("128-wide, 200k rows", 4, 200_000, 128, 10, 512),
+    CalibrationCase("16-wide, 2k rows", 4, 2_000, 16, 30, 256),
+    CalibrationCase("16-wide, 200k rows", 4, 200_000, 16, 10, 512),
+    CalibrationCase("128-wide, 200k rows", 4, 200_000, 128, 10, 512),
 )
 
 
-def measure_lookup(case: LookupCase, device: str, iters: int) -> tuple[float, float] | None:
+def measure_lookup(case: CalibrationCase, device: str, iters: int) -> tuple[float, float] | None:
     """(forward, backward) seconds per call of one FBGEMM TBE (row-wise Adagrad fused into the backward) over the
-    case's tables with uniform random ids; None if FBGEMM is missing."""
+    case's tables with uniform random ids (`case.alpha` must be 0); None if FBGEMM is missing."""
     import torch
 
+    from embshard.kernels.calibrate import queued_seconds
+
+    if case.alpha != 0:
+        raise ValueError(f"TBE calibration case {case.name!r} has alpha {case.alpha}: its ids are uniform, set alpha 0")
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -184,12 +150,12 @@ def measure_lookup(case: LookupCase, device: str, iters: int) -> tuple[float, fl
     def step() -> None:
         tbe(ids, offsets).backward(grad)
 
-    fwd = _timed_queue(forward, iters, device)
-    both = _timed_queue(step, iters, device)
+    fwd = queued_seconds(forward, iters, device)
+    both = queued_seconds(step, iters, device)
     return fwd, max(both - fwd, 0.0)
 
 
-def _bytes_model(topo: Topology, case: LookupCase):
+def _bytes_model(topo: Topology, case: CalibrationCase):
     """(forward, backward, ids, touched rows) the cost model gives for a case without its per-id constants."""
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier, ShardingType
@@ -216,20 +182,7 @@ def _bytes_model(topo: Topology, case: LookupCase):
     return T * float(wk.fwd_s), T * float(wk.bwd_s), T * n, T * u, case.dim * 4.0
 
 
-def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares a x = b with x >= 0 (drops a column whose coefficient comes out negative and refits)."""
-    keep = list(range(a.shape[1]))
-    while keep:
-        x, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
-        if np.all(x >= 0):
-            out = np.zeros(a.shape[1])
-            out[keep] = x
-            return out
-        keep.pop(int(np.argmin(x)))
-    return np.zeros(a.shape[1])
-
-
-def fit_lookup(topo: Topology, cases: Sequence[LookupCase], measured: Sequence[tuple[float, float]]) -> dict:
+def fit_lookup(topo: Topology, cases: Sequence[CalibrationCase], measured: Sequence[tuple[float, float]]) -> dict:
     """The per-id constants that best explain the measured (forward, backward) seconds of the cases on top of the
     cost model's bytes: forward n*(fwd_id_s + rb*fwd_byte_s), backward n*(bwd_id_s + rb*bwd_byte_s) +
     u*bwd_row_s (n ids, u touched rows, rb row bytes); least squares on relative errors, each constant >= 0.
@@ -241,8 +194,8 @@ def fit_lookup(topo: Topology, cases: Sequence[LookupCase], measured: Sequence[t
         rhs_f.append((fwd - f0) / fwd)
         rows_b.append([n / bwd, n * rb / bwd, u / bwd])
         rhs_b.append((bwd - b0) / bwd)
-    fwd_id, fwd_byte = _nonneg_lstsq(np.array(rows_f), np.array(rhs_f))
-    bwd_id, bwd_byte, bwd_row = _nonneg_lstsq(np.array(rows_b), np.array(rhs_b))
+    fwd_id, fwd_byte = nonneg_lstsq(np.array(rows_f), np.array(rhs_f))
+    bwd_id, bwd_byte, bwd_row = nonneg_lstsq(np.array(rows_b), np.array(rhs_b))
     return {
         "fwd_id_s": float(fwd_id),
         "fwd_byte_s": float(fwd_byte),
@@ -252,7 +205,7 @@ def fit_lookup(topo: Topology, cases: Sequence[LookupCase], measured: Sequence[t
     }
 
 
-def lookup_report(topo: Topology, cases: Sequence[LookupCase], measured: Sequence[tuple[float, float]]) -> str:
+def lookup_report(topo: Topology, cases: Sequence[CalibrationCase], measured: Sequence[tuple[float, float]]) -> str:
     """One line per case: measured and modelled time per id, forward and backward."""
     lines = []
     for case, (fwd, bwd) in zip(cases, measured):
