@@ -10,11 +10,19 @@ EMBSHARD_TEST_DEVICE=cuda (NCCL, one process per GPU); a test that only makes se
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports Triton (its interpreter mode is fixed at the first import): on a machine without CUDA
+    # the Triton kernels run under the interpreter in every test, whichever test files are collected, and the
+    # processes the tests spawn inherit it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers (dist_harness, parity, reference, ...) for every test
 
