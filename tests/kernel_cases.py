@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import reference
 import torch
 from reference import ReferenceEBC
 
@@ -20,14 +21,7 @@ TABLES = [
     TableConfig("tc", 25, 8, ("c1",)),  # second table of width 8: same width group as ta
     TableConfig("td", 50, 4, ("d1",), weighted=True),
 ]
-OPTIMIZERS = {
-    "sgd": FusedOptimizerConfig("sgd", lr=0.1),
-    "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
-    "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
-    "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
-    "rowwise_adagrad_wd": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6, weight_decay=0.05),
-    "sgd_wd": FusedOptimizerConfig("sgd", lr=0.1, weight_decay=0.05),
-}
+OPTIMIZERS = {**reference.OPTIMIZERS, "sgd_wd": FusedOptimizerConfig("sgd", lr=0.1, weight_decay=0.05)}
 
 
 def full_shards(tables: Sequence[TableConfig], device: torch.device) -> list[LocalShard]:

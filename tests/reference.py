@@ -16,6 +16,15 @@ from embshard.lookup import init_rows
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.tables import Pooling, TableConfig
 
+# The fused optimizers the parity tests train with (a test file adds its own variants after these, in this order).
+OPTIMIZERS = {
+    "sgd": FusedOptimizerConfig("sgd", lr=0.1),
+    "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
+    "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
+    "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
+    "rowwise_adagrad_wd": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6, weight_decay=0.05),
+}
+
 
 def _init_device() -> str:
     """The device the module under test computes on (EMBSHARD_TEST_DEVICE): the reference draws its initial rows

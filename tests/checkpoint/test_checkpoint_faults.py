@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_cases import build, full_state, plan_for
-from paths import ROOT, TESTS
+from paths import TESTS, cpu_subprocess_env
 
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint, read_manifest
 from embshard.plan import MemoryTier
@@ -23,8 +23,7 @@ from embshard.tables import ConfigError
 
 
 def _start(folder: Path, where: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    env = cpu_subprocess_env()
     cmd = [sys.executable, str(TESTS / "ckpt_faults.py"), "save", str(folder), where]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

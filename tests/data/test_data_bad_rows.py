@@ -6,7 +6,6 @@ processes reach the training process with their message."""
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 
 import numpy as np
@@ -204,11 +203,7 @@ def test_training_with_a_rank_whose_held_out_rows_were_all_bad(tmp_path):
         capture_output=True,
         text=True,
         timeout=240,
-        env={
-            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-            "CUDA_VISIBLE_DEVICES": "",
-            "PATH": str(Path(sys.executable).parent),
-        },
+        env=paths.cpu_subprocess_env(),
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     evals = [line for line in res.stdout.splitlines() if line.startswith("eval")]

@@ -6,7 +6,6 @@ deliver the same round robin as this process, and the shards of ranks and worker
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,7 +164,7 @@ tracemalloc.start()
 rows = sum(b.size for b in itertools.islice(src.train_batches(), 2 * {n} // 512))  # two epochs
 print("RESULT", tracemalloc.get_traced_memory()[1], pa.default_memory_pool().max_memory(), rows)
 """
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the reader's host memory, without the CUDA path's pinned slots
+    env = paths.cpu_subprocess_env()  # the reader's host memory, without the CUDA path's pinned slots
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     numpy_peak, arrow_peak, rows = map(int, res.stdout.split("RESULT")[1].split())

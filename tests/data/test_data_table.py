@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -307,11 +306,7 @@ def test_train_from_yaml_alone(tmp_path):
         capture_output=True,
         text=True,
         timeout=240,
-        env={
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "CUDA_VISIBLE_DEVICES": "",
-            "PATH": str(Path(sys.executable).parent),
-        },
+        env=paths.cpu_subprocess_env(),
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "train step     20" in res.stdout and "auc" in res.stdout and "(100 samples)" in res.stdout

@@ -5,17 +5,13 @@ sharded softmax uses; the errors."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # before embshard's Triton kernels are first imported
-    os.environ["TRITON_INTERPRET"] = "1"
+from embshard.kernels import LaunchConfig, fused_cross_entropy, logsumexp_rows, softmax_grad_
 
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from embshard.kernels import LaunchConfig, fused_cross_entropy, logsumexp_rows, softmax_grad_  # noqa: E402
+# Without CUDA the Triton kernels run under the interpreter: tests/conftest.py sets TRITON_INTERPRET=1 for the session.
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-10}

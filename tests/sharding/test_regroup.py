@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import regroup_reference
 
 from embshard.regroup import Regroup
 
 KEYS = [["f1", "f2", "f3"], ["f4", "f5"], ["f6"]]
 DIMS = [[4, 8, 3], [5, 2], [7]]
 GROUPS = {"user": ["f1", "f3"], "cross": ["f1", "f5", "f3"], "item": ["f4"]}  # f2 and f6 unused, f1/f3 repeated
-
-
-def _reference(blocks, keys, dims, groups):
-    cols = {}
-    for b, k_list, d_list in zip(blocks, keys, dims):
-        pos = 0
-        for k, d in zip(k_list, d_list):
-            cols[k] = b[:, pos : pos + d]
-            pos += d
-    return {name: torch.cat([cols[k] for k in members], dim=1) for name, members in groups.items()}
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -35,7 +26,7 @@ def test_regroup_matches_cat_forward_and_backward(batch, device):
     regroup = Regroup(KEYS, DIMS, GROUPS)
     for _ in range(2):  # the cached permute metadata is reused on the second call
         out = regroup(blocks)
-        want = _reference(ref_blocks, KEYS, DIMS, GROUPS)
+        want = regroup_reference(ref_blocks, KEYS, DIMS, GROUPS)
         assert list(out) == list(GROUPS)
         upstream = {n: torch.randn(want[n].shape, generator=gen).to(device) for n in GROUPS}
         for n in GROUPS:
@@ -93,7 +84,7 @@ def test_coalesced_runs_give_the_same_groups(seed):
     blocks = [torch.randn(5, sum(d), generator=gen).requires_grad_(True) for d in dims]
     ref_blocks = [b.detach().clone().requires_grad_(True) for b in blocks]
     out = Regroup(keys, dims, groups)(blocks)
-    want = _reference(ref_blocks, keys, dims, groups)
+    want = regroup_reference(ref_blocks, keys, dims, groups)
     upstream = {n: torch.randn(want[n].shape, generator=gen) for n in groups}
     for n in groups:
         torch.testing.assert_close(out[n], want[n], rtol=0, atol=0)

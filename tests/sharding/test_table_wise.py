@@ -4,6 +4,7 @@ reference, for world sizes 1, 2 and 3 (gloo on CPU; NCCL with EMBSHARD_TEST_DEVI
 from __future__ import annotations
 
 import pytest
+import reference
 import torch
 from dist_harness import device_kind, run_distributed
 from parity import check_parity, sharded_worker
@@ -19,13 +20,7 @@ TABLES = [
     TableConfig("t_small", 11, 20, ("f_f",), ids_per_bag=1),
 ]
 
-OPTIMIZERS = {
-    "sgd": FusedOptimizerConfig("sgd", lr=0.1),
-    "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
-    "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
-    "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
-    "rowwise_adagrad_wd": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6, weight_decay=0.05),
-}
+OPTIMIZERS = dict(reference.OPTIMIZERS)
 if device_kind() == "cpu":  # FBGEMM's GPU kernels ignore weight decay except for rowwise_adagrad: refused there
     OPTIMIZERS["adagrad_wd"] = FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6, weight_decay=0.05)
     OPTIMIZERS["adam_wd"] = FusedOptimizerConfig("adam", lr=0.05, eps=1e-6, weight_decay=0.05)
