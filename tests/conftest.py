@@ -5,7 +5,8 @@ EMBSHARD_TEST_DEVICE=cuda (NCCL, one process per GPU); a test that only makes se
 
 - `device`: the device a single-process test computes on.
 - `run`: `run(fn, world_size, *args)` calls fn(rank, world_size, device, *args) on that many processes and returns
-  every rank's result (dist_harness.run_distributed).
+  every rank's result (dist_harness.run_distributed; on the CPU the processes of a world size are started once and
+  serve every test: a test that leaves a process in a state no other test should inherit passes `fresh=True`).
 """
 
 from __future__ import annotations
@@ -42,5 +43,5 @@ def device() -> torch.device:
 
 @pytest.fixture
 def run():
-    """run(fn, world_size, *args, pg_timeout_s=...) -> every rank's result (dist_harness.run_distributed)."""
+    """run(fn, world_size, *args, pg_timeout_s=..., fresh=...) -> every rank's result (dist_harness.run_distributed)."""
     return run_distributed

@@ -1,18 +1,37 @@
-"""Run a function on N local processes (gloo on CPU; NCCL when EMBSHARD_TEST_DEVICE=cuda) and collect results."""
+"""Run a function on N local processes (gloo on CPU; NCCL when EMBSHARD_TEST_DEVICE=cuda) and collect results.
+
+Starting a process costs about 4 s of CPU (a Python interpreter importing torch, torchrec, FBGEMM and embshard)
+plus the process group's set-up, more than most tests' work. So on the CPU the processes of a world size are
+started once and serve every later call of that world size (`_Pool`): each call sends the function and its
+arguments to every rank, which runs it on the process group joined at start, with this process's environment
+variables and import path, and the torch RNG reset to a fresh process's seed. A call that fails on some rank (an
+exception, a crash, a hang the process group's timeout ends) ends that pool; the next call starts a new one.
+Calls with another `pg_timeout_s` or `fresh=True` (a test that leaves a process in a state no other test should
+inherit: a watchdog timeout set, a collective left pending) get processes of their own, as do all calls on GPUs
+unless EMBSHARD_TEST_POOL=1 (EMBSHARD_TEST_POOL=0: never reuse processes).
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+DEFAULT_PG_TIMEOUT_S = 300.0
+# What the pool's ranks keep from their start whatever the caller's environment says.
+_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def device_kind() -> str:
@@ -26,7 +45,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
+def _join_group(rank: int, world_size: int, port: int, pg_timeout_s: float) -> torch.device:
     device = device_kind()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
@@ -35,8 +54,13 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
         torch.cuda.set_device(rank)
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    return torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
+    device = _join_group(rank, world_size, port, pg_timeout_s)
     try:
-        result = fn(rank, world_size, torch.device(device, rank) if device == "cuda" else torch.device("cpu"), *args)
+        result = fn(rank, world_size, device, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
@@ -45,31 +69,157 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, pg_timeout_s: float = 300.0) -> list[Any]:
+def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) -> None:
+    """A pooled rank: join the group, then run every call received on `conn` until None (or the pipe closes)."""
+    device = _join_group(rank, world_size, port, pg_timeout_s)
+    fresh_seed = torch.initial_seed()
+    own_env = {k: os.environ[k] for k in _RANK_ENV}
+    try:
+        while True:
+            try:
+                msg = conn.recv_bytes()
+            except EOFError:
+                return
+            if not msg:
+                return
+            environ, path, out_dir, payload = pickle.loads(msg)
+            os.environ.clear()
+            os.environ.update(environ, **own_env)
+            sys.path[:] = path
+            torch.manual_seed(fresh_seed)
+            try:
+                fn, args = pickle.loads(payload)  # imports fn's module (with the caller's sys.path)
+                result = {"ok": fn(rank, world_size, device, *args)}
+            except BaseException:
+                result = {"error": traceback.format_exc()}
+            torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+            conn.send_bytes(b"error" if "error" in result else b"ok")
+    finally:
+        dist.destroy_process_group()
+
+
+class _Pool:
+    """`world_size` processes joined in one process group, running calls one after another."""
+
+    def __init__(self, world_size: int, pg_timeout_s: float) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size = world_size
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_pool_entry, args=(rank, world_size, port, child, pg_timeout_s), daemon=False)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def call(self, fn: Callable, args: tuple, out_dir: str) -> bool:
+        """Run fn on every rank; True if every rank returned, False at the first rank that raised or died."""
+        # The function and arguments as a separate pickle: the ranks load it after taking this process's sys.path.
+        payload = pickle.dumps((fn, args))
+        msg = pickle.dumps((dict(os.environ), list(sys.path), out_dir, payload))
+        for conn in self.conns:
+            conn.send_bytes(msg)
+        pending = set(range(self.world_size))
+        while pending:
+            waitables = {self.conns[r]: r for r in pending} | {self.procs[r].sentinel: r for r in pending}
+            for ready in wait(list(waitables)):
+                rank = waitables[ready]
+                if rank not in pending:
+                    continue
+                try:
+                    status = self.conns[rank].recv_bytes() if ready is self.conns[rank] else b"died"
+                except EOFError:
+                    status = b"died"
+                if status != b"ok":
+                    return False
+                pending.discard(rank)
+        return True
+
+    def close(self, kill: bool = False) -> None:
+        for conn in self.conns:
+            if not kill:
+                try:
+                    conn.send_bytes(b"")
+                except OSError:
+                    kill = True
+        for proc in self.procs:
+            if kill:
+                proc.kill()
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+@atexit.register
+def close_pools() -> None:
+    """End every pooled process (at exit; tests may call it to start from fresh processes)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _pooling() -> bool:
+    env = os.environ.get("EMBSHARD_TEST_POOL")
+    return env == "1" if env in ("0", "1") else device_kind() == "cpu"
+
+
+def _load(path: str) -> dict | None:
+    try:  # a rank killed while it saved leaves a partial file: read as no result
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
+    except Exception:
+        return None
+
+
+def _collect(out_dir: str, world_size: int) -> list[Any]:
+    paths = [os.path.join(out_dir, f"{r}.pt") for r in range(world_size)]
+    loaded = [_load(p) for p in paths]
+    for r, res in enumerate(loaded):
+        if res is not None and "error" in res:
+            raise RuntimeError(f"rank {r} failed:\n{res['error']}")
+    for r, res in enumerate(loaded):
+        if res is None:
+            raise RuntimeError(f"rank {r} produced no result (crashed or was killed)")
+    return [res["ok"] for res in loaded]
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S, fresh: bool = False
+) -> list[Any]:
     """Call fn(rank, world_size, device, *args) on `world_size` processes; return each rank's result.
-    `pg_timeout_s`: the process group's timeout (a hung collective fails the test after it)."""
+    `pg_timeout_s`: the process group's timeout (a hung collective fails the test after it). `fresh`: on processes
+    started for this call alone (else, on the CPU, on the pool of this world size: see the module's docstring)."""
     if device_kind() == "cuda" and world_size > torch.cuda.device_count():
         import pytest
 
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible (one process per GPU)")
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        if fresh or pg_timeout_s != DEFAULT_PG_TIMEOUT_S or not _pooling():
+            try:
+                mp.start_processes(
+                    _entry,
+                    args=(world_size, _free_port(), out_dir, fn, args, pg_timeout_s),
+                    nprocs=world_size,
+                    join=True,
+                    start_method="spawn",
+                )
+            except mp.ProcessRaisedException:
+                pass  # the rank's own traceback is read below
+            return _collect(out_dir, world_size)
+        if world_size not in _POOLS:
+            _POOLS[world_size] = _Pool(world_size, pg_timeout_s)
+        pool = _POOLS[world_size]
+        ok = False
         try:
-            mp.start_processes(
-                _entry,
-                args=(world_size, port, out_dir, fn, args, pg_timeout_s),
-                nprocs=world_size,
-                join=True,
-                start_method="spawn",
-            )
-        except mp.ProcessRaisedException:
-            pass  # the rank's own traceback is read below
-        paths = [os.path.join(out_dir, f"{r}.pt") for r in range(world_size)]
-        loaded = [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
-        for r, res in enumerate(loaded):
-            if res is not None and "error" in res:
-                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
-        for r, res in enumerate(loaded):
-            if res is None:
-                raise RuntimeError(f"rank {r} produced no result (crashed or was killed)")
-        return [res["ok"] for res in loaded]
+            ok = pool.call(fn, args, out_dir)
+        finally:
+            if not ok:  # a rank raised, died or the call was interrupted: the others may wait in a collective
+                _POOLS.pop(world_size, None)
+                pool.close(kill=True)
+        return _collect(out_dir, world_size)
