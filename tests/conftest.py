@@ -42,6 +42,14 @@ def device() -> torch.device:
 
 
 @pytest.fixture
+def torch_kernels_on_cpu(monkeypatch):
+    """The kernels' impl 'auto' picks what CPU training gets, the torch path (TRITON_INTERPRET, set above for the
+    interpreter's tests, unset for the test). For the tests of the device's own path (tests/kernels)."""
+    if device_kind() == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
 def run():
     """run(fn, world_size, *args, pg_timeout_s=..., fresh=...) -> every rank's result (dist_harness.run_distributed)."""
     return run_distributed

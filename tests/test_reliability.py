@@ -110,7 +110,9 @@ def test_a_stalled_rank_makes_the_others_raise_within_the_timeout():
     world_size, timeout_s = 2, 1.0  # short: the test waits 3 timeouts (the stall) in real time
     tables, plan = _plan(world_size)
     # fresh processes: the watchdog's timeout stays set in them, and rank 0 leaves a collective pending
-    results = run_distributed(_stall_worker, world_size, tables, plan, timeout_s, pg_timeout_s=3 * timeout_s, fresh=True)
+    results = run_distributed(
+        _stall_worker, world_size, tables, plan, timeout_s, pg_timeout_s=3 * timeout_s, fresh=True
+    )
     waiting, stalled = results
     assert waiting["type"] == "CollectiveTimeout", waiting
     assert f"step 1: batch counts all-gather did not complete within {timeout_s:g} s" in waiting["error"], waiting

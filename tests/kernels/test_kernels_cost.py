@@ -140,6 +140,7 @@ def test_regroup_bytes_and_time():
     assert regroup_seconds(fwd, BW, 5e-6, k) == pytest.approx(fwd / (0.8 * BW) + 5e-6)
 
 
+@pytest.mark.usefixtures("torch_kernels_on_cpu")
 def test_calibration_measurements_run():
     # The timing helpers of embshard calibrate, on tiny shapes on the CPU (torch paths): they return sane numbers.
     from embshard.kernels.calibrate import measure_regroup, measure_small_table

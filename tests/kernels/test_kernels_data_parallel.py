@@ -14,6 +14,7 @@ from embshard.lookup.replicas import DataParallelLookup
 from embshard.tables import TableConfig
 
 DEVICE = torch.device(device_kind())
+pytestmark = pytest.mark.usefixtures("torch_kernels_on_cpu")  # CPU: the torch path, as CPU training runs
 DP_TABLES = sorted(TABLES, key=lambda t: t.embedding_dim)  # DataParallelLookup orders its tables by width
 
 

@@ -1,5 +1,6 @@
-"""Runs tests/kernels_interpret_cases.py (the Triton kernels on CPU tensors under Triton's interpreter) in its own
-pytest process: TRITON_INTERPRET=1 must be set before triton is first imported, which this process has done."""
+"""The Triton kernels on CPU tensors under Triton's interpreter: the cases of tests/kernels_interpret_cases.py.
+TRITON_INTERPRET=1 must be set before triton is first imported: on a machine without CUDA tests/conftest.py has
+set it for this process, and the cases are collected here; elsewhere they run in a pytest process of their own."""
 
 from __future__ import annotations
 
@@ -12,26 +13,29 @@ import pytest
 
 pytest.importorskip("triton")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from kernels_interpret_cases import *  # noqa: F403  (the cases, collected in this process)
+else:
 
-def test_triton_kernels_under_the_interpreter():
-    here = paths.TESTS
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-x",
-            "-p",
-            "no:cacheprovider",
-            str(here / "kernels_interpret_cases.py"),
-        ],
-        env=env,
-        cwd=here.parent,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    def test_triton_kernels_under_the_interpreter():
+        here = paths.TESTS
+        env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-x",
+                "-p",
+                "no:cacheprovider",
+                str(here / "kernels_interpret_cases.py"),
+            ],
+            env=env,
+            cwd=here.parent,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -14,6 +14,7 @@ from embshard.kernels.regroup import KernelRegroup
 from embshard.regroup import Regroup
 
 DEVICE = torch.device(device_kind())
+pytestmark = pytest.mark.usefixtures("torch_kernels_on_cpu")  # CPU: the torch path, as CPU training runs
 IMPLS = ["auto", "torch", "fbgemm"] + (["triton"] if DEVICE.type == "cuda" else [])
 
 

@@ -27,6 +27,7 @@ from embshard.plan import MemoryTier, Shard
 from embshard.tables import ConfigError, TableConfig
 
 DEVICE = torch.device(device_kind())
+pytestmark = pytest.mark.usefixtures("torch_kernels_on_cpu")  # CPU: the torch path, as CPU training runs
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
