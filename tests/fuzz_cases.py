@@ -262,6 +262,64 @@ def draw_case(seed: int, device: str = "cpu", worlds: Sequence[int] = (1, 2, 3, 
     )
 
 
+# ---- what a case covers -----------------------------------------------------------------------------------------
+def case_tags(case: Case) -> set[tuple]:
+    """What `case` exercises, as tags: (world size, sharding type, optimizer) of every table, and per world size
+    and type the tiers, ranks per host, uneven or partial blocks, fp16, pooling and weights; the optimizer's
+    weight decay; the lookup options; and the shapes of the data (empty steps and ranks, silent features, hot
+    rows, dropped or refused ids, int32 ids, shuffled keys, output groups)."""
+    W, opt = case.world_size, case.optimizer.kind.value
+    tags: set[tuple] = {("ranks per host", W, case.plan.local_world_size), ("steps", case.steps)}
+    tables = {t.name: t for t in case.tables}
+    for tp in case.plan.tables:
+        st, t = tp.sharding_type.value, tables[tp.table]
+        tags |= {(W, st, opt), ("tier", W, st, tp.tier.value), ("pooling", st, t.pooling.value)}
+        tags.add(("tier cache", tp.tier.value, tp.cache_algorithm.value if tp.tier.value == "uvm_caching" else ""))
+        tags |= {("weighted", st)} if t.weighted else set()
+        tags |= {("fp16", st, opt)} if t.data_type is DataType.FP16 else set()
+        ranks = [s.rank for s in tp.shards]
+        if len(set(ranks)) < len(ranks):
+            tags.add(("blocks sharing a rank", st))
+        if tp.sharding_type in (RW, TWRW) and len(tp.shards) < (
+            W if tp.sharding_type is RW else case.plan.local_world_size
+        ):
+            tags.add(("fewer row blocks than ranks", st))
+        if tp.sharding_type is CW:
+            tags.add(("column blocks", min(len(tp.shards), 3), column_wise_exact(case.options)))
+        tags.add(("rows", st, next(i for i, hi in enumerate((4, 64, 1000, 5000)) if t.num_embeddings <= hi)))
+    if case.optimizer.weight_decay:
+        tags.add(("weight decay", opt))
+    for k, v in case.options.items():
+        tags.add(("option", k, str(v)))
+    errors = bool(case.bad) and "bounds_check" not in case.options
+    tags |= {("ids out of range", "drop" if "bounds_check" in case.options else "error")} if case.bad else set()
+    tags |= {("every id of a rank dropped",)} if any(share == 1.0 for *_, share in case.bad) and not errors else set()
+    tags |= {("empty global step",)} if any(not any(b) for b in case.batch_sizes) else set()
+    tags |= {("empty local batch", W)} if any(0 in b and any(b) for b in case.batch_sizes) else set()
+    tags |= {("silent feature",)} if case.silent else set()
+    tags |= {("hot rows",)} if case.id_span else set()
+    tags |= {("ids", case.id_dtype), ("shuffled keys", case.shuffle_keys)}
+    if case.groups is None:
+        tags.add(("output", "keyed tensor"))
+    else:
+        members = [f for g in case.groups.values() for f in g]
+        tags.add(("output", "groups", len(set(members)) < len(members), set(members) < set(case.features)))
+    return tags
+
+
+def covering_cases(cases: Sequence[Case]) -> list[Case]:
+    """A few of `cases` that together have every tag (`case_tags`) any of them has: greedy, the case adding the
+    most new tags first, the cheaper case (ranks x steps x tables) on ties; in their original order."""
+    tags = [case_tags(c) for c in cases]
+    cost = [c.world_size * c.steps * len(c.tables) for c in cases]
+    left, chosen = set().union(*tags), []
+    while left:
+        best = max(range(len(cases)), key=lambda i: (len(tags[i] & left), -cost[i]))
+        chosen.append(best)
+        left -= tags[best]
+    return [cases[i] for i in sorted(chosen)]
+
+
 # ---- data -------------------------------------------------------------------------------------------------------
 Batch = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 

@@ -4,8 +4,13 @@ every step, then weights and optimizer state, against the plain-PyTorch referenc
 fuzz_check.py trains and compares them). Also: every rank enters every collective whatever its local data (fixed
 scenarios, trained in the same spawns as the random cases), and invalid setups drawn at random raise ConfigError.
 
+By default the suite trains the few of the first CANDIDATES random cases that together cover everything those
+cover (fuzz_cases.case_tags: every sharding type x world size x optimizer, the tiers, options and data shapes;
+about 30 of 200, seconds on 2 CPU cores), and the scenarios on 2 of the 4 optimizers per world size (all 4 per
+scenario); EMBSHARD_FUZZ_CASES trains every case drawn and every scenario with every optimizer.
+
 Environment:
-  EMBSHARD_FUZZ_CASES=N     random cases to run (default DEFAULT_CASES: about 2 minutes on 2 CPU cores)
+  EMBSHARD_FUZZ_CASES=N     random cases to run: the first N (default: the covering subset of CANDIDATES)
   EMBSHARD_FUZZ_SEED=S      run only random case S (a failure prints its seed)
   EMBSHARD_FUZZ_FIRST_SEED  seed of the first random case (default FIRST_SEED; others explore new cases)
   EMBSHARD_FUZZ_WORLDS=1,2  world sizes to draw from (default 1-4 on CPU, 1 and 2 GPUs where present)
@@ -23,14 +28,14 @@ from dataclasses import replace
 import pytest
 import torch
 from dist_harness import device_kind as device_kind
-from fuzz_cases import CW, DP, RW, TW, TWRW, Case, draw_case
+from fuzz_cases import CW, DP, RW, TW, TWRW, Case, case_tags, covering_cases, draw_case
 from fuzz_check import run_cases
 from parity import to_kjt
 
 from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig
 from embshard.plan import Shard, TablePlan
 
-DEFAULT_CASES = 200
+CANDIDATES = 200  # random cases drawn by default, of which the suite trains a covering subset
 FIRST_SEED = 1000  # random case i has seed FIRST_SEED + i
 
 
@@ -43,11 +48,19 @@ def _worlds() -> list[int]:
     return [n for n in (1, 2) if n <= torch.cuda.device_count()]
 
 
-def _seeds() -> list[int]:
+def _covering() -> bool:
+    """Whether the suite trains the covering subset of the candidates (neither a seed nor a case count given)."""
+    return not (os.environ.get("EMBSHARD_FUZZ_SEED") or os.environ.get("EMBSHARD_FUZZ_CASES"))
+
+
+def _random_cases(device: str, worlds: list[int]) -> list[Case]:
     if os.environ.get("EMBSHARD_FUZZ_SEED"):
-        return [int(os.environ["EMBSHARD_FUZZ_SEED"])]
+        return [draw_case(int(os.environ["EMBSHARD_FUZZ_SEED"]), device, worlds)]
     first = int(os.environ.get("EMBSHARD_FUZZ_FIRST_SEED", FIRST_SEED))
-    return [first + i for i in range(int(os.environ.get("EMBSHARD_FUZZ_CASES", DEFAULT_CASES)))]
+    cases = [
+        draw_case(first + i, device, worlds) for i in range(int(os.environ.get("EMBSHARD_FUZZ_CASES", CANDIDATES)))
+    ]
+    return covering_cases(cases) if _covering() else cases
 
 
 # ---- every rank enters every collective, whatever its local data ------------------------------------------------
@@ -103,12 +116,16 @@ def spec_case(scenario: str, optimizer: str, W: int, device: str, seed: int) -> 
 @pytest.fixture(scope="module")
 def fuzz_run():
     worlds, device = _worlds(), device_kind()
-    cases = [draw_case(s, device, worlds) for s in _seeds()]
+    cases = _random_cases(device, worlds)
     spec = {}
     if not os.environ.get("EMBSHARD_FUZZ_SEED"):
-        for W in [w for w in worlds if w in (2, 3)] or [max(worlds)]:
-            for sc in SCENARIOS:
-                for opt in SPEC_OPTIMIZERS:
+        spec_worlds = [w for w in worlds if w in (2, 3)] or [max(worlds)]
+        for j, W in enumerate(spec_worlds):
+            for i, sc in enumerate(SCENARIOS):
+                opts = SPEC_OPTIMIZERS
+                if _covering() and len(spec_worlds) > 1:  # 2 optimizers per world size, all 4 per scenario
+                    opts = [SPEC_OPTIMIZERS[(i + 2 * j + k) % len(SPEC_OPTIMIZERS)] for k in (0, 1)]
+                for opt in opts:
                     spec[len(cases)] = sc
                     cases.append(spec_case(sc, opt, W, device, seed=len(spec)))
     t0 = time.perf_counter()
@@ -124,6 +141,11 @@ def test_fuzz_parity_with_reference(fuzz_run):
     per_world = {w: sum(c.world_size == w for i, c in enumerate(cases) if i not in spec) for w in _worlds()}
     print(f"fuzz: {len(cases) - len(spec)} random cases, per world size {per_world}, {len(failures)} failed")
     assert not failures, f"{len(failures)} fuzz cases failed:\n\n" + "\n".join(failures)
+    if _covering():  # every sharding type x world size x optimizer trained (else draw_case changed: widen CANDIDATES)
+        trained = set().union(*(case_tags(c) for i, c in enumerate(cases) if i not in spec))
+        types, opts = [TW, RW, CW, TWRW, DP], ["sgd", "adagrad", "rowwise_adagrad", "adam"]
+        want = {(w, st.value, o) for w in _worlds() for st in types for o in opts}
+        assert want <= trained, f"no random case trains {sorted(want - trained)}"
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
