@@ -4,7 +4,8 @@ Starting a process costs about 4 s of CPU (a Python interpreter importing torch,
 plus the process group's set-up, more than most tests' work. So on the CPU the processes of a world size are
 started once and serve every later call of that world size (`_Pool`): each call sends the function and its
 arguments to every rank, which runs it on the process group joined at start, with this process's environment
-variables and import path, and the torch RNG reset to a fresh process's seed. A call that fails on some rank (an
+variables, import path and working directory, and the torch RNG reset to a fresh process's seed; a call may end
+the process group (embshard.train.run does: the ranks then join a new one). A call that fails on some rank (an
 exception, a crash, a hang the process group's timeout ends) ends that pool; the next call starts a new one.
 Calls with another `pg_timeout_s` or `fresh=True` (a test that leaves a process in a state no other test should
 inherit: a watchdog timeout set, a collective left pending) get processes of their own, as do all calls on GPUs
@@ -66,14 +67,25 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have ended it (embshard.train.run does)
+            dist.destroy_process_group()
+
+
+def _reset_after_call(rank: int, world_size: int, port: int, pg_timeout_s: float) -> None:
+    """What a call may leave behind that the next must not inherit: an ended process group (embshard.train.run
+    ends it: the ranks join a new one on `port`), embshard's watchdog timeout and its record of collectives."""
+    if not dist.is_initialized():
+        _join_group(rank, world_size, port, pg_timeout_s)
+    comm = sys.modules.get("embshard.comm")
+    if comm is not None:
+        comm.set_timeout(None)
+        comm._ISSUED.clear()
 
 
 def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) -> None:
     """A pooled rank: join the group, then run every call received on `conn` until None (or the pipe closes)."""
     device = _join_group(rank, world_size, port, pg_timeout_s)
     fresh_seed = torch.initial_seed()
-    own_env = {k: os.environ[k] for k in _RANK_ENV}
     try:
         while True:
             try:
@@ -82,10 +94,12 @@ def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float
                 return
             if not msg:
                 return
-            environ, path, out_dir, payload = pickle.loads(msg)
+            environ, path, cwd, next_port, out_dir, payload = pickle.loads(msg)
+            own_env = {k: os.environ[k] for k in _RANK_ENV}
             os.environ.clear()
             os.environ.update(environ, **own_env)
             sys.path[:] = path
+            os.chdir(cwd)
             torch.manual_seed(fresh_seed)
             try:
                 fn, args = pickle.loads(payload)  # imports fn's module (with the caller's sys.path)
@@ -93,9 +107,12 @@ def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float
             except BaseException:
                 result = {"error": traceback.format_exc()}
             torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+            if "error" not in result:
+                _reset_after_call(rank, world_size, next_port, pg_timeout_s)
             conn.send_bytes(b"error" if "error" in result else b"ok")
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class _Pool:
@@ -118,7 +135,7 @@ class _Pool:
         """Run fn on every rank; True if every rank returned, False at the first rank that raised or died."""
         # The function and arguments as a separate pickle: the ranks load it after taking this process's sys.path.
         payload = pickle.dumps((fn, args))
-        msg = pickle.dumps((dict(os.environ), list(sys.path), out_dir, payload))
+        msg = pickle.dumps((dict(os.environ), list(sys.path), os.getcwd(), _free_port(), out_dir, payload))
         for conn in self.conns:
             conn.send_bytes(msg)
         pending = set(range(self.world_size))

@@ -2,10 +2,19 @@
 plan, progress and AUC and writes TensorBoard events and checkpoints; a run resumed from a checkpoint ends exactly
 like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes;
 config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
-torchx component launches a CPU run."""
+torchx component launches a CPU run.
+
+A Python process importing torch, torchrec and embshard takes seconds of CPU, most of a short run's time, and
+`embshard train --nproc 2` starts three. So on machines without CUDA the runs that test training rather than the
+command line (the example configs but dlrm_criteo, the resumed runs, the saved plan) run `embshard.train.run`, the
+job of each of those processes, on the test processes' ranks (tests/dist_harness.py); dlrm_criteo, the restart
+under torchrun, the errors, torchx and the benchmark go through the command line. With CUDA every run does (the
+command line hides the GPUs for CPU runs)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -17,6 +26,7 @@ from pathlib import Path
 import paths
 import pytest
 import torch
+from dist_harness import run_distributed
 
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
@@ -64,6 +74,36 @@ def train(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
+IN_TEST_RANKS = DEVICE == "cpu" and not torch.cuda.is_available()
+
+
+def _train_rank(rank: int, world_size: int, device: torch.device, config: str, overrides: list[str]) -> str:
+    """One process of `embshard train CONFIG OVERRIDES --nproc world_size`, from the repository root and with its
+    thread count: its console output (rank 0 prints)."""
+    from embshard.train import _run_or_exit
+
+    cwd, threads, out = os.getcwd(), torch.get_num_threads(), io.StringIO()
+    os.chdir(ROOT)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as embshard.distributed.spawn_local
+    try:
+        with contextlib.redirect_stdout(out):
+            _run_or_exit(config, overrides)
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
+def train_job(args: list[str], nproc: int) -> str:
+    """The console output of a successful `embshard train ARGS --nproc N` (ARGS: the config, then overrides): on
+    the test processes' ranks where IN_TEST_RANKS, else by the command line."""
+    if IN_TEST_RANKS:
+        return run_distributed(_train_rank, nproc, args[0], list(args[1:]))[0]
+    res = train([*args, "--nproc", str(nproc)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
 def outputs(tmp: Path) -> list[str]:
     return [
         f"logging.metrics_file={tmp}/metrics.jsonl",
@@ -87,9 +127,13 @@ def test_examples_are_all_tested():
 
 @pytest.mark.parametrize("name", sorted(SHORTEN))
 def test_example_config_trains_on_two_processes(name, tmp_path):
-    res = train([f"configs/{name}", "--nproc", "2", *outputs(tmp_path), *SHORTEN[name]])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = res.stdout
+    args = [f"configs/{name}", *outputs(tmp_path), *SHORTEN[name]]
+    if name == "dlrm_criteo.yaml":  # the command line's own run (the others: train_job)
+        res = train([*args, "--nproc", "2"])
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        out = res.stdout
+    else:
+        out = train_job(args, 2)
     assert "ShardingPlan: world_size=2" in out and f"2 ranks on {DEVICE}" in out
     assert "predicted step time" in out and "source: detected" in out  # strategy auto: the planner's report
     assert "samples/s" in out and ("auc" in out or "recall@10" in out)
@@ -121,20 +165,20 @@ def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     common.append("logging.progress_bar=false")
     resumed = tmp / "resumed"
     shutil.copytree(tmp / "ck" / "step_10", resumed / "ck" / "step_10")
-    res = train(
-        [*common, "--nproc", "2", f"checkpoint.dir={resumed}/ck", "checkpoint.resume_from=latest"]
-        + [f"logging.metrics_file={resumed}/metrics.jsonl"]
+    out = train_job(
+        [*common, f"checkpoint.dir={resumed}/ck", "checkpoint.resume_from=latest"]
+        + [f"logging.metrics_file={resumed}/metrics.jsonl"],
+        2,
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout
+    assert f"resumed from {resumed}/ck/step_10 at step 10" in out
     assert metrics(resumed) == [straight[-1]]  # step 20: the same loss, AUC and samples, bitwise
     three = tmp / "three"
-    res = train(
-        [*common, "--nproc", "3", f"checkpoint.resume_from={resumed}/ck/step_10", f"checkpoint.dir={three}/ck"]
-        + [f"logging.metrics_file={three}/metrics.jsonl"]
+    out = train_job(
+        [*common, f"checkpoint.resume_from={resumed}/ck/step_10", f"checkpoint.dir={three}/ck"]
+        + [f"logging.metrics_file={three}/metrics.jsonl"],
+        3,
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout and "ShardingPlan: world_size=3" in res.stdout
+    assert f"resumed from {resumed}/ck/step_10 at step 10" in out and "ShardingPlan: world_size=3" in out
     (m,) = metrics(three)
     assert m["step"] == 20 and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
     elastic = tmp / "elastic"
@@ -207,22 +251,20 @@ def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
     assert (plan.world_size, plan.local_world_size) == (2, 2)
     assert plan["t_C1"].sharding_type is ShardingType.ROW_WISE and plan["t_C3"].ranks == [0, 1]
     assert plan["t_C2"].sharding_type is ShardingType.COLUMN_WISE
-    res = train(
+    out = train_job(
         [
             "configs/dlrm_criteo.yaml",
-            "--nproc",
-            "2",
             f"planner.plan_file={plan_file}",
             "schedule.epochs=1",
             f"logging.metrics_file={tmp_path}/metrics.jsonl",
             "logging.tensorboard_dir=null",
             "checkpoint.dir=null",
             "logging.progress_bar=false",
-        ]
+        ],
+        2,
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"plan loaded from {plan_file}" in res.stdout and "predicted step time" not in res.stdout
-    assert "t_C1   row_wise" in res.stdout and "t_C3   data_parallel" in res.stdout
+    assert f"plan loaded from {plan_file}" in out and "predicted step time" not in out
+    assert "t_C1   row_wise" in out and "t_C3   data_parallel" in out
     start, end = metrics(tmp_path)
     assert (start["step"], end["step"]) == (0, 5) and end["samples"] == start["samples"] > 0
 
