@@ -4,17 +4,13 @@ like the straight run, also after a rank is killed under torchrun with restarts,
 config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
 torchx component launches a CPU run.
 
-A Python process importing torch, torchrec and embshard takes seconds of CPU, most of a short run's time, and
-`embshard train --nproc 2` starts three. So on machines without CUDA the runs that test training rather than the
-command line (the example configs but dlrm_criteo, the resumed runs, the saved plan) run `embshard.train.run`, the
-job of each of those processes, on the test processes' ranks (tests/dist_harness.py); dlrm_criteo, the restart
-under torchrun, the errors, torchx and the benchmark go through the command line. With CUDA every run does (the
-command line hides the GPUs for CPU runs)."""
+The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
+the saved plan) run embshard.train's job on the test processes' ranks on machines without CUDA (tests/train_job.py:
+`embshard train --nproc 2` starts three Python processes, most of a short run's time); dlrm_criteo, the restart
+under torchrun, the errors, torchx and the benchmark go through the command line."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -26,7 +22,7 @@ from pathlib import Path
 import paths
 import pytest
 import torch
-from dist_harness import run_distributed
+from train_job import embshard_train
 
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
@@ -74,34 +70,10 @@ def train(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
-IN_TEST_RANKS = DEVICE == "cpu" and not torch.cuda.is_available()
-
-
-def _train_rank(rank: int, world_size: int, device: torch.device, config: str, overrides: list[str]) -> str:
-    """One process of `embshard train CONFIG OVERRIDES --nproc world_size`, from the repository root and with its
-    thread count: its console output (rank 0 prints)."""
-    from embshard.train import _run_or_exit
-
-    cwd, threads, out = os.getcwd(), torch.get_num_threads(), io.StringIO()
-    os.chdir(ROOT)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as embshard.distributed.spawn_local
-    try:
-        with contextlib.redirect_stdout(out):
-            _run_or_exit(config, overrides)
-    finally:
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-    return out.getvalue()
-
-
 def train_job(args: list[str], nproc: int) -> str:
-    """The console output of a successful `embshard train ARGS --nproc N` (ARGS: the config, then overrides): on
-    the test processes' ranks where IN_TEST_RANKS, else by the command line."""
-    if IN_TEST_RANKS:
-        return run_distributed(_train_rank, nproc, args[0], list(args[1:]))[0]
-    res = train([*args, "--nproc", str(nproc)])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
+    """rank 0's console output of a successful `embshard train ARGS --nproc N`, on the test processes' ranks where
+    train_job.IN_TEST_RANKS (tests/train_job.py), else by the command line."""
+    return embshard_train(args, nproc, env=env()).stdout
 
 
 def outputs(tmp: Path) -> list[str]:

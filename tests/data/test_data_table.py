@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ import pytest
 import torch
 import yaml
 from test_data import expected_row, ref_hash
+from train_job import embshard_train
 
 from embshard.config import load_config
 from embshard.data import build_source
@@ -300,13 +299,5 @@ def test_train_from_yaml_alone(tmp_path):
         checkpoint={"dir": None},
         sparse_optimizer={"kind": "rowwise_adagrad", "lr": 0.05},
     )
-    res = subprocess.run(
-        [sys.executable, "-m", "embshard.cli", "train", config, "schedule.steps=20", "data.workers=1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=paths.cpu_subprocess_env(),
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    res = embshard_train([config, "schedule.steps=20", "data.workers=1"])
     assert "train step     20" in res.stdout and "auc" in res.stdout and "(100 samples)" in res.stdout
