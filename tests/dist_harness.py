@@ -58,7 +58,11 @@ def _join_group(rank: int, world_size: int, port: int, pg_timeout_s: float) -> t
     return torch.device(device, rank) if device == "cuda" else torch.device("cpu")
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, pg_timeout_s: float, environ: dict
+) -> None:
+    os.environ.clear()  # the caller's (a forked process has the fork server's)
+    os.environ.update(environ)
     device = _join_group(rank, world_size, port, pg_timeout_s)
     try:
         result = fn(rank, world_size, device, *args)
@@ -115,11 +119,33 @@ def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float
             dist.destroy_process_group()
 
 
+# Where the processes come from: on the CPU, forks of a server process that imported torch, torchrec, FBGEMM and
+# embshard once (a rank then starts in a fraction of a second instead of seconds); on GPUs, new interpreters (CUDA
+# does not survive a fork).
+_PRELOAD = ["torch", "torch.distributed", "torchrec", "fbgemm_gpu", "embshard.sharded", "dist_harness"]
+
+
+def _start_method() -> str:
+    method = os.environ.get("EMBSHARD_TEST_START_METHOD") or ("spawn" if device_kind() == "cuda" else "forkserver")
+    if method == "forkserver":
+        mp.set_forkserver_preload(_PRELOAD)
+    return method
+
+
+def _stop_fork_server() -> None:
+    """End the fork server (its CPU time, and its forks', then counts in this process's children)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 class _Pool:
     """`world_size` processes joined in one process group, running calls one after another."""
 
     def __init__(self, world_size: int, pg_timeout_s: float) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(_start_method())
         port = _free_port()
         self.world_size = world_size
         self.conns, self.procs = [], []
@@ -180,6 +206,7 @@ def close_pools() -> None:
     """End every pooled process (at exit; tests may call it to start from fresh processes)."""
     while _POOLS:
         _POOLS.popitem()[1].close()
+    _stop_fork_server()
 
 
 def _pooling() -> bool:
@@ -221,10 +248,10 @@ def run_distributed(
             try:
                 mp.start_processes(
                     _entry,
-                    args=(world_size, _free_port(), out_dir, fn, args, pg_timeout_s),
+                    args=(world_size, _free_port(), out_dir, fn, args, pg_timeout_s, dict(os.environ)),
                     nprocs=world_size,
                     join=True,
-                    start_method="spawn",
+                    start_method=_start_method(),
                 )
             except mp.ProcessRaisedException:
                 pass  # the rank's own traceback is read below
