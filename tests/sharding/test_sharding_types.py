@@ -97,9 +97,17 @@ REPEATED = [("mixed", "rowwise_adagrad"), ("mixed", "adam")]  # trained twice, f
 WIDE_RUNS = [(c, "rowwise_adagrad") for c in CASES] + [("mixed", "adam"), ("data_parallel", "adam_wd")]
 
 
+# On the CPU the all-small collection runs the Triton kernels under the interpreter (seconds per run): worlds 1 and
+# 2 share its optimizers (each trains two, together all four; worlds 3 and 4 train it with rowwise_adagrad).
+SMALL_ON_CPU = {1: ("sgd", "adagrad"), 2: ("rowwise_adagrad", "adam")}
+
+
 def runs_for(world_size: int) -> list[tuple[str, str]]:
     """The runs trained at this world size."""
-    return RUNS if world_size <= 2 else [r for r in RUNS if r in WIDE_RUNS]
+    runs = RUNS if world_size <= 2 else [r for r in RUNS if r in WIDE_RUNS]
+    if device_kind() == "cpu" and world_size in SMALL_ON_CPU:
+        runs = [(c, o) for c, o in runs if c != "mixed_small" or o in SMALL_ON_CPU[world_size]]
+    return runs
 
 
 LOCAL_WORLD = {1: 1, 2: 1, 3: 3, 4: 2}  # ranks per host: world 2 is 2 hosts x 1, world 4 is 2 hosts x 2
@@ -152,6 +160,8 @@ def trained(request):
 def test_parity(trained, case, opt):
     world_size, batch_sizes, results = trained
     if (case, opt) not in runs_for(world_size):
+        if case == "mixed_small" and world_size in SMALL_ON_CPU:
+            pytest.skip(f"on the CPU world {world_size} trains mixed_small with {SMALL_ON_CPU[world_size]} only")
         pytest.skip(f"world {world_size} trains WIDE_RUNS only (suite time); worlds 1 and 2 train this run")
     plan = _plan(case, world_size, MemoryTier.HOST)
     per_rank = [r[(case, opt)] for r in results]
