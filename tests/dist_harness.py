@@ -9,7 +9,8 @@ the process group (embshard.train.run does: the ranks then join a new one). A ca
 exception, a crash, a hang the process group's timeout ends) ends that pool; the next call starts a new one.
 Calls with another `pg_timeout_s` or `fresh=True` (a test that leaves a process in a state no other test should
 inherit: a watchdog timeout set, a collective left pending) get processes of their own, as do all calls on GPUs
-unless EMBSHARD_TEST_POOL=1 (EMBSHARD_TEST_POOL=0: never reuse processes).
+unless EMBSHARD_TEST_POOL=1 (EMBSHARD_TEST_POOL=0: never reuse processes). On machines without CUDA the processes
+are forks of a server that imported those modules once (EMBSHARD_TEST_START_METHOD=spawn: new interpreters).
 """
 
 from __future__ import annotations
@@ -119,14 +120,15 @@ def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float
             dist.destroy_process_group()
 
 
-# Where the processes come from: on the CPU, forks of a server process that imported torch, torchrec, FBGEMM and
-# embshard once (a rank then starts in a fraction of a second instead of seconds); on GPUs, new interpreters (CUDA
-# does not survive a fork).
+# Where the processes come from: on machines without CUDA, forks of a server process that imported torch, torchrec,
+# FBGEMM and embshard once (a rank then starts in a fraction of a second instead of seconds); elsewhere new
+# interpreters (CUDA does not survive a fork).
 _PRELOAD = ["torch", "torch.distributed", "torchrec", "fbgemm_gpu", "embshard.sharded", "dist_harness"]
 
 
 def _start_method() -> str:
-    method = os.environ.get("EMBSHARD_TEST_START_METHOD") or ("spawn" if device_kind() == "cuda" else "forkserver")
+    default = "forkserver" if device_kind() == "cpu" and not torch.cuda.is_available() else "spawn"
+    method = os.environ.get("EMBSHARD_TEST_START_METHOD") or default
     if method == "forkserver":
         mp.set_forkserver_preload(_PRELOAD)
     return method
