@@ -22,6 +22,7 @@ Slots are freed in any order (a consumer may drop batch 5 before batch 4): one s
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import uuid
@@ -29,7 +30,12 @@ import uuid
 import numpy as np
 import torch
 
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
+_TORCH = {
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
 _READERS: dict[str, Slots] = {}  # training process: the live slot sets, by id
 FREE, USED = 0, 1
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # the references to a storage's memory (c10 use count)
@@ -44,9 +50,10 @@ def _layout(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[list, int]:
     """Arrays {key: (shape, dtype)} laid out one after another, 8-byte aligned: [(key, offset, shape, dtype)], bytes."""
     layout, total = [], 0
     for key, (shape, dt) in specs.items():
+        dt = np.dtype(dt)
         total = -(-total // 8) * 8
-        layout.append((key, total, tuple(int(s) for s in shape), np.dtype(dt).str))
-        total += int(np.prod(shape)) * np.dtype(dt).itemsize
+        layout.append((key, total, tuple(int(s) for s in shape), dt.str))
+        total += math.prod(shape) * dt.itemsize
     return layout, total
 
 
@@ -123,6 +130,7 @@ class SlotWriter:
     def __init__(self, slots: Slots, worker: int) -> None:
         self.slots, self.worker = slots, worker
         self.storages: list[torch.UntypedStorage | None] = [None] * slots.per_worker
+        self.bytes: list[np.ndarray | None] = [None] * slots.per_worker  # each slot's memory as a numpy uint8 array
 
     def _acquire(self) -> int | None:
         """A free slot (one already made first), marked in use; None when every slot is in use."""
@@ -147,7 +155,12 @@ class SlotWriter:
         storage, new = self.storages[slot], None
         if storage is None or storage.nbytes() < total:
             storage = new = self.storages[slot] = torch.UntypedStorage._new_shared(max(64, total + total // 4))
-        views = {key: _view(storage, offset, shape, dt).numpy() for key, offset, shape, dt in layout}
+            self.bytes[slot] = _view(storage, 0, (storage.nbytes(),), "|u1").numpy()
+        mem = self.bytes[slot]
+        views = {
+            key: mem[offset : offset + math.prod(shape) * np.dtype(dt).itemsize].view(dt).reshape(shape)
+            for key, offset, shape, dt in layout
+        }
         return {"slot": SlotBatch(self.slots.id, self.worker, slot, new, layout)}, views
 
 
