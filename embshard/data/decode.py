@@ -403,13 +403,12 @@ class Reader:
             k = t.byte_width // width
             flat = np.frombuffer(col.buffers()[1], dtype="<" + meta[PACKED_KEY].decode()[0] + str(width))
             flat = flat[col.offset * k : (col.offset + n) * k]
-            lengths = np.full(n, k, dtype=np.int32)
             if col.null_count:
                 valid = np.asarray(col.is_valid())
-                lengths[~valid] = 0
+                lengths = np.where(valid, k, 0).astype(np.int32)
                 return lengths, pa.array(flat[np.repeat(valid, k)]), None
-            return lengths, pa.array(flat), k
-        return np.ones(n, dtype=np.int32), col, 1
+            return _constant(n, k), pa.array(flat), k
+        return _constant(n, 1), col, 1
 
     def bags(self, table: pa.Table, f: FeatureSpec, bad: BadRows) -> tuple:
         """One feature's bag lengths [n] (int32), table rows, per-id weights (float32 or None), and the size of
@@ -468,6 +467,11 @@ class Reader:
             rule = f"{int(wlens[i])} weights for {int(lengths[i])} ids of column {f.column!r}"
             bad.add(~match, f.weights, None, rule)
         return out
+
+
+def _constant(n: int, k: int) -> np.ndarray:
+    """Bag lengths that are all k: a read-only view of one value (nothing to allocate or fill per column)."""
+    return np.broadcast_to(np.int32(k), (n,))
 
 
 def _out_of_range(ids: np.ndarray, rows: int) -> bool:

@@ -22,6 +22,7 @@ one 2-D take, a jagged one through its offsets.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -129,6 +130,7 @@ class Part:
                 self.column[f] = at
                 chunk.values[f] = None  # the matrix holds them now
                 at += k
+        self.signature = (tuple(self.fixed), tuple(self.column))  # what the gathers depend on (_plan)
 
     def __len__(self) -> int:
         return len(self.chunk)
@@ -184,6 +186,27 @@ def local_arrays(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[dict, 
     return arrays, arrays
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(signatures: tuple) -> tuple[tuple[int | None, ...], dict[int, int]]:
+    """For parts of these signatures (Part.signature): per feature the bag size common to every part (None: jagged
+    somewhere, or sizes differ), and the runs {first feature: count >= 2} of one-id features that every part holds in
+    consecutive columns of its matrix (copied together, transposed)."""
+    nf = len(signatures[0][0]) if signatures else 0
+    same = tuple(_same([fixed[f] for fixed, _ in signatures]) if signatures else None for f in range(nf))
+    runs, f = {}, 0
+    while f < nf:
+        run = 0
+        while f + run < nf and all(
+            fixed[f + run] == 1 and column[f + run] is not None and column[f + run] == column[f] + run
+            for fixed, column in signatures
+        ):
+            run += 1
+        if run > 1:
+            runs[f] = run
+        f += max(run, 1)
+    return same, runs
+
+
 def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, alloc=local_arrays) -> dict:
     """One batch from rows of several parts, in the layout of a KeyedJaggedTensor (ids int64); `alloc` makes the
     output arrays (local_arrays, or a worker's shared-memory slot).
@@ -194,9 +217,15 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, allo
     type are widened as they are copied."""
     B = sum(len(idx) for _, idx in parts)
     nd = parts[0][0].chunk.dense.shape[1] if parts else 0
+    same, runs = _plan(tuple(p.signature for p, _ in parts))
+    none = [None] * len(parts)
     lens_fp: list[list[np.ndarray | None]] = []  # per feature and part: bag lengths, None when fixed
     per_key = []
     for f in range(nf):
+        if parts and same[f] is not None:
+            lens_fp.append(none)
+            per_key.append(same[f] * B)
+            continue
         row, total = [], 0
         for p, idx in parts:
             k = p.fixed[f]
@@ -224,8 +253,7 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, allo
         np.take(p.chunk.labels, idx, out=labels[at : at + len(idx)], mode="clip")
         np.take(p.chunk.dense, idx, axis=0, out=dense[at : at + len(idx)], mode="clip")
         at += len(idx)
-    same = [_same([p.fixed[f] for p, _ in parts]) if parts else 0 for f in range(nf)]
-    if all(k is not None for k in same):  # every bag of the batch has its feature's fixed size
+    if parts and all(k is not None for k in same):  # every bag of the batch has its feature's fixed size
         lengths.reshape(nf, B)[:] = np.array(same, dtype=np.int32)[:, None]
     else:
         at = 0
@@ -234,20 +262,19 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, allo
                 lengths[at : at + len(idx)] = p.fixed[f] if lens is None else lens
                 at += len(idx)
     rows = [None if p.matrix is None else np.take(p.matrix, idx, axis=0, mode="clip") for p, idx in parts]
-    starts = np.cumsum([0, *per_key])
-    f = 0
+    at, f = 0, 0
     while f < nf:
-        run = _one_id_run(parts, f, nf)
-        if run > 1:  # features f .. f+run-1 are one id a row, side by side in every part's matrix
-            block = values[starts[f] : starts[f + run]].reshape(run, B)
-            at = 0
+        run = runs.get(f)
+        if run:  # features f .. f+run-1 are one id a row, side by side in every part's matrix
+            block = values[at : at + run * B].reshape(run, B)
+            col = 0
             for (p, idx), gathered in zip(parts, rows):
                 c = p.column[f]
-                block[:, at : at + len(idx)] = gathered[:, c : c + run].T
-                at += len(idx)
+                block[:, col : col + len(idx)] = gathered[:, c : c + run].T
+                col += len(idx)
+            at += run * B
             f += run
             continue
-        at = int(starts[f])
         for (p, idx), gathered, lens in zip(parts, rows, lens_fp[f]):
             k, src = p.fixed[f], p.chunk.values[f]
             if p.column[f] is not None:
@@ -275,20 +302,6 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, allo
             at += n
         f += 1
     return batch
-
-
-def _one_id_run(parts: list[tuple[Part, np.ndarray]], f: int, nf: int) -> int:
-    """How many features from f on are one id a row and in consecutive columns of every part's matrix (0 or 1:
-    no run)."""
-    if not parts:
-        return 0
-    run = 0
-    while f + run < nf:
-        g = f + run
-        if not all(p.fixed[g] == 1 and p.column[g] is not None and p.column[g] == p.column[f] + run for p, _ in parts):
-            break
-        run += 1
-    return run
 
 
 class _Skips:
