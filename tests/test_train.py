@@ -1,8 +1,8 @@
 """`embshard train` end to end on 2 CPU processes: every example config's held-out loss falls, the run prints the
-plan, progress and AUC (and no library warning) and writes TensorBoard events and checkpoints; a run resumed from a checkpoint ends exactly
-like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes;
-config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
-torchx component launches a CPU run."""
+plan, progress and AUC (and no library warning) and writes TensorBoard events and checkpoints; a run resumed from a
+checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
+resumes on 3 processes; config, data and planning errors exit with a message and status 2; a plan saved by
+`embshard plan` trains; the torchx component launches a CPU run."""
 
 from __future__ import annotations
 
