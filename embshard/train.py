@@ -24,11 +24,7 @@ import torch.distributed as dist
 from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, load_config
 from embshard.plan import ShardingPlan
 from embshard.planner.policy import plan_for_job
-from embshard.tables import ConfigError
-
-
-class AllRanksError(ConfigError):
-    """A ConfigError that every rank raises together (rank 0's, received in a broadcast)."""
+from embshard.tables import AllRanksError, ConfigError
 
 
 def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
