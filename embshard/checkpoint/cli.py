@@ -168,9 +168,9 @@ def verify(path: Path, threads: int) -> bool:
         print(f"not verified: {path} was saved without checksums (by an older embshard); only its structure was "
               f"checked{': damaged' if v.problems else ''}")  # fmt: skip
     elif v.problems:
-        print(f"{path} is damaged: {len(v.problems)} of {v.files} files differ from what the save recorded. "
-              "Fix: resume from an earlier checkpoint (checkpoint.resume_from=latest skips damaged ones), or "
-              "restore the files from a copy")  # fmt: skip
+        print(f"{path} failed verification: {len(v.problems)} of its {v.files} files are not what the save recorded "
+              "or cannot be read safely. Fix: resume from an earlier checkpoint (checkpoint.resume_from=latest skips "
+              "damaged ones), or restore the files from a copy")  # fmt: skip
     else:
         print(f"verified: {v.files} files, {_size(v.bytes)} match the save's CRC-32 "
               f"({v.seconds:.2f} s, {v.gb_per_s:.2f} GB/s)")  # fmt: skip

@@ -190,12 +190,12 @@ class VerifyingReader(FileSystemReader):
         self._metadata: Any = None
         self._checked: set[tuple[str, int]] = set()
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    def read_metadata(self) -> Any:
+        """DCP's index, `.metadata` (no rank-local ones: a save here always writes the global index)."""
         if self._metadata is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            rank = kwargs.get("rank")
-            name = METADATA if rank is None else f"__{rank}{METADATA}"
+            name = METADATA
             try:
                 data = Path(self.folder, name).read_bytes()
             except FileNotFoundError:
@@ -295,7 +295,7 @@ def verify_folder(path: str | os.PathLike, record: dict | None, threads: int = 8
         try:
             md = VerifyingReader(folder, None).read_metadata()
         except ConfigError as e:
-            out.problems.append(f"{METADATA}: {e}")
+            out.problems.append(f"{METADATA}: {str(e).removeprefix(f'{folder}/{METADATA}: ')}")
         else:
             sizes: dict[str, int] = {}
             for sinfo in md.storage_data.values():

@@ -48,10 +48,12 @@ def read_pieces(
     in this process alone, every chunk checked against the checksums the save recorded (CheckpointDamaged).
     `source`: a reader of `path` to reuse (its index is read, and each chunk checked, once)."""
     plain = {} if plain is None else plain
+    source = source or reader(path)
+    source.read_metadata()  # its errors as raised (DCP would wrap them, or try a rank-local index instead)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
-            dcp.load(plain, storage_reader=source or reader(path), planner=PieceLoadPlanner(pieces), no_dist=True)
+            dcp.load(plain, storage_reader=source, planner=PieceLoadPlanner(pieces), no_dist=True)
         except CheckpointException as e:  # DCP wraps what its steps raise: our errors are the message
             for error, _trace in e.failures.values():
                 if isinstance(error, ConfigError):

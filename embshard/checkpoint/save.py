@@ -137,6 +137,8 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.history: list[SaveStats] = []
+        self.resumed: Resumed | None = None
+        """What the last `resume` loaded."""
 
     # ---- resume ------------------------------------------------------------------------------------------
     def resume(self, resume_from: str | None) -> tuple[int, Any]:
@@ -174,7 +176,7 @@ class Checkpointer:
                     )
                 self.log(f"checkpoint.resume_from=latest: no complete checkpoint in {str(self.folder)!r}; step 0")
                 return 0, None
-        path = resumed.path
+        path, self.resumed = resumed.path, resumed
         self.log(f"resumed from {path} at step {resumed.step}")
         if not resumed.verified:
             self.log(f"note: {path} was saved without checksums (by an older embshard): its data could not be verified")
