@@ -106,7 +106,9 @@ def load_item(value: io.BytesIO, where: str) -> Any:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        lines = [ln for ln in str(e).splitlines() if ln.strip() and "PyTorch 2.6" not in ln and "documentation" not in ln]
+        lines = [
+            ln for ln in str(e).splitlines() if ln.strip() and "PyTorch 2.6" not in ln and "documentation" not in ln
+        ]
         what = f"the global {found.group(1).rstrip('.')}" if found else " ".join(lines)[:300]
         raise UnsafeCheckpoint(
             f"{where}: refused to read it: it names {what}, which torch.load(weights_only=True) does not admit "
