@@ -86,13 +86,18 @@ def _convert(path: str | os.PathLike, conversions: list[Conversion], chunk_bytes
 
 
 def load_checkpoint(
-    path: str | os.PathLike, state: TrainState, chunk_bytes: int = DEFAULT_CHUNK_BYTES, restore_rng: bool = True
+    path: str | os.PathLike,
+    state: TrainState,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    restore_rng: bool = True,
+    verify: bool = True,
 ) -> Resumed:
     """Load the committed checkpoint `path` into this rank's `state` (any world size, plan, sharding type or
     tier). Not a collective: every rank reads what it needs on its own. Raises ConfigError naming what does not
     match (tables, shapes, optimizer) and the fix; CheckpointDamaged (a ConfigError) when a file it reads is not
     what the save recorded, UnsafeCheckpoint when a file asks to run code. After such an error the state is
-    partly loaded: load another checkpoint into it (Checkpointer.resume does) or rebuild it."""
+    partly loaded: load another checkpoint into it (Checkpointer.resume does) or rebuild it. `verify=False` skips
+    the checksums (bench/checkpoint_bench.py measures their cost with it)."""
     manifest = read_manifest(path)
     where = f"checkpoint {str(path)!r}"
     world, rank = world_and_rank()
@@ -136,7 +141,7 @@ def load_checkpoint(
     if same_world:
         plain[f"rank/{rank}"] = ""
     chunks = [c for p in pieces for c in split_rows(p, chunk_bytes)]
-    source = reader(path)
+    source = reader(path, verify)
     loaded = read_pieces(path, chunks, plain, source)
     if conversions:
         _convert(path, conversions, chunk_bytes, source)

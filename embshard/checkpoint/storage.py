@@ -323,7 +323,8 @@ def writer(path: Path, io_threads: int) -> FileSystemWriter:
     return w
 
 
-def reader(path: str | os.PathLike) -> integrity.VerifyingReader:
-    """DCP's file reader of a committed checkpoint folder, checking what it reads against COMMIT's checksums and
-    reading the index without running code (integrity.py, unpickle.py)."""
-    return integrity.VerifyingReader(path, checksums(path))
+def reader(path: str | os.PathLike, verify: bool = True) -> integrity.VerifyingReader:
+    """DCP's file reader of a committed checkpoint folder, checking what it reads against COMMIT's checksums
+    (`verify=False`: sizes only, for measuring what the checks cost) and reading the index without running code
+    (integrity.py, unpickle.py)."""
+    return integrity.VerifyingReader(path, checksums(path) if verify else None)
