@@ -102,7 +102,8 @@ def manifest(state: TrainState, step: int, world: int, config: Any, positions: b
 
 
 class Checkpointer:
-    """Saves a run every so often and resumes it (collective: every rank builds it and calls `save` and `resume` together).
+    """Saves a run every so often and resumes it (collective: every rank builds it and calls `save` and `resume`
+    together).
 
         ckpt = Checkpointer(state, folder, keep_last=3, async_save=True)
         start, position = ckpt.resume(resume_from)       # (0, None) when there is nothing to resume

@@ -76,7 +76,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise UnsafeCheckpoint(
             f"{self.where}: refused to read it: its pickle names the global {module}.{name}, which is not one of "
-            f"DCP's metadata types (embshard reads checkpoints with an allow-list and never runs code from them); {_FIX}"
+            "DCP's metadata types (embshard reads checkpoints with an allow-list and never runs code from them); "
+            + _FIX
         )
 
     def persistent_load(self, pid: Any) -> Any:
