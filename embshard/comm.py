@@ -24,6 +24,7 @@ import torch.distributed as dist
 _TIMEOUT_S: float | None = None
 _SCOPE: list[str] = [""]
 _ISSUED: deque = deque(maxlen=32)  # (label, work) of the latest collectives this rank started
+_TRACE: list[list[str]] = []  # open `trace()` recorders: every collective's label, in the order started
 
 
 class CollectiveTimeout(RuntimeError):
@@ -51,9 +52,35 @@ def scoped_label(what: str) -> str:
     return f"{_SCOPE[-1]}: {what}" if _SCOPE[-1] else what
 
 
+@contextmanager
+def trace() -> Iterator[list[str]]:
+    """Record the label of every collective this rank starts inside (in order) into the yielded list. Every rank
+    must start the same collectives in the same order: comparing the ranks' traces (`first_divergence`) names the
+    first one where they part, the cause of a hang or of a collective desync."""
+    labels: list[str] = []
+    _TRACE.append(labels)
+    try:
+        yield labels
+    finally:
+        _TRACE.remove(labels)
+
+
+def first_divergence(traces: Sequence[Sequence[str]]) -> str | None:
+    """None if every rank's trace (`trace()`) is the same, else where the first difference is, naming each rank's
+    collective there."""
+    n = max((len(t) for t in traces), default=0)
+    for i in range(n):
+        at = [t[i] if i < len(t) else "<none>" for t in traces]
+        if len(set(at)) > 1:
+            return f"collective #{i} differs between ranks: " + "; ".join(f"rank {r}: {a}" for r, a in enumerate(at))
+    return None
+
+
 def _issued(label: str, work: dist.Work | None) -> dist.Work | None:
     if work is not None:
         _ISSUED.append((label, work))
+        for labels in _TRACE:
+            labels.append(label)
     return work
 
 
