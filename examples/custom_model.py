@@ -77,7 +77,7 @@ def train(config: str, steps: int, batch_size: int) -> None:
     pipeline = TrainPipeline(model, dense_optimizer, mode="sparse_dist")
     batches = itertools.islice(source.train_batches(0), steps)  # the file source is endless: take `steps`
     while (done := pipeline.progress(batches)) is not None:
-        say(f"train step {done.step:4d}  loss {float(done.output.loss):.4f}  (rank 0)")
+        say(f"train step {done.step:4d}  loss {float(done.output.loss.detach()):.4f}  (rank 0)")
     pipeline.close()
     say(format_eval(steps, evaluate(model, source, device, pipeline.host_group)))
     torch.distributed.destroy_process_group()
