@@ -105,4 +105,4 @@ def test_paths_and_links_exist(doc: Path):
                 bad.append(f"{doc.relative_to(ROOT)}:{i}: link {target} does not resolve")
             elif anchor and where.suffix == ".md" and anchor not in anchors(where):
                 bad.append(f"{doc.relative_to(ROOT)}:{i}: link {target}: no heading #{anchor} in {file or doc.name}")
-    assert not bad, "\n".join(bad)
+    assert not bad, "\n".join(dict.fromkeys(bad))
