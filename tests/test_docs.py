@@ -59,8 +59,9 @@ def test_no_words_of_the_working_environment(doc: Path):
     )
 
 
-TOP = ("embshard", "tests", "bench", "configs", "launch", "docs", "examples", "requirements", "data")
+TOP = ("embshard", "tests", "bench", "configs", "launch", "docs", "examples", "requirements", "data", "shared")
 PATH = re.compile(r"(?<![\w./~$<-])((?:" + "|".join(TOP) + r")/[\w./*?<>-]*)")
+OUTSIDE = re.compile(r"(?<![\w./\]\(])(\.\./[\w./-]+)")  # a path beside the repository, outside any link
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -93,6 +94,8 @@ def test_paths_and_links_exist(doc: Path):
         for m in PATH.finditer(line):
             if not _exists(m.group(1)):
                 bad.append(f"{doc.relative_to(ROOT)}:{i}: {m.group(1)} does not exist")
+        for m in OUTSIDE.finditer(line):
+            bad.append(f"{doc.relative_to(ROOT)}:{i}: {m.group(1)} is outside the repository")
         if in_code_block:
             continue
         for m in LINK.finditer(line):
