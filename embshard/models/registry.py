@@ -69,6 +69,7 @@ def register(name: str, kind: ModelKind) -> None:
     if name in _KINDS and _KINDS[name] is not kind:
         raise ValueError(f"model kind {name!r} is registered twice")
     _KINDS[name] = kind
+    add_model_kind(name)  # ModelConfig(kind=name) accepts it from now on
 
 
 def register_model(name: str, kind: ModelKind) -> None:
