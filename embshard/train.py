@@ -161,6 +161,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    if cfg.training.compile != "none" and not model.compile_dense(cfg.training.compile, sched.batch_size):
+        report.line(f"training.compile {cfg.training.compile}: compiles on CUDA GPUs only; the dense part runs eagerly")
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
     ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)

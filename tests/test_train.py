@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent
 # Keep every run short: the sample configs already are; the synthetic one is cut to 120 steps.
 SHORTEN = {
     "dlrm_criteo.yaml": ["checkpoint.every=10"],  # step_10 is resumed by checkpoint_checks
-    "dcn_criteo.yaml": [],
+    "dcn_criteo.yaml": ["training.compile=default"],  # compiled on GPUs; the CPU falls back to eager
     "two_tower_movielens.yaml": [],
     "dlrm_synthetic.yaml": ["schedule.steps=120", "schedule.eval_every=0", "checkpoint.every=0"],
     "two_tower_movielens_full_softmax.yaml": [],
@@ -107,6 +107,8 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         assert name in TRAIN_LOSS_ONLY or m[-1]["recall@10"] > m[0]["recall@10"], m
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "ck" / f"step_{m[-1]['step']}" / "COMMIT").is_file()
+    if "training.compile=default" in SHORTEN[name] and DEVICE == "cpu":
+        assert "training.compile default: compiles on CUDA GPUs only; the dense part runs eagerly" in out
     if name == "dlrm_criteo.yaml":
         checkpoint_checks(tmp_path, m)
 

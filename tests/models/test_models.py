@@ -78,3 +78,37 @@ def test_register_model_from_user_code():
         register_model("dlrm", first)
     with pytest.raises(TypeError, match="takes a ModelKind"):
         register_model("x", first.build_dense)
+
+
+def test_compiled_dense_trains_like_the_eager_one():
+    """RecModel.compile_dense's forward: compiled for the training batch size (bf16 autocast, 20 Adam steps: the
+    same losses as the eager copy within bf16 rounding), eager for any other batch size (bit for bit)."""
+    import copy
+
+    import pytest
+
+    from embshard.models.build import _CompiledForBatch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch.compile of the dense part is CUDA only (the CPU runs eagerly)")
+    torch.manual_seed(3)
+    dev = torch.device("cuda", 0)
+    eager = DLRMDCNDense(13, 26 * 16, 16, [64, 16], [64, 32], num_layers=2, low_rank=8).to(dev)
+    fast = copy.deepcopy(eager)
+    fast.forward = _CompiledForBatch(fast.forward, "default", 256)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (eager, fast)]
+    losses = {0: [], 1: []}
+    for _ in range(20):
+        dense, sparse = torch.randn(256, 13, device=dev), torch.randn(256, 26 * 16, device=dev)
+        labels = torch.randint(0, 2, (256,), device=dev).float()
+        for i, (model, opt) in enumerate(zip((eager, fast), opts)):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).float(), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[i].append(float(loss))
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        x, y = torch.randn(7, 13, device=dev), torch.randn(7, 26 * 16, device=dev)
+        assert torch.equal(fast(x, y), fast.forward._eager(x, y))  # another shape: the eager forward
