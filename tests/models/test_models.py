@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import paths
 import torch
 
 from embshard.models.dcn import DLRMDCNDense
@@ -39,19 +40,44 @@ def test_two_tower_losses():
 
 
 def test_every_config_kind_has_a_registered_model():
-    import typing
-
     import pytest
 
-    from embshard.config.model import ModelConfig
+    from embshard.config.model import BUILTIN_KINDS
     from embshard.models.registry import model_kind
     from embshard.tables import ConfigError
 
-    for kind in typing.get_args(typing.get_type_hints(ModelConfig)["kind"]):
+    for kind in BUILTIN_KINDS:
         assert callable(model_kind(kind).build_dense) and callable(model_kind(kind).step), kind
     assert model_kind("two_tower").output_groups is not None and model_kind("dlrm").output_groups is None
     with pytest.raises(ConfigError, match=r"model.kind='nope' has no model: known kinds are \['dlrm', 'dlrm_dcnv2'"):
         model_kind("nope")
+
+
+def test_register_model_from_user_code():
+    """A kind registered from Python is accepted by ModelConfig (and a YAML config read afterwards) and found by
+    RecModel's lookup; built-in names and non-ModelKind values are refused; registering again replaces."""
+    import pytest
+
+    from embshard.config import load_config
+    from embshard.config.model import ModelConfig
+    from embshard.models import ModelKind, bce_output, model_kind, register_model
+    from embshard.tables import ConfigError, TableConfig
+
+    tables = (TableConfig("t", 10, 4, ("f",)),)
+    with pytest.raises(ConfigError, match=r"kind='test_mlp' is invalid: choose one of \['dlrm', 'dlrm_dcnv2', 'two_"):
+        ModelConfig(kind="test_mlp", tables=tables)
+    first = ModelKind(build_dense=lambda cfg, n: torch.nn.Linear(n + 4, 1), step=lambda m, b: bce_output(b, b))
+    register_model("test_mlp", first)
+    assert ModelConfig(kind="test_mlp", tables=tables).kind == "test_mlp" and model_kind("test_mlp") is first
+    second = ModelKind(build_dense=first.build_dense, step=first.step)
+    register_model("test_mlp", second)
+    assert model_kind("test_mlp") is second
+    yaml = paths.ROOT / "configs" / "dlrm_criteo.yaml"
+    assert load_config(yaml, ["model.kind=test_mlp", "model.dlrm=null"]).model.kind == "test_mlp"
+    with pytest.raises(ConfigError, match="other than the built-in kinds"):
+        register_model("dlrm", first)
+    with pytest.raises(TypeError, match="takes a ModelKind"):
+        register_model("x", first.build_dense)
 
 
 def test_compiled_dense_trains_like_the_eager_one():
