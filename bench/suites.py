@@ -286,7 +286,8 @@ def ckpt_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
         if r.get("bench") == "ckpt":
             text = (f"{r['gb']} GB: dd {r['dd_gbs']} GB/s, sync save {r['sync_save_gbs']} GB/s, async save blocks "
                     f"{r['async2_blocking_s']} s (first {r['async1_blocking_s']} s), commits at {r['async2_commit_gbs']} "
-                    f"GB/s; reload {r['reload_gbs']} GB/s, parity {r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
+                    f"GB/s; verify {r.get('verify_gbs', '-')} GB/s; reload {r['reload_gbs']} GB/s (unchecked "
+                    f"{r.get('reload_unchecked_gbs', '-')}), parity {r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
             rows.append((f"{r['world']} ranks, scale {r['scale']}", text))
     tests = last_match(log, r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?)\s*=*$")
     return rows + ([("tests/checkpoint", tests)] if tests else []) or [("ckpt", "no RESULT line (see ckpt.log)")]
