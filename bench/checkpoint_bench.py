@@ -269,7 +269,10 @@ def main() -> None:
         speed = {phase: (gb / sec if sec > 0 else float("nan")) for phase, gb, sec, _ in rows}
         seconds = {phase: sec for phase, _, sec, _ in rows}
         reload = next((r for r in rows if r[0].startswith("reload:")), None)
-        first = {key: next((speed[r[0]] for r in rows if r[0].startswith(key)), float("nan")) for key in ("verify", "reload,")}
+        first = {
+            key: next((speed[r[0]] for r in rows if r[0].startswith(key)), float("nan"))
+            for key in ("verify", "reload,")
+        }
         print(
             f"RESULT framework=embshard bench=ckpt world={world} scale={scale:g} gb={total_gb:.2f} "
             f"dd_gbs={speed[rows[0][0]]:.2f} sync_save_gbs={speed['sync save']:.2f} "

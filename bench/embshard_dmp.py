@@ -187,7 +187,9 @@ def main() -> None:
             f"samples_per_s={ws * batch / ms * 1e3:.0f} peak_gib={peak.item() / 2**30:.2f}",
         ]
         if report is not None:
-            fields.append(f"predicted_ms={report.step_time_s * 1e3:.3f} predicted_peak_gib={report.peak_hbm / 2**30:.2f}")
+            fields.append(
+                f"predicted_ms={report.step_time_s * 1e3:.3f} predicted_peak_gib={report.peak_hbm / 2**30:.2f}"
+            )
         for j, k in enumerate(mem_at):  # max over ranks
             fields.append(f"allocated_gib_step{k}={max(float(e[j]) for e in everyone):.4f}")
         fields.append(floors.fields(floors.embedding_bytes(tables, plan, batch)))

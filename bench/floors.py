@@ -159,7 +159,9 @@ def _main(argv: list[str] | None = None) -> None:
         from embshard_dmp import WORKLOADS, workload_tables
 
         tables, batch = workload_tables(args.workload), WORKLOADS[args.workload][1]
-        plan, report = plan_with_report(tables, topo, batch_size=batch, optimizer=FusedOptimizerConfig("rowwise_adagrad"))
+        plan, report = plan_with_report(
+            tables, topo, batch_size=batch, optimizer=FusedOptimizerConfig("rowwise_adagrad")
+        )
         print(f"predicted_ms={report.step_time_s * 1e3:.2f} " + fields(embedding_bytes(tables, plan, batch)))
     if args.e2e:
         from embshard.config import load_config
@@ -175,6 +177,7 @@ def _main(argv: list[str] | None = None) -> None:
             f"predicted_embedding_ms={report.step_time_s * 1e3:.2f} "
             + e2e_fields(tables, plan, batch, num_dense, weights, args.pooled_bytes)
         )
+
 
 if __name__ == "__main__":
     _main()

@@ -104,7 +104,8 @@ def setting_of(r: dict[str, str]) -> str:
     if r.get("framework") != "embshard":
         return ""
     if bench_of(r) == "e2e":
-        return f"pooled {r.get('pooled', 'fp32')}"
+        compiled = r.get("compile", "none")
+        return f"pooled {r.get('pooled', 'fp32')}" + ("" if compiled == "none" else f", compile {compiled}")
     return f"plan {r.get('plan', 'planner')}" + (f", {r['hbm_gib']} GiB budget" if r.get("hbm_gib", "0") != "0" else "")
 
 
@@ -317,15 +318,21 @@ def short_name(row: Row) -> str:
     r = row.emb[0]
     if bench_of(r) == "e2e":
         pooled = "" if r.get("pooled", "fp32") == "fp32" else f", pooled {r['pooled']}"
-        return f"end to end {r.get('precision', 'fp32')}{pooled}"
+        compiled = "" if r.get("compile", "none") == "none" else f", compile {r['compile']}"
+        return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}"
     return str(r.get("workload"))
 
 
 def case_title(row: Row) -> str:
     r = row.emb[0]
     if bench_of(r) == "e2e":
-        pooled = r.get("pooled", "fp32")
-        return f"end to end, {r.get('precision', 'fp32')} dense, pooled {pooled}, {r.get('pipeline', 'sparse_dist')}"
+        compiled = "" if r.get("compile", "none") == "none" else f", compile {r['compile']}"
+        precision, pooled, pipeline = (
+            r.get("precision", "fp32"),
+            r.get("pooled", "fp32"),
+            r.get("pipeline", "sparse_dist"),
+        )
+        return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}"
     extra = f" ({r['hbm_gib']} GiB budget)" if r.get("hbm_gib", "0") not in ("0", "") else ""
     return f"embedding step, {r.get('workload')}{extra}"
 

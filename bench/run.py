@@ -8,8 +8,9 @@ Every process it starts gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST
 multicast), PYTHONUNBUFFERED=1 and the repository first on PYTHONPATH (the caller's entries kept, e.g. where
 fbgemm-gpu and torchrec are installed). Output, in DIR: SUITE.log per suite (META lines for the machine, date,
 versions and commands, then every command's output; bench/report.py reads them), tests_junit.xml for `tests`,
-loss_curves.png/.json for `e2e --loss-steps`, and summary.md, the table printed at the end. A suite stops starting
-new commands when its --suite-minutes are used up, so each suite ends within them. --cpu runs the suites that can
+loss_curves.png/.json for `e2e --loss-steps`, timeline_fp32.png/timeline_bf16.png for `e2e --timeline`, and
+summary.md, the table printed at the end. A suite stops starting new commands when its --suite-minutes are used
+up and stops a command that would run past them, so each suite ends within them. --cpu runs the suites that can
 at tiny sizes on CPU processes (gloo): a smoke test of the commands, timings meaningless.
 """
 
@@ -98,7 +99,9 @@ def environment() -> dict[str, str]:
 
 def probe() -> dict:
     try:
-        out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=environment())
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=environment()
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
         return {"error": repr(e), "cpus": os.cpu_count()}
@@ -111,7 +114,9 @@ def machine_of(info: dict) -> Machine:
 def meta_lines(info: dict, m: Machine) -> list[str]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     where = f"{m.gpus} x {m.gpu} ({m.gpu_mib:,} MiB)" if m.gpus else "no GPU"
-    soft = ", ".join(f"{k} {info[k]}" for k in ("torch", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec", "triton") if info.get(k))
+    soft = ", ".join(
+        f"{k} {info[k]}" for k in ("torch", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec", "triton") if info.get(k)
+    )
     machine, software = f"{where}, {m.cpus} CPUs", f"Python {info.get('python')}, {soft}"
     q = shlex.quote
     return [
@@ -194,7 +199,9 @@ def run_suite(name: str, args: argparse.Namespace, info: dict, m: Machine) -> li
         dropped = 0
         for i, step in enumerate(steps, 1):
             env = " ".join(f"{k}={v}" for k, v in step.env.items())
-            log.write(f"\n+ [{name} {i}/{len(steps)}] {step.label}: {env + ' ' if env else ''}{shown(step.argv, out)}\n")
+            log.write(
+                f"\n+ [{name} {i}/{len(steps)}] {step.label}: {env + ' ' if env else ''}{shown(step.argv, out)}\n"
+            )
             log.flush()
             if not args.cpu and step.needs_gpus > m.gpus:
                 note = f"skipped: needs {step.needs_gpus} GPUs, {m.gpus} visible"
@@ -234,9 +241,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--warmup", type=int, default=0, help="e2e: untimed steps first (20)")
     g.add_argument("--scale", type=float, default=0.0, help="e2e: keep this fraction of every table's rows (both)")
     g.add_argument("--precisions", default="fp32,bf16", help="e2e: dense precisions, a pair of each per round")
-    g.add_argument("--bf16-pooled", choices=["fp32", "bf16"], default="bf16", help="e2e: embshard's pooled dtype in bf16")
+    g.add_argument(
+        "--bf16-pooled", choices=["fp32", "bf16"], default="bf16", help="e2e: embshard's pooled dtype in bf16"
+    )
     g.add_argument("--variants", action="store_true", help="e2e: also semi_sync, tf32 (both) and pipeline none")
     g.add_argument("--profile", action="store_true", help="e2e: profile 3 steps of the last pair (GPU busy share)")
+    g.add_argument(
+        "--timeline", action="store_true", help="e2e: --profile, and the last 2 steps drawn as timeline_P.png"
+    )
+    g.add_argument("--compile", default="", help="e2e: embshard's training.compile mode (e.g. default)")
     g.add_argument("--loss-steps", type=int, default=0, help="e2e: also both frameworks' loss curves, this many steps")
     g.add_argument("--workloads", default="uniform26,overflow,hetero124", help="emb, profile: workloads")
     g.add_argument("--torchrec-hbm-gib", type=float, default=0, help="emb: TorchRec's HBM for hetero124 (the card's)")

@@ -160,17 +160,39 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
     out = bandwidth_step(args)
     precisions = args.precisions.split(",")
+    compile_ = ["--compile", args.compile] if args.compile else []
     for i in range(pairs):
-        profile = ["--profile-steps", "3"] if args.profile and i == pairs - 1 else []
+        last = i == pairs - 1
         for p in precisions:
             pooled = ["lookup.output_dtype=bf16"] if p == "bf16" and args.bf16_pooled == "bf16" else []
-            out += [torchrec(p), embshard(p, "--precision", p, *profile, *pooled)]
+            profile = ["--profile-steps", "3"] if (args.profile or args.timeline) and last else []
+            profile += ["--trace", f"/tmp/embshard_trace_{p}.json"] if args.timeline and last else []
+            out += [torchrec(p), embshard(p, "--precision", p, *profile, *pooled, *compile_)]
+    if args.timeline:  # the traces stay in /tmp; only the pictures go to the output folder
+        for p in precisions:
+            argv = py() + [
+                "bench/timeline.py",
+                f"/tmp/embshard_trace_{p}.json",
+                "--out",
+                f"{args.out}/timeline_{p}.png",
+            ]
+            out.append(Step(f"timeline {p}", argv + ["--steps", "2"], timeout=90))
     if args.variants:  # embshard's other settings, each once
-        out.append(embshard("semi_sync_bf16", "--precision", "bf16", "--pipeline", "semi_sync", "lookup.output_dtype=bf16"))
+        out.append(
+            embshard("semi_sync_bf16", "--precision", "bf16", "--pipeline", "semi_sync", "lookup.output_dtype=bf16")
+        )
         out += [torchrec("tf32"), embshard("tf32", "--precision", "tf32")]
         out.append(embshard("none_fp32", "--pipeline", "none"))
     if args.loss_steps:
-        argv = py() + ["bench/loss_curves.py", "--config", E2E_CONFIG, "--nproc", str(n), "--steps", str(args.loss_steps)]
+        argv = py() + [
+            "bench/loss_curves.py",
+            "--config",
+            E2E_CONFIG,
+            "--nproc",
+            str(n),
+            "--steps",
+            str(args.loss_steps),
+        ]
         argv += ["--out", f"{args.out}/loss_curves.png"] + (["--scale", f"{scale:g}", "--small"] if args.cpu else [])
         out.append(Step("loss curves", argv, timeout=300, needs_gpus=0 if args.cpu else n))
     return out
@@ -199,7 +221,7 @@ def compare_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
         if floor:
             text += f"; floor {statistics.median(floor):.2f} ms"
         world = int(row.emb[0].get("world", 1))
-        if report.bench_of(row.emb[0]) == "e2e":
+        if report.bench_of(row.emb[0]) == "e2e" and all("samples_per_s" in r for r in row.emb):
             per_gpu = statistics.median(float(r["samples_per_s"]) for r in row.emb) / world
             text += f"; {per_gpu / 1e6:.3f} M samples/s per GPU"
         rows.append((report.case_title(row), text))
@@ -224,8 +246,22 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             elif w == "overflow":
                 base = ["bench/torchrec_more.py", "--workload", w, "--hbm-gib", "16"]
                 mine += ["--hbm-gib", "16"]
-            out.append(Step(f"TorchRec {w} (pair {i + 1})", torchrun(n) + base + ["--steps", steps_], timeout=300, needs_gpus=gpus))
-            out.append(Step(f"embshard {w} (pair {i + 1})", torchrun(n) + mine + ["--steps", steps_], timeout=300, needs_gpus=gpus))
+            out.append(
+                Step(
+                    f"TorchRec {w} (pair {i + 1})",
+                    torchrun(n) + base + ["--steps", steps_],
+                    timeout=300,
+                    needs_gpus=gpus,
+                )
+            )
+            out.append(
+                Step(
+                    f"embshard {w} (pair {i + 1})",
+                    torchrun(n) + mine + ["--steps", steps_],
+                    timeout=300,
+                    needs_gpus=gpus,
+                )
+            )
     return out
 
 
@@ -241,7 +277,9 @@ def soak_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 def soak_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows = []
     for r in results(log):
-        marks = sorted((int(k[len("allocated_gib_step") :]), float(v)) for k, v in r.items() if k.startswith("allocated_gib_step"))
+        marks = sorted(
+            (int(k[len("allocated_gib_step") :]), float(v)) for k, v in r.items() if k.startswith("allocated_gib_step")
+        )
         if len(marks) >= 2:
             (s0, a0), (s1, a1) = marks[0], marks[-1]
             growth = (a1 - a0) * 1024
@@ -284,10 +322,11 @@ def ckpt_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows = []
     for r in results(log):
         if r.get("bench") == "ckpt":
-            text = (f"{r['gb']} GB: dd {r['dd_gbs']} GB/s, sync save {r['sync_save_gbs']} GB/s, async save blocks "
-                    f"{r['async2_blocking_s']} s (first {r['async1_blocking_s']} s), commits at {r['async2_commit_gbs']} "
-                    f"GB/s; verify {r.get('verify_gbs', '-')} GB/s; reload {r['reload_gbs']} GB/s (unchecked "
-                    f"{r.get('reload_unchecked_gbs', '-')}), parity {r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
+            text = (f"{r['gb']} GB: dd {r['dd_gbs']} GB/s, sync save {r['sync_save_gbs']} GB/s, async save "
+                    f"blocks {r['async2_blocking_s']} s (first {r['async1_blocking_s']} s), commits at "
+                    f"{r['async2_commit_gbs']} GB/s; verify {r.get('verify_gbs', '-')} GB/s; reload "
+                    f"{r['reload_gbs']} GB/s (unchecked {r.get('reload_unchecked_gbs', '-')}), parity "
+                    f"{r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
             rows.append((f"{r['world']} ranks, scale {r['scale']}", text))
     tests = last_match(log, r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?)\s*=*$")
     return rows + ([("tests/checkpoint", tests)] if tests else []) or [("ckpt", "no RESULT line (see ckpt.log)")]
@@ -331,7 +370,13 @@ def kernels_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     cpu = ["--cpu", "--small"] if args.cpu else []
     env = {"CUDA_VISIBLE_DEVICES": "0"} if not args.cpu else {}
     return [
-        Step("kernels --check", py() + ["bench/kernels.py", "--check", *cpu], env, timeout=240, needs_gpus=0 if args.cpu else 1),
+        Step(
+            "kernels --check",
+            py() + ["bench/kernels.py", "--check", *cpu],
+            env,
+            timeout=240,
+            needs_gpus=0 if args.cpu else 1,
+        ),
         Step("kernels", py() + ["bench/kernels.py", *cpu], env, timeout=330, needs_gpus=0 if args.cpu else 1),
         Step("cross_entropy", py() + ["bench/cross_entropy.py"] + (["--cpu"] if args.cpu else []), env, timeout=200),
     ]
@@ -364,7 +409,9 @@ def profile_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             base += ["--hbm-gib", f"{args.torchrec_hbm_gib or m.gpu_gib:g}", "--force", "small-dp"]
         elif w == "overflow":
             base = ["bench/torchrec_more.py", "--workload", w, "--hbm-gib", "16"]
-        mine = ["bench/embshard_dmp.py", "--workload", w, "--plan", "planner"] + (["--hbm-gib", "16"] if w == "overflow" else [])
+        mine = ["bench/embshard_dmp.py", "--workload", w, "--plan", "planner"] + (
+            ["--hbm-gib", "16"] if w == "overflow" else []
+        )
         for who, script in (("TorchRec", base), ("embshard", mine)):
             argv = torchrun(n) + ["bench/profile_step.py", *script, "--steps", "10"]
             out.append(Step(f"profile {who} {w}", argv, timeout=200, needs_gpus=0 if args.cpu else n))
@@ -421,4 +468,3 @@ SUITES = {
               "1 min", bandwidth_steps, bandwidth_summary),
     ]
 }  # fmt: skip
-
