@@ -20,6 +20,7 @@ E2E_CONFIG = "configs/dlrm_dcnv2_mlperf.yaml"
 CKPT_DIR = "/tmp/embshard_ckpt_bench"
 LOADER_DIR = "/tmp/embshard_loader"
 TOPOLOGY_FILE = "/tmp/embshard_topology.yaml"
+PYTEST_LINE = r"^=*\s*(\d+ (?:passed|failed|error|skipped|deselected).*?)\s*=*$"  # pytest's last line
 
 
 @dataclass
@@ -103,7 +104,7 @@ def tests_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
 
 def tests_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
-    final = last_match(log, r"^=*\s*(\d+ (?:passed|failed|error).*?)\s*=*$") or "no pytest summary line"
+    final = last_match(log, PYTEST_LINE) or "no pytest summary line"
     rows = [("pytest", final)]
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)
     if failed:
@@ -131,9 +132,18 @@ def fuzz_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     return steps
 
 
+def step_blocks(log: str) -> list[tuple[str, str]]:
+    """(step label, its output) for each command of a suite's log."""
+    parts = re.split(r"^\+ \[\S+ \d+/\d+\] (.*?): .*$", log, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
 def fuzz_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
-    rows = [("random cases", x) for x in re.findall(r"fuzz: (\d+ random cases, per world size .*?, \d+ failed)", log)]
-    rows += [("failed case", x) for x in re.findall(r"^E +(FUZZ CASE.*)$", log, re.M)[:5]]
+    rows = []
+    for label, text in step_blocks(log):
+        found = re.findall(r"fuzz: (\d+ random cases, per world size .*?, \d+ failed)", text)
+        rows.append((label, found[-1] if found else last_match(text, PYTEST_LINE) or "no summary line (see fuzz.log)"))
+        rows += [("failed case", x) for x in re.findall(r"^E +(FUZZ CASE.*)$", text, re.M)[:5]]
     return rows or [("fuzz", "no summary line (see fuzz.log)")]
 
 
@@ -328,7 +338,7 @@ def ckpt_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                     f"{r['reload_gbs']} GB/s (unchecked {r.get('reload_unchecked_gbs', '-')}), parity "
                     f"{r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
             rows.append((f"{r['world']} ranks, scale {r['scale']}", text))
-    tests = last_match(log, r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?)\s*=*$")
+    tests = last_match(log, PYTEST_LINE)
     return rows + ([("tests/checkpoint", tests)] if tests else []) or [("ckpt", "no RESULT line (see ckpt.log)")]
 
 
