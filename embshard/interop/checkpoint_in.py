@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from embshard.checkpoint.layout import PER_BLOCK, Piece, row_state_layout
-from embshard.interop.common import flatten, join, state_key, weight_key
+from embshard.interop.common import default_world_size, flatten, join, state_key, state_scale, weight_key
 from embshard.optim import OptimizerKind
 from embshard.plan import ShardingType
 from embshard.tables import ConfigError
@@ -66,16 +66,13 @@ class _MemorySource:
     """State dicts in memory: every rank's ShardedTensor shards, gathered on every rank (collective)."""
 
     def __init__(self, tree: Mapping[str, Any]) -> None:
-        flat = flatten(tree)
-        local: dict[str, list] = {}
-        self.sizes: dict[str, tuple[int, ...]] = {}
-        for key, v in flat.items():
+        local: dict[str, tuple] = {}  # key -> (size, [(offsets, tensor)]); a rank lacks what it holds no shard of
+        for key, v in flatten(tree).items():
             if hasattr(v, "local_shards"):  # ShardedTensor
-                self.sizes[key] = tuple(v.size())
-                local[key] = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in v.local_shards()]
-            elif isinstance(v, torch.Tensor) and type(v) is torch.Tensor:
-                self.sizes[key] = tuple(v.shape)
-                local[key] = [((0,) * v.dim(), v.detach().cpu())]
+                parts = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in v.local_shards()]
+                local[key] = (tuple(v.size()), parts)
+            elif type(v) is torch.Tensor:
+                local[key] = (tuple(v.shape), [((0,) * v.dim(), v.detach().cpu())])
             elif isinstance(v, torch.Tensor):
                 raise ConfigError(
                     f"state dict entry {key!r} is a {type(v).__name__}: save it with DCP and use "
@@ -85,9 +82,11 @@ class _MemorySource:
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
+        self.sizes: dict[str, tuple[int, ...]] = {}
         self.parts: dict[str, list] = {}
         for rank_parts in gathered:
-            for key, items in rank_parts.items():
+            for key, (size, items) in rank_parts.items():
+                self.sizes[key] = size
                 have = self.parts.setdefault(key, [])
                 have += [(o, t) for o, t in items if all(o != p for p, _ in have) and t.numel() > 0]
 
@@ -134,12 +133,32 @@ def _targets(target: Any, module_path: str) -> tuple[Any, str, Any]:
     return ebc, ebc_path, dense
 
 
-def _load(source: Any, target: Any, module_path: str, model_key: str | None, optim_key: str | None) -> list[str]:
+def _row_state_reads(ebc: Any, name: str, sh: Any, s: torch.Tensor, skey: str, blocks: list, size: tuple) -> list:
+    """The reads that fill row-wise Adagrad state `s` of shard `sh` from TorchRec's `[rows * blocks]` state `skey`
+    (column blocks `blocks`): [(weight, piece)], the state being the weighted sum of the pieces' tensors."""
+    R, D = next((t.num_embeddings, t.embedding_dim) for t in ebc.tables if t.name == name)
+    n = size[0] // R
+    if size != (R * n,) or n != len(blocks):
+        raise ConfigError(f"TorchRec's {skey!r} is {size}, not [rows x column blocks] = {(R * len(blocks),)}")
+    r0 = 0 if ebc.plan[name].sharding_type is ShardingType.COLUMN_WISE else sh.row_offset
+    if row_state_layout(ebc.plan[name], ebc.optimizer, ebc.options) == PER_BLOCK:  # mean over this block's columns
+        c0, c1 = sh.col_offset, sh.col_offset + sh.num_cols
+        weights = [max(0, min(c1, b0 + bw) - max(c0, b0)) / sh.num_cols for b0, bw in blocks]
+    else:  # per row: mean over the row's columns
+        weights = [bw / D for _, bw in blocks]
+    if sorted(weights) == [0.0] * (n - 1) + [1.0]:  # one block: read straight into the state
+        return [(1.0, Piece(skey, (R * n,), (weights.index(1.0) * R + r0,), s))]
+    return [(wt, Piece(skey, (R * n,), (b * R + r0,), torch.empty(s.shape[0]))) for b, wt in enumerate(weights) if wt]
+
+
+def _load(
+    source: Any, target: Any, module_path: str, model_key: str | None, optim_key: str | None, scale_ws: int
+) -> list[str]:
     ebc, ebc_path, dense = _targets(target, module_path)
     ebc.drop_caches()  # UVM-caching: written back and emptied BEFORE the weights are written
     configs = {t.name: t for t in ebc.tables}
     pieces: list[Piece] = []
-    sums: list[tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]] = []
+    states: list[tuple[torch.Tensor, float, list]] = []  # (state, factor to embshard's scale, [(weight, piece)])
     notes: set[str] = set()
     for (name, sh, w), (_, _, state) in zip(ebc.local_shards(), ebc.local_optimizer_states()):
         R, D = configs[name].num_embeddings, configs[name].embedding_dim
@@ -159,31 +178,22 @@ def _load(source: Any, target: Any, module_path: str, model_key: str | None, opt
                 notes.add(f"table {name!r}: the checkpoint has no {skey!r}: its {k} state starts from zero")
                 continue
             if s.dim() == 2:
-                pieces.append(Piece(skey, (R, D), (sh.row_offset, sh.col_offset), s))
-                continue
-            n = saved[0][0] // R
-            if saved[0] != (R * n,) or n != len(blocks):
-                raise ConfigError(f"TorchRec's {skey!r} is {saved[0]}, not [rows x column blocks] = {(R * len(blocks),)}")
-            per_block = row_state_layout(ebc.plan[name], ebc.optimizer, ebc.options) == PER_BLOCK
-            r0 = 0 if ebc.plan[name].sharding_type is ShardingType.COLUMN_WISE else sh.row_offset
-            c0, c1 = sh.col_offset, sh.col_offset + sh.num_cols
-            if per_block:  # mean over this block's columns
-                weights = [max(0, min(c1, b0 + bw) - max(c0, b0)) / sh.num_cols for b0, bw in blocks]
-            else:  # per row: mean over the row's columns
-                weights = [bw / D for _, bw in blocks]
-            if sorted(weights) == [0.0] * (n - 1) + [1.0]:  # one block: read straight into the state
-                pieces.append(Piece(skey, (R * n,), (weights.index(1.0) * R + r0,), s))
-                continue
-            parts = [(wt, torch.empty(s.shape[0])) for wt in weights]
-            pieces += [Piece(skey, (R * n,), (b * R + r0,), buf) for b, (wt, buf) in enumerate(parts) if wt > 0]
-            sums.append((s, [(wt, buf) for wt, buf in parts if wt > 0]))
+                reads = [(1.0, Piece(skey, (R, D), (sh.row_offset, sh.col_offset), s))]
+            else:
+                reads = _row_state_reads(ebc, name, sh, s, skey, blocks, saved[0])
+            pieces += [p for _, p in reads]
+            states.append((s, state_scale(ebc.optimizer.kind.value, k, scale_ws), reads))
     plain: dict[str, torch.Tensor] = {}
     if dense is not None:
         plain = {join(model_key or "", module_path, k): v for k, v in dense.model.state_dict().items()}
     source.read(pieces, plain)
     with torch.no_grad():
-        for s, parts in sums:
-            s.copy_(sum(wt * buf.double() for wt, buf in parts).to(device=s.device, dtype=s.dtype))
+        for s, factor, reads in states:
+            if reads[0][1].tensor is s:  # read in place
+                s.mul_(factor)
+            else:
+                value = sum(wt * p.tensor.double() for wt, p in reads) * factor
+                s.copy_(value.to(device=s.device, dtype=s.dtype))
     if ebc.optimizer.kind is OptimizerKind.ADAM:
         notes.add("Adam's step count is not read from TorchRec's checkpoint: set ebc.optimizer_step to resume it")
     return sorted(notes)
@@ -196,10 +206,16 @@ def load_torchrec_checkpoint(
     *,
     model_key: str | None = "model",
     optim_key: str | None = "optim",
+    torchrec_world_size: int | None = None,
+    gradient_division: bool = True,
 ) -> list[str]:
     """Load TorchRec's DCP checkpoint `path` into `target` (module docstring): tables, optimizer state, and the
-    dense part of a RecModel. Not a collective. Returns notes on the state not found in it (it starts from zero)."""
-    return _load(_DCPSource(path), target, module_path, model_key, optim_key)
+    dense part of a RecModel. Not a collective. The optimizer state is converted to embshard's gradient scale
+    (embshard.interop.common.GRADIENT_DIVISION) for the TorchRec job's `torchrec_world_size` (default: this job's;
+    `gradient_division=False`: TorchRec ran with it off, no conversion). Returns notes on the state not found in
+    the checkpoint (it starts from zero)."""
+    ws = default_world_size(torchrec_world_size) if gradient_division else 1
+    return _load(_DCPSource(path), target, module_path, model_key, optim_key, ws)
 
 
 def load_torchrec_state_dict(
@@ -207,8 +223,11 @@ def load_torchrec_state_dict(
     state_dict: Mapping[str, Any],
     optim_state_dict: Mapping[str, Any] | None = None,
     module_path: str = "",
+    gradient_division: bool = True,
 ) -> list[str]:
     """Load a TorchRec DMP `state_dict()` (and `fused_optimizer.state_dict()`) of every rank into `target`
-    (module docstring). A collective: every rank calls it with its own state dicts."""
+    (module docstring). A collective: every rank calls it with its own state dicts, so the TorchRec job's world
+    size is this job's (for the optimizer state's conversion, as in `load_torchrec_checkpoint`)."""
     tree = {"model": state_dict, "optim": optim_state_dict or {}}
-    return _load(_MemorySource(tree), target, module_path, "model", "optim")
+    ws = default_world_size(None) if gradient_division else 1
+    return _load(_MemorySource(tree), target, module_path, "model", "optim", ws)

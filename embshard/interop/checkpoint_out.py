@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from embshard.checkpoint.layout import PER_BLOCK, Piece, column_blocks, row_state_layout
 from embshard.checkpoint.storage import PieceSavePlanner, writer
 from embshard.interop.checkpoint_in import _targets
-from embshard.interop.common import join, state_key, weight_key
+from embshard.interop.common import default_world_size, join, state_key, state_scale, weight_key
 from embshard.optim import OptimizerKind
 from embshard.plan import ShardingType
 from embshard.tables import ConfigError
@@ -58,12 +58,17 @@ def save_torchrec_checkpoint(
     model_key: str | None = "model",
     optim_key: str | None = "optim",
     torchrec_plan: Any = None,
+    torchrec_world_size: int | None = None,
+    gradient_division: bool = True,
 ) -> list[str]:
     """Write `source`'s tables, their fused-optimizer state and (RecModel) dense part as a DCP checkpoint under
     TorchRec's keys (module docstring). Collective. `torchrec_plan`: the TorchRec ShardingPlan the checkpoint will
-    be loaded under (only column-wise tables' row-wise Adagrad layout depends on it). Returns notes on what is
-    not written."""
+    be loaded under (only column-wise tables' row-wise Adagrad layout depends on it). The optimizer state is
+    converted to TorchRec's gradient scale (embshard.interop.common.GRADIENT_DIVISION) for a TorchRec job of
+    `torchrec_world_size` ranks (default: this job's; `gradient_division=False`: none), in a copy of this rank's
+    state. Returns notes on what is not written."""
     ebc, ebc_path, dense = _targets(source, module_path)
+    ws = default_world_size(torchrec_world_size) if gradient_division else 1
     configs = {t.name: t for t in ebc.tables}
     pieces: list[Piece] = []
     notes: set[str] = set()
@@ -78,6 +83,8 @@ def save_torchrec_checkpoint(
         pieces.append(Piece(weight_key(ebc_path, name, model_key), (R, D), (sh.row_offset, sh.col_offset), w))
         for k, s in state.items():
             skey = state_key(ebc_path, name, k, optim_key)
+            factor = state_scale(ebc.optimizer.kind.value, k, ws)
+            s = s if factor == 1 else s / factor  # noqa: PLW2901 (a copy on TorchRec's scale)
             if s.dim() == 2:
                 pieces.append(Piece(skey, (R, D), (sh.row_offset, sh.col_offset), s))
                 continue

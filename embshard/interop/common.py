@@ -18,6 +18,27 @@ from typing import Any
 STATE_NAMES = {"m": "momentum1", "v": "exp_avg_sq"}
 """embshard's optimizer-state names (embshard.optim.optimizer_state) -> TorchRec's (FBGEMM's) state keys."""
 
+GRADIENT_DIVISION = """TorchRec divides the embeddings' gradients by its world size W (torchrec.distributed.comm_ops
+gradient division, on by default, to match DDP's averaging of the dense gradients); embshard does not (a table's
+gradient is the sum of every rank's loss gradient). So TorchRec's optimizer state is embshard's scaled: Adagrad sums
+and Adam's second moment by 1 / W^2, Adam's first moment by 1 / W; checkpoints are converted by these factors.
+The same updates take SGD's lr / W, and eps x W for Adagrad, row-wise Adagrad and Adam, in embshard."""
+
+
+def state_scale(kind: str, state: str, world_size: int) -> float:
+    """Factor from TorchRec's optimizer state `state` ('m', 'v') to embshard's, for optimizer `kind`
+    (GRADIENT_DIVISION): W^2 for sums of squares, W for Adam's first moment."""
+    return float(world_size) if (kind == "adam" and state == "m") else float(world_size) ** 2
+
+
+def default_world_size(world_size: int | None) -> int:
+    """`world_size`, else this job's (1 without a process group)."""
+    import torch.distributed as dist
+
+    if world_size is not None:
+        return int(world_size)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
 
 def join(*parts: str) -> str:
     """Dotted path of the non-empty parts: join('', 'embedding_bags.t.weight') == 'embedding_bags.t.weight'."""

@@ -113,12 +113,13 @@ def rec_model_from_torchrec(
 ) -> RecModel:
     """An embshard RecModel of the TorchRec `model` (module docstring) on `plan` (for the collection's tables; see
     embshard.interop.tables_from_torchrec). `sparse_optimizer`: default the optimizer that
-    apply_optimizer_in_backward attached to the collection. `num_dense`: dense features per sample, default the
+    apply_optimizer_in_backward attached to the collection, with TorchRec's updates at the plan's world size
+    (`optimizer_from_torchrec(ebc, world_size=plan.world_size)`). `num_dense`: dense features per sample, default the
     input width of the model's `dense_arch`. A materialized collection's weights are loaded; a meta one's tables
     start from embshard's deterministic initialisation (`seed`)."""
     path, ebc = find_ebc(model)
     tables = tables_from_torchrec(ebc)
-    optimizer = sparse_optimizer or optimizer_from_torchrec(ebc)
+    optimizer = sparse_optimizer or optimizer_from_torchrec(ebc, world_size=plan.world_size)
     dense = dense_copy(model)
     if num_dense is None:
         arch = getattr(model, "dense_arch", None)

@@ -58,7 +58,9 @@ def plan_dict(
     if device_type not in DEVICE_TYPES:
         raise ConfigError(f"device_type={device_type!r} is invalid: TorchRec plans here are for {DEVICE_TYPES}")
     notes: list[str] = []
-    tables = {tp.table: _table(tp, plan, device_type, optimizer, options or LookupOptions(), notes) for tp in plan.tables}
+    tables = {
+        tp.table: _table(tp, plan, device_type, optimizer, options or LookupOptions(), notes) for tp in plan.tables
+    }
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -114,7 +116,9 @@ def _table(
             "(LookupOptions(column_wise_exact=False) trains as TorchRec does)"
         )
     shards = sorted(tp.shards, key=lambda s: (s.row_offset, s.col_offset))
-    entries = [{"rank": s.rank, "offsets": [s.row_offset, s.col_offset], "sizes": [s.num_rows, s.num_cols]} for s in shards]
+    entries = [
+        {"rank": s.rank, "offsets": [s.row_offset, s.col_offset], "sizes": [s.num_rows, s.num_cols]} for s in shards
+    ]
     if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         entries = _row_entries(tp, plan, entries)
     cache = None

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from embshard.optim import FusedOptimizerConfig
+from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.plan import MemoryTier
 from embshard.planner.constraints import ParameterConstraints
 from embshard.tables import ConfigError, TableConfig
@@ -62,9 +62,13 @@ def _table(c: Any, weighted: bool) -> TableConfig:
         )
     data_type = c.data_type.name.lower()
     if data_type not in ("fp32", "fp16"):
-        raise ConfigError(f"{where}: data_type {c.data_type.name} is not supported: embshard trains fp32 or fp16 tables")
+        raise ConfigError(
+            f"{where}: data_type {c.data_type.name} is not supported: embshard trains fp32 or fp16 tables"
+        )
     if getattr(c, "use_virtual_table", False):
-        raise ConfigError(f"{where}: virtual (key-value) tables have no embshard equivalent: give it num_embeddings rows")
+        raise ConfigError(
+            f"{where}: virtual (key-value) tables have no embshard equivalent: give it num_embeddings rows"
+        )
     init_std = None
     lo, hi = c.weight_init_min, c.weight_init_max
     if getattr(c, "init_fn", None) is not None:
@@ -132,16 +136,20 @@ def constraints_from_torchrec(
     return out
 
 
-def optimizer_from_torchrec(ebc: Any = None, fused_params: Mapping[str, Any] | None = None) -> FusedOptimizerConfig:
+def optimizer_from_torchrec(
+    ebc: Any = None, fused_params: Mapping[str, Any] | None = None, world_size: int | None = None
+) -> FusedOptimizerConfig:
     """embshard's fused optimizer from what a TorchRec job configures: the optimizer that
     `apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)` attached to the collection's tables, or a
     sharder's `fused_params` ({'optimizer': EmbOptimType, 'learning_rate', 'eps', 'weight_decay', 'beta1',
-    'beta2'}). Every table must use the same optimizer (embshard fuses one per collection)."""
+    'beta2'}). Every table must use the same optimizer (embshard fuses one per collection). `world_size`: the
+    TorchRec job's world size W, to give embshard TorchRec's updates (it divides the embeddings' gradients by W:
+    embshard.interop.common.GRADIENT_DIVISION): SGD's lr / W, the others' eps x W; None: the hyper-parameters
+    as they are."""
     if fused_params is not None:
         kind = getattr(fused_params.get("optimizer"), "name", fused_params.get("optimizer"))
-        return _config(
-            str(kind), {k: fused_params[k] for k in ("learning_rate", "eps", "weight_decay", "beta1", "beta2") if k in fused_params}
-        )
+        keys = ("learning_rate", "eps", "weight_decay", "beta1", "beta2")
+        return _scaled(_config(str(kind), {k: fused_params[k] for k in keys if k in fused_params}), world_size)
     found = set()
     for name, p in ebc.named_parameters():
         classes, kwargs = getattr(p, "_optimizer_classes", None), getattr(p, "_optimizer_kwargs", None)
@@ -154,7 +162,15 @@ def optimizer_from_torchrec(ebc: Any = None, fused_params: Mapping[str, Any] | N
     if len(found) != 1:
         raise ConfigError(f"the collection's tables use several optimizers {sorted(found)}: embshard fuses one")
     cls_name, kwargs = found.pop()
-    return _config(cls_name, dict(kwargs))
+    return _scaled(_config(cls_name, dict(kwargs)), world_size)
+
+
+def _scaled(o: FusedOptimizerConfig, world_size: int | None) -> FusedOptimizerConfig:
+    if not world_size or world_size == 1:
+        return o
+    if o.kind is OptimizerKind.SGD:
+        return dataclasses.replace(o, lr=o.lr / world_size)
+    return dataclasses.replace(o, eps=o.eps * world_size)
 
 
 def _config(kind: str, kwargs: dict[str, Any]) -> FusedOptimizerConfig:
