@@ -231,5 +231,7 @@ def load_torchrec_plan(path: str | Path, device_type: str | None = None) -> Any:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the plan file ({e.strerror})") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not a JSON plan file ({e}); write one with `embshard plan ... --format torchrec`")
+        raise ConfigError(
+            f"{path}: not a JSON plan file ({e}); write one with `embshard plan ... --format torchrec`"
+        ) from None
     return plan_from_dict(data, device_type)

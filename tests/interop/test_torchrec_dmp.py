@@ -190,6 +190,7 @@ def _models_and_checkpoints(rank: int, world: int, folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torchrec.optim.keyed import KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
+
     from embshard.data.common import Batch
     from embshard.pipeline import TrainPipeline
 
