@@ -148,8 +148,7 @@ def optimizer_from_torchrec(
     as they are."""
     if fused_params is not None:
         kind = getattr(fused_params.get("optimizer"), "name", fused_params.get("optimizer"))
-        keys = ("learning_rate", "eps", "weight_decay", "beta1", "beta2")
-        return _scaled(_config(str(kind), {k: fused_params[k] for k in keys if k in fused_params}), world_size)
+        return _scaled(_config(str(kind), {k: v for k, v in fused_params.items() if k != "optimizer"}), world_size)
     found = set()
     for name, p in ebc.named_parameters():
         classes, kwargs = getattr(p, "_optimizer_classes", None), getattr(p, "_optimizer_kwargs", None)
