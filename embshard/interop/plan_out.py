@@ -89,8 +89,8 @@ def _table(
     if st is ShardingType.DATA_PARALLEL:
         kernel = "dense"
         notes.append(
-            f"table {name!r}: data_parallel: TorchRec trains the replicas with its dense kernel under DDP, which "
-            "averages their gradient over the ranks (embshard sums it, as for sharded tables)"
+            f"table {name!r}: data_parallel: TorchRec trains the replicas with its dense kernel under DDP, the "
+            "optimizer applied outside FBGEMM (embshard: a fused kernel)"
         )
     elif device_type == "cpu":
         kernel = "fused"
