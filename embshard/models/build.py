@@ -60,6 +60,17 @@ class RecModel(nn.Module):
             dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None)
         self.dense = dense
 
+    def compile_dense(self, mode: str, batch_size: int) -> bool:
+        """Compile the dense part's forward with torch.compile (`mode`: "default", "max-autotune-no-cudagraphs" or
+        "reduce-overhead", which adds CUDA graphs) for training batches of `batch_size` samples; other shapes (the
+        last partial batch, evaluation) and the CPU run eagerly. Parameters and checkpoints are unchanged (only the
+        forward is swapped). Returns whether it compiled (False on the CPU)."""
+        if self.ebc.device.type != "cuda":
+            return False
+        inner = self.dense_module()
+        inner.forward = _CompiledForBatch(inner.forward, mode, batch_size)
+        return True
+
     def dense_module(self) -> nn.Module:
         """The dense part without its DistributedDataParallel wrapper (for checkpoints)."""
         return getattr(self.dense, "module", self.dense)
@@ -86,3 +97,17 @@ class RecModel(nn.Module):
             hook.remove()
         check(step, out.loss, self.ebc, seen[-1])
         return out
+
+
+class _CompiledForBatch:
+    """A module's forward compiled for training batches of one size; every other call runs the eager forward."""
+
+    def __init__(self, forward, mode: str, batch_size: int) -> None:
+        self._eager = forward
+        self._compiled = torch.compile(forward, mode=mode, dynamic=False)
+        self._batch = batch_size
+
+    def __call__(self, first: torch.Tensor, *rest):
+        if torch.is_grad_enabled() and first.shape[0] == self._batch:
+            return self._compiled(first, *rest)
+        return self._eager(first, *rest)
