@@ -39,13 +39,15 @@ from embshard.tables import ConfigError
 
 
 class _DCPSource:
-    """A DCP checkpoint folder: its index, and reads of pieces (no collective)."""
+    """A DCP checkpoint folder: its index (read without running code) and reads of pieces (no collective). A
+    TorchRec checkpoint has no embshard COMMIT record: its chunks are read unverified."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
+        from embshard.checkpoint.integrity import VerifyingReader
 
         self.path = path
-        self.meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        self.reader = VerifyingReader(path, None)
+        self.meta = self.reader.read_metadata().state_dict_metadata
 
     def chunks(self, key: str) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]] | None:
         md = self.meta.get(key)
@@ -56,10 +58,13 @@ class _DCPSource:
     def read(self, pieces: list[Piece], plain: dict[str, torch.Tensor]) -> None:
         from embshard.checkpoint.load import read_pieces
 
-        try:
-            read_pieces(self.path, pieces, plain)
-        except Exception as e:  # DCP's missing-key errors are raised inside its load; name the fix
-            raise ConfigError(f"TorchRec checkpoint {str(self.path)!r}: {e}") from e
+        missing = [k for k in plain if k not in self.meta]
+        if missing:
+            raise ConfigError(
+                f"TorchRec checkpoint {str(self.path)!r} has no {missing[:3]} (of {len(missing)} dense tensors): check "
+                "module_path and model_key, and that the model is the one saved"
+            )
+        read_pieces(self.path, pieces, plain, source=self.reader)
 
 
 class _MemorySource:

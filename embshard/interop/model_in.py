@@ -25,7 +25,7 @@ from torch import nn
 from embshard.config.model import ModelConfig
 from embshard.interop.tables_in import optimizer_from_torchrec, tables_from_torchrec
 from embshard.models.build import RecModel
-from embshard.models.registry import ModelKind, StepOutput, bce_output, register
+from embshard.models.registry import ModelKind, StepOutput, bce_output, register_model
 from embshard.optim import FusedOptimizerConfig
 from embshard.options import LookupOptions
 from embshard.plan import ShardingPlan
@@ -99,7 +99,7 @@ def _no_builder(cfg: ModelConfig, num_dense: int) -> nn.Module:
     )
 
 
-register(KIND, ModelKind(build_dense=_no_builder, step=torchrec_step))
+register_model(KIND, ModelKind(build_dense=_no_builder, step=torchrec_step))
 
 
 def rec_model_from_torchrec(
