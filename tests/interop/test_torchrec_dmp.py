@@ -8,13 +8,17 @@
   state, a column-wise table's per-block state as its width-weighted mean);
 - models and checkpoints in: a TorchRec DLRM trained in DMP and saved with DCP comes into embshard (RecModel, another
   plan) and trains on in embshard's TrainPipeline with TorchRec's losses;
-- checkpoints out: embshard's model saved for TorchRec loads into a fresh DMP with the state TorchRec reached.
+- checkpoints out: embshard's model saved for TorchRec loads into a fresh DMP with the state TorchRec reached;
+- the three migration steps of docs/torchrec.md (examples/torchrec/) run as written, in the same processes.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +39,7 @@ from embshard.interop import (
 
 pytestmark = pytest.mark.skipif(device_kind() != "cpu", reason="TorchRec's DMP on CPU processes (gloo)")
 LR, EPS = 0.1, 1e-8
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "torchrec"
 
 
 def _quiet() -> None:
@@ -251,14 +256,38 @@ def _models_and_checkpoints(rank: int, world: int, folder: str) -> dict:
     return {"theirs": theirs, "ours": ours, "dmp": flat(dmp), "fresh": flat(fresh), "notes": in_notes + out_notes}
 
 
+def _examples(device: torch.device, folder: str) -> dict:
+    """examples/torchrec/step1_plan.py, step2_train.py and step3_export.py, in order, in this process."""
+    sys.path.insert(0, str(EXAMPLES))
+    import step1_plan
+    import step2_train
+    import step3_export
+
+    out = os.path.join(folder, "examples")
+    return {
+        "step1": step1_plan.main(out, device),
+        "step2": step2_train.main(out, device),
+        "step3": step3_export.main(out, device),
+    }
+
+
 def _worker(rank: int, world: int, device: torch.device, folder: str) -> dict:
     _quiet()
-    return {"plans": _plans_out(rank, world), "models": _models_and_checkpoints(rank, world, folder)}
+    return {
+        "plans": _plans_out(rank, world),
+        "models": _models_and_checkpoints(rank, world, folder),
+        "examples": _examples(device, folder),
+    }
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("interop")))
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("interop")
+
+
+@pytest.fixture(scope="module")
+def results(folder):
+    return run_distributed(_worker, 2, str(folder))
 
 
 def test_embshard_plan_runs_in_torchrec_dmp(results):
@@ -317,3 +346,15 @@ def test_embshard_checkpoint_loads_into_torchrec_dmp(results):
     assert m["fresh"].keys() == m["dmp"].keys()
     for key, w in m["dmp"].items():
         torch.testing.assert_close(m["fresh"][key], w, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_migration_examples(results, folder):
+    plan = results[0]["examples"]["step1"]["plan"]
+    types = {t.table: t.sharding_type.value for t in plan.tables}
+    assert types == {"user": "column_wise", "item": "row_wise", "category": "table_wise"}  # TorchRec's constraints
+    assert (folder / "examples" / "plan.torchrec.json").is_file()
+    for r in results:
+        steps = r["examples"]
+        assert len(steps["step1"]["losses"]) == 4 and len(steps["step2"]["losses"]) == 4
+        assert all(math.isfinite(x) for x in steps["step1"]["losses"] + steps["step2"]["losses"])
+        assert steps["step3"]["theirs"] == pytest.approx(steps["step3"]["ours"], rel=1e-5)
