@@ -296,3 +296,52 @@ def test_tables_constraints_optimizer_from_torchrec():
         optimizer_from_torchrec(fused_params={"optimizer": "SGD", "momentum": 0.9})
     with pytest.raises(ConfigError, match="LAMB"):
         optimizer_from_torchrec(fused_params={"optimizer": EmbOptimType.LAMB})
+
+
+def test_materialized_torchrec_dlrm_as_rec_model():
+    """One process: a materialized TorchRec DLRM and the RecModel made of it give the same loss, and after one
+    step (row-wise Adagrad on the tables, SGD on the dense part) the same tables and dense weights."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.models.dlrm import DLRM_DCN
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from embshard.data.common import Batch
+    from embshard.interop import rec_model_from_torchrec
+
+    configs = [
+        EmbeddingBagConfig(name="u", num_embeddings=30, embedding_dim=8, feature_names=["fu"]),
+        EmbeddingBagConfig(name="i", num_embeddings=50, embedding_dim=8, feature_names=["fi", "fj"]),
+    ]
+    torch.manual_seed(3)
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    theirs = DLRM_DCN(ebc, 3, [8], [8, 1], dcn_num_layers=2, dcn_low_rank_dim=4)
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1, "eps": 1e-8})
+    tables = tables_from_torchrec(ebc)
+    plan = simple_plan(tables, 1, sharding_types={"i": "column_wise"}, column_shards=2)
+    ours = rec_model_from_torchrec(theirs, plan, torch.device("cpu"))
+    assert ours.num_dense == 3
+    before = {n: b.weight.detach().clone() for n, b in ebc.embedding_bags.items()}
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(0, 3, (18,), generator=gen, dtype=torch.int32)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["fu", "fi", "fj"], values=torch.randint(0, 30, (int(lengths.sum()),), generator=gen), lengths=lengths
+    )
+    batch = Batch(torch.randn(6, 3, generator=gen), kjt, torch.randint(0, 2, (6,), generator=gen).float())
+    their_loss = torch.nn.functional.binary_cross_entropy_with_logits(theirs(batch.dense, kjt).squeeze(1), batch.labels)
+    our_loss = ours.step(batch).loss
+    torch.testing.assert_close(our_loss, their_loss)
+    their_dense = torch.optim.SGD([p for n, p in theirs.named_parameters() if "embedding_bags" not in n], lr=0.1)
+    our_dense = torch.optim.SGD(ours.dense_parameters(), lr=0.1)
+    their_loss.backward()
+    our_loss.backward()
+    their_dense.step()
+    our_dense.step()
+    weights = ours.ebc.full_weights()
+    for name, bag in ebc.embedding_bags.items():
+        torch.testing.assert_close(weights[name], bag.weight.detach(), rtol=1e-5, atol=1e-7, msg=name)
+        assert not torch.equal(weights[name], before[name])  # the step moved the touched rows
+    mine = dict(ours.dense_module().model.named_parameters())
+    for name, p in theirs.named_parameters():
+        if "embedding_bags" not in name:
+            torch.testing.assert_close(mine[name], p.detach(), msg=name)
