@@ -26,12 +26,14 @@ def from_torchrec_plan(
     world_size: int | None = None,
     local_world_size: int | None = None,
     tables: Sequence[Any] | None = None,
+    device_type: str | None = None,
 ) -> ShardingPlan:
     """The embshard plan of the collection at `module_path` in TorchRec's `ShardingPlan` (or of a module plan:
     {table: ParameterSharding}). `world_size`: default the highest rank named + 1; `local_world_size`: default
     `world_size`. `tables`: the tables (embshard TableConfigs or TorchRec EmbeddingBagConfigs: their name,
     num_embeddings, embedding_dim), in the order the plan lists them; needed for data-parallel tables, whose
-    TorchRec plan has no shape."""
+    TorchRec plan has no shape. `device_type` ('cuda' or 'cpu'): where TorchRec computes (fused and dense kernels
+    become hbm or host), default read from the shards' placements (a plan of data-parallel tables only: cuda)."""
     module = tr_plan.plan.get(module_path) if hasattr(tr_plan, "plan") else tr_plan
     if module is None:
         raise ConfigError(
@@ -44,9 +46,8 @@ def from_torchrec_plan(
         if p.sharding_spec is not None:
             ranks_seen += [s.placement.rank() for s in p.sharding_spec.shards]
     world = world_size or max(ranks_seen, default=0) + 1
-    on_cpu = all(
-        s.placement.device().type == "cpu" for p in module.values() if p.sharding_spec for s in p.sharding_spec.shards
-    ) and any(p.sharding_spec for p in module.values())
+    placed = [s.placement.device().type for p in module.values() if p.sharding_spec for s in p.sharding_spec.shards]
+    on_cpu = device_type == "cpu" if device_type else bool(placed) and all(d == "cpu" for d in placed)
     order = {name: i for i, name in enumerate(shapes)}
     names = sorted(module, key=lambda n: order.get(n, len(order)))
     out = [_table(name, module[name], world, on_cpu, shapes) for name in names]
