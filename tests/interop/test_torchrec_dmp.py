@@ -4,8 +4,8 @@
   TorchRec's runs in TorchRec's DistributedModelParallel and, with the same weights, gives the pooled outputs and,
   after row-wise Adagrad steps, the weights of embshard on that plan (column_wise_exact=False: TorchRec's state;
   data-parallel tables: outputs before any update, TorchRec trains its replicas outside FBGEMM);
-- checkpoints in from memory: the DMP's state dicts load into embshard on another plan (weights; row-wise Adagrad
-  state, a column-wise table's per-block state as its width-weighted mean);
+- checkpoints in from memory: the DMP's state dicts, through torch.save and torch.load, load into embshard on
+  another plan (weights; row-wise Adagrad state, a column-wise table's per-block state as its width-weighted mean);
 - models and checkpoints in: a TorchRec DLRM trained in DMP and saved with DCP comes into embshard (RecModel, another
   plan) and trains on in embshard's TrainPipeline with TorchRec's losses;
 - checkpoints out: embshard's model saved for TorchRec loads into a fresh DMP with the state TorchRec reached;
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import sys
@@ -156,7 +157,11 @@ def _plans_out(rank: int, world: int) -> dict:
     # Into another plan (types moved, the column-wise table table-wise: per-row state from the per-block ones).
     moved = {"t_tw": "row_wise", "t_rw": "column_wise", "t_dp": "table_wise", "t_twrw": "table_wise"}
     other = ShardedEmbeddingBagCollection(tables, simple_plan(tables, world, sharding_types=moved), opt, seed=5)
-    in_notes = load_torchrec_state_dict(other, theirs_state, theirs_optim)
+    saved = io.BytesIO()  # as torch.save of every rank's state dicts to a file of its own, and torch.load
+    torch.save({"model": theirs_state, "optim": theirs_optim}, saved)
+    saved.seek(0)
+    reloaded = torch.load(saved, weights_only=False)  # ShardedTensors again (this rank's shards)
+    in_notes = load_torchrec_state_dict(other, reloaded["model"], reloaded["optim"])
     states = {}
     for owner in (ours, other):
         got = {}
