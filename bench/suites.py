@@ -20,6 +20,7 @@ E2E_CONFIG = "configs/dlrm_dcnv2_mlperf.yaml"
 CKPT_DIR = "/tmp/embshard_ckpt_bench"
 LOADER_DIR = "/tmp/embshard_loader"
 TOPOLOGY_FILE = "/tmp/embshard_topology.yaml"
+INTEROP_DIR = "/tmp/embshard_interop"
 PYTEST_LINE = r"^=*\s*(\d+ (?:passed|failed|error|skipped|deselected).*?)\s*=*$"  # pytest's last line
 
 
@@ -433,6 +434,26 @@ def profile_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
     return [("host syncs per run", "; ".join(syncs) or "none printed")]
 
 
+def interop_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    """The interop tests (TorchRec's DMP on CPU processes, under this machine's torchrec), then the three migration
+    steps of examples/torchrec on the GPUs, sharing one folder."""
+    out = [Step("tests/interop", py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interop"], timeout=300)]
+    for step in ("step1_plan", "step2_train", "step3_export"):
+        argv = torchrun(2) + [f"examples/torchrec/{step}.py", "--out", INTEROP_DIR]
+        out.append(Step(step, argv, timeout=240, needs_gpus=0 if args.cpu else 2))
+    return out
+
+
+def interop_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for label, text in step_blocks(log):
+        found = re.findall(r"^((?:embshard trained|held-out loss).*)$", text, re.M) or re.findall(
+            PYTEST_LINE, text, re.M
+        )
+        rows.append((label, found[-1] if found else "see interop.log"))
+    return rows
+
+
 def bandwidth_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     if args.cpu:
         argv = py() + ["-m", "embshard.cli", "calibrate", "--out", TOPOLOGY_FILE, "--iters", "3", "--no-kernels"]
@@ -474,6 +495,9 @@ SUITES = {
               "2-3 min", tiers_steps, tiers_summary),
         Suite("profile", "torch.profiler of one step, embshard and TorchRec: top kernels and host syncs", "2",
               "2-4 min", profile_steps, profile_summary),
+        Suite("interop", "embshard.interop: tests/interop under this torchrec, then examples/torchrec's three "
+              "migration steps on 2 GPUs (plan in TorchRec's DMP, train in embshard, export back)", "2", "3-5 min "
+              "(estimate)", interop_steps, interop_summary),
         Suite("bandwidth", "measured GPU memory, GPU link and host link bandwidths (`embshard calibrate`)", "1-2",
               "1 min", bandwidth_steps, bandwidth_summary),
     ]

@@ -48,7 +48,7 @@ def test_every_suite_builds_commands_of_existing_scripts():
     for name in suites.SUITES:
         for cpu in ([], ["--cpu"]):
             for step in steps(name, *cpu):
-                scripts = [a for a in step.argv if a.startswith("bench/") or a.startswith("tests/")]
+                scripts = [a for a in step.argv if a.startswith(("bench/", "tests/", "examples/"))]
                 assert all((ROOT / a).exists() for a in scripts), (name, step.argv)
                 assert step.argv[0] == sys.executable and step.timeout > 0, step
 
