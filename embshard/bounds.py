@@ -8,6 +8,8 @@ any exchange, so the error names the feature of the local batch. `LookupOptions.
   an example); all drops are counted per feature (`ShardedEmbeddingBagCollection.dropped_ids()`).
 
 Clamping into range was rejected: it would train the first or last row on garbage.
+
+Raw-id tables (`TableConfig(ids="raw")`) take any int64 id: their features are never checked.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ def count_bad_ids(
     FBGEMM's `bounds_check_indices` (warning mode) counts the ids at or above their table's rows in one pass; it
     zeroes the ids it counts, so it runs on a copy (the caller's batch stays intact for the error message), and it
     lets -1 through (FBGEMM's "pruned" id), so negative ids are counted apart."""
-    if values.numel() == 0:  # no ids (an empty batch or empty bags): nothing to check, no kernel
+    raw = [table_of[k].raw_ids for k in keys]
+    if values.numel() == 0 or all(raw):  # no ids to check (an empty batch or empty bags, raw ids only): no kernel
         return torch.zeros(1, dtype=torch.int64, device=values.device)
+    if any(raw):  # raw ids are all valid: checked as 0
+        raw_id = cached_tensor(raw, values.device, torch.bool)[feature_of_ids(lengths_FB.sum(1), values.numel())]
+        values = torch.where(raw_id, 0, values)
     rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], values.device)
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_FB.reshape(-1)).to(values.dtype)
     warning = torch.zeros(1, dtype=torch.int64, device=values.device)
@@ -68,6 +74,9 @@ def check_ids(
     ids_F = lengths_FB.sum(1).to(torch.int64)
     feature_of = feature_of_ids(ids_F, values.numel())
     bad = (values < 0) | (values >= rows_F[feature_of])
+    raw = [table_of[k].raw_ids for k in keys]
+    if any(raw):  # raw ids are all valid
+        bad &= ~cached_tensor(raw, device, torch.bool)[feature_of]
     if not bool(bad.any()):
         return lengths_FB, values, weights
     if mode is BoundsCheck.ERROR:
