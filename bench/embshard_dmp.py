@@ -11,12 +11,21 @@ fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, sa
 `planner` (embshard.planner on the detected GPUs; --hbm-gib caps the GPU memory it may plan for, which is how
 `overflow` is made not to fit), or a saved plan file. With the planner, the line also carries the predicted
 step time and peak GPU memory, to compare with the measured ones.
+
+--ids raw: every table is a raw-id table (ids: raw, capacity = its rows, --eviction lru|lfu): the same step with
+the ids mapped to rows on the device (embshard/rawids). --ids both builds a static and a raw-id collection of the
+same tables and times them interleaved (--rounds rounds of --steps steps each, static then raw), on the same
+batches. --id-space K draws the ids from K x rows distinct values (raw tables: K > 1 keeps admitting and
+evicting; static tables get them modulo rows); --batches N cycles N distinct batches (default 4).
+    torchrun --nproc-per-node=1 bench/embshard_dmp.py --workload uniform26 --ids both --rounds 3 --steps 30
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import statistics
 import time
 
 import torch
@@ -61,6 +70,11 @@ def main() -> None:
     ap.add_argument("--save-plan", default="", help="write the plan used (YAML) to this file (rank 0)")
     ap.add_argument("--no-check-ids", action="store_true", help="skip the per-step id range check")
     ap.add_argument("--mem-probe", action="store_true", help="print the forward and backward transient memory")
+    ap.add_argument("--ids", choices=("static", "raw", "both"), default="static", help="table ids (both: interleaved)")
+    ap.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="raw-id tables' eviction policy")
+    ap.add_argument("--id-space", type=float, default=1.0, help="ids drawn from this many x rows distinct values")
+    ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
+    ap.add_argument("--rounds", type=int, default=3, help="--ids both: interleaved rounds of --steps steps each")
     args = ap.parse_args()
 
     from embshard.distributed import init_distributed
@@ -74,12 +88,17 @@ def main() -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     spec, batch = WORKLOADS[args.workload]
     tables = [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
+    raw_tables = [dataclasses.replace(t, ids="raw", eviction=args.eviction) for t in tables]
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
     plan, report = make_plan(args, tables, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
     plan_s = time.time() - t0
+    kinds_wanted = {"static": ["static"], "raw": ["raw"], "both": ["static", "raw"]}[args.ids]
     t0 = time.time()
-    ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=dev, seed=None)
+    ebcs = {
+        k: ShardedEmbeddingBagCollection(raw_tables if k == "raw" else tables, plan, opt, device=dev, seed=None)
+        for k in kinds_wanted
+    }
     build_s = time.time() - t0
     built_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if rank == 0:
@@ -88,7 +107,7 @@ def main() -> None:
             kinds[f"{tp.sharding_type.value}/{tp.tier.value}"] = (
                 kinds.get(f"{tp.sharding_type.value}/{tp.tier.value}", 0) + 1
             )
-        print(f"plan {plan_s:.2f} s, build {build_s:.1f} s; plan: {kinds}", flush=True)
+        print(f"plan {plan_s:.2f} s, build {build_s:.1f} s ({', '.join(ebcs)}); plan: {kinds}", flush=True)
         if args.save_plan:
             plan.save(args.save_plan)
 
@@ -96,48 +115,62 @@ def main() -> None:
 
     gen = torch.Generator(device=dev).manual_seed(rank)
 
-    def make_batch() -> KeyedJaggedTensor:
+    def make_batch() -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+        """(static batch, raw batch): the same bags; raw ids drawn from id_space x rows values, static ids are
+        those modulo rows."""
         lengths, values = [], []
         for r, _, mean in spec:
             le = torch.randint(0, 2 * mean + 1, (batch,), device=dev, generator=gen, dtype=torch.int32)
             lengths.append(le)
-            values.append(torch.randint(0, r, (int(le.sum()),), device=dev, generator=gen))
-        return KeyedJaggedTensor.from_lengths_sync(
-            keys=[f"f{i}" for i in range(len(spec))], values=torch.cat(values), lengths=torch.cat(lengths)
+            values.append(torch.randint(0, max(1, int(r * args.id_space)), (int(le.sum()),), device=dev, generator=gen))
+        keys = [f"f{i}" for i in range(len(spec))]
+        raw = torch.cat(values)
+        static = torch.cat([v % r for v, (r, _, _) in zip(values, spec)])
+        return tuple(
+            KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, lengths=torch.cat(lengths)) for v in (static, raw)
         )
 
-    batches = [make_batch() for _ in range(4)]
+    batches = [make_batch() for _ in range(args.batches)]
 
-    def step(i: int) -> None:
-        ebc(batches[i % 4], check_ids=not args.no_check_ids).values().sum().backward()
+    def step(kind: str, i: int) -> None:
+        kjt = batches[i % len(batches)][kind == "raw"]
+        ebcs[kind](kjt, check_ids=not args.no_check_ids).values().sum().backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for i in range(5):
-        step(i)
+    for kind in ebcs:
+        for i in range(5):
+            step(kind, i)
     sync()
     if cuda and args.mem_probe:  # where the step's transient memory goes: forward vs backward
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = ebc(batches[0], check_ids=not args.no_check_ids).values()
-        sync()
-        fwd = torch.cuda.max_memory_allocated() - base
-        torch.cuda.reset_peak_memory_stats()
-        out.sum().backward()
-        sync()
-        bwd = torch.cuda.max_memory_allocated() - base
-        if rank == 0:
-            print(
-                f"memory probe: forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over {base / 2**30:.2f}"
-            )
+        for kind, ebc in ebcs.items():
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = ebc(batches[0][kind == "raw"], check_ids=not args.no_check_ids).values()
+            sync()
+            fwd = torch.cuda.max_memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            out.sum().backward()
+            sync()
+            bwd = torch.cuda.max_memory_allocated() - base
+            if rank == 0:
+                print(
+                    f"memory probe {kind}: forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over "
+                    f"{base / 2**30:.2f}"
+                )
     dist.barrier()
     warm_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.time()
-    for i in range(args.steps):
-        step(i)
-    sync()
-    ms = (time.time() - t0) / args.steps * 1e3
+    times: dict[str, list[float]] = {k: [] for k in ebcs}
+    for _ in range(args.rounds if args.ids == "both" else 1):
+        for kind in ebcs:
+            dist.barrier()
+            sync()
+            t0 = time.time()
+            for i in range(args.steps):
+                step(kind, i)
+            sync()
+            times[kind].append((time.time() - t0) / args.steps * 1e3)
     peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else 0.0], device=dev)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -149,15 +182,25 @@ def main() -> None:
         )
         pred = ""
         if report is not None:
+            ms = statistics.median(times[kinds_wanted[0]])
             pred = (
                 f"; predicted {report.step_time_s * 1e3:.2f} ms/step ({report.step_time_s * 1e3 / ms:.2f}x measured),"
                 f" predicted peak {report.peak_hbm / 2**30:.2f} GiB"
             )
-        print(
-            f"embshard {args.workload} world={ws} plan={args.plan} check_ids={not args.no_check_ids}: "
-            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
-            flush=True,
-        )
+        for kind in ebcs:
+            ms = statistics.median(times[kind])
+            rounds = ", ".join(f"{t:.2f}" for t in times[kind])
+            raw = f" eviction={args.eviction} id_space={args.id_space:g}" if kind == "raw" else ""
+            print(
+                f"embshard {args.workload} world={ws} plan={args.plan} ids={kind}{raw} check_ids="
+                f"{not args.no_check_ids}: {ms:.2f} ms/step (rounds: {rounds}), {ws * batch / ms * 1e3:,.0f} samples/s"
+                f"{mem}{pred}",
+                flush=True,
+            )
+        if "raw" in ebcs:
+            st = ebcs["raw"].raw_id_stats()
+            tot = {k: sum(v[k] for v in st.values()) for k in ("admitted", "evicted", "resident", "capacity")}
+            print(f"raw ids on rank 0 since build: {tot}", flush=True)
     dist.destroy_process_group()
 
 
