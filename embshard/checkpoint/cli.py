@@ -3,7 +3,8 @@
 inspect: the checkpoint's step, world size, optimizers, and per table its plan (sharding, tier, ranks), shape,
 type and bytes of its weights and optimizer state (from the manifest and DCP's index; no data is read).
 export: every table's full weights, one safetensors file per table (`OUT/<table>.safetensors`, tensor 'weight'
-`[rows, dim]`), streamed in row chunks (no table is held whole in memory), with `OUT/tables.json` listing them.
+`[rows, dim]`), streamed in row chunks (no table is held whole in memory), with `OUT/tables.json` listing them;
+a raw-id table's id -> row map beside it (`OUT/<table>.ids.safetensors`: checkpoint/raw_ids.py).
 DIR is a checkpoint folder (step_<N>), or a folder of them (its latest complete one is used).
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from embshard.checkpoint import raw_ids
 from embshard.checkpoint.layout import Piece
 from embshard.checkpoint.load import read_pieces
 from embshard.checkpoint.storage import latest, read_commit, read_manifest, reader
@@ -141,6 +143,8 @@ def export(path: Path, out: Path, dtype: str | None, tables: list[str] | None, c
                 read_pieces(path, [Piece(key, (R, D), (r0, 0), part)])
                 f.write(part.to(target).contiguous().view(torch.uint8).numpy().tobytes())
         written.append({"table": name, "file": file.name, "rows": R, "dim": D, "dtype": str(target).split(".")[-1]})
+        if t.get("ids") == "raw":  # the id -> row map beside the weights
+            written[-1]["ids_file"] = raw_ids.export_map(path, out, prefix, name, R, chunk_bytes, meta)
     (out / "tables.json").write_text(json.dumps({"step": man["step"], "tables": written}, indent=1))
     return written
 
@@ -165,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             names = [t for t in args.tables.split(",") if t] if args.tables else None
             for w in export(path, Path(args.out), args.dtype, names, args.chunk_mib):
                 print(f"{w['table']}: {w['rows']} x {w['dim']} {w['dtype']} -> {Path(args.out) / w['file']}")
+                if "ids_file" in w:
+                    print(f"{w['table']}: id -> row map -> {Path(args.out) / w['ids_file']}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -16,6 +16,7 @@ from embshard.plan import LookupKernel, MemoryTier, Shard, ShardingType
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
+from embshard.rawids.rules import RAW_SHARDING_TYPES, RAW_TIERS, sharding_refused
 from embshard.tables import ConfigError, TableConfig
 
 MIN_COLUMN_BLOCK = 16  # narrowest column block the planner proposes on its own (columns)
@@ -71,6 +72,11 @@ def table_options(
     types = _allowed(TYPE_ORDER, constraint.sharding_types, settings.sharding_types)
     tiers = GPU_TIERS if topology.is_gpu else (MemoryTier.HOST,)
     tiers = _allowed(tiers, constraint.tiers, settings.tiers)
+    if table.raw_ids:  # its id -> row map lives with whole rows, re-initialised in place (rawids/rules.py)
+        if constraint.sharding_types and not set(constraint.sharding_types) & set(RAW_SHARDING_TYPES):
+            raise ConfigError(sharding_refused(table, constraint.sharding_types[0]))
+        types = tuple(t for t in types if t in RAW_SHARDING_TYPES)
+        tiers = tuple(t for t in tiers if t in RAW_TIERS)
     pinned = set(constraint.ranks)
     everyone = not pinned or pinned == set(range(W))
     clf = constraint.cache_load_factor or settings.cache_load_factor
@@ -129,6 +135,8 @@ def small_forms(
     auto = settings.small_table_kernel and topology.is_gpu
     sized = []  # (table, option, largest block rows, cols) under the size rule
     for i, (t, opts, c) in enumerate(zip(tables, options, constraints)):
+        if t.raw_ids:  # raw-id tables use FBGEMM's kernel (rawids/rules.py)
+            continue
         allowed, fp32 = c.kernels, t.data_type.bytes == 4
         if allowed == (LookupKernel.SMALL,) and fp32:
             tiers = (MemoryTier.HBM, MemoryTier.HOST)

@@ -248,13 +248,18 @@ class IdMap(nn.Module):
 
     # ---- index -------------------------------------------------------------------------------------------
     def _find(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(group row or -1, slot or -1, the two candidate buckets `[m, 2]`) of every (shard, key)."""
+        """(group row or -1, slot or -1, the two candidate buckets `[m, 2]`) of every (shard, key). Reads the two
+        buckets one after the other (`[m, P]` at a time)."""
         nb, bb = self.n_buckets[shard], self.bucket_base[shard]
         cand = torch.stack([bb + torch.remainder(hash64(keys, salt), nb) for salt in BUCKET_SALTS], 1)
-        slots = (cand.unsqueeze(2) * P + self.lane).reshape(keys.numel(), 2 * P)
-        match = (self.slot_key[slots] == keys.unsqueeze(1)) & (self.slot_row[slots] >= 0)
-        row = torch.where(match, self.slot_row[slots], -1).amax(1)
-        slot = torch.where(match, slots, -1).amax(1)
+        row = slot = None
+        for k in range(2):
+            slots = cand[:, k : k + 1] * P + self.lane  # [m, P]
+            rows_k = self.slot_row[slots]
+            match = (self.slot_key[slots] == keys.unsqueeze(1)) & (rows_k >= 0)
+            r = torch.where(match, rows_k, -1).amax(1)
+            s = torch.where(match.any(1), cand[:, k] * P + match.to(torch.int8).argmax(1), -1)
+            row, slot = (r, s) if row is None else (torch.maximum(row, r), torch.maximum(slot, s))
         return row, slot, cand
 
     def _insert(self, keys: torch.Tensor, cand: torch.Tensor, active: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,7 @@ def _lookup_stage_syncs(rank, world_size, device):
             kjt = to_kjt(batch, features, device)
             handle = ebc.prefetch(kjt)  # the input exchange and its counts (host syncs by design)
 
-            def step(kjt=kjt, handle=handle):
+            def step(ebc=ebc, kjt=kjt, handle=handle):
                 ebc(kjt, prefetched=handle).values().sum().backward()
 
             syncs.append(_count_syncs(step))
