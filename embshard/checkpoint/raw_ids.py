@@ -103,7 +103,7 @@ def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_byt
     maps = {s.row_offset: st for n, s, st in ebc.local_id_maps() if n == name}
     if not maps:
         return
-    seed = next(m.seed for m, _ in ebc._id_maps() if m.shards[0].table.name == name)
+    seed = next(m.seed for m, _ in ebc._id_maps() if any(s.table.name == name for s in m.shards))
     w_dtype = next(iter(weights.values())).dtype
     state_shapes = {k: tuple(v.shape[1:]) for k, v in next(iter(states.values())).items()}
     row_bytes = D * 4 + 3 * 8 + sum(4 * (D if s else 1) for s in state_shapes.values())

@@ -1,5 +1,5 @@
-"""Checkpoints of raw-id tables: saved on 2 ranks (a table-wise LRU table, a row-wise LFU table, a static table),
-loaded on 3 ranks (the row-wise table's rows move to the blocks that own their ids under 3 blocks): the same
+"""Checkpoints of raw-id tables: saved on 2 ranks (a table-wise LRU table, row-wise LFU and LRU tables in one lookup group, a static table),
+loaded on 3 ranks (the row-wise tables' rows move to the blocks that own their ids under 3 blocks): the same
 held-out loss (unknown ids included), every id's row, optimizer state and use record carried, and one more training
 step on resident ids gives the same held-out loss on 2 and on 3 ranks (a NEW id's first values are its row's
 initial ones, and its row differs between the two). Loaded on 2 ranks (the same blocks) it is bit-identical.
@@ -22,18 +22,19 @@ from embshard.plan import MemoryTier
 
 TABLES = [
     TableConfig("tw", 60, 8, ("fa", "fb"), ids="raw", ids_per_bag=2),
+    TableConfig("rw0", 40, 8, ("fe",), ids="raw", ids_per_bag=1),  # shares rw's lookup group, before it
     TableConfig("rw", 90, 8, ("fc",), ids="raw", eviction="lfu", ids_per_bag=2),
     TableConfig("s", 20, 8, ("fd",)),
 ]
-FEATURES = ["fa", "fb", "fc", "fd"]
-POOLS = {"tw": 30, "rw": 30}
+FEATURES = ["fa", "fb", "fe", "fc", "fd"]
+POOLS = {"tw": 30, "rw": 30, "rw0": 8}
 GLOBAL = 12  # samples per step, split over the ranks
 OPT = FusedOptimizerConfig("rowwise_adagrad", lr=0.2, eps=1e-6)
 
 
 def _plan(world: int, device):
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
-    return simple_plan(TABLES, world, sharding_types={"rw": "row_wise"}, tier=tier)
+    return simple_plan(TABLES, world, sharding_types={"rw": "row_wise", "rw0": "row_wise"}, tier=tier)
 
 
 def _global_batches(steps: int, seed: int, unseen: bool = False):
@@ -158,7 +159,7 @@ def test_raw_id_checkpoint_reshards_from_2_to_3_ranks(run, tmp_path):
     assert listed["tw"]["ids_file"] == "tw.ids.safetensors" and "ids_file" not in listed["s"]
     from safetensors.torch import load_file
 
-    for table in ("tw", "rw"):
+    for table in ("tw", "rw0", "rw"):
         got = load_file(str(out / f"{table}.ids.safetensors"))
         weights = load_file(str(out / f"{table}.safetensors"))["weight"]
         resident = (got["id_last"] >= 0).nonzero().flatten().tolist()
