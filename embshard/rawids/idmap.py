@@ -229,8 +229,12 @@ class IdMap(nn.Module):
 
     def reset(self, lookup: nn.Module, resets: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write the reset lists into `lookup`'s weights (re-initialised rows, zero rows) and optimizer state
-        (zeros). Writes through `.data`: an autograd graph still waiting for its backward is not invalidated."""
-        weights, states = lookup.shard_weights(), lookup.shard_optimizer_states()
+        (zeros). Writes through `.data`: an autograd graph still waiting for its backward is not invalidated. The
+        lookup's shard tensors are taken once (they are updated in place, never replaced)."""
+        if getattr(self, "_views_of", None) != id(lookup):
+            self._views = (lookup.shard_weights(), lookup.shard_optimizer_states())
+            self._views_of = id(lookup)
+        weights, states = self._views
         with torch.no_grad():
             for s, w, st, (idx, zero) in zip(self.shards, weights, states, resets):
                 sh = s.shard
@@ -258,7 +262,7 @@ class IdMap(nn.Module):
             rows_k = self.slot_row[slots]
             match = (self.slot_key[slots] == keys.unsqueeze(1)) & (rows_k >= 0)
             r = torch.where(match, rows_k, -1).amax(1)
-            s = torch.where(match.any(1), cand[:, k] * P + match.to(torch.int8).argmax(1), -1)
+            s = torch.where(match.any(1), cand[:, k] * P + match.to(torch.int32).argmax(1), -1)
             row, slot = (r, s) if row is None else (torch.maximum(row, r), torch.maximum(slot, s))
         return row, slot, cand
 
