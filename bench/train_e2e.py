@@ -47,6 +47,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pipeline", choices=["none", "sparse_dist", "semi_sync"], default=None)
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default=None)
     ap.add_argument(
+        "--compile", choices=["none", "default", "max-autotune-no-cudagraphs", "reduce-overhead"], default=None
+    )
+    ap.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -74,6 +77,8 @@ def overrides_for(args: argparse.Namespace, cfg, cuda: bool) -> list[str]:
         out.append(f"training.pipeline={args.pipeline}")
     if args.precision:
         out.append(f"training.precision={args.precision}")
+    if args.compile:
+        out.append(f"training.compile={args.compile}")
     return out
 
 
@@ -159,6 +164,8 @@ def run(args: argparse.Namespace) -> None:
     plan_s = time.perf_counter() - t0
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    if cfg.training.compile != "none":
+        model.compile_dense(cfg.training.compile, batch or cfg.schedule.batch_size)
     sync()
     dist.barrier()
     build_s = time.perf_counter() - t0
@@ -227,6 +234,7 @@ def run(args: argparse.Namespace) -> None:
     pipe.close()
     say(
         f"RESULT framework=embshard tag={args.tag or '-'} pipeline={tr.pipeline} precision={tr.precision} "
+        f"compile={tr.compile} "
         f"pooled={cfg.lookup.output_dtype.value} world={world} batch_per_rank={batch} scale={args.scale:g} "
         f"ms_per_step={ms:.3f} samples_per_s={sps:.0f} build_s={build_s:.2f} peak_gib={float(g[:, 1].max()):.2f} "
         f"data_wait_ms={float(g[:, 2].max()):.3f} gpu_busy={busy:.3f} gpu_busy_compute={busy_compute:.3f} "

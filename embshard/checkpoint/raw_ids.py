@@ -78,10 +78,13 @@ def load_targets(ebc: Any, prefix: str, saved: dict[str, dict], pieces: list[Pie
     return pieces, moved
 
 
-def finish_load(path: str | os.PathLike, ebc: Any, prefix: str, moved: Sequence[str], chunk_bytes: int) -> None:
-    """After the pieces were read: reshard the moved tables, then rebuild every map of `ebc`."""
+def finish_load(
+    path: str | os.PathLike, ebc: Any, prefix: str, moved: Sequence[str], chunk_bytes: int, source: Any = None
+) -> None:
+    """After the pieces were read: reshard the moved tables, then rebuild every map of `ebc`. `source`: the load's
+    reader of `path` (its checksummed reads), or None."""
     for name in moved:
-        reshard(path, ebc, prefix, name, chunk_bytes)
+        reshard(path, ebc, prefix, name, chunk_bytes, source)
     lost = ebc.rebuild_id_maps()
     if lost:
         warnings.warn(
@@ -89,7 +92,7 @@ def finish_load(path: str | os.PathLike, ebc: Any, prefix: str, moved: Sequence[
         )
 
 
-def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_bytes: int) -> None:
+def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_bytes: int, source: Any = None) -> None:
     """Fill this rank's blocks of raw-id table `name` from a checkpoint saved under other row blocks."""
     from embshard.checkpoint.load import read_pieces
 
@@ -118,7 +121,7 @@ def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_byt
         pieces = [Piece(f"{base}/{k}", (R,), (r0,), bufs[k]) for k in MAP_KEYS]
         pieces.append(Piece(f"{base}/weight", (R, D), (r0, 0), bufs["weight"]))
         pieces += [Piece(f"{base}/{k}", (R, *s), (r0,) + (0,) * len(s), bufs[f"state/{k}"]) for k, s in state_shapes.items()]  # fmt: skip
-        read_pieces(path, pieces)
+        read_pieces(path, pieces, source=source)
         owner = owner_blocks(bufs["ids"], R, bs)
         for b, s in enumerate(blocks):
             if s.row_offset in maps:
@@ -167,9 +170,11 @@ def _write_block(cfg, index, shard, w, state, views, got, n, seed) -> None:
 
 
 # ---- export --------------------------------------------------------------------------------------------------
-def export_map(path: Path, out: Path, prefix: str, name: str, rows: int, chunk_bytes: int, meta: dict) -> str:
-    """Stream raw-id table `name`'s map into OUT/<name>.ids.safetensors (`ids`, `id_last`, `id_count`); returns the
-    file name."""
+def export_map(
+    path: Path, out: Path, prefix: str, name: str, rows: int, chunk_bytes: int, meta: dict, source: Any = None
+) -> str:
+    """Stream raw-id table `name`'s map into OUT/<name>.ids.safetensors (`ids`, `id_last`, `id_count`; written
+    to a partial file first, renamed when complete); returns the file name."""
     from embshard.checkpoint.load import read_pieces
 
     nbytes = rows * 8
@@ -179,13 +184,18 @@ def export_map(path: Path, out: Path, prefix: str, name: str, rows: int, chunk_b
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     file = out / f"{name}.ids.safetensors"
+    partial = out / f".{name}.ids.safetensors.partial"
     step = max(1, chunk_bytes // 8)
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for k in MAP_KEYS:
-            buf = torch.empty(min(step, rows), dtype=torch.int64)
-            for r0 in range(0, rows, step):
-                part = buf[: min(step, rows - r0)]
-                read_pieces(path, [Piece(f"{prefix}/{name}/{k}", (rows,), (r0,), part)])
-                f.write(part.numpy().tobytes())
+    try:
+        with open(partial, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for k in MAP_KEYS:
+                buf = torch.empty(min(step, rows), dtype=torch.int64)
+                for r0 in range(0, rows, step):
+                    part = buf[: min(step, rows - r0)]
+                    read_pieces(path, [Piece(f"{prefix}/{name}/{k}", (rows,), (r0,), part)], source=source)
+                    f.write(part.numpy().tobytes())
+        partial.replace(file)
+    finally:
+        partial.unlink(missing_ok=True)
     return file.name
