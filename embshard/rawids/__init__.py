@@ -63,7 +63,7 @@ per feature from the step's counts) and the map's clock (a Python int). Evaluati
 
 Cost per step and group: ~2 sorts of n ids, 2 x 2P slot reads per unique id, O(rows) elementwise passes for
 LRU (LFU: a sort of the rows), and writing one row per id of the reset list (re-initialised values or zeros).
-Memory per row: `map_bytes_per_row` (about 72 bytes, 88 with admission counting); the planner counts it.
+Memory per row: `map_bytes_per_row` (about 72 bytes, 96 with admission counting); the planner counts it.
 
 Checkpoints (checkpoint/raw_ids.py): per table the logical tensors `ids`, `id_last`, `id_count` `[rows]` ride
 with `weight` and the optimizer state; a load under the same row blocks reads them straight into place and

@@ -44,7 +44,7 @@ def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_
     if Eviction(eviction) is Eviction.LRU:
         total += usable * 8
     if admit_min_count > 1:
-        total += SKETCH_DEPTH * max(usable, 16) * 8
+        total += (SKETCH_DEPTH + 1) * max(usable, 16) * 8  # the counters and each column's shard
     return total / rows
 
 
@@ -104,7 +104,6 @@ class IdMap(nn.Module):
         seg = torch.repeat_interleave(torch.arange(T, dtype=i64), torch.tensor(usable))
         usable_rows = torch.cat([b + torch.arange(u, dtype=i64) for b, u in zip(offsets(rows), usable)])
         buf("seg", seg)
-        buf("usable_rows", usable_rows)
         if self.lru:
             buf("order", usable_rows.clone())
         buf("row_key", torch.zeros(self.R + 1, dtype=i64))
@@ -306,7 +305,7 @@ class IdMap(nn.Module):
             ev = self.row_last[self.order] < last_before
             lru_v, lru_n = self._compact(self.order, ev)
         if self.lfu:
-            u = self.usable_rows
+            u = self._usable_rows()
             last = self.row_last[u]
             ev = last < last_before
             key = self.row_freq[u].clamp(max=_FREQ_CAP) * (1 << 32) + (last + 1).clamp(max=_LAST_CAP)
@@ -320,6 +319,11 @@ class IdMap(nn.Module):
             return lru_v, lru_n
         pos_lfu = torch.cat([self.is_lfu[self.seg], self.is_lfu.new_zeros(1)])
         return torch.where(pos_lfu, lfu_v, lru_v), torch.where(self.is_lfu, lfu_n, lru_n)
+
+    def _usable_rows(self) -> torch.Tensor:
+        """`[Ord]` the usable rows of every shard, shard after shard (each shard's zero row left out: position i of
+        segment s is row i + s of the group)."""
+        return torch.arange(self.Ord, device=self.seg.device) + self.seg
 
     def _segment_bases(self, cs_ex: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(per shard the exclusive cumsum at its segment's start, per shard the segment's total)."""
@@ -388,7 +392,7 @@ class IdMap(nn.Module):
         self.row_last[:R] = torch.where(lost, -1, self.row_last[:R])
         self.row_freq[:R] = torch.where(self.row_last[:R] >= 0, self.row_freq[:R], 0)
         if self.lru:
-            u = self.usable_rows
+            u = self._usable_rows()
             idx = torch.sort(self.row_last[u], stable=True).indices
             if self.T > 1:
                 idx = idx[torch.sort(self.seg[idx], stable=True).indices]

@@ -192,3 +192,14 @@ def test_shards_of_one_group_keep_their_own_maps_and_a_rebuilt_map_maps_the_same
     assert _lookup_rows(copy, ids, [6, 7]) == want
     assert copy.clock == m.clock
     assert torch.equal(copy.order, m.order)
+
+
+@pytest.mark.parametrize("eviction,min_count", [("lru", 1), ("lfu", 1), ("lru", 3)])
+def test_the_planners_price_is_the_maps_memory(eviction, min_count):
+    from embshard.rawids import map_bytes_per_row
+
+    rows = 5000
+    t = TableConfig("t", rows, 4, ("f",), ids="raw", eviction=eviction, admit_min_count=min_count)
+    m = IdMap([_shard(t)], torch.device("cpu"), seed=0)
+    held = sum(b.numel() * b.element_size() for b in m.buffers())
+    assert abs(held - map_bytes_per_row(rows, eviction, min_count) * rows) < 1024  # per-shard constants aside
