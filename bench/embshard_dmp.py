@@ -91,7 +91,8 @@ def main() -> None:
     raw_tables = [dataclasses.replace(t, ids="raw", eviction=args.eviction) for t in tables]
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
-    plan, report = make_plan(args, tables, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
+    planned = raw_tables if args.ids != "static" else tables  # both: one plan raw-id tables can use
+    plan, report = make_plan(args, planned, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
     plan_s = time.time() - t0
     kinds_wanted = {"static": ["static"], "raw": ["raw"], "both": ["static", "raw"]}[args.ids]
     t0 = time.time()
