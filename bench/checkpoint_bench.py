@@ -1,11 +1,11 @@
 """Sharded checkpoints of hetero124 on GPUs: save throughput beside `dd`, host memory, async blocking time, the
 checksums' cost (a verify pass; a reload with and without them checked), and a reload into a 1-GPU plan with
-UVM-caching. Run by bench/device_ckpt.sh (torchrun, one process per GPU):
+UVM-caching. Run by `python bench/run.py ckpt` (torchrun, one process per GPU):
 
     torchrun --nproc-per-node=2 bench/checkpoint_bench.py --scale 0.1 --dir /tmp/embshard_ckpt_bench
 
 hetero124 (bench/embshard_dmp.py) is 4 x 100M x 128 + 20 x 5M x 64 + 100 x 10k x 16 fp32 rows: 205 GB of weights,
-more than the device machine's disk, so --scale multiplies the row counts of the large and medium tables (0.1:
+more than a GPU machine's local disk, so --scale multiplies the row counts of the large and medium tables (0.1:
 4 x 10M x 128 + 20 x 500k x 64, about 23 GB with the row-wise Adagrad state). Plan: tables of <= 10k rows
 data-parallel, the others table-wise in HBM (bench/embshard_dmp.py --plan small-dp). Steps of batch 8192 per rank
 with uniform ids make the optimizer state non-zero. Phases, on every rank:
@@ -266,6 +266,24 @@ def main() -> None:
         print("\npeak RSS per rank (GiB; current / peak since start):")
         for phase, values in rss.items():
             print(f"  {phase:12s} " + "   ".join(f"rank {r}: {c:.1f} / {p:.1f}" for r, (c, p) in enumerate(values)))
+        speed = {phase: (gb / sec if sec > 0 else float("nan")) for phase, gb, sec, _ in rows}
+        seconds = {phase: sec for phase, _, sec, _ in rows}
+        reload = next((r for r in rows if r[0].startswith("reload:")), None)
+        first = {
+            key: next((speed[r[0]] for r in rows if r[0].startswith(key)), float("nan"))
+            for key in ("verify", "reload,")
+        }
+        print(
+            f"RESULT framework=embshard bench=ckpt world={world} scale={scale:g} gb={total_gb:.2f} "
+            f"dd_gbs={speed[rows[0][0]]:.2f} sync_save_gbs={speed['sync save']:.2f} "
+            f"async1_blocking_s={seconds['async save #1: blocking']:.2f} "
+            f"async2_blocking_s={seconds['async save #2: blocking']:.2f} "
+            f"async2_commit_gbs={speed['async save #2: until committed']:.2f} verify_gbs={first['verify']:.2f} "
+            f"reload_gbs={speed[reload[0]] if reload else float('nan'):.2f} "
+            f"reload_unchecked_gbs={first['reload,']:.2f} "
+            f"reload_parity={'ok' if reload and 'parity OK' in reload[3] else 'failed'} "
+            f"peak_rss_gib={max(p for values in rss.values() for _, p in values):.2f}"
+        )
     dist.barrier()
     if rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
