@@ -28,9 +28,9 @@ class State:
         self.loads = np.zeros((loads.NROWS, self.W))
         if base is not None:
             self.loads += np.asarray(base, dtype=float)[:, None]
-        self.version = 0  # bumped whenever the loads change (invalidates _host_stats)
+        self.version = 0  # bumped whenever the loads change (invalidates the statistics of _fresh)
         self._stats_key: tuple | None = None
-        self._stats: tuple = ()
+        self._stats: dict = {}
         self.hbm_free = np.full(self.W, float(hbm_budget))
         self.ddr_free = np.full(self.W, float(ddr_budget))
         self.group_count: dict[tuple, np.ndarray] = {}
@@ -222,8 +222,11 @@ class State:
         """Best rank for block b alone: (step time, rank), vectorised over ranks, exact for this model.
 
         On rank q (host h) the block adds `owner` to q, `same` to q's host peers and `other` to the ranks of
-        other hosts. A row's new maximum is the largest of: q's new value; the top of host h's other ranks
-        (the host's first or, if that is q, second largest) plus `same`; the top of the other hosts plus `other`.
+        other hosts. A row's new maximum is the largest of: q's new value; the top of host h's other ranks plus
+        `same`; the top of the other hosts plus `other`. Loads only grow, so where `same` and `other` are zero
+        (the rows a block loads on its own rank only) that is the larger of q's new value and the row's current
+        maximum; the per-host tops are needed only for the rows the block loads on other ranks (`_host_stats`,
+        kept until the loads change). Computed for every rank at once; ranks without room score infinity.
         """
         feasible = (self.hbm_free >= ch.hbm[b] - 0.5) & (self.ddr_free >= ch.ddr[b] - 0.5)
         if item.pinned:
@@ -232,53 +235,83 @@ class State:
             feasible &= allowed
         if exclude:
             feasible[list(exclude)] = False
-        q = np.flatnonzero(feasible)
-        if not q.size:
+        if not feasible.any():
             return None
         o, a, x = ch.owner[b], ch.same[b], ch.other[b]
-        counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
-        absent = (counts[q] == 0).astype(float)
-        if exclude:
-            absent[np.isin(q, exclude)] = 0.0
-        fixed = self.model.group_fixed(*self._group(ch))
-        scheme = self._scheme_delta(item, ch, +1) if b == 0 else np.zeros(loads.NROWS)
-        L = self.loads
-        arg_in, top1_in, top2_in, best_h, first_v, second_v = self._host_stats()
-        hq, jq = q // self.lws, q % self.lws
-        same_host = np.where(arg_in[:, hq] == jq[None, :], top2_in[:, hq], top1_in[:, hq]) + a[:, None]
-        if self.H > 1:
-            out_top = np.where(best_h[:, None] == hq[None, :], second_v[:, None], first_v[:, None])
-            excl = np.maximum(same_host, out_top + x[:, None])
+        group = self._group(ch)
+        counts = self.group_count.get(group)
+        fixed = self.model.group_fixed(*group)
+        own = self.loads + o[:, None]
+        if counts is None:
+            own += fixed[:, None]
         else:
-            excl = same_host
-        own = L[:, q] + o[:, None] + np.outer(fixed, absent)
+            absent = counts == 0
+            if absent.any():
+                own[:, absent] += fixed[:, None]
         if ch.option.kernel is LookupKernel.SMALL:
-            top = self.hot_max.get(self._group(ch))
-            own[loads.BWD] += np.maximum(float(ch.hot[b]) - (top[q] if top is not None else 0.0), 0.0)
-        new = np.maximum(excl, own) + scheme[:, None]
-        J = np.maximum.reduceat(new, loads.PHASE_START, axis=0).sum(axis=0)
-        own_t = np.maximum.reduceat(own, loads.PHASE_START, axis=0).sum(axis=0)
-        # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
-        k = np.lexsort((q, -self.hbm_free[q], own_t, np.round(J * 1e9)))[0]
-        return float(J[k]), int(q[k])
+            top = self.hot_max.get(group)
+            own[loads.BWD] += np.maximum(float(ch.hot[b]) - (top if top is not None else 0.0), 0.0)
+        new = np.maximum(own, self._row_max()[:, None])
+        peers = (a != 0) | (x != 0) if self.H > 1 else a != 0
+        if peers.any():
+            rows = np.flatnonzero(peers)
+            same_top, other_top = self._host_stats(rows)
+            excl = same_top + a[rows, None]
+            if other_top is not None:
+                np.maximum(excl, other_top + x[rows, None], out=excl)
+            new[rows] = np.maximum(new[rows], excl)
+        if b == 0:
+            new += self._scheme_delta(item, ch, +1)[:, None]
+        J = loads.phase_max_sum(new)
+        J[~feasible] = np.inf
+        rounded = np.round(J * 1e9)
+        ties = np.flatnonzero(rounded == rounded.min())
+        if len(ties) > 1:
+            # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
+            own_t = loads.phase_max_sum(own[:, ties])
+            ties = ties[np.lexsort((ties, -self.hbm_free[ties], own_t))]
+        k = int(ties[0])
+        return float(J[k]), k
 
-    def _host_stats(self) -> tuple:
-        """Per row: each host's largest and second largest load (and where), and the best two hosts. Cached until
-        the loads change."""
+    def _fresh(self) -> dict:
+        """The cache of statistics of the current loads (emptied when they change)."""
         key = (id(self.loads), self.version)
-        if self._stats_key == key:
-            return self._stats
-        by_host = self.loads.reshape(loads.NROWS, self.H, self.lws)
-        arg_in = by_host.argmax(axis=2)  # [NROWS, H], index within the host
-        srt = np.sort(by_host, axis=2)
-        top1_in = srt[:, :, -1]
-        top2_in = srt[:, :, -2] if self.lws > 1 else np.full_like(top1_in, -np.inf)
-        best_h = first_v = second_v = None
-        if self.H > 1:
-            hsrt = np.argsort(-top1_in, axis=1, kind="stable")
-            best_h, second_h = hsrt[:, 0], hsrt[:, 1]
-            rows = np.arange(loads.NROWS)
-            first_v, second_v = top1_in[rows, best_h], top1_in[rows, second_h]
-        self._stats = (arg_in, top1_in, top2_in, best_h, first_v, second_v)
-        self._stats_key = key
+        if self._stats_key != key:
+            self._stats_key, self._stats = key, {}
         return self._stats
+
+    def _row_max(self) -> np.ndarray:
+        """[NROWS]: each row's largest load over the ranks (cached until the loads change)."""
+        cache = self._fresh()
+        if "max" not in cache:
+            cache["max"] = self.loads.max(axis=1)
+        return cache["max"]
+
+    def _host_stats(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """For the rows `rows` ([m, W] each): the largest load among the other ranks of each rank's host (-inf
+        alone on its host), and among the ranks of the other hosts (None on one host). Cached until the loads
+        change."""
+        cache = self._fresh()
+        key = tuple(rows.tolist())
+        got = cache.get(key)
+        if got is not None:
+            return got
+        L, lws, m = self.loads[rows], self.lws, len(rows)
+        by_host = L.reshape(m, self.H, lws)
+        host_top = by_host.max(axis=2)  # [m, H]
+        top1 = np.repeat(host_top, lws, axis=1)  # [m, W]: the rank's host's largest
+        if lws > 1:
+            is_top = L == top1
+            ties = is_top.reshape(m, self.H, lws).sum(axis=2) > 1  # the largest twice: the others' top is it
+            second = np.where(is_top, -np.inf, L).reshape(m, self.H, lws).max(axis=2)
+            second = np.where(ties, host_top, second)
+            same_top = np.where(is_top, np.repeat(second, lws, axis=1), top1)
+        else:
+            same_top = np.full_like(L, -np.inf)
+        other_top = None
+        if self.H > 1:
+            part = np.partition(host_top, self.H - 2, axis=1)
+            first, second_h = part[:, -1:], part[:, -2:-1]
+            other_top = np.where(top1 == first, second_h, first)  # a tie between hosts: second equals first
+        cache[key] = (same_top, other_top)
+        return cache[key]
