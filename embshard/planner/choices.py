@@ -111,7 +111,16 @@ def build_items(
     index = {n: i for i, n in enumerate(names)}
     groups = colocation_groups(names, constraints)
     grouped = {index[n] for g in groups if len(g) > 1 for n in g}
-    opts = [table_options(t, constraints[t.name], topo, settings, colocated=i in grouped) for i, t in enumerate(tables)]
+    memo: dict[tuple, list[Option]] = {}  # the options depend on the table only through its width
+
+    def options_of(i: int, t: TableConfig) -> list[Option]:
+        c, colocated = constraints[t.name], i in grouped
+        key = (id(c), t.embedding_dim, colocated)
+        if key not in memo:
+            memo[key] = table_options(t, c, topo, settings, colocated=colocated)
+        return list(memo[key])
+
+    opts = [options_of(i, t) for i, t in enumerate(tables)]
     twins: list[dict[int, int]] = [{} for _ in tables]
     alone = [i for i in range(len(tables)) if i not in grouped]
     cons = [constraints[names[i]] for i in alone]

@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from embshard.geometry import column_blocks, offsets, row_blocks, runs
+from embshard.geometry import column_blocks, offsets, row_blocks, row_runs, runs
 from embshard.kernels.cost import eligible
 from embshard.plan import LookupKernel, MemoryTier, Shard, ShardingType
 from embshard.planner.constraints import ParameterConstraints
@@ -200,6 +200,5 @@ def _column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
     return runs(column_blocks(dim, parts))
 
 
-@lru_cache(maxsize=4096)
 def _row_runs(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
-    return runs(row_blocks(rows, parts))
+    return row_runs(rows, parts)

@@ -190,16 +190,17 @@ def _fit_totals(p: Problem) -> None:
 def _place_all(state: State, p: Problem) -> None:
     """Greedy: replicated / row-wise items first, then the largest (in time or memory) first."""
     items, bud = p.items, p.budgets
-    target = max(sum(p.choice(i).avg for i in range(len(items))), 1e-12)
-
-    def weight(i: int) -> float:
-        ch = p.choice(i)
-        if is_dense(ch.option):
-            return float("inf")
-        peak = np.maximum.reduceat(ch.first_owner, loads.PHASE_START).sum()
-        return max(peak / target, ch.hbm_max / max(bud.hbm, 1.0), ch.ddr_max / max(bud.ddr, 1.0))
-
-    order = sorted(range(len(items)), key=lambda i: (-weight(i), i))
+    chosen = [p.choice(i) for i in range(len(items))]
+    target = max(sum(ch.avg for ch in chosen), 1e-12)
+    # Weight: the largest of the first block's time alone over the summed balanced cost, and its memory over
+    # the budgets; replicated and row-wise items first. Heaviest first, ties in item order.
+    first = np.array([ch.first_owner for ch in chosen]).reshape(len(chosen), loads.NROWS)
+    peak = np.maximum.reduceat(first, loads.PHASE_START, axis=1).sum(axis=1)
+    mem_h = np.array([ch.hbm_max for ch in chosen]) / max(bud.hbm, 1.0)
+    mem_d = np.array([ch.ddr_max for ch in chosen]) / max(bud.ddr, 1.0)
+    weight = np.maximum(np.maximum(peak / target, mem_h), mem_d)
+    weight[[is_dense(ch.option) for ch in chosen]] = np.inf
+    order = np.lexsort((np.arange(len(items)), -weight)).tolist()
     for i in order:
         it = items[i]
         first = p.chosen[i]
