@@ -32,7 +32,7 @@ import numpy as np
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import MemoryTier, ShardingPlan, TablePlan
 from embshard.planner import errors, exact, kernel_choice, loads
-from embshard.planner.choices import build_items, is_dense
+from embshard.planner.choices import build_choices, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
 from embshard.planner.errors import gib
@@ -95,7 +95,8 @@ def _plan_with_report(
     settings = settings or PlannerSettings()
     cons = resolve_constraints(tables, constraints, topology.world_size)
     model = CostModel(topology, batch_size, optimizer, settings)
-    p = Problem(model, tables, budgets(model, tables), build_items(model, tables, cons))
+    items, table = build_choices(model, tables, cons)
+    p = Problem(model, tables, budgets(model, tables), items, table)
     p.notes = {t.name: [] for t in tables}
     _cheapest(p)
     _fit_totals(p)
@@ -116,31 +117,37 @@ def _plan_with_report(
 def _cheapest(p: Problem) -> None:
     """Each item's usable choices (its largest shard fits a rank) and, as its first choice, the cheapest of them
     by balanced cost."""
-    bud = p.budgets
-    for it in p.items:
-        u = [c for c, ch in enumerate(it.choices) if ch.hbm_max <= bud.hbm + 0.5 and ch.ddr_max <= bud.ddr + 0.5]
+    bud, tab, items = p.budgets, p.table, p.items
+    fits = (tab.hbm_max <= bud.hbm + 0.5) & (tab.ddr_max <= bud.ddr + 0.5)
+    bases = [it.base for it in items]
+    ends = [*bases[1:], len(fits)]
+    for it, a, b in zip(items, bases, ends):
+        u = np.flatnonzero(fits[a:b]).tolist()
         if not u:
             raise errors.too_large_for_a_rank(p, it)
         p.usable.append(u)
     kernel_choice.select(p)
-    for it, u in zip(p.items, p.usable):
-        c = min(u, key=lambda k, it=it: (round(it.choices[k].avg * 1e12), k))
+    avg = tab.avg.tolist()
+    key = np.round(tab.avg * 1e12).tolist()
+    for it, u in zip(items, p.usable):
+        b = it.base
+        c = min(u, key=lambda k: (key[b + k], k))
         p.chosen.append(c)
-        ranked = sorted(u, key=lambda k, it=it: (it.choices[k].avg, k))
-        runner = next((k for k in ranked if k != c), None)
-        why = f"cheapest option, {it.choices[c].avg * 1e3:.4f} ms balanced"
+        runner = min((k for k in u if k != c), key=lambda k: (avg[b + k], k), default=None)
+        why = f"cheapest option, {avg[b + c] * 1e3:.4f} ms balanced"
         if runner is not None:
-            why += f" (next: {it.choices[runner].option.label} {it.choices[runner].avg * 1e3:.4f} ms)"
+            why += f" (next: {it.options[runner].label} {avg[b + runner] * 1e3:.4f} ms)"
         p.note(it, why)
 
 
 def _fit_totals(p: Problem) -> None:
     """Move tables to options with less GPU memory, least time lost per byte freed first, until the totals fit."""
-    items, usable, chosen, topo = p.items, p.usable, p.chosen, p.topology
+    items, usable, chosen, topo, tab = p.items, p.usable, p.chosen, p.topology, p.table
     fill = p.settings.memory_fill
     cap_h, cap_d = fill * topo.world_size * p.budgets.hbm, fill * topo.world_size * p.budgets.ddr
-    need_h = sum(p.choice(i).total_hbm for i in range(len(items)))
-    need_d = sum(p.choice(i).total_ddr for i in range(len(items)))
+    avg, hbm, ddr = tab.avg.tolist(), tab.total_hbm.tolist(), tab.total_ddr.tolist()
+    need_h = sum(hbm[it.base + c] for it, c in zip(items, chosen))
+    need_d = sum(ddr[it.base + c] for it, c in zip(items, chosen))
     if need_h <= cap_h and need_d <= cap_d:
         return
     if need_d > cap_d or not topo.is_gpu:
@@ -148,14 +155,14 @@ def _fit_totals(p: Problem) -> None:
     over = need_h - cap_h
 
     def best_move(i: int) -> tuple[float, int, int] | None:
-        it, cur = items[i], p.choice(i)
+        b = items[i].base
+        cur = b + chosen[i]
         best = None
         for c in usable[i]:
-            ch = it.choices[c]
-            freed = cur.total_hbm - ch.total_hbm
+            freed = hbm[cur] - hbm[b + c]
             if freed <= 1.0:
                 continue
-            ratio = (ch.avg - cur.avg) / freed
+            ratio = (avg[b + c] - avg[cur]) / freed
             if best is None or (ratio, c) < best[:2]:
                 best = (ratio, c, i)
         return best
@@ -165,20 +172,21 @@ def _fit_totals(p: Problem) -> None:
     while need_h > cap_h:
         while heap:
             ratio, c, i = heapq.heappop(heap)
-            ch, cur = items[i].choices[c], p.choice(i)
-            if cur.total_hbm - ch.total_hbm <= 1.0:
+            b = items[i].base
+            f, cur = b + c, b + chosen[i]
+            if hbm[cur] - hbm[f] <= 1.0:
                 continue  # stale
-            if need_d - cur.total_ddr + ch.total_ddr > cap_d:
+            if need_d - ddr[cur] + ddr[f] > cap_d:
                 continue
             break
         else:
             raise errors.totals_do_not_fit(p)
-        need_h += ch.total_hbm - cur.total_hbm
-        need_d += ch.total_ddr - cur.total_ddr
+        need_h += hbm[f] - hbm[cur]
+        need_d += ddr[f] - ddr[cur]
         p.note(
             items[i],
-            f"GPU memory over budget by {gib(over)} in total: moved from {cur.option.label} to {ch.option.label}, "
-            f"freeing {gib(cur.total_hbm - ch.total_hbm)} for +{(ch.avg - cur.avg) * 1e3:.4f} ms "
+            f"GPU memory over budget by {gib(over)} in total: moved from {items[i].options[chosen[i]].label} to "
+            f"{items[i].options[c].label}, freeing {gib(hbm[cur] - hbm[f])} for +{(avg[f] - avg[cur]) * 1e3:.4f} ms "
             "(least time lost per GiB freed)",
         )
         chosen[i] = c
