@@ -7,9 +7,10 @@ both plan: 100 tables on 8 GPUs).
 
 Models beyond 1,000 tables per 64 GPUs are generated to fit (mixed_tables: rows scaled with the world size;
 batch_size: fewer samples per GPU with more features). Prints `seconds=<embshard planning time>` first (the
-fastest of --repeats plans: the machine may be shared), then one line per planner and case with the predicted
-step time, the planner's peak memory (tracemalloc: Python and numpy allocations of one more plan) and the
-process's peak resident memory.
+fastest of --repeats plans: the machine may be shared), then one line per planner and case with the CPU time
+the planning process used (fastest repeat: on a busy machine the wall time also counts other processes), the
+predicted step time, the planner's peak memory (tracemalloc: Python and numpy allocations of one more plan)
+and the process's peak resident memory.
 """
 
 from __future__ import annotations
@@ -21,11 +22,6 @@ import resource
 import subprocess
 import sys
 import time
-
-if hasattr(os, "sched_setaffinity"):
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
-for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[var] = "1"
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -73,19 +69,21 @@ def mixed_tables(n: int, seed: int = 0, world_size: int = REFERENCE_WORLD):
     return out
 
 
-def embshard_seconds(n: int, world: int, local: int, repeats: int = 3) -> tuple[float, float, list[float]]:
-    """(fastest planning seconds of `repeats`, predicted step ms, every repeat's seconds) of embshard's planner."""
+def embshard_seconds(n: int, world: int, local: int, repeats: int = 3) -> tuple[float, float, list[float], float]:
+    """(fastest planning seconds of `repeats`, predicted step ms, every repeat's seconds, fastest CPU seconds of
+    the process: what the planner itself used, whatever else the machine ran) of embshard's planner."""
     from embshard.planner import Topology, plan_with_report
 
     tables, batch = mixed_tables(n, world_size=world), batch_size(n)
     topo = Topology.preset("h100", world, local)
     plan_with_report(mixed_tables(20, seed=1), Topology.preset("h100", 8), BATCH)  # warm-up (first numpy calls)
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _, report = plan_with_report(tables, topo, batch)
         times.append(time.perf_counter() - t0)
-    return min(times), report.step_time_s * 1e3, times
+        cpu.append(time.process_time() - c0)
+    return min(times), report.step_time_s * 1e3, times, min(cpu)
 
 
 def embshard_peak_mib(n: int, world: int, local: int) -> float:
@@ -130,7 +128,16 @@ def torchrec_seconds(n: int, world: int, local: int, timeout: float) -> float | 
     return None
 
 
+def one_core() -> None:
+    """Run on one CPU core, with one thread in numpy's libraries (before numpy is imported)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = "1"
+
+
 def main() -> None:
+    one_core()
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tables", type=int, default=1000)
     p.add_argument("--world-size", type=int, default=64)
@@ -144,13 +151,13 @@ def main() -> None:
         torchrec_child(*args.torchrec_child)
         return
     n, W, lws = args.tables, args.world_size, args.local_world_size
-    seconds, step_ms, times = embshard_seconds(n, W, lws, args.repeats)
+    seconds, step_ms, times, cpu = embshard_seconds(n, W, lws, args.repeats)
     peak = embshard_peak_mib(n, W, lws)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"seconds={seconds:.3f}")
     print(
         f"embshard tables={n} world_size={W} batch={batch_size(n)} seconds={seconds:.3f} (fastest of "
-        f"{', '.join(f'{t:.3f}' for t in times)}; one core) predicted_step_ms={step_ms:.2f} "
+        f"{', '.join(f'{t:.3f}' for t in times)}; one core) cpu_seconds={cpu:.3f} predicted_step_ms={step_ms:.2f} "
         f"peak_planner_mib={peak:.0f} (tracemalloc) maxrss_mib={maxrss:.0f} (process)"
     )
     if args.skip_torchrec:
@@ -161,7 +168,7 @@ def main() -> None:
         return
     print(f"torchrec tables={n} world_size={W} seconds>{args.torchrec_timeout:.0f} (stopped)")
     small_n, small_w = 100, 8
-    ours, _, _ = embshard_seconds(small_n, small_w, small_w, args.repeats)
+    ours, *_ = embshard_seconds(small_n, small_w, small_w, args.repeats)
     tr = torchrec_seconds(small_n, small_w, small_w, args.torchrec_timeout)
     tr_text = f"{tr:.3f}" if tr is not None else f">{args.torchrec_timeout:.0f} (stopped)"
     print(f"torchrec tables={small_n} world_size={small_w} seconds={tr_text}")
