@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--save-plan", default="", help="write the plan used (YAML) to this file (rank 0)")
     ap.add_argument("--no-check-ids", action="store_true", help="skip the per-step id range check")
     ap.add_argument("--mem-probe", action="store_true", help="print the forward and backward transient memory")
+    ap.add_argument("--profile-build", action="store_true", help="cProfile of building the module (rank 0)")
     args = ap.parse_args()
 
     from embshard.distributed import init_distributed
@@ -78,9 +79,25 @@ def main() -> None:
     t0 = time.time()
     plan, report = make_plan(args, tables, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
     plan_s = time.time() - t0
+    profiler = None
+    if args.profile_build:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.time()
     ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=dev, seed=None)
+    if cuda:
+        torch.cuda.synchronize()
     build_s = time.time() - t0
+    if profiler is not None:
+        profiler.disable()
+        if rank == 0:
+            import pstats
+
+            print(f"build profile, rank 0 ({build_s:.1f} s; GPU work inside the calls that wait for it):")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     built_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if rank == 0:
         kinds: dict[str, int] = {}
