@@ -170,9 +170,10 @@ def main() -> None:
                 f"; predicted {report.step_time_s * 1e3:.2f} ms/step ({report.step_time_s * 1e3 / ms:.2f}x measured),"
                 f" predicted peak {report.peak_hbm / 2**30:.2f} GiB"
             )
+        saved = f"; plan saved to {args.save_plan}" if args.save_plan else ""
         print(
             f"embshard {args.workload} world={ws} plan={args.plan} check_ids={not args.no_check_ids}: "
-            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
+            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}{saved}",
             flush=True,
         )
     dist.destroy_process_group()
