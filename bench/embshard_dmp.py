@@ -5,7 +5,10 @@ Run with torchrun, one process per GPU (gloo on CPU for a smoke test):
     torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload hetero124 --plan small-dp
 Workloads (rows, dim, mean ids per bag), batch per rank 8192 (tiny: 64), ids uniform, row-wise Adagrad, bag
 lengths uniform in [0, 2 x mean]: the same as the TorchRec baseline script. Step = forward, backward with the
-fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, samples/s and peak GPU memory.
+fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, samples/s and peak GPU memory, and
+one line `RESULT framework=embshard bench=emb workload=... ms_per_step=... predicted_ms=... floor_hbm_gb=...`
+(bench/report.py reads it; the floor fields are the bytes each rank moves per step, bench/floors.py).
+--mem-at 100,5000 also records the GPU memory allocated after those timed steps (a long run: no growth).
 
 --plan: `simple` (all table-wise, greedy), `small-dp` (tables <= 10k rows data-parallel, the rest table-wise),
 `planner` (embshard.planner on the detected GPUs; --hbm-gib caps the GPU memory it may plan for, which is how
@@ -16,11 +19,16 @@ step time and peak GPU memory, to compare with the measured ones.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import floors  # noqa: E402
 
 WORKLOADS = {
     "uniform26": ([(1_000_000, 128, 10)] * 26, 8192),
@@ -28,6 +36,13 @@ WORKLOADS = {
     "overflow": ([(20_000_000, 128, 2)] * 6 + [(1_000_000, 64, 20)] * 10, 8192),
     "tiny": ([(1000, 16, 3)] * 4, 64),
 }
+
+
+def workload_tables(name: str) -> list:
+    """The workload's tables (t0, t1, ...; one feature each, f0, f1, ...)."""
+    from embshard.tables import TableConfig
+
+    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(WORKLOADS[name][0])]
 
 
 def make_plan(args, tables, world: int, tier, batch: int, opt):
@@ -61,6 +76,8 @@ def main() -> None:
     ap.add_argument("--save-plan", default="", help="write the plan used (YAML) to this file (rank 0)")
     ap.add_argument("--no-check-ids", action="store_true", help="skip the per-step id range check")
     ap.add_argument("--mem-probe", action="store_true", help="print the forward and backward transient memory")
+    ap.add_argument("--mem-at", default="", help="comma-separated timed steps after which to record allocated memory")
+    ap.add_argument("--bench", default="emb", help="the bench name in the RESULT line (emb; soak for long runs)")
     ap.add_argument("--profile-build", action="store_true", help="cProfile of building the module (rank 0)")
     args = ap.parse_args()
 
@@ -68,13 +85,12 @@ def main() -> None:
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier
     from embshard.sharded import ShardedEmbeddingBagCollection
-    from embshard.tables import TableConfig
 
     dev = init_distributed()
     cuda = dev.type == "cuda"
     rank, ws = dist.get_rank(), dist.get_world_size()
     spec, batch = WORKLOADS[args.workload]
-    tables = [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
+    tables = workload_tables(args.workload)
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
     plan, report = make_plan(args, tables, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
@@ -108,6 +124,8 @@ def main() -> None:
         print(f"plan {plan_s:.2f} s, build {build_s:.1f} s; plan: {kinds}", flush=True)
         if args.save_plan:
             plan.save(args.save_plan)
+        # The plan this run measures, for `bench/planner_predict.py --refit` (one line of JSON).
+        print(f"PLAN workload={args.workload} json={json.dumps(json.loads(plan.to_json()), separators=(',', ':'))}")
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -150,11 +168,19 @@ def main() -> None:
     warm_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    mem_at = sorted({int(x) for x in args.mem_at.split(",") if x})
+    allocated: dict[int, float] = {}
     t0 = time.time()
     for i in range(args.steps):
         step(i)
+        if i + 1 in mem_at:
+            sync()
+            allocated[i + 1] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     sync()
     ms = (time.time() - t0) / args.steps * 1e3
+    mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(ws)]
+    dist.all_gather_object(everyone, mine)
     peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else 0.0], device=dev)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -170,12 +196,24 @@ def main() -> None:
                 f"; predicted {report.step_time_s * 1e3:.2f} ms/step ({report.step_time_s * 1e3 / ms:.2f}x measured),"
                 f" predicted peak {report.peak_hbm / 2**30:.2f} GiB"
             )
-        saved = f"; plan saved to {args.save_plan}" if args.save_plan else ""
         print(
             f"embshard {args.workload} world={ws} plan={args.plan} check_ids={not args.no_check_ids}: "
-            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}{saved}",
+            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
             flush=True,
         )
+        fields = [
+            f"framework=embshard bench={args.bench} workload={args.workload} world={ws} batch_per_rank={batch}",
+            f"plan={os.path.basename(args.plan)} hbm_gib={args.hbm_gib:g} steps={args.steps} ms_per_step={ms:.3f}",
+            f"samples_per_s={ws * batch / ms * 1e3:.0f} peak_gib={peak.item() / 2**30:.2f}",
+        ]
+        if report is not None:
+            fields.append(
+                f"predicted_ms={report.step_time_s * 1e3:.3f} predicted_peak_gib={report.peak_hbm / 2**30:.2f}"
+            )
+        for j, k in enumerate(mem_at):  # max over ranks
+            fields.append(f"allocated_gib_step{k}={max(float(e[j]) for e in everyone):.4f}")
+        fields.append(floors.fields(floors.embedding_bytes(tables, plan, batch)))
+        print("RESULT " + " ".join(fields), flush=True)
     dist.destroy_process_group()
 
 

@@ -16,8 +16,8 @@ Each line: workload=... variant=... predicted_ms=... predicted_peak_hbm_gib=... 
 buffers, without the dense model) per_rank_hbm_gib=[...] per_rank_host_gib=[...] plan=FILE
 
 Refit a GPU model's constants (embshard/planner/presets/DEVICE.yaml) to benchmark logs of that GPU, one command
-after `bash bench/device_bench.sh ...` (its bench.log and the plans it saved) and `python bench/kernels.py`:
-    python bench/planner_predict.py --refit --device h100 --steps OUT/bench.log --kernels OUT/kernels.log --write
+after `python bench/run.py emb kernels --out OUT` (emb.log has each run's RESULT line and the plan it ran):
+    python bench/planner_predict.py --refit --device h100 --steps OUT/emb.log --kernels OUT/kernels.log --write
 --kernels refits the small-table kernel's constants (forward per id, backward and data-parallel dense gradient
 per atomic sector), --steps the fixed cost of a step (embshard/planner/tools/refit.py); it prints every measured
 step against the prediction before and after, and --write rewrites the preset file (or --out FILE).
@@ -94,11 +94,11 @@ def refit(args: argparse.Namespace) -> None:
 
     if not (args.kernels or args.steps):
         raise SystemExit(
-            "--refit needs --kernels LOG (bench/kernels.py) and/or --steps LOG (device_bench.sh's bench.log)"
+            "--refit needs --kernels LOG (bench/kernels.py) and/or --steps LOG... (bench/run.py emb's log)"
         )
     from embshard.planner.topology import preset_for_gpu
 
-    for log_file in filter(None, (args.kernels, args.steps)):
+    for log_file in [*filter(None, [args.kernels]), *(args.steps or [])]:
         gpu = rf.gpu_of_log(Path(log_file).read_text())
         if gpu and preset_for_gpu(gpu, 0) != args.device:
             raise SystemExit(f"{log_file} was measured on {gpu!r}, not on a {args.device}: pass --device for that GPU")
@@ -117,39 +117,38 @@ def refit(args: argparse.Namespace) -> None:
         updates.update(fitted)
         topo = replace(topo, **fitted)
     if args.steps:
-        runs = rf.parse_step_log(Path(args.steps).read_text())
+        import json
+
+        runs = [r for path in args.steps for r in rf.parse_step_log(Path(path).read_text())]
         if not runs:
-            raise SystemExit(f"{args.steps}: no bench/embshard_dmp.py result lines ('embshard WORKLOAD world=N ...')")
+            raise SystemExit(f"{args.steps}: no embedding-step results ('RESULT framework=embshard bench=emb ...')")
         opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
         bare = replace(topo, step_overhead_s=0.0)
         rows, predicted, measured = [], [], []
-        for workload, world, plan_name, seconds, saved in runs:
-            plan_file = Path(saved) if saved else Path(args.steps).parent / f"plan_{workload}.yaml"
-            if plan_name not in ("planner", "simple", "small-dp") and not saved:
-                plan_file = Path(plan_name)
-            if not plan_file.exists() and saved:
-                plan_file = Path(args.steps).parent / Path(saved).name  # the log's folder, fetched from $OUT
-            if not plan_file.exists():
-                raise SystemExit(
-                    f"{args.steps}: no plan for the {workload} run ({plan_file}): device_bench.sh saves them next to "
-                    "bench.log (--save-plan); copy them along"
-                )
+        for run in runs:
+            workload, world = run["workload"], int(run.get("world", 2))
+            hbm = float(run.get("hbm_gib", 0) or 0) or None
             tables, batch = dmp_workload(workload)
-            plan = ShardingPlan.load(plan_file)
-            report = predict(plan, tables, bare.with_sizes(world), batch, opt)
-            rows.append((workload, plan_file.name, seconds, report.step_time_s))
+            machine = bare.with_sizes(world, hbm_gib=hbm)
+            if run["plan_json"] is not None:
+                plan, how = ShardingPlan.from_dict(json.loads(run["plan_json"])), "its plan"
+            else:  # logs before the PLAN lines: the plan the planner makes now (the same where the preset agrees)
+                plan, how = plan_with_report(tables, machine, batch, opt)[0], "re-planned"
+            report = predict(plan, tables, machine, batch, opt)
+            rows.append((workload, how, run["seconds"], report.step_time_s))
             predicted.append(report.step_time_s)
-            measured.append(seconds)
+            measured.append(run["seconds"])
         c = rf.fit_step_overhead(predicted, measured)
         old = Topology.preset(args.device, 2).step_overhead_s
-        print(f"# steps, {args.steps}: step_overhead {old * 1e6:.0f} -> {c * 1e6:.0f} us")
-        for workload, plan_name, seconds, p0 in rows:
+        print(f"# steps ({len(rows)} runs): step_overhead {old * 1e6:.0f} -> {c * 1e6:.0f} us")
+        for workload, how, seconds, p0 in rows:
             print(
-                f"{workload:10s} {plan_name:28s} measured {seconds * 1e3:7.2f} ms  predicted {p0 * 1e3 + old * 1e3:7.2f} "
+                f"{workload:10s} {how:11s} measured {seconds * 1e3:7.2f} ms  predicted {(p0 + old) * 1e3:7.2f} "
                 f"({(p0 + old) / seconds - 1:+.0%}) -> {(p0 + c) * 1e3:7.2f} ({(p0 + c) / seconds - 1:+.0%})"
             )
         updates["step_overhead_s"] = c
-        why["step_overhead_s"] = f"fitted to {args.steps} ({stamp}: {len(rows)} steps, relative least squares)"
+        logs = ", ".join(args.steps)
+        why["step_overhead_s"] = f"fitted to {logs} ({stamp}: {len(rows)} steps, relative least squares)"
     if args.write or args.out:
         target = Path(args.out) if args.out else preset_path(args.device)
         rf.rewrite_preset(preset_path(args.device), updates, why, out=target)
@@ -168,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torchrec", action="store_true", help="also plan with TorchRec (given the same GPU memory)")
     p.add_argument("--refit", action="store_true", help="refit --device's constants to --kernels / --steps logs")
     p.add_argument("--kernels", help="--refit: bench/kernels.py output of one GPU of that model")
-    p.add_argument("--steps", help="--refit: bench/device_bench.sh's bench.log (its saved plans beside it)")
+    p.add_argument(
+        "--steps", nargs="+", help="--refit: logs with bench/embshard_dmp.py's RESULT lines (bench/run.py emb)"
+    )
     p.add_argument("--write", action="store_true", help="--refit: rewrite embshard/planner/presets/DEVICE.yaml")
     p.add_argument("--out", help="--refit: write the refitted preset here instead")
     args = p.parse_args(argv)

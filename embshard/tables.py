@@ -31,6 +31,11 @@ class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names the item, the value and a fix."""
 
 
+class AllRanksError(ConfigError):
+    """A ConfigError that every rank raises together (one rank's, received in a collective): a launcher prints it
+    once (rank 0) and the ranks stop together."""
+
+
 class FieldError(ConfigError):
     """An impossible value found by a config dataclass's own checks; `key` is the path relative to that dataclass
     (the YAML reader, embshard.config.schema, prefixes the file and the path to the dataclass)."""

@@ -17,18 +17,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, load_config
+from embshard.config import DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TrainConfig, load_config
 from embshard.plan import ShardingPlan
 from embshard.planner.policy import plan_for_job
-from embshard.tables import ConfigError
-
-
-class AllRanksError(ConfigError):
-    """A ConfigError that every rank raises together (rank 0's, received in a broadcast)."""
+from embshard.tables import AllRanksError, ConfigError
 
 
 def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
@@ -161,10 +158,17 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    if cfg.training.compile != "none" and not model.compile_dense(cfg.training.compile, sched.batch_size):
+        report.line(f"training.compile {cfg.training.compile}: compiles on CUDA GPUs only; the dense part runs eagerly")
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
     ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
     start, position = ckpt.resume(ck.resume_from)  # position: after the last trained batch (or the step count)
+    past = past_schedule(start, total, sched, source.steps_per_epoch, world, ckpt.resumed)
+    if past is not None:
+        if start > total:
+            raise AllRanksError(past)  # every rank computes the same
+        report.line(past)
     tr = cfg.training
     pipeline = TrainPipeline(
         model,
@@ -229,6 +233,36 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         report.line(f"saved checkpoint {ckpt.history[-1].path}")
     report.close()
     dist.destroy_process_group()
+
+
+def past_schedule(
+    start: int, total: int, sched: ScheduleConfig, steps_per_epoch: int | None, world: int, resumed: Any
+) -> str | None:
+    """What to say when a resumed run's schedule ends at or before its checkpoint's step (None: it does not):
+    an error when it ends before (the run would train nothing and end on an earlier step than it started), a
+    notice when it ends at that step (nothing left to train: the run only evaluates)."""
+    if start == 0 or start < total:
+        return None
+    where = (
+        f"checkpoint {resumed.path!r} was saved after step {start}" if resumed else f"the checkpoint is at step {start}"
+    )
+    if sched.steps is not None:
+        ends = f"schedule.steps={sched.steps}"
+        fix = f"schedule.steps={start + max(start // 2, 1)}"
+    else:
+        ends = f"schedule.epochs={sched.epochs} x {steps_per_epoch} steps per epoch on {world} ranks"
+        more = -(-(start + 1) // max(1, steps_per_epoch or 1))
+        fix = f"schedule.epochs={more} or more (or schedule.epochs=null schedule.steps=N with N > {start})"
+    if start == total:
+        return (
+            f"checkpoint.resume_from: {where}, the last step of this run's schedule ({ends}): nothing left to train, "
+            f"the run only evaluates. To train further: {fix}"
+        )
+    return (
+        f"checkpoint.resume_from: {where}, but this run's schedule ends at step {total} ({ends}): it would train no "
+        f"step. Fix: a schedule past step {start}, e.g. {fix}; or resume from an earlier checkpoint, or start "
+        "afresh (checkpoint.resume_from=null or another checkpoint.dir)"
+    )
 
 
 def make_dense_optimizer(o: DenseOptimizerConfig, params: list) -> torch.optim.Optimizer:

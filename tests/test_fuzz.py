@@ -10,6 +10,8 @@ Environment:
   EMBSHARD_FUZZ_FIRST_SEED  seed of the first random case (default FIRST_SEED; others explore new cases)
   EMBSHARD_FUZZ_WORLDS=1,2  world sizes to draw from (default 1-4 on CPU, 1 and 2 GPUs where present)
   EMBSHARD_FUZZ_TIMEOUT=T   seconds a collective may wait before its case counts as hung (default 30)
+  EMBSHARD_FUZZ_CORNERS=P   share of random cases pushed into the corners where ranks hold or see different
+                            things (fuzz_cases.to_corners; default DEFAULT_CORNERS)
   EMBSHARD_TEST_DEVICE=cuda the same on GPUs (NCCL; GPU tiers drawn)
 """
 
@@ -31,6 +33,7 @@ from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingP
 from embshard.plan import Shard, TablePlan
 
 DEFAULT_CASES = 200
+DEFAULT_CORNERS = 0.3  # share of random cases drawn into the corners (to_corners): the collective-desync class
 FIRST_SEED = 1000  # random case i has seed FIRST_SEED + i
 
 
@@ -103,7 +106,8 @@ def spec_case(scenario: str, optimizer: str, W: int, device: str, seed: int) -> 
 @pytest.fixture(scope="module")
 def fuzz_run():
     worlds, device = _worlds(), device_kind()
-    cases = [draw_case(s, device, worlds) for s in _seeds()]
+    corners = float(os.environ.get("EMBSHARD_FUZZ_CORNERS", DEFAULT_CORNERS))
+    cases = [draw_case(s, device, worlds, corners) for s in _seeds()]
     spec = {}
     if not os.environ.get("EMBSHARD_FUZZ_SEED"):
         for W in [w for w in worlds if w in (2, 3)] or [max(worlds)]:

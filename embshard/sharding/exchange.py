@@ -90,7 +90,9 @@ class BatchCounts:
 def counts_row(ids_F: torch.Tensor, batch_size: int, bad: torch.Tensor | None, step: int) -> torch.Tensor:
     """This rank's row of the step's counts table: `[batch size, out-of-range ids, step, ids per feature...]` (int64,
     on `ids_F`'s device; `ids_F` in the canonical feature order)."""
-    row = torch.cat([cached_tensor([batch_size, 0, step], ids_F.device), ids_F.to(torch.int64)])  # a new tensor
+    head = cached_tensor([batch_size, 0], ids_F.device)  # constant per batch size: made once, no per-step copy
+    step_1 = torch.full((1,), step, dtype=torch.int64, device=ids_F.device)  # a fill: no host-to-device copy
+    row = torch.cat([head, step_1, ids_F.to(torch.int64)])  # a new tensor
     if bad is not None:
         row[1:2] = bad.reshape(1)
     return row

@@ -115,21 +115,30 @@ def test_refit_recovers_the_kernel_constants_of_its_log():
 def test_step_overhead_fit():
     assert rf.fit_step_overhead([4e-3, 5e-3, 6e-3], [4.5e-3, 5.5e-3, 6.5e-3]) == pytest.approx(0.5e-3)
     assert rf.fit_step_overhead([5e-3], [4e-3]) == 0.0  # never negative
-    line = (
-        "embshard uniform26 world=2 plan=planner check_ids=True: 5.80 ms/step, 2,824,828 samples/s; predicted 4.38 "
-        "ms/step (0.75x measured); plan saved to /out/plan_uniform26.yaml\nembshard tiny world=2 plan=simple "
-        "check_ids=False: 0.91 ms/step, 140 samples/s"
+    log = "\n".join(
+        [
+            'META date=2026-11-26 gpu="NVIDIA H100 80GB HBM3" gpus=2',
+            'PLAN workload=tiny json={"world_size":2}',
+            "RESULT framework=torchrec bench=emb workload=tiny world=2 ms_per_step=1.0",
+            "RESULT framework=embshard bench=emb workload=tiny world=2 plan=planner hbm_gib=0 ms_per_step=0.91",
+            "RESULT framework=embshard bench=emb workload=uniform26 world=2 plan=planner hbm_gib=16 ms_per_step=5.80",
+            "RESULT framework=embshard bench=soak workload=uniform26 world=2 ms_per_step=5.0",
+        ]
     )
-    assert rf.parse_step_log(line) == [
-        ("uniform26", 2, "planner", 5.80e-3, "/out/plan_uniform26.yaml"),
-        ("tiny", 2, "simple", 0.91e-3, None),
+    runs = rf.parse_step_log(log)
+    assert [(r["workload"], r["seconds"], r["plan_json"]) for r in runs] == [
+        ("tiny", 0.91e-3, '{"world_size":2}'),
+        ("uniform26", 5.80e-3, None),
     ]
+    assert runs[1]["hbm_gib"] == "16" and rf.gpu_of_log(log) == "NVIDIA H100 80GB HBM3"
 
 
 def test_refit_command_rewrites_the_preset(tmp_path):
-    """bench/planner_predict.py --refit on a step log with its saved plans: the step overhead that makes the
-    predictions match (here: measured = predicted + 0.4 ms) goes into the preset file, the other values and notes
-    stay."""
+    """bench/planner_predict.py --refit on a log of RESULT lines with the plans the runs printed: the step overhead
+    that makes the predictions match (here: measured = predicted + 0.4 ms) goes into the preset file, the other
+    values and notes stay; a log of another GPU model is refused."""
+    import json
+
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from planner_predict import dmp_workload
@@ -137,22 +146,25 @@ def test_refit_command_rewrites_the_preset(tmp_path):
         sys.path.remove(str(ROOT / "bench"))
     h100 = Topology.preset("h100", 2)
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
-    lines = ["NVIDIA H100 80GB HBM3, 81559 MiB"]
+    lines = ['META date=2026-11-26 gpu="NVIDIA H100 80GB HBM3" gpus=2']
     for workload in ("uniform26", "tiny"):
         tables, batch = dmp_workload(workload)
         plan, report = plan_with_report(tables, h100, batch, opt)
-        plan.save(tmp_path / f"plan_{workload}.yaml")
         ms = (report.step_time_s - h100.step_overhead_s + 0.4e-3) * 1e3
-        lines.append(f"embshard {workload} world=2 plan=planner check_ids=True: {ms:.4f} ms/step, 1 samples/s")
-    (tmp_path / "bench.log").write_text("\n".join(lines) + "\n")
+        compact = json.dumps(json.loads(plan.to_json()), separators=(",", ":"))
+        lines.append(f"PLAN workload={workload} json={compact}")
+        lines.append(
+            f"RESULT framework=embshard bench=emb workload={workload} world=2 plan=planner ms_per_step={ms:.5f}"
+        )
+    (tmp_path / "emb.log").write_text("\n".join(lines) + "\n")
     out = tmp_path / "h100.yaml"
     cmd = [sys.executable, str(ROOT / "bench" / "planner_predict.py"), "--refit", "--device", "h100"]
     run = subprocess.run(
-        [*cmd, "--steps", str(tmp_path / "bench.log"), "--out", str(out)],
+        [*cmd, "--steps", str(tmp_path / "emb.log"), "--out", str(out)],
         capture_output=True, text=True, env=cpu_subprocess_env(), cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert "step_overhead" in run.stdout and "uniform26" in run.stdout
+    assert "step_overhead" in run.stdout and "uniform26  its plan" in run.stdout
     values = load_preset_file(out)
     assert values["step_overhead_s"] == pytest.approx(0.4e-3, rel=1e-3)
     before = load_preset_file(preset_path("h100"))
@@ -161,9 +173,9 @@ def test_refit_command_rewrites_the_preset(tmp_path):
     }
     text = out.read_text()
     assert "hbm_gbps: 3000.0  # device-to-device copy" in text
-    assert re.search(r"step_overhead_us: 4\d\d\.\d+  # fitted to .*bench.log", text)
+    assert re.search(r"step_overhead_us: [0-9.]+  # fitted to .*emb.log", text)
     wrong = subprocess.run(
-        [*cmd[:-1], "h200", "--steps", str(tmp_path / "bench.log")],
+        [*cmd[:-1], "h200", "--steps", str(tmp_path / "emb.log")],
         capture_output=True, text=True, env=cpu_subprocess_env(), cwd=ROOT,
     )  # fmt: skip
     assert wrong.returncode != 0 and "not on a h200" in wrong.stderr

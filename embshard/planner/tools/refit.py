@@ -12,8 +12,10 @@ with
   small_dense_sector_s   = as above for the data-parallel dense gradient      (dense "kernel atomic fwd+bwd")
 averaged over the optimizers the log has (rowwise_adagrad and sgd differ only in the update's bytes).
 
-Steps: (workload, plan, measured ms) triples; step_overhead_s is the constant that, added to every prediction,
-minimises the squared relative errors (>= 0): sum((p + c - m) / m^2) = 0.
+Steps: bench/embshard_dmp.py's `RESULT ... bench=emb` lines (bench/run.py emb's log, or transcribed summaries in
+the same format) with the plan each run printed (`PLAN` lines; a log without them is re-planned with the
+preset); step_overhead_s is the constant that, added to every prediction, minimises the squared relative errors
+(>= 0): sum((p + c - m) / m^2) = 0.
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ def parse_kernel_log(text: str, where: str = "kernels log") -> KernelLog:
 
 
 def gpu_of_log(text: str) -> str:
-    """The GPU a benchmark log names (bench/kernels.py's 'device NAME;', device_bench.sh's nvidia-smi line), or ''."""
-    m = re.search(r"^device ([^;\n]+)", text, re.MULTILINE) or re.search(r"^(NVIDIA [^,\n]+),", text, re.MULTILINE)
+    """The GPU a benchmark log names (bench/run.py's `META ... gpu="NAME"`, bench/kernels.py's `device NAME;`), or
+    ''."""
+    m = re.search(r"^META .*?gpu=[\"']([^\"']+)[\"']", text, re.MULTILINE) or re.search(
+        r"^device ([^;\n]+)", text, re.MULTILINE
+    )
     return m.group(1).strip() if m else ""
 
 
@@ -140,17 +145,37 @@ def fit_step_overhead(predicted_s: Sequence[float], measured_s: Sequence[float])
     return max(0.0, float(np.sum((m - p) / m**2) / np.sum(1.0 / m**2)))
 
 
-_STEP = re.compile(r"embshard (\S+) world=(\d+) plan=(\S+) check_ids=\S+: ([0-9.]+) ms/step[^\n]*")
-_SAVED = re.compile(r"plan saved to (\S+)")
+def parse_step_log(text: str) -> list[dict[str, Any]]:
+    """Every embedding-step run of embshard in a benchmark log (bench/embshard_dmp.py's `RESULT framework=embshard
+    bench=emb ...` lines, also in transcribed summaries), in log order: its fields, the measured seconds
+    (`seconds`) and the plan it ran (`plan_json`: the `PLAN workload=W json=...` line printed before it, or None
+    when the log has none)."""
+    import json
+    import shlex
 
-
-def parse_step_log(text: str) -> list[tuple[str, int, str, float, str | None]]:
-    """(workload, world size, plan, measured seconds, saved plan file or None) of every bench/embshard_dmp.py
-    result line."""
-    out = []
-    for m in _STEP.finditer(text):
-        saved = _SAVED.search(m.group(0))
-        out.append((m.group(1), int(m.group(2)), m.group(3), float(m.group(4)) / 1e3, saved and saved.group(1)))
+    out: list[dict[str, Any]] = []
+    plan_json: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("PLAN ") and " json=" in line:
+            head, _, body = line.partition(" json=")
+            fields = dict(kv.split("=", 1) for kv in head[5:].split() if "=" in kv)
+            plan_json[fields.get("workload", "")] = body
+            continue
+        if not line.startswith("RESULT ") or "framework=embshard" not in line:
+            continue
+        try:
+            fields = dict(kv.split("=", 1) for kv in shlex.split(line[7:]) if "=" in kv)
+        except ValueError:
+            continue
+        if fields.get("bench") != "emb" or "ms_per_step" not in fields:
+            continue
+        workload = fields.get("workload", "")
+        run: dict[str, Any] = dict(fields)
+        run["seconds"] = float(fields["ms_per_step"]) / 1e3
+        run["plan_json"] = plan_json.pop(workload, None)
+        if run["plan_json"] is not None:
+            json.loads(run["plan_json"])  # a broken line is an error here, not a wrong fit later
+        out.append(run)
     return out
 
 
