@@ -73,13 +73,14 @@ backward, hot-row chain (ShardWork.hot_s, paid once per lookup group: its longes
 
 Fixed costs (seconds): every step, on every rank, whatever the plan: step_overhead_s (the host's own work the
 GPU waits for: Python and autograd issuing the step, launches no group accounts for; fitted to measured steps per
-GPU model, first phase, with the own batch's loads); per lookup-kernel group (sharding type x tier x dtype x weighted) on a rank: kernel_s
-forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort passes, run-length encoding,
-the optimizer kernels); per sharding scheme in the plan: input all-to-all 3 collectives (+1 for weights), output
-and gradient 1 collective each; once per step when any table is model-parallel (`step_fixed`): host_sync_s, the
-input exchange's host synchronisation and the launch-bound stretch around it while the GPU idles (fitted to the
-1.2-1.7 ms per step the profiled steps are not busy on the GPU); data-parallel: one all-reduce latency and
-4*kernel_s of update, plus settings.dp_kernels_per_table kernels per table.
+GPU model; first phase, with the own batch's loads); per lookup-kernel group (sharding type x tier x dtype x
+weighted) on a rank: kernel_s forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort
+passes, run-length encoding, the optimizer kernels); per sharding scheme in the plan: input all-to-all 3
+collectives (+1 for weights), output and gradient 1 collective each; once per step when any table is
+model-parallel (`step_fixed`): host_sync_s, the input exchange's host synchronisation and the launch-bound stretch
+around it while the GPU idles (fitted to the 1.2-1.7 ms per step the profiled steps are not busy on the GPU);
+data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp_kernels_per_table kernels per
+table.
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
 (GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
