@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--mem-probe", action="store_true", help="print the forward and backward transient memory")
     ap.add_argument("--mem-at", default="", help="comma-separated timed steps after which to record allocated memory")
     ap.add_argument("--bench", default="emb", help="the bench name in the RESULT line (emb; soak for long runs)")
+    ap.add_argument("--profile-build", action="store_true", help="cProfile of building the module (rank 0)")
     ap.add_argument("--ids", choices=("static", "raw", "both"), default="static", help="table ids (both: interleaved)")
     ap.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="raw-id tables' eviction policy")
     ap.add_argument("--id-space", type=float, default=1.0, help="ids drawn from this many x rows distinct values")
@@ -113,12 +115,28 @@ def main() -> None:
     plan, report = make_plan(args, planned, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
     plan_s = time.time() - t0
     kinds_run = {"static": ["static"], "raw": ["raw"], "both": ["static", "raw"]}[args.ids]
+    profiler = None
+    if args.profile_build:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.time()
     ebcs = {
         k: ShardedEmbeddingBagCollection(raw_tables if k == "raw" else tables, plan, opt, device=dev, seed=None)
         for k in kinds_run
     }
+    if cuda:
+        torch.cuda.synchronize()
     build_s = time.time() - t0
+    if profiler is not None:
+        profiler.disable()
+        if rank == 0:
+            import pstats
+
+            print(f"build profile, rank 0 ({build_s:.1f} s; GPU work inside the calls that wait for it):")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     built_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if rank == 0:
         kinds: dict[str, int] = {}
@@ -129,6 +147,8 @@ def main() -> None:
         print(f"plan {plan_s:.2f} s, build {build_s:.1f} s ({', '.join(ebcs)}); plan: {kinds}", flush=True)
         if args.save_plan:
             plan.save(args.save_plan)
+        # The plan this run measures, for `bench/planner_predict.py --refit` (one line of JSON).
+        print(f"PLAN workload={args.workload} json={json.dumps(json.loads(plan.to_json()), separators=(',', ':'))}")
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 

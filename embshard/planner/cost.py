@@ -71,13 +71,16 @@ in the forward and again in the backward phase (on GPUs the Triton regroup's tim
 Shards whose TablePlan.kernel is 'small' (embshard's small-table kernel, GPUs): kernel_cost.py's forward,
 backward, hot-row chain (ShardWork.hot_s, paid once per lookup group: its longest), step memory and launches.
 
-Fixed costs (seconds): per lookup-kernel group (sharding type x tier x dtype x weighted) on a rank: kernel_s
-forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort passes, run-length encoding,
-the optimizer kernels); per sharding scheme in the plan: input all-to-all 3 collectives (+1 for weights), output
-and gradient 1 collective each; once per step when any table is model-parallel (`step_fixed`): host_sync_s, the
-input exchange's host synchronisation and the launch-bound stretch around it while the GPU idles (fitted to the
-1.2-1.7 ms per step the profiled steps are not busy on the GPU); data-parallel: one all-reduce latency and
-4*kernel_s of update, plus settings.dp_kernels_per_table kernels per table.
+Fixed costs (seconds): every step, on every rank, whatever the plan: step_overhead_s (the host's own work the
+GPU waits for: Python and autograd issuing the step, launches no group accounts for; fitted to measured steps per
+GPU model; first phase, with the own batch's loads); per lookup-kernel group (sharding type x tier x dtype x
+weighted) on a rank: kernel_s forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort
+passes, run-length encoding, the optimizer kernels); per sharding scheme in the plan: input all-to-all 3
+collectives (+1 for weights), output and gradient 1 collective each; once per step when any table is
+model-parallel (`step_fixed`): host_sync_s, the input exchange's host synchronisation and the launch-bound stretch
+around it while the GPU idles (fitted to the 1.2-1.7 ms per step the profiled steps are not busy on the GPU);
+data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp_kernels_per_table kernels per
+table.
 
 Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
 shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~64-96 B); its step, in
@@ -395,9 +398,11 @@ class CostModel:
     def batch_loads(self, tables: Sequence[TableConfig]) -> np.ndarray:
         """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
         destination (forward phase) and the regroup of the pooled rows into the output, forward and backward,
-        with a plain copy each way (module docstring)."""
+        with a plain copy each way, and the step's fixed cost (Topology.step_overhead_s, first phase; module
+        docstring)."""
         v = np.zeros(loads.NROWS)
         if not tables:
+            v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s
             return v
         B, bw, bag = self.batch, self.mem_bw, self.topo.bag_s
         bags = B * sum(len(t.feature_names) for t in tables)
@@ -411,6 +416,7 @@ class CostModel:
             fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * OUT_BYTES))
             v[loads.FWD] = permute + fwd + 2 * pooled / bw
             v[loads.BWD] = bwd + 2 * pooled / bw
+        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s  # the step's fixed cost, whatever the plan
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------

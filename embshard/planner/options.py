@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 
-from embshard.geometry import column_blocks, offsets, row_blocks, runs
+from embshard.geometry import column_blocks, offsets, row_blocks, row_runs, runs
 from embshard.kernels.cost import eligible
 from embshard.plan import LookupKernel, MemoryTier, Shard, ShardingType
 from embshard.planner.constraints import ParameterConstraints
@@ -152,6 +152,7 @@ def small_forms(
     return out
 
 
+@cache
 def _with_kernel(o: Option) -> Option:
     return Option(o.sharding, o.tier, o.parts, o.cache_load_factor, LookupKernel.SMALL)
 
@@ -197,17 +198,17 @@ def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]
     TW one block, DP one replica per rank, row-wise kinds one run of full blocks and a shorter last one."""
     R, D = table.num_embeddings, table.embedding_dim
     if option.sharding is ShardingType.COLUMN_WISE:
-        return [(R, c, n) for c, n in _column_runs(D, option.parts)]
+        return [(R, c, n) for c, n in column_runs(D, option.parts)]
     if option.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         return [(r, D, n) for r, n in _row_runs(R, option.parts)]
     return [(R, D, option.parts)]
 
 
 @lru_cache(maxsize=4096)
-def _column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
+def column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """`geometry.runs(geometry.column_blocks(dim, parts))`: (width, count) runs of the column blocks."""
     return runs(column_blocks(dim, parts))
 
 
-@lru_cache(maxsize=4096)
 def _row_runs(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
-    return runs(row_blocks(rows, parts))
+    return row_runs(rows, parts)
