@@ -300,6 +300,36 @@ def soak_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     return rows or [("soak", "no RESULT line (see soak.log)")]
 
 
+# ---- rawids ---------------------------------------------------------------------------------------------------
+def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    """The raw-id tests on the GPUs (the map's step under CUDA's sync debug mode, parity with a static table), then
+    uniform26 with every table ids: raw (capacity = rows) against static, interleaved: ids within the rows (after
+    the first batches every id is resident) and from 10 x rows values (admitting and evicting every step)."""
+    n = nproc(args, m)
+    tests = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/rawids"]
+    out = [Step("tests/rawids", tests, cuda_env(args), timeout=400)]
+    workload = "tiny" if args.cpu else "uniform26"
+    for space in ("1", "10"):
+        argv = torchrun(n) + ["bench/embshard_dmp.py", "--workload", workload, "--ids", "both", "--id-space", space]
+        argv += ["--batches", "8", "--rounds", "3", "--steps", str(args.steps or (5 if args.cpu else 20))]
+        out.append(Step(f"{workload} static vs raw, id space {space} x rows", argv, timeout=400,
+                        needs_gpus=0 if args.cpu else n))  # fmt: skip
+    return out
+
+
+def rawids_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = [("tests/rawids", last_match(log, PYTEST_LINE) or "no pytest summary line")]
+    runs = [r for r in results(log) if r.get("bench") == "rawids"]
+    for space in dict.fromkeys(r.get("id_space") for r in runs):
+        ms = {r["ids"]: float(r["ms_per_step"]) for r in runs if r.get("id_space") == space}
+        if {"static", "raw"} <= ms.keys():
+            raw = next(r for r in runs if r.get("id_space") == space and r["ids"] == "raw")
+            text = (f"static {ms['static']:.2f} ms, raw {ms['raw']:.2f} ms ({ms['raw'] / ms['static']:.2f}x); "
+                    f"admitted {raw.get('admitted')}, evicted {raw.get('evicted')}")  # fmt: skip
+            rows.append((f"{raw['workload']} world {raw['world']}, id space {space} x rows", text))
+    return rows
+
+
 # ---- retrieval, ckpt, loader ----------------------------------------------------------------------------------
 def retrieval_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     argv = torchrun(2) + ["bench/full_softmax.py"] + (["--cpu"] if args.cpu else [])
@@ -500,5 +530,8 @@ SUITES = {
               "(estimate)", interop_steps, interop_summary),
         Suite("bandwidth", "measured GPU memory, GPU link and host link bandwidths (`embshard calibrate`)", "1-2",
               "1 min", bandwidth_steps, bandwidth_summary),
+        Suite("rawids", "raw-id tables: tests/rawids on the GPUs, then uniform26 with every table ids: raw against "
+              "static, interleaved (ids within the rows; 10 x rows ids, evicting)", "1-2", "4-6 min (estimate)",
+              rawids_steps, rawids_summary),
     ]
 }  # fmt: skip

@@ -8,6 +8,8 @@ any exchange, so the error names the feature of the local batch. `LookupOptions.
   an example); all drops are counted per feature (`ShardedEmbeddingBagCollection.dropped_ids()`).
 
 Clamping into range was rejected: it would train the first or last row on garbage.
+
+Raw-id tables (`TableConfig(ids="raw")`) take any int64 id: their features are never checked.
 """
 
 from __future__ import annotations
@@ -37,15 +39,19 @@ def count_bad_ids(
     On the device: each id's table size (its feature from the per-feature id counts, `feature_of_ids`) compared
     with the id, a handful of kernels and no copy of the batch. On the CPU (the training pipeline's host thread
     counts every batch before its copy): a min and a max per feature, a few milliseconds for millions of ids, and
-    an exact count only in the features whose range leaves their table."""
-    if values.numel() == 0:  # no ids (an empty batch or empty bags): nothing to check, no kernel
+    an exact count only in the features whose range leaves their table. Raw-id features are not checked."""
+    raw = [table_of[k].raw_ids for k in keys]
+    if values.numel() == 0 or all(raw):  # no ids to check (an empty batch or empty bags, raw ids only): no kernel
         return torch.zeros(1, dtype=torch.int64, device=values.device)
     if values.device.type == "cpu":
         return _count_bad_ids_host(lengths_FB, values, keys, table_of)
     rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], values.device)
     ids_F = lengths_FB.sum(1, dtype=torch.int64)
-    rows = rows_F.index_select(0, feature_of_ids(ids_F, values.numel()))  # each id's table size, no host sync
-    return ((values < 0) | (values >= rows)).sum(dtype=torch.int64).reshape(1)
+    feature = feature_of_ids(ids_F, values.numel())
+    bad = (values < 0) | (values >= rows_F.index_select(0, feature))  # each id's table size, no host sync
+    if any(raw):  # raw ids are all valid
+        bad &= ~cached_tensor(raw, values.device, torch.bool).index_select(0, feature)
+    return bad.sum(dtype=torch.int64).reshape(1)
 
 
 def _count_bad_ids_host(
@@ -56,7 +62,7 @@ def _count_bad_ids_host(
     ids_F = lengths_FB.sum(1, dtype=torch.int64).numpy()
     ends = np.cumsum(ids_F)
     v = values.numpy()[: int(ends[-1])]
-    nonempty = np.flatnonzero(ids_F)
+    nonempty = np.array([f for f in np.flatnonzero(ids_F) if not table_of[keys[f]].raw_ids], dtype=np.int64)
     if nonempty.size == 0:
         return torch.zeros(1, dtype=torch.int64)
     starts = ends[nonempty] - ids_F[nonempty]  # consecutive segments: empty features in between take no ids
@@ -89,6 +95,9 @@ def check_ids(
     ids_F = lengths_FB.sum(1).to(torch.int64)
     feature_of = feature_of_ids(ids_F, values.numel())
     bad = (values < 0) | (values >= rows_F[feature_of])
+    raw = [table_of[k].raw_ids for k in keys]
+    if any(raw):  # raw ids are all valid
+        bad &= ~cached_tensor(raw, device, torch.bool)[feature_of]
     if not bool(bad.any()):
         return lengths_FB, values, weights
     if mode is BoundsCheck.ERROR:

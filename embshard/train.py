@@ -5,7 +5,8 @@ environment; with `--nproc N` (and no torchrun) N local processes are started he
 plan (by default with the planner, embshard.planner: docs/planner.md) and broadcasts it; it prints the plan with
 the predicted memory and time per rank, a progress bar with samples/s, the training loss every
 logging.log_every steps, and the held-out loss and AUC (torchmetrics BinaryAUROC, synced over ranks) at every
-evaluation; it also writes TensorBoard event files and an optional JSON-lines metrics file. Each step runs through
+evaluation (raw-id tables: ids admitted, evicted and resident, every logging.log_every steps); it also writes
+TensorBoard event files and an optional JSON-lines metrics file. Each step runs through
 the training pipeline (embshard/pipeline.py, `training.pipeline`): the next batch's copy and id exchange overlap
 the current step by default. See docs/config.md for the configuration and docs/launch.md for launching."""
 
@@ -122,6 +123,23 @@ def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, 
     return result
 
 
+def log_raw_ids(ebc, report: Reporter, step: int) -> None:
+    """Raw-id tables: ids admitted and evicted since the last call and ids resident now, per table (TensorBoard
+    `raw_ids/<table>/<admitted|evicted|resident>`) and in total (one console line). Collective."""
+    if not any(t.raw_ids for t in ebc.tables):
+        return
+    stats = ebc.raw_id_stats(gather=True)
+    ebc.reset_raw_id_stats()
+    total = {k: sum(st[k] for st in stats.values()) for k in ("admitted", "evicted", "resident", "capacity")}
+    report.line(
+        f"raw ids step {step:6d}  {len(stats)} tables: admitted {total['admitted']:,}  evicted {total['evicted']:,}  "
+        f"resident {total['resident']:,} of {total['capacity']:,}"
+    )
+    scalars = {f"{name}/{k}": float(st[k]) for name, st in stats.items() for k in ("admitted", "evicted", "resident")}
+    scalars.update({f"all/{k}": float(v) for k, v in total.items() if k != "capacity"})
+    report.scalars(step, scalars, "raw_ids")
+
+
 def format_eval(step: int, m: dict[str, float]) -> str:
     """One console line of an evaluation's metrics."""
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in m.items() if k != "samples")
@@ -219,6 +237,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
             report.line(f"train step {step:6d}  loss {loss:.4f}  {rate:,.0f} samples/s")
             report.scalars(step, {"loss": loss, "samples_per_s": rate}, "train")
             window.zero_()
+            log_raw_ids(model.ebc, report, step)
         if sched.eval_every and step % sched.eval_every == 0 and step != total:
             do_eval(step)
         if ck.dir and ck.every and step % ck.every == 0 and step != total:

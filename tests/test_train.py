@@ -25,6 +25,7 @@ BIN = Path(sys.executable).parent
 # Keep every run short: the sample configs already are; the synthetic one is cut to 120 steps.
 SHORTEN = {
     "dlrm_criteo.yaml": ["checkpoint.every=10"],  # step_10 is resumed by checkpoint_checks
+    "dlrm_criteo_raw.yaml": [],  # raw ids (docs/raw_ids.md)
     "dcn_criteo.yaml": ["training.compile=default"],  # compiled on GPUs; the CPU falls back to eager
     "two_tower_movielens.yaml": [],
     "dlrm_synthetic.yaml": ["schedule.steps=120", "schedule.eval_every=0", "checkpoint.every=0"],
@@ -119,6 +120,13 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         assert "training.compile default: compiles on CUDA GPUs only; the dense part runs eagerly" in out
     if name == "dlrm_criteo.yaml":
         checkpoint_checks(tmp_path, m)
+    if name == "dlrm_criteo_raw.yaml":  # raw-id statistics in the log and in TensorBoard
+        lines = re.findall(r"raw ids step +\d+ +26 tables: admitted ([\d,]+) +evicted ([\d,]+) +resident ([\d,]+)", out)
+        assert lines and int(lines[0][0].replace(",", "")) > 0, out[-2000:]
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tags = EventAccumulator(str(tmp_path / "tb")).Reload().Tags()["scalars"]
+        assert {"raw_ids/t_C1/admitted", "raw_ids/t_C26/resident", "raw_ids/all/evicted"} <= set(tags), tags
 
 
 def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:

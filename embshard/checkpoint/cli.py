@@ -7,7 +7,8 @@ one line per damaged file if any differs).
 export: every table's full weights, one safetensors file per table (`OUT/<table>.safetensors`, tensor 'weight'
 `[rows, dim]`), streamed in row chunks (no table is held whole in memory), with `OUT/tables.json` listing them;
 every chunk is checked against the save's checksums as it is read, and a damaged one stops the export (the table's
-file is not left behind). DIR is a checkpoint folder (step_<N>), or a folder of them (its latest complete one).
+file is not left behind); a raw-id table's id -> row map goes beside it (`OUT/<table>.ids.safetensors`:
+checkpoint/raw_ids.py). DIR is a checkpoint folder (step_<N>), or a folder of them (its latest complete one).
 Nothing here runs code from the checkpoint (unpickle.py).
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from embshard.checkpoint import raw_ids
 from embshard.checkpoint.integrity import verify_folder
 from embshard.checkpoint.layout import Piece
 from embshard.checkpoint.load import read_pieces
@@ -155,6 +157,8 @@ def export(path: Path, out: Path, dtype: str | None, tables: list[str] | None, c
         finally:
             partial.unlink(missing_ok=True)
         written.append({"table": name, "file": file.name, "rows": R, "dim": D, "dtype": str(target).split(".")[-1]})
+        if t.get("ids") == "raw":  # the id -> row map beside the weights
+            written[-1]["ids_file"] = raw_ids.export_map(path, out, prefix, name, R, chunk_bytes, meta, source)
     (out / "tables.json").write_text(json.dumps({"step": man["step"], "tables": written}, indent=1))
     return written
 
@@ -209,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             names = [t for t in args.tables.split(",") if t] if args.tables else None
             for w in export(path, Path(args.out), args.dtype, names, args.chunk_mib):
                 print(f"{w['table']}: {w['rows']} x {w['dim']} {w['dtype']} -> {Path(args.out) / w['file']}")
+                if "ids_file" in w:
+                    print(f"{w['table']}: id -> row map -> {Path(args.out) / w['ids_file']}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,7 +1,8 @@
 """Load a checkpoint into a training run of any world size and plan: every rank, on its own (no collective),
 reads the rows its shards need (layout.load_targets) straight into its live tensors with DCP's resharding reads,
 one saved chunk at a time; then the dense part, Adam's step counts, and (same world size only) its data position
-and random number generator states. UVM caches are written back and emptied before the weights are written."""
+and random number generator states. UVM caches are written back and emptied before the weights are written.
+Raw-id tables' maps are read with their rows, or resharded when their row blocks changed (raw_ids.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from embshard.checkpoint import raw_ids
 from embshard.checkpoint.integrity import VerifyingReader
 from embshard.checkpoint.layout import Conversion, Piece, check_tables, load_targets, split_rows
 from embshard.checkpoint.state import TrainState, dense_state, set_dense_state, set_rng_states
@@ -103,6 +105,7 @@ def load_checkpoint(
     world, rank = world_and_rank()
     pieces: list[Piece] = []
     conversions: list[Conversion] = []
+    moved: dict[str, list[str]] = {}  # raw-id tables whose rows move under this plan (raw_ids.py)
     plain: dict[str, Any] = {}
     saved_collections = manifest["collections"]
     for prefix, ebc in state.collections.items():
@@ -119,6 +122,7 @@ def load_checkpoint(
                 f"{ebc.optimizer.kind.value}: its state does not carry over; resume with sparse_optimizer.kind: {kind}"
             )
         p, c = load_targets(ebc, prefix, saved["tables"])
+        p, moved[prefix] = raw_ids.load_targets(ebc, prefix, saved["tables"], p, where)
         pieces += p
         conversions += c
         plain[f"{prefix}/optimizer_step"] = torch.zeros((), dtype=torch.int64)
@@ -145,6 +149,8 @@ def load_checkpoint(
     loaded = read_pieces(path, chunks, plain, source)
     if conversions:
         _convert(path, conversions, chunk_bytes, source)
+    for prefix, ebc in state.collections.items():
+        raw_ids.finish_load(path, ebc, prefix, moved[prefix], chunk_bytes, source)
     if state.dense is not None:
         set_dense_state(state, loaded["dense"])
     for prefix, ebc in state.collections.items():
