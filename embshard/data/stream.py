@@ -355,7 +355,8 @@ class _Batcher:
             yield assemble(parts, self.nf, self.weighted, self.alloc), at
 
     def _carry(self, parts: list[tuple[Part, np.ndarray]]) -> None:
-        chunks = [self.carry.chunk] if self.carry is not None else []
+        # A carry carried on again is read through `take` like any part: Part moved its one-hot ids into a matrix.
+        chunks = [self.carry.take(np.arange(len(self.carry)))] if self.carry is not None else []
         chunks += [p.take(i) for p, i in parts]
         self.carry = Part(Chunk.concat(chunks)) if chunks else None
 
