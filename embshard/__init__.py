@@ -1,5 +1,6 @@
 """embshard: sharded embedding tables on FBGEMM TBE kernels."""
 
+from embshard import notices
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import BoundsCheck, LookupOptions, OutputDtype
 from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
@@ -25,6 +26,8 @@ __all__ = [
     "TablePlan",
     "simple_plan",
 ]
+
+notices.install()  # known library notices that ask nothing of embshard's users (embshard/notices.py)
 
 
 def __getattr__(name: str):

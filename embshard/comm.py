@@ -24,6 +24,7 @@ import torch.distributed as dist
 _TIMEOUT_S: float | None = None
 _SCOPE: list[str] = [""]
 _ISSUED: deque = deque(maxlen=32)  # (label, work) of the latest collectives this rank started
+_TRACE: list[list[str]] = []  # open `trace()` recorders: every collective's label, in the order started
 
 
 class CollectiveTimeout(RuntimeError):
@@ -51,9 +52,35 @@ def scoped_label(what: str) -> str:
     return f"{_SCOPE[-1]}: {what}" if _SCOPE[-1] else what
 
 
+@contextmanager
+def trace() -> Iterator[list[str]]:
+    """Record the label of every collective this rank starts inside (in order) into the yielded list. Every rank
+    must start the same collectives in the same order: comparing the ranks' traces (`first_divergence`) names the
+    first one where they part, the cause of a hang or of a collective desync."""
+    labels: list[str] = []
+    _TRACE.append(labels)
+    try:
+        yield labels
+    finally:
+        _TRACE.remove(labels)
+
+
+def first_divergence(traces: Sequence[Sequence[str]]) -> str | None:
+    """None if every rank's trace (`trace()`) is the same, else where the first difference is, naming each rank's
+    collective there."""
+    n = max((len(t) for t in traces), default=0)
+    for i in range(n):
+        at = [t[i] if i < len(t) else "<none>" for t in traces]
+        if len(set(at)) > 1:
+            return f"collective #{i} differs between ranks: " + "; ".join(f"rank {r}: {a}" for r, a in enumerate(at))
+    return None
+
+
 def _issued(label: str, work: dist.Work | None) -> dist.Work | None:
     if work is not None:
         _ISSUED.append((label, work))
+        for labels in _TRACE:
+            labels.append(label)
     return work
 
 
@@ -64,9 +91,10 @@ def wait_work(work: dist.Work, label: str, host: bool = True) -> None:
         work.wait()
         return
     deadline = time.monotonic() + _TIMEOUT_S
-    spins = 0
+    nap = 0.0
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             pending = [lbl for lbl, w in _ISSUED if w is not work and not w.is_completed()]
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise CollectiveTimeout(
@@ -75,9 +103,10 @@ def wait_work(work: dist.Work, label: str, host: bool = True) -> None:
                 "run the same collectives in the same order: look for a rank that stopped, skipped a step or a "
                 "batch, or ran into an error first (its own log says which)"
             )
-        spins += 1
-        if spins > 1000:  # spin first (a host sync of the step is usually short), then poll gently
-            time.sleep(0.001)
+        # Yield first (a host sync of the step is usually short), then back off to at most 50 us between polls: a
+        # late wait costs tens of microseconds, not the millisecond a fixed sleep would.
+        time.sleep(nap)
+        nap = min(5e-5, nap + 2e-6)
     work.wait()  # completes it (and surfaces a backend error)
 
 
@@ -207,9 +236,16 @@ def start_all_gather(
     if W == 1:
         flat.copy_(tensor.reshape(-1))
         return CollectiveHandle(flat.view(W, *tensor.shape), None)
-    work = dist.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
+    work = _all_gather_single(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
     name = scoped_label(what)
     return CollectiveHandle(flat.view(W, *tensor.shape), _issued(name, work), name)
+
+
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """torch.distributed's gather into one flat tensor: `all_gather_single` where torch has it (from 2.13, where
+    `all_gather_into_tensor` is deprecated with a FutureWarning), else `all_gather_into_tensor` (the same call)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:

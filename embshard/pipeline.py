@@ -5,7 +5,8 @@ Stages of a batch, in the order it meets them (docs/architecture.md, "Training p
     host     a background thread takes the batch from the data source (itself fed by worker processes), pins it
              and counts its ids per feature on the host (`ShardedEmbeddingBagCollection.host_counts`)
     agree    one all-gather of every rank's counts row over a CPU (gloo) group: whether each rank still has
-             data, the batch sizes and ids per feature, the step (no device sync)
+             data, the batch sizes and ids per feature, the step (no device sync); started a batch early, so it
+             completes in the background and no step waits on a host rendezvous
     copy     host -> device, non-blocking from pinned memory, on a side stream ("data")
     dist     its input dist (`ebc.prefetch`, sized from the host counts), on the data stream; UVM-cache
              prefetch with LookupOptions(prefetch_pipeline=True)
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from embshard.comm import start_all_gather, start_all_reduce
+from embshard.comm import CollectiveHandle, start_all_gather, start_all_reduce
 from embshard.data.common import Batch
 from embshard.models.registry import StepOutput
 from embshard.options import BoundsCheck
@@ -144,6 +145,16 @@ class HostPrefetcher:
 
 
 @dataclass
+class _Agreement:
+    """A batch whose agreement is in flight: the host batch, this rank's counts row and the all-gather's handle
+    (None on one rank)."""
+
+    batch: Batch
+    row: torch.Tensor
+    handle: CollectiveHandle | None
+
+
+@dataclass
 class _Item:
     """A batch on its way: the device batch, its counts (None: the forward gathers them) and its data position."""
 
@@ -217,6 +228,7 @@ class TrainPipeline:
         self._empty = empty_batch(model)
         self._source: Iterator[Batch] | None = None
         self._host: HostPrefetcher | None = None
+        self._agreement: _Agreement | None = None  # the next batch's agreement, started while this batch trains
         self._cur: _Item | None = None  # the next batch to train (input dist done; semi_sync: lookup done too)
         self._nxt: _Item | None = None  # semi_sync: the batch after it (input dist done)
         self._ended = False  # every rank's data has ended
@@ -231,35 +243,50 @@ class TrainPipeline:
         row = self.ebc.host_counts(batch.sparse, check=not self.ids_checked) if self.host_counts else None
         return batch, row
 
-    def _fetch(self) -> _Item | None:
-        """The next batch of every rank agreed on (one CPU all-gather), copied to the device; None when every
-        rank's data has ended."""
-        if self._ended:
-            return None
+    def _agree_start(self, step: int) -> _Agreement:
+        """Take the next batch from the host thread (an empty one once this rank's data has ended) and start the
+        ranks' agreement on it: one all-gather of every rank's counts row over the CPU group, not waited for."""
         got = self._host.next()
         present = got is not None
         batch, row = got if present else (self._empty, None)
         if self.host_counts and row is None:
             row = self.ebc.host_counts(batch.sparse, check=False)
-        self._fetched += 1
-        step = self._fetched  # the step that will train on this batch
         if row is None:
             row = torch.tensor([batch.size, 0, step], dtype=torch.int64)
         else:
             row = row.clone()
             row[2] = step
         row = torch.cat([torch.tensor([int(present)]), row])
+        handle = (
+            start_all_gather(row, self.host_group, f"step {step} pipeline counts all-gather")
+            if self.world > 1
+            else None
+        )
+        return _Agreement(batch, row, handle)
+
+    def _fetch(self) -> _Item | None:
+        """The next batch of every rank agreed on, copied to the device; None when every rank's data has ended.
+
+        The agreement (one CPU all-gather of every rank's counts row) of each batch starts when the batch before it
+        is fetched, so it completes in the background while that batch trains: a rank a little behind the others
+        costs nobody a wait on the host, and the step never waits for a host rendezvous unless a rank falls a whole
+        step behind. Every rank starts and waits the same all-gathers in the same order."""
+        if self._ended:
+            return None
+        self._fetched += 1
+        step = self._fetched  # the step that will train on this batch
+        agreement = self._agreement if self._agreement is not None else self._agree_start(step)
+        self._agreement = None
         t0 = time.perf_counter()
-        if self.world > 1:
-            table = start_all_gather(row, self.host_group, f"step {step} pipeline counts all-gather").wait(host=True)
-        else:
-            table = row.view(1, -1)
+        table = agreement.handle.wait(host=True) if agreement.handle is not None else agreement.row.view(1, -1)
         table = table.numpy()
         self.gather_s += time.perf_counter() - t0
         if not table[:, 0].any():
             self._ended = True
             return None
         counts = parse_counts(table[:, 1:])  # raises RanksOutOfStep on every rank if the steps differ
+        self._agreement = self._agree_start(step + 1)  # the next batch's, in flight while this one trains
+        batch = agreement.batch
         copied = None
         with torch.cuda.stream(self.data_stream) if self.data_stream is not None else nullcontext():
             on_device = batch.to(self.device, non_blocking=self.cuda)

@@ -124,6 +124,7 @@ def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float
 # FBGEMM and embshard once (a rank then starts in a fraction of a second instead of seconds); elsewhere new
 # interpreters (CUDA does not survive a fork).
 _PRELOAD = ["torch", "torch.distributed", "torchrec", "fbgemm_gpu", "embshard.sharded", "dist_harness"]
+_PRELOAD += ["embshard.train", "embshard.checkpoint", "embshard.data", "embshard.models.build", "embshard.pipeline"]
 
 
 def _start_method() -> str:

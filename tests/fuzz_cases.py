@@ -77,6 +77,9 @@ class Case:
     # (step, rank, feature, share of its ids out of range); with bounds_check 'error' every rank must raise there
     bad: list[tuple[int, int, str, float]] = field(default_factory=list)
     rerun: str = ""  # how to rerun this case alone (default: by its seed)
+    # Extra tiers whose column blocks keep per-block row-wise Adagrad state like uvm_caching's (column_wise
+    # PER_BLOCK_STATE_TIERS): ("host",) lets the CPU run the GPU-only mix of exact and per-block column blocks.
+    per_block_tiers: tuple[str, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -162,8 +165,75 @@ def _optimizer(rng: random.Random, device: str) -> FusedOptimizerConfig:
     return FusedOptimizerConfig(kind, **kw)
 
 
-def draw_case(seed: int, device: str = "cpu", worlds: Sequence[int] = (1, 2, 3, 4)) -> Case:
-    """A random valid case for `device` ('cpu' or 'cuda'), its world size one of `worlds`."""
+def draw_case(seed: int, device: str = "cpu", worlds: Sequence[int] = (1, 2, 3, 4), corners: float = 0.0) -> Case:
+    """A random valid case for `device` ('cpu' or 'cuda'), its world size one of `worlds`; with probability
+    `corners` pushed into the corners where ranks hold or see different things (`to_corners`)."""
+    case = _draw_case(seed, device, worlds)
+    corner_rng = random.Random(seed * 7919 + 1)  # its own stream: the base draw of a seed never changes
+    if corner_rng.random() < corners:
+        case = to_corners(case, corner_rng, device)
+    return case
+
+
+def to_corners(case: Case, rng: random.Random, device: str) -> Case:
+    """The case moved toward the corners where ranks differ (the collective-desync class): whole tables and every
+    column block of a table on one rank (the others hold none of them), every table of a rank in a cached tier
+    (GPU: uvm_caching; CPU: the host tier standing in for it through `per_block_tiers`), row-wise Adagrad with the
+    exact column-wise update (the path whose backward all-to-all depends on what ranks hold), a rank whose features
+    are all silent at a step, and empty local and global batches."""
+    W = case.world_size
+    holder = rng.randrange(W)
+    plans = []
+    for tp in case.plan.tables:
+        if tp.sharding_type in (TW, CW) and rng.random() < 0.7:
+            tp = replace(tp, shards=tuple(replace(s, rank=holder) for s in tp.shards))
+        plans.append(tp)
+    options = dict(case.options)
+    optimizer, per_block = case.optimizer, case.per_block_tiers
+    if rng.random() < 0.6 and optimizer.kind.value != "rowwise_adagrad":
+        optimizer = FusedOptimizerConfig("rowwise_adagrad", lr=0.05, eps=0.1)
+    if optimizer.kind.value == "rowwise_adagrad" and has_exact_option():
+        options[EXACT_OPTION] = True
+    if rng.random() < 0.6:
+        if device == "cuda":
+            lru = options.get("prefetch_pipeline")
+            cached = [t for t in plans if rng.random() < 0.8]
+            plans = [
+                replace(
+                    tp,
+                    tier="uvm_caching",
+                    cache_load_factor=rng.choice([0.01, 0.1, 1.0]),
+                    cache_algorithm="lru" if lru else rng.choice(["lru", "lfu"]),
+                )
+                if any(tp is c for c in cached)
+                else tp
+                for tp in plans
+            ]
+        else:
+            per_block = ("host",)
+    sizes = [list(b) for b in case.batch_sizes]
+    sizes[rng.randrange(len(sizes))][rng.randrange(W)] = 0
+    if rng.random() < 0.2:
+        sizes[rng.randrange(len(sizes))] = [0] * W
+    silent = list(case.silent)
+    step, rank = rng.randrange(len(sizes)), rng.randrange(W)
+    silent += [(step, rank, f) for f in case.features]
+    table = rng.choice(case.tables)
+    silent += [(s, r, f) for s in range(len(sizes)) for r in range(W) if r != holder for f in table.feature_names]
+    plan = ShardingPlan(W, case.plan.local_world_size, tuple(plans))
+    plan.check(case.tables)
+    return replace(
+        case,
+        plan=plan,
+        optimizer=optimizer,
+        options=options,
+        batch_sizes=sizes,
+        silent=silent,
+        per_block_tiers=per_block,
+    )
+
+
+def _draw_case(seed: int, device: str, worlds: Sequence[int]) -> Case:
     rng = random.Random(seed)
     W = rng.choice(list(worlds))
     lws = rng.choice([d for d in (1, 2, 4) if W % d == 0 and d <= W])
@@ -287,6 +357,13 @@ def case_tags(case: Case) -> set[tuple]:
         if tp.sharding_type is CW:
             tags.add(("column blocks", min(len(tp.shards), 3), column_wise_exact(case.options)))
         tags.add(("rows", st, next(i for i, hi in enumerate((4, 64, 1000, 5000)) if t.num_embeddings <= hi)))
+    for st in {tp.sharding_type for tp in case.plan.tables}:  # ranks holding no shard of a type (to_corners)
+        held = {s.rank for tp in case.plan.tables if tp.sharding_type is st for s in tp.shards}
+        tags |= {("ranks without a shard of", st.value, W)} if len(held) < W else set()
+    tags |= {("per-block state tiers", case.per_block_tiers)} if case.per_block_tiers else set()
+    silent = set(case.silent)
+    if any(all((s, r, f) in silent for f in case.features) for s, r, _ in silent):
+        tags.add(("a rank without ids at a step",))
     if case.optimizer.weight_decay:
         tags.add(("weight decay", opt))
     for k, v in case.options.items():
@@ -441,6 +518,7 @@ def case_source(case: Case) -> str:
         f"    id_span={case.id_span!r},",
         f"    silent={case.silent!r},",
         f"    bad={case.bad!r},",
+        *([f"    per_block_tiers={case.per_block_tiers!r},"] if case.per_block_tiers else []),
         ")",
     ]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ counts. Each failure is reported with its seed, the command that reruns it and t
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import tempfile
@@ -22,6 +23,7 @@ import time
 import traceback
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -30,6 +32,8 @@ from dist_harness import device_kind, run_distributed
 from fuzz_cases import CW, Case, case_source, clean, column_wise_exact, feature_upstream, make_batches
 from parity import to_kjt
 from reference import ReferenceEBC
+
+from embshard.comm import first_divergence
 
 FUZZ_TIMEOUT_S = float(os.environ.get("EMBSHARD_FUZZ_TIMEOUT", "30"))  # a collective waiting longer is a hang
 # fp32: GPU kernels sum in other orders (atomics) than the float64 reference. fp16 tables: every stored value is
@@ -41,7 +45,38 @@ TOL_FP16 = dict(rtol=1e-2, atol=1e-2)
 TOL_LOW_OUTPUT = dict(rtol=2e-2, atol=2e-2)
 
 
+@contextmanager
+def _per_block_tiers(case: Case):
+    """The case's extra per-block-state tiers (Case.per_block_tiers) in force in this process while it trains."""
+    from embshard.plan import MemoryTier
+
+    column_wise = importlib.import_module(
+        "embshard.sharding.column_wise"
+    )  # the module (the package exports a function)
+
+    saved = column_wise.PER_BLOCK_STATE_TIERS
+    column_wise.PER_BLOCK_STATE_TIERS = saved | {MemoryTier(t) for t in case.per_block_tiers}
+    try:
+        yield
+    finally:
+        column_wise.PER_BLOCK_STATE_TIERS = saved
+
+
 def _train(rank: int, device: torch.device, case: Case, group) -> dict:
+    from embshard import comm
+
+    with _per_block_tiers(case), comm.trace() as labels:
+        result = _train_case(rank, device, case, group)
+    result["collectives"] = [_unscoped(label) for label in labels]
+    return result
+
+
+def _unscoped(label: str) -> str:
+    """A collective's label without the step numbers (ranks agree on them; a prefetch's label names the next)."""
+    return re.sub(r"step \d+", "step", label)
+
+
+def _train_case(rank: int, device: torch.device, case: Case, group) -> dict:
     from embshard.bounds import DroppedIdsWarning
     from embshard.sharded import ShardedEmbeddingBagCollection
 
@@ -128,11 +163,15 @@ def check_case(case: Case, results: list[dict]) -> list[str]:
     errors = [f"rank {r} raised:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
     if errors:
         return errors
+    diverged = first_divergence([res["collectives"] for res in results])
+    if diverged:  # a desync: on NCCL it hangs or corrupts; gloo may pair mismatched collectives of equal sizes
+        return [f"the ranks started different collectives: {diverged}"]
     exact = column_wise_exact(case.options)
-    cw_blocks = {  # column-wise tables whose blocks keep their own row-wise state (not exact, or uvm_caching)
+    per_block = {"uvm_caching", *case.per_block_tiers}
+    cw_blocks = {  # column-wise tables whose blocks keep their own row-wise state (not exact, or per-block tiers)
         tp.table: [s.num_cols for s in sorted(tp.shards, key=lambda s: s.col_offset)]
         for tp in case.plan.tables
-        if tp.sharding_type is CW and not (exact and tp.tier.value != "uvm_caching")
+        if tp.sharding_type is CW and not (exact and tp.tier.value not in per_block)
     }
     ref = ReferenceEBC(case.tables, case.optimizer, case.seed, column_blocks=cw_blocks)
     table_of = {f: t for t in case.tables for f in t.feature_names}
@@ -245,7 +284,11 @@ def describe_failure(case: Case, errors: list[str], worlds: str) -> str:
     """A failed case: its seed, how to rerun it, what differed, and the case as Python source."""
     head = "\n".join(e if len(e) < 3000 else e[:1500] + "\n...\n" + e[-1500:] for e in errors[:3])
     more = f"\n... and {len(errors) - 3} more differences" if len(errors) > 3 else ""
-    rerun = case.rerun or f"EMBSHARD_FUZZ_SEED={case.seed} EMBSHARD_FUZZ_WORLDS={worlds} pytest tests/test_fuzz.py"
+    corners = os.environ.get("EMBSHARD_FUZZ_CORNERS")
+    env = f"EMBSHARD_FUZZ_SEED={case.seed} EMBSHARD_FUZZ_WORLDS={worlds}" + (
+        f" EMBSHARD_FUZZ_CORNERS={corners}" if corners else ""
+    )
+    rerun = case.rerun or f"{env} pytest tests/test_fuzz.py"
     return (
         f"FUZZ CASE {case.seed} FAILED (world {case.world_size}); rerun: {rerun}\n{head}{more}\n{case_source(case)}\n"
     )

@@ -10,7 +10,7 @@ DATA = ROOT / "data"
 
 def cpu_subprocess_env() -> dict[str, str]:
     """The environment for a subprocess that runs this checkout's embshard on the CPU: the repository first on
-    PYTHONPATH (the caller's entries, e.g. staged packages, kept), no GPU visible."""
+    PYTHONPATH (the caller's own entries kept after it), no GPU visible."""
     return dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), CUDA_VISIBLE_DEVICES=""
     )

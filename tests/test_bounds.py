@@ -72,3 +72,26 @@ def test_one_bad_id_stops_every_rank_and_is_named(world_size):
                 assert text.startswith(f"feature {feature!r}: id {value} is outside table {table!r}"), text
             else:
                 assert (kind, text) == ("stopped", f"[{world_size - 1}]"), (rank, feature, kind, text)
+
+
+def test_bad_id_count_matches_a_direct_count(device):
+    """`count_bad_ids` (the host's min/max per feature on the CPU, FBGEMM's check on the device) counts exactly the
+    ids outside their feature's table, with empty features between and int32 or int64 ids."""
+    from embshard.bounds import count_bad_ids
+
+    F = 7
+    tables = {f"f{i}": TableConfig(f"t{i}", 3 + 41 * i, 4, (f"f{i}",)) for i in range(F)}
+    keys = list(tables)
+    for trial in range(40):
+        g = torch.Generator().manual_seed(trial)
+        lengths = torch.randint(0, 4, (F, int(torch.randint(1, 6, (1,), generator=g))), generator=g)
+        lengths[torch.randint(0, F, (2,), generator=g)] = 0
+        rows = torch.tensor([t.num_embeddings for t in tables.values()]).repeat_interleave(lengths.sum(1))
+        ids = (torch.rand(rows.numel(), generator=g) * rows).long()
+        if trial % 2 and ids.numel():
+            pos = torch.randperm(ids.numel(), generator=g)[: int(torch.randint(1, ids.numel() + 1, (1,), generator=g))]
+            ids[pos] = torch.where(torch.rand(pos.numel(), generator=g) < 0.5, -1 - pos, rows[pos] + pos)
+        want = int(((ids < 0) | (ids >= rows)).sum())
+        for dtype in (torch.int64, torch.int32):
+            got = count_bad_ids(lengths.to(device), ids.to(device, dtype), keys, tables)
+            assert int(got) == want, f"trial {trial} {dtype}: counted {int(got)} bad ids, want {want}"

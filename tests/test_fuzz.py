@@ -15,6 +15,8 @@ Environment:
   EMBSHARD_FUZZ_FIRST_SEED  seed of the first random case (default FIRST_SEED; others explore new cases)
   EMBSHARD_FUZZ_WORLDS=1,2  world sizes to draw from (default 1-4 on CPU, 1 and 2 GPUs where present)
   EMBSHARD_FUZZ_TIMEOUT=T   seconds a collective may wait before its case counts as hung (default 30)
+  EMBSHARD_FUZZ_CORNERS=P   share of random cases pushed into the corners where ranks hold or see different
+                            things (fuzz_cases.to_corners; default DEFAULT_CORNERS)
   EMBSHARD_TEST_DEVICE=cuda the same on GPUs (NCCL; GPU tiers drawn)
 """
 
@@ -36,6 +38,7 @@ from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingP
 from embshard.plan import Shard, TablePlan
 
 CANDIDATES = 200  # random cases drawn by default, of which the suite trains a covering subset
+DEFAULT_CORNERS = 0.3  # share of random cases drawn into the corners (to_corners): the collective-desync class
 FIRST_SEED = 1000  # random case i has seed FIRST_SEED + i
 
 
@@ -54,12 +57,12 @@ def _covering() -> bool:
 
 
 def _random_cases(device: str, worlds: list[int]) -> list[Case]:
+    corners = float(os.environ.get("EMBSHARD_FUZZ_CORNERS", DEFAULT_CORNERS))
     if os.environ.get("EMBSHARD_FUZZ_SEED"):
-        return [draw_case(int(os.environ["EMBSHARD_FUZZ_SEED"]), device, worlds)]
+        return [draw_case(int(os.environ["EMBSHARD_FUZZ_SEED"]), device, worlds, corners)]
     first = int(os.environ.get("EMBSHARD_FUZZ_FIRST_SEED", FIRST_SEED))
-    cases = [
-        draw_case(first + i, device, worlds) for i in range(int(os.environ.get("EMBSHARD_FUZZ_CASES", CANDIDATES)))
-    ]
+    n = int(os.environ.get("EMBSHARD_FUZZ_CASES", CANDIDATES))
+    cases = [draw_case(first + i, device, worlds, corners) for i in range(n)]
     return covering_cases(cases) if _covering() else cases
 
 

@@ -153,3 +153,71 @@ CACHING_COLUMN_BLOCKS_UNDER_EXACT = Case(
 @pytest.mark.skipif(device_kind() != "cuda", reason="needs a GPU tier (uvm_caching)")
 def test_caching_column_blocks_keep_their_own_state_under_exact_mode():
     check(CACHING_COLUMN_BLOCKS_UNDER_EXACT)
+
+
+# Fuzz seed 1031 on 2 GPUs: a column-wise table whose three blocks are all uvm_caching and all on rank 1, beside
+# data-parallel tables, row-wise Adagrad with the exact column-wise update, features silent on both ranks. No rank
+# held an exact block, yet rank 0 (no block of the table at all: "every lookup exact" held vacuously) made the exact
+# update's node and joined its all-to-all in backward, while rank 1 (only uvm_caching blocks) left the node out of
+# its graph: rank 0 ran ahead by one all-to-all and NCCL's watchdog killed both. Fixed in sharding/column_wise.py:
+# whether the node runs follows from the plan alone (any exact block on any rank), and where it runs it is in every
+# rank's graph. The CPU runs the same shape with the host tier standing in for uvm_caching (per_block_tiers).
+CASE_1031 = Case(
+    seed=1031,
+    world_size=2,
+    tables=[
+        TableConfig("t0", 2903, 32, ("t0f0",)),
+        TableConfig("t1", 2, 8, ("t1f0", "t1f1")),
+        TableConfig("t2", 280, 24, ("t2f0", "t2f1")),
+    ],
+    plan=ShardingPlan(
+        2,
+        1,
+        (
+            TablePlan("t0", "data_parallel", "hbm", (Shard(0, 0, 2903, 0, 32), Shard(1, 0, 2903, 0, 32))),
+            TablePlan(
+                "t1",
+                "data_parallel",
+                "uvm_caching",
+                (Shard(0, 0, 2, 0, 8), Shard(1, 0, 2, 0, 8)),
+                cache_load_factor=1.0,
+            ),
+            TablePlan(
+                "t2",
+                "column_wise",
+                "uvm_caching",
+                (Shard(1, 0, 280, 0, 8), Shard(1, 0, 280, 8, 4), Shard(1, 0, 280, 12, 12)),
+                cache_load_factor=0.01,
+                cache_algorithm="lfu",
+            ),
+        ),
+    ),
+    optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05, eps=0.05),
+    batch_sizes=[[6, 4], [2, 4]],
+    groups={"g0": ["t1f0", "t2f1", "t0f0", "t1f1", "t2f0"], "g2": ["t2f0", "t1f0"]},
+    key_order=["t1f0", "t1f1", "t2f1", "t0f0", "t2f0"],
+    max_bag={"t0f0": 6, "t1f0": 2, "t1f1": 1, "t2f0": 3, "t2f1": 3},
+    id_span={"t0f0": (572, 574)},
+    silent=[(0, 0, "t0f0"), (0, 0, "t2f0"), (0, 1, "t2f0")],
+)
+
+
+def on_cpu_stand_in(case: Case) -> Case:
+    """A GPU-tier case on the CPU: every table in the host tier, which keeps per-block column state like
+    uvm_caching (Case.per_block_tiers), so the same exact/per-block split of column blocks runs on gloo."""
+    tables = tuple(replace(tp, tier="host") for tp in case.plan.tables)
+    plan = ShardingPlan(case.plan.world_size, case.plan.local_world_size, tables)
+    return replace(case, plan=plan, per_block_tiers=("host",))
+
+
+@pytest.mark.skipif(not has_exact_option(), reason="needs LookupOptions(column_wise_exact=...)")
+def test_a_rank_without_exact_column_blocks_joins_the_same_collectives():
+    """Case 1031 (no rank holds an exact block), and the same with the table's blocks exact (rank 1 holds all of
+    them, rank 0 none): both ranks start the same collectives, and everything matches the reference."""
+    case = CASE_1031 if device_kind() == "cuda" else on_cpu_stand_in(CASE_1031)
+    exact_tier = "hbm" if device_kind() == "cuda" else "host"
+    tables = tuple(replace(tp, tier=exact_tier) if tp.table == "t2" else tp for tp in case.plan.tables)
+    exact_blocks = replace(case, plan=ShardingPlan(2, 1, tables), per_block_tiers=())
+    outcome = run_cases([replace(c, rerun="pytest tests/test_fuzz_regressions.py") for c in (case, exact_blocks)])
+    failures = [f for f in outcome.values() if f is not None]
+    assert not failures, "\n".join(failures)

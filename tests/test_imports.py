@@ -14,6 +14,11 @@ package (`embshard.planner.tools`, `embshard.config`) and top-level modules stan
 regroup, comm: under renovation) are reported as an expected failure instead of a failure.
 
     python tests/test_imports.py   # prints the cycles at both levels and the function-level imports that close one
+
+Declared dependencies: every third-party package that embshard imports (at module level or lazily inside a
+function) is declared in pyproject.toml (`dependencies` or the `gpu` extra, so that `pip install -e .[gpu]` brings
+it) and pinned in requirements/ (what `make install` installs on CPU machines); the packages tests/ imports are in
+the `gpu` extra too (the GPU test suite runs after `pip install -e .[gpu]`).
 """
 
 from __future__ import annotations
@@ -183,6 +188,72 @@ def test_the_planner_library_imports_neither_the_app_nor_the_runtime():
     library = [m for m in every if m.startswith("embshard.planner") and not m.startswith("embshard.planner.tools")]
     bad = {m: sorted(d for d in every[m] if above.match(d) or RUNTIME.match(d)) for m in library}
     assert not {m: d for m, d in bad.items() if d}, bad
+
+
+# Import name -> distribution name, where they differ. fbgemm_gpu is fbgemm-gpu on GPU machines and fbgemm-gpu-cpu in
+# the CPU pins (requirements/cpu.txt).
+DISTRIBUTION = {"yaml": "pyyaml", "fbgemm_gpu": "fbgemm-gpu", "PIL": "pillow", "google": "protobuf"}
+CPU_DISTRIBUTION = {"fbgemm-gpu": "fbgemm-gpu-cpu"}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def third_party_imports(folder: Path) -> dict[str, set[str]]:
+    """Distribution name -> files under `folder` importing it (module level or inside functions): every import
+    whose top-level name is neither the standard library, embshard, nor a module of the repository (tests' and
+    bench's own helpers)."""
+    own = {"embshard"} | {p.stem for d in ("tests", "bench", "launch", "examples") for p in (ROOT / d).rglob("*.py")}
+    out: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in own:
+                    out.setdefault(_norm(DISTRIBUTION.get(top, top)), set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def _requirement_name(spec: str) -> str:
+    return _norm(re.split(r"[\s<>=!~;\[]", spec.strip(), maxsplit=1)[0])
+
+
+def declared() -> tuple[set[str], set[str]]:
+    """(pyproject's dependencies + the gpu extra, the packages pinned in requirements/*.txt)."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    gpu = {_requirement_name(s) for s in project["dependencies"] + project["optional-dependencies"]["gpu"]}
+    pinned = set()
+    for path in (ROOT / "requirements").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            if line.split("#")[0].strip():
+                pinned.add(_requirement_name(line.split("#")[0]))
+    return gpu, pinned
+
+
+def test_every_third_party_import_is_declared():
+    gpu, pinned = declared()
+    package = third_party_imports(ROOT / "embshard")
+    assert {"torch", "fbgemm-gpu", "torchrec", "pyarrow", "pyyaml", "numpy"} <= set(package), sorted(package)
+    missing = {d: sorted(f)[:3] for d, f in package.items() if d not in gpu}
+    assert not missing, (
+        f"embshard imports packages that pyproject.toml declares neither in dependencies nor in the gpu extra "
+        f"(so `pip install -e .[gpu]` lacks them): {missing}; add each to the gpu extra with a version range"
+    )
+    unpinned = {d: sorted(f)[:3] for d, f in package.items() if CPU_DISTRIBUTION.get(d, d) not in pinned}
+    assert not unpinned, f"embshard imports packages that requirements/*.txt do not pin (make install): {unpinned}"
+    suite = {d: sorted(f)[:3] for d, f in third_party_imports(ROOT / "tests").items() if d not in gpu}
+    assert not suite, f"tests/ imports packages missing from pyproject's gpu extra (the GPU test suite): {suite}"
+    assert _requirement_name("fbgemm-gpu>=1.6,<1.9") == "fbgemm-gpu" and _norm("PyYAML") == "pyyaml"
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """`embshard train` end to end on 2 CPU processes: every example config's held-out loss falls, the run prints the
-plan, progress and AUC and writes TensorBoard events and checkpoints; a run resumed from a checkpoint ends exactly
-like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes;
-config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
-torchx component launches a CPU run.
+plan, progress and AUC (and no library warning) and writes TensorBoard events and checkpoints; a run resumed from a
+checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
+resumes on 3 processes; a schedule that ends before the checkpoint's step stops with a message; config, data and
+planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the torchx component
+launches a CPU run.
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
-the saved plan) run embshard.train's job on the test processes' ranks on machines without CUDA (tests/train_job.py:
+the saved plan) run embshard.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
 `embshard train --nproc 2` starts three Python processes, most of a short run's time); dlrm_criteo, the restart
 under torchrun, the errors, torchx and the benchmark go through the command line."""
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import paths
 import pytest
 import torch
-from train_job import embshard_train
+from train_job import Ran, embshard_train
 
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
@@ -30,7 +31,8 @@ BIN = Path(sys.executable).parent
 # Keep every run short: the sample configs already are; the synthetic one is cut to 120 steps.
 SHORTEN = {
     "dlrm_criteo.yaml": ["checkpoint.every=10"],  # step_10 is resumed by checkpoint_checks
-    "dcn_criteo.yaml": [],
+    "dlrm_criteo_raw.yaml": [],  # raw ids (docs/raw_ids.md)
+    "dcn_criteo.yaml": ["training.compile=default"],  # compiled on GPUs; the CPU falls back to eager
     "two_tower_movielens.yaml": [],
     "dlrm_synthetic.yaml": ["schedule.steps=120", "schedule.eval_every=0", "checkpoint.every=0"],
     "two_tower_movielens_full_softmax.yaml": [],
@@ -70,10 +72,10 @@ def train(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
-def train_job(args: list[str], nproc: int) -> str:
-    """rank 0's console output of a successful `embshard train ARGS --nproc N`, on the test processes' ranks where
-    train_job.IN_TEST_RANKS (tests/train_job.py), else by the command line."""
-    return embshard_train(args, nproc, env=env()).stdout
+def train_job(args: list[str], nproc: int) -> Ran:
+    """A successful `embshard train ARGS --nproc N`: in processes forked for it where train_job.IN_TEST_RANKS
+    (tests/train_job.py), else by the command line."""
+    return embshard_train(args, nproc, env=env())
 
 
 def outputs(tmp: Path) -> list[str]:
@@ -83,6 +85,12 @@ def outputs(tmp: Path) -> list[str]:
         f"checkpoint.dir={tmp}/ck",
         "schedule.eval_at_start=true",
     ]
+
+
+def library_noise(res: subprocess.CompletedProcess | Ran) -> list[str]:
+    """Lines of a run's output that are library warnings or their echoed source lines (none should be printed)."""
+    lines = (res.stdout + res.stderr).splitlines()
+    return [x for x in lines if "Warning" in x or "warn(" in x or x.strip().startswith("return func(")]
 
 
 def metrics(tmp: Path) -> list[dict]:
@@ -103,9 +111,10 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
     if name == "dlrm_criteo.yaml":  # the command line's own run (the others: train_job)
         res = train([*args, "--nproc", "2"])
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        out = res.stdout
     else:
-        out = train_job(args, 2)
+        res = train_job(args, 2)
+    assert not library_noise(res), library_noise(res)[:10]  # the ranks and data workers print no library warnings
+    out = res.stdout
     assert "ShardingPlan: world_size=2" in out and f"2 ranks on {DEVICE}" in out
     assert "predicted step time" in out and "source: detected" in out  # strategy auto: the planner's report
     assert "samples/s" in out and ("auc" in out or "recall@10" in out)
@@ -123,8 +132,17 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         assert name in TRAIN_LOSS_ONLY or m[-1]["recall@10"] > m[0]["recall@10"], m
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "ck" / f"step_{m[-1]['step']}" / "COMMIT").is_file()
+    if "training.compile=default" in SHORTEN[name] and DEVICE == "cpu":
+        assert "training.compile default: compiles on CUDA GPUs only; the dense part runs eagerly" in out
     if name == "dlrm_criteo.yaml":
         checkpoint_checks(tmp_path, m)
+    if name == "dlrm_criteo_raw.yaml":  # raw-id statistics in the log and in TensorBoard
+        lines = re.findall(r"raw ids step +\d+ +26 tables: admitted ([\d,]+) +evicted ([\d,]+) +resident ([\d,]+)", out)
+        assert lines and int(lines[0][0].replace(",", "")) > 0, out[-2000:]
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tags = EventAccumulator(str(tmp_path / "tb")).Reload().Tags()["scalars"]
+        assert {"raw_ids/t_C1/admitted", "raw_ids/t_C26/resident", "raw_ids/all/evicted"} <= set(tags), tags
 
 
 def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
@@ -137,20 +155,20 @@ def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     common.append("logging.progress_bar=false")
     resumed = tmp / "resumed"
     shutil.copytree(tmp / "ck" / "step_10", resumed / "ck" / "step_10")
-    out = train_job(
+    res = train_job(
         [*common, f"checkpoint.dir={resumed}/ck", "checkpoint.resume_from=latest"]
         + [f"logging.metrics_file={resumed}/metrics.jsonl"],
         2,
     )
-    assert f"resumed from {resumed}/ck/step_10 at step 10" in out
+    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout
     assert metrics(resumed) == [straight[-1]]  # step 20: the same loss, AUC and samples, bitwise
     three = tmp / "three"
-    out = train_job(
+    res = train_job(
         [*common, f"checkpoint.resume_from={resumed}/ck/step_10", f"checkpoint.dir={three}/ck"]
         + [f"logging.metrics_file={three}/metrics.jsonl"],
         3,
     )
-    assert f"resumed from {resumed}/ck/step_10 at step 10" in out and "ShardingPlan: world_size=3" in out
+    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout and "ShardingPlan: world_size=3" in res.stdout
     (m,) = metrics(three)
     assert m["step"] == 20 and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
     elastic = tmp / "elastic"
@@ -167,6 +185,15 @@ def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     assert f"resumed from {elastic}/ck/step_5 at step 5" in res.stdout, log[-4000:]
     got = metrics(elastic)  # step 0 (first attempt), then 10 and 20 after the restart
     assert [m["step"] for m in got] == [0, 10, 20] and got[1:] == straight[1:], got
+    # a schedule that ends before the newest checkpoint (step 20) stops with the steps and the fix (1 process)
+    short = ["configs/dlrm_criteo.yaml", "schedule.epochs=null", "schedule.steps=15", "logging.tensorboard_dir=null"]
+    res = train([*short, f"checkpoint.dir={tmp}/ck", "checkpoint.resume_from=latest", "logging.progress_bar=false"])
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (
+        f"checkpoint '{tmp}/ck/step_20' was saved after step 20, but this run's schedule ends at step 15 " in res.stderr
+    )
+    assert "(schedule.steps=15): it would train no step. Fix: a schedule past step 20" in res.stderr
+    assert "Traceback" not in res.stderr and "train step" not in res.stdout
 
 
 def test_train_e2e_benchmark_trains_scaled_down_on_cpu():
@@ -223,7 +250,7 @@ def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
     assert (plan.world_size, plan.local_world_size) == (2, 2)
     assert plan["t_C1"].sharding_type is ShardingType.ROW_WISE and plan["t_C3"].ranks == [0, 1]
     assert plan["t_C2"].sharding_type is ShardingType.COLUMN_WISE
-    out = train_job(
+    res = train_job(
         [
             "configs/dlrm_criteo.yaml",
             f"planner.plan_file={plan_file}",
@@ -235,8 +262,8 @@ def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
         ],
         2,
     )
-    assert f"plan loaded from {plan_file}" in out and "predicted step time" not in out
-    assert "t_C1   row_wise" in out and "t_C3   data_parallel" in out
+    assert f"plan loaded from {plan_file}" in res.stdout and "predicted step time" not in res.stdout
+    assert "t_C1   row_wise" in res.stdout and "t_C3   data_parallel" in res.stdout
     start, end = metrics(tmp_path)
     assert (start["step"], end["step"]) == (0, 5) and end["samples"] == start["samples"] > 0
 

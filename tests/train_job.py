@@ -2,19 +2,20 @@
 
 A Python process importing torch, torchrec and embshard takes seconds of CPU, most of a short run's time, and
 `embshard train --nproc 2` starts three. On machines without CUDA, `embshard_train` runs `embshard.train`'s job
-(what each process of the command line runs) on the test processes' ranks (tests/dist_harness.py), from the
-repository root, with the command line's thread count, and returns their console output; elsewhere (where the
-command line hides the GPUs for a CPU run) it runs the command line. Tests of the command line itself (its process
-start, exit statuses, torchrun restarts) call it in a subprocess (tests/test_train.py).
+(what each process of the command line runs) in processes forked for the run from the test harness's server,
+which imported those modules once (tests/dist_harness.py, `fresh=True`), from the repository root, with the
+command line's thread count, and returns what they wrote to their stdout and stderr (file descriptors 1 and 2:
+Python, logging and C++ output alike, and the data workers' too). Elsewhere (where the command line hides the GPUs
+for a CPU run) it runs the command line. Tests of the command line itself (its process start, exit statuses,
+torchrun restarts) run it in a subprocess (tests/test_train.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import paths
@@ -35,24 +36,40 @@ class Ran:
 def _rank(rank: int, world_size: int, device: torch.device, args: list[str], nproc: int | None) -> tuple[str, str]:
     from embshard.train import _run_or_exit
 
-    cwd, threads, out, err = os.getcwd(), torch.get_num_threads(), io.StringIO(), io.StringIO()
     os.chdir(paths.ROOT)
     if nproc:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as embshard.distributed.spawn_local
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
             _run_or_exit(args[0], args[1:])
-    finally:
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-    return out.getvalue(), err.getvalue()
+        except BaseException as e:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            out.seek(0)
+            err.seek(0)
+            raise RuntimeError(f"rank {rank} of `embshard train` failed; it printed:\n{out.read()}{err.read()}") from e
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        out.seek(0)
+        err.seek(0)
+        return out.read(), err.read()
 
 
 def embshard_train(args: list[str], nproc: int | None = None, env: dict[str, str] | None = None) -> Ran:
     """`embshard train ARGS [--nproc N]` (ARGS: the config file, then overrides; relative paths from the repository
     root), which must succeed. `env`: the command line's environment (default: paths.cpu_subprocess_env())."""
     if IN_TEST_RANKS:
-        results = run_distributed(_rank, nproc or 1, list(args), nproc)
+        results = run_distributed(_rank, nproc or 1, list(args), nproc, fresh=True)
         return Ran("".join(o for o, _ in results), "".join(e for _, e in results))
     cmd = [sys.executable, "-m", "embshard.cli", "train", *args, *(["--nproc", str(nproc)] if nproc else [])]
     res = subprocess.run(

@@ -30,6 +30,7 @@ planner `planner`, and so on.
 - **Numbers**: integer fields take integers only; number fields take integers, decimals and strings such as
   `1e-3` (which YAML 1.1 reads as a string).
 - **Paths** are relative to the working directory.
+- **Terms** (HBM, UVM, TBE, the sharding types): [architecture.md](architecture.md#terms).
 
 This file is generated from the dataclasses' field docstrings by `python -m embshard.config.doc docs/config.md`
 (`make docs`); a test fails if it is out of date. Keys: `a[]` is every item of list `a`; `a.<name>` is every entry

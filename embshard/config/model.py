@@ -79,6 +79,21 @@ class SampledSoftmaxConfig:
 
 CATALOG_LOSSES = ("full_softmax", "sampled_softmax")
 
+BUILTIN_KINDS = ("dlrm", "dlrm_dcnv2", "two_tower")
+"""The model kinds of embshard/models; more are registered from Python with embshard.models.register_model."""
+_REGISTERED_KINDS: list[str] = []
+
+
+def add_model_kind(name: str) -> None:
+    """Accept `model.kind: name` from now on, in this process (called by embshard.models.register_model)."""
+    if name not in BUILTIN_KINDS and name not in _REGISTERED_KINDS:
+        _REGISTERED_KINDS.append(name)
+
+
+def model_kinds() -> list[str]:
+    """The kinds a ModelConfig accepts in this process: the built-in ones, then those registered from Python."""
+    return [*BUILTIN_KINDS, *_REGISTERED_KINDS]
+
 
 @dataclass(frozen=True)
 class TwoTowerConfig:
@@ -159,8 +174,9 @@ class TwoTowerConfig:
 class ModelConfig:
     """The model: its embedding tables and its dense architecture."""
 
-    kind: Literal["dlrm", "dlrm_dcnv2", "two_tower"]
-    """Architecture: dlrm (dot interaction), dlrm_dcnv2 (low-rank cross network) or two_tower (retrieval)."""
+    kind: str
+    """Architecture: dlrm (dot interaction), dlrm_dcnv2 (low-rank cross network), two_tower (retrieval), or a kind
+    registered from Python with embshard.models.register_model (in the process that reads the config)."""
     tables: tuple[TableConfig, ...]
     """The embedding-bag tables; each lists the sparse features that look it up."""
     dlrm: DLRMConfig | None = None
@@ -171,6 +187,13 @@ class ModelConfig:
     """Towers and loss; required for kind two_tower."""
 
     def __post_init__(self) -> None:
+        if self.kind not in model_kinds():
+            raise FieldError(
+                "kind",
+                self.kind,
+                f"choose one of {model_kinds()}, or register your own model first "
+                "(embshard.models.register_model, in Python)",
+            )
         if not self.tables:
             raise FieldError("tables", [], "list at least one table")
         names: dict[str, int] = {}
@@ -229,6 +252,13 @@ class ModelConfig:
                 item = self.two_tower.item_features[0]
                 i, t = next((i, t) for i, t in enumerate(self.tables) if item in t.feature_names)
                 width = self.two_tower.user_mlp[-1]
+                if t.raw_ids:
+                    raise FieldError(
+                        f"tables[{i}].ids",
+                        "raw",
+                        f"table {t.name!r} is the catalog (item_mlp: []): the softmax scores its rows by row number, "
+                        "which raw ids are not: give it ids: index (hash or vocabulary item ids into its rows)",
+                    )
                 if list(t.feature_names) != [item]:
                     raise FieldError(
                         f"tables[{i}].feature_names",

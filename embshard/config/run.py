@@ -53,6 +53,11 @@ class TrainingConfig:
     """Dense model arithmetic: fp32; tf32 (fp32 values, TensorFloat-32 matrix products on CUDA GPUs); bf16
     (autocast: matrix products in bfloat16, weights, gradients and optimizer in fp32). Tables: their data_type;
     pooled embeddings: lookup.output_dtype."""
+    compile: Literal["none", "default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "none"
+    """torch.compile of the dense part's forward (and so its backward) for the training batch size, on CUDA GPUs:
+    default fuses its elementwise work into fewer kernels; reduce-overhead also replays it as CUDA graphs. Other
+    batch shapes (the last partial batch, evaluation) and the CPU run eagerly. Costs a compile at the first step
+    (tens of seconds)."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""

@@ -3,10 +3,14 @@ lengths, table rows and per-id weights. Vectorized throughout (pyarrow compute, 
 
     Parquet row group (read_row_group) | CSV chunk (its byte range, pyarrow's CSV reader)
       -> Arrow columns -> label (threshold or 0/1 check), dense (fill, min, transform), bags (lists, separator
-         text or single values) -> rows (hash, vocab or identity) -> bad rows -> Chunk
+         text or single values) -> rows (hash, vocab or identity) or raw ids (raw) -> bad rows -> Chunk
 
-Missing values (hash and vocab): a null or empty value is dropped from its bag and a bag left empty becomes one
-id of row 0. Identity: nulls are dropped and a bag may stay empty. A bad row (wrong field count, a number that
+Raw (tables with ids: raw): integer values are their own ids, text that is a decimal integer (up to 18 digits) is
+that integer, other text is its embshard-hash-v1 as a signed 64-bit id (no modulo): every distinct value keeps its
+own id, and the table's id -> row map gives it a row on the device (docs/raw_ids.md).
+
+Missing values (hash, vocab and raw): a null or empty value is dropped from its bag and a bag left empty becomes one
+id of row 0 (raw: the id RAW_MISSING). Identity: nulls are dropped and a bag may stay empty. A bad row (wrong field count, a number that
 does not parse, a missing or out-of-range label, an infinite dense value, an id out of range, weights that do not
 match the ids) raises a ConfigError naming file, line or row, column, value and the rule (on_bad_row: error) or
 is dropped and counted (on_bad_row: skip).
@@ -26,6 +30,9 @@ from embshard.data.layout import Layout, Piece
 from embshard.tables import ConfigError
 
 MISSING_ROW = 0
+RAW_MISSING = -(1 << 63)
+"""mapping raw: the id of a missing value (a null or empty value; a bag left empty gets one)."""
+RAW_INT_RE = r"^-?[0-9]{1,18}$"
 FLOAT_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf|infinity)$"
 INT_RE = r"^[+-]?\d+$"
 PACKED_KEY = b"embshard.packed"  # field metadata of a fixed_size_binary column of packed little-endian ids
@@ -119,14 +126,25 @@ class BadRows:
     """Bad rows of one table read from a piece: a mask, and the first one's description."""
 
     def __init__(self, n: int) -> None:
-        self.mask = np.zeros(n, dtype=bool)
+        self.n = n
+        self._mask: np.ndarray | None = None  # made at the first bad row (most pieces have none)
         self.first: tuple[int, str] | None = None  # (row index, "column ...: rule")
+
+    @property
+    def mask(self) -> np.ndarray:
+        if self._mask is None:
+            self._mask = np.zeros(self.n, dtype=bool)
+        return self._mask
+
+    @property
+    def count(self) -> int:
+        return 0 if self._mask is None else int(self._mask.sum())
 
     def add(self, mask: np.ndarray, column: str, values: pa.Array | np.ndarray | None, rule: str) -> None:
         if not mask.any():
             return
         i = int(np.argmax(mask))
-        self.mask |= mask
+        self.mask[:] |= mask
         if self.first is None or i < self.first[0]:
             shown = "" if values is None else f"={_show(values[i])}"
             self.first = (i, f"column {column!r}{shown}: {rule}")
@@ -188,11 +206,11 @@ def to_float(arr: pa.Array) -> np.ndarray:
 
 
 class Reader:
-    """Reads pieces of one split's files into Chunks (one per process; keeps Parquet files open)."""
+    """Reads pieces of one split's files into Chunks (one per process; keeps the Parquet footers)."""
 
     def __init__(self, spec: ReadSpec, layout: Layout, vocab: dict | None = None) -> None:
         self.spec, self.layout, self.vocab = spec, layout, vocab or {}
-        self._open: dict[int, object] = {}
+        self._meta: dict[int, object] = {}  # Parquet footers by file
         need = spec.columns()
         for f, cols in zip(layout.files, layout.columns):
             missing = [c for c in need if c not in cols]
@@ -208,12 +226,18 @@ class Reader:
         import pyarrow.parquet as pq
 
         g = piece.group
-        pf = self._open.get(g.file)
-        if pf is None:
-            if len(self._open) >= 64:
-                self._open.clear()
-            pf = self._open[g.file] = pq.ParquetFile(self.layout.files[g.file])
-        table = pf.read_row_group(g.index, columns=self.spec.columns(), use_threads=False)
+        path = self.layout.files[g.file]
+        meta = self._meta.get(g.file)
+        if meta is None:
+            if len(self._meta) >= 64:
+                self._meta.clear()
+            meta = self._meta[g.file] = pq.ParquetFile(path).metadata
+        # memory-mapped for this read: Arrow decodes from the file's pages in the page cache instead of reading them
+        # into new buffers first (whose page faults cost more than the decompression); unmapped when the table's
+        # buffers are gone (Arrow's buffers of uncompressed pages may point into the mapping)
+        with pa.memory_map(path) as source:
+            pf = pq.ParquetFile(source, metadata=meta)
+            table = pf.read_row_group(g.index, columns=self.spec.columns(), use_threads=False)
         if piece.start or piece.stop < g.rows:
             table = table.slice(piece.start, piece.rows)
         return table
@@ -305,7 +329,7 @@ class Reader:
         chunk = self.convert(table, bad)
         events = [(int(row_numbers[bad.first[0]]), bad.first[1])] if bad.first else []
         events += invalid[:1]
-        skipped = int(bad.mask.sum()) + len(invalid)
+        skipped = bad.count + len(invalid)
         if not skipped:
             return chunk, 0, None
         number, what = min(events)
@@ -386,13 +410,12 @@ class Reader:
             k = t.byte_width // width
             flat = np.frombuffer(col.buffers()[1], dtype="<" + meta[PACKED_KEY].decode()[0] + str(width))
             flat = flat[col.offset * k : (col.offset + n) * k]
-            lengths = np.full(n, k, dtype=np.int32)
             if col.null_count:
                 valid = np.asarray(col.is_valid())
-                lengths[~valid] = 0
+                lengths = np.where(valid, k, 0).astype(np.int32)
                 return lengths, pa.array(flat[np.repeat(valid, k)]), None
-            return lengths, pa.array(flat), k
-        return np.ones(n, dtype=np.int32), col, 1
+            return _constant(n, k), pa.array(flat), k
+        return _constant(n, 1), col, 1
 
     def bags(self, table: pa.Table, f: FeatureSpec, bad: BadRows) -> tuple:
         """One feature's bag lengths [n] (int32), table rows, per-id weights (float32 or None), and the size of
@@ -400,7 +423,9 @@ class Reader:
         spec = self.spec
         lengths, flat, size = self.split(table, f.column, f.separator)
         values_bad = BadRows(len(flat))
-        if spec.mapping == "identity":
+        if spec.mapping == "raw":
+            ids, keep = raw_ids(flat, spec.where, f.column)
+        elif spec.mapping == "identity":
             native = flat.type in (pa.int32(), pa.int64())  # kept as they are (widened when a batch is gathered)
             ids_arr = flat if native else numbers(flat, f.column, spec.where, values_bad, integer=True)
             if ids_arr.null_count:
@@ -409,7 +434,7 @@ class Reader:
             else:
                 keep = None
             ids = ids_arr.to_numpy(zero_copy_only=False)
-            if len(ids) and (ids.min() < 0 or ids.max() >= f.rows):
+            if len(ids) and _out_of_range(ids, f.rows):
                 out = (ids < 0) | (ids >= f.rows)
                 values_bad.add(
                     out if keep is None else out & keep,
@@ -431,7 +456,8 @@ class Reader:
             weights = self.weights(table, f, lengths, values_bad, bad)
         if values_bad.first is not None:
             _to_rows(values_bad, bad, np.repeat(np.arange(len(lengths)), lengths))
-        bags = _finish_bags(lengths, ids, weights, keep, spec.mapping != "identity")
+        missing = RAW_MISSING if spec.mapping == "raw" else MISSING_ROW
+        bags = _finish_bags(lengths, ids, weights, keep, spec.mapping != "identity", missing)
         return (*bags, size if bags[0] is lengths else None)
 
     def weights(
@@ -453,20 +479,62 @@ class Reader:
         return out
 
 
+def _constant(n: int, k: int) -> np.ndarray:
+    """Bag lengths that are all k: a read-only view of one value (nothing to allocate or fill per column)."""
+    return np.broadcast_to(np.int32(k), (n,))
+
+
+def _out_of_range(ids: np.ndarray, rows: int) -> bool:
+    """Whether some id is outside [0, rows): one pass over the ids read as unsigned integers, where a negative id is
+    at least 2^(bits - 1) (so above any table that signed ids of that width can address)."""
+    if ids.dtype.kind == "i" and rows <= 1 << (8 * ids.itemsize - 1):
+        return int(ids.view(np.dtype(ids.dtype.str.replace("i", "u"))).max()) >= rows
+    return bool(ids.min() < 0 or ids.max() >= rows)
+
+
 def _to_rows(values_bad: BadRows, bad: BadRows, parent: np.ndarray) -> None:
     """Move value-level bad marks to their rows (parent: the row of every value)."""
-    rows = np.zeros(len(bad.mask), dtype=bool)
+    rows = np.zeros(bad.n, dtype=bool)
     rows[parent[values_bad.mask]] = True
     i, what = values_bad.first
     if bad.first is None or parent[i] < bad.first[0]:
         bad.first = (int(parent[i]), what)
-    bad.mask |= rows
+    bad.mask[:] |= rows
+
+
+def raw_ids(flat: pa.Array, where: str, column: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """mapping raw: (int64 ids of the values, which values are present or None if all are): integers as they
+    are, decimal-integer text as its integer, other text as its embshard-hash-v1 (module docstring)."""
+    t = flat.type
+    if pa.types.is_dictionary(t):
+        return raw_ids(flat.dictionary_decode(), where, column)
+    if pa.types.is_integer(t):
+        if pa.types.is_unsigned_integer(t) and t.bit_width == 64:
+            ids = flat.fill_null(0).to_numpy(zero_copy_only=False).view(np.int64)
+        else:
+            ids = pc.cast(flat.fill_null(0), pa.int64()).to_numpy(zero_copy_only=False)
+        return ids, np.asarray(flat.is_valid()) if flat.null_count else None
+    try:
+        text = as_text(flat)
+    except TypeError as e:
+        raise ConfigError(f"{where}: column {column!r}: {e}") from None
+    keep = np.asarray(pc.fill_null(pc.greater(pc.binary_length(text), 0), False))
+    ids = hash_values(text).view(np.int64).copy()
+    numeric = np.asarray(pc.fill_null(pc.match_substring_regex(text, RAW_INT_RE), False))
+    if numeric.any():
+        ids[numeric] = pc.cast(pc.filter(text, pa.array(numeric)), pa.int64()).to_numpy(zero_copy_only=False)
+    return ids, None if keep.all() else keep
 
 
 def _finish_bags(
-    lengths: np.ndarray, ids: np.ndarray, weights: np.ndarray | None, keep: np.ndarray | None, fill_missing: bool
+    lengths: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray | None,
+    keep: np.ndarray | None,
+    fill_missing: bool,
+    missing: int = MISSING_ROW,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Drop the values not kept; with fill_missing, a bag left empty gets one id of the missing row (weight 1)."""
+    """Drop the values not kept; with fill_missing, a bag left empty gets one id `missing` (weight 1)."""
     n = len(lengths)
     if keep is None and (not fill_missing or n == 0 or lengths.min() > 0):
         return lengths, ids, weights
@@ -482,7 +550,7 @@ def _finish_bags(
     kept_starts = np.zeros(n, dtype=np.int64)
     np.cumsum(counts[:-1], out=kept_starts[1:])
     pos = starts[parent] + np.arange(len(ids)) - kept_starts[parent]
-    out = np.full(int(new_lengths.sum()), MISSING_ROW, dtype=np.int64)
+    out = np.full(int(new_lengths.sum()), missing, dtype=np.int64)
     out[pos] = ids
     w_out = None
     if weights is not None:

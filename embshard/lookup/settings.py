@@ -61,7 +61,9 @@ class TBESettings:
     stochastic_rounding: bool
     """Stochastic rounding of fp16 weight updates and cache write-backs."""
     bounds_check_mode: str
-    """FBGEMM BoundsCheckMode: FATAL on CUDA (the module already checks ids), NONE on CPU."""
+    """FBGEMM BoundsCheckMode: NONE. Every id is checked once before any exchange, on the rank that owns the batch
+    (embshard/bounds.py: on the host in the training pipeline, on the device otherwise), so the error names the
+    feature; a second check inside the TBE would cost a kernel per lookup and find nothing."""
     cache_algorithm: str | None
     """UVM-caching: LRU or LFU; None otherwise."""
     cache_rows: int
@@ -165,7 +167,7 @@ def tbe_settings(shards: Sequence[LocalShard], options: LookupOptions, device_ty
         output_dtype=out,
         cast_output_to=cast,
         stochastic_rounding=options.stochastic_rounding,
-        bounds_check_mode="NONE" if device_type == "cpu" else "FATAL",
+        bounds_check_mode="NONE",
         cache_algorithm=first.cache_algorithm.value.upper() if caching else None,
         cache_rows=sum(math.ceil(s.shard.num_rows * s.cache_load_factor) for s in shards) if caching else 0,
         prefetch_pipeline=caching and options.prefetch_pipeline,

@@ -20,7 +20,9 @@ __all__ = ["RecModel", "StepOutput"]
 class RecModel(nn.Module):
     """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward; `options`: its LookupOptions);
     `catalog`: a retrieval catalog serving one table in a collection of its own, or None; `dense`: the dense part,
-    wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
+    wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim). Pass
+    `dense` to use a dense module built elsewhere (e.g. a TorchRec model's, embshard.interop) instead of the kind's
+    `build_dense`."""
 
     def __init__(
         self,
@@ -32,6 +34,7 @@ class RecModel(nn.Module):
         world_size: int,
         seed: int = 0,
         options: LookupOptions | None = None,
+        dense: nn.Module | None = None,
     ) -> None:
         super().__init__()
         from embshard.sharded import ShardedEmbeddingBagCollection
@@ -50,12 +53,23 @@ class RecModel(nn.Module):
             tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed, options=options
         )
         torch.manual_seed(seed)  # identical dense initialisation on every rank
-        dense = self.kind.build_dense(cfg, num_dense).to(device)
+        dense = (dense if dense is not None else self.kind.build_dense(cfg, num_dense)).to(device)
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None)
         self.dense = dense
+
+    def compile_dense(self, mode: str, batch_size: int) -> bool:
+        """Compile the dense part's forward with torch.compile (`mode`: "default", "max-autotune-no-cudagraphs" or
+        "reduce-overhead", which adds CUDA graphs) for training batches of `batch_size` samples; other shapes (the
+        last partial batch, evaluation) and the CPU run eagerly. Parameters and checkpoints are unchanged (only the
+        forward is swapped). Returns whether it compiled (False on the CPU)."""
+        if self.ebc.device.type != "cuda":
+            return False
+        inner = self.dense_module()
+        inner.forward = _CompiledForBatch(inner.forward, mode, batch_size)
+        return True
 
     def dense_module(self) -> nn.Module:
         """The dense part without its DistributedDataParallel wrapper (for checkpoints)."""
@@ -83,3 +97,17 @@ class RecModel(nn.Module):
             hook.remove()
         check(step, out.loss, self.ebc, seen[-1])
         return out
+
+
+class _CompiledForBatch:
+    """A module's forward compiled for training batches of one size; every other call runs the eager forward."""
+
+    def __init__(self, forward, mode: str, batch_size: int) -> None:
+        self._eager = forward
+        self._compiled = torch.compile(forward, mode=mode, dynamic=False)
+        self._batch = batch_size
+
+    def __call__(self, first: torch.Tensor, *rest):
+        if torch.is_grad_enabled() and first.shape[0] == self._batch:
+            return self._compiled(first, *rest)
+        return self._eager(first, *rest)

@@ -7,8 +7,15 @@ A kind is one file of this package that registers itself when imported:
 RecModel (build.py) asks the kind for the feature groups the embeddings hand over (`output_groups`), for a table it
 serves as a retrieval catalog in a collection of its own (`build_catalog`, embshard.retrieval), builds the kind's
 dense part (`build_dense`) and computes a batch's loss with the kind's `step(model, batch)`, which runs the
-model's collections and dense part. A new model kind is its config dataclass (embshard.config.model) and one new
-file here: the package's files are imported on the first lookup.
+model's collections and dense part.
+
+Your own model, from your own code (no file of embshard changes; examples/custom_model.py):
+
+    register_model("my_model", ModelKind(build_dense=my_dense, step=my_step, output_groups=my_groups))
+    model = RecModel(ModelConfig(kind="my_model", tables=tables), num_dense, plan, sparse_optimizer, device, world)
+
+A built-in kind is one file of this package with a config section of its own (embshard.config.model); the
+package's files are imported on the first lookup.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from embshard.config.model import ModelConfig
+from embshard.config.model import BUILTIN_KINDS, ModelConfig, add_model_kind
 from embshard.data.common import Batch
 from embshard.tables import ConfigError
 
@@ -62,6 +69,25 @@ def register(name: str, kind: ModelKind) -> None:
     if name in _KINDS and _KINDS[name] is not kind:
         raise ValueError(f"model kind {name!r} is registered twice")
     _KINDS[name] = kind
+    add_model_kind(name)  # ModelConfig(kind=name) accepts it from now on
+
+
+def register_model(name: str, kind: ModelKind) -> None:
+    """Make `kind` the model of `ModelConfig(kind=name)` (and of `model.kind: name` in a YAML config read later in
+    this process): your own dense part and loss on embshard's sharded embeddings, registered from your code.
+
+    Register at the top level of a module that every process imports (for processes started with `spawn`, the
+    script itself), before building the model. Registering a name again replaces the earlier registration (a
+    notebook re-running its cell); the built-in kinds cannot be replaced."""
+    if not isinstance(kind, ModelKind):
+        raise TypeError(f"register_model({name!r}, ...) takes a ModelKind(build_dense=..., step=...), not {kind!r}")
+    if not name or not isinstance(name, str) or name in BUILTIN_KINDS:
+        raise ConfigError(
+            f"register_model: the name {name!r} is invalid: give a non-empty string other than the built-in kinds "
+            f"{list(BUILTIN_KINDS)}"
+        )
+    _KINDS[name] = kind
+    add_model_kind(name)
 
 
 def model_kind(name: str) -> ModelKind:
@@ -71,8 +97,8 @@ def model_kind(name: str) -> ModelKind:
             importlib.import_module(f"{__package__}.{module.name}")
     if name not in _KINDS:
         raise ConfigError(
-            f"model.kind={name!r} has no model: known kinds are {sorted(_KINDS)}; a new kind registers itself in "
-            "a file of embshard/models (embshard.models.registry.register)"
+            f"model.kind={name!r} has no model: known kinds are {sorted(_KINDS)}; register your own with "
+            "embshard.models.register_model(name, ModelKind(...)) before building the model"
         )
     return _KINDS[name]
 

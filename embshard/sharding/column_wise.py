@@ -53,12 +53,18 @@ def column_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: Sharding
     return RoutedSharding(shards_per_rank, key_source, ctx, name="column_wise")
 
 
+PER_BLOCK_STATE_TIERS = frozenset({MemoryTier.UVM_CACHING})
+"""Tiers whose column blocks keep a per-block row-wise Adagrad state even in exact mode (their HBM cache would hold
+stale rows under the exact update)."""
+
+
 def shares_row_state(optimizer: FusedOptimizerConfig, options: LookupOptions, tier: MemoryTier | str) -> bool:
     """Whether the column blocks of a row-wise Adagrad table each hold the table's own per-row state (exact mode:
     identical copies, equal to the unsharded table's) rather than a per-block state of their own (TorchRec's
-    behaviour: `column_wise_exact=False`, and uvm_caching blocks). Checkpoints map the state by this rule."""
+    behaviour: `column_wise_exact=False`, and blocks in `PER_BLOCK_STATE_TIERS`). Checkpoints map the state by this
+    rule."""
     exact = optimizer.kind is OptimizerKind.ROWWISE_ADAGRAD and options.column_wise_exact
-    return exact and MemoryTier(tier) is not MemoryTier.UVM_CACHING
+    return exact and MemoryTier(tier) not in PER_BLOCK_STATE_TIERS
 
 
 class _ExactColumnStep(torch.autograd.Function):
@@ -86,20 +92,26 @@ class ExactColumnSharding(RoutedSharding):
         self._opt = ctx.optimizer
         self._exact = [shares_row_state(ctx.optimizer, ctx.options, lk.shards[0].tier) for lk in self.lookups]
         caching = sorted(
-            {s.table.name for shards in shards_per_rank for s in shards if s.tier is MemoryTier.UVM_CACHING}
+            {
+                (s.table.name, s.tier.value)
+                for shards in shards_per_rank
+                for s in shards
+                if s.tier in PER_BLOCK_STATE_TIERS
+            }
         )
         if caching:
             warnings.warn(
-                f"column-wise tables {caching} are in tier uvm_caching: their row-wise Adagrad state stays per column "
-                "block (the HBM cache would hold stale rows under the exact update); plan them in hbm or uvm for the "
+                f"column-wise tables (name, tier) {caching} keep their row-wise Adagrad state per column block (the HBM "
+                "cache of uvm_caching would hold stale rows under the exact update); plan them in hbm or uvm for the "
                 "exact update",
                 stacklevel=2,
             )
-        # Ranks holding each table's exact blocks, in column order of their first block; this rank's blocks.
+        # Ranks holding each table's exact blocks, in column order of their first block; this rank's blocks. The
+        # same on every rank (from the plan), so every rank agrees on whether the exact node and its all-to-all run.
         holders: dict[int, list[tuple[int, int]]] = {}
         for d, shards in enumerate(shards_per_rank):
             for s in shards:
-                if s.tier is not MemoryTier.UVM_CACHING:
+                if shares_row_state(ctx.optimizer, ctx.options, s.tier):
                     holders.setdefault(s.table_index, []).append((s.shard.col_offset, d))
         self._holders = {t: list(dict.fromkeys(d for _, d in sorted(h))) for t, h in holders.items()}
         # Per table of mine: (lookup, shard, feature positions in the lookup, first output column of each).
@@ -119,16 +131,22 @@ class ExactColumnSharding(RoutedSharding):
         self._anchor = torch.zeros((), device=ctx.device, requires_grad=True)
 
     def lookup(self, inp: LookupInput) -> torch.Tensor:
-        """Pooled sums `[B_global, D_me]`: the exact lookups through `_ExactColumnStep`, a node every rank makes
-        every step (so every rank joins its all-to-all in backward), the others (uvm_caching) with their fused
-        update."""
+        """Pooled sums `[B_global, D_me]`: the exact lookups through `_ExactColumnStep`, the others (uvm_caching)
+        with their fused update.
+
+        Collectives: when any rank holds an exact block, EVERY rank makes the `_ExactColumnStep` node every step and
+        its output is part of the returned tensor (zero columns wide on a rank without exact blocks), so every
+        rank's backward reaches it and joins its all-to-all; when no rank holds one (every block uvm_caching), no
+        rank makes it. Both follow from the plan alone, never from what one rank holds or its batch."""
         Bg = inp.global_batch
         if self.lookups and Bg and inp.parts is None:
             inp.parts = self._split(inp)
+        if not self._holders:  # no exact block on any rank: the routed lookup, no exact all-to-all anywhere
+            return super().lookup(inp)
         exact = _ExactColumnStep.apply(self, inp, self._anchor)
         if all(self._exact):
             return exact
-        outs, e0 = [], 0
+        outs, e0 = [exact[:, :0]], 0  # the (possibly empty) exact node stays in the graph on every rank
         for i, lk in enumerate(self.lookups):
             width = sum(lk.dims)
             if self._exact[i]:
