@@ -48,6 +48,9 @@ def _free_port() -> int:
 
 
 def _join_group(rank: int, world_size: int, port: int, pg_timeout_s: float) -> torch.device:
+    # A fork server's children default to starting theirs from the fork server too: back to the platform's default,
+    # as in any process (DataLoader workers fork from the rank, as under `embshard train`).
+    mp.set_start_method(mp.get_all_start_methods()[0], force=True)
     device = device_kind()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)

@@ -6,7 +6,7 @@ scenarios, trained in the same spawns as the random cases), and invalid setups d
 
 By default the suite trains the few of the first CANDIDATES random cases that together cover everything those
 cover (fuzz_cases.case_tags: every sharding type x world size x optimizer, the tiers, options and data shapes;
-about 30 of 200, seconds on 2 CPU cores), and the scenarios on 2 of the 4 optimizers per world size (all 4 per
+about 30 of 400, seconds on 2 CPU cores), and the scenarios on 2 of the 4 optimizers per world size (all 4 per
 scenario); EMBSHARD_FUZZ_CASES trains every case drawn and every scenario with every optimizer.
 
 Environment:
@@ -37,7 +37,7 @@ from parity import to_kjt
 from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig
 from embshard.plan import Shard, TablePlan
 
-CANDIDATES = 200  # random cases drawn by default, of which the suite trains a covering subset
+CANDIDATES = 400  # random cases drawn by default, of which the suite trains a covering subset
 DEFAULT_CORNERS = 0.3  # share of random cases drawn into the corners (to_corners): the collective-desync class
 FIRST_SEED = 1000  # random case i has seed FIRST_SEED + i
 
