@@ -4,7 +4,7 @@ Each command must match one rule below, which says how it is checked; a command 
 (so a new README command gets a check). Commands that train, measure the machine or need GPUs are not run in full
 here; their rule says which test runs them or what is checked instead:
 
-- `make TARGET`: the target has a recipe (`make -n`); the training `make demo` starts is
+- `make TARGET`: the target has a recipe (`make -n -B`); the training `make demo` starts is
   tests/test_train.py::test_example_config_trains_on_two_processes[dlrm_criteo.yaml], the suite is `make test`.
 - `source .venv/bin/activate`: the file exists (where `make install` made .venv) and puts embshard, torchrun and
   torchx on PATH.
@@ -111,7 +111,8 @@ def test_every_readme_command_works(tmp_path):
         head = tokens[:2]
         if tokens[0] == "make":
             assert not env_vars, cmd
-            res = subprocess.run(["make", "-n", *tokens[1:]], cwd=ROOT, capture_output=True, text=True)
+            # -B: the recipe even where it is up to date (make install has run wherever the suite runs)
+            res = subprocess.run(["make", "-n", "-B", *tokens[1:]], cwd=ROOT, capture_output=True, text=True)
             assert res.returncode == 0 and res.stdout.strip(), f"{cmd}: {res.stderr}"
             assert "Nothing to be done" not in res.stdout, f"{cmd}: the Makefile has no recipe for it"
         elif tokens == ["source", ".venv/bin/activate"]:
