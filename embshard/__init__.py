@@ -2,7 +2,7 @@
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import BoundsCheck, LookupOptions, OutputDtype
-from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.plan import CacheAlgorithm, Exchange, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.planner.simple import simple_plan
 from embshard.tables import ConfigError, DataType, Pooling, TableConfig
 
@@ -11,6 +11,7 @@ __all__ = [
     "CacheAlgorithm",
     "ConfigError",
     "DataType",
+    "Exchange",
     "FusedOptimizerConfig",
     "LookupOptions",
     "MemoryTier",
