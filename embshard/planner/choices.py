@@ -131,19 +131,19 @@ def build_items(
     for i, t in enumerate(tables):
         for j, o in enumerate(opts[i]):
             entries = kinds.setdefault((o.sharding, o.tier, o.cache_load_factor, o.kernel), [])
-            entries.extend((i, j, rows, c, n) for rows, c, n in shard_runs(t, o))
+            table_runs = shard_runs(t, o)
+            blocks = sum(n for _, _, n in table_runs)
+            entries.extend((i, j, rows, c, n, blocks) for rows, c, n in table_runs)
     per: dict[tuple[int, int], tuple] = {}
     for (st, tier, clf, kernel), entries in kinds.items():
         table = np.array(entries, dtype=np.int64)
         ti, oj = table[:, 0], table[:, 1]
-        rows, cols, count = (table[:, k].astype(float) for k in (2, 3, 4))
+        rows, cols, count, blocks = (table[:, k].astype(float) for k in (2, 3, 4, 5))
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti], kernel)
         mem = model.storage(sub, st, tier, rows, cols, clf, kernel)
         shape = (len(ti), loads.NROWS)
-        owner = np.broadcast_to(model.owner_vec(wk), shape)
-        same = np.broadcast_to(model.peer_vec(wk, True), shape)
-        other = np.broadcast_to(model.peer_vec(wk, False), shape)
+        owner, same, other = (np.broadcast_to(v, shape) for v in model.block_vecs(wk, st, blocks))
         hbm = np.broadcast_to(np.asarray(mem.hbm, dtype=float), rows.shape)
         ddr = np.broadcast_to(np.asarray(mem.ddr, dtype=float), rows.shape)
         step = np.broadcast_to(np.asarray(mem.hbm_buffers + mem.ddr_buffers, dtype=float), rows.shape)
