@@ -88,9 +88,8 @@ def sharded_worker(
 
     Without `groups` the loss is sum(out[f] * upstream[f]) over features; with `groups` the module returns one
     tensor per group and the loss is sum(out[g] * group_upstream(g)) (see group_upstream)."""
-    from embshard.sharded import ShardedEmbeddingBagCollection
-
     from embshard import comm
+    from embshard.sharded import ShardedEmbeddingBagCollection
 
     torch.manual_seed(1234 + rank)  # must not matter: initialisation is seeded per table
     ebc = ShardedEmbeddingBagCollection(
