@@ -9,6 +9,7 @@ One spawn per world size trains every (case, optimizer) pair; the tests then com
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from dist_harness import device_kind, run_distributed
 from parity import check_parity, sharded_worker
 from parity import column_blocks as column_blocks_of
+from paths import ROOT
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.comm import first_divergence
@@ -174,9 +176,20 @@ def _exchange_runs(rank, world_size, device, tier):
     return out
 
 
+def _bench_smoke(rank, world_size, device):
+    """bench/hier_exchange.py's measurement at its smoke sizes, two timed steps."""
+    spec = importlib.util.spec_from_file_location("hier_exchange", ROOT / "bench" / "hier_exchange.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.measure(rank, world_size, device, dict(bench.SMOKE, steps=2, warmup=1), local_world_size=2)
+
+
 def _worker(rank, world_size, device, batch_sizes, steps):
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
-    out = _exchange_runs(rank, world_size, device, tier) if world_size == EXCHANGE_WORLD else {}
+    out = {}
+    if world_size == EXCHANGE_WORLD:
+        out = _exchange_runs(rank, world_size, device, tier)
+        out["bench"] = _bench_smoke(rank, world_size, device)
     for run in runs_for(world_size) + [(*r, "again") for r in REPEATED]:
         case, opt = run[0], run[1]
         plan = _plan(case, world_size, tier)
@@ -252,6 +265,23 @@ def test_table_row_wise_hierarchical_exchange(trained, case, opt):
         assert not [lbl for lbl in f["collectives"] if "host all-to-all" in lbl]
     assert first_divergence([h["collectives"] for h in hier]) is None
     assert any(h["states"] for h in hier) and (case != "twrw_host1" or not hier[0]["states"] and not hier[1]["states"])
+
+
+def test_hier_exchange_benchmark_counts_what_the_planner_counts(trained):
+    """bench/hier_exchange.py at 2 hosts x 2 (smoke sizes): the bytes its all-to-alls send inside and between hosts
+    are the planner's count for each exchange; the hierarchical one sends half the bytes between hosts (every table
+    has 2 blocks) and twice the bytes inside them; both give the same first outputs; timings and predictions are
+    reported."""
+    world_size, _, results = trained
+    if world_size != EXCHANGE_WORLD:
+        pytest.skip("trained at world 4 (2 hosts x 2)")
+    got = results[0]["bench"]
+    assert got["first_step_outputs_equal"]
+    for exchange in ("flat", "hierarchical"):
+        assert got[exchange]["bytes"] == got[exchange]["planner_bytes"], exchange
+        assert got[exchange]["exchange_ms"] > 0 and got[exchange]["predicted_exchange_ms"] > 0
+    flat, hier = got["flat"]["bytes"], got["hierarchical"]["bytes"]
+    assert hier["cross_host"] * 2 == flat["cross_host"] > 0 and hier["intra_host"] == 2 * flat["intra_host"]
 
 
 def test_column_wise_rowwise_adagrad_state_per_block_or_exact(trained):
