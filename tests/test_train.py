@@ -2,7 +2,7 @@
 plan, progress and AUC and writes TensorBoard events and checkpoints; a run resumed from a checkpoint ends exactly
 like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes;
 config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
-torchx component launches a CPU run; two torchrun agents train as 2 hosts x 2 on one machine (docs/launch.md)."""
+torchx component launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md)."""
 
 from __future__ import annotations
 
@@ -259,11 +259,11 @@ def test_torchx_component_runs_on_cpu(tmp_path):
     assert (start["step"], end["step"]) == (0, 5) and end["samples"] == 40
 
 
-def test_two_hosts_on_one_machine_with_two_torchrun_agents(tmp_path):
+def test_two_hosts_on_one_machine_with_two_torchrun_launchers(tmp_path):
     """docs/launch.md's recipe: launch/torchrun.sh started twice (node ranks 0 and 1, a c10d rendezvous on this
     machine), 2 processes each: 4 ranks as 2 hosts x 2. The planner's topology says 2 hosts x 2 and, with every table
     table-row-wise and the hierarchical exchange asked for, the plan and the report say so; DLRM trains on the Criteo
-    sample and both agents exit 0. On a machine with 4 GPUs (EMBSHARD_TEST_DEVICE=cuda) each agent gets 2 of them."""
+    sample and both launchers exit 0. On a machine with 4 GPUs (EMBSHARD_TEST_DEVICE=cuda) each launcher gets 2 of them."""
     gpus = DEVICE == "cuda" and torch.cuda.device_count() >= 4
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -274,19 +274,19 @@ def test_two_hosts_on_one_machine_with_two_torchrun_agents(tmp_path):
         "planner.settings.table_row_wise_exchange=hierarchical",
     ]
     args += ["logging.tensorboard_dir=null", f"checkpoint.dir={tmp_path}/ck", "logging.progress_bar=false"]
-    agents = []
+    launchers = []
     for node in (0, 1):
         e = dict(env(), NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{port}")
         e.update(RDZV_ID=f"two_hosts_{port}", PYTHON=sys.executable)
         e["CUDA_VISIBLE_DEVICES"] = ("0,1" if node == 0 else "2,3") if gpus else ""
         cmd = [str(ROOT / "launch" / "torchrun.sh"), *args]
-        agents.append(
+        launchers.append(
             subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
-    logs = [a.communicate(timeout=240)[0] for a in agents]
-    for node, (a, log) in enumerate(zip(agents, logs)):
-        assert a.returncode == 0, f"agent {node}:\n{log[-4000:]}"
-    out = logs[0]  # rank 0 runs under the agent of node rank 0
+    logs = [a.communicate(timeout=240)[0] for a in launchers]
+    for node, (a, log) in enumerate(zip(launchers, logs)):
+        assert a.returncode == 0, f"launcher {node}:\n{log[-4000:]}"
+    out = logs[0]  # rank 0 runs under the launcher of node rank 0
     assert (
         "4 ranks on" in out
         and "ShardingPlan: world_size=4 local_world_size=2 table_row_wise_exchange=hierarchical" in out

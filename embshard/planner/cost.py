@@ -452,9 +452,10 @@ class CostModel:
         """[..., NROWS] each of (owner, same, other): what a block puts on its rank, on each other rank of its
         host and on each rank of the other hosts (`blocks`: its table's block count; table-row-wise under the
         hierarchical exchange: exchange.py)."""
+        flat = self.owner_vec(wk), self.peer_vec(wk, True), self.peer_vec(wk, False)
         if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:
-            return twrw.hierarchical_vecs(self, wk, blocks)
-        return self.owner_vec(wk), self.peer_vec(wk, True), self.peer_vec(wk, False)
+            return twrw.hierarchical_vecs(self.topo, flat, wk.out_b, blocks)
+        return flat
 
     def group_fixed(self, sharding: ShardingType, tier: MemoryTier, kernel=LookupKernel.FBGEMM) -> np.ndarray:
         """[NROWS]: kernel launch costs of one lookup group on a rank (do not modify: cached)."""

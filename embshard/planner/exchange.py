@@ -27,7 +27,6 @@ and keeps the faster (planner/search.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,9 +34,6 @@ from embshard.plan import Exchange, ShardingPlan, ShardingType
 from embshard.planner import loads
 from embshard.planner.topology import Topology
 from embshard.tables import TableConfig
-
-if TYPE_CHECKING:
-    from embshard.planner.cost import CostModel, ShardWork
 
 AUTO = "auto"
 CHOICES = (AUTO, Exchange.FLAT.value, Exchange.HIERARCHICAL.value)
@@ -68,19 +64,22 @@ def resolve(setting: str | Exchange, topo: Topology) -> Exchange:
     return Exchange.HIERARCHICAL if t[Exchange.HIERARCHICAL] < t[Exchange.FLAT] * (1 - 1e-9) else Exchange.FLAT
 
 
-def hierarchical_vecs(model: CostModel, wk: ShardWork, blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def hierarchical_vecs(
+    topo: Topology, flat: tuple[np.ndarray, np.ndarray, np.ndarray], out_b, blocks
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[..., NROWS] loads of a table-row-wise block under the hierarchical exchange on its rank (owner), on each other
-    rank of its host (same) and on each rank of the other hosts (other); `blocks`: the table's k. Terms every rank
-    of the host pays once per table (its peers' rows) are split evenly over the k blocks: a rank with a block gets
-    its own share and the k-1 others' through `same`, a rank without one k shares."""
-    topo = model.topo
+    rank of its host (same) and on each rank of the other hosts (other), from the flat exchange's vectors `flat`
+    (cost.py's owner / peer vectors; their input rows are kept), the block's pooled bytes per rank `out_b` (P) and
+    its table's block count k (`blocks`). Terms every rank of the host pays once per table (its peers' rows) are
+    split evenly over the k blocks: a rank with a block gets its own share and the k-1 others' through `same`, a
+    rank without one k shares."""
     H, L, bi, bx = topo.num_hosts, topo.local_world_size, topo.intra_host_bw, topo.inter_host_bw
-    owner, same, other = model.owner_vec(wk), model.peer_vec(wk, True), model.peer_vec(wk, False)
+    owner, same, other = (v.copy() for v in flat)
     out_rows = [loads.OUT_SEND_I, loads.OUT_SEND_X, loads.OUT_RECV_I, loads.OUT_RECV_X]
     grad_rows = [loads.GRAD_SEND_I, loads.GRAD_SEND_X, loads.GRAD_RECV_I, loads.GRAD_RECV_X]
     for v in (owner, same, other):
         v[..., out_rows + grad_rows] = 0.0
-    P, k = np.asarray(wk.out_b, dtype=float), np.maximum(np.asarray(blocks, dtype=float), 1.0)
+    P, k = np.asarray(out_b, dtype=float), np.maximum(np.asarray(blocks, dtype=float), 1.0)
     set_bytes = H * P / bi  # a sample set S_j's partials over the host's links
     peers = (H - 1) * P / (k * bx)  # the share of one block in a host rank's rows to its peers
     owner[..., loads.OUT_RS_SEND] = (L - 1) * set_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from embshard.plan import MemoryTier, ShardingType
 from embshard.tables import ConfigError, check_known_keys
@@ -43,7 +43,7 @@ class PlannerSettings:
     """Search every assignment exactly when there are at most this many (small models); 0 turns it off."""
     memory_fill: float = 0.97
     """Tier assignment fills at most this share of the summed budgets (placement needs some slack)."""
-    table_row_wise_exchange: str = "auto"
+    table_row_wise_exchange: Literal["auto", "flat", "hierarchical"] = "auto"
     """Output exchange of table-row-wise tables on several hosts: flat (one all-to-all over every rank),
     hierarchical (reduce inside each host, then one all-to-all between hosts), or auto (the one predicted faster)."""
 
