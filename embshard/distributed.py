@@ -78,7 +78,7 @@ class HostGroups:
     hosts)."""
 
 
-_HOST_GROUPS: dict[tuple, HostGroups] = {}
+_HOST_GROUPS: dict[tuple, tuple[dist.ProcessGroup, HostGroups]] = {}  # (name, L) -> (the parent group, its groups)
 
 
 def host_groups(group: dist.ProcessGroup | None, local_world_size: int) -> HostGroups:
@@ -90,7 +90,7 @@ def host_groups(group: dist.ProcessGroup | None, local_world_size: int) -> HostG
     parent = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(parent)
     W, L = len(ranks), local_world_size
-    if W % L or L < 1:
+    if L < 1 or W % L:
         raise ConfigError(f"host groups: local_world_size={L} does not divide the group's {W} ranks")
     if W != dist.get_world_size() or ranks != sorted(ranks):
         raise ConfigError(
@@ -100,7 +100,7 @@ def host_groups(group: dist.ProcessGroup | None, local_world_size: int) -> HostG
             "table_row_wise_exchange: flat"
         )
     key = (getattr(parent, "group_name", None) or id(parent), L)
-    if key not in _HOST_GROUPS:
+    if key not in _HOST_GROUPS or _HOST_GROUPS[key][0] is not parent:  # a new default group may reuse a name
         backend = dist.get_backend(parent)
         kw = {"timeout": _group_timeout(parent)} if _group_timeout(parent) is not None else {}
         me = dist.get_rank()
@@ -112,8 +112,8 @@ def host_groups(group: dist.ProcessGroup | None, local_world_size: int) -> HostG
         for j in range(L):
             g = dist.new_group([ranks[h * L + j] for h in range(H)], backend=backend, **kw)
             peers = g if me % L == j else peers
-        _HOST_GROUPS[key] = HostGroups(intra, peers)
-    return _HOST_GROUPS[key]
+        _HOST_GROUPS[key] = (parent, HostGroups(intra, peers))
+    return _HOST_GROUPS[key][1]
 
 
 def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
