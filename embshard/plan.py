@@ -129,7 +129,7 @@ class ShardingPlan:
     """One entry per table."""
     table_row_wise_exchange: Exchange = Exchange.FLAT
     """Output exchange of the table-row-wise tables: flat (one all-to-all over every rank) or hierarchical (a
-    reduce within each host, then one all-to-all between the hosts' peer ranks; the same results)."""
+    reduce within each host, then one all-to-all between the hosts' peer ranks; the same outputs)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(

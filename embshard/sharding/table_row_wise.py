@@ -8,7 +8,8 @@ exchanges, the plan's `table_row_wise_exchange`:
 - flat: the row-block engine's pooled all-to-all over every rank, then a sum on each sample's rank; every block's
   partials cross the links between hosts;
 - hierarchical (hierarchical.py): a reduce-scatter inside each host, then one all-to-all between the hosts' peer
-  ranks, so each sample's pooled row crosses hosts once. Same results, bit for bit.
+  ranks, so each sample's pooled row crosses hosts once. The same pooled outputs, bit for bit; the lookup's backward
+  adds a row's gradients over its bags in another order, so the weights agree to rounding.
 With one host, or one rank per host, both are the same exchange and the flat one runs.
 """
 
