@@ -1,10 +1,11 @@
-"""Sharded checkpoints of hetero124 on GPUs: save throughput beside `dd`, host memory, async blocking time, and a
-reload into a 1-GPU plan with UVM-caching. Run by bench/device_ckpt.sh (torchrun, one process per GPU):
+"""Sharded checkpoints of hetero124 on GPUs: save throughput beside `dd`, host memory, async blocking time, the
+checksums' cost (a verify pass; a reload with and without them checked), and a reload into a 1-GPU plan with
+UVM-caching. Run by `python bench/run.py ckpt` (torchrun, one process per GPU):
 
     torchrun --nproc-per-node=2 bench/checkpoint_bench.py --scale 0.1 --dir /tmp/embshard_ckpt_bench
 
 hetero124 (bench/embshard_dmp.py) is 4 x 100M x 128 + 20 x 5M x 64 + 100 x 10k x 16 fp32 rows: 205 GB of weights,
-more than the device machine's disk, so --scale multiplies the row counts of the large and medium tables (0.1:
+more than a GPU machine's local disk, so --scale multiplies the row counts of the large and medium tables (0.1:
 4 x 10M x 128 + 20 x 500k x 64, about 23 GB with the row-wise Adagrad state). Plan: tables of <= 10k rows
 data-parallel, the others table-wise in HBM (bench/embshard_dmp.py --plan small-dp). Steps of batch 8192 per rank
 with uniform ids make the optimizer state non-zero. Phases, on every rank:
@@ -12,8 +13,14 @@ with uniform ids make the optimizer state non-zero. Phases, on every rank:
   sync      Checkpointer(async_save=False).save: chunks copied to the host and written one at a time
   async #1  Checkpointer(async_save=True).save: blocking = the copy into (newly allocated) pinned host buffers
   async #2  the same with the buffers reused; one training step runs while it writes; its time is reported
+  crc32     zlib.crc32 over a 256 MiB buffer in memory, one thread (the checksum's CPU speed on this host)
+  verify    rank 0: `embshard checkpoint inspect --verify`'s pass over async #2's checkpoint (every file read and
+            its CRC-32 compared with COMMIT's, --verify-threads files at once), first with the files dropped from
+            the page cache (posix_fadvise DONTNEED: read from the disk), then again (from the page cache)
   reload    rank 0 alone: a 1-GPU plan with every table uvm_caching loads async #2's checkpoint and pools a fixed
-            batch: compared with what the 2-GPU model pooled for it just before async #2
+            batch: compared with what the 2-GPU model pooled for it just before async #2; loaded twice, each time
+            from the disk (page cache dropped): with the checksums checked as chunks are read (the default), and
+            without (load_checkpoint(verify=False)): the difference is what checking costs a load
 Peak RSS per rank (ru_maxrss) after each phase shows the host memory: the sync save and the load stay within a
 few chunks of the baseline; the async saves hold one copy of the rank's shards (pinned).
 """
@@ -43,6 +50,28 @@ def rss_gib() -> tuple[float, float]:
     return current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def drop_page_cache(folder: str) -> None:
+    """Ask the kernel to drop the folder's files from the page cache (clean pages: the save fsynced them)."""
+    for name in os.listdir(folder):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def crc32_gb_per_s() -> float:
+    """zlib.crc32 over 256 MiB in memory, one thread."""
+    import zlib
+
+    buf = os.urandom(256 << 20)
+    zlib.crc32(buf)
+    t = time.perf_counter()
+    for _ in range(4):
+        zlib.crc32(buf)
+    return 4 * len(buf) / 1e9 / (time.perf_counter() - t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", type=float, default=0.1, help="row-count factor of the large and medium tables")
@@ -50,11 +79,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--chunk-mib", type=float, default=64.0)
     ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--verify-threads", type=int, default=8, help="files read at once by the verify pass")
     args = ap.parse_args()
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint
+    from embshard.checkpoint.integrity import verify_folder
+    from embshard.checkpoint.storage import checksums
     from embshard.distributed import init_distributed
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier, ShardingType
@@ -182,12 +214,28 @@ def main() -> None:
     if cuda and hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()  # pinned blocks back to the system
 
-    # reload into one GPU, every table uvm_caching (rank 0 alone)
+    # checksums: their CPU speed, a verify pass from the disk and from the page cache (rank 0 alone)
     one = dist.new_group([0])
     path = latest(args.dir)
     if rank == 0:
+        rows.append(("crc32 in memory (1 thread)", 1.0737, 1.0737 / crc32_gb_per_s(), "zlib.crc32, 256 MiB x 4"))
+        for how in ("from disk", "page cache"):
+            if how == "from disk":
+                drop_page_cache(str(path))
+            v = verify_folder(path, checksums(path), args.verify_threads)
+            note = f"{v.files} files, {args.verify_threads} threads, " + ("intact" if not v.problems else "DAMAGED")
+            rows.append((f"verify ({how})", v.bytes / 1e9, v.seconds, note))
+
+    # reload into one GPU, every table uvm_caching (rank 0 alone), with and without the checksums checked
+    if rank == 0:
         plan1 = simple_plan(tables, 1, tier=MemoryTier.UVM_CACHING if cuda else MemoryTier.HOST)
         uvm = ShardedEmbeddingBagCollection(tables, plan1, opt, device=dev, seed=None, group=one)
+        drop_page_cache(str(path))
+        t = time.time()
+        load_checkpoint(path, TrainState({"ebc": uvm}), chunk_bytes=chunk, verify=False)
+        sync()
+        rows.append(("reload, checksums not checked", total_gb, time.time() - t, "from disk"))
+        drop_page_cache(str(path))
         t = time.time()
         load_checkpoint(path, TrainState({"ebc": uvm}), chunk_bytes=chunk)
         sync()
@@ -199,7 +247,12 @@ def main() -> None:
         ok = "parity OK" if diff <= 1e-5 * max(1.0, magnitude) else "PARITY FAILED"
         tier = "uvm_caching" if cuda else "host"
         rows.append(
-            (f"reload: 1 rank, all {tier}", total_gb, load_s, f"{ok}: max |diff| {diff:.2e} of {magnitude:.2f}")
+            (
+                f"reload: 1 rank, all {tier}",
+                total_gb,
+                load_s,
+                f"checksums checked, from disk; {ok}: max |diff| {diff:.2e} of {magnitude:.2f}",
+            )
         )
     dist.barrier()
     note_rss("reload")
@@ -213,6 +266,24 @@ def main() -> None:
         print("\npeak RSS per rank (GiB; current / peak since start):")
         for phase, values in rss.items():
             print(f"  {phase:12s} " + "   ".join(f"rank {r}: {c:.1f} / {p:.1f}" for r, (c, p) in enumerate(values)))
+        speed = {phase: (gb / sec if sec > 0 else float("nan")) for phase, gb, sec, _ in rows}
+        seconds = {phase: sec for phase, _, sec, _ in rows}
+        reload = next((r for r in rows if r[0].startswith("reload:")), None)
+        first = {
+            key: next((speed[r[0]] for r in rows if r[0].startswith(key)), float("nan"))
+            for key in ("verify", "reload,")
+        }
+        print(
+            f"RESULT framework=embshard bench=ckpt world={world} scale={scale:g} gb={total_gb:.2f} "
+            f"dd_gbs={speed[rows[0][0]]:.2f} sync_save_gbs={speed['sync save']:.2f} "
+            f"async1_blocking_s={seconds['async save #1: blocking']:.2f} "
+            f"async2_blocking_s={seconds['async save #2: blocking']:.2f} "
+            f"async2_commit_gbs={speed['async save #2: until committed']:.2f} verify_gbs={first['verify']:.2f} "
+            f"reload_gbs={speed[reload[0]] if reload else float('nan'):.2f} "
+            f"reload_unchecked_gbs={first['reload,']:.2f} "
+            f"reload_parity={'ok' if reload and 'parity OK' in reload[3] else 'failed'} "
+            f"peak_rss_gib={max(p for values in rss.values() for _, p in values):.2f}"
+        )
     dist.barrier()
     if rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)

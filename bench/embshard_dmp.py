@@ -5,7 +5,18 @@ Run with torchrun, one process per GPU (gloo on CPU for a smoke test):
     torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload hetero124 --plan small-dp
 Workloads (rows, dim, mean ids per bag), batch per rank 8192 (tiny: 64), ids uniform, row-wise Adagrad, bag
 lengths uniform in [0, 2 x mean]: the same as the TorchRec baseline script. Step = forward, backward with the
-fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, samples/s and peak GPU memory.
+fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, samples/s and peak GPU memory, and
+one line `RESULT framework=embshard bench=emb workload=... ms_per_step=... predicted_ms=... floor_hbm_gb=...`
+(bench/report.py reads it; the floor fields are the bytes each rank moves per step, bench/floors.py).
+--mem-at 100,5000 also records the GPU memory allocated after those timed steps (a long run: no growth).
+
+--ids raw: every table is a raw-id table (ids: raw, capacity = its rows, --eviction lru|lfu; docs/raw_ids.md): the
+same step with the ids mapped to rows on the device. --ids both builds a static and a raw-id collection of the same
+tables and times them interleaved (--rounds rounds of --steps steps each, static then raw) on the same batches.
+--id-space K draws the ids from K x rows values (raw tables: K > 1 admits and evicts every step; static tables get
+them modulo rows); --batches N cycles N distinct batches. With --ids raw|both the RESULT lines say bench=rawids,
+ids=static|raw, id_space, rounds (median ms_per_step; `python bench/run.py rawids` runs it).
+    torchrun --nproc-per-node=1 bench/embshard_dmp.py --workload uniform26 --ids both --rounds 3 --steps 20
 
 --plan: `simple` (all table-wise, greedy), `small-dp` (tables <= 10k rows data-parallel, the rest table-wise),
 `planner` (embshard.planner on the detected GPUs; --hbm-gib caps the GPU memory it may plan for, which is how
@@ -16,11 +27,18 @@ step time and peak GPU memory, to compare with the measured ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import floors  # noqa: E402
 
 WORKLOADS = {
     "uniform26": ([(1_000_000, 128, 10)] * 26, 8192),
@@ -28,6 +46,13 @@ WORKLOADS = {
     "overflow": ([(20_000_000, 128, 2)] * 6 + [(1_000_000, 64, 20)] * 10, 8192),
     "tiny": ([(1000, 16, 3)] * 4, 64),
 }
+
+
+def workload_tables(name: str) -> list:
+    """The workload's tables (t0, t1, ...; one feature each, f0, f1, ...)."""
+    from embshard.tables import TableConfig
+
+    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(WORKLOADS[name][0])]
 
 
 def make_plan(args, tables, world: int, tier, batch: int, opt):
@@ -61,26 +86,57 @@ def main() -> None:
     ap.add_argument("--save-plan", default="", help="write the plan used (YAML) to this file (rank 0)")
     ap.add_argument("--no-check-ids", action="store_true", help="skip the per-step id range check")
     ap.add_argument("--mem-probe", action="store_true", help="print the forward and backward transient memory")
+    ap.add_argument("--mem-at", default="", help="comma-separated timed steps after which to record allocated memory")
+    ap.add_argument("--bench", default="emb", help="the bench name in the RESULT line (emb; soak for long runs)")
+    ap.add_argument("--profile-build", action="store_true", help="cProfile of building the module (rank 0)")
+    ap.add_argument("--ids", choices=("static", "raw", "both"), default="static", help="table ids (both: interleaved)")
+    ap.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="raw-id tables' eviction policy")
+    ap.add_argument("--id-space", type=float, default=1.0, help="ids drawn from this many x rows distinct values")
+    ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
+    ap.add_argument("--rounds", type=int, default=3, help="--ids both: interleaved rounds of --steps steps each")
     args = ap.parse_args()
+    if args.ids != "static" and args.bench == "emb":
+        args.bench = "rawids"
 
     from embshard.distributed import init_distributed
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier
     from embshard.sharded import ShardedEmbeddingBagCollection
-    from embshard.tables import TableConfig
 
     dev = init_distributed()
     cuda = dev.type == "cuda"
     rank, ws = dist.get_rank(), dist.get_world_size()
     spec, batch = WORKLOADS[args.workload]
-    tables = [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
+    tables = workload_tables(args.workload)
+    raw_tables = [dataclasses.replace(t, ids="raw", eviction=args.eviction) for t in tables]
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
-    plan, report = make_plan(args, tables, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
+    planned = raw_tables if args.ids != "static" else tables  # both: one plan raw-id tables can use
+    plan, report = make_plan(args, planned, ws, MemoryTier.HBM if cuda else MemoryTier.HOST, batch, opt)
     plan_s = time.time() - t0
+    kinds_run = {"static": ["static"], "raw": ["raw"], "both": ["static", "raw"]}[args.ids]
+    profiler = None
+    if args.profile_build:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.time()
-    ebc = ShardedEmbeddingBagCollection(tables, plan, opt, device=dev, seed=None)
+    ebcs = {
+        k: ShardedEmbeddingBagCollection(raw_tables if k == "raw" else tables, plan, opt, device=dev, seed=None)
+        for k in kinds_run
+    }
+    if cuda:
+        torch.cuda.synchronize()
     build_s = time.time() - t0
+    if profiler is not None:
+        profiler.disable()
+        if rank == 0:
+            import pstats
+
+            print(f"build profile, rank 0 ({build_s:.1f} s; GPU work inside the calls that wait for it):")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     built_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if rank == 0:
         kinds: dict[str, int] = {}
@@ -88,58 +144,83 @@ def main() -> None:
             kinds[f"{tp.sharding_type.value}/{tp.tier.value}"] = (
                 kinds.get(f"{tp.sharding_type.value}/{tp.tier.value}", 0) + 1
             )
-        print(f"plan {plan_s:.2f} s, build {build_s:.1f} s; plan: {kinds}", flush=True)
+        print(f"plan {plan_s:.2f} s, build {build_s:.1f} s ({', '.join(ebcs)}); plan: {kinds}", flush=True)
         if args.save_plan:
             plan.save(args.save_plan)
+        # The plan this run measures, for `bench/planner_predict.py --refit` (one line of JSON).
+        print(f"PLAN workload={args.workload} json={json.dumps(json.loads(plan.to_json()), separators=(',', ':'))}")
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     gen = torch.Generator(device=dev).manual_seed(rank)
 
-    def make_batch() -> KeyedJaggedTensor:
+    def make_batch() -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+        """(static batch, raw batch): the same bags; ids drawn from id_space x rows values, the static table's
+        modulo rows (with --id-space 1 both get the same ids)."""
         lengths, values = [], []
         for r, _, mean in spec:
             le = torch.randint(0, 2 * mean + 1, (batch,), device=dev, generator=gen, dtype=torch.int32)
             lengths.append(le)
-            values.append(torch.randint(0, r, (int(le.sum()),), device=dev, generator=gen))
-        return KeyedJaggedTensor.from_lengths_sync(
-            keys=[f"f{i}" for i in range(len(spec))], values=torch.cat(values), lengths=torch.cat(lengths)
+            values.append(torch.randint(0, max(1, int(r * args.id_space)), (int(le.sum()),), device=dev, generator=gen))
+        keys = [f"f{i}" for i in range(len(spec))]
+        raw = torch.cat(values)
+        static = torch.cat([v % r for v, (r, _, _) in zip(values, spec)]) if args.id_space > 1 else raw
+        return tuple(
+            KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, lengths=torch.cat(lengths)) for v in (static, raw)
         )
 
-    batches = [make_batch() for _ in range(4)]
+    batches = [make_batch() for _ in range(args.batches)]
 
-    def step(i: int) -> None:
-        ebc(batches[i % 4], check_ids=not args.no_check_ids).values().sum().backward()
+    def step(kind: str, i: int) -> None:
+        kjt = batches[i % len(batches)][kind == "raw"]
+        ebcs[kind](kjt, check_ids=not args.no_check_ids).values().sum().backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for i in range(5):
-        step(i)
+    for kind in ebcs:
+        for i in range(5):
+            step(kind, i)
     sync()
     if cuda and args.mem_probe:  # where the step's transient memory goes: forward vs backward
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = ebc(batches[0], check_ids=not args.no_check_ids).values()
-        sync()
-        fwd = torch.cuda.max_memory_allocated() - base
-        torch.cuda.reset_peak_memory_stats()
-        out.sum().backward()
-        sync()
-        bwd = torch.cuda.max_memory_allocated() - base
-        if rank == 0:
-            print(
-                f"memory probe: forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over {base / 2**30:.2f}"
-            )
+        for kind, ebc in ebcs.items():
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = ebc(batches[0][kind == "raw"], check_ids=not args.no_check_ids).values()
+            sync()
+            fwd = torch.cuda.max_memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            out.sum().backward()
+            sync()
+            bwd = torch.cuda.max_memory_allocated() - base
+            if rank == 0:
+                print(
+                    f"memory probe ({kind}): forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over "
+                    f"{base / 2**30:.2f}"
+                )
     dist.barrier()
     warm_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.time()
-    for i in range(args.steps):
-        step(i)
-    sync()
-    ms = (time.time() - t0) / args.steps * 1e3
+    mem_at = sorted({int(x) for x in args.mem_at.split(",") if x})
+    allocated: dict[int, float] = {}
+    times: dict[str, list[float]] = {k: [] for k in ebcs}
+    for _ in range(args.rounds if args.ids == "both" else 1):
+        for kind in ebcs:
+            dist.barrier()
+            sync()
+            t0 = time.time()
+            for i in range(args.steps):
+                step(kind, i)
+                if i + 1 in mem_at:
+                    sync()
+                    allocated[i + 1] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+            sync()
+            times[kind].append((time.time() - t0) / args.steps * 1e3)
+    mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(ws)]
+    dist.all_gather_object(everyone, mine)
     peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else 0.0], device=dev)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    raw_stats = ebcs["raw"].raw_id_stats(gather=True) if "raw" in ebcs else {}
     if rank == 0:
         mem = (
             f"; peak GPU memory {peak.item() / 2**30:.2f} GiB (max over ranks; rank 0: {built_gib:.2f} after build, "
@@ -147,17 +228,41 @@ def main() -> None:
             if cuda
             else ""
         )
-        pred = ""
-        if report is not None:
-            pred = (
-                f"; predicted {report.step_time_s * 1e3:.2f} ms/step ({report.step_time_s * 1e3 / ms:.2f}x measured),"
-                f" predicted peak {report.peak_hbm / 2**30:.2f} GiB"
+        for kind in ebcs:
+            ms = statistics.median(times[kind])
+            pred = ""
+            if report is not None:
+                pred = (
+                    f"; predicted {report.step_time_s * 1e3:.2f} ms/step ({report.step_time_s * 1e3 / ms:.2f}x "
+                    f"measured), predicted peak {report.peak_hbm / 2**30:.2f} GiB"
+                )
+            ids = "" if args.ids == "static" else f" ids={kind}"
+            rounds = f" (rounds: {', '.join(f'{t:.2f}' for t in times[kind])})" if len(times[kind]) > 1 else ""
+            print(
+                f"embshard {args.workload} world={ws} plan={args.plan}{ids} check_ids={not args.no_check_ids}: "
+                f"{ms:.2f} ms/step{rounds}, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
+                flush=True,
             )
-        print(
-            f"embshard {args.workload} world={ws} plan={args.plan} check_ids={not args.no_check_ids}: "
-            f"{ms:.2f} ms/step, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
-            flush=True,
-        )
+            fields = [
+                f"framework=embshard bench={args.bench} workload={args.workload} world={ws} batch_per_rank={batch}",
+                f"plan={os.path.basename(args.plan)} hbm_gib={args.hbm_gib:g} steps={args.steps} ms_per_step={ms:.3f}",
+                f"samples_per_s={ws * batch / ms * 1e3:.0f} peak_gib={peak.item() / 2**30:.2f}",
+            ]
+            if args.ids != "static":
+                fields.append(
+                    f"ids={kind} id_space={args.id_space:g} eviction={args.eviction} rounds={len(times[kind])}"
+                )
+            if kind == "raw":
+                tot = {k: sum(v[k] for v in raw_stats.values()) for k in ("admitted", "evicted", "resident")}
+                fields.append(" ".join(f"{k}={v}" for k, v in tot.items()))
+            if report is not None:
+                fields.append(
+                    f"predicted_ms={report.step_time_s * 1e3:.3f} predicted_peak_gib={report.peak_hbm / 2**30:.2f}"
+                )
+            for j, k in enumerate(mem_at):  # max over ranks
+                fields.append(f"allocated_gib_step{k}={max(float(e[j]) for e in everyone):.4f}")
+            fields.append(floors.fields(floors.embedding_bytes(tables, plan, batch)))
+            print("RESULT " + " ".join(fields), flush=True)
     dist.destroy_process_group()
 
 

@@ -151,6 +151,14 @@ def main() -> None:
             ref = max(mat) if all(p is not None for p in mat) else 2 * logits_bytes  # OOM: logits + their gradient
             word = "" if all(p is not None for p in mat) else "at most "
             print(f"sharded / materialized peak: {word}{sharded_peak / ref:.2%} (target <= 10%)")
+            mat_peak = "oom" if word else f"{ref / GiB:.3f}"
+            mat_ms = mems[0][0]["materialized"][1]
+            print(
+                f"RESULT framework=embshard bench=retrieval items={args.items} dim={args.dim} batch_per_rank={args.batch} "
+                f"world={world} sharded_peak_gib={sharded_peak / GiB:.3f} materialized_peak_gib={mat_peak} "
+                f"logits_gib={logits_bytes / GiB:.3f} peak_share={sharded_peak / ref:.4f} "
+                f"sharded_ms={mems[0][0]['sharded'][1]:.2f} materialized_ms={'nan' if mat_ms is None else f'{mat_ms:.2f}'}"
+            )
         checks = [m[1] for m in mems]
         if all(c is not None for c in checks):
             worst = [max(c[i] for c in checks) for i in range(3)]

@@ -225,6 +225,7 @@ def measure_torchrec(folder: Path, args) -> dict:
         rank=0,
         world_size=1,
         shuffle_batches=True,
+        hashes=ROWS,  # ids modulo the table sizes (no-op here); torchrec 1.6 requires them, 1.8 takes None
     )
     setup = time.perf_counter() - t0
     n = ids = 0
@@ -305,6 +306,11 @@ def main() -> None:
             print(f"{layout:16s} workers={w:2d}  {r['samples_per_s'] / 1e6:7.3f} M samples/s  "
                   f"{r['ids_per_s'] / 1e6:8.1f} M ids/s  {r['per_cpu_s'] / 1e6:6.3f} M samples/CPU-s  "
                   f"peak RSS {r['peak_rss'] / 2**30:6.2f} GiB  setup {r['setup_s']:.1f} s", flush=True)  # fmt: skip
+            framework = "torchrec" if layout == "torchrec-onehot" else "embshard"
+            print(f"RESULT framework={framework} bench=loader layout={layout} workers={w} batch={args.batch_size} "
+                  f"cpus={os.cpu_count()} samples_per_s={r['samples_per_s']:.0f} ids_per_s={r['ids_per_s']:.0f} "
+                  f"samples_per_cpu_s={r['per_cpu_s']:.0f} peak_rss_gib={r['peak_rss'] / 2**30:.2f} "
+                  f"setup_s={r['setup_s']:.1f}", flush=True)  # fmt: skip
     print(f"\nsummary ({os.cpu_count()} CPUs, batch {args.batch_size}, {args.rows} rows, row groups {args.row_group})")
     print("| layout | workers | M samples/s | M ids/s | M samples per CPU-s | peak RSS GiB | setup s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

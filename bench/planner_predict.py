@@ -14,6 +14,13 @@ Without GPUs (preset speeds):
 
 Each line: workload=... variant=... predicted_ms=... predicted_peak_hbm_gib=... (max over ranks: shards + batch
 buffers, without the dense model) per_rank_hbm_gib=[...] per_rank_host_gib=[...] plan=FILE
+
+Refit a GPU model's constants (embshard/planner/presets/DEVICE.yaml) to benchmark logs of that GPU, one command
+after `python bench/run.py emb kernels --out OUT` (emb.log has each run's RESULT line and the plan it ran):
+    python bench/planner_predict.py --refit --device h100 --steps OUT/emb.log --kernels OUT/kernels.log --write
+--kernels refits the small-table kernel's constants (forward per id, backward and data-parallel dense gradient
+per atomic sector), --steps the fixed cost of a step (embshard/planner/tools/refit.py); it prints every measured
+step against the prediction before and after, and --write rewrites the preset file (or --out FILE).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,6 +74,87 @@ def torchrec_like_variants(inp: PlannerInput, world: int) -> dict[str, ShardingP
     }
 
 
+def dmp_workload(name: str) -> tuple[list, int]:
+    """The tables and batch per rank of a bench/embshard_dmp.py workload (the names its saved plans use)."""
+    from embshard_dmp import WORKLOADS
+
+    from embshard.tables import TableConfig
+
+    if name not in WORKLOADS:
+        raise SystemExit(f"workload {name!r} is not one of bench/embshard_dmp.py's: {sorted(WORKLOADS)}")
+    spec, batch = WORKLOADS[name]
+    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)], batch
+
+
+def refit(args: argparse.Namespace) -> None:
+    """--refit: fit the device's constants to the logs, print the fit, rewrite the preset file with --write."""
+    from embshard.optim import FusedOptimizerConfig
+    from embshard.planner.tools import refit as rf
+    from embshard.planner.topology import preset_path
+
+    if not (args.kernels or args.steps):
+        raise SystemExit(
+            "--refit needs --kernels LOG (bench/kernels.py) and/or --steps LOG... (bench/run.py emb's log)"
+        )
+    from embshard.planner.topology import preset_for_gpu
+
+    for log_file in [*filter(None, [args.kernels]), *(args.steps or [])]:
+        gpu = rf.gpu_of_log(Path(log_file).read_text())
+        if gpu and preset_for_gpu(gpu, 0) != args.device:
+            raise SystemExit(f"{log_file} was measured on {gpu!r}, not on a {args.device}: pass --device for that GPU")
+    topo = Topology.preset(args.device, 2)
+    updates: dict[str, float] = {}
+    why: dict[str, str] = {}
+    stamp = time.strftime("%Y-%m-%d")
+    if args.kernels:
+        log = rf.parse_kernel_log(Path(args.kernels).read_text(), args.kernels)
+        fitted, lines = rf.fit_kernel_log(log, topo)
+        print(f"# small-table kernel, {args.kernels}:")
+        print("\n".join(lines))
+        for k, v in fitted.items():
+            print(f"{k}: {getattr(topo, k) * 1e12:.2f} -> {v * 1e12:.2f} ps")
+            why[k] = f"fitted to {args.kernels} ({stamp}, bench/kernels.py, uniform ids)"
+        updates.update(fitted)
+        topo = replace(topo, **fitted)
+    if args.steps:
+        import json
+
+        runs = [r for path in args.steps for r in rf.parse_step_log(Path(path).read_text())]
+        if not runs:
+            raise SystemExit(f"{args.steps}: no embedding-step results ('RESULT framework=embshard bench=emb ...')")
+        opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
+        bare = replace(topo, step_overhead_s=0.0)
+        rows, predicted, measured = [], [], []
+        for run in runs:
+            workload, world = run["workload"], int(run.get("world", 2))
+            hbm = float(run.get("hbm_gib", 0) or 0) or None
+            tables, batch = dmp_workload(workload)
+            machine = bare.with_sizes(world, hbm_gib=hbm)
+            if run["plan_json"] is not None:
+                plan, how = ShardingPlan.from_dict(json.loads(run["plan_json"])), "its plan"
+            else:  # logs before the PLAN lines: the plan the planner makes now (the same where the preset agrees)
+                plan, how = plan_with_report(tables, machine, batch, opt)[0], "re-planned"
+            report = predict(plan, tables, machine, batch, opt)
+            rows.append((workload, how, run["seconds"], report.step_time_s))
+            predicted.append(report.step_time_s)
+            measured.append(run["seconds"])
+        c = rf.fit_step_overhead(predicted, measured)
+        old = Topology.preset(args.device, 2).step_overhead_s
+        print(f"# steps ({len(rows)} runs): step_overhead {old * 1e6:.0f} -> {c * 1e6:.0f} us")
+        for workload, how, seconds, p0 in rows:
+            print(
+                f"{workload:10s} {how:11s} measured {seconds * 1e3:7.2f} ms  predicted {(p0 + old) * 1e3:7.2f} "
+                f"({(p0 + old) / seconds - 1:+.0%}) -> {(p0 + c) * 1e3:7.2f} ({(p0 + c) / seconds - 1:+.0%})"
+            )
+        updates["step_overhead_s"] = c
+        logs = ", ".join(args.steps)
+        why["step_overhead_s"] = f"fitted to {logs} ({stamp}: {len(rows)} steps, relative least squares)"
+    if args.write or args.out:
+        target = Path(args.out) if args.out else preset_path(args.device)
+        rf.rewrite_preset(preset_path(args.device), updates, why, out=target)
+        print(f"wrote {target}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2)
@@ -76,7 +165,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", default="plans", help="where the plans are saved (YAML)")
     p.add_argument("--verbose", action="store_true", help="also print each full report")
     p.add_argument("--torchrec", action="store_true", help="also plan with TorchRec (given the same GPU memory)")
+    p.add_argument("--refit", action="store_true", help="refit --device's constants to --kernels / --steps logs")
+    p.add_argument("--kernels", help="--refit: bench/kernels.py output of one GPU of that model")
+    p.add_argument(
+        "--steps", nargs="+", help="--refit: logs with bench/embshard_dmp.py's RESULT lines (bench/run.py emb)"
+    )
+    p.add_argument("--write", action="store_true", help="--refit: rewrite embshard/planner/presets/DEVICE.yaml")
+    p.add_argument("--out", help="--refit: write the refitted preset here instead")
     args = p.parse_args(argv)
+    if args.refit:
+        refit(args)
+        return
     if args.topology:
         base = Topology.load(args.topology).with_sizes(args.world_size)
     elif args.detect:

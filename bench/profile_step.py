@@ -2,10 +2,10 @@
 profiler slows the step; use it to find host syncs, copies and idle GPU time, then time without it).
 
     torchrun --nproc-per-node=2 bench/profile_step.py bench/embshard_dmp.py --workload uniform26 --steps 10
-    torchrun --nproc-per-node=2 bench/profile_step.py bench/baselines/torchrec_dmp.py --workload uniform26 --steps 10
+    torchrun --nproc-per-node=2 bench/profile_step.py --trace-dir DIR bench/baselines/torchrec_dmp.py --steps 10
 
 Prints, for rank 0: the top operators by self CUDA time and by self CPU time, and the count of device-to-host
-syncs; writes a Chrome trace to $OUT/trace_<script>.json.gz when $OUT is set.
+syncs; with --trace-dir DIR (before the script) writes a Chrome trace to DIR/trace_<script>[_<workload>].json.gz.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def main() -> None:
-    script, args = sys.argv[1], sys.argv[2:]
+    argv = sys.argv[1:]
+    out = None
+    if argv[:1] == ["--trace-dir"]:
+        out, argv = argv[1], argv[2:]
+    script, args = argv[0], argv[1:]
     sys.argv = [script, *args]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     rank = int(os.environ.get("RANK", "0"))
@@ -36,7 +40,6 @@ def main() -> None:
     print(ev.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
     syncs = {e.key: e.count for e in ev if any(s in e.key for s in ("Synchronize", "item", "tolist", "_local_scalar"))}
     print("syncs:", syncs)
-    out = os.environ.get("OUT")
     if out:
         name = os.path.splitext(os.path.basename(script))[0]
         if "--workload" in args:

@@ -1,4 +1,4 @@
-"""The TorchRec baseline (`shared/baselines/torchrec_dmp.py`, unchanged) on embshard's extra workloads.
+"""The TorchRec baseline (bench/baselines/torchrec_dmp.py, unchanged) on embshard's extra workloads.
 
     torchrun --nproc-per-node=2 bench/torchrec_more.py --workload overflow --hbm-gib 16
 
@@ -13,7 +13,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BASELINE = os.environ.get("TORCHREC_BASELINE", os.path.join(HERE, "..", "shared", "baselines", "torchrec_dmp.py"))
+BASELINE = os.environ.get("TORCHREC_BASELINE", os.path.join(HERE, "baselines", "torchrec_dmp.py"))
 
 
 def main() -> None:

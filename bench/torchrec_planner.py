@@ -11,15 +11,9 @@ import logging
 import warnings
 from collections.abc import Sequence
 
-from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.interop import from_torchrec_plan
+from embshard.plan import ShardingPlan
 from embshard.tables import TableConfig
-
-KERNEL_TIER = {
-    "fused": MemoryTier.HBM,
-    "dense": MemoryTier.HBM,
-    "fused_uvm": MemoryTier.UVM,
-    "fused_uvm_caching": MemoryTier.UVM_CACHING,
-}
 
 
 def torchrec_inputs(tables: Sequence[TableConfig]) -> tuple:
@@ -55,7 +49,7 @@ def torchrec_plan(
     ddr_gib: float | None = None,
 ) -> ShardingPlan:
     """Plan with TorchRec's EmbeddingShardingPlanner (meta-device EmbeddingBagCollection, pooling factors from
-    ids_per_bag; hbm_gib None: TorchRec's default 32 GiB) and convert the result."""
+    ids_per_bag; hbm_gib None: TorchRec's default 32 GiB) and convert the result (embshard.interop.from_torchrec_plan)."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
@@ -68,24 +62,4 @@ def torchrec_plan(
     topo = Topology(world_size=world_size, local_world_size=local_world_size, compute_device="cuda", **kw)
     planner = EmbeddingShardingPlanner(topology=topo, batch_size=batch_size, constraints=constraints)
     plan = planner.plan(ebc, [EmbeddingBagCollectionSharder()])
-    by_name = {t.name: t for t in tables}
-    out = []
-    for params in plan.plan.values():
-        for name, p in params.items():
-            t = by_name[name]
-            st = ShardingType(p.sharding_type)
-            tier = KERNEL_TIER[p.compute_kernel]
-            if st is ShardingType.DATA_PARALLEL:
-                shards = [Shard(r, 0, t.num_embeddings, 0, t.embedding_dim) for r in p.ranks]
-            else:
-                shards = [
-                    Shard(
-                        s.placement.rank(), s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1], s.shard_sizes[1]
-                    )
-                    for s in p.sharding_spec.shards
-                    if s.shard_sizes[0] > 0 and s.shard_sizes[1] > 0
-                ]
-            clf = getattr(getattr(p, "cache_params", None), "load_factor", None) or 0.2
-            out.append(TablePlan(name, st, tier, tuple(shards), cache_load_factor=clf))
-    order = {t.name: i for i, t in enumerate(tables)}
-    return ShardingPlan(world_size, local_world_size, tuple(sorted(out, key=lambda tp: order[tp.table])))
+    return from_torchrec_plan(plan, "", world_size, local_world_size, tables=tables)

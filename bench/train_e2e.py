@@ -16,7 +16,8 @@ without NCCL's, which also spin while waiting for a peer), kernel time per step 
 are 5 steps after 2 of warm-up.
 
 Prints the plan summary once, per rank peak memory, the data path's waits, one line
-`RESULT framework=embshard ... ms_per_step=... samples_per_s=...` and, last, `samples_per_s=<global samples/s>`.
+`RESULT framework=embshard ... ms_per_step=... samples_per_s=... floor_hbm_gb=...` (the floor fields: bytes each rank
+moves per step and the dense model's work, bench/floors.py) and, last, `samples_per_s=<global samples/s>`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import floors  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -232,13 +235,16 @@ def run(args: argparse.Namespace) -> None:
             prof.export_chrome_trace(args.trace)
             say(f"trace: {args.trace}")
     pipe.close()
+    weights = sum(p.numel() for p in model.dense_parameters() if p.dim() >= 2)
+    pooled_bytes = 2 if cfg.lookup.output_dtype.value == "bf16" else 4
+    floor = floors.e2e_fields(tables, plan, batch, source.num_dense, weights, pooled_bytes)
     say(
         f"RESULT framework=embshard tag={args.tag or '-'} pipeline={tr.pipeline} precision={tr.precision} "
         f"compile={tr.compile} "
         f"pooled={cfg.lookup.output_dtype.value} world={world} batch_per_rank={batch} scale={args.scale:g} "
         f"ms_per_step={ms:.3f} samples_per_s={sps:.0f} build_s={build_s:.2f} peak_gib={float(g[:, 1].max()):.2f} "
         f"data_wait_ms={float(g[:, 2].max()):.3f} gpu_busy={busy:.3f} gpu_busy_compute={busy_compute:.3f} "
-        f"auc={auc:.5f} auc_before={auc_before:.5f} loss_first={first:.4f} loss_last={last:.4f}"
+        f"auc={auc:.5f} auc_before={auc_before:.5f} loss_first={first:.4f} loss_last={last:.4f} {floor}"
     )
     dist.barrier()
     dist.destroy_process_group()

@@ -8,6 +8,8 @@ any exchange, so the error names the feature of the local batch. `LookupOptions.
   an example); all drops are counted per feature (`ShardedEmbeddingBagCollection.dropped_ids()`).
 
 Clamping into range was rejected: it would train the first or last row on garbage.
+
+Raw-id tables (`TableConfig(ids="raw")`) take any int64 id: their features are never checked.
 """
 
 from __future__ import annotations
@@ -34,23 +36,22 @@ def count_bad_ids(
     """`[1]` count of out-of-range ids in the local batch, as a device tensor (no host sync: it rides on the input
     exchange's counts). `keys[f]` is the feature of row f of `lengths_FB` `[F, B]`.
 
-    FBGEMM's `bounds_check_indices` (warning mode) counts the ids at or above their table's rows in one pass; it
-    zeroes the ids it counts, so it runs on a copy (the caller's batch stays intact for the error message), and it
-    lets -1 through (FBGEMM's "pruned" id), so negative ids are counted apart. On the CPU (the training pipeline's
-    host thread counts every batch before its copy) the check is a min and a max per feature instead, a few
-    milliseconds for millions of ids, and the bad ids are counted only in features whose range is out of bounds."""
-    if values.numel() == 0:  # no ids (an empty batch or empty bags): nothing to check, no kernel
+    On the device: each id's table size (its feature from the per-feature id counts, `feature_of_ids`) compared
+    with the id, a handful of kernels and no copy of the batch. On the CPU (the training pipeline's host thread
+    counts every batch before its copy): a min and a max per feature, a few milliseconds for millions of ids, and
+    an exact count only in the features whose range leaves their table. Raw-id features are not checked."""
+    raw = [table_of[k].raw_ids for k in keys]
+    if values.numel() == 0 or all(raw):  # no ids to check (an empty batch or empty bags, raw ids only): no kernel
         return torch.zeros(1, dtype=torch.int64, device=values.device)
     if values.device.type == "cpu":
         return _count_bad_ids_host(lengths_FB, values, keys, table_of)
     rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], values.device)
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths_FB.reshape(-1)).to(values.dtype)
-    warning = torch.zeros(1, dtype=torch.int64, device=values.device)
-    torch.ops.fbgemm.bounds_check_indices(rows_F, values.clone(), offsets, BOUNDS_WARNING, warning, None)
-    return warning + (values < 0).sum()
-
-
-BOUNDS_WARNING = 1  # fbgemm_gpu BoundsCheckMode.WARNING: count, zero the id, go on
+    ids_F = lengths_FB.sum(1, dtype=torch.int64)
+    feature = feature_of_ids(ids_F, values.numel())
+    bad = (values < 0) | (values >= rows_F.index_select(0, feature))  # each id's table size, no host sync
+    if any(raw):  # raw ids are all valid
+        bad &= ~cached_tensor(raw, values.device, torch.bool).index_select(0, feature)
+    return bad.sum(dtype=torch.int64).reshape(1)
 
 
 def _count_bad_ids_host(
@@ -61,7 +62,7 @@ def _count_bad_ids_host(
     ids_F = lengths_FB.sum(1, dtype=torch.int64).numpy()
     ends = np.cumsum(ids_F)
     v = values.numpy()[: int(ends[-1])]
-    nonempty = np.flatnonzero(ids_F)
+    nonempty = np.array([f for f in np.flatnonzero(ids_F) if not table_of[keys[f]].raw_ids], dtype=np.int64)
     if nonempty.size == 0:
         return torch.zeros(1, dtype=torch.int64)
     starts = ends[nonempty] - ids_F[nonempty]  # consecutive segments: empty features in between take no ids
@@ -94,6 +95,9 @@ def check_ids(
     ids_F = lengths_FB.sum(1).to(torch.int64)
     feature_of = feature_of_ids(ids_F, values.numel())
     bad = (values < 0) | (values >= rows_F[feature_of])
+    raw = [table_of[k].raw_ids for k in keys]
+    if any(raw):  # raw ids are all valid
+        bad &= ~cached_tensor(raw, device, torch.bool)[feature_of]
     if not bool(bad.any()):
         return lengths_FB, values, weights
     if mode is BoundsCheck.ERROR:

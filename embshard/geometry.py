@@ -32,6 +32,17 @@ def row_blocks(rows: int, parts: int) -> list[int]:
     return [bs] * (n - 1) + [rows - bs * (n - 1)]
 
 
+def row_runs(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """`runs(row_blocks(rows, parts))` without listing the blocks: (block size, count) of the full blocks, then
+    the shorter last block if there is one (rows=10, parts=4: ((3, 3), (1, 1)))."""
+    bs = -(-rows // parts)
+    n = -(-rows // bs)
+    last = rows - bs * (n - 1)
+    if last == bs:
+        return ((bs, n),)
+    return ((bs, n - 1), (last, 1)) if n > 1 else ((last, 1),)
+
+
 def is_row_split(sizes: Sequence[int]) -> bool:
     """Whether row-block sizes (in row order) can be routed by id // block size: all but the last equal to the
     first, the last at most that."""

@@ -72,6 +72,55 @@ class ShardState:
             for lookup in scheme.lookups:
                 lookup.drop_cache()
 
+    # ---- raw-id tables: their id -> row maps (embshard/rawids) ---------------------------------------------
+    def _id_maps(self) -> list[tuple[Any, int]]:
+        """(IdMap, shard index in it) for every raw-id shard of this rank."""
+        return [
+            (idmap, i)
+            for scheme in self.schemes
+            for idmap in getattr(scheme, "idmaps", {}).values()
+            for i in range(len(idmap.shards))
+        ]
+
+    def local_id_maps(self) -> list[tuple[str, Shard, dict[str, torch.Tensor]]]:
+        """(table name, Shard, {'ids', 'id_last', 'id_count'}) for every raw-id shard on this rank: live `[rows]`
+        views of the id each row holds, the map's clock at its last use (-1: no id) and its uses. After writing
+        into them call `rebuild_id_maps()`."""
+        return [(m.shards[i].table.name, m.shards[i].shard, m.shard_state(i)) for m, i in self._id_maps()]
+
+    def rebuild_id_maps(self) -> int:
+        """Rebuild every map's index and LRU order from its rows (after a load); returns ids dropped for want of
+        an index slot (normally 0)."""
+        maps = {id(m): m for m, _ in self._id_maps()}
+        return sum(m.rebuild() for m in maps.values())
+
+    def raw_id_stats(self, gather: bool = False) -> dict[str, dict[str, int]]:
+        """Per raw-id table of this rank (gather=True: of every rank, summed over its blocks; collective): ids
+        admitted and evicted since the last `reset_raw_id_stats()`, ids resident now, capacity (ids it can hold).
+        Reads device counters (a host sync): for logging every N steps."""
+        stats: dict[str, dict[str, int]] = {}
+        maps = {id(m): m for m, _ in self._id_maps()}
+        for m in maps.values():
+            for s, st in zip(m.shards, m.stats()):
+                acc = stats.setdefault(s.table.name, dict.fromkeys(st, 0))
+                for k, v in st.items():
+                    acc[k] += v
+        if gather and self.world_size > 1:
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, stats, group=self.group)
+            stats = {}
+            for rank_stats in everyone:
+                for name, st in rank_stats.items():
+                    acc = stats.setdefault(name, dict.fromkeys(st, 0))
+                    for k, v in st.items():
+                        acc[k] += v
+        return stats
+
+    def reset_raw_id_stats(self) -> None:
+        """Start counting admissions and evictions afresh (every map of this rank)."""
+        for m in {id(m): m for m, _ in self._id_maps()}.values():
+            m.reset_stats()
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every table's full weights (fp32, CPU), assembled on every rank (collective; for tests and small
         models: it holds every table on every rank). Replicated tables are taken from their first replica."""

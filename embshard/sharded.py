@@ -38,6 +38,7 @@ from embshard.ops import cached_tensor
 from embshard.optim import FusedOptimizerConfig
 from embshard.options import BoundsCheck, LookupOptions
 from embshard.plan import ShardingPlan
+from embshard.rawids.rules import check_raw_plan
 from embshard.regroup import Regroup
 from embshard.shard_state import ShardState
 from embshard.sharding import build_schemes
@@ -105,6 +106,7 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
         super().__init__()
         validate_tables(tables)
         plan.check(tables)
+        check_raw_plan(tables, plan)
         world_size, rank = world_and_rank(group)
         if plan.world_size != world_size:
             raise ConfigError(

@@ -27,8 +27,27 @@ class DataType(str, enum.Enum):
         return 4 if self is DataType.FP32 else 2
 
 
+class IdKind(str, enum.Enum):
+    """What a table's ids are."""
+
+    INDEX = "index"  # row numbers 0 .. num_embeddings-1 (hashed or looked up in a vocabulary before training)
+    RAW = "raw"  # any 64-bit ids, mapped to rows on the device by the table's id -> row map (embshard/rawids)
+
+
+class Eviction(str, enum.Enum):
+    """Which resident id of a full raw-id table gives up its row to a new id."""
+
+    LRU = "lru"  # the least recently used
+    LFU = "lfu"  # the least frequently used (ties: the least recently used)
+
+
 class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names the item, the value and a fix."""
+
+
+class AllRanksError(ConfigError):
+    """A ConfigError that every rank raises together (one rank's, received in a collective): a launcher prints it
+    once (rank 0) and the ranks stop together."""
 
 
 class FieldError(ConfigError):
@@ -47,7 +66,7 @@ class TableConfig:
     name: str
     """Unique table name."""
     num_embeddings: int
-    """Number of rows (ids 0 .. num_embeddings-1)."""
+    """Number of rows (ids 0 .. num_embeddings-1; for ids: raw the capacity: rows that each hold one raw id)."""
     embedding_dim: int
     """Width of each row, in elements."""
     feature_names: tuple[str, ...]
@@ -62,6 +81,15 @@ class TableConfig:
     """Planner hint: expected number of ids per bag (pooling factor), averaged over the batch."""
     init_std: float | None = None
     """Weights are drawn uniformly from [-a, a] with a = sqrt(1 / num_embeddings) unless set; this sets a."""
+    ids: IdKind = IdKind.INDEX
+    """index: ids are rows 0..num_embeddings-1; raw: any int64 ids, mapped to rows on the device by an id -> row map
+    that admits new ids and evicts old ones (num_embeddings is then the capacity in rows; docs/raw_ids.md)."""
+    eviction: Eviction = Eviction.LRU
+    """ids raw: which resident id gives up its row when a new id comes and no row is free: lru (least recently
+    used) or lfu (least frequently used)."""
+    admit_min_count: int = 1
+    """ids raw: a new id gets a row once seen this many times (count, estimated by a count-min sketch); until then
+    it looks up a row of zeros and trains nothing."""
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Free-form annotations (not used by embshard itself)."""
 
@@ -93,11 +121,32 @@ class TableConfig:
             raise bad("ids_per_bag", self.ids_per_bag, "it must be a number >= 0")
         if self.init_std is not None and not self.init_std > 0:
             raise bad("init_std", self.init_std, "it must be > 0 (or left unset)")
+        set_enum_field(self, "ids", IdKind, f"table {self.name!r}: ")
+        set_enum_field(self, "eviction", Eviction, f"table {self.name!r}: ")
+        n = self.admit_min_count
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise bad("admit_min_count", n, "it must be an integer >= 1 (1: every new id gets a row at once)")
+        if self.ids is IdKind.INDEX and (self.eviction is not Eviction.LRU or n != 1):
+            key, value = (
+                ("eviction", self.eviction.value) if self.eviction is not Eviction.LRU else ("admit_min_count", n)
+            )
+            raise bad(key, value, "it applies to raw-id tables only: set ids: raw, or remove it")
+        if self.ids is IdKind.RAW and self.num_embeddings < 2:
+            raise bad(
+                "num_embeddings",
+                self.num_embeddings,
+                "a raw-id table needs >= 2 rows (one row of zeros for ids without a row, the rest hold ids)",
+            )
 
     @property
     def init_bound(self) -> float:
         """Half-width of the uniform initialisation range."""
         return self.init_std if self.init_std is not None else (1.0 / self.num_embeddings) ** 0.5
+
+    @property
+    def raw_ids(self) -> bool:
+        """Whether the table's ids are raw 64-bit ids (mapped to rows by an id -> row map)."""
+        return self.ids is IdKind.RAW
 
     @property
     def weight_bytes(self) -> int:

@@ -5,7 +5,8 @@ environment; with `--nproc N` (and no torchrun) N local processes are started he
 plan (by default with the planner, embshard.planner: docs/planner.md) and broadcasts it; it prints the plan with
 the predicted memory and time per rank, a progress bar with samples/s, the training loss every
 logging.log_every steps, and the held-out loss and AUC (torchmetrics BinaryAUROC, synced over ranks) at every
-evaluation; it also writes TensorBoard event files and an optional JSON-lines metrics file. Each step runs through
+evaluation (raw-id tables: ids admitted, evicted and resident, every logging.log_every steps); it also writes
+TensorBoard event files and an optional JSON-lines metrics file. Each step runs through
 the training pipeline (embshard/pipeline.py, `training.pipeline`): the next batch's copy and id exchange overlap
 the current step by default. See docs/config.md for the configuration and docs/launch.md for launching."""
 
@@ -17,18 +18,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, load_config
+from embshard.config import DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TrainConfig, load_config
 from embshard.plan import ShardingPlan
 from embshard.planner.policy import plan_for_job
-from embshard.tables import ConfigError
-
-
-class AllRanksError(ConfigError):
-    """A ConfigError that every rank raises together (rank 0's, received in a broadcast)."""
+from embshard.tables import AllRanksError, ConfigError
 
 
 def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
@@ -125,6 +123,23 @@ def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, 
     return result
 
 
+def log_raw_ids(ebc, report: Reporter, step: int) -> None:
+    """Raw-id tables: ids admitted and evicted since the last call and ids resident now, per table (TensorBoard
+    `raw_ids/<table>/<admitted|evicted|resident>`) and in total (one console line). Collective."""
+    if not any(t.raw_ids for t in ebc.tables):
+        return
+    stats = ebc.raw_id_stats(gather=True)
+    ebc.reset_raw_id_stats()
+    total = {k: sum(st[k] for st in stats.values()) for k in ("admitted", "evicted", "resident", "capacity")}
+    report.line(
+        f"raw ids step {step:6d}  {len(stats)} tables: admitted {total['admitted']:,}  evicted {total['evicted']:,}  "
+        f"resident {total['resident']:,} of {total['capacity']:,}"
+    )
+    scalars = {f"{name}/{k}": float(st[k]) for name, st in stats.items() for k in ("admitted", "evicted", "resident")}
+    scalars.update({f"all/{k}": float(v) for k, v in total.items() if k != "capacity"})
+    report.scalars(step, scalars, "raw_ids")
+
+
 def format_eval(step: int, m: dict[str, float]) -> str:
     """One console line of an evaluation's metrics."""
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in m.items() if k != "samples")
@@ -167,6 +182,11 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     ck = cfg.checkpoint
     ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
     start, position = ckpt.resume(ck.resume_from)  # position: after the last trained batch (or the step count)
+    past = past_schedule(start, total, sched, source.steps_per_epoch, world, ckpt.resumed)
+    if past is not None:
+        if start > total:
+            raise AllRanksError(past)  # every rank computes the same
+        report.line(past)
     tr = cfg.training
     pipeline = TrainPipeline(
         model,
@@ -217,6 +237,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
             report.line(f"train step {step:6d}  loss {loss:.4f}  {rate:,.0f} samples/s")
             report.scalars(step, {"loss": loss, "samples_per_s": rate}, "train")
             window.zero_()
+            log_raw_ids(model.ebc, report, step)
         if sched.eval_every and step % sched.eval_every == 0 and step != total:
             do_eval(step)
         if ck.dir and ck.every and step % ck.every == 0 and step != total:
@@ -231,6 +252,36 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         report.line(f"saved checkpoint {ckpt.history[-1].path}")
     report.close()
     dist.destroy_process_group()
+
+
+def past_schedule(
+    start: int, total: int, sched: ScheduleConfig, steps_per_epoch: int | None, world: int, resumed: Any
+) -> str | None:
+    """What to say when a resumed run's schedule ends at or before its checkpoint's step (None: it does not):
+    an error when it ends before (the run would train nothing and end on an earlier step than it started), a
+    notice when it ends at that step (nothing left to train: the run only evaluates)."""
+    if start == 0 or start < total:
+        return None
+    where = (
+        f"checkpoint {resumed.path!r} was saved after step {start}" if resumed else f"the checkpoint is at step {start}"
+    )
+    if sched.steps is not None:
+        ends = f"schedule.steps={sched.steps}"
+        fix = f"schedule.steps={start + max(start // 2, 1)}"
+    else:
+        ends = f"schedule.epochs={sched.epochs} x {steps_per_epoch} steps per epoch on {world} ranks"
+        more = -(-(start + 1) // max(1, steps_per_epoch or 1))
+        fix = f"schedule.epochs={more} or more (or schedule.epochs=null schedule.steps=N with N > {start})"
+    if start == total:
+        return (
+            f"checkpoint.resume_from: {where}, the last step of this run's schedule ({ends}): nothing left to train, "
+            f"the run only evaluates. To train further: {fix}"
+        )
+    return (
+        f"checkpoint.resume_from: {where}, but this run's schedule ends at step {total} ({ends}): it would train no "
+        f"step. Fix: a schedule past step {start}, e.g. {fix}; or resume from an earlier checkpoint, or start "
+        "afresh (checkpoint.resume_from=null or another checkpoint.dir)"
+    )
 
 
 def make_dense_optimizer(o: DenseOptimizerConfig, params: list) -> torch.optim.Optimizer:

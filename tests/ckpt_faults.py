@@ -54,7 +54,7 @@ def save_then_stop(folder: str, where: str) -> None:
         storage.PieceSavePlanner.resolve_data = resolve_data
     else:  # every byte and DCP's index written, the COMMIT not yet
 
-        def commit(path, info):
+        def commit(path, info, files=None):
             _stop(folder)
 
         storage.commit = commit

@@ -1,6 +1,7 @@
 """`embshard train` end to end on 2 CPU processes: every example config's held-out loss falls, the run prints the
 plan, progress and AUC and writes TensorBoard events and checkpoints; a run resumed from a checkpoint ends exactly
-like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes;
+like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes; a
+schedule that ends before the checkpoint's step stops with a message;
 config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
 torchx component launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md)."""
 
@@ -25,6 +26,7 @@ BIN = Path(sys.executable).parent
 # Keep every run short: the sample configs already are; the synthetic one is cut to 120 steps.
 SHORTEN = {
     "dlrm_criteo.yaml": ["checkpoint.every=10"],  # step_10 is resumed by checkpoint_checks
+    "dlrm_criteo_raw.yaml": [],  # raw ids (docs/raw_ids.md)
     "dcn_criteo.yaml": ["training.compile=default"],  # compiled on GPUs; the CPU falls back to eager
     "two_tower_movielens.yaml": [],
     "dlrm_synthetic.yaml": ["schedule.steps=120", "schedule.eval_every=0", "checkpoint.every=0"],
@@ -112,6 +114,13 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         assert "training.compile default: compiles on CUDA GPUs only; the dense part runs eagerly" in out
     if name == "dlrm_criteo.yaml":
         checkpoint_checks(tmp_path, m)
+    if name == "dlrm_criteo_raw.yaml":  # raw-id statistics in the log and in TensorBoard
+        lines = re.findall(r"raw ids step +\d+ +26 tables: admitted ([\d,]+) +evicted ([\d,]+) +resident ([\d,]+)", out)
+        assert lines and int(lines[0][0].replace(",", "")) > 0, out[-2000:]
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tags = EventAccumulator(str(tmp_path / "tb")).Reload().Tags()["scalars"]
+        assert {"raw_ids/t_C1/admitted", "raw_ids/t_C26/resident", "raw_ids/all/evicted"} <= set(tags), tags
 
 
 def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
@@ -154,6 +163,15 @@ def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     assert f"resumed from {elastic}/ck/step_5 at step 5" in res.stdout, log[-4000:]
     got = metrics(elastic)  # step 0 (first attempt), then 10 and 20 after the restart
     assert [m["step"] for m in got] == [0, 10, 20] and got[1:] == straight[1:], got
+    # a schedule that ends before the newest checkpoint (step 20) stops with the steps and the fix (1 process)
+    short = ["configs/dlrm_criteo.yaml", "schedule.epochs=null", "schedule.steps=15", "logging.tensorboard_dir=null"]
+    res = train([*short, f"checkpoint.dir={tmp}/ck", "checkpoint.resume_from=latest", "logging.progress_bar=false"])
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (
+        f"checkpoint '{tmp}/ck/step_20' was saved after step 20, but this run's schedule ends at step 15 " in res.stderr
+    )
+    assert "(schedule.steps=15): it would train no step. Fix: a schedule past step 20" in res.stderr
+    assert "Traceback" not in res.stderr and "train step" not in res.stdout
 
 
 def test_train_e2e_benchmark_trains_scaled_down_on_cpu():

@@ -5,14 +5,17 @@ torch.distributed.checkpoint (DCP) checkpoint; rank 0 adds the dense model and o
 once), Adam's step counts, per rank the data position and RNG states, and a manifest (plan, tables, config);
 a COMMIT marker written last makes it visible. Asynchronous by default: the step loop waits only for the copy
 to host memory. Load: under any world size, plan, sharding type or tier, every rank reads only the rows its
-shards need.
+shards need. COMMIT records every file's size and CRC-32 (computed as it is written); every chunk read is checked
+against them, and nothing read from a checkpoint can run code.
 
 - layout.py: the logical tensors of a collection; the pieces a rank writes and reads; state-layout mapping
 - storage.py: the folder layout (manifest, COMMIT, latest, pruning) and the DCP planners over pieces
 - state.py: what else a run saves (dense part, RNG states); `TrainState`
 - save.py: `Checkpointer` (save: sync or async, keep the last K; resume)
 - load.py: `load_checkpoint`
-- cli.py: `embshard checkpoint inspect DIR` and `embshard checkpoint export DIR --out OUT`
+- integrity.py: the checksums: written with the files, checked as they are read, `verify_folder`
+- unpickle.py: DCP's index and non-tensor items read with allow-lists (no code from a checkpoint runs)
+- cli.py: `embshard checkpoint inspect DIR [--verify]` and `embshard checkpoint export DIR --out OUT`
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Every table is saved as logical tensors of the whole table, named `{collection}/
     m_blocks   [rows, n]     rowwise_adagrad's per-block state of a column-wise table whose blocks keep their own
                              (column_wise_exact=False, or uvm_caching blocks): column j = block j (manifest: blocks)
     v          [rows, dim]   adam's second moment
+    ids, id_last, id_count [rows]  raw-id tables: each row's id and its map's use record (raw_ids.py)
 
 A rank writes the pieces it owns (`save_pieces`): its row/column blocks; a data-parallel table once, from rank 0's
 replica; the per-row state of an exact column-wise table once, from its first column block (every block holds
@@ -86,6 +87,12 @@ def split_rows(piece: Piece, chunk_bytes: int) -> list[Piece]:
     return out
 
 
+def _raw_ids():
+    from embshard.checkpoint import raw_ids  # raw-id tables' maps (raw_ids.py imports Piece from here)
+
+    return raw_ids
+
+
 def row_state_layout(tp: TablePlan, optimizer: Any, options: Any) -> str | None:
     """How a table keeps rowwise_adagrad state under plan `tp`: PER_ROW, PER_BLOCK, or None (other optimizers)."""
     if optimizer.kind is not OptimizerKind.ROWWISE_ADAGRAD:
@@ -115,6 +122,7 @@ def table_entries(ebc: Any) -> dict[str, dict]:
             "ranks": sorted(set(tp.ranks)),
             "row_state": layout,
             "blocks": [list(b) for b in column_blocks(tp)] if layout == PER_BLOCK else None,
+            **_raw_ids().table_entry(ebc, t),
         }
     return out
 
@@ -149,7 +157,7 @@ def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
                     out.append(Piece(f"{base}/{k}", (R,), (0,), s))
             else:
                 out.append(Piece(f"{base}/{k}", (R,), (sh.row_offset,), s))
-    return out
+    return out + _raw_ids().save_pieces(ebc, prefix)
 
 
 def load_targets(ebc: Any, prefix: str, saved: dict[str, dict]) -> tuple[list[Piece], list[Conversion]]:

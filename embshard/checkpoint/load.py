@@ -1,7 +1,8 @@
 """Load a checkpoint into a training run of any world size and plan: every rank, on its own (no collective),
 reads the rows its shards need (layout.load_targets) straight into its live tensors with DCP's resharding reads,
 one saved chunk at a time; then the dense part, Adam's step counts, and (same world size only) its data position
-and random number generator states. UVM caches are written back and emptied before the weights are written."""
+and random number generator states. UVM caches are written back and emptied before the weights are written.
+Raw-id tables' maps are read with their rows, or resharded when their row blocks changed (raw_ids.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from embshard.checkpoint import raw_ids
+from embshard.checkpoint.integrity import VerifyingReader
 from embshard.checkpoint.layout import Conversion, Piece, check_tables, load_targets, split_rows
 from embshard.checkpoint.state import TrainState, dense_state, set_dense_state, set_rng_states
 from embshard.checkpoint.storage import PieceLoadPlanner, read_manifest, reader
@@ -35,19 +39,32 @@ class Resumed:
     is the saved one and the source gave positions; else the step count."""
     saved_world_size: int
     """The world size it was saved under."""
+    verified: bool = True
+    """Whether what was read was checked against checksums (False: saved before embshard recorded them)."""
 
 
-def read_pieces(path: str | os.PathLike, pieces: list[Piece], plain: dict | None = None) -> dict:
+def read_pieces(
+    path: str | os.PathLike, pieces: list[Piece], plain: dict | None = None, source: VerifyingReader | None = None
+) -> dict:
     """Read `pieces` (into their tensors) and the plain state dict `plain` (returned, loaded) from a checkpoint,
-    in this process alone."""
+    in this process alone, every chunk checked against the checksums the save recorded (CheckpointDamaged).
+    `source`: a reader of `path` to reuse (its index is read, and each chunk checked, once)."""
     plain = {} if plain is None else plain
+    source = source or reader(path)
+    source.read_metadata()  # its errors as raised (DCP would wrap them, or try a rank-local index instead)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(plain, storage_reader=reader(path), planner=PieceLoadPlanner(pieces), no_dist=True)
+        try:
+            dcp.load(plain, storage_reader=source, planner=PieceLoadPlanner(pieces), no_dist=True)
+        except CheckpointException as e:  # DCP wraps what its steps raise: our errors are the message
+            for error, _trace in e.failures.values():
+                if isinstance(error, ConfigError):
+                    raise error from None
+            raise
     return plain
 
 
-def _convert(path: str | os.PathLike, conversions: list[Conversion], chunk_bytes: int) -> None:
+def _convert(path: str | os.PathLike, conversions: list[Conversion], chunk_bytes: int, source: VerifyingReader) -> None:
     """Fill rowwise_adagrad states from saved per-block states, in rounds of about `chunk_bytes` read."""
     jobs: list[tuple[Conversion, int, torch.Tensor]] = []
     for c in conversions:
@@ -62,7 +79,7 @@ def _convert(path: str | os.PathLike, conversions: list[Conversion], chunk_bytes
             size += jobs[end][2].numel() * 4
             end += 1
         batch = jobs[start:end]
-        read_pieces(path, [Piece(c.key, c.size, (c.row_offset + r0, 0), buf) for c, r0, buf in batch])
+        read_pieces(path, [Piece(c.key, c.size, (c.row_offset + r0, 0), buf) for c, r0, buf in batch], source=source)
         with torch.no_grad():
             for c, r0, buf in batch:
                 value = (buf.double() @ c.weights_n).to(c.target.dtype)
@@ -71,16 +88,24 @@ def _convert(path: str | os.PathLike, conversions: list[Conversion], chunk_bytes
 
 
 def load_checkpoint(
-    path: str | os.PathLike, state: TrainState, chunk_bytes: int = DEFAULT_CHUNK_BYTES, restore_rng: bool = True
+    path: str | os.PathLike,
+    state: TrainState,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    restore_rng: bool = True,
+    verify: bool = True,
 ) -> Resumed:
     """Load the committed checkpoint `path` into this rank's `state` (any world size, plan, sharding type or
     tier). Not a collective: every rank reads what it needs on its own. Raises ConfigError naming what does not
-    match (tables, shapes, optimizer) and the fix."""
+    match (tables, shapes, optimizer) and the fix; CheckpointDamaged (a ConfigError) when a file it reads is not
+    what the save recorded, UnsafeCheckpoint when a file asks to run code. After such an error the state is
+    partly loaded: load another checkpoint into it (Checkpointer.resume does) or rebuild it. `verify=False` skips
+    the checksums (bench/checkpoint_bench.py measures their cost with it)."""
     manifest = read_manifest(path)
     where = f"checkpoint {str(path)!r}"
     world, rank = world_and_rank()
     pieces: list[Piece] = []
     conversions: list[Conversion] = []
+    moved: dict[str, list[str]] = {}  # raw-id tables whose rows move under this plan (raw_ids.py)
     plain: dict[str, Any] = {}
     saved_collections = manifest["collections"]
     for prefix, ebc in state.collections.items():
@@ -97,6 +122,7 @@ def load_checkpoint(
                 f"{ebc.optimizer.kind.value}: its state does not carry over; resume with sparse_optimizer.kind: {kind}"
             )
         p, c = load_targets(ebc, prefix, saved["tables"])
+        p, moved[prefix] = raw_ids.load_targets(ebc, prefix, saved["tables"], p, where)
         pieces += p
         conversions += c
         plain[f"{prefix}/optimizer_step"] = torch.zeros((), dtype=torch.int64)
@@ -119,9 +145,12 @@ def load_checkpoint(
     if same_world:
         plain[f"rank/{rank}"] = ""
     chunks = [c for p in pieces for c in split_rows(p, chunk_bytes)]
-    loaded = read_pieces(path, chunks, plain)
+    source = reader(path, verify)
+    loaded = read_pieces(path, chunks, plain, source)
     if conversions:
-        _convert(path, conversions, chunk_bytes)
+        _convert(path, conversions, chunk_bytes, source)
+    for prefix, ebc in state.collections.items():
+        raw_ids.finish_load(path, ebc, prefix, moved[prefix], chunk_bytes, source)
     if state.dense is not None:
         set_dense_state(state, loaded["dense"])
     for prefix, ebc in state.collections.items():
@@ -137,4 +166,4 @@ def load_checkpoint(
             position = record["position"]
         if restore_rng:
             set_rng_states(record["rng"])
-    return Resumed(str(path), int(manifest["step"]), position, int(manifest["world_size"]))
+    return Resumed(str(path), int(manifest["step"]), position, int(manifest["world_size"]), source.record is not None)

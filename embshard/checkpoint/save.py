@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from embshard.checkpoint import storage
+from embshard.checkpoint import integrity, storage
 from embshard.checkpoint.layout import Piece, save_pieces, split_rows, table_entries
 from embshard.checkpoint.load import DEFAULT_CHUNK_BYTES, Resumed, load_checkpoint
 from embshard.checkpoint.state import TrainState, dense_state, host_copy, rng_states
 from embshard.comm import world_and_rank
+from embshard.tables import AllRanksError, ConfigError
 
 
 @dataclass
@@ -101,7 +102,8 @@ def manifest(state: TrainState, step: int, world: int, config: Any, positions: b
 
 
 class Checkpointer:
-    """Saves a run every so often and resumes it (collective: every rank builds it and calls `save` together).
+    """Saves a run every so often and resumes it (collective: every rank builds it and calls `save` and `resume`
+    together).
 
         ckpt = Checkpointer(state, folder, keep_last=3, async_save=True)
         start, position = ckpt.resume(resume_from)       # (0, None) when there is nothing to resume
@@ -136,32 +138,86 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.history: list[SaveStats] = []
+        self.resumed: Resumed | None = None
+        """What the last `resume` loaded."""
 
     # ---- resume ------------------------------------------------------------------------------------------
     def resume(self, resume_from: str | None) -> tuple[int, Any]:
         """Load `resume_from` (a checkpoint folder, or 'latest': the newest complete one in the folder) into
         the state; returns (step, data position) to continue from, or (0, None) when there is nothing to load.
-        Collective when 'latest' (rank 0 picks, every rank loads the same)."""
+        Collective: every rank loads the same checkpoint (rank 0 picks it), and the ranks agree on the outcome.
+        A damaged checkpoint (a file not what its save recorded) is refused when named, skipped for the next older
+        intact one under 'latest' (with a message naming the file); an error is raised on every rank
+        (AllRanksError)."""
         if not resume_from:
             return 0, None
-        path: str | None = resume_from
-        if resume_from == "latest":
-            found = storage.latest(self.folder) if self.folder is not None else None
-            path = str(found) if found is not None else None
+        if resume_from != "latest":
+            resumed = self._load_everywhere(resume_from)
+        else:
+            found = [str(p) for _, p, ok in storage.checkpoints(self.folder) if ok] if self.folder is not None else []
             if dist.is_initialized() and self.world > 1:
-                box = [path]
+                box = [found]
                 dist.broadcast_object_list(box, src=0)
-                path = box[0]
-            if path is None:
+                found = box[0]
+            skipped: list[str] = []
+            for path in reversed(found):
+                try:
+                    resumed = self._load_everywhere(path, skip_damaged=True)
+                    break
+                except integrity.CheckpointDamaged as e:
+                    skipped.append(f"{path}: {e.brief}")
+                    self.log(f"checkpoint.resume_from=latest: {path} is damaged ({e.brief}); trying the one before it")
+            else:
+                if skipped:
+                    raise AllRanksError(
+                        f"checkpoint.resume_from=latest: every checkpoint in {str(self.folder)!r} is damaged: "
+                        + "; ".join(skipped)
+                        + ". Fix: restore the files from a copy, or start afresh (checkpoint.resume_from=null, or "
+                        "another checkpoint.dir: a save in this folder removes the damaged checkpoints)"
+                    )
                 self.log(f"checkpoint.resume_from=latest: no complete checkpoint in {str(self.folder)!r}; step 0")
                 return 0, None
-        resumed: Resumed = load_checkpoint(path, self.state, self.chunk_bytes)
+        path, self.resumed = resumed.path, resumed
         self.log(f"resumed from {path} at step {resumed.step}")
+        if not resumed.verified:
+            self.log(f"note: {path} was saved without checksums (by an older embshard): its data could not be verified")
         later = [s for s, _, _ in storage.checkpoints(self.folder)] if self.folder is not None else []
         later = [s for s in later if s > resumed.step]
         if later:
             self.log(f"{self.folder} holds checkpoints of later steps {later}: the first save of this run removes them")
         return resumed.step, resumed.position
+
+    def _load_everywhere(self, path: str, skip_damaged: bool = False) -> Resumed:
+        """load_checkpoint on every rank, then agree: if any rank failed, every rank raises its error (the lowest
+        failing rank's): a CheckpointDamaged when `skip_damaged` and it was damage, else AllRanksError. A rank's
+        unexpected exception is re-raised there as it was (the others raise AllRanksError naming it)."""
+        resumed: Resumed | None = None
+        mine: tuple[str, str, Any] | None = None
+        error: BaseException | None = None
+        try:
+            resumed = load_checkpoint(path, self.state, self.chunk_bytes)
+        except integrity.CheckpointDamaged as e:
+            error, mine = e, ("damaged", str(e), (e.folder, e.file, e.expected, e.found))
+        except ConfigError as e:
+            error, mine = e, ("config", str(e), None)
+        except Exception as e:
+            error, mine = e, ("error", f"{type(e).__name__}: {e}", None)
+        outcomes = [mine]
+        if dist.is_initialized() and self.world > 1:
+            outcomes = [None] * self.world
+            dist.all_gather_object(outcomes, mine)
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if not failed:
+            assert resumed is not None
+            return resumed
+        if mine is not None and mine[0] == "error":
+            raise error  # type: ignore[misc]  # a bug: its traceback, on the rank where it happened
+        rank, (kind, message, damage) = failed[0]
+        if kind == "damaged" and skip_damaged:
+            raise integrity.CheckpointDamaged(*damage)
+        if kind == "error":
+            message = f"failed while loading checkpoint {path!r}: {message}"
+        raise AllRanksError(f"rank {rank}: {message}" if self.world > 1 else message) from None
 
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, position: Any = None) -> SaveStats:
@@ -223,21 +279,27 @@ class Checkpointer:
 
     def _write(self, path: Path, chunks: list[Piece], plain: dict, info: dict, stats: SaveStats) -> None:
         t0 = time.perf_counter()
-        if self.rank == 0:
-            storage.prepare(path, info)
+        manifest_record = storage.prepare(path, info) if self.rank == 0 else None
         if self._group is not None:
             dist.barrier(group=self._group)  # the folder is ready before any rank writes into it
+        writer = storage.writer(path, self.io_threads)
         dcp.save(
             plain,
-            storage_writer=storage.writer(path, self.io_threads),
+            storage_writer=writer,
             planner=storage.PieceSavePlanner(chunks),
             process_group=self._group,
             no_dist=self._group is None,
         )
+        sums = [writer.fs.sums]  # this rank's files' CRC-32, computed as they were written
+        if self._group is not None:
+            everyone: list | None = [None] * dist.get_world_size(self._group) if self.rank == 0 else None
+            dist.gather_object(sums[0], everyone, dst=0, group=self._group)
+            sums = everyone or []
         stats.write_s = time.perf_counter() - t0
         if self.rank == 0:
-            total = self._total_bytes(path)
-            storage.commit(path, {"step": stats.step, "bytes": total, "write_s": round(stats.write_s, 3)})
+            files = {storage.MANIFEST: manifest_record, **integrity.files_record(sums)}
+            info = {"step": stats.step, "bytes": self._total_bytes(path), "write_s": round(stats.write_s, 3)}
+            storage.commit(path, info, files)
             storage.prune(self.folder, self.keep_last, stats.step)
         stats.done = True
 

@@ -5,7 +5,8 @@ A checkpoint is one folder `DIR/step_<N>/`:
     manifest.json   what it holds: step, world size, plans, tables, optimizers, config (rank 0, written first)
     __<r>_<i>.distcp  rank r's data, one file per chunk (DCP FileSystemWriter, one file per item)
     .metadata       DCP's index of every chunk of every logical tensor (rank 0, after all ranks wrote)
-    COMMIT          written last, atomically (temporary file, fsync, rename): only then the checkpoint exists
+    COMMIT          written last, atomically (temporary file, fsync, rename): only then the checkpoint exists;
+                    it records every other file's size and CRC-32 (integrity.py)
 
 `latest(DIR)` is the committed checkpoint with the highest step; a folder without COMMIT (a save that was killed)
 is never loaded, and is removed by the next save, as are checkpoints of later steps than the one just saved (left
@@ -18,22 +19,27 @@ logical tensor, with or without a process group (DCP's resharding: `create_read_
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from embshard.checkpoint import integrity
 from embshard.checkpoint.layout import Piece
+from embshard.checkpoint.unpickle import load_item
 from embshard.tables import ConfigError
 
 FORMAT = "embshard-checkpoint"
@@ -81,15 +87,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that it appears whole or not at all (temporary file, fsync, rename)."""
+def write_atomic(path: Path, text: str) -> dict:
+    """Write `text` to `path` so that it appears whole or not at all (temporary file, fsync, rename); returns its
+    record (bytes, CRC-32)."""
+    data = text.encode()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+    return integrity.entry(len(data), zlib.crc32(data))
 
 
 def remove(path: Path) -> None:
@@ -98,17 +107,23 @@ def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def prepare(path: Path, manifest: dict) -> None:
-    """Rank 0, before a save: an empty folder holding only the manifest (a stale folder of the step is removed)."""
+def prepare(path: Path, manifest: dict) -> dict:
+    """Rank 0, before a save: an empty folder holding only the manifest (a stale folder of the step is removed);
+    returns the manifest's record (bytes, CRC-32)."""
     if path.exists():
         remove(path)
     path.mkdir(parents=True)
-    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1, default=_json_default))
+    return write_atomic(path / MANIFEST, json.dumps(manifest, indent=1, default=_json_default))
 
 
-def commit(path: Path, info: dict) -> None:
-    """Rank 0, after every rank's data and DCP's index are written: the marker that makes the checkpoint exist."""
-    write_atomic(path / COMMIT, json.dumps(info, indent=1))
+def commit(path: Path, info: dict, files: dict | None = None) -> None:
+    """Rank 0, after every rank's data and DCP's index are written: the marker that makes the checkpoint exist,
+    with `files`, the size and CRC-32 of every other file (integrity.files_record)."""
+    text = json.dumps(info, indent=1)
+    if files is not None:  # one line per file
+        rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(rec)}" for name, rec in files.items())
+        text = f'{text[:-2]},\n "checksum": "{integrity.ALGORITHM}",\n "files": {{\n{rows}\n }}\n}}'
+    write_atomic(path / COMMIT, text)
 
 
 def prune(folder: Path, keep: int, current: int) -> list[Path]:
@@ -140,7 +155,17 @@ def read_manifest(path: str | os.PathLike) -> dict:
             f"checkpoint {str(path)!r} is incomplete (no {COMMIT} marker: its save was interrupted); resume from an "
             "earlier one, e.g. checkpoint.resume_from=latest"
         )
-    manifest = json.loads((path / MANIFEST).read_text())
+    record = checksums(path)
+    if not (path / MANIFEST).is_file():
+        raise integrity.CheckpointDamaged(path, MANIFEST, "the manifest its save wrote first", "no such file")
+    data = (path / MANIFEST).read_bytes()
+    integrity.check_bytes(path, MANIFEST, data, record)
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:
+        raise ConfigError(
+            f"checkpoint {str(path)!r}: {MANIFEST} is not valid JSON ({e}): the file is damaged"
+        ) from None
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ConfigError(
             f"checkpoint {str(path)!r} has format {manifest.get('format')!r} version {manifest.get('version')!r}; "
@@ -150,8 +175,28 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 def read_commit(path: str | os.PathLike) -> dict:
-    """The COMMIT marker's record (bytes written, seconds)."""
-    return json.loads((Path(path) / COMMIT).read_text())
+    """The COMMIT marker's record (step, bytes written, seconds; since checksums: every other file's bytes and
+    CRC-32 under "files")."""
+    try:
+        info = json.loads((Path(path) / COMMIT).read_bytes())
+        if not isinstance(info, dict):
+            raise ValueError("not an object")
+        files = info.get("files")
+        fields = {"bytes", integrity.ALGORITHM}
+        if files is not None and not (
+            isinstance(files, dict) and all(isinstance(r, dict) and fields <= set(r) for r in files.values())
+        ):
+            raise ValueError("a file's record lacks bytes or crc32")
+        return info
+    except ValueError as e:
+        raise integrity.CheckpointDamaged(
+            path, COMMIT, "the JSON record its save wrote", f"unreadable JSON ({e})"
+        ) from None
+
+
+def checksums(path: str | os.PathLike) -> dict | None:
+    """Every file's record (bytes, CRC-32) from COMMIT, or None for a checkpoint saved before they were recorded."""
+    return read_commit(path).get("files")
 
 
 def _json_default(obj: Any) -> Any:
@@ -251,6 +296,16 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             return super().resolve_tensor(read_item)
         return self._region(same[0].tensor, read_item)
 
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """As DCP's, but read with torch.load(weights_only=True) (DCP's uses weights_only=False: code could run)."""
+        sinfo = self.metadata.storage_data.get(read_item.storage_index)
+        where = f"{getattr(sinfo, 'relative_path', '?')} (item {read_item.dest_index.fqn!r})"
+        obj = load_item(value, where)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         same = self._find(read_item)
         if same is None:
@@ -261,10 +316,15 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
 
 def writer(path: Path, io_threads: int) -> FileSystemWriter:
-    """DCP's file writer, one file per chunk (so the writer holds one chunk at a time), fsynced."""
-    return FileSystemWriter(path, single_file_per_rank=False, sync_files=True, thread_count=max(1, io_threads))
+    """DCP's file writer, one file per chunk (so the writer holds one chunk at a time), fsynced; the CRC-32 of every
+    file it writes is in `writer.fs.sums` afterwards."""
+    w = FileSystemWriter(str(path), single_file_per_rank=False, sync_files=True, thread_count=max(1, io_threads))
+    w.fs = integrity.ChecksumFileSystem()
+    return w
 
 
-def reader(path: str | os.PathLike) -> FileSystemReader:
-    """DCP's file reader of a checkpoint folder."""
-    return FileSystemReader(str(path))
+def reader(path: str | os.PathLike, verify: bool = True) -> integrity.VerifyingReader:
+    """DCP's file reader of a committed checkpoint folder, checking what it reads against COMMIT's checksums
+    (`verify=False`: sizes only, for measuring what the checks cost) and reading the index without running code
+    (integrity.py, unpickle.py)."""
+    return integrity.VerifyingReader(path, checksums(path) if verify else None)

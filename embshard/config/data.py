@@ -77,10 +77,12 @@ class TableSourceConfig:
     label_threshold: float | None = None
     """Label = 1 where the label column is >= this, else 0 (ratings to clicks); null: the column is the label, in
     [0, 1]."""
-    mapping: Literal["hash", "vocab", "identity"] = "hash"
+    mapping: Literal["hash", "vocab", "identity", "raw"] = "hash"
     """How values become table rows: hash (embshard-hash-v1 modulo the table size; row 0 = missing), vocab (a
-    vocabulary, most frequent value first; row 0 = missing, row 1 = out of vocabulary) or identity (the values are
-    row numbers already, e.g. the output of `embshard preprocess`; null = empty bag, out of range = bad row)."""
+    vocabulary, most frequent value first; row 0 = missing, row 1 = out of vocabulary), identity (the values are
+    row numbers already, e.g. the output of `embshard preprocess`; null = empty bag, out of range = bad row) or
+    raw (raw 64-bit ids for tables with ids: raw: integers as they are, other text hashed to 64 bits, no modulo;
+    the tables map them to rows on the device, docs/raw_ids.md)."""
     vocab_dir: str | None = None
     """Vocab only: folder of vocabulary files written by `embshard preprocess --vocab-only`; null builds the
     vocabulary at start-up from the training rows (one extra pass over them)."""
@@ -146,9 +148,10 @@ class CriteoConfig:
     """Fraction of the rows (the last ones) held out for evaluation, in (0, 1); ignored if eval_path is set."""
     eval_path: tuple[str, ...] | str | None = None
     """Optional separate evaluation file(s), paths or globs, in the same format."""
-    categorical: Literal["hash", "vocab"] = "hash"
-    """How a categorical value becomes a table row: hash (embshard-hash-v1 modulo the table size, docs/data.md) or
-    vocab (a vocabulary of the training rows' values, most frequent first)."""
+    categorical: Literal["hash", "vocab", "raw"] = "hash"
+    """How a categorical value becomes a table row: hash (embshard-hash-v1 modulo the table size, docs/data.md),
+    vocab (a vocabulary of the training rows' values, most frequent first) or raw (the value's raw 64-bit id, for
+    tables with ids: raw, docs/raw_ids.md)."""
     vocab_dir: str | None = None
     """Vocab only: folder of vocabulary files written by `embshard preprocess --vocab-only`; null builds the
     vocabulary at start-up from the training rows (one extra pass over them)."""

@@ -252,6 +252,13 @@ class ModelConfig:
                 item = self.two_tower.item_features[0]
                 i, t = next((i, t) for i, t in enumerate(self.tables) if item in t.feature_names)
                 width = self.two_tower.user_mlp[-1]
+                if t.raw_ids:
+                    raise FieldError(
+                        f"tables[{i}].ids",
+                        "raw",
+                        f"table {t.name!r} is the catalog (item_mlp: []): the softmax scores its rows by row number, "
+                        "which raw ids are not: give it ids: index (hash or vocabulary item ids into its rows)",
+                    )
                 if list(t.feature_names) != [item]:
                     raise FieldError(
                         f"tables[{i}].feature_names",

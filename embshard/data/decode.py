@@ -3,10 +3,14 @@ lengths, table rows and per-id weights. Vectorized throughout (pyarrow compute, 
 
     Parquet row group (read_row_group) | CSV chunk (its byte range, pyarrow's CSV reader)
       -> Arrow columns -> label (threshold or 0/1 check), dense (fill, min, transform), bags (lists, separator
-         text or single values) -> rows (hash, vocab or identity) -> bad rows -> Chunk
+         text or single values) -> rows (hash, vocab or identity) or raw ids (raw) -> bad rows -> Chunk
 
-Missing values (hash and vocab): a null or empty value is dropped from its bag and a bag left empty becomes one
-id of row 0. Identity: nulls are dropped and a bag may stay empty. A bad row (wrong field count, a number that
+Raw (tables with ids: raw): integer values are their own ids, text that is a decimal integer (up to 18 digits) is
+that integer, other text is its embshard-hash-v1 as a signed 64-bit id (no modulo): every distinct value keeps its
+own id, and the table's id -> row map gives it a row on the device (docs/raw_ids.md).
+
+Missing values (hash, vocab and raw): a null or empty value is dropped from its bag and a bag left empty becomes one
+id of row 0 (raw: the id RAW_MISSING). Identity: nulls are dropped and a bag may stay empty. A bad row (wrong field count, a number that
 does not parse, a missing or out-of-range label, an infinite dense value, an id out of range, weights that do not
 match the ids) raises a ConfigError naming file, line or row, column, value and the rule (on_bad_row: error) or
 is dropped and counted (on_bad_row: skip).
@@ -26,6 +30,9 @@ from embshard.data.layout import Layout, Piece
 from embshard.tables import ConfigError
 
 MISSING_ROW = 0
+RAW_MISSING = -(1 << 63)
+"""mapping raw: the id of a missing value (a null or empty value; a bag left empty gets one)."""
+RAW_INT_RE = r"^-?[0-9]{1,18}$"
 FLOAT_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf|infinity)$"
 INT_RE = r"^[+-]?\d+$"
 PACKED_KEY = b"embshard.packed"  # field metadata of a fixed_size_binary column of packed little-endian ids
@@ -400,7 +407,9 @@ class Reader:
         spec = self.spec
         lengths, flat, size = self.split(table, f.column, f.separator)
         values_bad = BadRows(len(flat))
-        if spec.mapping == "identity":
+        if spec.mapping == "raw":
+            ids, keep = raw_ids(flat, spec.where, f.column)
+        elif spec.mapping == "identity":
             native = flat.type in (pa.int32(), pa.int64())  # kept as they are (widened when a batch is gathered)
             ids_arr = flat if native else numbers(flat, f.column, spec.where, values_bad, integer=True)
             if ids_arr.null_count:
@@ -431,7 +440,8 @@ class Reader:
             weights = self.weights(table, f, lengths, values_bad, bad)
         if values_bad.first is not None:
             _to_rows(values_bad, bad, np.repeat(np.arange(len(lengths)), lengths))
-        bags = _finish_bags(lengths, ids, weights, keep, spec.mapping != "identity")
+        missing = RAW_MISSING if spec.mapping == "raw" else MISSING_ROW
+        bags = _finish_bags(lengths, ids, weights, keep, spec.mapping != "identity", missing)
         return (*bags, size if bags[0] is lengths else None)
 
     def weights(
@@ -463,10 +473,39 @@ def _to_rows(values_bad: BadRows, bad: BadRows, parent: np.ndarray) -> None:
     bad.mask |= rows
 
 
+def raw_ids(flat: pa.Array, where: str, column: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """mapping raw: (int64 ids of the values, which values are present or None if all are): integers as they
+    are, decimal-integer text as its integer, other text as its embshard-hash-v1 (module docstring)."""
+    t = flat.type
+    if pa.types.is_dictionary(t):
+        return raw_ids(flat.dictionary_decode(), where, column)
+    if pa.types.is_integer(t):
+        if pa.types.is_unsigned_integer(t) and t.bit_width == 64:
+            ids = flat.fill_null(0).to_numpy(zero_copy_only=False).view(np.int64)
+        else:
+            ids = pc.cast(flat.fill_null(0), pa.int64()).to_numpy(zero_copy_only=False)
+        return ids, np.asarray(flat.is_valid()) if flat.null_count else None
+    try:
+        text = as_text(flat)
+    except TypeError as e:
+        raise ConfigError(f"{where}: column {column!r}: {e}") from None
+    keep = np.asarray(pc.fill_null(pc.greater(pc.binary_length(text), 0), False))
+    ids = hash_values(text).view(np.int64).copy()
+    numeric = np.asarray(pc.fill_null(pc.match_substring_regex(text, RAW_INT_RE), False))
+    if numeric.any():
+        ids[numeric] = pc.cast(pc.filter(text, pa.array(numeric)), pa.int64()).to_numpy(zero_copy_only=False)
+    return ids, None if keep.all() else keep
+
+
 def _finish_bags(
-    lengths: np.ndarray, ids: np.ndarray, weights: np.ndarray | None, keep: np.ndarray | None, fill_missing: bool
+    lengths: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray | None,
+    keep: np.ndarray | None,
+    fill_missing: bool,
+    missing: int = MISSING_ROW,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Drop the values not kept; with fill_missing, a bag left empty gets one id of the missing row (weight 1)."""
+    """Drop the values not kept; with fill_missing, a bag left empty gets one id `missing` (weight 1)."""
     n = len(lengths)
     if keep is None and (not fill_missing or n == 0 or lengths.min() > 0):
         return lengths, ids, weights
@@ -482,7 +521,7 @@ def _finish_bags(
     kept_starts = np.zeros(n, dtype=np.int64)
     np.cumsum(counts[:-1], out=kept_starts[1:])
     pos = starts[parent] + np.arange(len(ids)) - kept_starts[parent]
-    out = np.full(int(new_lengths.sum()), MISSING_ROW, dtype=np.int64)
+    out = np.full(int(new_lengths.sum()), missing, dtype=np.int64)
     out[pos] = ids
     w_out = None
     if weights is not None:

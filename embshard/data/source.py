@@ -44,7 +44,14 @@ def read_spec(cfg: TableSourceConfig, tables: Sequence[TableConfig], fmt: str, o
         FeatureSpec(f, col[f].column, t.num_embeddings, t.name, col[f].separator, col[f].weights)
         for f, t in table_of.items()
     )
-    need = {"hash": 2, "vocab": 3, "identity": 1}[cfg.mapping]
+    need = {"hash": 2, "vocab": 3, "identity": 1, "raw": 1}[cfg.mapping]
+    if cfg.mapping == "raw":
+        index = sorted({t.name for t in tables if not t.raw_ids and any(f in table_of for f in t.feature_names)})
+        if index:
+            raise ConfigError(
+                f"{where}: mapping raw passes the values' raw 64-bit ids through, but tables {index} take row "
+                "numbers (ids: index): set ids: raw on them (model.tables[...].ids), or use mapping hash or vocab"
+            )
     for f in features:
         if f.rows < need:
             raise ConfigError(

@@ -28,7 +28,8 @@ Small-table kernel (embshard/kernels/small_tables.py), atomic backward:
               gathers its bag (and weight) by sector; the rows are written once; no chain (sorted_id_s: the
               segmented scan's instructions, about 16 warp-instructions per id for 16-wide rows)
   data-parallel dense gradient (`dense_gradients`, the caller all-reduces and updates): throughput and hot as
-              above, plus zeroing the buffer, r rb / bw, and no update.
+              above with dense_sector_s per sector (its own kernel), plus zeroing the buffer, r rb / bw, and no
+              update.
   fixed: one kernel_s per width group forward, two backward (atomics, update; sorted: six).
 
 What FBGEMM's TBE costs is the planner's CostModel.work (hbm tier): per id it also pays bwd_id_s and 96 B of
@@ -75,6 +76,9 @@ class KernelConstants:
     """Deterministic backward time per id beyond its bytes (seconds): sort, segmented scan."""
     regroup_efficiency: float = 0.85
     """Share of the copy bandwidth the regroup kernel reaches (0-1)."""
+    dense_sector_s: float = 7e-12
+    """Data-parallel dense gradient (`dense_gradients`): time per 32-byte sector of an id's atomic adds (seconds;
+    its own kernel, timed apart from the model-parallel backward: bench/kernels.py's `dense` lines)."""
 
 
 def gather(row_bytes, sector: int = SECTOR):
@@ -158,7 +162,8 @@ def small_table_backward(
         return seconds, np.zeros_like(seconds)
     sectors = np.ceil(rb / SECTOR)
     adds, hot_adds = atomic_adds(n, b, rows, np.asarray(cols, dtype=float), alpha, dedup)
-    throughput = adds * sectors * k.atomic_sector_s + (n * idb + 8.0 * b + b * rb + 2.0 * u * rb) / hbm_bw
+    per_sector = k.dense_sector_s if mode == "dense" else k.atomic_sector_s
+    throughput = adds * sectors * per_sector + (n * idb + 8.0 * b + b * rb + 2.0 * u * rb) / hbm_bw
     hot = hot_adds * k.same_row_s
     if mode == "dense":
         return throughput + rows * rb / hbm_bw, hot

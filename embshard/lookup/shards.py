@@ -97,6 +97,35 @@ def init_rows(
     return out
 
 
+def init_rows_at(
+    cfg: TableConfig,
+    table_index: int,
+    rows: torch.Tensor,
+    col_offset: int,
+    num_cols: int,
+    seed: int | None,
+) -> torch.Tensor:
+    """`init_rows` for any rows of the table: the initial weights `[len(rows), num_cols]` (fp32, on `rows`' device)
+    of the rows `rows` (int64 table rows, in any order, repeats allowed), bit for bit what `init_rows` draws for
+    them. Device ops only (no host sync): raw-id tables re-initialise the rows they give to new ids with it."""
+    device = rows.device
+    if seed is None:
+        return torch.empty(rows.numel(), num_cols, device=device).uniform_(-cfg.init_bound, cfg.init_bound)
+    key = table_key(seed, table_index)
+    key = key - (1 << 64) if key >= 1 << 63 else key
+    cols = torch.arange(col_offset, col_offset + num_cols, dtype=torch.int64, device=device)
+    z = (rows.to(torch.int64) * cfg.embedding_dim).unsqueeze(1) + cols  # the element's index in the table
+    z.mul_(_GOLDEN).add_(key)
+    tmp = torch.empty_like(z)
+    _mix_(z, tmp)
+    torch.bitwise_right_shift(z, 40, out=tmp)
+    u = tmp.bitwise_and_(0xFFFFFF).to(torch.float32)
+    bound = float(cfg.init_bound)
+    u.mul_(2.0 * bound / (1 << 24))
+    u.sub_(bound)
+    return u
+
+
 @dataclass(frozen=True)
 class LocalShard:
     """A shard this rank holds, and the lookup features (in order) that read it."""
@@ -134,9 +163,10 @@ class LocalShard:
     @property
     def group_key(self) -> tuple:
         """Shards with equal keys share one kernel: one TBE has one tier, weight type, weighted-ness and
-        (UVM-caching) one cache policy; cache sizes may differ (lookup/settings.py: the group's cache holds the sum)."""
+        (UVM-caching) one cache policy; cache sizes may differ (lookup/settings.py: the group's cache holds the sum).
+        Raw-id tables are grouped apart (their lookup's ids go through their id -> row maps first)."""
         policy = self.cache_algorithm if self.tier is MemoryTier.UVM_CACHING else None
-        return (self.tier, self.table.data_type, self.table.weighted, policy, self.kernel)
+        return (self.tier, self.table.data_type, self.table.weighted, policy, self.kernel, self.table.raw_ids)
 
 
 def group_shards(shards: Sequence[LocalShard]) -> list[list[LocalShard]]:

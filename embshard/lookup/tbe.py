@@ -9,10 +9,12 @@ applied after the output exchange, where every bag's full length is known (row-w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from embshard.lookup.fbgemm_fixes import array_cache_state
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
@@ -57,9 +59,10 @@ class TBELookup(nn.Module):
                 "(seen with fbgemm-gpu 1.6.0: 'row_counter_dev' Half vs Float); use data_type fp32 for these tables, "
                 "or sgd/adagrad/rowwise_adagrad"
             )
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
-        )
+        with array_cache_state() if self.settings.caching else nullcontext():  # fbgemm_fixes.py
+            self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+                device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
+            )
         self._cast = OutputDtype(self.settings.cast_output_to).torch_dtype if self.settings.cast_output_to else None
         with torch.no_grad():
             for w, s in zip(self.tbe.split_embedding_weights(), shards):

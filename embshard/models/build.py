@@ -22,7 +22,9 @@ __all__ = ["RecModel", "StepOutput"]
 class RecModel(nn.Module):
     """`ebc`: ShardedEmbeddingBagCollection (its optimizer is fused into backward; `options`: its LookupOptions);
     `catalog`: a retrieval catalog serving one table in a collection of its own, or None; `dense`: the dense part,
-    wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim)."""
+    wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim). Pass
+    `dense` to use a dense module built elsewhere (e.g. a TorchRec model's, embshard.interop) instead of the kind's
+    `build_dense`."""
 
     def __init__(
         self,
@@ -34,6 +36,7 @@ class RecModel(nn.Module):
         world_size: int,
         seed: int = 0,
         options: LookupOptions | None = None,
+        dense: nn.Module | None = None,
     ) -> None:
         super().__init__()
         from embshard.sharded import ShardedEmbeddingBagCollection
@@ -52,7 +55,7 @@ class RecModel(nn.Module):
             tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed, options=options
         )
         torch.manual_seed(seed)  # identical dense initialisation on every rank
-        dense = self.kind.build_dense(cfg, num_dense).to(device)
+        dense = (dense if dense is not None else self.kind.build_dense(cfg, num_dense)).to(device)
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 

@@ -6,7 +6,7 @@ share, as table-wise, with FBGEMM."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ from embshard.plan import ShardingType
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, colocation_groups
 from embshard.planner.cost import CostModel, TableStats
-from embshard.planner.options import Option, shard_runs, small_forms, table_options
+from embshard.planner.options import Option, column_runs, small_forms, table_options
 from embshard.tables import ConfigError, TableConfig
 
 
@@ -76,14 +76,33 @@ class Choice:
         return arrays[0][a]
 
 
+class ChoiceList(Sequence):
+    """An item's choices, each made (a Choice object) on first access and kept: the search reads most choices only
+    in bulk (`ChoiceTable`), so most are never made."""
+
+    def __init__(self, make: Callable[[int], Choice], n: int) -> None:
+        self._make, self._made = make, [None] * n
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        ch = self._made[k]
+        if ch is None:
+            ch = self._made[k] = self._make(k if k >= 0 else k + len(self._made))
+        return ch
+
+
 @dataclass
 class Item:
     """A table, or co-located tables placed together."""
 
     tables: list[int]
     """Indices of its tables."""
-    choices: list[Choice]
-    """Its options, in the fixed option order."""
+    choices: Sequence[Choice]
+    """Its options with their costs, in the fixed option order (a ChoiceList: made on first access)."""
     pinned: tuple[int, ...] = ()
     """Ranks its blocks may use (empty: any)."""
     weighted: bool = False
@@ -92,6 +111,31 @@ class Item:
     """Choice index -> the same option with the other lookup kernel (both ways), where it has one."""
     kernels: tuple = ()
     """The lookup kernels its constraints allow (empty: any)."""
+    options: list[Option] = field(default_factory=list)
+    """The option of each choice (`choices[c].option` without making the choice)."""
+    base: int = 0
+    """Index of its first choice in the ChoiceTable."""
+
+
+@dataclass
+class ChoiceTable:
+    """Every choice of every item as flat arrays, items one after another in item order, each item's choices in
+    their order (choice c of item i at `items[i].base + c`): what the search reads for all choices at once."""
+
+    avg: np.ndarray
+    """Balanced cost (s)."""
+    hbm_max: np.ndarray
+    """GPU memory of the largest block (bytes)."""
+    ddr_max: np.ndarray
+    """Host memory of the largest block (bytes)."""
+    total_hbm: np.ndarray
+    """GPU memory of all blocks (bytes)."""
+    total_ddr: np.ndarray
+    """Host memory of all blocks (bytes)."""
+    lookup_s: np.ndarray
+    """Lookup forward + backward of all blocks, the part that depends on the kernel (s)."""
+    blocks: np.ndarray
+    """Blocks (int)."""
 
 
 def balanced_cost(total: np.ndarray, world_size: int) -> np.ndarray:
@@ -105,13 +149,31 @@ def build_items(
     constraints: dict[str, ParameterConstraints],
 ) -> list[Item]:
     """Items with their choices, in table order."""
+    return build_choices(model, tables, constraints)[0]
+
+
+def build_choices(
+    model: CostModel,
+    tables: Sequence[TableConfig],
+    constraints: dict[str, ParameterConstraints],
+) -> tuple[list[Item], ChoiceTable]:
+    """Items with their choices, in table order, and the ChoiceTable of all choices."""
     topo, settings = model.topo, model.settings
     W, lws = topo.world_size, topo.local_world_size
     names = [t.name for t in tables]
     index = {n: i for i, n in enumerate(names)}
     groups = colocation_groups(names, constraints)
     grouped = {index[n] for g in groups if len(g) > 1 for n in g}
-    opts = [table_options(t, constraints[t.name], topo, settings, colocated=i in grouped) for i, t in enumerate(tables)]
+    memo: dict[tuple, list[Option]] = {}  # the options depend on the table only through its width
+
+    def options_of(i: int, t: TableConfig) -> list[Option]:
+        c, colocated = constraints[t.name], i in grouped
+        key = (id(c), t.embedding_dim, colocated)
+        if key not in memo:
+            memo[key] = table_options(t, c, topo, settings, colocated=colocated)
+        return list(memo[key])
+
+    opts = [options_of(i, t) for i, t in enumerate(tables)]
     twins: list[dict[int, int]] = [{} for _ in tables]
     alone = [i for i in range(len(tables)) if i not in grouped]
     cons = [constraints[names[i]] for i in alone]
@@ -125,24 +187,35 @@ def build_items(
                 opts[i].append(o)
     hints = [constraints[t.name].zipf_alpha for t in tables]
     alpha = np.array([settings.zipf_alpha if a is None else a for a in hints], dtype=float)
-    # Runs of equal blocks of every (table, option), grouped by (sharding, tier, clf) for one vectorized call each.
+    # Runs of equal blocks of every (table, option), grouped by (sharding, tier, clf, kernel) for one vectorized
+    # call of the cost model each; the (table, option) pairs of one Option object are cut into runs at once.
     stats = TableStats.of(tables)
-    kinds: dict[tuple, list[tuple]] = {}
-    for i, t in enumerate(tables):
-        for j, o in enumerate(opts[i]):
-            entries = kinds.setdefault((o.sharding, o.tier, o.cache_load_factor, o.kernel), [])
-            table_runs = shard_runs(t, o)
-            blocks = sum(n for _, _, n in table_runs)
-            entries.extend((i, j, rows, c, n, blocks) for rows, c, n in table_runs)
-    per: dict[tuple[int, int], tuple] = {}
-    for (st, tier, clf, kernel), entries in kinds.items():
-        table = np.array(entries, dtype=np.int64)
-        ti, oj = table[:, 0], table[:, 1]
-        rows, cols, count, blocks = (table[:, k].astype(float) for k in (2, 3, 4, 5))
+    by_option: dict[int, tuple[Option, list[int], list[int]]] = {}
+    for i, table_opts in enumerate(opts):
+        for j, o in enumerate(table_opts):
+            got = by_option.get(id(o))
+            if got is None:
+                got = by_option[id(o)] = (o, [], [])
+            got[1].append(i)
+            got[2].append(j)
+    rows_all = np.array([t.num_embeddings for t in tables], dtype=np.int64)
+    dims_all = np.array([t.embedding_dim for t in tables], dtype=np.int64)
+    parts: dict[tuple, list[np.ndarray]] = {}
+    for o, ti, oj in by_option.values():
+        key = (o.sharding, o.tier, o.cache_load_factor, o.kernel)
+        parts.setdefault(key, []).append(option_runs(o, np.array(ti), np.array(oj), rows_all, dims_all))
+    kinds: list[tuple] = []  # per kind: (arrays, per-pair ti, oj, start, end, count, aggregates)
+    for (st, tier, clf, kernel), runs_list in parts.items():
+        ti, oj, run, rows_i, cols_i, count_i = np.concatenate(runs_list, axis=1)
+        order = np.lexsort((run, oj, ti))  # each (table, option)'s runs together, in block order
+        ti, oj = ti[order], oj[order]
+        rows, cols, count = rows_i[order].astype(float), cols_i[order].astype(float), count_i[order].astype(float)
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti], kernel)
         mem = model.storage(sub, st, tier, rows, cols, clf, kernel)
         shape = (len(ti), loads.NROWS)
+        first = np.flatnonzero(np.r_[True, (ti[1:] != ti[:-1]) | (oj[1:] != oj[:-1])])
+        blocks = np.repeat(np.add.reduceat(count, first), np.diff(np.r_[first, len(ti)]))  # each run's table's
         owner, same, other = (np.broadcast_to(v, shape) for v in model.block_vecs(wk, st, blocks))
         hbm = np.broadcast_to(np.asarray(mem.hbm, dtype=float), rows.shape)
         ddr = np.broadcast_to(np.asarray(mem.ddr, dtype=float), rows.shape)
@@ -151,40 +224,122 @@ def build_items(
         look = np.broadcast_to(np.asarray(wk.fwd_s - wk.route_s + wk.bwd_s, dtype=float), rows.shape)
         total = count[:, None] * (owner + (lws - 1) * same + (W - lws) * other)
         starts = np.flatnonzero(np.r_[True, (ti[1:] != ti[:-1]) | (oj[1:] != oj[:-1])])
-        avg = balanced_cost(np.add.reduceat(total, starts, axis=0), W).tolist()
-        sizes = zip(
-            np.add.reduceat(count, starts).astype(int).tolist(),
-            np.maximum.reduceat(hbm, starts).tolist(),
-            np.maximum.reduceat(ddr, starts).tolist(),
-            np.add.reduceat(hbm * count, starts).tolist(),
-            np.add.reduceat(ddr * count, starts).tolist(),
-            np.add.reduceat(look * count, starts).tolist(),
+        ends = np.r_[starts[1:], len(ti)]
+        agg = (
+            balanced_cost(np.add.reduceat(total, starts, axis=0), W),
+            np.add.reduceat(count, starts).astype(int),
+            np.maximum.reduceat(hbm, starts),
+            np.maximum.reduceat(ddr, starts),
+            np.add.reduceat(hbm * count, starts),
+            np.add.reduceat(ddr * count, starts),
+            np.add.reduceat(look * count, starts),
         )
-        arrays = (owner, same, other, hbm, ddr, step, hot, look)
-        starts_l = starts.tolist()
-        ends = [*starts_l[1:], len(ti)]
-        ti_l, oj_l = ti.tolist(), oj.tolist()
-        for s, (a, b, size) in enumerate(zip(starts_l, ends, sizes)):
-            per[(ti_l[a], oj_l[a])] = ((arrays, a, b), count[a:b], avg[s], size)
+        kinds.append(
+            ((owner, same, other, hbm, ddr, step, hot, look), ti[starts], oj[starts], starts, ends, count, agg)
+        )
+    # Where each (table, option) pair's numbers are: kind and pair index, by table-major flat position.
+    n_opts = np.array([len(o) for o in opts], dtype=np.int64)
+    table_base = np.r_[0, np.cumsum(n_opts)[:-1]]
+    kind_of = np.empty(int(n_opts.sum()), dtype=np.int64)
+    pair_of = np.empty_like(kind_of)
+    for k, (_, pti, poj, *_rest) in enumerate(kinds):
+        pos = table_base[pti] + poj
+        kind_of[pos] = k
+        pair_of[pos] = np.arange(len(pti))
+    kind_l, pair_l = kind_of.tolist(), pair_of.tolist()
+    aggs = [[a.tolist() for a in agg] for *_, agg in kinds]
 
-    def choice(o: Option, j_of: tuple[int, int], members: list[Option]) -> Choice:
-        runs, n, avg, size = per[j_of]
-        return Choice(o, runs, n, avg, members, size)
+    def numbers(i: int, j: int) -> tuple:
+        """((arrays, first run, end), run counts, balanced cost, sizes) of option j of table i."""
+        f = int(table_base[i]) + j
+        arrays, _, _, starts, ends, count, _ = kinds[kind_l[f]]
+        s, agg = pair_l[f], aggs[kind_l[f]]
+        a, b = int(starts[s]), int(ends[s])
+        return (arrays, a, b), count[a:b], agg[0][s], (agg[1][s], agg[2][s], agg[3][s], agg[4][s], agg[5][s], agg[6][s])
+
+    def maker(i: int) -> Callable[[int], Choice]:
+        table_opts = opts[i]
+
+        def make(j: int) -> Choice:
+            runs, n, avg, size = numbers(i, j)
+            return Choice(table_opts[j], runs, n, avg, [table_opts[j]], size)
+
+        return make
 
     items: list[Item] = []
+    flat_items: list[tuple[int, Item]] = []  # singleton items: (table, item)
+    base = 0
     for g in groups:
         members = [index[n] for n in g]
         if len(members) == 1:
             i = members[0]
-            chs = [choice(o, (i, j), [o]) for j, o in enumerate(opts[i])]
-            cons = constraints[names[i]]
-            items.append(Item([i], chs, cons.ranks, tables[i].weighted, twins[i], cons.kernels))
+            c = constraints[names[i]]
+            item = Item([i], ChoiceList(maker(i), len(opts[i])), c.ranks, tables[i].weighted, twins[i], c.kernels)
+            item.options = opts[i]
+            flat_items.append((i, item))
         else:
-            items.append(_colocated(g, members, opts, per, constraints, tables, W, lws))
-    return items
+            item = _colocated(g, members, opts, numbers, constraints, tables, W, lws)
+        item.base = base
+        base += len(item.options)
+        items.append(item)
+    # The flat table: singleton items' numbers straight from the kinds' aggregates, co-located ones from their
+    # (few) choices.
+    cols = [np.empty(base) for _ in range(6)] + [np.empty(base, dtype=np.int64)]
+    if flat_items:
+        t_idx = np.array([i for i, _ in flat_items])
+        i_base = np.array([it.base for _, it in flat_items])
+        span = n_opts[t_idx]
+        src = np.repeat(table_base[t_idx], span) + _ranges(span)
+        dst = np.repeat(i_base, span) + _ranges(span)
+        ks, ps = kind_of[src], pair_of[src]
+        for k, (*_x, agg) in enumerate(kinds):
+            sel = ks == k
+            avg, blocks, hbm_max, ddr_max, total_hbm, total_ddr, look = agg
+            for col, values in zip(cols, (avg, hbm_max, ddr_max, total_hbm, total_ddr, look, blocks)):
+                col[dst[sel]] = values[ps[sel]]
+    for it in items:
+        if len(it.tables) > 1:
+            for c, ch in enumerate(it.choices):
+                f = it.base + c
+                values = (ch.avg, ch.hbm_max, ch.ddr_max, ch.total_hbm, ch.total_ddr, ch.lookup_s, ch.blocks)
+                for col, v in zip(cols, values):
+                    col[f] = v
+    return items, ChoiceTable(*cols)
 
 
-def _colocated(g, members, opts, per, constraints, tables, W: int, lws: int) -> Item:
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n of `counts`, concatenated."""
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)
+
+
+def option_runs(o: Option, ti: np.ndarray, oj: np.ndarray, rows: np.ndarray, dims: np.ndarray) -> np.ndarray:
+    """[6, n]: the runs of equal blocks of option `o` for tables `ti` (its index `oj` in each table's options):
+    rows of (table, option index, run index, block rows, block cols, blocks in the run), runs in block order
+    (`options.shard_runs` for many tables at once)."""
+    R, D = rows[ti], dims[ti]
+    one = np.ones_like(ti)
+    st = o.sharding
+    if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):  # geometry.row_runs
+        bs = -(-R // o.parts)
+        n = -(-R // bs)
+        last = R - bs * (n - 1)
+        full = last == bs
+        head = np.stack([ti, oj, 0 * one, bs, D, np.where(full, n, n - 1)])
+        tail = ~full
+        rest = np.stack([ti[tail], oj[tail], one[tail], last[tail], D[tail], one[tail]])
+        return np.concatenate([head, rest], axis=1)
+    if st is ShardingType.COLUMN_WISE:  # one run per distinct width of its column blocks
+        out = []
+        for d in np.unique(D).tolist():
+            sel = D == d
+            for r, (c, n) in enumerate(column_runs(d, o.parts)):
+                out.append(np.stack([ti[sel], oj[sel], r * one[sel], R[sel], c * one[sel], n * one[sel]]))
+        return np.concatenate(out, axis=1)
+    return np.stack([ti, oj, 0 * one, R, D, o.parts * one])
+
+
+def _colocated(g, members, opts, numbers, constraints, tables, W: int, lws: int) -> Item:
     """Co-located tables: one table-wise block per tier all members allow; pinned ranks must agree."""
     pinned = set(range(W))
     for i in members:
@@ -202,7 +357,7 @@ def _colocated(g, members, opts, per, constraints, tables, W: int, lws: int) -> 
         parts, member_opts = [], []
         for i in members:
             j = next(j for j, o in enumerate(opts[i]) if o.tier is tier)
-            parts.append(per[(i, j)])
+            parts.append(numbers(i, j))
             member_opts.append(opts[i][j])
         ow, sa, ot, hb, dd, bu, ho, lk = (sum(p[0][0][k][p[0][1] : p[0][2]] for p in parts) for k in range(8))
         avg = float(balanced_cost(ow[0] + (lws - 1) * sa[0] + (W - lws) * ot[0], W))
@@ -210,7 +365,9 @@ def _colocated(g, members, opts, per, constraints, tables, W: int, lws: int) -> 
         arrays = (ow, sa, ot, hb, dd, bu, ho, lk)
         chs.append(Choice(member_opts[0], (arrays, 0, 1), np.ones(1), avg, member_opts, size))
     weighted = any(tables[i].weighted for i in members)
-    return Item(members, chs, tuple(sorted(pinned)) if len(pinned) < W else (), weighted)
+    item = Item(members, chs, tuple(sorted(pinned)) if len(pinned) < W else (), weighted)
+    item.options = [ch.option for ch in chs]
+    return item
 
 
 def is_dense(option: Option) -> bool:

@@ -97,9 +97,10 @@ def resolve_constraints(
         for key, c in (constraints or {}).items()
     }
     out: dict[str, ParameterConstraints] = {}
+    known = set(names)
     for key, c in parsed.items():
         is_pattern = any(ch in key for ch in "*?[")
-        if not is_pattern and key not in names:
+        if not is_pattern and key not in known:
             raise ConfigError(f"constraints name table {key!r}, which does not exist; tables: {names[:20]}")
         if is_pattern and not fnmatch.filter(names, key):
             raise ConfigError(f"constraints pattern {key!r} matches no table; tables: {names[:20]}")
@@ -114,16 +115,18 @@ def resolve_constraints(
                 f"constraints[{key!r}]: column_shards {list(c.column_shards)} exceed world_size={world_size}: each "
                 "column block needs its own rank"
             )
+    patterns = [k for k in parsed if any(ch in k for ch in "*?[")]
+    unconstrained = ParameterConstraints()  # frozen: one instance serves every table without constraints
     for name in names:
         if name in parsed:
             out[name] = parsed[name]
             continue
-        hits = [k for k in parsed if any(ch in k for ch in "*?[") and fnmatch.fnmatchcase(name, k)]
+        hits = [k for k in patterns if fnmatch.fnmatchcase(name, k)]
         if len(hits) > 1:
             raise ConfigError(
                 f"table {name!r} matches constraint patterns {hits}: make them disjoint or add an entry for {name!r}"
             )
-        out[name] = parsed[hits[0]] if hits else ParameterConstraints()
+        out[name] = parsed[hits[0]] if hits else unconstrained
     for name, c in out.items():
         target = c.colocate_with
         if target is None:

@@ -73,13 +73,24 @@ in the forward and again in the backward phase (on GPUs the Triton regroup's tim
 Shards whose TablePlan.kernel is 'small' (embshard's small-table kernel, GPUs): kernel_cost.py's forward,
 backward, hot-row chain (ShardWork.hot_s, paid once per lookup group: its longest), step memory and launches.
 
-Fixed costs (seconds): per lookup-kernel group (sharding type x tier x dtype x weighted) on a rank: kernel_s
-forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort passes, run-length encoding,
-the optimizer kernels); per sharding scheme in the plan: input all-to-all 3 collectives (+1 for weights), output
-and gradient 1 collective each; once per step when any table is model-parallel (`step_fixed`): host_sync_s, the
-input exchange's host synchronisation and the launch-bound stretch around it while the GPU idles (fitted to the
-1.2-1.7 ms per step the profiled steps are not busy on the GPU); data-parallel: one all-reduce latency and
-4*kernel_s of update, plus settings.dp_kernels_per_table kernels per table.
+Fixed costs (seconds): every step, on every rank, whatever the plan: step_overhead_s (the host's own work the
+GPU waits for: Python and autograd issuing the step, launches no group accounts for; fitted to measured steps per
+GPU model; first phase, with the own batch's loads); per lookup-kernel group (sharding type x tier x dtype x
+weighted) on a rank: kernel_s forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort
+passes, run-length encoding, the optimizer kernels); per sharding scheme in the plan: input all-to-all 3
+collectives (+1 for weights), output and gradient 1 collective each; once per step when any table is
+model-parallel (`step_fixed`): host_sync_s, the input exchange's host synchronisation and the launch-bound stretch
+around it while the GPU idles (fitted to the 1.2-1.7 ms per step the profiled steps are not busy on the GPU);
+data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp_kernels_per_table kernels per
+table.
+
+Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
+shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~64-96 B); its step, in
+the forward phase, remaps the shard's n ids: n*RAW_ID_BYTES / bw (sorting the ids, the unique ids' arrays, two
+buckets of 16 slots read per id; NOT fitted: estimated from the bytes the ops move) plus writing one row and its
+state per id (the reset list: rows given to new ids, padded; over the host link for uvm), r*RAW_ROW_BYTES / bw
+(LRU: the O(rows) passes over the order; LFU sorts the rows: 4x that) and RAW_KERNELS*kernel_s of launches, and
+n*RAW_ID_STEP_BYTES of step memory.
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
 (GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
@@ -141,6 +152,16 @@ DP_UPDATE_PASSES = 8
 # many kernels, with one host sync (the touched-row count) and one small all-to-all per step.
 EXACT_COLUMN_PASSES = 3
 EXACT_COLUMN_KERNELS = 14
+# Raw-id tables' id -> row map (embshard/rawids; module docstring). Estimated from the bytes the ops move, not fitted.
+RAW_ID_BYTES = 1024
+"""Bytes moved per id by the remap: sorts, the unique ids' arrays, two buckets of 16 slots (id and row) read."""
+RAW_ROW_BYTES = 96
+"""Bytes moved per row of the shard per step by LRU's order update (LFU: RAW_LFU_FACTOR times that: a sort)."""
+RAW_LFU_FACTOR = 4
+RAW_KERNELS = 120
+"""Kernel launches of one remap (per shard: an upper bound, shards of one group share them)."""
+RAW_ID_STEP_BYTES = 512
+"""Step memory per id of the remap (its int64 working arrays, a bucket's slots at a time)."""
 """Passes of the data-parallel update over the flat gradient, in bytes (norm, mask, update; fitted: 175 us for
 1M rows x 16 on an H200, its row-norm kernel runs well below the copy bandwidth)."""
 FWD_KERNELS, CACHE_KERNELS, BWD_KERNELS, DP_UPDATE_KERNELS = 1, 8, 12, 4
@@ -158,6 +179,12 @@ class TableStats:
     features: np.ndarray | float
     ids_per_bag: np.ndarray | float
     weighted: np.ndarray | float
+    raw: np.ndarray | float = 0.0
+    """1 for raw-id tables (ids: raw), else 0."""
+    map_row: np.ndarray | float = 0.0
+    """Bytes of the id -> row map per row (raw-id tables; `rawids.map_bytes_per_row`), else 0."""
+    lfu: np.ndarray | float = 0.0
+    """1 for raw-id tables evicting by LFU."""
 
     @classmethod
     def of(cls, tables: Sequence[TableConfig]) -> TableStats:
@@ -169,6 +196,9 @@ class TableStats:
             features=np.array([len(t.feature_names) for t in tables], dtype=float),
             ids_per_bag=np.array([t.ids_per_bag for t in tables], dtype=float),
             weighted=np.array([float(t.weighted) for t in tables]),
+            raw=np.array([float(t.raw_ids) for t in tables]),
+            map_row=np.array([_map_row(t) for t in tables]),
+            lfu=np.array([float(t.raw_ids and t.eviction.value == "lfu") for t in tables]),
         )
 
     @classmethod
@@ -181,7 +211,19 @@ class TableStats:
             float(len(t.feature_names)),
             float(t.ids_per_bag),
             float(t.weighted),
+            float(t.raw_ids),
+            _map_row(t),
+            float(t.raw_ids and t.eviction.value == "lfu"),
         )
+
+
+def _map_row(t: TableConfig) -> float:
+    """Bytes per row of a raw-id table's map (priced for one table-wise shard of all its rows), else 0."""
+    if not t.raw_ids:
+        return 0.0
+    from embshard.rawids.idmap import map_bytes_per_row
+
+    return float(map_bytes_per_row(t.num_embeddings, t.eviction, t.admit_min_count))
 
 
 @dataclass(frozen=True)
@@ -346,14 +388,28 @@ class CostModel:
         if exact:
             bwd = bwd + EXACT_COLUMN_PASSES * n * cols * OUT_BYTES / bw + EXACT_COLUMN_KERNELS * topo.kernel_s
             bwd = bwd + self.latency
+        fwd = fwd + self.raw_remap_s(t, tier, n, rows, rb, sb)
         return ShardWork(in_b, out_b, fwd + route, bwd, hot_s=hot, route_s=route)
+
+    def raw_remap_s(self, t: TableStats, tier: MemoryTier, n, rows, rb, sb):
+        """Seconds of a raw-id shard's remap per step (0 for other tables; module docstring)."""
+        if not np.any(t.raw):
+            return 0.0
+        bw = self.mem_bw
+        reset_bw = self.topo.uvm_bw if tier is MemoryTier.UVM else bw
+        row_passes = rows * RAW_ROW_BYTES * (1 + (RAW_LFU_FACTOR - 1) * t.lfu)
+        return t.raw * (
+            (n * RAW_ID_BYTES + row_passes) / bw + n * (rb + sb) / reset_bw + RAW_KERNELS * self.topo.kernel_s
+        )
 
     def batch_loads(self, tables: Sequence[TableConfig]) -> np.ndarray:
         """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
         destination (forward phase) and the regroup of the pooled rows into the output, forward and backward,
-        with a plain copy each way (module docstring)."""
+        with a plain copy each way, and the step's fixed cost (Topology.step_overhead_s, first phase; module
+        docstring)."""
         v = np.zeros(loads.NROWS)
         if not tables:
+            v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s
             return v
         B, bw, bag = self.batch, self.mem_bw, self.topo.bag_s
         bags = B * sum(len(t.feature_names) for t in tables)
@@ -367,6 +423,7 @@ class CostModel:
             fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * OUT_BYTES))
             v[loads.FWD] = permute + fwd + 2 * pooled / bw
             v[loads.BWD] = bwd + 2 * pooled / bw
+        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s  # the step's fixed cost, whatever the plan
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------
@@ -377,6 +434,7 @@ class CostModel:
         n, bags = self.volumes(t, sharding, rows)
         pooled = bags * cols * OUT_BYTES * 2
         state = rows * self.state_bytes(cols)
+        id_map = rows * t.map_row  # raw-id tables: the id -> row map, where the shard computes
         if kernel is LookupKernel.SMALL:  # fp32 weights in the compute device's memory (kernel_cost.py)
             weights = rows * cols * 4.0
             buffers = kernel_cost.small_step_bytes(sharding, rows, cols, n, WEIGHT_BYTES * t.weighted) + pooled
@@ -386,14 +444,14 @@ class CostModel:
         else:
             weights = rows * cols * t.elem
             per_id = HOST_ID_STEP_BYTES if tier is MemoryTier.HOST else ID_STEP_BYTES
-            buffers = n * (per_id + 3 * WEIGHT_BYTES * t.weighted) + pooled
+            buffers = n * (per_id + 3 * WEIGHT_BYTES * t.weighted + RAW_ID_STEP_BYTES * t.raw) + pooled
             if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:
                 buffers = buffers + pooled  # the host's partials it receives to add up, and their gradient
         if tier is MemoryTier.HBM:
-            return Storage(hbm_weights=weights, hbm_state=state, hbm_buffers=buffers)
+            return Storage(hbm_weights=weights, hbm_state=state + id_map, hbm_buffers=buffers)
         if tier is MemoryTier.HOST:
-            return Storage(ddr_weights=weights, ddr_state=state, ddr_buffers=buffers)
-        hbm_state = state if self.state_in_hbm else 0.0
+            return Storage(ddr_weights=weights, ddr_state=state + id_map, ddr_buffers=buffers)
+        hbm_state = (state if self.state_in_hbm else 0.0) + id_map
         ddr_state = 0.0 if self.state_in_hbm else state
         cache = 0.0
         if tier is MemoryTier.UVM_CACHING:

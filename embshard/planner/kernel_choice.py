@@ -49,16 +49,17 @@ def select(p: Problem) -> None:
             usable = set(p.usable[i])
             for c in p.usable[i]:
                 twin = it.twins.get(c)
-                if it.choices[c].option.kernel is FBGEMM and twin in usable:
+                if it.options[c].kernel is FBGEMM and twin in usable:
                     pairs.append((i, c, twin))
-    fb = [p.items[i].choices[c].lookup_s for i, c, _ in pairs]
-    wins = faster_alone(fb, [p.items[i].choices[s].lookup_s for i, _, s in pairs], True).tolist()
+    look = p.table.lookup_s
+    fb = [look[p.items[i].base + c] for i, c, _ in pairs]
+    wins = faster_alone(fb, [look[p.items[i].base + s] for i, _, s in pairs], True).tolist()
     loser = {(i, c if w else s) for (i, c, s), w in zip(pairs, wins)}
     for i, it in enumerate(p.items):
         if not it.twins and not _forced(it):
             continue
         if _forced(it):
-            keep = [c for c in p.usable[i] if it.choices[c].option.kernel is SMALL]
+            keep = [c for c in p.usable[i] if it.options[c].kernel is SMALL]
         else:
             keep = [c for c in p.usable[i] if (i, c) not in loser]
         if not keep:
@@ -79,22 +80,25 @@ def _data_parallel_kernel(p: Problem) -> None:
     usable = {SMALL: {}, FBGEMM: {}}  # kernel -> item -> its usable choices with that data-parallel kernel
     total = {SMALL: 0.0, FBGEMM: 0.0}
     chosen_dp = {SMALL: [], FBGEMM: []}  # kernel -> (item, choice) of the tables that would be data-parallel
+    avg, key, hbm_max = p.table.avg.tolist(), np.round(p.table.avg * 1e12).tolist(), p.table.hbm_max.tolist()
+    hbm_budget = p.budgets.hbm + 0.5
     for i, it in enumerate(p.items):
         u = p.usable[i]
-        c = next((c for c in u if it.choices[c].option.sharding is DP), None)
+        c = next((c for c in u if it.options[c].sharding is DP), None)
         if c is None:
             continue
+        b = it.base
         for kernel in (SMALL, FBGEMM):
-            dp = c if it.choices[c].option.kernel is kernel else it.twins.get(c)
-            if dp is not None and (it.choices[dp].hbm_max > p.budgets.hbm + 0.5 or (kernel is FBGEMM and _forced(it))):
+            dp = c if it.options[c].kernel is kernel else it.twins.get(c)
+            if dp is not None and (hbm_max[b + dp] > hbm_budget or (kernel is FBGEMM and _forced(it))):
                 dp = None
             uk = [x for x in (dp if x == c else x for x in u) if x is not None]
             usable[kernel][i] = uk
             if not uk:
                 total[kernel] = np.inf
                 continue
-            best = min(uk, key=lambda k, it=it: (round(it.choices[k].avg * 1e12), k))
-            total[kernel] += it.choices[best].avg
+            best = min(uk, key=lambda k, b=b: (key[b + k], k))
+            total[kernel] += avg[b + best]
             if best == dp:
                 chosen_dp[kernel].append((i, dp))
     if not usable[FBGEMM]:

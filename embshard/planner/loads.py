@@ -51,12 +51,33 @@ def phase_times(loads: np.ndarray) -> np.ndarray:
 
 def step_time(loads: np.ndarray) -> float:
     """Predicted step time (seconds) of a load matrix [NROWS, ranks]."""
-    return float(phase_times(loads).max(axis=1).sum())
+    return float(np.maximum.reduceat(loads.max(axis=1), PHASE_START).sum())
 
 
-def rank_times(loads: np.ndarray) -> np.ndarray:
-    """[ranks]: each rank's own busy time (seconds) if it never waited for the others."""
-    return phase_times(loads).sum(axis=0)
+_SLICES = [slice(int(a), int(b)) for a, b in zip(PHASE_START, [*PHASE_START[1:], NROWS])]
+PHASE_OF_ROW = np.repeat(np.arange(len(PHASES)), np.diff([*PHASE_START, NROWS]))
+"""[NROWS]: the phase of each row."""
+
+
+def phase_max_sum(loads: np.ndarray, per_phase: np.ndarray | None = None) -> np.ndarray:
+    """[n]: for each column of loads [NROWS, n], the sum over phases of its busiest row in the phase: the same
+    numbers as `phase_times(loads).sum(axis=0)` (phases added in order), without reduceat along the rows, which
+    is slow for wide matrices. `per_phase` [phases]: added to each phase's maximum before the sum: the same
+    numbers as adding it to every row of the phase first (adding one value keeps the order of a phase's rows)."""
+    out = None
+    for p, sl in enumerate(_SLICES):
+        block = loads[sl]
+        m = block[0] if len(block) == 1 else np.maximum.reduce(block, axis=0)
+        if per_phase is not None and per_phase[p]:
+            m = m + per_phase[p]
+        out = m.copy() if out is None else np.add(out, m, out=out)
+    return out
+
+
+def per_phase(row_values: np.ndarray) -> np.ndarray | None:
+    """[phases]: `row_values` [NROWS] as one value per phase, or None when some phase's rows differ."""
+    first = row_values[PHASE_START]
+    return first if np.array_equal(row_values, first[PHASE_OF_ROW]) else None
 
 
 def spread(

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 
-from embshard.geometry import column_blocks, offsets, row_blocks, runs
+from embshard.geometry import column_blocks, offsets, row_blocks, row_runs, runs
 from embshard.kernels.cost import eligible
 from embshard.plan import LookupKernel, MemoryTier, Shard, ShardingType
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
+from embshard.rawids.rules import RAW_SHARDING_TYPES, RAW_TIERS, sharding_refused
 from embshard.tables import ConfigError, TableConfig
 
 MIN_COLUMN_BLOCK = 16  # narrowest column block the planner proposes on its own (columns)
@@ -71,6 +72,11 @@ def table_options(
     types = _allowed(TYPE_ORDER, constraint.sharding_types, settings.sharding_types)
     tiers = GPU_TIERS if topology.is_gpu else (MemoryTier.HOST,)
     tiers = _allowed(tiers, constraint.tiers, settings.tiers)
+    if table.raw_ids:  # its id -> row map lives with whole rows, re-initialised in place (rawids/rules.py)
+        if constraint.sharding_types and not set(constraint.sharding_types) & set(RAW_SHARDING_TYPES):
+            raise ConfigError(sharding_refused(table, constraint.sharding_types[0]))
+        types = tuple(t for t in types if t in RAW_SHARDING_TYPES)
+        tiers = tuple(t for t in tiers if t in RAW_TIERS)
     pinned = set(constraint.ranks)
     everyone = not pinned or pinned == set(range(W))
     clf = constraint.cache_load_factor or settings.cache_load_factor
@@ -129,6 +135,8 @@ def small_forms(
     auto = settings.small_table_kernel and topology.is_gpu
     sized = []  # (table, option, largest block rows, cols) under the size rule
     for i, (t, opts, c) in enumerate(zip(tables, options, constraints)):
+        if t.raw_ids:  # raw-id tables use FBGEMM's kernel (rawids/rules.py)
+            continue
         allowed, fp32 = c.kernels, t.data_type.bytes == 4
         if allowed == (LookupKernel.SMALL,) and fp32:
             tiers = (MemoryTier.HBM, MemoryTier.HOST)
@@ -144,6 +152,7 @@ def small_forms(
     return out
 
 
+@cache
 def _with_kernel(o: Option) -> Option:
     return Option(o.sharding, o.tier, o.parts, o.cache_load_factor, LookupKernel.SMALL)
 
@@ -189,17 +198,17 @@ def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]
     TW one block, DP one replica per rank, row-wise kinds one run of full blocks and a shorter last one."""
     R, D = table.num_embeddings, table.embedding_dim
     if option.sharding is ShardingType.COLUMN_WISE:
-        return [(R, c, n) for c, n in _column_runs(D, option.parts)]
+        return [(R, c, n) for c, n in column_runs(D, option.parts)]
     if option.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         return [(r, D, n) for r, n in _row_runs(R, option.parts)]
     return [(R, D, option.parts)]
 
 
 @lru_cache(maxsize=4096)
-def _column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
+def column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """`geometry.runs(geometry.column_blocks(dim, parts))`: (width, count) runs of the column blocks."""
     return runs(column_blocks(dim, parts))
 
 
-@lru_cache(maxsize=4096)
 def _row_runs(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
-    return runs(row_blocks(rows, parts))
+    return row_runs(rows, parts)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from embshard.planner.choices import Choice, Item
+from embshard.planner.choices import Choice, ChoiceTable, Item
 from embshard.planner.cost import CostModel
 from embshard.planner.predict import Budgets
 from embshard.planner.settings import PlannerSettings
@@ -29,6 +29,8 @@ class Problem:
     """Memory per rank embeddings may use."""
     items: list[Item]
     """Tables, or co-located tables, with their choices."""
+    table: ChoiceTable | None = None
+    """Every choice's numbers as flat arrays (choices.py); choice c of item i at `items[i].base + c`."""
     usable: list[list[int]] = field(default_factory=list)
     """Per item: the indices of the choices whose largest shard fits a rank's budget."""
     chosen: list[int] = field(default_factory=list)

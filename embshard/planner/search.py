@@ -20,9 +20,11 @@ group of tables after step 6 (kernel_choice.py).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -32,7 +34,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import Exchange, MemoryTier, ShardingPlan, ShardingType, TablePlan
 from embshard.planner import errors, exact, kernel_choice, loads
 from embshard.planner import exchange as twrw_exchange
-from embshard.planner.choices import build_items, is_dense
+from embshard.planner.choices import build_choices, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
 from embshard.planner.errors import gib
@@ -61,6 +63,32 @@ def plan_with_report(
     settings: PlannerSettings | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """The plan and its PlanReport (predicted memory and step time, and why each table went where it did)."""
+    with gc_paused():
+        return _plan_with_report(tables, topology, batch_size, optimizer, constraints, settings)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block: the search allocates hundreds of thousands of small
+    objects that live until it ends (choices, notes), and the collector's passes over them took about half the
+    planner's time. Nothing the search makes needs it (no reference cycles are left to collect early)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan_with_report(
+    tables: Sequence[TableConfig],
+    topology: Topology,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig | None,
+    constraints: Mapping[str, ParameterConstraints | Mapping] | None,
+    settings: PlannerSettings | None,
+) -> tuple[ShardingPlan, PlanReport]:
     start = time.perf_counter()
     validate_tables(tables)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -69,7 +97,8 @@ def plan_with_report(
     settings = settings or PlannerSettings()
     cons = resolve_constraints(tables, constraints, topology.world_size)
     model = CostModel(topology, batch_size, optimizer, settings)
-    p = Problem(model, tables, budgets(model, tables), build_items(model, tables, cons))
+    items, table = build_choices(model, tables, cons)
+    p = Problem(model, tables, budgets(model, tables), items, table)
     p.notes = {t.name: [] for t in tables}
     _cheapest(p)
     _fit_totals(p)
@@ -110,21 +139,26 @@ def plan_with_report(
 def _cheapest(p: Problem) -> None:
     """Each item's usable choices (its largest shard fits a rank) and, as its first choice, the cheapest of them
     by balanced cost."""
-    bud = p.budgets
-    for it in p.items:
-        u = [c for c, ch in enumerate(it.choices) if ch.hbm_max <= bud.hbm + 0.5 and ch.ddr_max <= bud.ddr + 0.5]
+    bud, tab, items = p.budgets, p.table, p.items
+    fits = (tab.hbm_max <= bud.hbm + 0.5) & (tab.ddr_max <= bud.ddr + 0.5)
+    bases = [it.base for it in items]
+    ends = [*bases[1:], len(fits)]
+    for it, a, b in zip(items, bases, ends):
+        u = np.flatnonzero(fits[a:b]).tolist()
         if not u:
             raise errors.too_large_for_a_rank(p, it)
         p.usable.append(u)
     kernel_choice.select(p)
-    for it, u in zip(p.items, p.usable):
-        c = min(u, key=lambda k, it=it: (round(it.choices[k].avg * 1e12), k))
+    avg = tab.avg.tolist()
+    key = np.round(tab.avg * 1e12).tolist()
+    for it, u in zip(items, p.usable):
+        b = it.base
+        c = min(u, key=lambda k: (key[b + k], k))
         p.chosen.append(c)
-        ranked = sorted(u, key=lambda k, it=it: (it.choices[k].avg, k))
-        runner = next((k for k in ranked if k != c), None)
-        why = f"cheapest option, {it.choices[c].avg * 1e3:.4f} ms balanced"
+        runner = min((k for k in u if k != c), key=lambda k: (avg[b + k], k), default=None)
+        why = f"cheapest option, {avg[b + c] * 1e3:.4f} ms balanced"
         if runner is not None:
-            why += f" (next: {it.choices[runner].option.label} {it.choices[runner].avg * 1e3:.4f} ms)"
+            why += f" (next: {it.options[runner].label} {avg[b + runner] * 1e3:.4f} ms)"
         p.note(it, why)
 
 
@@ -136,26 +170,29 @@ def _split_start(p: Problem) -> list[int] | None:
     others still bound it: this start splits them together."""
     if not twrw_exchange.applies(p.topology):
         return None
-    target = sum(p.choice(i).avg for i in range(len(p.items)))
+    avg = p.table.avg
+    target = sum(float(avg[it.base + c]) for it, c in zip(p.items, p.chosen))
     out, moved = list(p.chosen), False
     for i, it in enumerate(p.items):
         ch = p.choice(i)
         if is_dense(ch.option) or ch.blocks != 1:
             continue
-        alone = np.maximum.reduceat(ch.first_owner, loads.PHASE_START).sum()
-        twrw = [c for c in p.usable[i] if it.choices[c].option.sharding is ShardingType.TABLE_ROW_WISE]
-        if alone > target and twrw:
-            out[i], moved = min(twrw, key=lambda c: (it.choices[c].avg, c)), True
+        if np.maximum.reduceat(ch.first_owner, loads.PHASE_START).sum() <= target:
+            continue
+        twrw = [c for c in p.usable[i] if it.options[c].sharding is ShardingType.TABLE_ROW_WISE]
+        if twrw:
+            out[i], moved = min(twrw, key=lambda c: (float(avg[it.base + c]), c)), True
     return out if moved else None
 
 
 def _fit_totals(p: Problem) -> None:
     """Move tables to options with less GPU memory, least time lost per byte freed first, until the totals fit."""
-    items, usable, chosen, topo = p.items, p.usable, p.chosen, p.topology
+    items, usable, chosen, topo, tab = p.items, p.usable, p.chosen, p.topology, p.table
     fill = p.settings.memory_fill
     cap_h, cap_d = fill * topo.world_size * p.budgets.hbm, fill * topo.world_size * p.budgets.ddr
-    need_h = sum(p.choice(i).total_hbm for i in range(len(items)))
-    need_d = sum(p.choice(i).total_ddr for i in range(len(items)))
+    avg, hbm, ddr = tab.avg.tolist(), tab.total_hbm.tolist(), tab.total_ddr.tolist()
+    need_h = sum(hbm[it.base + c] for it, c in zip(items, chosen))
+    need_d = sum(ddr[it.base + c] for it, c in zip(items, chosen))
     if need_h <= cap_h and need_d <= cap_d:
         return
     if need_d > cap_d or not topo.is_gpu:
@@ -163,14 +200,14 @@ def _fit_totals(p: Problem) -> None:
     over = need_h - cap_h
 
     def best_move(i: int) -> tuple[float, int, int] | None:
-        it, cur = items[i], p.choice(i)
+        b = items[i].base
+        cur = b + chosen[i]
         best = None
         for c in usable[i]:
-            ch = it.choices[c]
-            freed = cur.total_hbm - ch.total_hbm
+            freed = hbm[cur] - hbm[b + c]
             if freed <= 1.0:
                 continue
-            ratio = (ch.avg - cur.avg) / freed
+            ratio = (avg[b + c] - avg[cur]) / freed
             if best is None or (ratio, c) < best[:2]:
                 best = (ratio, c, i)
         return best
@@ -180,20 +217,21 @@ def _fit_totals(p: Problem) -> None:
     while need_h > cap_h:
         while heap:
             ratio, c, i = heapq.heappop(heap)
-            ch, cur = items[i].choices[c], p.choice(i)
-            if cur.total_hbm - ch.total_hbm <= 1.0:
+            b = items[i].base
+            f, cur = b + c, b + chosen[i]
+            if hbm[cur] - hbm[f] <= 1.0:
                 continue  # stale
-            if need_d - cur.total_ddr + ch.total_ddr > cap_d:
+            if need_d - ddr[cur] + ddr[f] > cap_d:
                 continue
             break
         else:
             raise errors.totals_do_not_fit(p)
-        need_h += ch.total_hbm - cur.total_hbm
-        need_d += ch.total_ddr - cur.total_ddr
+        need_h += hbm[f] - hbm[cur]
+        need_d += ddr[f] - ddr[cur]
         p.note(
             items[i],
-            f"GPU memory over budget by {gib(over)} in total: moved from {cur.option.label} to {ch.option.label}, "
-            f"freeing {gib(cur.total_hbm - ch.total_hbm)} for +{(ch.avg - cur.avg) * 1e3:.4f} ms "
+            f"GPU memory over budget by {gib(over)} in total: moved from {items[i].options[chosen[i]].label} to "
+            f"{items[i].options[c].label}, freeing {gib(hbm[cur] - hbm[f])} for +{(avg[f] - avg[cur]) * 1e3:.4f} ms "
             "(least time lost per GiB freed)",
         )
         chosen[i] = c
@@ -205,16 +243,17 @@ def _fit_totals(p: Problem) -> None:
 def _place_all(state: State, p: Problem) -> None:
     """Greedy: replicated / row-wise items first, then the largest (in time or memory) first."""
     items, bud = p.items, p.budgets
-    target = max(sum(p.choice(i).avg for i in range(len(items))), 1e-12)
-
-    def weight(i: int) -> float:
-        ch = p.choice(i)
-        if is_dense(ch.option):
-            return float("inf")
-        peak = np.maximum.reduceat(ch.first_owner, loads.PHASE_START).sum()
-        return max(peak / target, ch.hbm_max / max(bud.hbm, 1.0), ch.ddr_max / max(bud.ddr, 1.0))
-
-    order = sorted(range(len(items)), key=lambda i: (-weight(i), i))
+    chosen = [p.choice(i) for i in range(len(items))]
+    target = max(sum(ch.avg for ch in chosen), 1e-12)
+    # Weight: the largest of the first block's time alone over the summed balanced cost, and its memory over
+    # the budgets; replicated and row-wise items first. Heaviest first, ties in item order.
+    first = np.array([ch.first_owner for ch in chosen]).reshape(len(chosen), loads.NROWS)
+    peak = np.maximum.reduceat(first, loads.PHASE_START, axis=1).sum(axis=1)
+    mem_h = np.array([ch.hbm_max for ch in chosen]) / max(bud.hbm, 1.0)
+    mem_d = np.array([ch.ddr_max for ch in chosen]) / max(bud.ddr, 1.0)
+    weight = np.maximum(np.maximum(peak / target, mem_h), mem_d)
+    weight[[is_dense(ch.option) for ch in chosen]] = np.inf
+    order = np.lexsort((np.arange(len(items)), -weight)).tolist()
     for i in order:
         it = items[i]
         first = p.chosen[i]

@@ -28,9 +28,9 @@ class State:
         self.loads = np.zeros((loads.NROWS, self.W))
         if base is not None:
             self.loads += np.asarray(base, dtype=float)[:, None]
-        self.version = 0  # bumped whenever the loads change (invalidates _host_stats)
+        self.version = 0  # bumped whenever the loads change (invalidates the statistics of _fresh)
         self._stats_key: tuple | None = None
-        self._stats: tuple = ()
+        self._stats: dict = {}
         self.hbm_free = np.full(self.W, float(hbm_budget))
         self.ddr_free = np.full(self.W, float(ddr_budget))
         self.group_count: dict[tuple, np.ndarray] = {}
@@ -39,6 +39,9 @@ class State:
         self.hot: dict[tuple, list[list[float]]] = {}  # small-kernel group -> per rank, its blocks' hot chains
         self.hot_max: dict[tuple, np.ndarray] = {}  # small-kernel group -> [W] longest chain per rank
         self.rank_host = np.arange(self.W) // self.lws
+        self._buf_own = np.empty((loads.NROWS, self.W))  # scratch of _best_single
+        self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
+        self._buf_new = np.empty((loads.NROWS, self.W))
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
@@ -62,8 +65,10 @@ class State:
 
     def _track_hot(self, ch: Choice, ranks: Sequence[int], sign: int) -> None:
         key = self._group(ch)
-        lists = self.hot.setdefault(key, [[] for _ in range(self.W)])
-        top = self.hot_max.setdefault(key, np.zeros(self.W))
+        if key not in self.hot:
+            self.hot[key] = [[] for _ in range(self.W)]
+            self.hot_max[key] = np.zeros(self.W)
+        lists, top = self.hot[key], self.hot_max[key]
         r = np.asarray(ranks)
         hot = ch.hot[: len(r)]
         for b, q in enumerate(r.tolist()):
@@ -97,26 +102,40 @@ class State:
     # ---- moves --------------------------------------------------------------------------------------------
     def delta(self, item: Item, ch: Choice, ranks: Sequence[int], sign: int = 1) -> np.ndarray:
         """Loads [NROWS, W] that placing (+1) or removing (-1) the choice on `ranks` adds."""
-        ranks_a = np.asarray(ranks)
-        d = self._dense(ch, ranks_a) * sign
-        counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
-        fixed = self.model.group_fixed(*self._group(ch))
-        per_rank = np.bincount(ranks_a, minlength=self.W)
-        new = counts + sign * per_rank
-        changed = (counts > 0) != (new > 0)
-        d[:, changed] += np.outer(fixed, np.where(new[changed] > 0, 1.0, -1.0))
-        d += self._scheme_delta(item, ch, sign)[:, None]
+        group = self._group(ch)
+        counts = self.group_count.get(group)
+        fixed = self.model.group_fixed(*group)
+        if ch.blocks == 1:  # one block: its rank, its host's other ranks, the other hosts' ranks
+            q = int(ranks[0])
+            h0 = q // self.lws * self.lws
+            d = np.empty((loads.NROWS, self.W))
+            if sign > 0:
+                d[:] = ch.other[0][:, None]
+                d[:, h0 : h0 + self.lws] = ch.same[0][:, None]
+                d[:, q] = ch.owner[0]
+            else:
+                d[:] = -ch.other[0][:, None]
+                d[:, h0 : h0 + self.lws] = -ch.same[0][:, None]
+                d[:, q] = -ch.owner[0]
+            n = 0 if counts is None else int(counts[q])
+            if (n > 0) != (n + sign > 0):  # the group's first block on q arrives, or its last leaves
+                d[:, q] += fixed if sign > 0 else -fixed
+        else:
+            ranks_a = np.asarray(ranks)
+            d = self._dense(ch, ranks_a) * sign
+            counts = counts if counts is not None else np.zeros(self.W, dtype=int)
+            per_rank = np.bincount(ranks_a, minlength=self.W)
+            new = counts + sign * per_rank
+            changed = (counts > 0) != (new > 0)
+            d[:, changed] += np.outer(fixed, np.where(new[changed] > 0, 1.0, -1.0))
+        scheme = self._scheme_delta(item, ch, sign)
+        if scheme.any():
+            d += scheme[:, None]
         if ch.option.kernel is LookupKernel.SMALL:
             d[loads.BWD] += self._hot_change(ch, ranks, sign)
         return d
 
     def _dense(self, ch: Choice, ranks: np.ndarray) -> np.ndarray:
-        if ch.blocks == 1:  # one block: its rank, its host's other ranks, the other hosts' ranks
-            q = int(ranks[0])
-            host = self.rank_host == q // self.lws
-            d = np.where(host[None, :], ch.same[0][:, None], ch.other[0][:, None])
-            d[:, q] = ch.owner[0]
-            return d
         key = tuple(ranks.tolist())
         cached = ch.dense.get(key)
         if cached is None:
@@ -130,11 +149,20 @@ class State:
         ch = item.choices[c]
         self.loads += self.delta(item, ch, ranks, +1)
         self.version += 1
-        np.subtract.at(self.hbm_free, np.asarray(ranks), ch.hbm)
-        np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
         key = self._group(ch)
-        counts = self.group_count.setdefault(key, np.zeros(self.W, dtype=int))
-        np.add.at(counts, list(ranks), 1)
+        if key not in self.group_count:
+            self.group_count[key] = np.zeros(self.W, dtype=int)
+        counts = self.group_count[key]
+        if len(ranks) == 1:
+            q = ranks[0]
+            self.hbm_free[q] -= ch.hbm[0]
+            self.ddr_free[q] -= ch.ddr[0]
+            counts[q] += 1
+        else:
+            np.subtract.at(self.hbm_free, np.asarray(ranks), ch.hbm)
+            np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
+            np.add.at(counts, list(ranks), 1)
+        self._launches.pop(key, None)
         sc = self.scheme_count.setdefault(ch.option.sharding, [0, 0])
         sc[0] += 1
         sc[1] += int(item.weighted)
@@ -148,9 +176,17 @@ class State:
         ch = item.choices[c]
         self.loads += self.delta(item, ch, ranks, -1)
         self.version += 1
-        np.add.at(self.hbm_free, np.asarray(ranks), ch.hbm)
-        np.add.at(self.ddr_free, np.asarray(ranks), ch.ddr)
-        np.subtract.at(self.group_count[self._group(ch)], list(ranks), 1)
+        key = self._group(ch)
+        if len(ranks) == 1:
+            q = ranks[0]
+            self.hbm_free[q] += ch.hbm[0]
+            self.ddr_free[q] += ch.ddr[0]
+            self.group_count[key][q] -= 1
+        else:
+            np.add.at(self.hbm_free, np.asarray(ranks), ch.hbm)
+            np.add.at(self.ddr_free, np.asarray(ranks), ch.ddr)
+            np.subtract.at(self.group_count[key], list(ranks), 1)
+        self._launches.pop(key, None)
         sc = self.scheme_count[ch.option.sharding]
         sc[0] -= 1
         sc[1] -= int(item.weighted)
@@ -222,63 +258,133 @@ class State:
         """Best rank for block b alone: (step time, rank), vectorised over ranks, exact for this model.
 
         On rank q (host h) the block adds `owner` to q, `same` to q's host peers and `other` to the ranks of
-        other hosts. A row's new maximum is the largest of: q's new value; the top of host h's other ranks
-        (the host's first or, if that is q, second largest) plus `same`; the top of the other hosts plus `other`.
+        other hosts. A row's new maximum is the largest of: q's new value; the top of host h's other ranks plus
+        `same`; the top of the other hosts plus `other`. Loads only grow, so where `same` and `other` are zero
+        (the rows a block loads on its own rank only) that is the larger of q's new value and the row's current
+        maximum; the per-host tops are needed only for the rows the block loads on other ranks (`_host_stats`,
+        kept until the loads change). Computed for every rank at once; ranks without room score infinity.
         """
-        feasible = (self.hbm_free >= ch.hbm[b] - 0.5) & (self.ddr_free >= ch.ddr[b] - 0.5)
+        feasible = self.hbm_free >= ch.hbm[b] - 0.5
+        feasible &= self.ddr_free >= ch.ddr[b] - 0.5
         if item.pinned:
             allowed = np.zeros(self.W, dtype=bool)
             allowed[list(item.pinned)] = True
             feasible &= allowed
         if exclude:
             feasible[list(exclude)] = False
-        q = np.flatnonzero(feasible)
-        if not q.size:
+        if not feasible.any():
             return None
         o, a, x = ch.owner[b], ch.same[b], ch.other[b]
-        counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
-        absent = (counts[q] == 0).astype(float)
-        if exclude:
-            absent[np.isin(q, exclude)] = 0.0
-        fixed = self.model.group_fixed(*self._group(ch))
-        scheme = self._scheme_delta(item, ch, +1) if b == 0 else np.zeros(loads.NROWS)
-        L = self.loads
-        arg_in, top1_in, top2_in, best_h, first_v, second_v = self._host_stats()
-        hq, jq = q // self.lws, q % self.lws
-        same_host = np.where(arg_in[:, hq] == jq[None, :], top2_in[:, hq], top1_in[:, hq]) + a[:, None]
-        if self.H > 1:
-            out_top = np.where(best_h[:, None] == hq[None, :], second_v[:, None], first_v[:, None])
-            excl = np.maximum(same_host, out_top + x[:, None])
-        else:
-            excl = same_host
-        own = L[:, q] + o[:, None] + np.outer(fixed, absent)
-        if ch.option.kernel is LookupKernel.SMALL:
-            top = self.hot_max.get(self._group(ch))
-            own[loads.BWD] += np.maximum(float(ch.hot[b]) - (top[q] if top is not None else 0.0), 0.0)
-        new = np.maximum(excl, own) + scheme[:, None]
-        J = np.maximum.reduceat(new, loads.PHASE_START, axis=0).sum(axis=0)
-        own_t = np.maximum.reduceat(own, loads.PHASE_START, axis=0).sum(axis=0)
-        # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
-        k = np.lexsort((q, -self.hbm_free[q], own_t, np.round(J * 1e9)))[0]
-        return float(J[k]), int(q[k])
+        group = self._group(ch)
+        launches, grow = self._own_extra(ch, b, group)
+        own = np.add(self.loads, o[:, None], out=self._buf_own)
+        if launches is not None:
+            own += launches
+        if np.any(grow):
+            own[loads.BWD] += grow
+        new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
+        peers = (a != 0) | (x != 0) if self.H > 1 else a != 0
+        if peers.any():
+            self._add_peers(new, own, np.flatnonzero(peers), a, x)
+        phase_add = None
+        if b == 0:
+            scheme = self._scheme_delta(item, ch, +1)
+            if scheme.any():
+                phase_add = loads.per_phase(scheme)
+                if phase_add is None:
+                    new += scheme[:, None]
+        J = loads.phase_max_sum(new, phase_add)
+        J[~feasible] = np.inf
+        rounded = np.round(J * 1e9)
+        ties = np.flatnonzero(rounded == rounded.min())
+        if len(ties) > 1:
+            # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
+            own_t = loads.phase_max_sum(own)[ties]
+            ties = ties[own_t == own_t.min()]
+            if len(ties) > 1:
+                free = self.hbm_free[ties]
+                ties = ties[free == free.max()]
+        k = int(ties[0])
+        return float(J[k]), k
 
-    def _host_stats(self) -> tuple:
-        """Per row: each host's largest and second largest load (and where), and the best two hosts. Cached until
-        the loads change."""
+    def _own_extra(self, ch: Choice, b: int, group: tuple) -> tuple[np.ndarray | None, np.ndarray | float]:
+        """What block b of the choice adds on its rank beyond its own loads: ([NROWS, W] the group's launches on
+        the ranks where the group has no block yet, or None; [W] the growth of the group's longest hot-row chain
+        (small-table kernel), or 0)."""
+        if group not in self._launches:
+            counts = self.group_count.get(group)
+            absent = None if counts is None else counts == 0
+            launches = None
+            if absent is None or absent.any():
+                fixed = self.model.group_fixed(*group)
+                launches = np.outer(fixed, np.ones(self.W) if absent is None else absent)
+            self._launches[group] = launches
+        launches = self._launches[group]
+        grow: np.ndarray | float = 0.0
+        if ch.option.kernel is LookupKernel.SMALL:
+            top = self.hot_max.get(group)
+            grow = np.maximum(float(ch.hot[b]) - (top if top is not None else 0.0), 0.0)
+        return launches, grow
+
+    def _fresh(self) -> dict:
+        """The cache of statistics of the current loads (emptied when they change)."""
         key = (id(self.loads), self.version)
-        if self._stats_key == key:
-            return self._stats
-        by_host = self.loads.reshape(loads.NROWS, self.H, self.lws)
-        arg_in = by_host.argmax(axis=2)  # [NROWS, H], index within the host
-        srt = np.sort(by_host, axis=2)
-        top1_in = srt[:, :, -1]
-        top2_in = srt[:, :, -2] if self.lws > 1 else np.full_like(top1_in, -np.inf)
-        best_h = first_v = second_v = None
-        if self.H > 1:
-            hsrt = np.argsort(-top1_in, axis=1, kind="stable")
-            best_h, second_h = hsrt[:, 0], hsrt[:, 1]
-            rows = np.arange(loads.NROWS)
-            first_v, second_v = top1_in[rows, best_h], top1_in[rows, second_h]
-        self._stats = (arg_in, top1_in, top2_in, best_h, first_v, second_v)
-        self._stats_key = key
+        if self._stats_key != key:
+            self._stats_key, self._stats = key, {}
         return self._stats
+
+    def _row_max(self) -> np.ndarray:
+        """[NROWS]: each row's largest load over the ranks (cached until the loads change)."""
+        cache = self._fresh()
+        if "max" not in cache:
+            cache["max"] = self.loads.max(axis=1)
+        return cache["max"]
+
+    def _add_peers(self, new: np.ndarray, own: np.ndarray, rows: np.ndarray, a: np.ndarray, x: np.ndarray) -> None:
+        """Raise `new` [NROWS, W] (the rows' new maxima for a block on each rank) in `rows` by what the block
+        loads on the other ranks: on rank q of host h a row's other ranks reach the top of h's other ranks plus
+        `same` and the top of the other hosts plus `other`. For every rank but the busiest of its host (per row)
+        the top of h's other ranks is h's top; for the busiest it is h's second (`_host_stats`)."""
+        host_top, second, other_top, top_pos = self._host_stats(rows)
+        a_r, x_r = a[rows, None], x[rows, None]
+        e_most = host_top + a_r  # [m, H]: ranks that are not their host's busiest
+        e_top = second + a_r  # the host's busiest rank
+        if other_top is not None:
+            reach = other_top + x_r
+            np.maximum(e_most, reach, out=e_most)
+            np.maximum(e_top, reach, out=e_top)
+        sub = new[rows]
+        np.maximum(sub, np.repeat(e_most, self.lws, axis=1), out=sub)
+        r_idx = np.arange(len(rows))[:, None]
+        at_top = np.maximum(own[rows[:, None], top_pos], self._row_max()[rows][:, None])
+        sub[r_idx, top_pos] = np.maximum(at_top, e_top, out=at_top)
+        new[rows] = sub
+
+    def _host_stats(self, rows: np.ndarray) -> tuple:
+        """For the rows `rows`, per host ([m, H] each): its busiest rank's load, the largest load of its other
+        ranks (-inf alone on its host), the largest load on the other hosts (None on one host), and the busiest
+        rank (its index in the rank order; the first on ties). Cached until the loads change."""
+        cache = self._fresh()
+        key = tuple(rows.tolist())
+        got = cache.get(key)
+        if got is not None:
+            return got
+        m, H, lws = len(rows), self.H, self.lws
+        by_host = self.loads[rows].reshape(m * H, lws)  # a copy: rows is an index array
+        arg = by_host.argmax(axis=1)
+        flat = np.arange(m * H)
+        host_top = by_host[flat, arg].reshape(m, H)
+        if lws > 1:
+            by_host[flat, arg] = -np.inf
+            second = by_host.max(axis=1).reshape(m, H)
+        else:
+            second = np.full_like(host_top, -np.inf)
+        arg = arg.reshape(m, H)
+        other_top = None
+        if H > 1:
+            part = np.partition(host_top, H - 2, axis=1)
+            first, second_h = part[:, -1:], part[:, -2:-1]
+            other_top = np.where(host_top == first, second_h, first)  # a tie between hosts: second equals first
+        top_pos = arg + np.arange(H)[None, :] * lws
+        cache[key] = (host_top, second, other_top, top_pos)
+        return cache[key]

@@ -2,8 +2,10 @@
 
 Ranks are assumed identical (one GPU model, one host-memory share per rank). Numbers come from, in order of
 trust: `embshard calibrate` (measured on the machine, saved as YAML and loaded with `Topology.load`), the devices
-themselves (`Topology.detect`: memory sizes read from torch, speeds from the preset of the detected GPU), or a
-named preset (`Topology.preset`, for planning on a machine without the GPUs: "dry runs").
+themselves (`Topology.detect`: memory sizes read from torch, speeds from the preset of the detected GPU model,
+chosen by the name torch reports), or a named preset (`Topology.preset`, for planning on a machine without the
+GPUs: "dry runs"). The H100 and H200 presets are files (presets/h100.yaml, presets/h200.yaml) written from
+measurements: `bench/planner_predict.py --refit` refits them from benchmark logs.
 
 Units in code: bytes, bytes/s and seconds. Units in YAML: GiB, GB/s (1e9 bytes/s) and microseconds.
 Bandwidths count the bytes a kernel moves (a copy of N bytes moves 2N: read + write), so `hbm_bw` is what a
@@ -32,8 +34,9 @@ COST_MODEL = 2
 
 @dataclass(frozen=True)
 class Topology:
-    """Ranks, memory per rank and bandwidths/latencies of one (homogeneous) cluster. Defaults: the h100 preset's
-    speeds (PRESETS below says where each number comes from)."""
+    """Ranks, memory per rank and bandwidths/latencies of one (homogeneous) cluster. Defaults: Hopper-class
+    speeds as first fitted on 2 x H200 (kept for hand-written topologies); each GPU model's measured constants are
+    in its preset (presets/NAME.yaml: `Topology.preset`, `Topology.detect`), each number with its source."""
 
     world_size: int
     """Number of ranks (one GPU, or one CPU process, each)."""
@@ -66,6 +69,10 @@ class Topology:
     host_sync_s: float = 1000 * US
     """Cost of the input exchange's device-to-host synchronisation per sharding scheme, seconds: the wait itself
     plus the GPU idling while the host issues the exchange's small kernels after it (launch-bound)."""
+    step_overhead_s: float = 0.0
+    """Fixed cost of every training step whatever the plan (seconds): the host's own work that the GPU waits for
+    (Python and autograd issuing the step, the launches no lookup group accounts for), fitted to measured steps
+    (`embshard calibrate --refit`)."""
     l2_bytes: int = 50 * MIB
     """GPU L2 cache (bytes): rows of shards smaller than this are read from L2, not HBM, during their lookups."""
     fwd_id_s: float = 18e-12
@@ -100,6 +107,8 @@ class Topology:
     """Small-table kernel, deterministic backward: time per id beyond its bytes (seconds; sort, segmented scan)."""
     regroup_efficiency: float = KernelConstants.regroup_efficiency
     """Share of hbm_bw the Triton regroup of the pooled rows reaches (0-1]."""
+    small_dense_sector_s: float = KernelConstants.dense_sector_s
+    """Small-table kernel, data-parallel dense gradient: time per 32-byte sector of an id's atomic adds (seconds)."""
     source: str = "preset"
     """Where the numbers come from (preset NAME, detected, calibrated ...)."""
     measured: tuple[str, ...] = ()
@@ -154,6 +163,7 @@ class Topology:
             self.small_same_row_s,
             self.small_sorted_id_s,
             self.regroup_efficiency,
+            self.small_dense_sector_s,
         )
 
     def host_of(self, rank: int) -> int:
@@ -322,10 +332,22 @@ class Topology:
         )
 
 
-KERNEL_FIELDS = ("small_fwd_id_s", "small_atomic_sector_s", "small_same_row_s", "small_sorted_id_s")
+KERNEL_FIELDS = (
+    "small_fwd_id_s",
+    "small_atomic_sector_s",
+    "small_same_row_s",
+    "small_sorted_id_s",
+    "small_dense_sector_s",
+)
 """The small-table kernel's constants (`embshard calibrate` measures them on GPUs; presets: estimates)."""
 _BANDWIDTHS = ("hbm_bw", "uvm_bw", "ddr_bw", "intra_host_bw", "inter_host_bw")  # bytes/s; YAML: GB/s (NAME_gbps)
-_LATENCIES = ("collective_latency_s", "inter_collective_latency_s", "kernel_s", "host_sync_s")  # YAML: us (NAME_us)
+_LATENCIES = (  # seconds; YAML: us (NAME_us)
+    "collective_latency_s",
+    "inter_collective_latency_s",
+    "kernel_s",
+    "host_sync_s",
+    "step_overhead_s",
+)
 _PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
     "fwd_id_s",
     "fwd_byte_s",
@@ -348,58 +370,90 @@ _UNITS: dict[str, tuple[str, float]] = {  # field -> (YAML key, its unit in code
     **{f: (f.removesuffix("_s") + "_ns", 1e-9) for f in _PER_ITEM},
 }
 
-# Per-GPU-model defaults. HBM sizes are what torch reports as total_memory. hbm_bw: device-to-device copy,
-# read + write counted (`embshard calibrate` on an H200: 3.88 TB/s; H100 SXM ~3.0 TB/s, A100 80GB ~1.7 TB/s).
-# uvm_bw / uvm_row_s: row reads from host memory over PCIe gen5 (gen4 for A100): 55 GB/s is the pinned
-# host->GPU copy speed calibrate measured on the H200 machine, and 0.34 ns per row makes 128-byte rows come out
-# at the 33 GB/s its row-gather test measured. intra_host_bw: NCCL all-to-all / all-reduce bus bandwidth per
-# rank as measured inside training steps on 2 H200 (54.5 MB of pooled rows in 190 us, a 68 MB all-reduce in
-# 237 us: ~290 GB/s); inter_host_bw: one 400 Gb/s (200 Gb/s for A100) NIC per GPU. ddr_bytes: 2 TiB hosts with
-# 8 GPUs. The per-id and per-row constants are fitted to FBGEMM kernel times of profiled training steps on
-# 2 H200 (docs/planner.md "Constants"); H100 shares the H200's chip (same SMs and clocks), so it keeps them;
-# A100's are scaled by 1.7 (108 SMs at 1.41 GHz against 132 at 1.98 GHz).
-_GPU_FITTED: dict[str, Any] = dict(
-    kernel_s=10 * US,
-    host_sync_s=1000 * US,
-    l2_bytes=50 * MIB,
-    fwd_id_s=18e-12,
-    fwd_byte_s=0.0,
-    bwd_id_s=35e-12,
-    bwd_byte_s=0.0,
-    bwd_row_s=300e-12,
-    routed_id_s=20e-12,
-    bag_s=0.2e-9,
-    uvm_row_s=1.5e-9,
-    uvm_page_s=0.35e-9,
-    # The small-table kernel's: estimates for an H100/H200 (docs/kernels.md "What to expect": 100 tables of
-    # 10k x 16, 24.6 M ids: forward ~0.3 ms, atomic backward ~0.35 ms), until `embshard calibrate` measures them.
-    small_fwd_id_s=KernelConstants.fwd_id_s,
-    small_atomic_sector_s=KernelConstants.atomic_sector_s,
-    small_same_row_s=KernelConstants.same_row_s,
-    small_sorted_id_s=KernelConstants.sorted_id_s,
-    regroup_efficiency=KernelConstants.regroup_efficiency,
-)
+# Per-GPU-model speeds live in presets/NAME.yaml (package data), one file per GPU model, in the units of topology
+# files, each number with where it comes from; `bench/planner_predict.py --refit` rewrites a model's file from
+# benchmark logs (docs/planner.md "Constants per GPU model"). HBM sizes are what torch reports as total_memory;
+# ddr_bytes: 2 TiB hosts with 8 GPUs. A100 has no file: its per-id, per-row and per-bag constants are the H200's
+# scaled by 1.7 (108 SMs at 1.41 GHz against 132 at 1.98 GHz), its links by the H200's measured-to-nominal ratios.
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+GPU_FILES = ("h100", "h200")
+"""GPU models with a preset file."""
 _A100_SCALE = 1.7
-_A100_FITTED = {
-    k: v * _A100_SCALE
-    for k, v in _GPU_FITTED.items()
-    if k.endswith(("_id_s", "row_s")) or k in ("bag_s", "small_atomic_sector_s")
-}
-_HOPPER_LINKS = dict(uvm_bw=55e9, ddr_bw=50e9, intra_host_bw=290e9, inter_host_bw=45e9)
-_A100_LINKS = dict(uvm_bw=25e9, ddr_bw=40e9, intra_host_bw=200e9, inter_host_bw=22e9)
+_A100_SCALED = ("fwd_id_s", "bwd_id_s", "bwd_row_s", "routed_id_s", "bag_s", "uvm_row_s")
+_A100_SCALED += ("small_fwd_id_s", "small_atomic_sector_s", "small_same_row_s", "small_sorted_id_s")
+_A100_SCALED += ("small_dense_sector_s",)
 
 
-def _gpu(name: str, hbm_gib: float, **speeds: float) -> dict[str, Any]:
-    """A GPU preset: its memory, 256 GiB of host memory per GPU, its bandwidths, and the fitted constants
-    (_GPU_FITTED, unless `speeds` names them)."""
-    gpu = dict(device_name=name, compute_device="cuda", hbm_bytes=int(hbm_gib * GIB), ddr_bytes=256 * GIB)
-    return {**gpu, **_GPU_FITTED, **speeds}
+def preset_path(name: str) -> Path:
+    """The preset file of a GPU model (presets/NAME.yaml)."""
+    return PRESET_DIR / f"{name}.yaml"
+
+
+def load_preset_file(path: str | Path) -> dict[str, Any]:
+    """A preset file's values as Topology fields (code units). Unknown keys are an error naming the file."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of topology fields")
+    by_yaml = {unit[0]: (name, unit[1]) for name, unit in _UNITS.items()}
+    plain = {f.name for f in fields(Topology)} - set(_UNITS) - {"world_size", "local_world_size"}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in by_yaml:
+            name, scale = by_yaml[key]
+            out[name] = int(value * scale) if name.endswith("_bytes") else float(value * scale)
+        elif key in plain:
+            out[key] = tuple(value) if key == "measured" else value
+        else:
+            raise ConfigError(f"{path}: unknown key {key!r}; known keys: {sorted(set(by_yaml) | plain)}")
+    return out
+
+
+def write_preset_file(path: str | Path, values: Mapping[str, Any], notes: Mapping[str, str], header: str) -> None:
+    """Write a preset file: `header` (comment lines), then one `key: value  # note` line per field of `values`
+    (Topology fields in code units; written in the units of topology files)."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for name, value in values.items():
+        unit = _UNITS.get(name)
+        key = unit[0] if unit else name
+        if unit:
+            text = repr(round(value / unit[1], 6))
+        elif isinstance(value, tuple | list):
+            text = "[" + ", ".join(str(v) for v in value) + "]"
+        else:
+            text = str(value)
+        note = notes.get(name)
+        lines.append(f"{key}: {text}" + (f"  # {note}" if note else ""))
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def _gpu_preset(name: str) -> dict[str, Any]:
+    values = load_preset_file(preset_path(name))
+    values.pop("source", None)
+    return values
+
+
+def _a100() -> dict[str, Any]:
+    h200 = _gpu_preset("h200")
+    out = {**h200, **{k: h200[k] * _A100_SCALE for k in _A100_SCALED}}
+    out.update(
+        device_name="a100",
+        hbm_bytes=int(79.2 * GIB),
+        hbm_bw=1.7e12,
+        l2_bytes=40 * MIB,
+        uvm_bw=25e9,
+        ddr_bw=40e9,
+        intra_host_bw=200e9,
+        inter_host_bw=22e9,
+        measured=(),
+    )
+    return out
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "h100": _gpu("h100", 79.2, hbm_bw=3.0e12, **_HOPPER_LINKS),
-    "h200": _gpu("h200", 139.8, hbm_bw=3.9e12, **_HOPPER_LINKS),
-    "a100": _gpu("a100", 79.2, hbm_bw=1.7e12, l2_bytes=40 * MIB, **_A100_LINKS, **_A100_FITTED),
+    **{name: _gpu_preset(name) for name in GPU_FILES},
+    "a100": _a100(),
     # CPU training: one process per rank on one host; gloo over shared memory / loopback TCP. Lookups are bound by
     # arithmetic: per id 7 ns + 0.17 ns per row byte forward, 13 ns + 0.25 ns per row byte backward (FBGEMM's CPU
     # kernels, `embshard calibrate` on a 2-core CI machine: 16-wide rows ~18 / ~29 ns, 128-wide ~94 / ~144 ns).
@@ -433,11 +487,17 @@ ALIASES = {"h100_sxm": "h100", "h100_80gb": "h100", "h200_141gb": "h200", "a100_
 
 
 def preset_for_gpu(device_name: str, total_memory: int) -> str:
-    """The preset whose speeds best match a GPU torch reports (by name; unknown GPUs get h100's speeds)."""
+    """The preset whose speeds best match a GPU torch reports, by its name ('NVIDIA H100 80GB HBM3' -> h100,
+    'NVIDIA H200' and 'NVIDIA GH200 480GB' -> h200); other GPUs get h100's speeds, with a warning."""
     name = device_name.upper()
     for key in ("H200", "H100", "A100"):
         if key in name:
             return key.lower()
+    warnings.warn(
+        f"GPU {device_name!r} has no planner preset: planning with the h100 preset's speeds; measure this machine "
+        "with `embshard calibrate --out topology.yaml` and plan with --topology topology.yaml",
+        stacklevel=2,
+    )
     return "h100"
 
 

@@ -11,6 +11,7 @@ from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.base import Scheme, ShardingContext
 from embshard.sharding.column_wise import column_wise
 from embshard.sharding.data_parallel import data_parallel
+from embshard.sharding.raw_row_wise import raw_row_wise
 from embshard.sharding.row_wise import row_wise
 from embshard.sharding.table_row_wise import table_row_wise
 from embshard.sharding.table_wise import table_wise
@@ -21,6 +22,7 @@ BUILDERS = {
     ShardingType.TABLE_WISE: table_wise,
     ShardingType.COLUMN_WISE: column_wise,
     ShardingType.ROW_WISE: row_wise,
+    "row_wise_raw": raw_row_wise,  # raw-id tables planned row-wise
     ShardingType.TABLE_ROW_WISE: table_row_wise,
     ShardingType.DATA_PARALLEL: data_parallel,
 }

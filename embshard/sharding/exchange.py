@@ -171,25 +171,32 @@ class LocalIds:
     received: list[int] | None
     """Ids received from each rank; None until `exchange_counts` fills it in."""
     counts: torch.Tensor | None = None
-    """`[W]` ids per destination on the device, when the host cannot know them (row-wise bucketing)."""
+    """`[W]` ids per destination on the device, when the host cannot know them (row-wise bucketing); `[W, 1 + k]`
+    with the ids per lookup key of each destination too (raw-id row-wise: the receiver cuts its ids per shard)."""
     key_ids: list[int] | None = None
     """Ids this rank receives per lookup feature (summed over sources), when the host knows them."""
 
 
 def exchange_counts(parts: Sequence[LocalIds], group: dist.ProcessGroup | None, world_size: int) -> None:
     """Fill in `sent` / `received` of the parts whose counts only the device knows: one small all-to-all of all
-    their `[W]` counts and one host sync."""
+    their counts and one host sync. A part's `counts` is `[W]` ids per destination, or `[W, 1 + k]`: the ids per
+    destination, then per lookup key of the destination (padded to k); those also fill in `key_ids` (ids this
+    rank receives per key of its own, summed over sources, padded to k)."""
     W = world_size
-    table = torch.stack([p.counts.to(torch.int64) for p in parts], dim=1)  # [W destinations, parts]
+    cols = [p.counts.to(torch.int64).reshape(W, -1) for p in parts]  # [W destinations, width]
+    table = torch.cat(cols, dim=1)
     recv = (
         start_all_to_all(table, [1] * W, [1] * W, group, "row-block id counts all-to-all").wait(host=True)
         if W > 1
         else table
     )
     both = torch.cat([recv, table], dim=1).t().tolist()  # the host sync
-    K = len(parts)
-    for k, p in enumerate(parts):
-        p.received, p.sent = [int(x) for x in both[k]], [int(x) for x in both[K + k]]
+    K, c0 = table.shape[1], 0
+    for p, c in zip(parts, cols):
+        p.received, p.sent = [int(x) for x in both[c0]], [int(x) for x in both[K + c0]]
+        if c.shape[1] > 1:
+            p.key_ids = [int(sum(both[c0 + j])) for j in range(1, c.shape[1])]
+        c0 += c.shape[1]
 
 
 class SparseExchangeHandle:

@@ -8,6 +8,8 @@ row-wise builds on it (row_blocks.py). Data flow for one step, on every rank:
    shards, `embshard.lookup`), `[B_global, D_me]`;
 3. output dist: pooled rows go back to the rank owning each sample (pooled all-to-all); one block per rank that
    serves any key.
+Raw-id tables (embshard/rawids): before step 2 each raw-id lookup's ids go through its `IdMap` (ids -> local rows,
+admitting new ids when training, resetting the rows it gives away).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from embshard.lookup import LocalShard, group_shards
 from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
+from embshard.rawids.idmap import IdMap
 from embshard.sharding.base import OutputLayout, Scheme, ShardingContext
 from embshard.sharding.exchange import (
     LocalBatch,
@@ -32,6 +35,10 @@ from embshard.sharding.exchange import (
     start_sparse_exchange,
 )
 from embshard.sharding.lookups import build_lookups
+
+
+def _raw(lookup: nn.Module) -> bool:
+    return bool(lookup.shards) and lookup.shards[0].table.raw_ids
 
 
 def group_in_lookup_order(shards: Sequence[LocalShard]) -> list[LocalShard]:
@@ -82,6 +89,10 @@ class RoutedSharding(Scheme):
         self.layout = layout if layout is not None else per_key_layout(ordered)
         mine = ordered[ctx.rank]
         self.lookups = nn.ModuleList(build_lookups(mine, ctx.optimizer, ctx.device, ctx.seed, ctx.options))
+        # Raw-id lookups (grouped apart: LocalShard.group_key) map their ids to rows first (embshard/rawids).
+        self.idmaps = nn.ModuleDict(
+            {str(i): IdMap(lk.shards, ctx.device, ctx.seed) for i, lk in enumerate(self.lookups) if _raw(lk)}
+        )
         self.weighted = any(s.table.weighted for shards in ordered for s in shards)
 
     def local_ids(self, batch: LocalBatch) -> LocalIds:
@@ -104,6 +115,24 @@ class RoutedSharding(Scheme):
         """Send each rank the ids of its lookup keys."""
         return start_sparse_exchange(ids, self.n_features, batch_sizes, self.group, self.rank, f"{self.name} ids")
 
+    def _feature_bounds(self) -> list[int]:
+        """Where each lookup's features start in this rank's lookup keys (and the end)."""
+        f_bounds = [0]
+        for lk in self.lookups:
+            f_bounds.append(f_bounds[-1] + len(lk.features))
+        return f_bounds
+
+    def _shard_ids(self, inp: LookupInput, i: int) -> list[int]:
+        """Ids of each shard of lookup i in the global batch (host values: `inp.key_ids`)."""
+        if inp.key_ids is None:
+            raise RuntimeError(f"{self.name}: raw-id lookups need the ids per key on the host (LookupInput.key_ids)")
+        counts = inp.key_ids[self._feature_bounds()[i] :]
+        out, k = [], 0
+        for s in self.lookups[i].shards:
+            out.append(int(sum(counts[k : k + len(s.features)])))
+            k += len(s.features)
+        return out
+
     def _split(self, inp: LookupInput) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """(ids, offsets, weights) of each lookup: the feature-major input cut at group boundaries (where the ids
         per key are known on the host, no sync; else one)."""
@@ -111,9 +140,7 @@ class RoutedSharding(Scheme):
         offsets = complete_cumsum(inp.lengths)
         if len(self.lookups) == 1:
             return [(inp.values, offsets, inp.weights)]
-        f_bounds = [0]
-        for lk in self.lookups:
-            f_bounds.append(f_bounds[-1] + len(lk.features))
+        f_bounds = self._feature_bounds()
         if inp.key_ids is not None:
             ends = np.concatenate([[0], np.cumsum(inp.key_ids)])
             v_bounds = [int(ends[f]) for f in f_bounds]
@@ -132,12 +159,18 @@ class RoutedSharding(Scheme):
             if self.lookups and torch.is_grad_enabled():  # an empty global batch is still a training step
                 for lk in self.lookups:
                     lk.optimizer_step += 1
+                for idmap in self.idmaps.values():
+                    idmap.tick()
             # requires_grad: the backward of the output all-to-all must run here too, or the other ranks hang.
             width = self.dims_per_rank[self.rank]
             return torch.zeros(inp.global_batch, width, device=inp.values.device, dtype=self.out_dtype).requires_grad_()
         if inp.parts is None:
             inp.parts = self._split(inp)
-        outs = [lk(v, o, w) for lk, (v, o, w) in zip(self.lookups, inp.parts)]
+        outs = []
+        for i, (lk, (v, o, w)) in enumerate(zip(self.lookups, inp.parts)):
+            if str(i) in self.idmaps:  # raw ids -> rows (admitting new ids when training), rows reset
+                v = self.idmaps[str(i)](v, self._shard_ids(inp, i), lk)
+            outs.append(lk(v, o, w))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def prefetch(self, inp: LookupInput, forward_stream: torch.cuda.Stream | None = None) -> None:

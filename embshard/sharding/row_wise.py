@@ -16,6 +16,7 @@ from embshard.tables import TableConfig
 
 
 def row_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RowBlockSharding | None:
-    """The row-wise part of the collection: row blocks over all ranks. None if no table is row-wise."""
-    entries = planned_as(tables, plan, ShardingType.ROW_WISE)
+    """The row-wise part of the collection: row blocks over all ranks (raw-id tables apart: raw_row_wise.py). None
+    if no such table is row-wise."""
+    entries = [e for e in planned_as(tables, plan, ShardingType.ROW_WISE) if not e[1].raw_ids]
     return RowBlockSharding(entries, ctx) if entries else None

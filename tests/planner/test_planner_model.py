@@ -378,14 +378,20 @@ def test_calibration_fit_recovers_the_constants_it_measures():
     assert fit_uvm(5e-9, 4e-9) == (512 / 4e-9, 0.0)  # no positive slope: the 512-byte rate alone
 
 
-def test_topology_defaults_are_the_h100_preset_and_constants_are_checked():
+def test_gpu_presets_come_from_complete_files_and_constants_are_checked():
+    """Each GPU model's preset file sets every speed of the cost model (nothing falls back to the dataclass
+    defaults), and the preset is the file."""
     from dataclasses import fields
 
-    plain = Topology(2, 2, hbm_bytes=GIB)
-    h100 = Topology.preset("h100", 2)
-    for f in fields(Topology):
-        if f.name not in ("hbm_bytes", "source", "measured"):
-            assert getattr(plain, f.name) == getattr(h100, f.name), f.name
+    from embshard.planner.topology import GPU_FILES, load_preset_file, preset_path
+
+    speeds = {f.name for f in fields(Topology)} - {"world_size", "local_world_size", "source", "measured", "cost_model"}
+    for name in GPU_FILES:
+        values = load_preset_file(preset_path(name))
+        assert speeds <= set(values), (name, sorted(speeds - set(values)))
+        topo = Topology.preset(name, 2)
+        for k, v in values.items():
+            assert getattr(topo, k) == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), (name, k)
     with pytest.raises(ConfigError, match="bwd_row_s=-1e-09 is invalid: it must be >= 0"):
         Topology(2, 2, hbm_bytes=GIB, bwd_row_s=-1e-9)
 

@@ -43,8 +43,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ddr-gib", type=float, help="host memory per rank (GiB)")
     p.add_argument("--hbm-reserve-gib", type=float, help="GPU memory per rank kept for the dense model (GiB)")
     p.add_argument("--batch-size", type=int, help="samples per rank per step (overrides the config)")
-    p.add_argument("--format", choices=["table", "yaml", "json"], default="table", help="what to print")
-    p.add_argument("--out", help="save the ShardingPlan (.yaml or .json)")
+    p.add_argument(
+        "--format",
+        choices=["table", "yaml", "json", "torchrec"],
+        default="table",
+        help="what to print; torchrec: the plan as TorchRec's (JSON; embshard.interop.load_torchrec_plan reads it)",
+    )
+    p.add_argument("--out", help="save the ShardingPlan (.yaml or .json); with --format torchrec, TorchRec's (JSON)")
+    p.add_argument(
+        "--torchrec-module-path",
+        default="",
+        help="--format torchrec: path of the EmbeddingBagCollection in the module DMP wraps, e.g. "
+        "model.sparse_arch.embedding_bag_collection (default: '', the collection itself)",
+    )
+    p.add_argument(
+        "--torchrec-device", choices=["cuda", "cpu"], default="cuda", help="--format torchrec: TorchRec's device type"
+    )
     p.add_argument("--report", help="save the PlanReport with predictions (.json or .yaml)")
     p.add_argument("--plot", help="save a PNG of memory and predicted time per rank")
     p.add_argument("--explain", action="append", default=[], metavar="TABLE", help="explain a table's placement")
@@ -103,6 +117,22 @@ def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
     return inp, topo
 
 
+def torchrec_out(plan, args: argparse.Namespace, optimizer) -> None:
+    """--format torchrec: print TorchRec's plan (JSON) or save it to --out; the notes go to stderr."""
+    import json
+
+    from embshard.interop.plan_out import plan_dict
+
+    data = plan_dict(plan, args.torchrec_module_path, args.torchrec_device, optimizer)
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"TorchRec plan saved to {args.out} (embshard.interop.load_torchrec_plan reads it)", file=sys.stderr)
+    else:
+        print(json.dumps(data, indent=1))
+    for note in data["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_intermixed_args(argv)
     try:
@@ -112,12 +142,14 @@ def main(argv: list[str] | None = None) -> None:
             print(report)
         elif args.format == "yaml":
             print(plan.to_yaml(), end="")
-        else:
+        elif args.format == "json":
             print(plan.to_json())
+        else:
+            torchrec_out(plan, args, inp.optimizer)
         for name in args.explain:
             print()
             print(explain(report, name))
-        if args.out:
+        if args.out and args.format != "torchrec":
             plan.save(args.out)
             print(f"plan saved to {args.out}", file=sys.stderr)
         if args.report:

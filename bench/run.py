@@ -1,0 +1,304 @@
+"""One way into bench/: named suites of benchmarks and GPU checks, run in order, each into one log.
+
+    python bench/run.py SUITE [SUITE ...] --out DIR [options]      # e.g. bench/run.py tests fuzz --out /tmp/r1
+    python bench/run.py --list                                      # the suites (bench/README.md has the table)
+    python bench/run.py e2e emb --out DIR --dry-run                 # print the commands only
+
+Every process it starts gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink
+multicast), PYTHONUNBUFFERED=1 and the repository first on PYTHONPATH (the caller's entries kept, e.g. where
+fbgemm-gpu and torchrec are installed). Output, in DIR: SUITE.log per suite (META lines for the machine, date,
+versions and commands, then every command's output; bench/report.py reads them), tests_junit.xml for `tests`,
+loss_curves.png/.json for `e2e --loss-steps`, timeline_fp32.png/timeline_bf16.png for `e2e --timeline`, and
+summary.md, the table printed at the end. A suite stops starting new commands when its --suite-minutes are used
+up and stops a command that would run past them, so each suite ends within them. --cpu runs the suites that can
+at tiny sizes on CPU processes (gloo): a smoke test of the commands, timings meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from suites import SUITES, Machine, Step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NOISE = (  # library warnings and their source lines, dropped from the logs (counted at the end of each log)
+    "_fbgemm_torch_compat_table",
+    "cannot determine compatibility with PyTorch",
+    "is_fx_tracing will return true",
+    "return func(*args, **kwargs)",
+    "return Variable._execution_engine.run_backward",
+    "device_type=_get_pg_default_device",
+    "else HeuristicalStorageReservation(",
+    "Setting OMP_NUM_THREADS environment variable",
+    "*****************************************",
+)
+REPEATS = re.compile(r"warn", re.I)  # a warning line seen before in the same command (digits aside) is dropped
+
+
+class LogFilter:
+    """Keeps a command's output readable: drops the NOISE lines, blank and colour-code lines, and any warning line
+    already seen in the same command with other numbers (e.g. one per table)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.dropped = 0
+
+    def keep(self, line: str) -> bool:
+        text = line.strip()
+        drop = not text or text in ("WARNING:root:", "\x1b[0m", "\x1b[33m") or any(n in line for n in NOISE)
+        if not drop and REPEATS.search(line):
+            key = re.sub(r"\d+", "#", text)
+            drop = key in self.seen
+            self.seen.add(key)
+        self.dropped += drop
+        return not drop
+
+
+PROBE = """
+import json, os, platform, importlib.metadata as md
+info = {"cpus": os.cpu_count(), "python": platform.python_version()}
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+for name in ("torch", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec", "triton"):
+    info[name] = version(name)
+try:
+    import torch
+    info["torch"] = torch.__version__
+    n = torch.cuda.device_count()
+    info["gpus"] = n
+    if n:
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"], info["gpu_mib"] = p.name, p.total_memory // 2**20
+except Exception as e:
+    info["error"] = repr(e)
+print(json.dumps(info))
+"""
+
+
+def environment() -> dict[str, str]:
+    """The environment of every command: the caller's, no NVLink multicast, the repository first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, **NO_MULTICAST, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
+def probe() -> dict:
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=environment()
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
+        return {"error": repr(e), "cpus": os.cpu_count()}
+
+
+def machine_of(info: dict) -> Machine:
+    return Machine(info.get("gpus") or 0, info.get("gpu") or "", info.get("gpu_mib") or 0, info.get("cpus") or 1)
+
+
+def meta_lines(info: dict, m: Machine) -> list[str]:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    where = f"{m.gpus} x {m.gpu} ({m.gpu_mib:,} MiB)" if m.gpus else "no GPU"
+    soft = ", ".join(
+        f"{k} {info[k]}" for k in ("torch", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec", "triton") if info.get(k)
+    )
+    machine, software = f"{where}, {m.cpus} CPUs", f"Python {info.get('python')}, {soft}"
+    q = shlex.quote
+    return [
+        f"META date={now[:10]} time={q(now)} gpu={json.dumps(m.gpu or 'cpu')} gpus={m.gpus}",
+        f"META machine={q(machine)} software={q(software)}",
+    ]
+
+
+def shown(argv: list[str], out: Path) -> str:
+    """The command as the log shows it: the interpreter as `python`, the output folder as <out>."""
+    text = shlex.join(["python" if a == sys.executable else a for a in argv])
+    return text.replace(str(out), "<out>")
+
+
+def descendants(root: int) -> list[int]:
+    """Every process started (directly or not) by `root`, from /proc (Linux); empty where /proc is missing."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def run_step(step: Step, log, deadline: float) -> tuple[int | None, float, int]:
+    """Run one step, its output into the log (noise dropped); (exit code or None if stopped, seconds, lines
+    dropped). The step runs in its own process group so that a time limit stops its workers too."""
+    limit = max(1.0, min(step.timeout, deadline - time.monotonic()))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        step.argv, cwd=ROOT, env=environment() | step.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, errors="replace", start_new_session=True,
+    )  # fmt: skip
+    noise = LogFilter()
+    timer_hit = False
+
+    def stop() -> None:
+        nonlocal timer_hit
+        timer_hit = True
+        for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's workers may leave its process group
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    timer = threading.Timer(limit, stop)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            if noise.keep(line):
+                log.write(line)
+        proc.wait()
+    finally:
+        timer.cancel()
+    seconds = time.monotonic() - t0
+    if timer_hit:
+        log.write(f"!! stopped after {seconds:.0f} s (time limit {limit:.0f} s)\n")
+        return None, seconds, noise.dropped
+    return proc.returncode, seconds, noise.dropped
+
+
+def run_suite(name: str, args: argparse.Namespace, info: dict, m: Machine) -> list[tuple[str, str, str]]:
+    """Run one suite into OUT/name.log; its summary rows (suite, item, result)."""
+    suite = SUITES[name]
+    steps = suite.steps(args, m)
+    out = Path(args.out)
+    status: list[tuple[str, str, str]] = []
+    deadline = time.monotonic() + args.suite_minutes * 60
+    with open(out / f"{name}.log", "w") as log:
+        log.write("\n".join(meta_lines(info, m)) + "\n")
+        for step in steps:
+            log.write(f"META command={shlex.quote(shown(step.argv, out))}\n")
+        dropped = 0
+        for i, step in enumerate(steps, 1):
+            env = " ".join(f"{k}={v}" for k, v in step.env.items())
+            log.write(
+                f"\n+ [{name} {i}/{len(steps)}] {step.label}: {env + ' ' if env else ''}{shown(step.argv, out)}\n"
+            )
+            log.flush()
+            if not args.cpu and step.needs_gpus > m.gpus:
+                note = f"skipped: needs {step.needs_gpus} GPUs, {m.gpus} visible"
+            elif deadline - time.monotonic() < 20:
+                note = f"skipped: the suite's {args.suite_minutes:g} minutes are used up"
+            else:
+                rc, seconds, n = run_step(step, log, deadline)
+                dropped += n
+                note = f"{'stopped at the time limit' if rc is None else f'rc {rc}'}, {seconds:.0f} s"
+                if rc != 0:
+                    status.append((name, step.label, note))
+            log.write(f"= {step.label}: {note}\n")
+            log.flush()
+            print(f"[{name} {i}/{len(steps)}] {step.label}: {note}", flush=True)
+            if note.startswith("skipped"):
+                status.append((name, step.label, note))
+        log.write(f"\n({dropped} lines of repeated library warnings left out of this log)\n")
+    text = (out / f"{name}.log").read_text(errors="replace")
+    return [(name, item, result) for item, result in suite.summary(text, args)] + status
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="suites: " + ", ".join(SUITES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("suites", nargs="*", help="suites to run, in this order")
+    p.add_argument("--out", help="output folder (created); one log per suite and summary.md")
+    p.add_argument("--list", action="store_true", help="list the suites and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU processes (gloo): a smoke test")
+    p.add_argument("--suite-minutes", type=float, default=9.5, help="time limit of each suite (minutes)")
+    p.add_argument("--nproc", type=int, default=0, help="processes / GPUs for e2e, emb, soak, ckpt (default: 2)")
+    g = p.add_argument_group("e2e and emb")
+    g.add_argument("--pairs", type=int, default=0, help="interleaved TorchRec/embshard pairs (e2e 3, emb 2; CPU 1)")
+    g.add_argument("--steps", type=int, default=0, help="timed steps (e2e 60, emb 100, soak 5000)")
+    g.add_argument("--warmup", type=int, default=0, help="e2e: untimed steps first (20)")
+    g.add_argument("--scale", type=float, default=0.0, help="e2e: keep this fraction of every table's rows (both)")
+    g.add_argument("--precisions", default="fp32,bf16", help="e2e: dense precisions, a pair of each per round")
+    g.add_argument(
+        "--bf16-pooled", choices=["fp32", "bf16"], default="bf16", help="e2e: embshard's pooled dtype in bf16"
+    )
+    g.add_argument("--variants", action="store_true", help="e2e: also semi_sync, tf32 (both) and pipeline none")
+    g.add_argument("--profile", action="store_true", help="e2e: profile 3 steps of the last pair (GPU busy share)")
+    g.add_argument(
+        "--timeline", action="store_true", help="e2e: --profile, and the last 2 steps drawn as timeline_P.png"
+    )
+    g.add_argument("--compile", default="", help="e2e: embshard's training.compile mode (e.g. default)")
+    g.add_argument("--loss-steps", type=int, default=0, help="e2e: also both frameworks' loss curves, this many steps")
+    g.add_argument("--workloads", default="uniform26,overflow,hetero124", help="emb, profile: workloads")
+    g.add_argument("--torchrec-hbm-gib", type=float, default=0, help="emb: TorchRec's HBM for hetero124 (the card's)")
+    g.add_argument("--no-bandwidth", action="store_true", help="e2e, emb: skip the bandwidth measurement")
+    g = p.add_argument_group("other suites")
+    g.add_argument("--pytest-args", default="", help="tests: instead of `tests` (e.g. 'tests/sharding -x')")
+    g.add_argument("--test-timeout", type=int, default=300, help="tests: per-test limit when pytest-timeout is there")
+    g.add_argument("--fuzz", default="", help="fuzz: WORLD:CASES list (default 2:300,1:100; CPU 2:20,1:10)")
+    g.add_argument("--ckpt-scale", type=float, default=0.0, help="ckpt: row fraction of hetero124 (0.1)")
+    g.add_argument("--loader-workers", default="", help="loader: worker counts (default 0,8,16[,32] up to the CPUs)")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        p.error(f"unknown suite(s) {', '.join(unknown)}: choose from {', '.join(SUITES)}")
+    if not args.list and not args.suites:
+        p.error("name at least one suite (or --list)")
+    if args.suites and not args.out:
+        p.error("--out DIR is required: the folder the logs go to")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.list:
+        for s in SUITES.values():
+            print(f"{s.name:10s} {s.gpus:>4s} GPUs  {s.typical:>8s}  {s.what}")
+        return
+    out = Path(args.out).resolve()
+    args.out = str(out)
+    if args.dry_run:
+        m = Machine(gpus=2, gpu="NVIDIA H100 80GB HBM3", gpu_mib=81559, cpus=32)  # the 2-GPU machine's view
+        for name in args.suites:
+            for step in SUITES[name].steps(args, m):
+                env = " ".join(f"{k}={v}" for k, v in step.env.items())
+                print(f"[{name}] {step.label}: {env + ' ' if env else ''}{shown(step.argv, out)}")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    info = probe()
+    m = machine_of(info)
+    print("\n".join(meta_lines(info, m)), flush=True)
+    rows: list[tuple[str, str, str]] = []
+    for name in args.suites:
+        rows += run_suite(name, args, info, m)
+    table = ["| suite | what | result |", "| --- | --- | --- |"]
+    table += [f"| {s} | {w} | {r.replace('|', '/')} |" for s, w, r in rows]
+    text = "\n".join(table)
+    (out / "summary.md").write_text("\n".join(meta_lines(info, m)) + "\n\n" + text + "\n")
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,537 @@
+"""The suites of bench/run.py: each one's steps (commands, environment, time limit) and the summary rows it
+reads back from its log. Kept apart from the runner so that the commands can be checked without running them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+E2E_CONFIG = "configs/dlrm_dcnv2_mlperf.yaml"
+CKPT_DIR = "/tmp/embshard_ckpt_bench"
+LOADER_DIR = "/tmp/embshard_loader"
+TOPOLOGY_FILE = "/tmp/embshard_topology.yaml"
+INTEROP_DIR = "/tmp/embshard_interop"
+PYTEST_LINE = r"^=*\s*(\d+ (?:passed|failed|error|skipped|deselected).*?)\s*=*$"  # pytest's last line
+
+
+@dataclass
+class Machine:
+    """What the runner found (or, for --dry-run, assumes): GPUs, their memory, host CPUs."""
+
+    gpus: int = 0
+    gpu: str = ""
+    gpu_mib: int = 0
+    cpus: int = 1
+
+    @property
+    def gpu_gib(self) -> int:
+        """The card's memory, whole GiB (what TorchRec's planner is given as --hbm-gib)."""
+        return int(self.gpu_mib / 1024)
+
+
+@dataclass
+class Step:
+    """One command of a suite."""
+
+    label: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float = 300.0
+    needs_gpus: int = 0
+    """GPUs the step needs (skipped with a note when the machine has fewer; 0: runs anywhere)."""
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    what: str
+    gpus: str
+    typical: str
+    steps: Callable[[argparse.Namespace, Machine], list[Step]]
+    summary: Callable[[str, argparse.Namespace], list[tuple[str, str]]]
+
+
+def py() -> list[str]:
+    return [sys.executable]
+
+
+def torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+
+
+def cuda_env(args: argparse.Namespace) -> dict[str, str]:
+    return {} if args.cpu else {"EMBSHARD_TEST_DEVICE": "cuda"}
+
+
+def nproc(args: argparse.Namespace, m: Machine) -> int:
+    return args.nproc or (2 if args.cpu else max(1, min(m.gpus, 2)))
+
+
+def results(log: str) -> list[dict[str, str]]:
+    return [r for r in (report.parse_line(x) for x in log.splitlines()) if r is not None]
+
+
+def bandwidth_step(args: argparse.Namespace) -> list[Step]:
+    """`embshard calibrate` without the kernel fits: the bandwidths the physical floors divide by."""
+    if args.cpu or args.no_bandwidth:
+        return []
+    argv = py() + ["-m", "embshard.cli", "calibrate", "--out", TOPOLOGY_FILE, "--iters", "5", "--no-kernels"]
+    return [Step("bandwidth (embshard calibrate)", argv, timeout=150, needs_gpus=1)]
+
+
+def last_match(log: str, pattern: str) -> str:
+    found = re.findall(pattern, log, re.M)
+    return found[-1] if found else ""
+
+
+# ---- tests ----------------------------------------------------------------------------------------------------
+def tests_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30"]
+    argv.append(f"--junitxml={args.out}/tests_junit.xml")
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        argv.append(f"--timeout={args.test_timeout}")
+    argv += args.pytest_args.split() if args.pytest_args else ["tests"]
+    return [Step("pytest", argv, cuda_env(args), timeout=600)]
+
+
+def tests_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    final = last_match(log, PYTEST_LINE) or "no pytest summary line"
+    rows = [("pytest", final)]
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)
+    if failed:
+        rows.append(("failed", ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")))
+    return rows
+
+
+# ---- fuzz -----------------------------------------------------------------------------------------------------
+def fuzz_plan(args: argparse.Namespace) -> list[tuple[int, int]]:
+    spec = args.fuzz or ("2:20,1:10" if args.cpu else "2:300,1:100")
+    try:
+        return [(int(w), int(n)) for w, n in (item.split(":") for item in spec.split(","))]
+    except ValueError:
+        raise SystemExit(f"--fuzz {spec!r}: expected WORLD:CASES[,WORLD:CASES...], e.g. 2:300,1:100") from None
+
+
+def fuzz_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    steps = []
+    for world, cases in fuzz_plan(args):
+        env = cuda_env(args) | {"EMBSHARD_FUZZ_CASES": str(cases), "EMBSHARD_FUZZ_WORLDS": str(world)}
+        argv = py() + ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_fuzz.py"]
+        steps.append(Step(f"world {world}, {cases} cases", argv, env, timeout=420, needs_gpus=0 if args.cpu else world))
+    argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz_regressions.py"]
+    steps.append(Step("regressions", argv, cuda_env(args), timeout=120))
+    return steps
+
+
+def step_blocks(log: str) -> list[tuple[str, str]]:
+    """(step label, its output) for each command of a suite's log."""
+    parts = re.split(r"^\+ \[\S+ \d+/\d+\] (.*?): .*$", log, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
+def fuzz_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for label, text in step_blocks(log):
+        found = re.findall(r"fuzz: (\d+ random cases, per world size .*?, \d+ failed)", text)
+        rows.append((label, found[-1] if found else last_match(text, PYTEST_LINE) or "no summary line (see fuzz.log)"))
+        rows += [("failed case", x) for x in re.findall(r"^E +(FUZZ CASE.*)$", text, re.M)[:5]]
+    return rows or [("fuzz", "no summary line (see fuzz.log)")]
+
+
+# ---- e2e ------------------------------------------------------------------------------------------------------
+def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    n = nproc(args, m)
+    pairs = args.pairs or (1 if args.cpu else 3)
+    steps_, warmup = args.steps or (3 if args.cpu else 60), args.warmup or (1 if args.cpu else 20)
+    scale = args.scale or (1e-5 if args.cpu else None)
+    size, tr_size = [], []
+    if scale:  # embshard's --scale multiplies the rows, the baseline's divides them
+        size, tr_size = ["--scale", f"{scale:g}"], ["--scale", f"{1 / scale:g}"]
+    if args.cpu:
+        size, tr_size = size + ["--batch-size", "64"], tr_size + ["--batch-size", "64"]
+    timing = ["--steps", str(steps_), "--warmup", str(warmup)]
+
+    def torchrec(precision: str) -> Step:
+        argv = torchrun(n) + ["bench/baselines/torchrec_dlrm_train.py", *timing, "--precision", precision, *tr_size]
+        return Step(f"TorchRec {precision}", argv, timeout=240, needs_gpus=0 if args.cpu else n)
+
+    def embshard(tag: str, *extra: str) -> Step:
+        argv = py() + ["bench/train_e2e.py", "--config", E2E_CONFIG, "--nproc", str(n), *timing, "--eval", *size]
+        return Step(f"embshard {tag}", argv + ["--tag", tag, *extra], timeout=240, needs_gpus=0 if args.cpu else n)
+
+    out = bandwidth_step(args)
+    precisions = args.precisions.split(",")
+    compile_ = ["--compile", args.compile] if args.compile else []
+    for i in range(pairs):
+        last = i == pairs - 1
+        for p in precisions:
+            pooled = ["lookup.output_dtype=bf16"] if p == "bf16" and args.bf16_pooled == "bf16" else []
+            profile = ["--profile-steps", "3"] if (args.profile or args.timeline) and last else []
+            profile += ["--trace", f"/tmp/embshard_trace_{p}.json"] if args.timeline and last else []
+            out += [torchrec(p), embshard(p, "--precision", p, *profile, *pooled, *compile_)]
+    if args.timeline:  # the traces stay in /tmp; only the pictures go to the output folder
+        for p in precisions:
+            argv = py() + [
+                "bench/timeline.py",
+                f"/tmp/embshard_trace_{p}.json",
+                "--out",
+                f"{args.out}/timeline_{p}.png",
+            ]
+            out.append(Step(f"timeline {p}", argv + ["--steps", "2"], timeout=90))
+    if args.variants:  # embshard's other settings, each once
+        out.append(
+            embshard("semi_sync_bf16", "--precision", "bf16", "--pipeline", "semi_sync", "lookup.output_dtype=bf16")
+        )
+        out += [torchrec("tf32"), embshard("tf32", "--precision", "tf32")]
+        out.append(embshard("none_fp32", "--pipeline", "none"))
+    if args.loss_steps:
+        argv = py() + [
+            "bench/loss_curves.py",
+            "--config",
+            E2E_CONFIG,
+            "--nproc",
+            str(n),
+            "--steps",
+            str(args.loss_steps),
+        ]
+        argv += ["--out", f"{args.out}/loss_curves.png"] + (["--scale", f"{scale:g}", "--small"] if args.cpu else [])
+        out.append(Step("loss curves", argv, timeout=300, needs_gpus=0 if args.cpu else n))
+    return out
+
+
+def compare_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Per case: TorchRec and embshard medians, the ratio's median and spread over pairs, and the floor."""
+    folder = report.Folder(Path(args.out))
+    folder.runs = [r | {"_file": "log"} for r in results(log)]
+    for name, pattern in report.BANDWIDTH_LINES.items():
+        found = [float(x) for x in pattern.findall(log)]
+        if found:
+            folder.bandwidth[name] = statistics.median(found) * 1e9
+    folder.meta["gpu"] = last_match(log, r'^META .*gpu="([^"]*)"')
+    rows = []
+    for row in report.rows_of(folder).values():
+        ems = [float(r["ms_per_step"]) for r in row.emb]
+        text = f"embshard {report.fmt_ms(ems)} ms"
+        if row.base:
+            text = f"TorchRec {report.fmt_ms([float(r['ms_per_step']) for r in row.base])} ms, " + text
+            text += f"; ratio {report.fmt_ratio(row.ratios).replace('**', '')}: {report.verdict(row.ratios)}"
+        pred = [float(r["predicted_ms"]) for r in row.emb if "predicted_ms" in r]
+        if pred:
+            text += f"; predicted {statistics.median(pred):.2f} ms"
+        floor = [f for f in (report.floor_terms(r, folder)[0] for r in row.emb) if f is not None]
+        if floor:
+            text += f"; floor {statistics.median(floor):.2f} ms"
+        world = int(row.emb[0].get("world", 1))
+        if report.bench_of(row.emb[0]) == "e2e" and all("samples_per_s" in r for r in row.emb):
+            per_gpu = statistics.median(float(r["samples_per_s"]) for r in row.emb) / world
+            text += f"; {per_gpu / 1e6:.3f} M samples/s per GPU"
+        rows.append((report.case_title(row), text))
+    return rows or [("results", "no RESULT lines (see the log)")]
+
+
+# ---- emb ------------------------------------------------------------------------------------------------------
+def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    n = nproc(args, m)
+    pairs = args.pairs or (1 if args.cpu else 2)
+    steps_ = str(args.steps or (5 if args.cpu else 100))
+    workloads = ["tiny"] if args.cpu else args.workloads.split(",")
+    hbm = args.torchrec_hbm_gib or m.gpu_gib
+    gpus = 0 if args.cpu else n
+    out = bandwidth_step(args)
+    for i in range(pairs):  # pair 1 of every workload, then pair 2, ...: a time limit still leaves one of each
+        for w in workloads:
+            base = ["bench/baselines/torchrec_dmp.py", "--workload", w]
+            mine = ["bench/embshard_dmp.py", "--workload", w, "--plan", "planner"]
+            if w == "hetero124":
+                base += ["--hbm-gib", f"{hbm:g}", "--force", "small-dp"]
+            elif w == "overflow":
+                base = ["bench/torchrec_more.py", "--workload", w, "--hbm-gib", "16"]
+                mine += ["--hbm-gib", "16"]
+            out.append(
+                Step(
+                    f"TorchRec {w} (pair {i + 1})",
+                    torchrun(n) + base + ["--steps", steps_],
+                    timeout=300,
+                    needs_gpus=gpus,
+                )
+            )
+            out.append(
+                Step(
+                    f"embshard {w} (pair {i + 1})",
+                    torchrun(n) + mine + ["--steps", steps_],
+                    timeout=300,
+                    needs_gpus=gpus,
+                )
+            )
+    return out
+
+
+# ---- soak -----------------------------------------------------------------------------------------------------
+def soak_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    steps_ = args.steps or (300 if args.cpu else 5000)
+    workload = "tiny" if args.cpu else "uniform26"
+    argv = torchrun(nproc(args, m)) + ["bench/embshard_dmp.py", "--workload", workload, "--plan", "planner"]
+    argv += ["--steps", str(steps_), "--mem-at", f"100,{steps_}", "--bench", "soak"]
+    return [Step(f"{workload}, {steps_} steps", argv, timeout=500, needs_gpus=0 if args.cpu else nproc(args, m))]
+
+
+def soak_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for r in results(log):
+        marks = sorted(
+            (int(k[len("allocated_gib_step") :]), float(v)) for k, v in r.items() if k.startswith("allocated_gib_step")
+        )
+        if len(marks) >= 2:
+            (s0, a0), (s1, a1) = marks[0], marks[-1]
+            growth = (a1 - a0) * 1024
+            word = "no growth" if abs(growth) <= 1.0 else f"GROWTH {growth:+.1f} MiB"
+            text = f"allocated {a0:.3f} GiB at step {s0}, {a1:.3f} GiB at step {s1}: {word}; {r['ms_per_step']} ms/step"
+            rows.append((r.get("workload", "?"), text))
+    return rows or [("soak", "no RESULT line (see soak.log)")]
+
+
+# ---- rawids ---------------------------------------------------------------------------------------------------
+def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    """The raw-id tests on the GPUs (the map's step under CUDA's sync debug mode, parity with a static table), then
+    uniform26 with every table ids: raw (capacity = rows) against static, interleaved: ids within the rows (after
+    the first batches every id is resident) and from 10 x rows values (admitting and evicting every step)."""
+    n = nproc(args, m)
+    tests = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/rawids"]
+    out = [Step("tests/rawids", tests, cuda_env(args), timeout=400)]
+    workload = "tiny" if args.cpu else "uniform26"
+    for space in ("1", "10"):
+        argv = torchrun(n) + ["bench/embshard_dmp.py", "--workload", workload, "--ids", "both", "--id-space", space]
+        argv += ["--batches", "8", "--rounds", "3", "--steps", str(args.steps or (5 if args.cpu else 20))]
+        out.append(Step(f"{workload} static vs raw, id space {space} x rows", argv, timeout=400,
+                        needs_gpus=0 if args.cpu else n))  # fmt: skip
+    return out
+
+
+def rawids_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = [("tests/rawids", last_match(log, PYTEST_LINE) or "no pytest summary line")]
+    runs = [r for r in results(log) if r.get("bench") == "rawids"]
+    for space in dict.fromkeys(r.get("id_space") for r in runs):
+        ms = {r["ids"]: float(r["ms_per_step"]) for r in runs if r.get("id_space") == space}
+        if {"static", "raw"} <= ms.keys():
+            raw = next(r for r in runs if r.get("id_space") == space and r["ids"] == "raw")
+            text = (f"static {ms['static']:.2f} ms, raw {ms['raw']:.2f} ms ({ms['raw'] / ms['static']:.2f}x); "
+                    f"admitted {raw.get('admitted')}, evicted {raw.get('evicted')}")  # fmt: skip
+            rows.append((f"{raw['workload']} world {raw['world']}, id space {space} x rows", text))
+    return rows
+
+
+# ---- retrieval, ckpt, loader ----------------------------------------------------------------------------------
+def retrieval_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    argv = torchrun(2) + ["bench/full_softmax.py"] + (["--cpu"] if args.cpu else [])
+    return [Step("full softmax, 1M x 64 items, 2 ranks", argv, timeout=300, needs_gpus=0 if args.cpu else 2)]
+
+
+def retrieval_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for r in results(log):
+        if r.get("bench") == "retrieval":
+            text = (f"sharded peak {r['sharded_peak_gib']} GiB vs materialized {r['materialized_peak_gib']} GiB "
+                    f"(logits alone {r['logits_gib']} GiB): {float(r['peak_share']):.1%}; "
+                    f"{r['sharded_ms']} vs {r['materialized_ms']} ms/step")  # fmt: skip
+            rows.append((f"{r['items']} x {r['dim']}, {r['world']} ranks", text))
+    parity = last_match(log, r"^(max \|sharded - materialized\|.*)$")
+    return rows + ([("parity", parity)] if parity else []) or [("retrieval", "no RESULT line (see retrieval.log)")]
+
+
+def ckpt_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    n = nproc(args, m)
+    scale = args.ckpt_scale or (0.0005 if args.cpu else 0.1)
+    argv = torchrun(n) + ["bench/checkpoint_bench.py", "--dir", CKPT_DIR, "--scale", f"{scale:g}"]
+    out = [Step(f"checkpoint_bench, {n} ranks, scale {scale:g}", argv, timeout=420, needs_gpus=0 if args.cpu else n)]
+    if not args.cpu:
+        argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/checkpoint"]
+        out.append(Step("checkpoint tests on the GPUs", argv, cuda_env(args), timeout=240))
+    return out
+
+
+def ckpt_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for r in results(log):
+        if r.get("bench") == "ckpt":
+            text = (f"{r['gb']} GB: dd {r['dd_gbs']} GB/s, sync save {r['sync_save_gbs']} GB/s, async save "
+                    f"blocks {r['async2_blocking_s']} s (first {r['async1_blocking_s']} s), commits at "
+                    f"{r['async2_commit_gbs']} GB/s; verify {r.get('verify_gbs', '-')} GB/s; reload "
+                    f"{r['reload_gbs']} GB/s (unchecked {r.get('reload_unchecked_gbs', '-')}), parity "
+                    f"{r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
+            rows.append((f"{r['world']} ranks, scale {r['scale']}", text))
+    tests = last_match(log, PYTEST_LINE)
+    return rows + ([("tests/checkpoint", tests)] if tests else []) or [("ckpt", "no RESULT line (see ckpt.log)")]
+
+
+def loader_workers(args: argparse.Namespace, m: Machine) -> str:
+    if args.loader_workers:
+        return args.loader_workers
+    if args.cpu:
+        return "0,1"
+    counts = [0] + [w for w in (8, 16, 32) if w <= m.cpus]
+    return ",".join(str(w) for w in counts)
+
+
+def loader_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    argv = py() + ["bench/loader.py", "--data-dir", LOADER_DIR, "--workers", loader_workers(args, m)]
+    if args.cpu:
+        argv += ["--rows", "20000", "--seconds", "1", "--layouts", "multihot-packed,onehot"]
+    else:
+        argv += ["--rows", "1000000", "--seconds", "8"]
+    return [Step(f"loader, workers {loader_workers(args, m)}", argv, timeout=540)]
+
+
+def loader_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    best: dict[str, dict[str, str]] = {}
+    for r in results(log):
+        if r.get("bench") == "loader":
+            cur = best.get(r["layout"])
+            if cur is None or float(r["samples_per_s"]) > float(cur["samples_per_s"]):
+                best[r["layout"]] = r
+    rows = []
+    for layout, r in best.items():
+        text = (f"{float(r['samples_per_s']) / 1e6:.3f} M samples/s with {r['workers']} workers "
+                f"({r['cpus']} CPUs), peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
+        rows.append((f"{r['framework']} {layout}", text))
+    return rows or [("loader", "no RESULT lines (see loader.log)")]
+
+
+# ---- kernels, tiers, profile, bandwidth (one GPU unless said) --------------------------------------------------
+def kernels_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    cpu = ["--cpu", "--small"] if args.cpu else []
+    env = {"CUDA_VISIBLE_DEVICES": "0"} if not args.cpu else {}
+    return [
+        Step(
+            "kernels --check",
+            py() + ["bench/kernels.py", "--check", *cpu],
+            env,
+            timeout=240,
+            needs_gpus=0 if args.cpu else 1,
+        ),
+        Step("kernels", py() + ["bench/kernels.py", *cpu], env, timeout=330, needs_gpus=0 if args.cpu else 1),
+        Step("cross_entropy", py() + ["bench/cross_entropy.py"] + (["--cpu"] if args.cpu else []), env, timeout=200),
+    ]
+
+
+def kernels_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    check = last_match(log, r"^(ALL PASS|\d+ FAILED)$") or "no check line"
+    bw = last_match(log, r"^(copy bandwidth: .*)$")
+    return [("parity check", check)] + ([("bandwidth", bw)] if bw else [])
+
+
+def tiers_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    argv = py() + ["bench/tiers.py"] + (["--cpu"] if args.cpu else ["--rows", "2000000"])
+    env = {"CUDA_VISIBLE_DEVICES": "0"} if not args.cpu else {}
+    return [Step("tiers", argv, env, timeout=300, needs_gpus=0 if args.cpu else 1)]
+
+
+def tiers_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    found = re.findall(r"^\| (hbm|uvm|uvm_caching) \| (\S+) \| ([\d.]+) \|", log, re.M)
+    text = ", ".join(f"{tier} {ids} {ms} ms" for tier, ids, ms in found)
+    return [("ms/step by tier and ids", text or "no table (see tiers.log)")]
+
+
+def profile_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    n = nproc(args, m)
+    out = []
+    for w in ["tiny"] if args.cpu else args.workloads.split(","):
+        base = ["bench/baselines/torchrec_dmp.py", "--workload", w]
+        if w == "hetero124":
+            base += ["--hbm-gib", f"{args.torchrec_hbm_gib or m.gpu_gib:g}", "--force", "small-dp"]
+        elif w == "overflow":
+            base = ["bench/torchrec_more.py", "--workload", w, "--hbm-gib", "16"]
+        mine = ["bench/embshard_dmp.py", "--workload", w, "--plan", "planner"] + (
+            ["--hbm-gib", "16"] if w == "overflow" else []
+        )
+        for who, script in (("TorchRec", base), ("embshard", mine)):
+            argv = torchrun(n) + ["bench/profile_step.py", *script, "--steps", "10"]
+            out.append(Step(f"profile {who} {w}", argv, timeout=200, needs_gpus=0 if args.cpu else n))
+    return out
+
+
+def profile_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    syncs = re.findall(r"^syncs: (.*)$", log, re.M)
+    return [("host syncs per run", "; ".join(syncs) or "none printed")]
+
+
+def interop_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    """The interop tests (TorchRec's DMP on CPU processes, under this machine's torchrec), then the three migration
+    steps of examples/torchrec on the GPUs, sharing one folder."""
+    out = [Step("tests/interop", py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interop"], timeout=300)]
+    for step in ("step1_plan", "step2_train", "step3_export"):
+        argv = torchrun(2) + [f"examples/torchrec/{step}.py", "--out", INTEROP_DIR]
+        out.append(Step(step, argv, timeout=240, needs_gpus=0 if args.cpu else 2))
+    return out
+
+
+def interop_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for label, text in step_blocks(log):
+        found = re.findall(r"^((?:embshard trained|held-out loss).*)$", text, re.M) or re.findall(
+            PYTEST_LINE, text, re.M
+        )
+        rows.append((label, found[-1] if found else "see interop.log"))
+    return rows
+
+
+def bandwidth_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    if args.cpu:
+        argv = py() + ["-m", "embshard.cli", "calibrate", "--out", TOPOLOGY_FILE, "--iters", "3", "--no-kernels"]
+        return [Step("bandwidth (embshard calibrate, CPU)", argv, timeout=150)]
+    return bandwidth_step(argparse.Namespace(**{**vars(args), "no_bandwidth": False}))
+
+
+def bandwidth_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for name, pattern in report.BANDWIDTH_LINES.items():
+        found = pattern.findall(log)
+        if found:
+            rows.append((report.BANDWIDTH_NAMES[name], f"{float(found[-1]):,.1f} GB/s"))
+    return rows or [("bandwidth", "no bandwidth line (see bandwidth.log)")]
+
+
+SUITES = {
+    s.name: s
+    for s in [
+        Suite("tests", "the test suite on the GPUs (NCCL); junit XML and the 30 slowest tests", "1-2", "5-9 min",
+              tests_steps, tests_summary),
+        Suite("fuzz", "the parity fuzzer: random tables, plans and batches against the reference, per world size",
+              "2", "4-8 min", fuzz_steps, fuzz_summary),
+        Suite("e2e", "MLPerf DLRM-DCNv2 training against TorchRec's TrainPipelineSparseDist, fp32 and bf16, "
+              "interleaved pairs", "2", "6-9 min", e2e_steps, compare_summary),
+        Suite("emb", "the embedding step alone against TorchRec's DistributedModelParallel (uniform26, hetero124, "
+              "overflow), interleaved pairs, predicted beside measured", "2", "6-9 min", emb_steps, compare_summary),
+        Suite("soak", "5,000 steps of uniform26: allocated GPU memory at step 100 and 5,000", "2", "1-2 min",
+              soak_steps, soak_summary),
+        Suite("retrieval", "full softmax over 1M items row-sharded on 2 GPUs: peak memory against materialized logits",
+              "2", "1-2 min", retrieval_steps, retrieval_summary),
+        Suite("ckpt", "checkpoint save and load (hetero124 at 1/10 of its rows) on 2 ranks, then tests/checkpoint",
+              "2", "3-5 min", ckpt_steps, ckpt_summary),
+        Suite("loader", "the Parquet data loader with 0-32 worker processes beside TorchRec's Criteo reader",
+              "0", "3-6 min", loader_steps, loader_summary),
+        Suite("kernels", "embshard's Triton kernels against FBGEMM: parity check, timings, fused cross-entropy",
+              "1", "3-5 min", kernels_steps, kernels_summary),
+        Suite("tiers", "one GPU: step time per memory tier (hbm, uvm, uvm_caching) and UVM-cache hit rates", "1",
+              "2-3 min", tiers_steps, tiers_summary),
+        Suite("profile", "torch.profiler of one step, embshard and TorchRec: top kernels and host syncs", "2",
+              "2-4 min", profile_steps, profile_summary),
+        Suite("interop", "embshard.interop: tests/interop under this torchrec, then examples/torchrec's three "
+              "migration steps on 2 GPUs (plan in TorchRec's DMP, train in embshard, export back)", "2", "3-5 min "
+              "(estimate)", interop_steps, interop_summary),
+        Suite("bandwidth", "measured GPU memory, GPU link and host link bandwidths (`embshard calibrate`)", "1-2",
+              "1 min", bandwidth_steps, bandwidth_summary),
+        Suite("rawids", "raw-id tables: tests/rawids on the GPUs, then uniform26 with every table ids: raw against "
+              "static, interleaved (ids within the rows; 10 x rows ids, evicting)", "1-2", "4-6 min (estimate)",
+              rawids_steps, rawids_summary),
+    ]
+}  # fmt: skip

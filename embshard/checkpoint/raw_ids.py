@@ -1,0 +1,201 @@
+"""Checkpoints of raw-id tables (`TableConfig(ids="raw")`, embshard/rawids): the id -> row maps ride with the rows.
+
+Saved per raw-id table, besides `weight` and the optimizer state, three logical tensors `[rows]` int64 named
+`{collection}/{table}/ids` (the id each row holds), `id_last` (the map's clock at its last use; -1: the row holds
+no id) and `id_count` (its uses); each rank writes its blocks' rows. The manifest entry of the table adds
+`ids: raw` and `row_blocks` ([row offset, rows] of every block).
+
+Load, per raw-id table:
+- the same row blocks (any ranks): every id stays in its row; the maps' rows are read straight into place with the
+  weights and state, then each map rebuilds its index and LRU order (`IdMap.rebuild`).
+- other row blocks (N -> M ranks, table-wise <-> row-wise): rows move. Every rank holding a block of the table
+  reads the saved table in row chunks (ids, uses, weights, state) and keeps the (id, row) pairs its blocks own by
+  the routing rule (embshard/rawids: the block holding `route_rows(id, rows)`), writing them with their weights
+  and state into the block's first rows; the block's other rows are re-initialised (weights as `init_rows`, state
+  zero). A block that owns more ids than it can hold (rows - 1) keeps the ones its policy ranks highest (lru: the
+  most recently used; lfu: the most used) and the rest are dropped (a warning counts them). Reads the whole
+  table on each such rank, a chunk at a time (host memory: one chunk plus the kept rows of the rank's blocks).
+Export (`embshard checkpoint export`) writes `OUT/<table>.ids.safetensors` beside the table's weights: `ids`,
+`id_last`, `id_count` `[rows]` int64; row r holds id ids[r] where id_last[r] >= 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from embshard.checkpoint.layout import Piece
+from embshard.lookup.shards import init_rows_at
+from embshard.rawids.hashing import owner_blocks
+from embshard.tables import ConfigError, Eviction
+
+MAP_KEYS = ("ids", "id_last", "id_count")
+
+
+def _blocks(ebc: Any, table: str) -> list[list[int]]:
+    return sorted([s.row_offset, s.num_rows] for s in ebc.plan[table].shards)
+
+
+def table_entry(ebc: Any, table: Any) -> dict:
+    """What the manifest adds to a table's entry: {'ids': 'raw', 'row_blocks': ...} for raw-id tables, else {}."""
+    return {"ids": "raw", "row_blocks": _blocks(ebc, table.name)} if table.raw_ids else {}
+
+
+def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
+    """The map pieces this rank writes: ids, id_last, id_count of every raw-id block it holds."""
+    rows = {t.name: t.num_embeddings for t in ebc.tables}
+    return [
+        Piece(f"{prefix}/{name}/{k}", (rows[name],), (shard.row_offset,), views[k])
+        for name, shard, views in ebc.local_id_maps()
+        for k in MAP_KEYS
+    ]
+
+
+def load_targets(ebc: Any, prefix: str, saved: dict[str, dict], pieces: list[Piece], where: str) -> tuple:
+    """Adjust the pieces `layout.load_targets` made for collection `ebc`: the raw-id tables whose row blocks are the
+    saved ones also read their maps in place; those whose blocks differ are taken out (`reshard` fills them).
+    Returns (pieces, names of the tables to reshard)."""
+    moved: list[str] = []
+    for t in ebc.tables:
+        was = saved[t.name].get("ids", "index")
+        if was != t.ids.value:
+            raise ConfigError(
+                f"{where}: table {t.name!r} was saved with ids: {was}, this model's has ids: {t.ids.value}; a "
+                "table's rows mean different things then: keep the table's ids setting across a resume"
+            )
+        if t.raw_ids and saved[t.name]["row_blocks"] != _blocks(ebc, t.name):
+            moved.append(t.name)
+    if moved:
+        pieces = [p for p in pieces if p.key.split("/")[-2] not in moved or not p.key.startswith(f"{prefix}/")]
+    pieces += [p for p in save_pieces(ebc, prefix) if p.key.split("/")[-2] not in moved]
+    return pieces, moved
+
+
+def finish_load(
+    path: str | os.PathLike, ebc: Any, prefix: str, moved: Sequence[str], chunk_bytes: int, source: Any = None
+) -> None:
+    """After the pieces were read: reshard the moved tables, then rebuild every map of `ebc`. `source`: the load's
+    reader of `path` (its checksummed reads), or None."""
+    for name in moved:
+        reshard(path, ebc, prefix, name, chunk_bytes, source)
+    lost = ebc.rebuild_id_maps()
+    if lost:
+        warnings.warn(
+            f"{prefix}: {lost} loaded ids found no free slot in their map's index and were dropped", stacklevel=3
+        )
+
+
+def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_bytes: int, source: Any = None) -> None:
+    """Fill this rank's blocks of raw-id table `name` from a checkpoint saved under other row blocks."""
+    from embshard.checkpoint.load import read_pieces
+
+    cfg = next(t for t in ebc.tables if t.name == name)
+    index = next(i for i, t in enumerate(ebc.tables) if t.name == name)
+    R, D = cfg.num_embeddings, cfg.embedding_dim
+    blocks = sorted(ebc.plan[name].shards, key=lambda s: s.row_offset)
+    bs = blocks[0].num_rows
+    weights = {s.row_offset: w for n, s, w in ebc.local_shards() if n == name}
+    states = {s.row_offset: st for n, s, st in ebc.local_optimizer_states() if n == name}
+    maps = {s.row_offset: st for n, s, st in ebc.local_id_maps() if n == name}
+    if not maps:
+        return
+    seed = next(m.seed for m, _ in ebc._id_maps() if any(s.table.name == name for s in m.shards))
+    w_dtype = next(iter(weights.values())).dtype
+    state_shapes = {k: tuple(v.shape[1:]) for k, v in next(iter(states.values())).items()}
+    row_bytes = D * 4 + 3 * 8 + sum(4 * (D if s else 1) for s in state_shapes.values())
+    step = max(1, chunk_bytes // row_bytes)
+    base = f"{prefix}/{name}"
+    kept: dict[int, list[dict[str, torch.Tensor]]] = {off: [] for off in maps}
+    for r0 in range(0, R, step):
+        n = min(step, R - r0)
+        bufs = {k: torch.empty(n, dtype=torch.int64) for k in MAP_KEYS}
+        bufs["weight"] = torch.empty(n, D, dtype=w_dtype)
+        bufs.update({f"state/{k}": torch.empty(n, *s, dtype=torch.float32) for k, s in state_shapes.items()})
+        pieces = [Piece(f"{base}/{k}", (R,), (r0,), bufs[k]) for k in MAP_KEYS]
+        pieces.append(Piece(f"{base}/weight", (R, D), (r0, 0), bufs["weight"]))
+        pieces += [Piece(f"{base}/{k}", (R, *s), (r0,) + (0,) * len(s), bufs[f"state/{k}"]) for k, s in state_shapes.items()]  # fmt: skip
+        read_pieces(path, pieces, source=source)
+        owner = owner_blocks(bufs["ids"], R, bs)
+        for b, s in enumerate(blocks):
+            if s.row_offset in maps:
+                mine = (bufs["id_last"] >= 0) & (owner == b)
+                kept[s.row_offset].append({k: v[mine] for k, v in bufs.items()})
+    dropped = 0
+    for off, parts in kept.items():
+        got = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+        shard = next(s for s in blocks if s.row_offset == off)
+        capacity = shard.num_rows - 1
+        n = int(got["ids"].numel()) if got else 0
+        if n > capacity:  # keep what the policy ranks highest
+            score = got["id_count"] if cfg.eviction is Eviction.LFU else got["id_last"]
+            order = torch.sort(score, descending=True, stable=True).indices[:capacity]
+            dropped += n - capacity
+            got = {k: v[order] for k, v in got.items()}
+            n = capacity
+        _write_block(cfg, index, shard, weights[off], states[off], maps[off], got, n, seed)
+    if dropped:
+        warnings.warn(
+            f"{base}: {dropped} ids of the checkpoint did not fit the row blocks they belong to under this plan "
+            "(each block keeps the ids its eviction policy ranks highest); give the table more rows to keep them",
+            stacklevel=4,
+        )
+
+
+def _write_block(cfg, index, shard, w, state, views, got, n, seed) -> None:
+    """Write the n kept (id, row) pairs into the block's first rows; re-initialise the rest."""
+    dev = w.device
+    rows = torch.arange(shard.num_rows, device=dev)
+    with torch.no_grad():
+        init = init_rows_at(cfg, index, rows + shard.row_offset, shard.col_offset, shard.num_cols, seed)
+        init[-1] = 0.0  # the zero row
+        w.data.copy_(init.to(w.dtype))
+        for v in state.values():
+            v.data.zero_()
+        views["ids"].zero_()
+        views["id_last"].fill_(-1)
+        views["id_count"].zero_()
+        if n:
+            w.data[:n] = got["weight"].to(dev, w.dtype)
+            for k, v in state.items():
+                v.data[:n] = got[f"state/{k}"].to(dev, v.dtype).reshape(v[:n].shape)
+            for k in MAP_KEYS:
+                views[k][:n] = got[k].to(dev)
+
+
+# ---- export --------------------------------------------------------------------------------------------------
+def export_map(
+    path: Path, out: Path, prefix: str, name: str, rows: int, chunk_bytes: int, meta: dict, source: Any = None
+) -> str:
+    """Stream raw-id table `name`'s map into OUT/<name>.ids.safetensors (`ids`, `id_last`, `id_count`; written
+    to a partial file first, renamed when complete); returns the file name."""
+    from embshard.checkpoint.load import read_pieces
+
+    nbytes = rows * 8
+    header: dict[str, Any] = {"__metadata__": meta}
+    for i, k in enumerate(MAP_KEYS):
+        header[k] = {"dtype": "I64", "shape": [rows], "data_offsets": [i * nbytes, (i + 1) * nbytes]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    file = out / f"{name}.ids.safetensors"
+    partial = out / f".{name}.ids.safetensors.partial"
+    step = max(1, chunk_bytes // 8)
+    try:
+        with open(partial, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for k in MAP_KEYS:
+                buf = torch.empty(min(step, rows), dtype=torch.int64)
+                for r0 in range(0, rows, step):
+                    part = buf[: min(step, rows - r0)]
+                    read_pieces(path, [Piece(f"{prefix}/{name}/{k}", (rows,), (r0,), part)], source=source)
+                    f.write(part.numpy().tobytes())
+        partial.replace(file)
+    finally:
+        partial.unlink(missing_ok=True)
+    return file.name

@@ -1,0 +1,221 @@
+"""bench/: the driver's commands (no benchmark runs), the report's pairing, ratios, verdicts and floors, and
+docs/benchmarks.md's generated region being current with the committed results."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import paths
+import pytest
+
+ROOT = paths.ROOT
+sys.path.insert(0, str(ROOT / "bench"))
+
+import floors  # noqa: E402
+import report  # noqa: E402
+import run  # noqa: E402
+import suites  # noqa: E402
+
+H100 = suites.Machine(gpus=2, gpu="NVIDIA H100 80GB HBM3", gpu_mib=81559, cpus=32)
+
+
+def args_for(*argv: str) -> argparse.Namespace:
+    args = run.parse([*argv, "--out", "/tmp/bench-out"])
+    args.out = "/tmp/bench-out"
+    return args
+
+
+def steps(*argv: str, machine: suites.Machine = H100) -> list[suites.Step]:
+    args = args_for(*argv)
+    return [s for name in args.suites for s in suites.SUITES[name].steps(args, machine)]
+
+
+def test_docs_benchmarks_is_current():
+    region = report.render(report.folders_in([]))
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert report.replace_region(page, region) == page, (
+        "docs/benchmarks.md is stale: run `python bench/report.py --update docs/benchmarks.md`"
+    )
+
+
+def test_every_suite_builds_commands_of_existing_scripts():
+    for name in suites.SUITES:
+        for cpu in ([], ["--cpu"]):
+            for step in steps(name, *cpu):
+                scripts = [a for a in step.argv if a.startswith(("bench/", "tests/", "examples/"))]
+                assert all((ROOT / a).exists() for a in scripts), (name, step.argv)
+                assert step.argv[0] == sys.executable and step.timeout > 0, step
+
+
+def test_tests_suite_device_junit_and_timeout_only_when_installed(monkeypatch):
+    real = suites.importlib.util.find_spec
+    for installed in (True, False):
+        fake = lambda name, real=real, installed=installed: (  # noqa: E731
+            (object() if installed else None) if name == "pytest_timeout" else real(name)
+        )
+        monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+        (step,) = steps("tests", "--test-timeout", "120")
+        assert step.env == {"EMBSHARD_TEST_DEVICE": "cuda"}
+        assert "--junitxml=/tmp/bench-out/tests_junit.xml" in step.argv and step.argv[-1] == "tests"
+        assert ("--timeout=120" in step.argv) == installed
+    (cpu,) = steps("tests", "--cpu", "--pytest-args", "tests/sharding -x")
+    assert cpu.env == {} and cpu.argv[-2:] == ["tests/sharding", "-x"]
+
+
+def test_fuzz_suite_world_sizes_cases_and_the_env_test_fuzz_reads():
+    text = (ROOT / "tests" / "test_fuzz.py").read_text()
+    got = steps("fuzz", "--fuzz", "2:300,1:100")
+    assert [s.env.get("EMBSHARD_FUZZ_WORLDS") for s in got] == ["2", "1", None]
+    assert [s.env.get("EMBSHARD_FUZZ_CASES") for s in got] == ["300", "100", None]
+    assert all(k in text for s in got for k in s.env)  # the variables tests/test_fuzz.py reads
+    assert [s.needs_gpus for s in got[:2]] == [2, 1] and got[2].argv[-1] == "tests/test_fuzz_regressions.py"
+    with pytest.raises(SystemExit, match="WORLD:CASES"):
+        steps("fuzz", "--fuzz", "2-300")
+
+
+def test_e2e_suite_interleaves_pairs_of_both_precisions():
+    got = steps("e2e", "--pairs", "3", "--nproc", "2", "--scale", "0.25")
+    assert got[0].label.startswith("bandwidth")
+    labels = [s.label for s in got[1:]]
+    assert labels == ["TorchRec fp32", "embshard fp32", "TorchRec bf16", "embshard bf16"] * 3
+    tr, es = got[1].argv, got[2].argv
+    assert tr[: len(suites.torchrun(2))] == suites.torchrun(2) and "bench/baselines/torchrec_dlrm_train.py" in tr
+    assert tr[tr.index("--scale") + 1] == "4" and es[es.index("--scale") + 1] == "0.25"  # the baseline divides
+    assert es[es.index("--nproc") + 1] == "2" and es[es.index("--config") + 1] == suites.E2E_CONFIG
+    bf16 = got[4].argv
+    assert bf16[bf16.index("--precision") + 1] == "bf16" and "lookup.output_dtype=bf16" in bf16
+    assert got[3].argv[got[3].argv.index("--precision") + 1] == "bf16"
+    timeline = steps("e2e", "--pairs", "1", "--timeline", "--precisions", "fp32", "--no-bandwidth")
+    assert "--trace" in timeline[1].argv and timeline[-1].argv[1] == "bench/timeline.py"
+    assert timeline[-1].argv[-3] == "/tmp/bench-out/timeline_fp32.png"
+
+
+def test_emb_suite_workloads_card_memory_and_pair_order():
+    got = steps("emb", "--pairs", "2")
+    runs = [s for s in got if "bandwidth" not in s.label]
+    assert [s.label.split(" (")[0] for s in runs[:6]] == [
+        "TorchRec uniform26", "embshard uniform26", "TorchRec overflow", "embshard overflow",
+        "TorchRec hetero124", "embshard hetero124",
+    ]  # fmt: skip
+    assert len(runs) == 12 and all("(pair 2)" in s.label for s in runs[6:])
+    hetero = runs[4].argv
+    assert hetero[hetero.index("--hbm-gib") + 1] == "79" and hetero[-4:-2] == ["--force", "small-dp"]
+    assert "bench/torchrec_more.py" in runs[2].argv and runs[3].argv[runs[3].argv.index("--hbm-gib") + 1] == "16"
+    assert all(a in runs[1].argv for a in ("--plan", "planner"))
+    assert steps("emb", "--torchrec-hbm-gib", "74")[5].argv.count("74") == 1  # hetero124, pair 1
+    cpu = steps("emb", "--cpu")
+    assert [s.argv[s.argv.index("--workload") + 1] for s in cpu] == ["tiny", "tiny"]
+
+
+def test_environment_turns_multicast_off_and_puts_the_repository_first(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/site")
+    env = run.environment()
+    assert {k: env[k] for k in run.NO_MULTICAST} == {
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"
+    }  # fmt: skip
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/somewhere/site"]
+
+
+def test_parse_errors_name_the_problem():
+    with pytest.raises(SystemExit):
+        run.parse(["nonsuite", "--out", "/tmp/x"])
+    with pytest.raises(SystemExit):
+        run.parse(["tests"])  # no --out
+
+
+def test_a_step_past_its_time_limit_is_stopped_with_its_children(tmp_path):
+    marker = tmp_path / "child.pid"
+    step = suites.Step("sleeper", ["bash", "-c", f"sleep 30 & echo $! > {marker}; echo started; wait"], timeout=1.0)
+    log = io.StringIO()
+    t0 = time.monotonic()
+    rc, seconds, _ = run.run_step(step, log, time.monotonic() + 60)
+    assert rc is None and time.monotonic() - t0 < 10 and "started" in log.getvalue()
+    child = int(marker.read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_log_filter_drops_repeated_warnings_keeps_results():
+    f = run.LogFilter()
+    lines = ["WARNING:root:Sharding spec not found for .t24", "WARNING:root:Sharding spec not found for .t25",
+             "RESULT framework=embshard ms_per_step=1", "", "Traceback (most recent call last):"]  # fmt: skip
+    assert [x for x in lines if f.keep(x)] == [lines[0], lines[2], lines[4]] and f.dropped == 2
+
+
+LOG = """META date=2026-01-02 time='2026-01-02 10:00 UTC' gpu="NVIDIA H100 80GB HBM3" gpus=2
+META command='python -m torch.distributed.run bench/embshard_dmp.py --workload uniform26'
+GPU memory copy: 3000 GB/s (read + write)
+all-to-all over 2 GPUs (NCCL): 200 GB/s bus bandwidth per rank
+torchrec DMP uniform26 world=2 hbm_gib=default force=-: 5.00 ms/step, 3,276,800 samples/s; peak GPU memory 7.1 GB
+RESULT framework=embshard bench=emb workload=uniform26 world=2 ms_per_step=4.000 predicted_ms=4.4 floor_hbm_gb=3,1.5 floor_link_gb=0.2,0.2 floor_host_gb=0,0
+RESULT framework=torchrec bench=emb workload=uniform26 world=2 hbm_gib=default force=- ms_per_step=6.0
+RESULT framework=embshard bench=emb workload=uniform26 world=2 ms_per_step=5.0 floor_hbm_gb=3,1.5 floor_link_gb=0.2,0.2
+RESULT framework=torchrec pipeline=sparse_dist world=2 batch_per_rank=8192 dtype=fp32 ms_per_step=20.0
+RESULT framework=embshard tag=fp32 pipeline=sparse_dist precision=fp32 pooled=fp32 world=2 ms_per_step=22.0
+RESULT framework=embshard tag=bf16 pipeline=sparse_dist precision=bf16 pooled=bf16 world=2 ms_per_step=10.0
+RESULT framework=embshard bench=loader layout=onehot workers=8 samples_per_s=5
+"""
+
+
+def test_report_pairs_each_run_with_the_baseline_before_it(tmp_path):
+    (tmp_path / "emb.log").write_text(LOG)
+    folder = report.load(tmp_path)
+    assert folder.bandwidth == {"hbm": 3000e9, "link": 200e9} and folder.gpu == "NVIDIA H100 80GB HBM3"
+    rows = {case: row for (case, _), row in report.rows_of(folder).items()}
+    u = rows["emb uniform26"]
+    assert [round(x, 4) for x in u.ratios] == [1.25, 1.2] and report.verdict(u.ratios) == "leads"
+    assert report.best_ratio(u) == f"{5.0 / 4.0:.3f}" and report.baseline_setting(u) == "its planner's default plan"
+    floor, missing = report.floor_terms(u.emb[0], folder)  # the busier rank: 3 GB / 3000 GB/s + 0.2 GB / 200 GB/s
+    assert floor == pytest.approx(2.0) and missing == []
+    e2e = rows["e2e sparse_dist fp32"]
+    assert e2e.ratios == [20.0 / 22.0] and report.verdict(e2e.ratios) == "trails"
+    assert rows["e2e sparse_dist bf16"].ratios == [] and "emb onehot" not in rows
+    region = report.render([folder])
+    assert "embshard leads on uniform26 (1.20-1.25x)" in region and "it trails on end to end fp32" in region
+    assert "bench/embshard_dmp.py --workload uniform26" in region
+
+
+def test_report_verdict_words_and_explicit_pairs(tmp_path):
+    assert report.verdict([1.01, 0.99, 1.0]) == "parity" and report.verdict([0.9, 1.2]) == "mixed"
+    assert report.verdict([0.8, 0.9, 0.95]) == "trails" and report.verdict([]) == "no baseline in this run"
+    (tmp_path / "t.txt").write_text(
+        "META date=2026-01-01 gpu=X source=summary\n"
+        "RESULT framework=torchrec bench=emb workload=w ms_per_step=12 pair=a\n"
+        "RESULT framework=torchrec bench=emb workload=w ms_per_step=10 pair=a\n"
+        "RESULT framework=embshard bench=emb workload=w ms_per_step=8 pair=a\n"
+    )
+    (row,) = report.rows_of(report.load(tmp_path)).values()
+    assert sorted(row.ratios) == [1.25, 1.5] and statistics.median(row.ratios) == 1.375
+
+
+def test_floors_reproduce_the_uniform26_estimate():
+    """26 x 1M x 128 table-wise on 2 ranks, batch 8192: 3.10 GB through GPU memory and 118 MB over the links per
+    GPU; at 3,824 and 226 GB/s (2 x H200) that is the page's 1.33 ms."""
+    from embshard import TableConfig, simple_plan
+
+    tables = [TableConfig(f"t{i}", 1_000_000, 128, (f"f{i}",), ids_per_bag=10) for i in range(26)]
+    parts = floors.embedding_bytes(tables, simple_plan(tables, 2), 8192)
+    assert parts["hbm"] == [pytest.approx(3.1023e9, rel=1e-4)] * 2 and parts["host"] == [0.0, 0.0]
+    assert parts["link"] == [pytest.approx(0.11757e9, rel=1e-4)] * 2
+    assert parts["hbm"][0] / 3824e9 + parts["link"][0] / 226e9 == pytest.approx(1.331e-3, rel=1e-3)
+    one_gpu = floors.single_gpu_e2e_fields(ROOT / "configs" / "dlrm_dcnv2_mlperf.yaml", 1.0, 8192, 4)
+    assert "dense_gflop=787.9" in one_gpu and "floor_link_gb=0 " in one_gpu
+
+
+def test_summaries_read_the_result_lines():
+    soak = "RESULT framework=embshard bench=soak workload=uniform26 ms_per_step=4.7 allocated_gib_step100=7.8544 allocated_gib_step5000=7.8547"
+    ((_, text),) = suites.soak_summary(soak, args_for("soak"))
+    assert "no growth" in text and "step 5000" in text
+    grown = soak.replace("7.8547", "7.9544")
+    assert "GROWTH +102.4 MiB" in suites.soak_summary(grown, args_for("soak"))[0][1]
+    rows = suites.compare_summary(LOG, args_for("emb"))
+    assert any("ratio 1.225 (1.200-1.250; n=2): leads" in text for _, text in rows), rows
+    assert suites.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", None) == [
+        ("pytest", "3 passed, 1 skipped in 2.0s"), ("failed", "tests/x.py::t")
+    ]  # fmt: skip
