@@ -20,7 +20,9 @@ I = 20, B = 8192; --smoke: 4 x 2,000 x 16, I = 4, B = 64). Every table table-row
   exchange, gradient exchange, gather inside hosts) on the topology: the detected GPU's preset (CPU: the cpu
   preset) with L ranks per host, or --topology FILE; and on "one machine" (inter_host_bw = intra_host_bw, as 4
   GPUs of one host posing as 2 hosts really are).
-Rank 0 prints one line per exchange, then the whole result as JSON (also to --out FILE).
+Rank 0 prints one line per exchange, a `RESULT key=value` line per exchange (bench/report.py's form), then the whole
+result as JSON (also to --out FILE). `python bench/run.py hier --out DIR` runs it on 4 GPUs with the world-4
+parity tests and fuzz cases of the hierarchical exchange.
 """
 
 from __future__ import annotations
@@ -217,6 +219,31 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
+def result_lines(result: dict) -> list[str]:
+    """One `RESULT key=value ...` line per exchange (bench/report.py reads them)."""
+    out = []
+    for exchange in ("flat", "hierarchical"):
+        r = result[exchange]
+        fields = {
+            "bench": "hier_exchange",
+            "exchange": exchange,
+            "world": result["world_size"],
+            "local_world": result["local_world_size"],
+            "intra_mib": f"{r['bytes']['intra_host'] / (1 << 20):.3f}",
+            "cross_mib": f"{r['bytes']['cross_host'] / (1 << 20):.3f}",
+            "planner_intra_mib": f"{r['planner_bytes']['intra_host'] / (1 << 20):.3f}",
+            "planner_cross_mib": f"{r['planner_bytes']['cross_host'] / (1 << 20):.3f}",
+            "exchange_ms": f"{r['exchange_ms']:.3f}",
+            "step_ms": f"{r['step_ms']:.3f}",
+            "predicted_exchange_ms": f"{r['predicted_exchange_ms']:.3f}",
+            "predicted_step_ms": f"{r['predicted_step_ms']:.3f}",
+            "predicted_exchange_ms_one_machine": f"{r['predicted_exchange_ms_one_machine']:.3f}",
+            "predicted_step_ms_one_machine": f"{r['predicted_step_ms_one_machine']:.3f}",
+        }
+        out.append("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()))
+    return out
+
+
 def _run(args: argparse.Namespace) -> None:
     from embshard.distributed import init_distributed
     from embshard.planner import Topology
@@ -231,6 +258,7 @@ def _run(args: argparse.Namespace) -> None:
     result = measure(rank, world, device, cfg, args.local_world_size, topo)
     if rank == 0:
         print(format_result(result))
+        print("\n".join(result_lines(result)))
         print(json.dumps(result))
         if args.out:
             with open(args.out, "w") as f:
