@@ -17,6 +17,11 @@ batches); samples/s counts rows delivered as Batch / torchrec Batch objects (KJT
 CPU-second divides them by the CPU time of the process and its workers (a measure that other load on the machine
 barely changes); peak RSS is the sum over the process and its workers (shared pages counted in each), sampled every
 0.1 s. With --repeat R the fastest of R runs is reported.
+
+--stages: instead, where one stream's time goes in the training process (workers 0): CPU time of the thread per row
+in each stage (file read, decoding with checks and id mapping, of which hashing, stacking small bags, the gather into
+the KeyedJaggedTensor layout, the KJT), for each layout and for `onehot-hash` (the one-hot file with mapping: hash,
+its integer ids hashed as text).
 """
 
 from __future__ import annotations
@@ -172,22 +177,28 @@ def tables_for(layout: str):
     return [TableConfig(f"t_{c}", r, 16, (c,)) for c, r in zip(CAT, ROWS)]
 
 
-def measure_embshard(folder: Path, layout: str, workers: int, args) -> dict:
+def make_source(folder: Path, layout: str, workers: int, args):
+    """embshard's table source on one layout's file (onehot-hash: the one-hot file, its ids hashed as text)."""
     from embshard.config.data import CategoricalColumnConfig, DataConfig, DenseColumnConfig, TableSourceConfig
     from embshard.data.source import TableSource
 
-    rss = RssSampler()
+    hashed = layout == "onehot-hash"
     cfg = TableSourceConfig(
-        files=(str(folder / f"{layout}.parquet"),),
+        files=(str(folder / f"{'onehot' if hashed else layout}.parquet"),),
         label="label",
         categorical=tuple(CategoricalColumnConfig(c) for c in CAT),
         dense=tuple(DenseColumnConfig(c) for c in DENSE),
-        mapping="identity",
+        mapping="hash" if hashed else "identity",
         eval_fraction=0.01,
     )
     data = DataConfig(source="table", table=cfg, workers=workers, shuffle_rows=args.shuffle_rows, prefetch=4)
+    return TableSource(cfg, data, tables_for(layout), args.batch_size, 0, 0, 1)
+
+
+def measure_embshard(folder: Path, layout: str, workers: int, args) -> dict:
+    rss = RssSampler()
     t0 = time.perf_counter()
-    source = TableSource(cfg, data, tables_for(layout), args.batch_size, 0, 0, 1)
+    source = make_source(folder, layout, workers, args)
     batches = source.train_batches()
     for _ in range(args.warmup):
         next(batches)
@@ -247,13 +258,95 @@ def measure_torchrec(folder: Path, args) -> dict:
             "samples": n}  # fmt: skip
 
 
+# --stages: where the time of one stream goes, in the training process (workers 0), per stage (CPU time of the thread)
+STAGES = [  # (label, module, class or None, function); the hashing stages run inside "decode"
+    ("file read", "embshard.data.decode", "Reader", "table"),
+    ("decode, checks, id mapping", "embshard.data.decode", "Reader", "convert"),
+    ("  of which hashing", "embshard.data.decode", None, "hash_values"),
+    ("  of which hashing", "embshard.data.decode", None, "hash_rows"),
+    ("  of which hashing", "embshard.data.vocab", "VocabLookup", "__call__"),
+    ("stack small bags", "embshard.data.stream", "Part", "__init__"),
+    ("gather into the KJT layout", "embshard.data.stream", None, "assemble"),
+    ("KJT and Batch", "embshard.data.source", "TableSource", "_batch"),
+]
+
+
+def measure_stages(folder: Path, layout: str, args) -> dict:
+    """Per stage, CPU ns a row over --stage-batches batches (workers 0), the best of --repeat rounds by total."""
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timer(f, label: str):
+        def timed(*a, **k):
+            c0 = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - c0
+
+        return timed
+
+    for label, module, cls, fn in STAGES:
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        setattr(owner, fn, timer(getattr(owner, fn), label))
+    batches = make_source(folder, layout, 0, args).train_batches()
+    for _ in range(args.warmup):
+        next(batches)
+    best = None
+    for _ in range(args.repeat):
+        spent.clear()
+        c0, rows = time.process_time(), 0
+        for _ in range(args.stage_batches):
+            rows += next(batches).size
+        ns = {k: v / rows * 1e9 for k, v in spent.items()}
+        ns["total"] = (time.process_time() - c0) / rows * 1e9
+        if best is None or ns["total"] < best["total"]:
+            best = ns
+    return best
+
+
 def child(args) -> None:
     folder = Path(args.data_dir)
-    if args.child == "torchrec-onehot":
+    if args.child_stages:
+        out = measure_stages(folder, args.child, args)
+    elif args.child == "torchrec-onehot":
         out = measure_torchrec(folder, args)
     else:
         out = measure_embshard(folder, args.child, args.child_workers, args)
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def stages(folder: Path, args, env: dict) -> None:
+    """The --stages table: one fresh process per layout."""
+    layouts = [x for x in args.layouts.split(",") if x != "torchrec-onehot"] + ["onehot-hash"]
+    out = {}
+    for layout in layouts:
+        cmd = [sys.executable, __file__, "--child", layout, "--child-stages", "--data-dir", str(folder)]
+        cmd += ["--batch-size", str(args.batch_size), "--warmup", str(args.warmup), "--repeat", str(args.repeat)]
+        cmd += ["--shuffle-rows", str(args.shuffle_rows), "--stage-batches", str(args.stage_batches)]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+        if res.returncode or not line:
+            print(f"{layout}: failed\n{res.stderr[-2000:]}", flush=True)
+            continue
+        out[layout] = json.loads(line[0][7:])
+    names = list(dict.fromkeys(label for label, *_ in STAGES))
+    print(
+        f"\nCPU ns a row per stage, workers 0 (best of {args.repeat} x {args.stage_batches} batches of {args.batch_size})"
+    )
+    print("| stage | " + " | ".join(out) + " |")
+    print("| --- |" + " ---: |" * len(out))
+    for name in [*names, "other (windows, shuffle order, carried rows)", "total"]:
+        cells = []
+        for ns in out.values():
+            v = ns.get(name, 0.0)
+            if name.startswith("other"):
+                v = ns["total"] - sum(ns.get(n, 0.0) for n in names if not n.startswith("  "))
+            cells.append(f"{v:.0f}")
+        print(f"| {name.strip()} | " + " | ".join(cells) + " |")
+    print("| M rows per CPU-s | " + " | ".join(f"{1e3 / ns['total']:.2f}" for ns in out.values()) + " |")
 
 
 def main() -> None:
@@ -268,7 +361,10 @@ def main() -> None:
     ap.add_argument("--shuffle-rows", type=int, default=65536, help="data.shuffle_rows")
     ap.add_argument("--repeat", type=int, default=1, help="runs per measurement; the fastest is reported")
     ap.add_argument("--data-dir", default="/tmp/embshard_loader")
+    ap.add_argument("--stages", action="store_true", help="per-stage CPU time a row (workers 0) instead of the table")
+    ap.add_argument("--stage-batches", type=int, default=32, help="--stages: batches per round")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-stages", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-workers", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -278,18 +374,19 @@ def main() -> None:
     t0 = time.perf_counter()
     generate(folder, args.rows, args.row_group)
     print(f"data in {folder} ({time.perf_counter() - t0:.0f} s); {os.cpu_count()} CPUs", flush=True)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    if args.stages:
+        stages(folder, args, env)
+        return
     rows = []
     for layout in args.layouts.split(","):
         for w in [0] if layout == "torchrec-onehot" else [int(x) for x in args.workers.split(",")]:
             cmd = [sys.executable, __file__, "--child", layout, "--child-workers", str(w), "--data-dir", str(folder)]
             cmd += ["--batch-size", str(args.batch_size), "--seconds", str(args.seconds), "--warmup", str(args.warmup)]
             cmd += ["--shuffle-rows", str(args.shuffle_rows)]
-            env = dict(
-                os.environ,
-                PYTHONPATH=os.pathsep.join(
-                    [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
-                ),
-            )
             runs = []
             for _ in range(args.repeat):
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env)

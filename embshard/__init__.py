@@ -1,5 +1,6 @@
 """embshard: sharded embedding tables on FBGEMM TBE kernels."""
 
+from embshard import notices
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import BoundsCheck, LookupOptions, OutputDtype
 from embshard.plan import CacheAlgorithm, Exchange, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
@@ -26,6 +27,8 @@ __all__ = [
     "TablePlan",
     "simple_plan",
 ]
+
+notices.install()  # known library notices that ask nothing of embshard's users (embshard/notices.py)
 
 
 def __getattr__(name: str):

@@ -236,9 +236,16 @@ def start_all_gather(
     if W == 1:
         flat.copy_(tensor.reshape(-1))
         return CollectiveHandle(flat.view(W, *tensor.shape), None)
-    work = dist.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
+    work = _all_gather_single(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
     name = scoped_label(what)
     return CollectiveHandle(flat.view(W, *tensor.shape), _issued(name, work), name)
+
+
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """torch.distributed's gather into one flat tensor: `all_gather_single` where torch has it (from 2.13, where
+    `all_gather_into_tensor` is deprecated with a FutureWarning), else `all_gather_into_tensor` (the same call)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:

@@ -1,9 +1,9 @@
 """`embshard train` end to end on 2 CPU processes: every example config's held-out loss falls, the run prints the
-plan, progress and AUC and writes TensorBoard events and checkpoints; a run resumed from a checkpoint ends exactly
-like the straight run, also after a rank is killed under torchrun with restarts, and resumes on 3 processes; a
-schedule that ends before the checkpoint's step stops with a message;
-config, data and planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the
-torchx component launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md)."""
+plan, progress and AUC (and no library warning) and writes TensorBoard events and checkpoints; a run resumed from a
+checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
+resumes on 3 processes; a schedule that ends before the checkpoint's step stops with a message; config, data and
+planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the torchx component
+launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ def outputs(tmp: Path) -> list[str]:
     ]
 
 
+def library_noise(res: subprocess.CompletedProcess) -> list[str]:
+    """Lines of a run's output that are library warnings or their echoed source lines (none should be printed)."""
+    lines = (res.stdout + res.stderr).splitlines()
+    return [x for x in lines if "Warning" in x or "warn(" in x or x.strip().startswith("return func(")]
+
+
 def metrics(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
 
@@ -92,6 +98,7 @@ def test_examples_are_all_tested():
 def test_example_config_trains_on_two_processes(name, tmp_path):
     res = train([f"configs/{name}", "--nproc", "2", *outputs(tmp_path), *SHORTEN[name]])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not library_noise(res), library_noise(res)[:10]  # the ranks and data workers print no library warnings
     out = res.stdout
     assert "ShardingPlan: world_size=2" in out and f"2 ranks on {DEVICE}" in out
     assert "predicted step time" in out and "source: detected" in out  # strategy auto: the planner's report

@@ -126,14 +126,25 @@ class BadRows:
     """Bad rows of one table read from a piece: a mask, and the first one's description."""
 
     def __init__(self, n: int) -> None:
-        self.mask = np.zeros(n, dtype=bool)
+        self.n = n
+        self._mask: np.ndarray | None = None  # made at the first bad row (most pieces have none)
         self.first: tuple[int, str] | None = None  # (row index, "column ...: rule")
+
+    @property
+    def mask(self) -> np.ndarray:
+        if self._mask is None:
+            self._mask = np.zeros(self.n, dtype=bool)
+        return self._mask
+
+    @property
+    def count(self) -> int:
+        return 0 if self._mask is None else int(self._mask.sum())
 
     def add(self, mask: np.ndarray, column: str, values: pa.Array | np.ndarray | None, rule: str) -> None:
         if not mask.any():
             return
         i = int(np.argmax(mask))
-        self.mask |= mask
+        self.mask[:] |= mask
         if self.first is None or i < self.first[0]:
             shown = "" if values is None else f"={_show(values[i])}"
             self.first = (i, f"column {column!r}{shown}: {rule}")
@@ -195,11 +206,11 @@ def to_float(arr: pa.Array) -> np.ndarray:
 
 
 class Reader:
-    """Reads pieces of one split's files into Chunks (one per process; keeps Parquet files open)."""
+    """Reads pieces of one split's files into Chunks (one per process; keeps the Parquet footers)."""
 
     def __init__(self, spec: ReadSpec, layout: Layout, vocab: dict | None = None) -> None:
         self.spec, self.layout, self.vocab = spec, layout, vocab or {}
-        self._open: dict[int, object] = {}
+        self._meta: dict[int, object] = {}  # Parquet footers by file
         need = spec.columns()
         for f, cols in zip(layout.files, layout.columns):
             missing = [c for c in need if c not in cols]
@@ -215,12 +226,18 @@ class Reader:
         import pyarrow.parquet as pq
 
         g = piece.group
-        pf = self._open.get(g.file)
-        if pf is None:
-            if len(self._open) >= 64:
-                self._open.clear()
-            pf = self._open[g.file] = pq.ParquetFile(self.layout.files[g.file])
-        table = pf.read_row_group(g.index, columns=self.spec.columns(), use_threads=False)
+        path = self.layout.files[g.file]
+        meta = self._meta.get(g.file)
+        if meta is None:
+            if len(self._meta) >= 64:
+                self._meta.clear()
+            meta = self._meta[g.file] = pq.ParquetFile(path).metadata
+        # memory-mapped for this read: Arrow decodes from the file's pages in the page cache instead of reading them
+        # into new buffers first (whose page faults cost more than the decompression); unmapped when the table's
+        # buffers are gone (Arrow's buffers of uncompressed pages may point into the mapping)
+        with pa.memory_map(path) as source:
+            pf = pq.ParquetFile(source, metadata=meta)
+            table = pf.read_row_group(g.index, columns=self.spec.columns(), use_threads=False)
         if piece.start or piece.stop < g.rows:
             table = table.slice(piece.start, piece.rows)
         return table
@@ -312,7 +329,7 @@ class Reader:
         chunk = self.convert(table, bad)
         events = [(int(row_numbers[bad.first[0]]), bad.first[1])] if bad.first else []
         events += invalid[:1]
-        skipped = int(bad.mask.sum()) + len(invalid)
+        skipped = bad.count + len(invalid)
         if not skipped:
             return chunk, 0, None
         number, what = min(events)
@@ -393,13 +410,12 @@ class Reader:
             k = t.byte_width // width
             flat = np.frombuffer(col.buffers()[1], dtype="<" + meta[PACKED_KEY].decode()[0] + str(width))
             flat = flat[col.offset * k : (col.offset + n) * k]
-            lengths = np.full(n, k, dtype=np.int32)
             if col.null_count:
                 valid = np.asarray(col.is_valid())
-                lengths[~valid] = 0
+                lengths = np.where(valid, k, 0).astype(np.int32)
                 return lengths, pa.array(flat[np.repeat(valid, k)]), None
-            return lengths, pa.array(flat), k
-        return np.ones(n, dtype=np.int32), col, 1
+            return _constant(n, k), pa.array(flat), k
+        return _constant(n, 1), col, 1
 
     def bags(self, table: pa.Table, f: FeatureSpec, bad: BadRows) -> tuple:
         """One feature's bag lengths [n] (int32), table rows, per-id weights (float32 or None), and the size of
@@ -418,7 +434,7 @@ class Reader:
             else:
                 keep = None
             ids = ids_arr.to_numpy(zero_copy_only=False)
-            if len(ids) and (ids.min() < 0 or ids.max() >= f.rows):
+            if len(ids) and _out_of_range(ids, f.rows):
                 out = (ids < 0) | (ids >= f.rows)
                 values_bad.add(
                     out if keep is None else out & keep,
@@ -463,14 +479,27 @@ class Reader:
         return out
 
 
+def _constant(n: int, k: int) -> np.ndarray:
+    """Bag lengths that are all k: a read-only view of one value (nothing to allocate or fill per column)."""
+    return np.broadcast_to(np.int32(k), (n,))
+
+
+def _out_of_range(ids: np.ndarray, rows: int) -> bool:
+    """Whether some id is outside [0, rows): one pass over the ids read as unsigned integers, where a negative id is
+    at least 2^(bits - 1) (so above any table that signed ids of that width can address)."""
+    if ids.dtype.kind == "i" and rows <= 1 << (8 * ids.itemsize - 1):
+        return int(ids.view(np.dtype(ids.dtype.str.replace("i", "u"))).max()) >= rows
+    return bool(ids.min() < 0 or ids.max() >= rows)
+
+
 def _to_rows(values_bad: BadRows, bad: BadRows, parent: np.ndarray) -> None:
     """Move value-level bad marks to their rows (parent: the row of every value)."""
-    rows = np.zeros(len(bad.mask), dtype=bool)
+    rows = np.zeros(bad.n, dtype=bool)
     rows[parent[values_bad.mask]] = True
     i, what = values_bad.first
     if bad.first is None or parent[i] < bad.first[0]:
         bad.first = (int(parent[i]), what)
-    bad.mask |= rows
+    bad.mask[:] |= rows
 
 
 def raw_ids(flat: pa.Array, where: str, column: str) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,25 +1,28 @@
-"""Batches from worker processes to the training process through shared memory, two ways:
+"""Batches from worker processes to the training process through reused blocks of shared memory ("slots").
 
-- `fresh_shared_arrays` (CPU training): every batch is written into a new block of shared memory, which the training
-  process maps and uses as it is (no copy; one file descriptor passed per batch). The worker pays page faults and
-  the kernel's zeroing of the new pages (about 10 ms for a 14 MB batch of MLPerf multi-hot rows here).
-- `Slots` (CUDA: batches are copied into pinned memory anyway): per worker a few slots of shared memory written
-  again and again, freed once the DataLoader's pin thread has copied the batch out:
+Per worker a few slots, each a block of shared memory that the worker writes batch after batch: only a new or grown
+slot's memory travels (one file descriptor, once); a batch itself travels as a SlotBatch (slot number, array
+layout). Writing into pages that already exist costs no page faults; a new block per batch cost the worker about
+10 ms for a 14 MB batch of MLPerf multi-hot rows (the kernel's zeroing and faulting of fresh pages), more than
+assembling the batch. A slot is in use from the moment the worker takes it until the training process frees it:
 
-    training process: Slots (per worker a semaphore counting its free slots) -> DataLoader workers start
-    worker: take a free slot (wait on its semaphore) -> write the batch's arrays into the slot's shared memory
-            (grown when too small; only a new or grown slot's memory travels, as one file descriptor)
-            -> send a SlotBatch: slot number, array layout, small metadata
-    training process: SlotBatch.pin_memory() (the DataLoader's pin thread, when CUDA is available) or .take()
-            copies the arrays out (into pinned memory or the CPU allocator) and frees the slot
+    worker: take a free slot of its own (the shared state, under its lock); none free and fewer than per_worker made:
+            make one; all in use: a fresh block of shared memory for this batch (never a wait, so a consumer that
+            holds every batch cannot stall the workers) -> write the arrays -> send SlotBatch
+    training process, two ways:
+      - pinned loading (CUDA): SlotBatch.pin_memory() in the DataLoader's pin thread copies the arrays into pinned
+        memory (a copy pinned loading makes anyway) and frees the slot at once;
+      - CPU: SlotBatch.take() gives tensors that are views of the slot (no copy); the slot stays lent until no tensor
+        of the training process uses its memory any more (the storage's use count is back to the count it had when
+        the batch arrived), which `Slots.release()` checks before each next batch.
 
-Slots are freed in the order they were filled, so a counting semaphore per worker is the whole protocol. Without
-CUDA the copy out of a slot would land in fresh memory of the training process, moving the page faults there, so
-CPU training uses fresh blocks.
+Slots are freed in any order (a consumer may drop batch 5 before batch 4): one state byte per slot records it.
+`fresh_shared_arrays` (a new block per batch) remains the worker's fallback.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import uuid
@@ -27,35 +30,57 @@ import uuid
 import numpy as np
 import torch
 
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
+_TORCH = {
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
 _READERS: dict[str, Slots] = {}  # training process: the live slot sets, by id
+FREE, USED = 0, 1
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # the references to a storage's memory (c10 use count)
+
+
+def zero_copy_supported() -> bool:
+    """Whether this torch tells a storage's use count (the CPU path lends slots to the consumer only then)."""
+    return _use_count is not None
+
+
+def _layout(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[list, int]:
+    """Arrays {key: (shape, dtype)} laid out one after another, 8-byte aligned: [(key, offset, shape, dtype)], bytes."""
+    layout, total = [], 0
+    for key, (shape, dt) in specs.items():
+        dt = np.dtype(dt)
+        total = -(-total // 8) * 8
+        layout.append((key, total, tuple(int(s) for s in shape), dt.str))
+        total += math.prod(shape) * dt.itemsize
+    return layout, total
+
+
+def _view(storage: torch.UntypedStorage, offset: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    dt = np.dtype(dtype)
+    return torch.empty(0, dtype=_TORCH[dt]).set_(storage, offset // dt.itemsize, shape)
 
 
 def fresh_shared_arrays(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[dict, dict[str, np.ndarray]]:
     """New arrays {key: (shape, dtype)} as tensors carved out of one new block of shared memory: (items for the
     batch dict, numpy views to fill). Sending them copies nothing and passes one file descriptor."""
-    offsets, total = {}, 0
-    for k, (shape, dt) in specs.items():
-        total = -(-total // 8) * 8  # 8-byte aligned
-        offsets[k] = total
-        total += int(np.prod(shape)) * np.dtype(dt).itemsize
+    layout, total = _layout(specs)
     storage = torch.UntypedStorage._new_shared(max(total, 8))
-    tensors, views = {}, {}
-    for k, (shape, dt) in specs.items():
-        dt = np.dtype(dt)
-        tensors[k] = torch.empty(0, dtype=_TORCH[dt]).set_(storage, offsets[k] // dt.itemsize, shape)
-        views[k] = tensors[k].numpy()
-    return tensors, views
+    tensors = {key: _view(storage, offset, shape, dt) for key, offset, shape, dt in layout}
+    return tensors, {k: t.numpy() for k, t in tensors.items()}
 
 
 class Slots:
-    """The slots of one DataLoader: `per_worker` slots for each of `workers` workers."""
+    """The slots of one DataLoader: up to `per_worker` slots for each of `workers` workers. pin: the DataLoader's pin
+    thread copies batches out (CUDA); otherwise the training process uses them in place (views, lent)."""
 
-    def __init__(self, workers: int, per_worker: int) -> None:
+    def __init__(self, workers: int, per_worker: int, pin: bool) -> None:
         self.id = uuid.uuid4().hex
-        self.per_worker = per_worker
-        self.free = [mp.get_context().Semaphore(per_worker) for _ in range(workers)]
+        self.per_worker, self.pin = per_worker, pin
+        self.state = mp.get_context().Array("b", workers * per_worker)  # FREE / USED per (worker, slot)
         self.storages: dict[tuple[int, int], torch.UntypedStorage] = {}  # training process: received slots
+        self.lent: dict[tuple[int, int], int] = {}  # training process: lent slot -> its storage's use count at arrival
         self.parent = os.getpid()
 
     def __enter__(self) -> Slots:
@@ -64,54 +89,78 @@ class Slots:
 
     def __exit__(self, *exc) -> None:
         _READERS.pop(self.id, None)
-        self.storages.clear()
+        self.storages.clear()  # tensors still in use keep their memory
+        self.lent.clear()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["storages"] = {}
+        state["storages"], state["lent"] = {}, {}
         return state
 
-    def take(self, sb: SlotBatch, pin: bool) -> dict[str, torch.Tensor]:
-        """The batch's arrays copied out of its slot (into pinned memory if pin), and the slot freed."""
+    def _set(self, worker: int, slot: int, value: int) -> None:
+        with self.state.get_lock():
+            self.state[worker * self.per_worker + slot] = value
+
+    def take(self, sb: SlotBatch, pin: bool = False) -> dict[str, torch.Tensor]:
+        """The batch's arrays: views of the slot (CPU loading; the slot is lent until they are all gone: `release`),
+        or, for pinned loading, copied out (into pinned memory if pin) and the slot freed at once."""
+        key = (sb.worker, sb.slot)
         if sb.storage is not None:
-            self.storages[(sb.worker, sb.slot)] = sb.storage
-        storage = self.storages[(sb.worker, sb.slot)]
-        out = {}
-        for key, offset, shape, dtype in sb.layout:
-            dt = np.dtype(dtype)
-            view = torch.empty(0, dtype=_TORCH[dt]).set_(storage, offset // dt.itemsize, shape)
-            out[key] = view.pin_memory() if pin else view.clone()
-        self.free[sb.worker].release()
-        return out
+            self.storages[key] = sb.storage
+        storage = self.storages[key]
+        if self.pin:
+            views = [(k, _view(storage, o, s, dt)) for k, o, s, dt in sb.layout]
+            out = {k: v.pin_memory() if pin else v.clone() for k, v in views}
+            self._set(*key, FREE)
+            return out
+        self.lent[key] = _use_count(storage._cdata)
+        return {k: _view(storage, o, s, dt) for k, o, s, dt in sb.layout}
+
+    def release(self) -> None:
+        """Free the lent slots whose memory no tensor uses any more (training process, before each next batch)."""
+        for key, base in list(self.lent.items()):
+            if _use_count(self.storages[key]._cdata) <= base:
+                del self.lent[key]
+                self._set(*key, FREE)
 
 
 class SlotWriter:
-    """A worker's end: hands out the next slot's arrays for a batch."""
+    """A worker's end: the arrays of each batch, in a free slot of its own or, when all are in use, in fresh memory."""
 
     def __init__(self, slots: Slots, worker: int) -> None:
         self.slots, self.worker = slots, worker
-        self.count = 0
         self.storages: list[torch.UntypedStorage | None] = [None] * slots.per_worker
+        self.bytes: list[np.ndarray | None] = [None] * slots.per_worker  # each slot's memory as a numpy uint8 array
+
+    def _acquire(self) -> int | None:
+        """A free slot (one already made first), marked in use; None when every slot is in use."""
+        base, state = self.worker * self.slots.per_worker, self.slots.state
+        with state.get_lock():
+            free = [s for s in range(self.slots.per_worker) if state[base + s] == FREE]
+            if not free:
+                return None
+            made = [s for s in free if self.storages[s] is not None]
+            slot = made[0] if made else free[0]
+            state[base + slot] = USED
+            return slot
 
     def __call__(self, specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[dict, dict[str, np.ndarray]]:
         """(items for the batch dict, numpy views to fill) for arrays {key: (shape, dtype)}."""
-        while not self.slots.free[self.worker].acquire(timeout=1.0):
-            if os.getppid() != self.slots.parent:  # the training process is gone
-                raise SystemExit(1)
-        slot = self.count % self.slots.per_worker
-        self.count += 1
-        layout, total = [], 0
-        for key, (shape, dt) in specs.items():
-            total = -(-total // 8) * 8  # 8-byte aligned
-            layout.append((key, total, tuple(shape), np.dtype(dt).str))
-            total += int(np.prod(shape)) * np.dtype(dt).itemsize
+        if os.getppid() != self.slots.parent:  # the training process is gone
+            raise SystemExit(1)
+        slot = self._acquire()
+        if slot is None:
+            return fresh_shared_arrays(specs)
+        layout, total = _layout(specs)
         storage, new = self.storages[slot], None
         if storage is None or storage.nbytes() < total:
             storage = new = self.storages[slot] = torch.UntypedStorage._new_shared(max(64, total + total // 4))
-        views = {}
-        for key, offset, shape, dt in layout:
-            dt = np.dtype(dt)
-            views[key] = torch.empty(0, dtype=_TORCH[dt]).set_(storage, offset // dt.itemsize, shape).numpy()
+            self.bytes[slot] = _view(storage, 0, (storage.nbytes(),), "|u1").numpy()
+        mem = self.bytes[slot]
+        views = {
+            key: mem[offset : offset + math.prod(shape) * np.dtype(dt).itemsize].view(dt).reshape(shape)
+            for key, offset, shape, dt in layout
+        }
         return {"slot": SlotBatch(self.slots.id, self.worker, slot, new, layout)}, views
 
 
@@ -126,4 +175,5 @@ class SlotBatch:
         return _READERS[self.slots].take(self, pin=True)
 
     def take(self) -> dict[str, torch.Tensor]:
-        return _READERS[self.slots].take(self, pin=False)
+        """In the training process: the arrays (views of the slot, or copies when the slots are for pinning)."""
+        return _READERS[self.slots].take(self)

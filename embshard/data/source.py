@@ -23,7 +23,7 @@ from embshard.config.schema import FieldError
 from embshard.data.common import Batch
 from embshard.data.decode import FeatureSpec, Reader, ReadSpec
 from embshard.data.layout import Layout, detect_format, resolve_files, scan
-from embshard.data.slots import SlotBatch, Slots, SlotWriter, fresh_shared_arrays
+from embshard.data.slots import SlotBatch, Slots, SlotWriter, fresh_shared_arrays, zero_copy_supported
 from embshard.data.stream import StreamPlan, eval_stream, train_stream
 from embshard.data.vocab import Counter, VocabLookup, read_vocab
 from embshard.tables import ConfigError, TableConfig
@@ -215,20 +215,26 @@ class TableSource:
             yield self._batch(d, None)
 
     def _load(self, make, streams: int) -> Iterator[dict]:
-        """Batch dicts of the dataset `make(slots)`: read here (workers 0) or by `streams` worker processes."""
+        """Batch dicts of the dataset `make(slots)`: read here (workers 0) or by `streams` worker processes, whose
+        batches arrive in reused shared-memory slots (data/slots.py): copied into pinned memory by the DataLoader's
+        pin thread (CUDA), or lent to the caller as they are (CPU) and freed once it drops them."""
         if self.workers == 0:
             yield from make(None)
             return
-        if not self.pin:  # CPU training: a fresh block of shared memory per batch, used as it is
+        if not self.pin and not zero_copy_supported():  # CPU, no use counts to tell when a slot is free
             yield from torch.utils.data.DataLoader(
                 make(None), batch_size=None, num_workers=streams, prefetch_factor=self.prefetch
             )
             return
-        with Slots(streams, self.prefetch + 2) as slots:  # CUDA: reused slots, copied out into pinned memory
+        # per worker: its batches in flight and a few the caller holds (more: fresh memory for those batches)
+        per_worker = self.prefetch + (2 if self.pin else 4)
+        with Slots(streams, per_worker, pin=self.pin) as slots:
             loader = torch.utils.data.DataLoader(
-                make(slots), batch_size=None, num_workers=streams, pin_memory=True, prefetch_factor=self.prefetch
+                make(slots), batch_size=None, num_workers=streams, pin_memory=self.pin, prefetch_factor=self.prefetch
             )
-            yield from loader
+            for d in loader:
+                yield d
+                slots.release()
 
     def _batch(self, d: dict, position: dict | None) -> Batch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -244,11 +250,13 @@ class TableSource:
                     flush=True,
                 )
             self.skipped_rows[path] = self.skipped_rows.get(path, 0) + count
-        if "slot" in d:  # from a worker: copy out of its shared-memory slot (already done when pinned)
+        if "slot" in d:  # from a worker: views of its shared-memory slot (copied out already when pinned)
             arrays = d.pop("slot")
             d.update(arrays.take() if isinstance(arrays, SlotBatch) else arrays)
-        t = {k: torch.as_tensor(d[k]) for k in ("labels", "dense", "lengths", "values")}
-        weights = None if d.get("weights") is None else torch.as_tensor(d["weights"])
+        # taken out of d, which the caller's loop keeps until the next batch: a lent slot is freed once the Batch goes
+        t = {k: torch.as_tensor(d.pop(k)) for k in ("labels", "dense", "lengths", "values")}
+        weights = d.pop("weights", None)
+        weights = None if weights is None else torch.as_tensor(weights)
         kjt = KeyedJaggedTensor(
             keys=self.keys,
             values=t["values"],
@@ -262,7 +270,7 @@ class TableSource:
 
 
 def _writer(slots: Slots | None, worker: int):
-    """How a worker makes a batch's arrays: in its shared-memory slots (pinned loading) or fresh shared memory."""
+    """How a worker makes a batch's arrays: in its shared-memory slots, or fresh shared memory per batch."""
     return fresh_shared_arrays if slots is None else SlotWriter(slots, worker)
 
 

@@ -22,12 +22,13 @@ one 2-D take, a jagged one through its offsets.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from embshard.data.decode import Chunk, Reader, ReadSpec
+from embshard.data.decode import Chunk, Reader, ReadSpec, _same
 from embshard.data.layout import Layout, Piece
 from embshard.tables import ConfigError
 
@@ -111,15 +112,17 @@ class Part:
                 self.offsets.append(off)
             else:
                 self.offsets.append(None)
-        # the fixed-size features of an unweighted chunk, side by side in one row-major int64 matrix: a batch's
-        # random rows are then gathered as whole rows (one or two cache lines for 26 one-hot ids, instead of 26)
+        # the small fixed-size features of an unweighted chunk, side by side in one row-major matrix of their ids'
+        # type (int32 ids of a file stay 32-bit: half the bytes to stack and gather): a batch's random rows are then
+        # gathered as whole rows (one or two cache lines for 26 one-hot ids, instead of 26)
         self.matrix: np.ndarray | None = None
         self.column: list[int | None] = [None] * len(self.fixed)
         small = [f for f, k in enumerate(self.fixed) if k is not None and k <= STACK_MAX]
         stacked = small if chunk.weights is None else []
         if len(stacked) >= 2:
             n = len(chunk)
-            self.matrix = np.empty((n, sum(self.fixed[f] for f in stacked)), dtype=np.int64)
+            dtype = np.result_type(*(chunk.values[f].dtype for f in stacked))
+            self.matrix = np.empty((n, sum(self.fixed[f] for f in stacked)), dtype=dtype)
             at = 0
             for f in stacked:
                 k = self.fixed[f]
@@ -127,28 +130,19 @@ class Part:
                 self.column[f] = at
                 chunk.values[f] = None  # the matrix holds them now
                 at += k
+        self.signature = (tuple(self.fixed), tuple(self.column))  # what the gathers depend on (_plan)
 
     def __len__(self) -> int:
         return len(self.chunk)
 
-    def ids(self, f: int, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """The ids of feature f in rows idx, concatenated."""
-        c = self.column[f]
-        if c is not None:
-            return self.matrix[idx, c : c + self.fixed[f]].ravel()
-        return self.chunk.values[f][self.positions(f, idx, lens)]
-
     def take(self, idx: np.ndarray) -> Chunk:
-        """The given rows as a new Chunk (a batch's rows carried over to the next window)."""
-        c = self.chunk
-        lengths, values, weights = [], [], ([] if c.weights is not None else None)
-        for f in range(len(c.lengths)):
-            lens = c.lengths[f][idx]
-            lengths.append(lens)
-            values.append(self.ids(f, idx, lens))
-            if weights is not None:
-                weights.append(c.weights[f][self.positions(f, idx, lens)])
-        return Chunk(c.labels[idx], c.dense[idx], lengths, values, weights, list(self.fixed))
+        """The given rows as a new Chunk (a batch's rows carried over to the next window): gathered as a batch is."""
+        nf, weighted = len(self.fixed), self.chunk.weights is not None
+        b = assemble([(self, idx)], nf, weighted)
+        cuts = np.cumsum(b["length_per_key"])[:-1]
+        weights = np.split(b["weights"], cuts) if weighted else None
+        lengths = list(b["lengths"].reshape(nf, len(idx)))
+        return Chunk(b["labels"], b["dense"], lengths, np.split(b["values"], cuts), weights, list(self.fixed))
 
     def positions(self, f: int, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Positions in the feature's ids of the bags of rows idx, concatenated."""
@@ -192,14 +186,46 @@ def local_arrays(specs: dict[str, tuple[tuple[int, ...], type]]) -> tuple[dict, 
     return arrays, arrays
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(signatures: tuple) -> tuple[tuple[int | None, ...], dict[int, int]]:
+    """For parts of these signatures (Part.signature): per feature the bag size common to every part (None: jagged
+    somewhere, or sizes differ), and the runs {first feature: count >= 2} of one-id features that every part holds in
+    consecutive columns of its matrix (copied together, transposed)."""
+    nf = len(signatures[0][0]) if signatures else 0
+    same = tuple(_same([fixed[f] for fixed, _ in signatures]) if signatures else None for f in range(nf))
+    runs, f = {}, 0
+    while f < nf:
+        run = 0
+        while f + run < nf and all(
+            fixed[f + run] == 1 and column[f + run] is not None and column[f + run] == column[f] + run
+            for fixed, column in signatures
+        ):
+            run += 1
+        if run > 1:
+            runs[f] = run
+        f += max(run, 1)
+    return same, runs
+
+
 def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, alloc=local_arrays) -> dict:
     """One batch from rows of several parts, in the layout of a KeyedJaggedTensor (ids int64); `alloc` makes the
-    output arrays (local_arrays, or a worker's shared-memory slot)."""
+    output arrays (local_arrays, or a worker's shared-memory slot).
+
+    Per part: one gather of whole rows of its stacked matrix (small fixed bags), then per feature a copy of its
+    columns into the feature's block (a run of one-id features stacked side by side: one transposing copy); a larger
+    fixed bag is one 2-D gather of its [rows, k] ids, a jagged bag a gather through its offsets. Ids of a narrower
+    type are widened as they are copied."""
     B = sum(len(idx) for _, idx in parts)
     nd = parts[0][0].chunk.dense.shape[1] if parts else 0
+    same, runs = _plan(tuple(p.signature for p, _ in parts))
+    none = [None] * len(parts)
     lens_fp: list[list[np.ndarray | None]] = []  # per feature and part: bag lengths, None when fixed
     per_key = []
     for f in range(nf):
+        if parts and same[f] is not None:
+            lens_fp.append(none)
+            per_key.append(same[f] * B)
+            continue
         row, total = [], 0
         for p, idx in parts:
             k = p.fixed[f]
@@ -227,14 +253,28 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, allo
         np.take(p.chunk.labels, idx, out=labels[at : at + len(idx)], mode="clip")
         np.take(p.chunk.dense, idx, axis=0, out=dense[at : at + len(idx)], mode="clip")
         at += len(idx)
-    at = 0
-    for f in range(nf):
-        for (p, idx), lens in zip(parts, lens_fp[f]):
-            lengths[at : at + len(idx)] = p.fixed[f] if lens is None else lens
-            at += len(idx)
+    if parts and all(k is not None for k in same):  # every bag of the batch has its feature's fixed size
+        lengths.reshape(nf, B)[:] = np.array(same, dtype=np.int32)[:, None]
+    else:
+        at = 0
+        for f in range(nf):
+            for (p, idx), lens in zip(parts, lens_fp[f]):
+                lengths[at : at + len(idx)] = p.fixed[f] if lens is None else lens
+                at += len(idx)
     rows = [None if p.matrix is None else np.take(p.matrix, idx, axis=0, mode="clip") for p, idx in parts]
-    at = 0
-    for f in range(nf):
+    at, f = 0, 0
+    while f < nf:
+        run = runs.get(f)
+        if run:  # features f .. f+run-1 are one id a row, side by side in every part's matrix
+            block = values[at : at + run * B].reshape(run, B)
+            col = 0
+            for (p, idx), gathered in zip(parts, rows):
+                c = p.column[f]
+                block[:, col : col + len(idx)] = gathered[:, c : c + run].T
+                col += len(idx)
+            at += run * B
+            f += run
+            continue
         for (p, idx), gathered, lens in zip(parts, rows, lens_fp[f]):
             k, src = p.fixed[f], p.chunk.values[f]
             if p.column[f] is not None:
@@ -260,6 +300,7 @@ def assemble(parts: list[tuple[Part, np.ndarray]], nf: int, weighted: bool, allo
                 if weighted:
                     np.take(p.chunk.weights[f], pos, out=weights[at : at + n], mode="clip")
             at += n
+        f += 1
     return batch
 
 
@@ -314,7 +355,8 @@ class _Batcher:
             yield assemble(parts, self.nf, self.weighted, self.alloc), at
 
     def _carry(self, parts: list[tuple[Part, np.ndarray]]) -> None:
-        chunks = [self.carry.chunk] if self.carry is not None else []
+        # A carry carried on again is read through `take` like any part: Part moved its one-hot ids into a matrix.
+        chunks = [self.carry.take(np.arange(len(self.carry)))] if self.carry is not None else []
         chunks += [p.take(i) for p, i in parts]
         self.carry = Part(Chunk.concat(chunks)) if chunks else None
 

@@ -171,3 +171,29 @@ print("RESULT", tracemalloc.get_traced_memory()[1], pa.default_memory_pool().max
     assert rows == 2 * n // 512 * 512
     window_bytes = data_bytes / n * 6_000  # a window: at least 4000 rows, whole row groups of 2000
     assert numpy_peak + arrow_peak < 6 * window_bytes < data_bytes / 3, (numpy_peak, arrow_peak, window_bytes)
+
+
+def test_a_batch_spanning_several_windows_keeps_its_one_hot_rows(tmp_path):
+    """Windows much smaller than a batch: the rows carried from one window are carried again by the next (a carry
+    whose one-hot features are stacked into one matrix), and every row still keeps its own ids."""
+    n = 900
+    rowid = np.arange(n)
+    table = pa.table({"y": (rowid % 3 == 0).astype(np.float32), "x": rowid / n, "a": rowid, "b": rowid * 3 + 1})
+    pq.write_table(table, tmp_path / "onehot.parquet", row_group_size=40)
+    cfg = TableSourceConfig(
+        files=(str(tmp_path / "onehot.parquet"),),
+        label="y",
+        dense=(DenseColumnConfig("x"),),
+        categorical=(CategoricalColumnConfig("a"), CategoricalColumnConfig("b")),
+        mapping="identity",
+        eval_fraction=0.1,
+    )
+    tables = [TableConfig("t_a", n, 4, ("a",)), TableConfig("t_b", 3 * n + 1, 4, ("b",))]
+    src = TableSource(cfg, DataConfig(source="table", table=cfg, shuffle_rows=50), tables, 256, 0, 0, 1)
+    seen = []
+    for batch in itertools.islice(src.train_batches(), 6):
+        a, b = batch.sparse["a"].values(), batch.sparse["b"].values()
+        assert torch.equal(b, a * 3 + 1), "a row's one-hot ids were mixed with another row's"
+        assert batch.labels.tolist() == [float(i % 3 == 0) for i in a.tolist()]
+        seen += a.tolist()
+    assert len(set(seen[:700])) == 700  # the first epoch's rows, each once

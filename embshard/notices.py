@@ -1,0 +1,36 @@
+"""Notices that libraries print on embshard's normal path and that ask nothing of its users, dropped where they are
+emitted, each by its exact logger and text (every other record and warning stays visible).
+
+- torch.fx, "is_fx_tracing will return true for both fx.symbolic_trace and torch.export ...": torchrec's
+  KeyedJaggedTensor has torch.fx's ProxyableClassMeta as metaclass, whose `__call__` asks torch.fx's own
+  deprecated `is_fx_tracing()` on every construction; that function logs this once per process (torch 2.13). It is
+  advice to code that calls `is_fx_tracing()`, which embshard does not; any process that builds a
+  KeyedJaggedTensor (every rank, each batch) would print it.
+
+`install()` runs when embshard is imported, so spawned ranks (which import embshard to run) and the data workers
+(forked from them) get it too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+# (logger name, start of the message) of each notice dropped
+DROPPED = (("torch.fx._symbolic_trace", "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"),)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefix))
+
+
+def install() -> None:
+    """Add the filters (once per process; the loggers need not exist yet)."""
+    for name, prefix in DROPPED:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_Drop(prefix))
