@@ -500,6 +500,38 @@ def bandwidth_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str
     return rows or [("bandwidth", "no bandwidth line (see bandwidth.log)")]
 
 
+# ---- hier: table-row-wise's hierarchical exchange, 4 GPUs as 2 hosts x 2 ------------------------------------------
+def hier_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    """bench/hier_exchange.py (flat against hierarchical exchange, 4 ranks as 2 hosts x 2), then the world-4 parity
+    tests of tests/sharding/test_sharding_types.py and 40 world-4 fuzz cases with the hierarchical scenario."""
+    gpus = 0 if args.cpu else 4
+    bench = torchrun(4) + ["bench/hier_exchange.py"] + (["--smoke"] if args.cpu else [])
+    tests = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sharding/test_sharding_types.py", "-k"]
+    tests.append("world4")
+    fuzz = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py", "-k", "parity or hierarchical"]
+    fuzz_env = dict(cuda_env(args), EMBSHARD_FUZZ_WORLDS="4", EMBSHARD_FUZZ_CASES="40")
+    return [
+        Step("hier_exchange, 4 ranks as 2 hosts x 2", bench, timeout=300, needs_gpus=gpus),
+        Step("world-4 parity tests (2 hosts x 2)", tests, cuda_env(args), timeout=400, needs_gpus=gpus),
+        Step("world-4 fuzz cases", fuzz, fuzz_env, timeout=400, needs_gpus=gpus),
+    ]
+
+
+def hier_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for r in results(log):
+        if r.get("bench") == "hier_exchange":
+            text = (f"{r['intra_mib']} MiB inside hosts, {r['cross_mib']} between (planner {r['planner_intra_mib']}, "
+                    f"{r['planner_cross_mib']}); exchange {r['exchange_ms']} ms (predicted "
+                    f"{r['predicted_exchange_ms']}, one machine {r['predicted_exchange_ms_one_machine']}); step "
+                    f"{r['step_ms']} ms (predicted {r['predicted_step_ms']})")  # fmt: skip
+            rows.append((f"{r['exchange']} exchange", text))
+    for label, block in step_blocks(log):
+        if label.startswith("world-4"):
+            rows.append((label, last_match(block, PYTEST_LINE) or "no pytest summary line"))
+    return rows or [("hier", "no RESULT line (see hier.log)")]
+
+
 SUITES = {
     s.name: s
     for s in [
@@ -533,5 +565,8 @@ SUITES = {
         Suite("rawids", "raw-id tables: tests/rawids on the GPUs, then uniform26 with every table ids: raw against "
               "static, interleaved (ids within the rows; 10 x rows ids, evicting)", "1-2", "4-6 min (estimate)",
               rawids_steps, rawids_summary),
+        Suite("hier", "table-row-wise's hierarchical against flat exchange, 4 GPUs as 2 hosts x 2: bytes per level, "
+              "ms, the planner's predictions; then the world-4 parity tests and fuzz cases", "4",
+              "3-6 min (estimate)", hier_steps, hier_summary),
     ]
 }  # fmt: skip

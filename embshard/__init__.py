@@ -3,7 +3,7 @@
 from embshard import notices
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import BoundsCheck, LookupOptions, OutputDtype
-from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.plan import CacheAlgorithm, Exchange, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.planner.simple import simple_plan
 from embshard.tables import ConfigError, DataType, Pooling, TableConfig
 
@@ -12,6 +12,7 @@ __all__ = [
     "CacheAlgorithm",
     "ConfigError",
     "DataType",
+    "Exchange",
     "FusedOptimizerConfig",
     "LookupOptions",
     "MemoryTier",

@@ -1,10 +1,12 @@
-"""Process-group set-up: under torchrun (env vars present) or started locally with `spawn_local`."""
+"""Process-group set-up: under torchrun (env vars present) or started locally with `spawn_local`; the intra-host and
+cross-host sub-groups of a hierarchical exchange (`host_groups`)."""
 
 from __future__ import annotations
 
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from embshard import comm
+from embshard.tables import ConfigError
 
 
 def init_distributed(collective_timeout_s: float | None = 600.0) -> torch.device:
@@ -61,3 +64,63 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.start_processes(_entry, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True, start_method="spawn")
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """The sub-groups a hierarchical exchange runs on, for one rank of a group of H hosts x L local ranks (rank
+    h * L + j is local rank j of host h)."""
+
+    intra: dist.ProcessGroup
+    """This rank's host: its L ranks, in local-rank order (fast local links)."""
+    peers: dist.ProcessGroup
+    """The ranks of this rank's local index on every host, in host order (one rank per host: the links between
+    hosts)."""
+
+
+_HOST_GROUPS: dict[tuple, tuple[dist.ProcessGroup, HostGroups]] = {}  # (name, L) -> (the parent group, its groups)
+
+
+def host_groups(group: dist.ProcessGroup | None, local_world_size: int) -> HostGroups:
+    """The intra-host and cross-host peer sub-groups of `group` (None: the default group) for hosts of
+    `local_world_size` ranks. Collective: every process of the job calls it, in the same order (torch's new_group
+    rule); the groups are made once per (group, local_world_size) and reused by later callers, so every rank makes
+    the same groups in the same order as long as every rank builds the same modules. `group` must span every
+    process (ConfigError otherwise); its backend and timeout carry over."""
+    parent = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(parent)
+    W, L = len(ranks), local_world_size
+    if L < 1 or W % L:
+        raise ConfigError(f"host groups: local_world_size={L} does not divide the group's {W} ranks")
+    if W != dist.get_world_size() or ranks != sorted(ranks):
+        raise ConfigError(
+            f"the hierarchical exchange makes sub-groups of the collection's process group, which every process of "
+            f"the job must enter (torch.distributed.new_group), but the group has ranks {ranks} of "
+            f"{dist.get_world_size()}: build the collection on a group of every process in rank order, or plan "
+            "table_row_wise_exchange: flat"
+        )
+    key = (getattr(parent, "group_name", None) or id(parent), L)
+    if key not in _HOST_GROUPS or _HOST_GROUPS[key][0] is not parent:  # a new default group may reuse a name
+        backend = dist.get_backend(parent)
+        kw = {"timeout": _group_timeout(parent)} if _group_timeout(parent) is not None else {}
+        me = dist.get_rank()
+        H = W // L
+        intra = peers = None
+        for h in range(H):  # every process creates every group, in this order
+            g = dist.new_group([ranks[h * L + j] for j in range(L)], backend=backend, **kw)
+            intra = g if me // L == h else intra
+        for j in range(L):
+            g = dist.new_group([ranks[h * L + j] for h in range(H)], backend=backend, **kw)
+            peers = g if me % L == j else peers
+        _HOST_GROUPS[key] = (parent, HostGroups(intra, peers))
+    return _HOST_GROUPS[key][1]
+
+
+def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout `group` was made with, where torch exposes it (gloo, NCCL), else None (torch's default)."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 (no such backend on this group, or an older torch without the field)
+            continue
+    return None

@@ -33,6 +33,13 @@ class ShardingType(str, enum.Enum):
     DATA_PARALLEL = "data_parallel"  # a full replica on every rank
 
 
+class Exchange(str, enum.Enum):
+    """How table-row-wise partial sums reach the ranks that own the samples (sharding/table_row_wise.py)."""
+
+    FLAT = "flat"  # one all-to-all over every rank: each row block sends its partial sums to every sample's rank
+    HIERARCHICAL = "hierarchical"  # reduce within the host first, then one all-to-all between hosts' peer ranks
+
+
 class MemoryTier(str, enum.Enum):
     """Where a shard's weights and optimizer state live."""
 
@@ -120,11 +127,15 @@ class ShardingPlan:
     """Ranks per host."""
     tables: tuple[TablePlan, ...]
     """One entry per table."""
+    table_row_wise_exchange: Exchange = Exchange.FLAT
+    """Output exchange of the table-row-wise tables: flat (one all-to-all over every rank) or hierarchical (a
+    reduce within each host, then one all-to-all between the hosts' peer ranks; the same outputs)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "tables", tuple(t if isinstance(t, TablePlan) else TablePlan(**t) for t in self.tables)
         )
+        set_enum_field(self, "table_row_wise_exchange", Exchange, "plan: ")
         if self.world_size < 1 or self.local_world_size < 1 or self.world_size % self.local_world_size:
             raise ConfigError(
                 f"plan: world_size={self.world_size} and local_world_size={self.local_world_size} are "
@@ -184,6 +195,7 @@ class ShardingPlan:
                 tables=tuple(
                     TablePlan(**{**t, "shards": tuple(Shard(**s) for s in t["shards"])}) for t in data["tables"]
                 ),
+                table_row_wise_exchange=data.get("table_row_wise_exchange", Exchange.FLAT.value),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a valid embshard plan ({e}); produce one with `embshard plan`") from e
@@ -224,6 +236,8 @@ class ShardingPlan:
         n = len(rows[0]) - 1
         widths = [max(len(r[i]) for r in rows) for i in range(n)]
         head = f"ShardingPlan: world_size={self.world_size} local_world_size={self.local_world_size}"
+        if any(t.sharding_type is ShardingType.TABLE_ROW_WISE for t in self.tables):
+            head += f" table_row_wise_exchange={self.table_row_wise_exchange.value}"
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:n], widths)) + "  " + r[n] for r in rows]
         return "\n".join(lines)
 

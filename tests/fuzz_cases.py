@@ -6,7 +6,8 @@ a batch {feature: (lengths, ids, weights)} and the upstream gradient of each out
 case as a `Case(...)` expression to paste into tests/test_fuzz_regressions.py. fuzz_check.py trains the cases and
 compares them with the reference.
 
-What a draw covers: 1-4 ranks (hosts of 1, 2 or 4 ranks), 1-6 tables of 1 to 5000 rows and 4 to 128 columns
+What a draw covers: 1-4 ranks (hosts of 1, 2 or 4 ranks; the table-row-wise output exchange flat or hierarchical,
+which differ at 4 ranks as 2 hosts x 2), 1-6 tables of 1 to 5000 rows and 4 to 128 columns
 (multiples of 4: FBGEMM's rule), sum or mean pooling, per-id weights, 1-3 features per table, fp32 or fp16 weights;
 every sharding type (random rank orders, fewer row blocks than ranks, uneven column blocks, several blocks of a
 table on one rank), every tier of the device (CPU: host; GPU: hbm, uvm, uvm_caching with a random cache size and
@@ -183,10 +184,14 @@ def to_corners(case: Case, rng: random.Random, device: str) -> Case:
     are all silent at a step, and empty local and global batches."""
     W = case.world_size
     holder = rng.randrange(W)
+    lws = case.plan.local_world_size
     plans = []
     for tp in case.plan.tables:
         if tp.sharding_type in (TW, CW) and rng.random() < 0.7:
             tp = replace(tp, shards=tuple(replace(s, rank=holder) for s in tp.shards))
+        elif tp.sharding_type is TWRW and rng.random() < 0.7:  # every host but the holder's holds no block
+            host = holder // lws
+            tp = replace(tp, shards=tuple(replace(s, rank=host * lws + s.rank % lws) for s in tp.shards))
         plans.append(tp)
     options = dict(case.options)
     optimizer, per_block = case.optimizer, case.per_block_tiers
@@ -220,7 +225,7 @@ def to_corners(case: Case, rng: random.Random, device: str) -> Case:
     silent += [(step, rank, f) for f in case.features]
     table = rng.choice(case.tables)
     silent += [(s, r, f) for s in range(len(sizes)) for r in range(W) if r != holder for f in table.feature_names]
-    plan = ShardingPlan(W, case.plan.local_world_size, tuple(plans))
+    plan = replace(case.plan, tables=tuple(plans))
     plan.check(case.tables)
     return replace(
         case,
@@ -301,10 +306,14 @@ def _draw_case(seed: int, device: str, worlds: Sequence[int]) -> Case:
     if rng.random() < 0.3:  # the plan's tables and shards in any order
         plans = [replace(tp, shards=tuple(rng.sample(tp.shards, len(tp.shards)))) for tp in plans]
         plan = ShardingPlan(W, lws, tuple(rng.sample(plans, len(plans))))
+    # Table-row-wise output exchange: hierarchical in half the cases (it differs from flat with 2 hosts x 2), drawn
+    # from a stream of its own so the rest of a seed's draw stays what it was.
+    if random.Random(seed * 104729 + 3).random() < 0.5:
+        plan = replace(plan, table_row_wise_exchange="hierarchical")
     if rng.random() < 0.15 and not (bad and "bounds_check" not in options):  # ebc.prefetch(next batch) each step
         options["prefetch_pipeline"] = True
         if device == "cuda":  # FBGEMM locks prefetched cache rows only under LRU
-            plan = ShardingPlan(W, lws, tuple(replace(tp, cache_algorithm="lru") for tp in plan.tables))
+            plan = replace(plan, tables=tuple(replace(tp, cache_algorithm="lru") for tp in plan.tables))
     # fp16/bf16 outputs round the gradient too (2^-11, 2^-8): an SGD step of lr 0.5 then moves a weight by up to
     # 0.01 more or less than the reference's, and Adam's first step follows the sign of a tiny gradient. Only the
     # optimizers whose step error stays small against the tolerance draw them.
@@ -506,7 +515,7 @@ def case_source(case: Case) -> str:
         "    ],",
         f"    plan=ShardingPlan({case.plan.world_size}, {case.plan.local_world_size}, (",
         *[f"{ind}{_plan_source(tp)}," for tp in case.plan.tables],
-        "    )),",
+        f"    ), {case.plan.table_row_wise_exchange.value!r}),",
         f"    optimizer={_optimizer_source(case.optimizer)},",
         f"    batch_sizes={case.batch_sizes!r},",
         f"    options={case.options!r},",

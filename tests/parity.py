@@ -82,11 +82,13 @@ def sharded_worker(
     groups: dict[str, list[str]] | None = None,
     options=None,
 ):
-    """Train the sharded module on this rank's slice of each step's batch; return its outputs, the full weights
-    and this rank's replicas of the data-parallel tables.
+    """Train the sharded module on this rank's slice of each step's batch; return its outputs, the full weights,
+    this rank's replicas of the data-parallel tables, its shards' optimizer state ({(table, row offset, column
+    offset): {name: tensor}}) and the labels of the collectives it started.
 
     Without `groups` the loss is sum(out[f] * upstream[f]) over features; with `groups` the module returns one
     tensor per group and the loss is sum(out[g] * group_upstream(g)) (see group_upstream)."""
+    from embshard import comm
     from embshard.sharded import ShardedEmbeddingBagCollection
 
     torch.manual_seed(1234 + rank)  # must not matter: initialisation is seeded per table
@@ -96,17 +98,28 @@ def sharded_worker(
     features = [f for t in tables for f in t.feature_names]
     key_order = features[::-1]  # a different order from the tables', to exercise the mapping
     outputs = []
-    for per_rank, upstream in random_batches(tables, batch_sizes, steps, seed):
-        out = ebc(to_kjt(per_rank[rank], key_order, device))
-        got = out if groups is not None else out.to_dict()
-        names = list(groups) if groups is not None else features
-        up = group_upstream(upstream[rank], groups) if groups is not None else upstream[rank]
-        loss = sum((got[n] * up[n].to(device)).sum() for n in names)
-        loss.backward()
-        outputs.append({n: got[n].detach().cpu() for n in names})
+    with comm.trace() as labels:
+        for per_rank, upstream in random_batches(tables, batch_sizes, steps, seed):
+            out = ebc(to_kjt(per_rank[rank], key_order, device))
+            got = out if groups is not None else out.to_dict()
+            names = list(groups) if groups is not None else features
+            up = group_upstream(upstream[rank], groups) if groups is not None else upstream[rank]
+            loss = sum((got[n] * up[n].to(device)).sum() for n in names)
+            loss.backward()
+            outputs.append({n: got[n].detach().cpu() for n in names})
     dp = {t.table for t in plan.tables if t.sharding_type is ShardingType.DATA_PARALLEL}
     replicas = {name: w.detach().cpu().clone() for name, _, w in ebc.local_shards() if name in dp}
-    return {"outputs": outputs, "weights": ebc.full_weights(), "replicas": replicas}
+    states = {
+        (name, s.row_offset, s.col_offset): {k: v.detach().cpu().clone() for k, v in st.items()}
+        for name, s, st in ebc.local_optimizer_states()
+    }
+    return {
+        "outputs": outputs,
+        "weights": ebc.full_weights(),
+        "replicas": replicas,
+        "states": states,
+        "collectives": list(labels),
+    }
 
 
 def column_blocks(plan: ShardingPlan) -> dict[str, list[int]]:

@@ -115,6 +115,43 @@ def spec_case(scenario: str, optimizer: str, W: int, device: str, seed: int) -> 
     return Case(seed, W, tables, plan, opt, sizes, options, groups, silent=silent, bad=bad, rerun=rerun)
 
 
+HIERARCHICAL = "hierarchical_exchange"  # a scenario of its own: 4 ranks as 2 hosts x 2
+
+
+def hierarchical_case(optimizer: str, device: str, seed: int) -> Case:
+    """4 ranks as 2 hosts x 2 with the hierarchical table-row-wise exchange: every table-row-wise table on host 1
+    (host 0 holds no block), one of them in a single block (rank 2 holds none of it), one with its blocks in reverse
+    rank order, beside table-wise, row-wise and data-parallel tables; ranks without samples, a step without any, a
+    rank whose features are all silent, another with one silent feature."""
+    tables = [
+        TableConfig("twrw_a", 13, 8, ("a1", "a2"), pooling="mean"),
+        TableConfig("twrw_b", 6, 4, ("b1",), weighted=True),
+        TableConfig("twrw_c", 3, 12, ("c1",)),
+        TableConfig("tw", 9, 8, ("tw1",)),
+        TableConfig("rw", 11, 4, ("rw1",), weighted=True),
+        TableConfig("dp", 5, 4, ("dp1",)),
+    ]
+    shards = {
+        "twrw_a": [Shard(2, 0, 7, 0, 8), Shard(3, 7, 6, 0, 8)],
+        "twrw_b": [Shard(3, 0, 3, 0, 4), Shard(2, 3, 3, 0, 4)],
+        "twrw_c": [Shard(3, 0, 3, 0, 12)],
+        "tw": [Shard(0, 0, 9, 0, 8)],
+        "rw": [Shard(r, 3 * r, 3 if r < 3 else 2, 0, 4) for r in range(4)],
+        "dp": [Shard(r, 0, 5, 0, 4) for r in range(4)],
+    }
+    types = {"twrw_a": TWRW, "twrw_b": TWRW, "twrw_c": TWRW, "tw": TW, "rw": RW, "dp": DP}
+    tier = "hbm" if device == "cuda" else "host"
+    plans = tuple(TablePlan(n, types[n], tier, tuple(s)) for n, s in shards.items())
+    plan = ShardingPlan(4, 2, plans, "hierarchical")
+    features = [f for t in tables for f in t.feature_names]
+    sizes = [[3, 0, 4, 2], [0, 0, 0, 0], [0, 5, 0, 1], [2, 3, 0, 0]]
+    silent = [(2, 1, f) for f in features] + [(0, 2, "a1"), (3, 0, "c1")]
+    groups = {"all": features, "some": ["c1", "a1", "c1"]}
+    opt = FusedOptimizerConfig(optimizer, lr=0.05, eps=0.1)
+    rerun = f"pytest tests/test_fuzz.py -k '{HIERARCHICAL}'"
+    return Case(seed, 4, tables, plan, opt, sizes, {}, groups, silent=silent, rerun=rerun)
+
+
 # ---- one run of every case: one spawn per world size --------------------------------------------------------
 @pytest.fixture(scope="module")
 def fuzz_run():
@@ -131,6 +168,10 @@ def fuzz_run():
                 for opt in opts:
                     spec[len(cases)] = sc
                     cases.append(spec_case(sc, opt, W, device, seed=len(spec)))
+        if 4 in worlds:  # in the spawn of world 4's random cases
+            for opt in SPEC_OPTIMIZERS:
+                spec[len(cases)] = HIERARCHICAL
+                cases.append(hierarchical_case(opt, device, seed=len(spec)))
     t0 = time.perf_counter()
     outcome = run_cases(cases, ",".join(map(str, worlds)))
     n = len(cases) - len(spec)
@@ -151,12 +192,16 @@ def test_fuzz_parity_with_reference(fuzz_run):
         assert want <= trained, f"no random case trains {sorted(want - trained)}"
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario", [*SCENARIOS, HIERARCHICAL])
 def test_every_rank_enters_every_collective(fuzz_run, scenario):
     """Batch of 0 on one rank, on all ranks, a feature (or a whole rank's batch) without ids, every id of a rank
-    dropped, ranks holding no shard of a scheme: nothing hangs and everything matches the reference."""
+    dropped, ranks holding no shard of a scheme, and the same at 4 ranks as 2 hosts x 2 with the hierarchical
+    table-row-wise exchange (a host without blocks): nothing hangs, every rank starts the same collectives, and
+    everything matches the reference."""
     if os.environ.get("EMBSHARD_FUZZ_SEED"):
         pytest.skip("EMBSHARD_FUZZ_SEED runs one random case only")
+    if scenario == HIERARCHICAL and 4 not in _worlds():
+        pytest.skip("needs world size 4 (EMBSHARD_FUZZ_WORLDS)")
     _, outcome, spec = fuzz_run
     ran = [i for i, sc in spec.items() if sc == scenario]
     failures = [outcome[i] for i in ran if outcome[i] is not None]

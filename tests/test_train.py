@@ -3,12 +3,12 @@ plan, progress and AUC (and no library warning) and writes TensorBoard events an
 checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
 resumes on 3 processes; a schedule that ends before the checkpoint's step stops with a message; config, data and
 planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the torchx component
-launches a CPU run.
+launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md).
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
 the saved plan) run embshard.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
 `embshard train --nproc 2` starts three Python processes, most of a short run's time); dlrm_criteo, the restart
-under torchrun, the errors, torchx and the benchmark go through the command line."""
+under torchrun, the errors, torchx, the two launchers and the benchmark go through the command line."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -295,3 +296,41 @@ def test_torchx_component_runs_on_cpu(tmp_path):
     assert "ShardingPlan: world_size=2" in log
     start, end = metrics(tmp_path)  # the config evaluates before and after training
     assert (start["step"], end["step"]) == (0, 5) and end["samples"] == 40
+
+
+def test_two_hosts_on_one_machine_with_two_torchrun_launchers(tmp_path):
+    """docs/launch.md's recipe: launch/torchrun.sh started twice (node ranks 0 and 1, a c10d rendezvous on this
+    machine), 2 processes each: 4 ranks as 2 hosts x 2. The planner's topology says 2 hosts x 2 and, with every table
+    table-row-wise and the hierarchical exchange asked for, the plan and the report say so; DLRM trains on the Criteo
+    sample and both launchers exit 0. On a machine with 4 GPUs (EMBSHARD_TEST_DEVICE=cuda) each launcher gets 2 of them."""
+    gpus = DEVICE == "cuda" and torch.cuda.device_count() >= 4
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["configs/dlrm_criteo.yaml", "schedule.epochs=1", f"logging.metrics_file={tmp_path}/metrics.jsonl"]
+    args += [
+        "planner.settings.sharding_types=[table_row_wise]",
+        "planner.settings.table_row_wise_exchange=hierarchical",
+    ]
+    args += ["logging.tensorboard_dir=null", f"checkpoint.dir={tmp_path}/ck", "logging.progress_bar=false"]
+    launchers = []
+    for node in (0, 1):
+        e = dict(env(), NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{port}")
+        e.update(RDZV_ID=f"two_hosts_{port}", PYTHON=sys.executable)
+        e["CUDA_VISIBLE_DEVICES"] = ("0,1" if node == 0 else "2,3") if gpus else ""
+        cmd = [str(ROOT / "launch" / "torchrun.sh"), *args]
+        launchers.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    logs = [a.communicate(timeout=240)[0] for a in launchers]
+    for node, (a, log) in enumerate(zip(launchers, logs)):
+        assert a.returncode == 0, f"launcher {node}:\n{log[-4000:]}"
+    out = logs[0]  # rank 0 runs under the launcher of node rank 0
+    assert (
+        "4 ranks on" in out
+        and "ShardingPlan: world_size=4 local_world_size=2 table_row_wise_exchange=hierarchical" in out
+    )
+    assert "(2 host(s) x 2)" in out and "table-row-wise exchange: hierarchical; predicted step: hierarchical" in out
+    assert "output intra-host reduce" in out
+    start, end = metrics(tmp_path)  # evaluated before and after the epoch (160 training rows, 4 x 16 a step)
+    assert (start["step"], end["step"]) == (0, 2) and end["samples"] == start["samples"] > 0

@@ -4,6 +4,8 @@ groups, a retrieval catalog, the dense part, the loss) comes from the kind's fil
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -47,7 +49,7 @@ class RecModel(nn.Module):
         self.catalog = build_catalog(cfg, plan, sparse_optimizer, device, seed) if build_catalog else None
         if self.catalog is not None:
             tables = [t for t in tables if t.name != self.catalog.table.name]
-            plan = ShardingPlan(plan.world_size, plan.local_world_size, tuple(plan[t.name] for t in tables))
+            plan = replace(plan, tables=tuple(plan[t.name] for t in tables))
         groups = self.kind.output_groups(cfg) if self.kind.output_groups else None
         self.ebc = ShardedEmbeddingBagCollection(
             tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed, options=options

@@ -214,9 +214,9 @@ def build_choices(
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti], kernel)
         mem = model.storage(sub, st, tier, rows, cols, clf, kernel)
         shape = (len(ti), loads.NROWS)
-        owner = np.broadcast_to(model.owner_vec(wk), shape)
-        same = np.broadcast_to(model.peer_vec(wk, True), shape)
-        other = np.broadcast_to(model.peer_vec(wk, False), shape)
+        first = np.flatnonzero(np.r_[True, (ti[1:] != ti[:-1]) | (oj[1:] != oj[:-1])])
+        blocks = np.repeat(np.add.reduceat(count, first), np.diff(np.r_[first, len(ti)]))  # each run's table's
+        owner, same, other = (np.broadcast_to(v, shape) for v in model.block_vecs(wk, st, blocks))
         hbm = np.broadcast_to(np.asarray(mem.hbm, dtype=float), rows.shape)
         ddr = np.broadcast_to(np.asarray(mem.ddr, dtype=float), rows.shape)
         step = np.broadcast_to(np.asarray(mem.hbm_buffers + mem.ddr_buffers, dtype=float), rows.shape)

@@ -24,6 +24,8 @@ Communication, per step (model-parallel shards; data-parallel ones have none):
   out_b = B*F*c*4                      bytes the shard's rank sends every other rank (fp32 pooled rows), and
                                        receives back as gradients in backward
   Rank time on a link = bytes / (intra_host_bw or inter_host_bw), sends and receives counted apart.
+  Table-row-wise under the hierarchical exchange (plan.table_row_wise_exchange): the partials are first reduced
+  inside the host, then each sample's row crosses hosts once (exchange.py: its rows, phases and latencies).
 
 Compute, per step, on the shard's rank: a fixed time per id (and per touched row in backward) from the Topology
 plus the bytes moved over the bandwidth of where they live (bw = hbm_bw; ddr_bw on CPUs), so the time per id
@@ -111,7 +113,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import LookupKernel, MemoryTier, ShardingType
+from embshard.plan import Exchange, LookupKernel, MemoryTier, ShardingType
+from embshard.planner import exchange as twrw
 from embshard.planner import kernel_cost, loads
 from embshard.planner.access import distinct_rows, gather, zipf_hit_rate
 from embshard.planner.settings import PlannerSettings
@@ -277,11 +280,15 @@ class CostModel:
         batch_size: int,
         optimizer: FusedOptimizerConfig,
         settings: PlannerSettings | None = None,
+        exchange: Exchange | str | None = None,
     ) -> None:
         self.topo = topology
         self.batch = batch_size
         self.optimizer = optimizer
         self.settings = settings or PlannerSettings()
+        self.exchange = twrw.resolve(exchange or self.settings.table_row_wise_exchange, topology)
+        """The output exchange table-row-wise tables are priced with (exchange.py)."""
+        self.hierarchical = self.exchange is Exchange.HIERARCHICAL and twrw.applies(topology)
         s0 = optimizer.state_bytes_per_row(0)
         self.state_fixed = float(s0)
         self.state_per_col = float(optimizer.state_bytes_per_row(1) - s0)
@@ -438,6 +445,8 @@ class CostModel:
             weights = rows * cols * t.elem
             per_id = HOST_ID_STEP_BYTES if tier is MemoryTier.HOST else ID_STEP_BYTES
             buffers = n * (per_id + 3 * WEIGHT_BYTES * t.weighted + RAW_ID_STEP_BYTES * t.raw) + pooled
+            if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:
+                buffers = buffers + pooled  # the host's partials it receives to add up, and their gradient
         if tier is MemoryTier.HBM:
             return Storage(hbm_weights=weights, hbm_state=state + id_map, hbm_buffers=buffers)
         if tier is MemoryTier.HOST:
@@ -497,6 +506,15 @@ class CostModel:
         v[..., loads.GRAD_SEND_I + x] = wk.out_b / bw
         return v
 
+    def block_vecs(self, wk: ShardWork, sharding: ShardingType, blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[..., NROWS] each of (owner, same, other): what a block puts on its rank, on each other rank of its
+        host and on each rank of the other hosts (`blocks`: its table's block count; table-row-wise under the
+        hierarchical exchange: exchange.py)."""
+        flat = self.owner_vec(wk), self.peer_vec(wk, True), self.peer_vec(wk, False)
+        if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:
+            return twrw.hierarchical_vecs(self.topo, flat, wk.out_b, blocks)
+        return flat
+
     def group_fixed(self, sharding: ShardingType, tier: MemoryTier, kernel=LookupKernel.FBGEMM) -> np.ndarray:
         """[NROWS]: kernel launch costs of one lookup group on a rank (do not modify: cached)."""
         key = ("group", sharding, tier, kernel)
@@ -518,7 +536,7 @@ class CostModel:
         if key not in self._fixed:
             v = np.zeros(loads.NROWS)
             if self.topo.world_size > 1:
-                v[loads.PHASE_ROWS[0]] = self.topo.host_sync_s
+                v[loads.PHASE_ROWS[loads.INPUT]] = self.topo.host_sync_s
             self._fixed[key] = v
         return self._fixed[key]
 
@@ -541,7 +559,9 @@ class CostModel:
         if sharding is ShardingType.DATA_PARALLEL:
             v[loads.ALLREDUCE] = lat
             return v
-        v[loads.PHASE_ROWS[0]] = (3 + int(weighted)) * lat
-        v[loads.PHASE_ROWS[2]] = lat
-        v[loads.PHASE_ROWS[3]] = lat
+        v[loads.PHASE_ROWS[loads.INPUT]] = (3 + int(weighted)) * lat
+        if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:
+            return v + twrw.scheme_latencies(self.topo)
+        v[loads.PHASE_ROWS[loads.OUTPUT]] = lat
+        v[loads.PHASE_ROWS[loads.GRADIENT]] = lat
         return v

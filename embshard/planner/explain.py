@@ -23,7 +23,9 @@ def explain(report: PlanReport, table: str) -> str:
     tr = report.table(table)
     cfg = next(t for t in report.table_configs if t.name == table)
     tp = report.plan[table]
-    model = CostModel(report.topology, report.batch_size, report.optimizer, report.settings)
+    model = CostModel(
+        report.topology, report.batch_size, report.optimizer, report.settings, report.plan.table_row_wise_exchange
+    )
     bud = budgets(model, report.table_configs)
     lines = [
         f"table {cfg.name!r}: {cfg.num_embeddings:,} rows x {cfg.embedding_dim} {cfg.data_type.value}, "
@@ -93,12 +95,6 @@ def _phases(model: CostModel, cfg, tp, alpha: float) -> np.ndarray:
     wk = model.work(stats, tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, alpha, tp.kernel)
     shape = (len(rows), loads.NROWS)
     topo = model.topo
-    matrix = loads.spread(
-        np.array(tp.ranks),
-        np.broadcast_to(model.owner_vec(wk), shape),
-        np.broadcast_to(model.peer_vec(wk, True), shape),
-        np.broadcast_to(model.peer_vec(wk, False), shape),
-        topo.world_size,
-        topo.local_world_size,
-    )
+    vecs = (np.broadcast_to(v, shape) for v in model.block_vecs(wk, tp.sharding_type, len(rows)))
+    matrix = loads.spread(np.array(tp.ranks), *vecs, topo.world_size, topo.local_world_size)
     return loads.phase_times(matrix).max(axis=1)

@@ -18,24 +18,30 @@ import numpy as np
 # Rows of a load matrix.
 IN_SEND_I, IN_SEND_X, IN_RECV_I, IN_RECV_X = 0, 1, 2, 3  # ids all-to-all (forward)
 FWD = 4  # forward lookup kernels
-OUT_SEND_I, OUT_SEND_X, OUT_RECV_I, OUT_RECV_X = 5, 6, 7, 8  # pooled embeddings all-to-all (forward)
-GRAD_SEND_I, GRAD_SEND_X, GRAD_RECV_I, GRAD_RECV_X = 9, 10, 11, 12  # their gradients all-to-all (backward)
-BWD = 13  # backward lookup kernels with the fused optimizer update
-ALLREDUCE = 14  # data-parallel gradient all-reduce
-DP_UPDATE = 15  # data-parallel optimizer update
-NROWS = 16
+OUT_RS_SEND, OUT_RS_RECV = 5, 6  # hierarchical table-row-wise: the partial sums' reduce-scatter inside the host
+OUT_SEND_I, OUT_SEND_X, OUT_RECV_I, OUT_RECV_X = 7, 8, 9, 10  # pooled embeddings all-to-all (forward)
+GRAD_SEND_I, GRAD_SEND_X, GRAD_RECV_I, GRAD_RECV_X = 11, 12, 13, 14  # their gradients all-to-all (backward)
+GRAD_AG_SEND, GRAD_AG_RECV = 15, 16  # hierarchical table-row-wise: the gradients back to the blocks in the host
+BWD = 17  # backward lookup kernels with the fused optimizer update
+ALLREDUCE = 18  # data-parallel gradient all-reduce
+DP_UPDATE = 19  # data-parallel optimizer update
+NROWS = 20
 
 PHASES = (
     "input all-to-all",
     "forward lookup",
+    "output intra-host reduce",
     "output all-to-all",
     "gradient all-to-all",
+    "gradient intra-host gather",
     "backward + update",
     "data-parallel all-reduce",
     "data-parallel update",
 )
-PHASE_START = np.array([IN_SEND_I, FWD, OUT_SEND_I, GRAD_SEND_I, BWD, ALLREDUCE, DP_UPDATE])
+PHASE_START = np.array([IN_SEND_I, FWD, OUT_RS_SEND, OUT_SEND_I, GRAD_SEND_I, GRAD_AG_SEND, BWD, ALLREDUCE, DP_UPDATE])
 PHASE_ROWS = [list(range(a, b)) for a, b in zip(PHASE_START, [*PHASE_START[1:], NROWS])]
+INPUT, LOOKUP, OUT_REDUCE, OUTPUT, GRADIENT, GRAD_GATHER, BACKWARD, DP_ALLREDUCE, DP_STEP = range(len(PHASES))
+"""Indices of the phases in PHASES / PHASE_ROWS."""
 
 
 def phase_times(loads: np.ndarray) -> np.ndarray:

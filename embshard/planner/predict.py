@@ -4,12 +4,13 @@ planned here or loaded from a file)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import LookupKernel, MemoryTier, ShardingPlan, ShardingType
+from embshard.plan import Exchange, LookupKernel, MemoryTier, ShardingPlan, ShardingType
+from embshard.planner import exchange as twrw
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel, Storage, TableStats
@@ -69,16 +70,20 @@ def predict(
     constraints: Mapping[str, ParameterConstraints | Mapping] | None = None,
     settings: PlannerSettings | None = None,
     notes: Mapping[str, Sequence[str]] | None = None,
+    compare_exchanges: bool = True,
 ) -> PlanReport:
     """Memory and step-time prediction of `plan` (formulas: embshard.planner.cost). `constraints` only supply
-    hints (zipf_alpha); `notes` are the planner's per-table decisions, kept in the report."""
+    hints (zipf_alpha); `notes` are the planner's per-table decisions, kept in the report. A plan with
+    table-row-wise tables on several hosts of several ranks is also predicted under the other output exchange
+    (`PlanReport.exchange_step_s`, with the bytes of each level: `exchange_bytes`), unless `compare_exchanges`
+    is false."""
     validate_tables(tables)
     plan.check(tables)
     if plan.world_size != topology.world_size or plan.local_world_size != topology.local_world_size:
         topology = topology.with_sizes(plan.world_size, plan.local_world_size)
     optimizer = optimizer or FusedOptimizerConfig()
     settings = settings or PlannerSettings()
-    model = CostModel(topology, batch_size, optimizer, settings)
+    model = CostModel(topology, batch_size, optimizer, settings, plan.table_row_wise_exchange)
     cons = resolve_constraints(tables, constraints, topology.world_size)
     W, lws = topology.world_size, topology.local_world_size
     stats = TableStats.of(tables)
@@ -104,9 +109,8 @@ def predict(
         sub = TableStats(*(getattr(stats, f)[ti] for f in TableStats.__dataclass_fields__))
         wk = model.work(sub, st, tier, rows, cols, clf, alpha[ti], kernel)
         shape = (len(ti), loads.NROWS)
-        owner = np.broadcast_to(model.owner_vec(wk), shape)
-        same = np.broadcast_to(model.peer_vec(wk, True), shape)
-        other = np.broadcast_to(model.peer_vec(wk, False), shape)
+        blocks = np.bincount(ti, minlength=len(tables))[ti]
+        owner, same, other = (np.broadcast_to(v, shape) for v in model.block_vecs(wk, st, blocks))
         total += loads.spread(rk, owner, same, other, W, lws)
         mem = model.storage(sub, st, tier, rows, cols, clf, kernel)
         for f in fields:
@@ -179,7 +183,19 @@ def predict(
         )
         for r in range(W)
     ]
+    exchange_step_s, exchange_level_bytes = {}, {}
+    twrw_tables = any(tp.sharding_type is ShardingType.TABLE_ROW_WISE for tp in plan.tables)
+    if compare_exchanges and twrw_tables and twrw.applies(topology):
+        mine = plan.table_row_wise_exchange
+        other = Exchange.FLAT if mine is Exchange.HIERARCHICAL else Exchange.HIERARCHICAL
+        alt = replace(plan, table_row_wise_exchange=other)
+        alt_s = predict(alt, tables, topology, batch_size, optimizer, cons, settings, compare_exchanges=False)
+        exchange_step_s = {mine.value: loads.step_time(total), other.value: alt_s.step_time_s}
+        level = twrw.exchange_bytes(plan, tables, [batch_size] * W)
+        exchange_level_bytes = {e.value: v for e, v in level.items()}
     return PlanReport(
+        exchange_step_s=exchange_step_s,
+        exchange_bytes=exchange_level_bytes,
         plan=plan,
         topology=topology,
         batch_size=batch_size,

@@ -95,11 +95,18 @@ class PlanReport:
     planner_seconds: float | None = None
     """Time the planner took (s)."""
     search_step_time_s: float | None = None
-    """Step time the search computed incrementally; equals step_time_s (a consistency check)."""
+    """Step time the search computed incrementally; equals step_time_s (a consistency check); None when the
+    planner switched the table-row-wise exchange after the search (the search priced the other one)."""
     table_configs: tuple = ()
     """The TableConfigs planned (for explain)."""
     constraints: dict = field(default_factory=dict)
     """Per-table ParameterConstraints used (for explain)."""
+    exchange_step_s: dict[str, float] = field(default_factory=dict)
+    """Table-row-wise tables on several hosts: the predicted step time (s) under each output exchange, flat and
+    hierarchical, for this placement (the plan's is `plan.table_row_wise_exchange`); empty otherwise."""
+    exchange_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """With exchange_step_s: bytes the table-row-wise output exchange moves per step and direction, summed over
+    the ranks, under each exchange: {"flat": {"intra_host": ..., "cross_host": ...}, "hierarchical": ...}."""
 
     def table(self, name: str) -> TableReport:
         """The report of one table."""
@@ -134,6 +141,8 @@ class PlanReport:
             self._memory_line(),
             f"  topology: {self.topology.describe()}",
         ]
+        if self.exchange_step_s:
+            lines.append(self.exchange_line())
         if self.over_budget:
             lines.append(
                 f"  OVER BUDGET on rank(s) {self.over_budget}: the step would need more memory than the budget "
@@ -142,6 +151,21 @@ class PlanReport:
         if self.planner_seconds is not None:
             lines.append(f"  planned in {self.planner_seconds:.3f} s")
         return "\n".join(lines)
+
+    def exchange_line(self) -> str:
+        """The table-row-wise output exchange: the plan's, and both exchanges' predicted step times and bytes per
+        level (empty when the plan has no table-row-wise table on several hosts of several ranks)."""
+        if not self.exchange_step_s:
+            return ""
+        mine = self.plan.table_row_wise_exchange.value
+        parts = []
+        for name in sorted(self.exchange_step_s, key=lambda n: n != mine):
+            b = self.exchange_bytes.get(name, {})
+            parts.append(
+                f"{name} {self.exchange_step_s[name] * 1e3:.3f} ms ({_b(b.get('intra_host', 0))} inside hosts, "
+                f"{_b(b.get('cross_host', 0))} between hosts per step and direction)"
+            )
+        return f"  table-row-wise exchange: {mine}; predicted step: " + "; ".join(parts)
 
     def _memory_line(self) -> str:
         r0 = self.ranks[0]
@@ -218,6 +242,11 @@ class PlanReport:
             "batch_size": self.batch_size,
             "optimizer": self.optimizer.kind.value,
             "planner_seconds": self.planner_seconds,
+            "table_row_wise_exchange": {
+                "plan": self.plan.table_row_wise_exchange.value,
+                "step_ms": {k: v * 1e3 for k, v in self.exchange_step_s.items()},
+                "bytes": self.exchange_bytes,
+            },
             "topology": self.topology.to_dict(),
             "ranks": [
                 {

@@ -25,13 +25,15 @@ import heapq
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan, TablePlan
+from embshard.plan import Exchange, MemoryTier, ShardingPlan, ShardingType, TablePlan
 from embshard.planner import errors, exact, kernel_choice, loads
+from embshard.planner import exchange as twrw_exchange
 from embshard.planner.choices import build_choices, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
@@ -102,14 +104,34 @@ def _plan_with_report(
     _fit_totals(p)
     base = model.batch_loads(tables)
     state = State(model, p.budgets.hbm, p.budgets.ddr, base)
+    notes = {name: list(n) for name, n in p.notes.items()}
     _place_all(state, p)
     improve(state, p)
+    split = _split_start(p)
+    if split is not None:  # the tables too large to balance, started on a host's ranks: keep the faster plan
+        first = (state, p.chosen, p.notes)
+        p.chosen, p.notes = split, notes
+        for i, c in enumerate(split):
+            if c != first[1][i]:
+                p.note(p.items[i], f"second start: as {p.items[i].choices[c].option.label} (too slow on one rank)")
+        state = State(model, p.budgets.hbm, p.budgets.ddr, base)
+        _place_all(state, p)
+        improve(state, p)
+        if state.objective() >= first[0].objective() * (1 - 1e-9):
+            state, p.chosen, p.notes = first
     if settings.exact_limit and exact.count(state, p.items, p.usable) <= settings.exact_limit:
         state = exact_if_better(state, State(model, p.budgets.hbm, p.budgets.ddr, base), p)
     kernel_choice.check_groups(state, p)
     plan = _to_plan(state, p)
     report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, p.notes)
     report.search_step_time_s = state.objective()
+    times = report.exchange_step_s
+    if settings.table_row_wise_exchange == "auto" and times:  # the same placement under the other exchange
+        best = min(times, key=lambda e: (times[e], e != plan.table_row_wise_exchange.value))
+        if best != plan.table_row_wise_exchange.value:
+            plan = replace(plan, table_row_wise_exchange=best)
+            report = predict(plan, tables, topology, batch_size, optimizer, cons, settings, p.notes)
+            report.search_step_time_s = None  # the search priced the other exchange
     report.planner_seconds = time.perf_counter() - start
     return plan, report
 
@@ -138,6 +160,29 @@ def _cheapest(p: Problem) -> None:
         if runner is not None:
             why += f" (next: {it.options[runner].label} {avg[b + runner] * 1e3:.4f} ms)"
         p.note(it, why)
+
+
+def _split_start(p: Problem) -> list[int] | None:
+    """The chosen choices with every single-block item that one rank cannot carry within the balanced step (its
+    block alone takes longer on its rank than the whole model would spread evenly) moved to its cheapest usable
+    table-row-wise choice; None when no item moves (one host, or none too large). The first start takes each
+    table's cheapest option by balanced cost, and moving one such table at a time cannot lower the step while the
+    others still bound it: this start splits them together."""
+    if not twrw_exchange.applies(p.topology):
+        return None
+    avg = p.table.avg
+    target = sum(float(avg[it.base + c]) for it, c in zip(p.items, p.chosen))
+    out, moved = list(p.chosen), False
+    for i, it in enumerate(p.items):
+        ch = p.choice(i)
+        if is_dense(ch.option) or ch.blocks != 1:
+            continue
+        if np.maximum.reduceat(ch.first_owner, loads.PHASE_START).sum() <= target:
+            continue
+        twrw = [c for c in p.usable[i] if it.options[c].sharding is ShardingType.TABLE_ROW_WISE]
+        if twrw:
+            out[i], moved = min(twrw, key=lambda c: (float(avg[it.base + c]), c)), True
+    return out if moved else None
 
 
 def _fit_totals(p: Problem) -> None:
@@ -242,4 +287,6 @@ def _to_plan(state: State, p: Problem) -> ShardingPlan:
             kw = {"cache_load_factor": opt.cache_load_factor} if opt.tier is MemoryTier.UVM_CACHING else {}
             out[t.name] = TablePlan(t.name, opt.sharding, opt.tier, shards, kernel=opt.kernel, **kw)
     topo = p.topology
-    return ShardingPlan(topo.world_size, topo.local_world_size, tuple(out[t.name] for t in p.tables))
+    twrw = any(tp.sharding_type is ShardingType.TABLE_ROW_WISE for tp in out.values())
+    exchange = p.model.exchange if twrw and twrw_exchange.applies(topo) else Exchange.FLAT
+    return ShardingPlan(topo.world_size, topo.local_world_size, tuple(out[t.name] for t in p.tables), exchange)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from embshard.plan import MemoryTier, ShardingType
 from embshard.tables import ConfigError, check_known_keys
@@ -43,6 +43,9 @@ class PlannerSettings:
     """Search every assignment exactly when there are at most this many (small models); 0 turns it off."""
     memory_fill: float = 0.97
     """Tier assignment fills at most this share of the summed budgets (placement needs some slack)."""
+    table_row_wise_exchange: Literal["auto", "flat", "hierarchical"] = "auto"
+    """Output exchange of table-row-wise tables on several hosts: flat (one all-to-all over every rank),
+    hierarchical (reduce inside each host, then one all-to-all between hosts), or auto (the one predicted faster)."""
 
     def __post_init__(self) -> None:
         def bad(fld: str, rule: str) -> ConfigError:
@@ -68,6 +71,10 @@ class PlannerSettings:
             raise bad("exact_limit", "it must be >= 0")
         if not 0.5 <= self.memory_fill <= 1:
             raise bad("memory_fill", "it must be in [0.5, 1]")
+        value = getattr(self.table_row_wise_exchange, "value", self.table_row_wise_exchange)
+        if value not in ("auto", "flat", "hierarchical"):
+            raise bad("table_row_wise_exchange", "choose one of auto, flat, hierarchical")
+        object.__setattr__(self, "table_row_wise_exchange", value)
         object.__setattr__(self, "sharding_types", tuple(ShardingType(s) for s in self.sharding_types))
         object.__setattr__(self, "tiers", tuple(MemoryTier(t) for t in self.tiers))
 

@@ -17,6 +17,8 @@ of the whole block, with the logQ correction of the BlockSampler. Recall@K: shar
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -73,7 +75,7 @@ class Catalog(nn.Module):
                 f"full-width row blocks ({', '.join(ROW_BLOCK_TYPES)}): set "
                 f"planner.constraints.{table.name}.sharding_types: [row_wise]"
             )
-        sub = ShardingPlan(plan.world_size, plan.local_world_size, (tp,))
+        sub = replace(plan, tables=(tp,))
         self.table, self.feature = table, table.feature_names[0]
         self.ebc = ShardedEmbeddingBagCollection([table], sub, optimizer, device=device, group=group, seed=seed)
         self.group, self.chunk_mib, self.device = group, chunk_mib, self.ebc.device

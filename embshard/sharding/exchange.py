@@ -6,7 +6,8 @@ Output: each rank sends the pooled rows of every source rank's samples back to i
 
 Layouts. A send buffer is destination-major: for destination d, `n_features[d]` features x B local samples of
 lengths, followed by the next destination. The received batch is feature-major over the global batch: for each
-of the rank's lookup features, the bags of rank 0's samples, then rank 1's, ... (`lengths_FBg`).
+of the rank's lookup features, the bags of rank 0's samples, then rank 1's, ... (`lengths_FBg`; a scheme may ask
+for the sources in another order: the hierarchical table-row-wise exchange groups them by local rank).
 
 Host syncs. One all-gather of every rank's batch size, ids per feature and out-of-range id count
 (`gather_batch_counts`) and one host sync size every buffer and every id all-to-all of the step (a training
@@ -209,21 +210,26 @@ class SparseExchangeHandle:
         n_local_features: int,
         batch_sizes: list[int],
         key_ids: list[int] | None = None,
+        source_order: Sequence[int] | None = None,
     ) -> None:
         self._lengths, self._values, self._weights = lengths, values, weights
         self._F = n_local_features
         self._batch_sizes = batch_sizes
         self._key_ids = key_ids
+        order = list(source_order) if source_order is not None else list(range(len(batch_sizes)))
+        self._order = order if order != list(range(len(batch_sizes))) else None
 
     def wait(self) -> LookupInput:
-        """Wait for lengths, ids and weights, and reorder them from source-major to feature-major."""
+        """Wait for lengths, ids and weights, and reorder them from source-major to feature-major (sources in rank
+        order, or in `source_order`)."""
         lengths = self._lengths.wait()
         values = self._values.wait()
         weights = self._weights.wait() if self._weights is not None else None
         W, F = len(self._batch_sizes), self._F
-        if W > 1 and F > 1:
+        if W > 1 and F > 0 and (F > 1 or self._order is not None):
             # Received segments are (source s, feature f) of B_s bags each; reorder them to (f, s).
-            perm = cached_tensor([s * F + f for f in range(F) for s in range(W)], lengths.device, torch.int32)
+            order = self._order or range(W)
+            perm = cached_tensor([s * F + f for f in range(F) for s in order], lengths.device, torch.int32)
             if len(set(self._batch_sizes)) == 1:  # a [W*F, B] grid: FBGEMM's 2-D permute (fast, one row a block)
                 lengths_2d, values, weights = permute_2d(
                     perm, lengths.view(W * F, self._batch_sizes[0]), values, weights, values.numel()
@@ -244,9 +250,11 @@ def start_sparse_exchange(
     group: dist.ProcessGroup | None,
     rank: int,
     label: str = "ids",
+    source_order: Sequence[int] | None = None,
 ) -> SparseExchangeHandle:
     """Send each destination its ids (`n_features[d]` lookup features go to rank d; send layout in the module
-    docstring), with the sizes in `ids.sent` / `ids.received`; returns without waiting."""
+    docstring), with the sizes in `ids.sent` / `ids.received`; returns without waiting. `source_order`: the order
+    of the source ranks' samples in each received feature (default: rank order)."""
     B = batch_sizes[rank]
     F_me = n_features[rank]
     splits = ([f * B for f in n_features], [F_me * b for b in batch_sizes])
@@ -255,7 +263,7 @@ def start_sparse_exchange(
     weights_h = None
     if ids.weights is not None:
         weights_h = start_all_to_all(ids.weights, ids.sent, ids.received, group, f"{label} weights all-to-all")
-    return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, list(batch_sizes), ids.key_ids)
+    return SparseExchangeHandle(lengths_h, values_h, weights_h, F_me, list(batch_sizes), ids.key_ids, source_order)
 
 
 class PooledExchangeHandle:

@@ -236,17 +236,14 @@ def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
     plan, _ = plan_with_report(tables, topo, 512)
     plan.save(tmp_path / "p.yaml")
     report = predict(ShardingPlan.load(tmp_path / "p.yaml"), tables, topo, 512)
-    model = CostModel(topo, 512, FusedOptimizerConfig())
+    model = CostModel(topo, 512, FusedOptimizerConfig(), exchange=plan.table_row_wise_exchange)
     for t in tables:
         tp = plan[t.name]
         rows = np.array([s.num_rows for s in tp.shards], dtype=float)
         cols = np.array([s.num_cols for s in tp.shards], dtype=float)
         wk = model.work(TableStats.one(t), tp.sharding_type, tp.tier, rows, cols, tp.cache_load_factor, 0.0, tp.kernel)
         shape = (len(rows), loads.NROWS)
-        vecs = [
-            np.broadcast_to(v, shape)
-            for v in (model.owner_vec(wk), model.peer_vec(wk, True), model.peer_vec(wk, False))
-        ]
+        vecs = [np.broadcast_to(v, shape) for v in model.block_vecs(wk, tp.sharding_type, len(rows))]
         alone = loads.step_time(loads.spread(np.array(tp.ranks), *vecs, 8, 4))
         assert report.table(t.name).time_s == pytest.approx(alone, rel=1e-9)
     text = explain(report, "t3")

@@ -1,13 +1,15 @@
 """Row-wise, column-wise, table-row-wise and data-parallel sharding, alone and all in one collection: forward
 outputs every step and weights after several fused-optimizer steps match the unsharded reference, at world sizes
 1-4 (gloo on CPU; NCCL with EMBSHARD_TEST_DEVICE=cuda, up to the visible GPUs). Also: data-parallel replicas stay
-bitwise identical across ranks, and a fixed seed gives bitwise identical results.
+bitwise identical across ranks, and a fixed seed gives bitwise identical results. At world 4 (2 hosts x 2),
+table-row-wise with the hierarchical output exchange, against the reference and the flat exchange.
 
 One spawn per world size trains every (case, optimizer) pair; the tests then compare the collected results.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -15,8 +17,10 @@ import torch
 from dist_harness import device_kind, run_distributed
 from parity import check_parity, sharded_worker
 from parity import column_blocks as column_blocks_of
+from paths import ROOT
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+from embshard.comm import first_divergence
 from embshard.geometry import column_blocks, row_blocks
 from embshard.options import LookupOptions
 from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
@@ -132,9 +136,68 @@ def _seed(case: str, opt: str) -> int:
     return 11 + 7 * list(CASES).index(case) + list(OPTIMIZERS).index(opt)
 
 
+# ---- table-row-wise with the hierarchical exchange: 4 ranks as 2 hosts x 2 (trained in the world-4 spawn) -------
+EXCHANGE_WORLD = 4
+# Per step, every rank's batch: ranks with none, a whole step empty.
+EXCHANGE_BATCHES = [[4, 5, 6, 7], [0, 3, 0, 2], [0, 0, 0, 0], [3, 0, 1, 0]]
+EXCHANGE_RUNS = [
+    ("twrw_host1", "rowwise_adagrad"),
+    ("twrw_host1", "adam"),
+    ("twrw_host1", "sgd"),
+    ("mixed", "rowwise_adagrad"),
+]
+
+
+def exchange_plan(case: str, exchange: str, tier: MemoryTier) -> ShardingPlan:
+    """2 hosts x 2 ranks. twrw_host1: every table-row-wise table on host 1 (host 0 holds no block), one of them in
+    a single block (rank 2 holds none of it), one with its blocks in reverse rank order; mixed: MIXED's plan."""
+    if case == "mixed":
+        plan = simple_plan(MIXED, 4, 2, MIXED_TYPES, tier=tier, column_shards=COLUMN_SHARDS)
+    else:
+        blocks = {
+            "t_shared": [(2, 0, 49), (3, 49, 48)],
+            "t_mean": [(3, 0, 50)],
+            "t_weighted": [(3, 0, 20), (2, 20, 20)],
+            "t_tiny": [(2, 0, 2), (3, 2, 1)],
+        }
+        plan = ShardingPlan(
+            4,
+            2,
+            tuple(
+                TablePlan(t.name, TWRW, tier, tuple(Shard(r, o, n, 0, t.embedding_dim) for r, o, n in blocks[t.name]))
+                for t in TABLES
+            ),
+        )
+    return replace(plan, table_row_wise_exchange=exchange)
+
+
+def _exchange_runs(rank, world_size, device, tier):
+    out = {}
+    for case, opt in EXCHANGE_RUNS:
+        tables = MIXED if case == "mixed" else TABLES
+        for exchange in ("flat", "hierarchical"):
+            plan = exchange_plan(case, exchange, tier)
+            steps, seed = len(EXCHANGE_BATCHES), 5 + list(OPTIMIZERS).index(opt)
+            out[(case, opt, exchange)] = sharded_worker(
+                rank, world_size, device, tables, plan, OPTIMIZERS[opt], EXCHANGE_BATCHES, steps, seed
+            )
+    return out
+
+
+def _bench_smoke(rank, world_size, device):
+    """bench/hier_exchange.py's measurement at its smoke sizes, two timed steps."""
+    spec = importlib.util.spec_from_file_location("hier_exchange", ROOT / "bench" / "hier_exchange.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.measure(rank, world_size, device, dict(bench.SMOKE, steps=2, warmup=1), local_world_size=2)
+
+
 def _worker(rank, world_size, device, batch_sizes, steps):
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     out = {}
+    if world_size == EXCHANGE_WORLD:
+        out = _exchange_runs(rank, world_size, device, tier)
+        out["bench"] = _bench_smoke(rank, world_size, device)
     for run in runs_for(world_size) + [(*r, "again") for r in REPEATED]:
         case, opt = run[0], run[1]
         plan = _plan(case, world_size, tier)
@@ -172,6 +235,63 @@ def test_parity(trained, case, opt):
     if case in OPTIONS:
         want = OPTIONS[case].output_dtype.torch_dtype
         assert all(o.dtype == want for res in per_rank for step in res["outputs"] for o in step.values())
+
+
+@pytest.mark.parametrize("case,opt", EXCHANGE_RUNS, ids=[f"{c}-{o}" for c, o in EXCHANGE_RUNS])
+def test_table_row_wise_hierarchical_exchange(trained, case, opt):
+    """4 ranks as 2 hosts x 2, ranks and a whole step without samples, a host without any block: the hierarchical
+    exchange matches the unsharded reference (outputs every step, weights) and the flat exchange (the first
+    step's outputs bit for bit; then to rounding: outputs, weights, optimizer state), and it ran: an all-to-all inside each host, then one between hosts, the
+    same collectives on every rank."""
+    world_size, _, results = trained
+    if world_size != EXCHANGE_WORLD:
+        pytest.skip("trained at world 4 (2 hosts x 2)")
+    tables = MIXED if case == "mixed" else TABLES
+    steps, seed = len(EXCHANGE_BATCHES), 5 + list(OPTIMIZERS).index(opt)
+    hier = [r[(case, opt, "hierarchical")] for r in results]
+    flat = [r[(case, opt, "flat")] for r in results]
+    check_parity(hier, tables, OPTIMIZERS[opt], EXCHANGE_BATCHES, steps, seed)
+    close = dict(rtol=1e-6, atol=1e-7)  # the lookup's backward adds a row's gradients in another bag order
+    for rank, (h, f) in enumerate(zip(hier, flat)):
+        for name in f["outputs"][0]:  # before any update: the same sums in the same order
+            assert torch.equal(h["outputs"][0][name], f["outputs"][0][name]), f"rank {rank} step 0 output {name}"
+        for step, (oh, of) in enumerate(zip(h["outputs"], f["outputs"])):
+            for name in of:
+                torch.testing.assert_close(oh[name], of[name], **close, msg=f"rank {rank} step {step} output {name}")
+        for name in f["weights"]:
+            torch.testing.assert_close(h["weights"][name], f["weights"][name], **close, msg=f"weights of {name}")
+        assert h["states"].keys() == f["states"].keys(), f"rank {rank}: shards differ"
+        for key, st in f["states"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(h["states"][key][k], v, **close, msg=f"rank {rank} {key} state {k}")
+        labels = [lbl for lbl in h["collectives"] if "table_row_wise pooled" in lbl]
+        assert labels[:4] == [
+            "step 0: table_row_wise pooled intra-host all-to-all",
+            "step 0: table_row_wise pooled cross-host all-to-all",
+            "step 0: table_row_wise pooled cross-host all-to-all (backward)",
+            "step 0: table_row_wise pooled intra-host all-to-all (backward)",
+        ], labels[:4]
+        assert len(labels) == 4 * steps
+        assert not [lbl for lbl in f["collectives"] if "host all-to-all" in lbl]
+    assert first_divergence([h["collectives"] for h in hier]) is None
+    assert any(h["states"] for h in hier) and (case != "twrw_host1" or not hier[0]["states"] and not hier[1]["states"])
+
+
+def test_hier_exchange_benchmark_counts_what_the_planner_counts(trained):
+    """bench/hier_exchange.py at 2 hosts x 2 (smoke sizes): the bytes its all-to-alls send inside and between hosts
+    are the planner's count for each exchange; the hierarchical one sends half the bytes between hosts (every table
+    has 2 blocks) and twice the bytes inside them; both give the same first outputs; timings and predictions are
+    reported."""
+    world_size, _, results = trained
+    if world_size != EXCHANGE_WORLD:
+        pytest.skip("trained at world 4 (2 hosts x 2)")
+    got = results[0]["bench"]
+    assert got["first_step_outputs_equal"]
+    for exchange in ("flat", "hierarchical"):
+        assert got[exchange]["bytes"] == got[exchange]["planner_bytes"], exchange
+        assert got[exchange]["exchange_ms"] > 0 and got[exchange]["predicted_exchange_ms"] > 0
+    flat, hier = got["flat"]["bytes"], got["hierarchical"]["bytes"]
+    assert hier["cross_host"] * 2 == flat["cross_host"] > 0 and hier["intra_host"] == 2 * flat["intra_host"]
 
 
 def test_column_wise_rowwise_adagrad_state_per_block_or_exact(trained):
