@@ -91,7 +91,7 @@ def _reset_after_call(rank: int, world_size: int, port: int, pg_timeout_s: float
 
 
 def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) -> None:
-    """A pooled rank: join the group, then run every call received on `conn` until None (or the pipe closes)."""
+    """A pooled rank: join the group, then run every call received on `conn` until an empty message or EOF."""
     device = _join_group(rank, world_size, port, pg_timeout_s)
     fresh_seed = torch.initial_seed()
     try:
