@@ -164,5 +164,7 @@ def test_every_readme_command_works(tmp_path):
     failed = [r for r in results if r["code"] != 0]
     assert not failed, "\n\n".join(f"{r['args']}: exit {r['code']}\n{r['output']}" for r in failed)
     plans = [r for r in results if r["args"][0] == "plan"]
-    assert plans and all("predicted step time" in r["output"] for r in plans), plans
+    reports = [r for r in plans if "torchrec" not in r["args"]]  # --format torchrec writes the file, no report
+    assert reports and all("predicted step time" in r["output"] for r in reports), reports
     assert (tmp_path / "plan.yaml").is_file() and (tmp_path / "plan.png").is_file()
+    assert json.loads((tmp_path / "plan.torchrec.json").read_text())  # the TorchRec plan file, readable JSON
