@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> None:
     from embshard.distributed import init_distributed
     from embshard.models.build import RecModel
     from embshard.pipeline import TrainPipeline
-    from embshard.planner.policy import plan_for_job
+    from embshard.planner.policy import plan_for_job, pooled_bytes
     from embshard.train import evaluate, make_dense_optimizer, plan_on_rank0
 
     device = init_distributed()
@@ -161,7 +161,15 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     plan = plan_on_rank0(
         lambda: plan_for_job(
-            tables, cfg.planner, world, local_world, device.type, batch, cfg.sparse_optimizer, lines.append
+            tables,
+            cfg.planner,
+            world,
+            local_world,
+            device.type,
+            batch,
+            cfg.sparse_optimizer,
+            lines.append,
+            pooled_bytes(cfg.lookup),
         )
     )
     plan_s = time.perf_counter() - t0
@@ -236,8 +244,7 @@ def run(args: argparse.Namespace) -> None:
             say(f"trace: {args.trace}")
     pipe.close()
     weights = sum(p.numel() for p in model.dense_parameters() if p.dim() >= 2)
-    pooled_bytes = 2 if cfg.lookup.output_dtype.value == "bf16" else 4
-    floor = floors.e2e_fields(tables, plan, batch, source.num_dense, weights, pooled_bytes)
+    floor = floors.e2e_fields(tables, plan, batch, source.num_dense, weights, pooled_bytes(cfg.lookup))
     say(
         f"RESULT framework=embshard tag={args.tag or '-'} pipeline={tr.pipeline} precision={tr.precision} "
         f"compile={tr.compile} "

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from embshard.config import DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TrainConfig, load_config
 from embshard.plan import ShardingPlan
-from embshard.planner.policy import plan_for_job
+from embshard.planner.policy import plan_for_job, pooled_bytes
 from embshard.tables import AllRanksError, ConfigError
 
 
@@ -169,7 +169,15 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     t_build = time.time()
     plan = plan_on_rank0(
         lambda: plan_for_job(
-            tables, cfg.planner, world, local_world, device.type, sched.batch_size, cfg.sparse_optimizer, report.line
+            tables,
+            cfg.planner,
+            world,
+            local_world,
+            device.type,
+            sched.batch_size,
+            cfg.sparse_optimizer,
+            report.line,
+            pooled_bytes(cfg.lookup),
         )
     )
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)

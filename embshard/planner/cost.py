@@ -124,7 +124,6 @@ from embshard.tables import TableConfig
 ID_BYTES = 8
 WEIGHT_BYTES = 4
 LENGTH_BYTES = 4
-OUT_BYTES = 4
 SORT_BYTES_PER_ID = 96
 CACHE_PROBE_BYTES = 16
 HBM_SECTOR = 32
@@ -286,6 +285,8 @@ class CostModel:
         self.batch = batch_size
         self.optimizer = optimizer
         self.settings = settings or PlannerSettings()
+        self.out_bytes = float(self.settings.pooled_bytes or 4)
+        """Bytes per pooled element: the lookups' output, its exchange, regroup and gradient (lookup.output_dtype)."""
         self.exchange = twrw.resolve(exchange or self.settings.table_row_wise_exchange, topology)
         """The output exchange table-row-wise tables are priced with (exchange.py)."""
         self.hierarchical = self.exchange is Exchange.HIERARCHICAL and twrw.applies(topology)
@@ -345,12 +346,12 @@ class CostModel:
         rb = cols * 4.0 if sharding is ShardingType.DATA_PARALLEL else cols * t.elem
         per_id_f = n * (topo.fwd_id_s + rb * topo.fwd_byte_s)
         per_id_b = n * (topo.bwd_id_s + rb * topo.bwd_byte_s) + u * topo.bwd_row_s
-        pooled = bags * cols * OUT_BYTES
+        pooled = bags * cols * self.out_bytes
         if sharding is ShardingType.DATA_PARALLEL:
             W = topo.world_size
             flat = rows * (cols + 1) * 4.0
             fwd = per_id_f + (n * idb + pooled + self.row_reads(n, u, rb) * gather(rb, self.sector)) / bw
-            bwd = per_id_b + (n * (SORT_BYTES_PER_ID + cols * OUT_BYTES) + pooled + rows * rb) / bw
+            bwd = per_id_b + (n * (SORT_BYTES_PER_ID + cols * self.out_bytes) + pooled + rows * rb) / bw
             ar = 2 * (W - 1) / W * flat / self.ar_bw
             upd = (DP_UPDATE_PASSES * flat + rows * 2 * (rb + sb)) / bw
             extra = self.settings.dp_kernels_per_table * topo.kernel_s / 2
@@ -358,9 +359,9 @@ class CostModel:
                 fwd, bwd, hot = kernel_cost.small_times(self, t, sharding, rows, cols, n, bags, u, alpha)
             return ShardWork(0.0, 0.0, fwd + extra, bwd + extra, ar, upd, hot if small else 0.0)
         in_b = B * t.features * ((n / (topo.world_size * B * t.features)) * idb + LENGTH_BYTES)
-        out_b = B * t.features * cols * OUT_BYTES
+        out_b = B * t.features * cols * self.out_bytes
         fwd_lin = n * idb + pooled
-        bwd_lin = n * (SORT_BYTES_PER_ID + cols * OUT_BYTES) + pooled
+        bwd_lin = n * (SORT_BYTES_PER_ID + cols * self.out_bytes) + pooled
         route = n * topo.routed_id_s + ROUTE_PASSES * bags * topo.bag_s
         reads = self.row_reads(n, u, rb)
         if tier in (MemoryTier.HBM, MemoryTier.HOST):
@@ -386,7 +387,7 @@ class CostModel:
         if small:  # the exact column-wise backward replaces either kernel's
             fwd, bwd, hot = kernel_cost.small_times(self, t, sharding, rows, cols, n, bags, u, alpha, exact, bwd)
         if exact:
-            bwd = bwd + EXACT_COLUMN_PASSES * n * cols * OUT_BYTES / bw + EXACT_COLUMN_KERNELS * topo.kernel_s
+            bwd = bwd + EXACT_COLUMN_PASSES * n * cols * self.out_bytes / bw + EXACT_COLUMN_KERNELS * topo.kernel_s
             bwd = bwd + self.latency
         fwd = fwd + self.raw_remap_s(t, tier, n, rows, rb, sb)
         return ShardWork(in_b, out_b, fwd + route, bwd, hot_s=hot, route_s=route)
@@ -414,13 +415,13 @@ class CostModel:
         B, bw, bag = self.batch, self.mem_bw, self.topo.bag_s
         bags = B * sum(len(t.feature_names) for t in tables)
         ids = B * sum(len(t.feature_names) * t.ids_per_bag * (ID_BYTES + WEIGHT_BYTES * t.weighted) for t in tables)
-        pooled = B * sum(len(t.feature_names) * t.embedding_dim * OUT_BYTES for t in tables)
+        pooled = B * sum(len(t.feature_names) * t.embedding_dim * self.out_bytes for t in tables)
         permute = BATCH_ID_PASSES * max(bags * bag, 2 * ids / bw)
         regroup = max(bags * bag, 2 * pooled / bw) + 2 * pooled / bw
         v[loads.FWD] = permute + regroup
         v[loads.BWD] = regroup
         if self.topo.is_gpu:  # the Triton regroup (kernel_cost.py), then the same plain copy
-            fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * OUT_BYTES))
+            fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * self.out_bytes))
             v[loads.FWD] = permute + fwd + 2 * pooled / bw
             v[loads.BWD] = bwd + 2 * pooled / bw
         v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s  # the step's fixed cost, whatever the plan
@@ -432,7 +433,7 @@ class CostModel:
     ) -> Storage:
         """Bytes one shard keeps, and the GPU memory its step allocates (formulas in the module docstring)."""
         n, bags = self.volumes(t, sharding, rows)
-        pooled = bags * cols * OUT_BYTES * 2
+        pooled = bags * cols * self.out_bytes * 2
         state = rows * self.state_bytes(cols)
         id_map = rows * t.map_row  # raw-id tables: the id -> row map, where the shard computes
         if kernel is LookupKernel.SMALL:  # fp32 weights in the compute device's memory (kernel_cost.py)
@@ -471,7 +472,7 @@ class CostModel:
             idb = ID_BYTES + WEIGHT_BYTES * t.weighted
             f = len(t.feature_names)
             total += 2 * B * f * (t.ids_per_bag * idb + LENGTH_BYTES)
-            total += OWN_POOLED_COPIES * B * f * t.embedding_dim * OUT_BYTES
+            total += OWN_POOLED_COPIES * B * f * t.embedding_dim * self.out_bytes
         return total
 
     # ---- load vectors -------------------------------------------------------------------------------------

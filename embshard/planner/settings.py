@@ -43,6 +43,9 @@ class PlannerSettings:
     """Search every assignment exactly when there are at most this many (small models); 0 turns it off."""
     memory_fill: float = 0.97
     """Tier assignment fills at most this share of the summed budgets (placement needs some slack)."""
+    pooled_bytes: int | None = None
+    """Bytes per pooled embedding element (the lookups' output, its exchange and its gradient): 4 for fp32, 2 for
+    fp16/bf16 pooled rows; unset: a training job's lookup.output_dtype, else 4."""
     table_row_wise_exchange: Literal["auto", "flat", "hierarchical"] = "auto"
     """Output exchange of table-row-wise tables on several hosts: flat (one all-to-all over every rank),
     hierarchical (reduce inside each host, then one all-to-all between hosts), or auto (the one predicted faster)."""
@@ -65,6 +68,8 @@ class PlannerSettings:
             raise bad("dp_kernels_per_table", "it must be >= 0")
         if not isinstance(self.small_table_kernel, bool):
             raise bad("small_table_kernel", "it must be true or false")
+        if self.pooled_bytes not in (None, 2, 4):
+            raise bad("pooled_bytes", "it must be 4 (fp32 pooled rows) or 2 (fp16/bf16)")
         if self.max_moves < 0:
             raise bad("max_moves", "it must be >= 0")
         if self.exact_limit < 0:

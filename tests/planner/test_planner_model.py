@@ -90,6 +90,25 @@ def test_row_wise_moves_more_pooled_bytes_than_table_wise():
     assert rw.sum() > tw.sum()
 
 
+def test_bf16_pooled_rows_halve_the_exchange_and_the_pooled_buffers():
+    """PlannerSettings.pooled_bytes=2 (lookup.output_dtype bf16/fp16): the pooled rows a shard sends, its pooled
+    buffers and every rank's own pooled copies are priced at half the bytes; the predicted time drops."""
+    t = TableStats.one(TableConfig("t", 1_000_000, 128, ("f", "g")))
+    fp32, bf16 = (
+        CostModel(
+            Topology.preset("h100", 2), 8192, FusedOptimizerConfig("rowwise_adagrad"), PlannerSettings(pooled_bytes=b)
+        )
+        for b in (4, 2)
+    )
+    w32, w16 = (m.work(t, TW, HBM, 1e6, 128.0) for m in (fp32, bf16))
+    assert w16.out_b == w32.out_b / 2 > 0
+    assert bf16.peer_vec(w16, True).sum() < fp32.peer_vec(w32, True).sum()
+    tables = [TableConfig("t", 1_000_000, 128, ("f", "g"))]
+    assert bf16.batch_bytes(tables) < fp32.batch_bytes(tables)
+    with pytest.raises(ConfigError, match=r"pooled_bytes=3 is invalid: it must be 4 \(fp32 pooled rows\) or 2"):
+        PlannerSettings(pooled_bytes=3)
+
+
 # ---- topology ---------------------------------------------------------------------------------------------------
 def test_topology_presets_and_yaml_round_trip(tmp_path):
     h200 = Topology.preset("h200", 16, 8)
