@@ -45,13 +45,23 @@ def count_bad_ids(
         return torch.zeros(1, dtype=torch.int64, device=values.device)
     if values.device.type == "cpu":
         return _count_bad_ids_host(lengths_FB, values, keys, table_of)
-    rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], values.device)
-    ids_F = lengths_FB.sum(1, dtype=torch.int64)
-    feature = feature_of_ids(ids_F, values.numel())
-    bad = (values < 0) | (values >= rows_F.index_select(0, feature))  # each id's table size, no host sync
-    if any(raw):  # raw ids are all valid
-        bad &= ~cached_tensor(raw, values.device, torch.bool).index_select(0, feature)
+    bad, _ = _bad_ids(lengths_FB, values, keys, table_of)
     return bad.sum(dtype=torch.int64).reshape(1)
+
+
+def _bad_ids(
+    lengths_FB: torch.Tensor, values: torch.Tensor, keys: Sequence[str], table_of: Mapping[str, TableConfig]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bad, feature): per id, whether it is outside its feature's table (raw-id features never are), and its
+    feature's row of `lengths_FB`; on the ids' device, no host sync."""
+    device = values.device
+    rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], device)
+    feature = feature_of_ids(lengths_FB.sum(1, dtype=torch.int64), values.numel())
+    bad = (values < 0) | (values >= rows_F.index_select(0, feature))
+    raw = [table_of[k].raw_ids for k in keys]
+    if any(raw):  # raw ids are all valid
+        bad &= ~cached_tensor(raw, device, torch.bool).index_select(0, feature)
+    return bad, feature
 
 
 def _count_bad_ids_host(
@@ -91,13 +101,7 @@ def check_ids(
     """
     F, B = lengths_FB.shape
     device = values.device
-    rows_F = cached_tensor([table_of[k].num_embeddings for k in keys], device)
-    ids_F = lengths_FB.sum(1).to(torch.int64)
-    feature_of = feature_of_ids(ids_F, values.numel())
-    bad = (values < 0) | (values >= rows_F[feature_of])
-    raw = [table_of[k].raw_ids for k in keys]
-    if any(raw):  # raw ids are all valid
-        bad &= ~cached_tensor(raw, device, torch.bool)[feature_of]
+    bad, feature_of = _bad_ids(lengths_FB, values, keys, table_of)
     if not bool(bad.any()):
         return lengths_FB, values, weights
     if mode is BoundsCheck.ERROR:

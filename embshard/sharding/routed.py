@@ -94,6 +94,9 @@ class RoutedSharding(Scheme):
             {str(i): IdMap(lk.shards, ctx.device, ctx.seed) for i, lk in enumerate(self.lookups) if _raw(lk)}
         )
         self.weighted = any(s.table.weighted for shards in ordered for s in shards)
+        self._f_bounds = [0]  # where each lookup's features start in this rank's lookup keys (and the end)
+        for lk in self.lookups:
+            self._f_bounds.append(self._f_bounds[-1] + len(lk.features))
 
     def local_ids(self, batch: LocalBatch) -> LocalIds:
         """The local batch's ids of each rank's lookup keys, destination-major, with the ids sent to and received
@@ -115,18 +118,11 @@ class RoutedSharding(Scheme):
         """Send each rank the ids of its lookup keys."""
         return start_sparse_exchange(ids, self.n_features, batch_sizes, self.group, self.rank, f"{self.name} ids")
 
-    def _feature_bounds(self) -> list[int]:
-        """Where each lookup's features start in this rank's lookup keys (and the end)."""
-        f_bounds = [0]
-        for lk in self.lookups:
-            f_bounds.append(f_bounds[-1] + len(lk.features))
-        return f_bounds
-
     def _shard_ids(self, inp: LookupInput, i: int) -> list[int]:
         """Ids of each shard of lookup i in the global batch (host values: `inp.key_ids`)."""
         if inp.key_ids is None:
             raise RuntimeError(f"{self.name}: raw-id lookups need the ids per key on the host (LookupInput.key_ids)")
-        counts = inp.key_ids[self._feature_bounds()[i] :]
+        counts = inp.key_ids[self._f_bounds[i] :]
         out, k = [], 0
         for s in self.lookups[i].shards:
             out.append(int(sum(counts[k : k + len(s.features)])))
@@ -140,7 +136,7 @@ class RoutedSharding(Scheme):
         offsets = complete_cumsum(inp.lengths)
         if len(self.lookups) == 1:
             return [(inp.values, offsets, inp.weights)]
-        f_bounds = self._feature_bounds()
+        f_bounds = self._f_bounds
         if inp.key_ids is not None:
             ends = np.concatenate([[0], np.cumsum(inp.key_ids)])
             v_bounds = [int(ends[f]) for f in f_bounds]
