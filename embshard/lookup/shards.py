@@ -87,14 +87,19 @@ def init_rows(
         z, tmp = z_buf[: n * num_cols].view(n, num_cols), tmp_buf[: n * num_cols].view(n, num_cols)
         rows = torch.arange(row_offset + r0, row_offset + r0 + n, dtype=torch.int64, device=device)
         torch.add((rows * D).unsqueeze(1), cols, out=z)  # the element's index in the table
-        z.mul_(_GOLDEN).add_(key)
-        _mix_(z, tmp)
-        torch.bitwise_right_shift(z, 40, out=tmp)
-        u = tmp.bitwise_and_(0xFFFFFF).to(torch.float32)  # the top 24 bits: exact in fp32
-        u.mul_(2.0 * bound / (1 << 24))
-        u.sub_(bound)
-        out[r0 : r0 + n] = u
+        out[r0 : r0 + n] = _uniform_of_index_(z, tmp, key, bound)
     return out
+
+
+def _uniform_of_index_(z: torch.Tensor, tmp: torch.Tensor, key: int, bound: float) -> torch.Tensor:
+    """The initial values of the elements whose table indices are `z` (int64, overwritten; `tmp` a scratch of its
+    shape): splitmix64 of the index keyed by `key`, its top 24 bits as u in [0, 1), then (2u - 1) x bound."""
+    z.mul_(_GOLDEN).add_(key)
+    _mix_(z, tmp)
+    torch.bitwise_right_shift(z, 40, out=tmp)
+    u = tmp.bitwise_and_(0xFFFFFF).to(torch.float32)  # the top 24 bits: exact in fp32
+    u.mul_(2.0 * bound / (1 << 24))
+    return u.sub_(bound)
 
 
 def init_rows_at(
@@ -115,15 +120,7 @@ def init_rows_at(
     key = key - (1 << 64) if key >= 1 << 63 else key
     cols = torch.arange(col_offset, col_offset + num_cols, dtype=torch.int64, device=device)
     z = (rows.to(torch.int64) * cfg.embedding_dim).unsqueeze(1) + cols  # the element's index in the table
-    z.mul_(_GOLDEN).add_(key)
-    tmp = torch.empty_like(z)
-    _mix_(z, tmp)
-    torch.bitwise_right_shift(z, 40, out=tmp)
-    u = tmp.bitwise_and_(0xFFFFFF).to(torch.float32)
-    bound = float(cfg.init_bound)
-    u.mul_(2.0 * bound / (1 << 24))
-    u.sub_(bound)
-    return u
+    return _uniform_of_index_(z, torch.empty_like(z), key, float(cfg.init_bound))
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class HierarchicalRowBlockSharding(RowBlockSharding):
             keys = host_keys[d // L]
             starts = dict(zip(keys, accumulate([dims[k] for k in keys], initial=0)))
             cols = [c for k in self.route_keys[d] for c in range(starts[k], starts[k] + dims[k])]
-            self._host_cols.append(torch.tensor(cols, dtype=torch.int64))
+            self._host_cols.append(torch.tensor(cols, dtype=torch.int64, device=ctx.device))
         # The lookup's rows: the global batch by (local rank j, host g), so that each S_j is contiguous.
         self._source_order = [g * L + j for j in range(L) for g in range(H)]
         self._groups = host_groups(ctx.group, L)
@@ -94,8 +94,6 @@ class HierarchicalRowBlockSharding(RowBlockSharding):
         sample's rows to its rank (all-to-all between peers); `.wait()` gives one block per host with tables."""
         L, H, B = self.local_world_size, self.num_hosts, batch_sizes
         host, j = divmod(self.rank, L)
-        if self._host_cols[0].device != pooled.device:
-            self._host_cols = [c.to(pooled.device) for c in self._host_cols]
         n = [sum(B[g * L + i] for g in range(H)) for i in range(L)]  # |S_i|: rows of each local rank's samples
         local = range(host * L, (host + 1) * L)
         dims = self.dims_per_rank
