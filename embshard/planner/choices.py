@@ -164,11 +164,11 @@ def build_choices(
     index = {n: i for i, n in enumerate(names)}
     groups = colocation_groups(names, constraints)
     grouped = {index[n] for g in groups if len(g) > 1 for n in g}
-    memo: dict[tuple, list[Option]] = {}  # the options depend on the table only through its width
+    memo: dict[tuple, list[Option]] = {}  # the options depend on the table only through its width and id kind
 
     def options_of(i: int, t: TableConfig) -> list[Option]:
         c, colocated = constraints[t.name], i in grouped
-        key = (id(c), t.embedding_dim, colocated)
+        key = (id(c), t.embedding_dim, t.raw_ids, colocated)
         if key not in memo:
             memo[key] = table_options(t, c, topo, settings, colocated=colocated)
         return list(memo[key])

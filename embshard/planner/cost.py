@@ -446,8 +446,8 @@ class CostModel:
             weights = rows * cols * t.elem
             per_id = HOST_ID_STEP_BYTES if tier is MemoryTier.HOST else ID_STEP_BYTES
             buffers = n * (per_id + 3 * WEIGHT_BYTES * t.weighted + RAW_ID_STEP_BYTES * t.raw) + pooled
-            if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:
-                buffers = buffers + pooled  # the host's partials it receives to add up, and their gradient
+        if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:  # whatever the kernel
+            buffers = buffers + pooled  # the host's partials it receives to add up, and their gradient
         if tier is MemoryTier.HBM:
             return Storage(hbm_weights=weights, hbm_state=state + id_map, hbm_buffers=buffers)
         if tier is MemoryTier.HOST:

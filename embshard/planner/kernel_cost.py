@@ -60,7 +60,7 @@ def small_step_bytes(sharding: ShardingType, rows, cols, n, weighted_bytes):
 
 def regroup_s(model, batch: int, pooled_cols: float) -> tuple[float, float]:
     """(forward, backward) seconds of the Triton regroup of a rank's pooled rows (module docstring)."""
-    fwd_b, bwd_b = regroup_bytes(batch, 4, int(pooled_cols), int(pooled_cols), int(pooled_cols))
+    fwd_b, bwd_b = regroup_bytes(batch, int(model.out_bytes), int(pooled_cols), int(pooled_cols), int(pooled_cols))
     k, topo = model.topo.kernel_constants, model.topo
     return float(regroup_seconds(fwd_b, topo.hbm_bw, topo.kernel_s, k)), float(
         regroup_seconds(bwd_b, topo.hbm_bw, topo.kernel_s, k)

@@ -118,7 +118,7 @@ def predict(
         np.add.at(table_hbm, ti, np.broadcast_to(mem.hbm, rows.shape))
         np.add.at(table_ddr, ti, np.broadcast_to(mem.ddr, rows.shape))
         # A table's time alone: one shard -> each rank shows one of owner / same / other; else spread them.
-        single = np.bincount(ti, minlength=len(tables))[ti] == 1
+        single = blocks == 1
         peak = owner[single]
         if lws > 1:
             peak = np.maximum(peak, same[single])
@@ -191,7 +191,7 @@ def predict(
         alt = replace(plan, table_row_wise_exchange=other)
         alt_s = predict(alt, tables, topology, batch_size, optimizer, cons, settings, compare_exchanges=False)
         exchange_step_s = {mine.value: loads.step_time(total), other.value: alt_s.step_time_s}
-        level = twrw.exchange_bytes(plan, tables, [batch_size] * W)
+        level = twrw.exchange_bytes(plan, tables, [batch_size] * W, int(model.out_bytes))
         exchange_level_bytes = {e.value: v for e, v in level.items()}
     return PlanReport(
         exchange_step_s=exchange_step_s,

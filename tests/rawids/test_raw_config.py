@@ -118,6 +118,15 @@ def test_sharding_types_of_raw_tables():
     assert report.step_time_s > static_report.step_time_s
     with pytest.raises(ConfigError, match="ids: raw, which supports sharding types .* not data_parallel"):
         plan_with_report(tables, topo, 1024, opt, constraints={"t0": {"sharding_types": ["data_parallel"]}})
+    for order in (1, -1):  # a raw table beside a plain one of the same width: each keeps its own options
+        mixed = [TableConfig("plain", 100_000, 64, ("fp",), ids_per_bag=4), tables[0]][::order]
+        from embshard.planner.choices import build_choices
+        from embshard.planner.constraints import resolve_constraints
+        from embshard.planner.cost import CostModel
+
+        items, _ = build_choices(CostModel(topo, 1024, opt), mixed, resolve_constraints(mixed, {}, 2))
+        kinds = {mixed[it.tables[0]].name: {o.sharding.value for o in it.options} for it in items}
+        assert kinds["t0"] <= {"table_wise", "row_wise"} and "column_wise" in kinds["plain"], (order, kinds)
     cw = simple_plan(tables, 1, sharding_types={"t1": "column_wise"})
     with pytest.raises(ConfigError, match="table 't1' has ids: raw, which supports .* not column_wise"):
         ShardedEmbeddingBagCollection(tables, cw, opt, device="cpu")
