@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> None:
     from embshard.distributed import init_distributed
     from embshard.models.build import RecModel
     from embshard.pipeline import TrainPipeline
-    from embshard.planner.policy import plan_for_job, pooled_bytes
+    from embshard.planner.policy import plan_for_job
     from embshard.train import evaluate, make_dense_optimizer, plan_on_rank0
 
     device = init_distributed()
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> None:
             batch,
             cfg.sparse_optimizer,
             lines.append,
-            pooled_bytes(cfg.lookup),
+            cfg.lookup,
         )
     )
     plan_s = time.perf_counter() - t0
@@ -244,7 +244,9 @@ def run(args: argparse.Namespace) -> None:
             say(f"trace: {args.trace}")
     pipe.close()
     weights = sum(p.numel() for p in model.dense_parameters() if p.dim() >= 2)
-    floor = floors.e2e_fields(tables, plan, batch, source.num_dense, weights, pooled_bytes(cfg.lookup))
+    floor = floors.e2e_fields(
+        tables, plan, batch, source.num_dense, weights, 4 if cfg.lookup.output_dtype.value == "fp32" else 2
+    )
     say(
         f"RESULT framework=embshard tag={args.tag or '-'} pipeline={tr.pipeline} precision={tr.precision} "
         f"compile={tr.compile} "

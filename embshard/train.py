@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from embshard.config import DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TrainConfig, load_config
 from embshard.plan import ShardingPlan
-from embshard.planner.policy import plan_for_job, pooled_bytes
+from embshard.planner.policy import plan_for_job
 from embshard.tables import AllRanksError, ConfigError
 
 
@@ -177,7 +177,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
             sched.batch_size,
             cfg.sparse_optimizer,
             report.line,
-            pooled_bytes(cfg.lookup),
+            cfg.lookup,
         )
     )
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)

@@ -36,7 +36,6 @@ from embshard.planner.topology import Topology
 from embshard.tables import TableConfig
 
 AUTO = "auto"
-CHOICES = (AUTO, Exchange.FLAT.value, Exchange.HIERARCHICAL.value)
 
 
 def applies(topo: Topology) -> bool:

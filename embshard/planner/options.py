@@ -200,7 +200,7 @@ def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]
     if option.sharding is ShardingType.COLUMN_WISE:
         return [(R, c, n) for c, n in column_runs(D, option.parts)]
     if option.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
-        return [(r, D, n) for r, n in _row_runs(R, option.parts)]
+        return [(r, D, n) for r, n in row_runs(R, option.parts)]
     return [(R, D, option.parts)]
 
 
@@ -208,7 +208,3 @@ def shard_runs(table: TableConfig, option: Option) -> list[tuple[int, int, int]]
 def column_runs(dim: int, parts: int) -> tuple[tuple[int, int], ...]:
     """`geometry.runs(geometry.column_blocks(dim, parts))`: (width, count) runs of the column blocks."""
     return runs(column_blocks(dim, parts))
-
-
-def _row_runs(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
-    return row_runs(rows, parts)

@@ -81,9 +81,13 @@ class PlannerConfig:
                 raise FieldError("settings", changed, "planner settings apply to strategy auto, not simple")
 
 
-def pooled_bytes(lookup) -> int:
-    """Bytes per pooled element of a job's lookups (`LookupOptions.output_dtype`): 4 for fp32, 2 for fp16/bf16."""
-    return 4 if getattr(lookup.output_dtype, "value", lookup.output_dtype) == "fp32" else 2
+def settings_for_lookup(settings: PlannerSettings, lookup) -> PlannerSettings:
+    """`settings` with `pooled_bytes` taken from a job's lookups (`LookupOptions.output_dtype`: 4 for fp32, 2 for
+    fp16/bf16) where the config leaves it unset: the plan is priced as the job will run."""
+    if settings.pooled_bytes is not None:
+        return settings
+    fp32 = getattr(lookup.output_dtype, "value", lookup.output_dtype) == "fp32"
+    return replace(settings, pooled_bytes=4 if fp32 else 2)
 
 
 def plan_for_job(
@@ -95,15 +99,15 @@ def plan_for_job(
     batch_size: int,
     optimizer: FusedOptimizerConfig,
     log: Callable[[str], None] | None = None,
-    pooled_bytes: int = 4,
+    lookup=None,
 ) -> ShardingPlan:
     """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
     (strategy auto: the search on the topology of planner.topology_file or of this machine, for `batch_size`
     samples per rank and the sparse `optimizer`), else by the simple placement (strategy simple: each table's first
     allowed sharding type, tier and rank, planner.tier and planner.column_shards for the rest). `log` gets the
-    plan and, for auto, the predicted memory and time per rank and the predicted step time. `pooled_bytes`: bytes per
-    pooled element (4 fp32, 2 for lookup.output_dtype fp16/bf16), priced in the exchange, regroup and memory unless
-    planner.settings.pooled_bytes says otherwise. Deterministic; a training job still makes it on rank 0 only and
+    plan and, for auto, the predicted memory and time per rank and the predicted step time. `lookup`: the job's
+    LookupOptions, whose output dtype prices the pooled rows unless planner.settings.pooled_bytes is set
+    (`settings_for_lookup`). Deterministic; a training job still makes it on rank 0 only and
     broadcasts it (train.plan_on_rank0)."""
     say = log or (lambda _text: None)
     if planner_cfg.plan_file:
@@ -132,9 +136,7 @@ def plan_for_job(
         return plan
     topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
     try:
-        settings = planner_cfg.settings
-        if settings.pooled_bytes is None:  # not set in the config: the lookups' output dtype
-            settings = replace(settings, pooled_bytes=pooled_bytes)
+        settings = settings_for_lookup(planner_cfg.settings, lookup) if lookup is not None else planner_cfg.settings
         plan, report = plan_with_report(tables, topo, batch_size, optimizer, planner_cfg.constraints, settings)
     except PlanningError as e:
         raise PlanningError(

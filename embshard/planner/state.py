@@ -38,7 +38,6 @@ class State:
         self.placed: dict[int, tuple[int, tuple[int, ...]]] = {}  # item -> (choice index, ranks)
         self.hot: dict[tuple, list[list[float]]] = {}  # small-kernel group -> per rank, its blocks' hot chains
         self.hot_max: dict[tuple, np.ndarray] = {}  # small-kernel group -> [W] longest chain per rank
-        self.rank_host = np.arange(self.W) // self.lws
         self._buf_own = np.empty((loads.NROWS, self.W))  # scratch of _best_single
         self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
         self._buf_new = np.empty((loads.NROWS, self.W))

@@ -21,14 +21,14 @@ PlannerSettings), so nothing is converted.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from embshard.config import PlannerConfig, load_config
 from embshard.optim import FusedOptimizerConfig
 from embshard.planner.constraints import ParameterConstraints
-from embshard.planner.policy import pooled_bytes
+from embshard.planner.policy import settings_for_lookup
 from embshard.planner.settings import PlannerSettings
 from embshard.tables import ConfigError, TableConfig, check_known_keys, validate_tables
 
@@ -152,9 +152,7 @@ def training_planner_input(path: str | Path, overrides: Sequence[str] = ()) -> t
     optimizer, planner.constraints and planner.settings; and the config's planner section."""
     cfg = load_config(path, overrides)
     p = cfg.planner
-    settings = p.settings
-    if settings.pooled_bytes is None:  # priced as the job will run: the lookups' output dtype
-        settings = replace(settings, pooled_bytes=pooled_bytes(cfg.lookup))
+    settings = settings_for_lookup(p.settings, cfg.lookup)  # priced as the job will run
     inp = PlannerInput(
         tables=tuple(cfg.model.tables),
         batch_size=cfg.schedule.batch_size,

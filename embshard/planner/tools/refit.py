@@ -179,14 +179,6 @@ def parse_step_log(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def format_value(field: str, value: Any) -> str:
-    """A constant in the units of topology files (GB/s, us, ns, GiB, MiB)."""
-    from embshard.planner.topology import _UNITS
-
-    unit = _UNITS.get(field)
-    return f"{value / unit[1]:.6g}" if unit else str(value)
-
-
 def read_preset_text(path) -> tuple[str, dict[str, str]]:
     """(header comment without '# ', {YAML key: its end-of-line note}) of a preset file."""
     from pathlib import Path
