@@ -40,19 +40,12 @@ def baseline_module():
 
 
 def embshard_losses(cfg, source, device, steps: int) -> list[torch.Tensor]:
-    from embshard.models.build import RecModel
     from embshard.pipeline import TrainPipeline
-    from embshard.planner.policy import plan_for_job
-    from embshard.train import make_dense_optimizer, plan_on_rank0
+    from embshard.train import build_model, plan_job
 
     world = dist.get_world_size()
-    tables = list(cfg.model.tables)
-    plan = plan_on_rank0(
-        lambda: plan_for_job(tables, cfg.planner, world, world, device.type, cfg.schedule.batch_size,
-                             cfg.sparse_optimizer, None)
-    )  # fmt: skip
-    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
-    opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    plan = plan_job(cfg, device, world, world, lambda _line: None)
+    model, opt = build_model(cfg, plan, source.num_dense, device, world, lambda _line: None)
     pipe = TrainPipeline(model, opt, cfg.training.pipeline, precision=cfg.training.precision)
     batches = source.train_batches(0)
     out = [pipe.progress(batches).output.loss.detach() for _ in range(steps)]

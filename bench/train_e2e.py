@@ -136,10 +136,8 @@ def run(args: argparse.Namespace) -> None:
     from embshard.config import load_config
     from embshard.data import build_source
     from embshard.distributed import init_distributed
-    from embshard.models.build import RecModel
     from embshard.pipeline import TrainPipeline
-    from embshard.planner.policy import plan_for_job
-    from embshard.train import evaluate, make_dense_optimizer, plan_on_rank0
+    from embshard.train import build_model, evaluate, plan_job
 
     device = init_distributed()
     cuda = device.type == "cuda"
@@ -159,24 +157,9 @@ def run(args: argparse.Namespace) -> None:
     lines: list[str] = []
     dist.barrier()
     t0 = time.perf_counter()
-    plan = plan_on_rank0(
-        lambda: plan_for_job(
-            tables,
-            cfg.planner,
-            world,
-            local_world,
-            device.type,
-            batch,
-            cfg.sparse_optimizer,
-            lines.append,
-            cfg.lookup,
-        )
-    )
+    plan = plan_job(cfg, device, world, local_world, lines.append)
     plan_s = time.perf_counter() - t0
-    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
-    dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
-    if cfg.training.compile != "none":
-        model.compile_dense(cfg.training.compile, batch or cfg.schedule.batch_size)
+    model, dense_opt = build_model(cfg, plan, source.num_dense, device, world, lines.append)
     sync()
     dist.barrier()
     build_s = time.perf_counter() - t0

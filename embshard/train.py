@@ -29,6 +29,30 @@ from embshard.planner.policy import plan_for_job
 from embshard.tables import AllRanksError, ConfigError
 
 
+def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: int, log: Callable[[str], None]):
+    """The job's sharding plan (planner.*, priced for schedule.batch_size per rank and the lookups' output dtype),
+    made on rank 0 and broadcast to every rank (`plan_on_rank0`)."""
+    tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
+    return plan_on_rank0(
+        lambda: plan_for_job(
+            tables, cfg.planner, world, local_world, device.type, batch, cfg.sparse_optimizer, log, cfg.lookup
+        )
+    )
+
+
+def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: torch.device, world: int, log):
+    """(RecModel, dense optimizer) of the job on `plan`, with training.compile applied (on CUDA; `log` says when
+    it falls back to eager on the CPU)."""
+    from embshard.models.build import RecModel
+
+    model = RecModel(cfg.model, num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
+    dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    mode = cfg.training.compile
+    if mode != "none" and not model.compile_dense(mode, cfg.schedule.batch_size):
+        log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
+    return model, dense_opt
+
+
 def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
     """Run `make` on rank 0 and broadcast its plan (or its ConfigError) to every rank, so all ranks train with
     the same plan even when they would detect slightly different free memory; every rank raises on an error."""
@@ -153,7 +177,6 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from embshard.checkpoint import checkpointer
     from embshard.data import build_source
     from embshard.distributed import init_distributed
-    from embshard.models.build import RecModel
     from embshard.pipeline import TrainPipeline
 
     cfg: TrainConfig = load_config(config_path, overrides)
@@ -167,25 +190,10 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (torchrec's import: not start-up time)
 
     t_build = time.time()
-    plan = plan_on_rank0(
-        lambda: plan_for_job(
-            tables,
-            cfg.planner,
-            world,
-            local_world,
-            device.type,
-            sched.batch_size,
-            cfg.sparse_optimizer,
-            report.line,
-            cfg.lookup,
-        )
-    )
+    plan = plan_job(cfg, device, world, local_world, report.line)
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
-    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
-    dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
-    if cfg.training.compile != "none" and not model.compile_dense(cfg.training.compile, sched.batch_size):
-        report.line(f"training.compile {cfg.training.compile}: compiles on CUDA GPUs only; the dense part runs eagerly")
+    model, dense_opt = build_model(cfg, plan, source.num_dense, device, world, report.line)
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
     ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
