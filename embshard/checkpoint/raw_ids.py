@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from embshard.checkpoint.layout import Piece
-from embshard.lookup.shards import init_rows_at
+from embshard.lookup.shards import INIT_BLOCK_ELEMENTS, init_rows
 from embshard.rawids.hashing import owner_blocks
-from embshard.tables import ConfigError, Eviction
+from embshard.tables import ConfigError, DataType, Eviction
 
 MAP_KEYS = ("ids", "id_last", "id_count")
 
@@ -151,11 +151,15 @@ def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_byt
 def _write_block(cfg, index, shard, w, state, views, got, n, seed) -> None:
     """Write the n kept (id, row) pairs into the block's first rows; re-initialise the rest."""
     dev = w.device
-    rows = torch.arange(shard.num_rows, device=dev)
+    step = max(1, INIT_BLOCK_ELEMENTS // shard.num_cols)
     with torch.no_grad():
-        init = init_rows_at(cfg, index, rows + shard.row_offset, shard.col_offset, shard.num_cols, seed)
-        init[-1] = 0.0  # the zero row
-        w.data.copy_(init.to(w.dtype))
+        for r0 in range(0, shard.num_rows, step):  # in passes, as the lookups draw their rows: bounded memory
+            k = min(step, shard.num_rows - r0)
+            init = init_rows(cfg, index, shard.row_offset + r0, k, shard.col_offset, shard.num_cols, seed, dev)
+            if cfg.data_type is DataType.FP16:  # fp16 values in any storage, as IdMap.reset writes them
+                init = init.half()
+            w.data[r0 : r0 + k] = init.to(w.dtype)
+        w.data[-1] = 0.0  # the zero row
         for v in state.values():
             v.data.zero_()
         views["ids"].zero_()

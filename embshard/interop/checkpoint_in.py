@@ -135,6 +135,13 @@ def _targets(target: Any, module_path: str) -> tuple[Any, str, Any]:
             "or load into its `ebc` alone"
         )
     ebc_path = join(module_path, dense.ebc_path) if dense is not None else module_path
+    raw = [t.name for t in ebc.tables if t.raw_ids]
+    if raw:  # both ways: TorchRec's rows carry no id -> row map, and an embshard map has no place in TorchRec's
+        raise ConfigError(
+            f"tables {raw} have ids: raw: their rows mean something only with their id -> row maps, which TorchRec's "
+            "EmbeddingBagCollection has no place for; export them with `embshard checkpoint export` (rows and maps), "
+            "or move them between TorchRec and embshard as tables with ids: index"
+        )
     return ebc, ebc_path, dense
 
 

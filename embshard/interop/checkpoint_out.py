@@ -70,12 +70,6 @@ def save_torchrec_checkpoint(
     ebc, ebc_path, dense = _targets(source, module_path)
     ws = default_world_size(torchrec_world_size) if gradient_division else 1
     configs = {t.name: t for t in ebc.tables}
-    raw = [t.name for t in ebc.tables if t.raw_ids]
-    if raw:
-        raise ConfigError(
-            f"tables {raw} have ids: raw: their rows mean something only with their id -> row maps, which TorchRec's "
-            "EmbeddingBagCollection has no place for; export them with `embshard checkpoint export` (rows and maps)"
-        )
     pieces: list[Piece] = []
     notes: set[str] = set()
     for (name, sh, w), (_, _, state) in zip(ebc.local_shards(), ebc.local_optimizer_states()):

@@ -81,8 +81,8 @@ def _table(name: str, p: Any, world: int, on_cpu: bool, shapes: dict[str, tuple[
     if st is ShardingType.DATA_PARALLEL:
         if name not in shapes:
             raise ConfigError(
-                f"TorchRec plan for table {name!r}: data_parallel plans carry no table shape: pass "
-                "tables=[(name, rows, dim), ...] (e.g. from embshard.interop.tables_from_torchrec)"
+                f"TorchRec plan for table {name!r}: data_parallel plans carry no table shape: pass the tables, "
+                "tables=[TableConfig or EmbeddingBagConfig, ...] (e.g. from embshard.interop.tables_from_torchrec)"
             )
         rows, dim = shapes[name]
         shards = tuple(Shard(r, 0, rows, 0, dim) for r in range(world))

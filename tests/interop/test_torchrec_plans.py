@@ -345,3 +345,17 @@ def test_materialized_torchrec_dlrm_as_rec_model():
     for name, p in theirs.named_parameters():
         if "embedding_bags" not in name:
             torch.testing.assert_close(mine[name], p.detach(), msg=name)
+
+
+def test_raw_id_tables_do_not_cross_to_or_from_torchrec_checkpoints(tmp_path):
+    """A raw-id table's rows mean something only with its id -> row map: loading TorchRec's rows into one (the map
+    would be empty, every row re-initialised at its first id) and exporting one are both refused, naming it."""
+    from embshard.interop import load_torchrec_state_dict, save_torchrec_checkpoint
+    from embshard.sharded import ShardedEmbeddingBagCollection
+
+    tables = [TableConfig("plain", 40, 8, ("f",)), TableConfig("rawt", 40, 8, ("g",), ids="raw")]
+    ebc = ShardedEmbeddingBagCollection(tables, simple_plan(tables, 1, tier="host"), device="cpu")
+    with pytest.raises(ConfigError, match=r"tables \['rawt'\] have ids: raw"):
+        load_torchrec_state_dict(ebc, {})
+    with pytest.raises(ConfigError, match=r"tables \['rawt'\] have ids: raw"):
+        save_torchrec_checkpoint(tmp_path / "ck", ebc)
