@@ -36,6 +36,12 @@ def table_key(seed: int, table_index: int) -> int:
     return splitmix64(splitmix64(seed) + 0x9E3779B97F4A7C15 * (table_index + 1))
 
 
+def _signed(x: int) -> int:
+    """A 64-bit value as torch's int64 holds it (two's complement)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
 def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> None:
     """splitmix64's output function, in place on an int64 tensor (`tmp`: a buffer of its shape; right shifts made
     logical by masking)."""
@@ -74,8 +80,7 @@ def init_rows(
     out = torch.empty(num_rows, num_cols, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
-    key = table_key(seed, table_index)
-    key = key - (1 << 64) if key >= 1 << 63 else key
+    key = _signed(table_key(seed, table_index))
     D = cfg.embedding_dim
     cols = torch.arange(col_offset, col_offset + num_cols, dtype=torch.int64, device=device)
     step = max(1, INIT_BLOCK_ELEMENTS // num_cols)
@@ -116,8 +121,7 @@ def init_rows_at(
     device = rows.device
     if seed is None:
         return torch.empty(rows.numel(), num_cols, device=device).uniform_(-cfg.init_bound, cfg.init_bound)
-    key = table_key(seed, table_index)
-    key = key - (1 << 64) if key >= 1 << 63 else key
+    key = _signed(table_key(seed, table_index))
     cols = torch.arange(col_offset, col_offset + num_cols, dtype=torch.int64, device=device)
     z = (rows.to(torch.int64) * cfg.embedding_dim).unsqueeze(1) + cols  # the element's index in the table
     return _uniform_of_index_(z, torch.empty_like(z), key, float(cfg.init_bound))
