@@ -1,4 +1,4 @@
-"""embshard on the benchmark workloads of ../shared/baselines/torchrec_dmp.py, timed the same way.
+"""embshard on the benchmark workloads of bench/baselines/torchrec_dmp.py (TorchRec), timed the same way.
 
 Run with torchrun, one process per GPU (gloo on CPU for a smoke test):
     torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload uniform26

@@ -76,14 +76,11 @@ def torchrec_like_variants(inp: PlannerInput, world: int) -> dict[str, ShardingP
 
 def dmp_workload(name: str) -> tuple[list, int]:
     """The tables and batch per rank of a bench/embshard_dmp.py workload (the names its saved plans use)."""
-    from embshard_dmp import WORKLOADS
-
-    from embshard.tables import TableConfig
+    from embshard_dmp import WORKLOADS, workload_tables
 
     if name not in WORKLOADS:
         raise SystemExit(f"workload {name!r} is not one of bench/embshard_dmp.py's: {sorted(WORKLOADS)}")
-    spec, batch = WORKLOADS[name]
-    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)], batch
+    return workload_tables(name), WORKLOADS[name][1]
 
 
 def refit(args: argparse.Namespace) -> None:

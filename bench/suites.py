@@ -127,7 +127,7 @@ def fuzz_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     for world, cases in fuzz_plan(args):
         env = cuda_env(args) | {"EMBSHARD_FUZZ_CASES": str(cases), "EMBSHARD_FUZZ_WORLDS": str(world)}
         argv = py() + ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_fuzz.py"]
-        steps.append(Step(f"world {world}, {cases} cases", argv, env, timeout=420, needs_gpus=0 if args.cpu else world))
+        steps.append(Step(f"world {world}, {cases} cases", argv, env, timeout=420, needs_gpus=world))
     argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz_regressions.py"]
     steps.append(Step("regressions", argv, cuda_env(args), timeout=120))
     return steps
@@ -163,11 +163,11 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
     def torchrec(precision: str) -> Step:
         argv = torchrun(n) + ["bench/baselines/torchrec_dlrm_train.py", *timing, "--precision", precision, *tr_size]
-        return Step(f"TorchRec {precision}", argv, timeout=240, needs_gpus=0 if args.cpu else n)
+        return Step(f"TorchRec {precision}", argv, timeout=240, needs_gpus=n)
 
     def embshard(tag: str, *extra: str) -> Step:
         argv = py() + ["bench/train_e2e.py", "--config", E2E_CONFIG, "--nproc", str(n), *timing, "--eval", *size]
-        return Step(f"embshard {tag}", argv + ["--tag", tag, *extra], timeout=240, needs_gpus=0 if args.cpu else n)
+        return Step(f"embshard {tag}", argv + ["--tag", tag, *extra], timeout=240, needs_gpus=n)
 
     out = bandwidth_step(args)
     precisions = args.precisions.split(",")
@@ -205,7 +205,7 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             str(args.loss_steps),
         ]
         argv += ["--out", f"{args.out}/loss_curves.png"] + (["--scale", f"{scale:g}", "--small"] if args.cpu else [])
-        out.append(Step("loss curves", argv, timeout=300, needs_gpus=0 if args.cpu else n))
+        out.append(Step("loss curves", argv, timeout=300, needs_gpus=n))
     return out
 
 
@@ -246,7 +246,7 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     steps_ = str(args.steps or (5 if args.cpu else 100))
     workloads = ["tiny"] if args.cpu else args.workloads.split(",")
     hbm = args.torchrec_hbm_gib or m.gpu_gib
-    gpus = 0 if args.cpu else n
+    gpus = n
     out = bandwidth_step(args)
     for i in range(pairs):  # pair 1 of every workload, then pair 2, ...: a time limit still leaves one of each
         for w in workloads:
@@ -282,7 +282,7 @@ def soak_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     workload = "tiny" if args.cpu else "uniform26"
     argv = torchrun(nproc(args, m)) + ["bench/embshard_dmp.py", "--workload", workload, "--plan", "planner"]
     argv += ["--steps", str(steps_), "--mem-at", f"100,{steps_}", "--bench", "soak"]
-    return [Step(f"{workload}, {steps_} steps", argv, timeout=500, needs_gpus=0 if args.cpu else nproc(args, m))]
+    return [Step(f"{workload}, {steps_} steps", argv, timeout=500, needs_gpus=nproc(args, m))]
 
 
 def soak_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -313,7 +313,7 @@ def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
         argv = torchrun(n) + ["bench/embshard_dmp.py", "--workload", workload, "--ids", "both", "--id-space", space]
         argv += ["--batches", "8", "--rounds", "3", "--steps", str(args.steps or (5 if args.cpu else 20))]
         out.append(Step(f"{workload} static vs raw, id space {space} x rows", argv, timeout=400,
-                        needs_gpus=0 if args.cpu else n))  # fmt: skip
+                        needs_gpus=n))  # fmt: skip
     return out
 
 
@@ -333,7 +333,7 @@ def rawids_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 # ---- retrieval, ckpt, loader ----------------------------------------------------------------------------------
 def retrieval_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     argv = torchrun(2) + ["bench/full_softmax.py"] + (["--cpu"] if args.cpu else [])
-    return [Step("full softmax, 1M x 64 items, 2 ranks", argv, timeout=300, needs_gpus=0 if args.cpu else 2)]
+    return [Step("full softmax, 1M x 64 items, 2 ranks", argv, timeout=300, needs_gpus=2)]
 
 
 def retrieval_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -352,7 +352,7 @@ def ckpt_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     n = nproc(args, m)
     scale = args.ckpt_scale or (0.0005 if args.cpu else 0.1)
     argv = torchrun(n) + ["bench/checkpoint_bench.py", "--dir", CKPT_DIR, "--scale", f"{scale:g}"]
-    out = [Step(f"checkpoint_bench, {n} ranks, scale {scale:g}", argv, timeout=420, needs_gpus=0 if args.cpu else n)]
+    out = [Step(f"checkpoint_bench, {n} ranks, scale {scale:g}", argv, timeout=420, needs_gpus=n)]
     if not args.cpu:
         argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/checkpoint"]
         out.append(Step("checkpoint tests on the GPUs", argv, cuda_env(args), timeout=240))
@@ -416,9 +416,9 @@ def kernels_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             py() + ["bench/kernels.py", "--check", *cpu],
             env,
             timeout=240,
-            needs_gpus=0 if args.cpu else 1,
+            needs_gpus=1,
         ),
-        Step("kernels", py() + ["bench/kernels.py", *cpu], env, timeout=330, needs_gpus=0 if args.cpu else 1),
+        Step("kernels", py() + ["bench/kernels.py", *cpu], env, timeout=330, needs_gpus=1),
         Step("cross_entropy", py() + ["bench/cross_entropy.py"] + (["--cpu"] if args.cpu else []), env, timeout=200),
     ]
 
@@ -432,7 +432,7 @@ def kernels_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
 def tiers_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     argv = py() + ["bench/tiers.py"] + (["--cpu"] if args.cpu else ["--rows", "2000000"])
     env = {"CUDA_VISIBLE_DEVICES": "0"} if not args.cpu else {}
-    return [Step("tiers", argv, env, timeout=300, needs_gpus=0 if args.cpu else 1)]
+    return [Step("tiers", argv, env, timeout=300, needs_gpus=1)]
 
 
 def tiers_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -455,7 +455,7 @@ def profile_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
         )
         for who, script in (("TorchRec", base), ("embshard", mine)):
             argv = torchrun(n) + ["bench/profile_step.py", *script, "--steps", "10"]
-            out.append(Step(f"profile {who} {w}", argv, timeout=200, needs_gpus=0 if args.cpu else n))
+            out.append(Step(f"profile {who} {w}", argv, timeout=200, needs_gpus=n))
     return out
 
 
@@ -470,7 +470,7 @@ def interop_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     out = [Step("tests/interop", py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interop"], timeout=300)]
     for step in ("step1_plan", "step2_train", "step3_export"):
         argv = torchrun(2) + [f"examples/torchrec/{step}.py", "--out", INTEROP_DIR]
-        out.append(Step(step, argv, timeout=240, needs_gpus=0 if args.cpu else 2))
+        out.append(Step(step, argv, timeout=240, needs_gpus=2))
     return out
 
 
@@ -504,7 +504,7 @@ def bandwidth_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str
 def hier_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     """bench/hier_exchange.py (flat against hierarchical exchange, 4 ranks as 2 hosts x 2), then the world-4 parity
     tests of tests/sharding/test_sharding_types.py and 40 world-4 fuzz cases with the hierarchical scenario."""
-    gpus = 0 if args.cpu else 4
+    gpus = 4
     bench = torchrun(4) + ["bench/hier_exchange.py"] + (["--smoke"] if args.cpu else [])
     tests = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sharding/test_sharding_types.py", "-k"]
     tests.append("world4")

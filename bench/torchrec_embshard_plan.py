@@ -30,7 +30,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINES = [
     os.environ.get("TORCHREC_BASELINE", ""),
     os.path.join(HERE, "baselines", "torchrec_dmp.py"),
-    os.path.join(HERE, "..", "shared", "baselines", "torchrec_dmp.py"),
 ]
 
 
