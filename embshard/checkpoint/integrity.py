@@ -85,6 +85,13 @@ def entry(size: int, crc: int) -> dict:
     return {"bytes": size, ALGORITHM: crc_hex(crc)}
 
 
+def _found(rec: dict, size: int, crc: int) -> str | None:
+    """None if (size, crc) match the file's COMMIT record, else what was found, for the error message."""
+    if size == rec["bytes"] and crc_hex(crc) == rec[ALGORITHM]:
+        return None
+    return f"{size} bytes with CRC-32 {crc_hex(crc)}"
+
+
 def check_bytes(folder: str | os.PathLike, name: str, data: bytes, record: dict | None) -> None:
     """Raise CheckpointDamaged if `data`, the whole file `name`, differs from its record (None: not checked)."""
     if record is None:
@@ -92,9 +99,9 @@ def check_bytes(folder: str | os.PathLike, name: str, data: bytes, record: dict 
     rec = record.get(name)
     if rec is None:
         raise CheckpointDamaged(folder, name, "an entry in COMMIT's checksums", "none (the file is not recorded)")
-    crc = crc_hex(zlib.crc32(data))
-    if len(data) != rec["bytes"] or crc != rec[ALGORITHM]:
-        raise CheckpointDamaged(folder, name, _expect(rec), f"{len(data)} bytes with CRC-32 {crc}")
+    found = _found(rec, len(data), zlib.crc32(data))
+    if found:
+        raise CheckpointDamaged(folder, name, _expect(rec), found)
 
 
 # ---- save: sums of what is written ---------------------------------------------------------------------------
@@ -229,14 +236,13 @@ class VerifyingReader(FileSystemReader):
             if rec is None:
                 raise CheckpointDamaged(self.folder, name, "an entry in COMMIT's checksums", "none")
             if offset == 0 and length == rec["bytes"]:  # the chunk is the whole file (embshard's writer)
-                size = os.fstat(file.fileno()).st_size
-                crc = crc_hex(zlib.crc32(data))
-                if size != length or crc != rec[ALGORITHM]:
-                    raise CheckpointDamaged(self.folder, name, _expect(rec), f"{size} bytes with CRC-32 {crc}")
+                found = _found(rec, os.fstat(file.fileno()).st_size, zlib.crc32(data))
+                if found:
+                    raise CheckpointDamaged(self.folder, name, _expect(rec), found)
             else:  # several chunks in one file: the whole file, once
-                size, crc = crc_file(Path(self.folder, name))
-                if size != rec["bytes"] or crc_hex(crc) != rec[ALGORITHM]:
-                    raise CheckpointDamaged(self.folder, name, _expect(rec), f"{size} bytes with CRC-32 {crc_hex(crc)}")
+                found = _found(rec, *crc_file(Path(self.folder, name)))
+                if found:
+                    raise CheckpointDamaged(self.folder, name, _expect(rec), found)
                 self._checked.update((name, o) for o in self._offsets(name))
             self._checked.add((name, offset))
         return io.BytesIO(data)
@@ -279,9 +285,8 @@ def verify_folder(path: str | os.PathLike, record: dict | None, threads: int = 8
             size, crc = crc_file(folder / name)
         except FileNotFoundError:
             return name, 0, f"{name}: expected {_expect(rec)}, found no such file"
-        if size != rec["bytes"] or crc_hex(crc) != rec[ALGORITHM]:
-            return name, size, f"{name}: expected {_expect(rec)}, found {size} bytes with CRC-32 {crc_hex(crc)}"
-        return name, size, None
+        found = _found(rec, size, crc)
+        return name, size, f"{name}: expected {_expect(rec)}, found {found}" if found else None
 
     if record is not None:
         items = sorted(record.items(), key=lambda kv: -kv[1]["bytes"])  # the largest first: the pool ends together
