@@ -465,22 +465,53 @@ def profile_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
 
 
 def interop_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
-    """The interop tests (TorchRec's DMP on CPU processes, under this machine's torchrec), then the three migration
-    steps of examples/torchrec on the GPUs, sharing one folder."""
+    """The interop tests (TorchRec's DMP on CPU processes, under this machine's torchrec), the three migration steps
+    of examples/torchrec on the GPUs sharing one folder, then TorchRec's runtime on its own plan against TorchRec's
+    runtime on embshard's plan (bench/torchrec_embshard_plan.py), interleaved pairs per workload."""
     out = [Step("tests/interop", py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interop"], timeout=300)]
-    for step in ("step1_plan", "step2_train", "step3_export"):
-        argv = torchrun(2) + [f"examples/torchrec/{step}.py", "--out", INTEROP_DIR]
-        out.append(Step(step, argv, timeout=240, needs_gpus=2))
+    if args.interop_examples:
+        for step in ("step1_plan", "step2_train", "step3_export"):
+            argv = torchrun(2) + [f"examples/torchrec/{step}.py", "--out", INTEROP_DIR]
+            out.append(Step(step, argv, timeout=240, needs_gpus=2))
+    n = nproc(args, m)
+    steps_ = str(args.steps or (5 if args.cpu else 100))
+    hbm = args.torchrec_hbm_gib or m.gpu_gib or 16
+    workloads = {"tiny": []} if args.cpu else {"hetero124": ["--hbm-gib", f"{hbm:g}"], "overflow": ["--hbm-gib", "16"]}
+    for i in range(args.pairs or (1 if args.cpu else 3)):
+        for w, size in workloads.items():
+            for plan in ("torchrec", "embshard"):
+                argv = torchrun(n) + ["bench/torchrec_embshard_plan.py", "--plan", plan, "--workload", w, *size]
+                best = ["--force", "small-dp"] if plan == "torchrec" and w == "hetero124" else []
+                argv += best + ["--steps", steps_]
+                out.append(Step(f"{plan} plan {w} (pair {i + 1})", argv, timeout=300, needs_gpus=n))
     return out
 
 
 def interop_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows = []
+    timed: dict[str, dict[str, list[float]]] = {}
+    predicted: dict[str, list[float]] = {}
     for label, text in step_blocks(log):
+        plan = re.match(r"(torchrec|embshard) plan (\S+) \(pair", label)
+        if plan:
+            ms = [float(r["ms_per_step"]) for r in results(text) if r.get("framework") == "torchrec"]
+            if ms:
+                timed.setdefault(plan[2], {}).setdefault(plan[1], []).append(ms[-1])
+            predicted.setdefault(plan[2], []).extend(float(x) for x in re.findall(r"predicted ([\d.]+) ms/step", text))
+            continue
         found = re.findall(r"^((?:embshard trained|held-out loss).*)$", text, re.M) or re.findall(
             PYTEST_LINE, text, re.M
         )
         rows.append((label, found[-1] if found else "see interop.log"))
+    for workload, by_plan in timed.items():
+        own, ours = by_plan.get("torchrec", []), by_plan.get("embshard", [])
+        text = f"TorchRec's plan {report.fmt_ms(own)} ms, embshard's plan {report.fmt_ms(ours)} ms"
+        ratios = [a / b for a, b in zip(own, ours)]
+        if ratios:
+            text += f"; embshard's plan faster by {report.fmt_ratio(ratios).replace('**', '')}"
+        if predicted.get(workload):
+            text += f"; embshard predicted {statistics.median(predicted[workload]):.2f} ms (its own runtime)"
+        rows.append((f"TorchRec runtime, {workload}", text))
     return rows
 
 
@@ -557,9 +588,9 @@ SUITES = {
               "2-3 min", tiers_steps, tiers_summary),
         Suite("profile", "torch.profiler of one step, embshard and TorchRec: top kernels and host syncs", "2",
               "2-4 min", profile_steps, profile_summary),
-        Suite("interop", "embshard.interop: tests/interop under this torchrec, then examples/torchrec's three "
-              "migration steps on 2 GPUs (plan in TorchRec's DMP, train in embshard, export back)", "2", "3-5 min "
-              "(estimate)", interop_steps, interop_summary),
+        Suite("interop", "embshard.interop: tests/interop under this torchrec, examples/torchrec's three migration "
+              "steps on 2 GPUs (--interop-examples), then TorchRec's runtime on its own plan against embshard's plan "
+              "(hetero124, overflow), interleaved pairs", "2", "5-8 min (estimate)", interop_steps, interop_summary),
         Suite("bandwidth", "measured GPU memory, GPU link and host link bandwidths (`embshard calibrate`)", "1-2",
               "1 min", bandwidth_steps, bandwidth_summary),
         Suite("rawids", "raw-id tables: tests/rawids on the GPUs, then uniform26 with every table ids: raw against "

@@ -8,9 +8,10 @@ variables, import path and working directory, and the torch RNG reset to a fresh
 the process group (embshard.train.run does: the ranks then join a new one). A call that fails on some rank (an
 exception, a crash, a hang the process group's timeout ends) ends that pool; the next call starts a new one.
 Calls with another `pg_timeout_s` or `fresh=True` (a test that leaves a process in a state no other test should
-inherit: a watchdog timeout set, a collective left pending) get processes of their own, as do all calls on GPUs
-unless EMBSHARD_TEST_POOL=1 (EMBSHARD_TEST_POOL=0: never reuse processes). On machines without CUDA the processes
-are forks of a server that imported those modules once (EMBSHARD_TEST_START_METHOD=spawn: new interpreters).
+inherit: a watchdog timeout set, a collective left pending) get processes of their own (EMBSHARD_TEST_POOL=0: never
+reuse processes). On machines without CUDA the processes are forks of a server that imported those modules once
+(EMBSHARD_TEST_START_METHOD=spawn: new interpreters); with CUDA they are new interpreters (CUDA does not survive a
+fork), each bound to the GPU of its rank, whose peak-memory counters and cached blocks are reset between calls.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def _reset_after_call(rank: int, world_size: int, port: int, pg_timeout_s: float
     if comm is not None:
         comm.set_timeout(None)
         comm._ISSUED.clear()
+    if device_kind() == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) -> None:
@@ -216,8 +221,7 @@ def close_pools() -> None:
 
 
 def _pooling() -> bool:
-    env = os.environ.get("EMBSHARD_TEST_POOL")
-    return env == "1" if env in ("0", "1") else device_kind() == "cpu"
+    return os.environ.get("EMBSHARD_TEST_POOL") != "0"
 
 
 def _load(path: str) -> dict | None:
