@@ -247,3 +247,29 @@ def test_triton_regroup_with_an_empty_block():
     assert all(torch.equal(out[n], want[n]) for n in groups)
     sum(o.sum() for o in out.values()).backward()
     assert blocks[1].grad.shape == (3, 0) and torch.equal(blocks[0].grad[:, :4], torch.full((3, 4), 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_raw_id_row_reset_kernels_match_init_rows(dtype):
+    """The raw-id reset kernels: the listed rows get init_rows' values bit for bit (a column block of a wider table,
+    an odd width), their state rows zeros; rows listed as -1 and rows not listed keep their values."""
+    from embshard.kernels._reset_triton import reset_weights_, zero_rows_
+    from embshard.lookup.shards import init_rows_at, table_key
+    from embshard.tables import TableConfig
+
+    cfg = TableConfig("t", 500, 24, ("f",))
+    rows, row_offset, col_offset, num_cols = 40, 100, 5, 11
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(rows, num_cols, generator=gen).to(dtype)
+    m1, m2 = torch.rand(rows, generator=gen), torch.rand(rows, num_cols, generator=gen)
+    before = (w.clone(), m1.clone(), m2.clone())
+    listed = torch.tensor([7, -1, 0, 39, -1, 12, 7], dtype=torch.int64)
+    reset_weights_(w, listed, row_offset, cfg.embedding_dim, col_offset, table_key(11, 2), cfg.init_bound)
+    zero_rows_(m1, listed)
+    zero_rows_(m2, listed)
+    hit = torch.zeros(rows, dtype=torch.bool)
+    hit[listed[listed >= 0]] = True
+    want = init_rows_at(cfg, 2, torch.arange(rows) + row_offset, col_offset, num_cols, seed=11).to(dtype)
+    assert torch.equal(w[hit], want[hit]) and torch.equal(w[~hit], before[0][~hit])
+    assert torch.equal(m1[hit], torch.zeros(int(hit.sum()))) and torch.equal(m1[~hit], before[1][~hit])
+    assert not m2[hit].any() and torch.equal(m2[~hit], before[2][~hit])

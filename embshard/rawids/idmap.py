@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from embshard.geometry import offsets
-from embshard.lookup.shards import LocalShard, init_rows_at
+from embshard.lookup.shards import LocalShard, init_rows_at, table_key
 from embshard.rawids.hashing import BUCKET_SALTS, SKETCH_SALTS, hash64
 from embshard.tables import ConfigError, DataType, Eviction
 
@@ -210,40 +210,60 @@ class IdMap(nn.Module):
         given = torch.full((n + 1,), -1, dtype=i64, device=dev)
         return rows, given.scatter_(0, torch.where(ok, u_pos, n), torch.where(ok, new_row, -1))[:n]
 
-    def _resets(
-        self, given: torch.Tensor | None, counts: list[int], dev: torch.device
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per shard: (local rows, zero mask): the rows given to new ids (re-initialised) and the zero row."""
-        out = []
+    def _resets(self, given: torch.Tensor | None, counts: list[int], dev: torch.device) -> list[torch.Tensor | None]:
+        """Per shard: at each of its positions in the step the local row given to a new id there, else -1 (None:
+        no id of the shard could get a row)."""
+        out: list[torch.Tensor | None] = []
         for s, (start, c) in enumerate(zip(offsets(counts), counts)):
-            zero_row = torch.full((1,), self.rows_host[s] - 1, dtype=torch.int64, device=dev)
             if given is None or c == 0:
-                out.append((zero_row, torch.ones(1, dtype=torch.bool, device=dev)))
+                out.append(None)
                 continue
             g = given[start : start + c]
-            idx = torch.cat([torch.where(g >= 0, g - self.row_base_host[s], self.rows_host[s] - 1), zero_row])
-            zero = torch.cat([g < 0, torch.ones(1, dtype=torch.bool, device=dev)])
-            out.append((idx, zero))
+            out.append(torch.where(g >= 0, g - self.row_base_host[s], -1))
         return out
 
-    def reset(self, lookup: nn.Module, resets: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write the reset lists into `lookup`'s weights (re-initialised rows, zero rows) and optimizer state
-        (zeros). Writes through `.data`: an autograd graph still waiting for its backward is not invalidated. The
-        lookup's shard tensors are taken once (they are updated in place, never replaced)."""
+    def reset(self, lookup: nn.Module, resets: Sequence[torch.Tensor | None]) -> None:
+        """Re-initialise the rows of the reset lists (`_resets`) in `lookup`'s weights and zero their optimizer
+        state; zero every shard's zero row. On CUDA one Triton program per list entry, returning at once for -1
+        (embshard.kernels._reset_triton: the work follows the rows actually reset, no host sync); on the CPU the
+        listed rows are picked out first. Writes through `.data`: an autograd graph still waiting for its backward
+        is not invalidated. The lookup's shard tensors are taken once (they are updated in place, never replaced)."""
         if getattr(self, "_views_of", None) != id(lookup):
             self._views = (lookup.shard_weights(), lookup.shard_optimizer_states())
             self._views_of = id(lookup)
         weights, states = self._views
         with torch.no_grad():
-            for s, w, st, (idx, zero) in zip(self.shards, weights, states, resets):
-                sh = s.shard
-                vals = init_rows_at(s.table, s.table_index, idx + sh.row_offset, sh.col_offset, sh.num_cols, self.seed)
-                vals = torch.where(zero.unsqueeze(1), 0.0, vals)
-                if s.table.data_type is DataType.FP16:
-                    vals = vals.half()
-                w.data.index_copy_(0, idx, vals.to(w.dtype))
+            for s, (shard, w, st, new) in enumerate(zip(self.shards, weights, states, resets)):
+                zero = self.rows_host[s] - 1
+                w.data[zero].zero_()
                 for v in st.values():
-                    v.data.index_fill_(0, idx, 0)
+                    v.data[zero].zero_()
+                if new is not None:
+                    self._reset_rows(shard, w.data, [v.data for v in st.values()], new)
+
+    def _reset_rows(self, s: LocalShard, w: torch.Tensor, states: list[torch.Tensor], new: torch.Tensor) -> None:
+        sh = s.shard
+        fp16 = s.table.data_type is DataType.FP16  # its values rounded to fp16 even where the weights are fp32
+        if (
+            w.is_cuda
+            and self.seed is not None
+            and all(v.is_cuda for v in states)
+            and not (fp16 and w.dtype != torch.float16)
+        ):
+            from embshard.kernels._reset_triton import reset_weights_, zero_rows_
+
+            key = table_key(self.seed, s.table_index)
+            reset_weights_(w, new, sh.row_offset, s.table.embedding_dim, sh.col_offset, key, s.table.init_bound)
+            for v in states:
+                zero_rows_(v, new)
+            return
+        idx = new if w.is_cuda else new[new >= 0]  # (CUDA without a seed: the -1 entries write into the zero row)
+        idx = torch.where(idx >= 0, idx, w.shape[0] - 1)
+        vals = init_rows_at(s.table, s.table_index, idx + sh.row_offset, sh.col_offset, sh.num_cols, self.seed)
+        vals = torch.where((idx == w.shape[0] - 1).unsqueeze(1), 0.0, vals)
+        w.index_copy_(0, idx, (vals.half() if fp16 else vals).to(w.dtype))
+        for v in states:
+            v.index_fill_(0, idx, 0)
 
     def tick(self) -> None:
         """A training step without a lookup on this rank (empty global batch): the clock still advances."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_cases import CHUNK_BYTES, build, full_state, plan_for, train
+from ckpt_cases import CHUNK_BYTES, CUDA, build, full_state, plan_for, train
 from torch import nn
 
 from embshard.checkpoint import Checkpointer, TrainState, load_checkpoint, storage
@@ -163,7 +163,8 @@ def ck(saved, tmp_path):
 
 
 def _fresh(seed=5) -> TrainState:
-    return _model(torch.device("cpu"), 1, seed)
+    """A one-process model on the test device (its tables in the tier the checkpoint was saved from)."""
+    return _model(torch.device("cuda", 0) if CUDA else torch.device("cpu"), 1, seed)
 
 
 @pytest.mark.parametrize("how", ["overwrite", "truncate"])

@@ -141,7 +141,9 @@ def _plans_out(rank: int, world: int) -> dict:
             if not hasattr(v, "local_shards"):
                 v.copy_(w)
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=LR, eps=EPS)
-    ours = ShardedEmbeddingBagCollection(tables, plan, opt, options=LookupOptions(column_wise_exact=False))
+    ours = ShardedEmbeddingBagCollection(
+        tables, plan, opt, device=torch.device("cpu"), options=LookupOptions(column_wise_exact=False)
+    )
     load_weights(ours, full)
     gen = torch.Generator().manual_seed(10 + rank)
     outs = []
@@ -156,7 +158,9 @@ def _plans_out(rank: int, world: int) -> dict:
     theirs_optim = dmp.fused_optimizer.state_dict()
     # Into another plan (types moved, the column-wise table table-wise: per-row state from the per-block ones).
     moved = {"t_tw": "row_wise", "t_rw": "column_wise", "t_dp": "table_wise", "t_twrw": "table_wise"}
-    other = ShardedEmbeddingBagCollection(tables, simple_plan(tables, world, sharding_types=moved), opt, seed=5)
+    other = ShardedEmbeddingBagCollection(
+        tables, simple_plan(tables, world, sharding_types=moved), opt, seed=5, device=torch.device("cpu")
+    )
     saved = io.BytesIO()  # as torch.save of every rank's state dicts to a file of its own, and torch.load
     torch.save({"model": theirs_state, "optim": theirs_optim}, saved)
     saved.seek(0)
