@@ -63,10 +63,8 @@ def module_bytes(model: torch.nn.Module) -> dict[str, int]:
     out = {"weights": 0, "optimizer": 0, "mc_buffers": 0}
     for k, v in model.state_dict().items():
         out["mc_buffers" if "_managed_collision_collection" in k else "weights"] += tensor_bytes(v)
-    seen = set()
-    for k, b in model.named_buffers():
-        if "_managed_collision_collection" in k and "_history" in k and id(b) not in seen:
-            seen.add(id(b))
+    for k, b in model.named_buffers():  # the non-persistent ones too (LRU's history of each id's step)
+        if "_managed_collision_collection" in k and "_history" in k:
             out["mc_buffers"] += tensor_bytes(b)
     for m in model.modules():  # the history accumulator is a plain attribute, made at the first step
         acc = getattr(m, "_history_accumulator", None)
@@ -78,7 +76,7 @@ def module_bytes(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def reset_rows_on_host(models: torch.nn.Module) -> int:
+def reset_rows_on_host(model: torch.nn.Module) -> int:
     """Give the module's host-memory TBEs the eviction reset that FBGEMM has as a GPU kernel only
     (fbgemm::reset_weight_momentum: the evicted rows' weights and row-wise Adagrad state set to 0, before TorchRec
     writes their initial values), so that the sharded managed-collision module runs on CPU processes too. GPU TBEs
@@ -96,7 +94,7 @@ def reset_rows_on_host(models: torch.nn.Module) -> int:
                     state[rows] = 0
 
     tbes = {}  # TorchRec's sharded MC module keeps the TBE of each table for its evictions
-    for m in models.modules():
+    for m in model.modules():
         for tbe, _ in getattr(m, "_table_to_tbe_and_index", {}).values():
             tbes[id(tbe)] = tbe
     n = 0
@@ -262,9 +260,10 @@ def main() -> None:
             step(kind, i)
     sync()
     dist.barrier()
+    held = {kind: module_bytes(models[kind]) for kind in KINDS}  # every rank: the state dicts are built alike
+    dist.barrier()
     if rank == 0:
-        for kind in KINDS:
-            parts = module_bytes(models[kind])
+        for kind, parts in held.items():
             measured = f", {built[kind]:.2f} GiB allocated by the build" if cuda else ""
             print(
                 f"{kind} memory, rank 0: "
