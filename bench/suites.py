@@ -304,29 +304,44 @@ def soak_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     """The raw-id tests on the GPUs (the map's step under CUDA's sync debug mode, parity with a static table), then
     uniform26 with every table ids: raw (capacity = rows) against static, interleaved: ids within the rows (after
-    the first batches every id is resident) and from 10 x rows values (admitting and evicting every step)."""
+    the first batches every id is resident) and from 10 x rows values (admitting and evicting every step); then the
+    same against TorchRec's managed-collision tables (bench/torchrec_mc.py: MCH modules, capacity = rows, against its
+    static tables, interleaved) on the same ranks, id spaces and batches."""
     n = nproc(args, m)
     tests = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/rawids"]
     out = [Step("tests/rawids", tests, cuda_env(args), timeout=400)]
     workload = "tiny" if args.cpu else "uniform26"
+    timed = ["--batches", "8", "--rounds", "3", "--steps", str(args.steps or (5 if args.cpu else 20))]
     for space in ("1", "10"):
         argv = torchrun(n) + ["bench/embshard_dmp.py", "--workload", workload, "--ids", "both", "--id-space", space]
-        argv += ["--batches", "8", "--rounds", "3", "--steps", str(args.steps or (5 if args.cpu else 20))]
-        out.append(Step(f"{workload} static vs raw, id space {space} x rows", argv, timeout=400,
+        out.append(Step(f"{workload} static vs raw, id space {space} x rows", argv + timed, timeout=400,
                         needs_gpus=n))  # fmt: skip
+    for space in ("1", "10"):
+        argv = torchrun(n) + ["bench/torchrec_mc.py", "--workload", workload, "--id-space", space]
+        out.append(Step(f"{workload} TorchRec static vs managed collisions, id space {space} x rows", argv + timed,
+                        timeout=400, needs_gpus=n))  # fmt: skip
     return out
 
 
 def rawids_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Per id space: embshard's raw/static ratio and, beside it, TorchRec's managed-collision/static ratio."""
     rows = [("tests/rawids", last_match(log, PYTEST_LINE) or "no pytest summary line")]
     runs = [r for r in results(log) if r.get("bench") == "rawids"]
-    for space in dict.fromkeys(r.get("id_space") for r in runs):
+    theirs = [r for r in results(log) if r.get("bench") == "torchrec_mc"]
+    for space in dict.fromkeys(r.get("id_space") for r in runs + theirs):
         ms = {r["ids"]: float(r["ms_per_step"]) for r in runs if r.get("id_space") == space}
+        tr = {r["ids"]: float(r["ms_per_step"]) for r in theirs if r.get("id_space") == space}
+        parts, first = [], next(r for r in runs + theirs if r.get("id_space") == space)
         if {"static", "raw"} <= ms.keys():
             raw = next(r for r in runs if r.get("id_space") == space and r["ids"] == "raw")
-            text = (f"static {ms['static']:.2f} ms, raw {ms['raw']:.2f} ms ({ms['raw'] / ms['static']:.2f}x); "
-                    f"admitted {raw.get('admitted')}, evicted {raw.get('evicted')}")  # fmt: skip
-            rows.append((f"{raw['workload']} world {raw['world']}, id space {space} x rows", text))
+            parts.append(f"embshard static {ms['static']:.2f} ms, raw {ms['raw']:.2f} ms "
+                         f"({ms['raw'] / ms['static']:.2f}x; admitted {raw.get('admitted')}, "
+                         f"evicted {raw.get('evicted')})")  # fmt: skip
+        if {"static", "mc"} <= tr.keys():
+            parts.append(f"TorchRec static {tr['static']:.2f} ms, managed collisions {tr['mc']:.2f} ms "
+                         f"({tr['mc'] / tr['static']:.2f}x)")  # fmt: skip
+        if parts:
+            rows.append((f"{first['workload']} world {first['world']}, id space {space} x rows", "; ".join(parts)))
     return rows
 
 
@@ -594,7 +609,8 @@ SUITES = {
         Suite("bandwidth", "measured GPU memory, GPU link and host link bandwidths (`embshard calibrate`)", "1-2",
               "1 min", bandwidth_steps, bandwidth_summary),
         Suite("rawids", "raw-id tables: tests/rawids on the GPUs, then uniform26 with every table ids: raw against "
-              "static, interleaved (ids within the rows; 10 x rows ids, evicting)", "1-2", "4-6 min (estimate)",
+              "static, interleaved (ids within the rows; 10 x rows ids, evicting), and TorchRec's managed-collision "
+              "tables against its static ones on the same workloads", "1-2", "6-9 min (estimate)",
               rawids_steps, rawids_summary),
         Suite("hier", "table-row-wise's hierarchical against flat exchange, 4 GPUs as 2 hosts x 2: bytes per level, "
               "ms, the planner's predictions; then the world-4 parity tests and fuzz cases", "4",

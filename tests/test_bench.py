@@ -219,3 +219,31 @@ def test_summaries_read_the_result_lines():
     assert suites.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", None) == [
         ("pytest", "3 passed, 1 skipped in 2.0s"), ("failed", "tests/x.py::t")
     ]  # fmt: skip
+
+
+def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_path):
+    mc = (
+        "RESULT bench=torchrec_mc framework=torchrec workload=uniform26 world=2 ids=static id_space=10 ms_per_step=3.0\n"
+        "RESULT bench=torchrec_mc framework=torchrec workload=uniform26 world=2 ids=mc id_space=10 ms_per_step=7.5\n"
+    )
+    raw = ("RESULT framework=embshard bench=rawids workload=uniform26 world=2 ids=static id_space=10 ms_per_step=2.0\n"
+           "RESULT framework=embshard bench=rawids workload=uniform26 world=2 ids=raw id_space=10 ms_per_step=3.0 "
+           "admitted=9 evicted=4\n")  # fmt: skip
+    rows = dict(suites.rawids_summary(raw + mc, args_for("rawids")))
+    text = rows["uniform26 world 2, id space 10 x rows"]
+    assert "raw 3.00 ms (1.50x; admitted 9, evicted 4)" in text and "managed collisions 7.50 ms (2.50x)" in text
+    assert dict(suites.rawids_summary(mc, args_for("rawids")))["uniform26 world 2, id space 10 x rows"].startswith(
+        "TorchRec static 3.00 ms"
+    )
+    # In the results table they are neither a TorchRec baseline of the emb case nor a row of their own.
+    (tmp_path / "emb.log").write_text(
+        LOG.replace("RESULT framework=torchrec bench=emb", mc + "RESULT framework=torchrec bench=emb")
+    )
+    assert report.parse_line(mc.splitlines()[1])["ids"] == "mc"
+    cases = {case: row for (case, _), row in report.rows_of(report.load(tmp_path)).items()}
+    assert [round(x, 4) for x in cases["emb uniform26"].ratios] == [1.25, 1.2]
+    assert not any("torchrec_mc" in c for c in cases)
+    only = tmp_path / "only_mc"
+    only.mkdir()
+    (only / "rawids.log").write_text(mc)
+    assert report.folders_in([str(only)]) == [] and report.compared_commands(report.load(only)) == []
