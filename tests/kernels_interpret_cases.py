@@ -273,3 +273,63 @@ def test_raw_id_row_reset_kernels_match_init_rows(dtype):
     assert torch.equal(w[hit], want[hit]) and torch.equal(w[~hit], before[0][~hit])
     assert torch.equal(m1[hit], torch.zeros(int(hit.sum()))) and torch.equal(m1[~hit], before[1][~hit])
     assert not m2[hit].any() and torch.equal(m2[~hit], before[2][~hit])
+
+
+class _SeparateTensors:
+    """A lookup whose shards' weights and state are tensors of their own (reset shard by shard)."""
+
+    def __init__(self, shards):
+        from embshard.lookup.shards import init_rows
+
+        self.w = [init_rows(s.table, s.table_index, s.shard.row_offset, s.shard.num_rows, s.shard.col_offset,
+                            s.shard.num_cols, 5) for s in shards]  # fmt: skip
+        self.st = [{"m": torch.rand(s.shard.num_rows), "v": torch.rand(s.shard.num_rows, 3)[:, 1]} for s in shards]
+
+    def shard_weights(self):
+        return self.w
+
+    def shard_optimizer_states(self):
+        return self.st
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad", "separate"])
+def test_raw_id_map_resets_through_the_batched_kernels_as_through_torch(optimizer):
+    """IdMap.reset on the batched kernels (one launch per storage: a TBE's weights, each optimizer state; shard by
+    shard for separate tensors) writes what the torch path writes, bit for bit, over steps that evict (tables of
+    different widths and row offsets, weights and state moved between steps as training would)."""
+    from embshard.lookup import TBELookup
+    from embshard.lookup.shards import LocalShard
+    from embshard.optim import FusedOptimizerConfig
+    from embshard.plan import Shard
+    from embshard.rawids import IdMap
+
+    tables = [TableConfig("a", 60, 8, ("fa",), ids="raw"), TableConfig("b", 90, 12, ("fb",), ids="raw", eviction="lfu")]
+    shards = [LocalShard(tables[0], 0, Shard(0, 0, 60, 0, 8), ("fa",), "host"),
+              LocalShard(tables[1], 1, Shard(0, 50, 40, 4, 8), ("fb",), "host")]  # fmt: skip
+    cpu = torch.device("cpu")
+    if optimizer == "separate":
+        lookups = [_SeparateTensors(shards) for _ in range(2)]
+        lookups[1].st = [{k: v.clone() for k, v in st.items()} for st in lookups[0].st]
+    else:
+        lookups = [TBELookup(shards, FusedOptimizerConfig(optimizer, lr=0.1), cpu, seed=5) for _ in range(2)]
+    maps = [IdMap(shards, cpu, seed=5) for _ in range(2)]
+    maps[0].reset_kernel, maps[1].reset_kernel = "triton", "torch"
+    gen = torch.Generator().manual_seed(4)
+    pool_ids = torch.randint(-(2**62), 2**62, (300,), generator=gen)
+    for step in range(12):
+        counts = [int(torch.randint(0, 40, (1,), generator=gen)) for _ in shards]
+        ids = pool_ids[torch.randint(0, 300, (sum(counts),), generator=gen)]
+        rows = [m(ids, counts, lk) for m, lk in zip(maps, lookups)]
+        assert torch.equal(rows[0], rows[1]), step
+        for lk in lookups:  # training moves the rows and the state
+            for w in lk.shard_weights():
+                w.add_(0.5)
+            for st in lk.shard_optimizer_states():
+                for v in st.values():
+                    v.add_(0.25)
+        got, want = lookups[0], lookups[1]
+        for a, b in zip(got.shard_weights(), want.shard_weights()):
+            assert torch.equal(a, b), step
+        for a, b in zip(got.shard_optimizer_states(), want.shard_optimizer_states()):
+            assert all(torch.equal(a[k], b[k]) for k in a), step
+    assert sum(s["evicted"] for s in maps[0].stats()) > 10

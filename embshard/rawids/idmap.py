@@ -1,46 +1,52 @@
 """`IdMap`: the id -> row maps of one lookup group's raw-id shards, and the step that remaps their ids (the design
-and the algorithm are in the package docstring, embshard/rawids/__init__.py).
+and the algorithm are in the package docstring, embshard/rawids/__init__.py). The index is in index.py, eviction
+and admission in eviction.py, the rows' reset in reset.py.
 
 Conventions: rows are numbered in the group's concatenated row space (shard s owns rows `row_base[s] ..
 row_base[s] + rows_s - 1`, its last row the zero row); per-row and per-slot buffers have one extra trailing
-element, a trash slot that masked-off writes go to (fixed-size scatters instead of boolean-mask indexing).
+element, a trash slot that masked-off writes go to (fixed-size scatters instead of boolean-mask indexing; only
+plain stores go there, never atomic adds: a GPU serialises atomics on one address). Per-shard sums of per-id values
+are taken by a scatter into batch positions (shard after shard) and a cumsum, not by atomic adds into T counters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from embshard.geometry import offsets
-from embshard.lookup.shards import LocalShard, init_rows_at, table_key
-from embshard.rawids.hashing import BUCKET_SALTS, SKETCH_SALTS, hash64
-from embshard.tables import ConfigError, DataType, Eviction
+from embshard.lookup.shards import LocalShard, _signed
+from embshard.rawids.eviction import SKETCH_DEPTH, EvictionOps, bounded_prefix
+from embshard.rawids.hashing import BUCKET_SALTS, SKETCH_SALTS
+from embshard.rawids.index import IndexOps, P
+from embshard.rawids.reset import ResetOps, Resets
+from embshard.tables import ConfigError, Eviction
 
-P = 16
-"""Slots per bucket of the index (an id is looked up in 2 buckets: 2P slots)."""
+__all__ = ["P", "IdMap", "Resets", "map_bytes_per_row"]
+
 SLOTS_PER_ROW = 2
 """Index slots per usable row (load factor 1/2)."""
-SKETCH_DEPTH = 2
-"""Counters per id in the count-min sketch of admission counting."""
-SKETCH_DECAY = 10
-"""A shard's sketch is halved once it has counted this many times its width (recent counts weigh more)."""
-_FREQ_CAP = (1 << 30) - 1
-_LAST_CAP = (1 << 32) - 1
-_MAX = (1 << 63) - 1
 
 
 def _buckets(usable: int) -> int:
     return max(1, -(-usable * SLOTS_PER_ROW // P))
 
 
+def _index_dtype(rows: int, slots: int) -> torch.dtype:
+    """The dtype of slot -> row and row -> slot: int32 while both fit."""
+    return torch.int32 if max(rows, slots) + 1 < 2**31 else torch.int64
+
+
 def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_min_count: int = 1) -> float:
     """Bytes the id -> row map keeps per row of a raw-id shard of `rows` rows (the planner's price of the map):
-    index slots (id and row, 2 per row), the row's id, last use and use count, its segment and (LRU) its place
-    in the LRU order, and (admit_min_count > 1) the sketch's counters."""
+    index slots (id and row, 2 per row), the row's id, last use, use count and slot, its segment and (LRU) its
+    place in the LRU order, and (admit_min_count > 1) the sketch's counters."""
     usable = max(rows - 1, 1)
-    total = _buckets(usable) * P * 16 + rows * 24 + usable * 8
+    slots = _buckets(usable) * P
+    idx = _index_dtype(rows, slots).itemsize
+    total = slots * (8 + idx) + rows * (24 + idx) + usable * 8
     if Eviction(eviction) is Eviction.LRU:
         total += usable * 8
     if admit_min_count > 1:
@@ -56,7 +62,7 @@ def _h2d(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-class IdMap(nn.Module):
+class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
     """The id -> row maps of the raw-id shards `shards` of one lookup group (one per shard), on `device`.
 
     `remap(ids, counts)` maps a step's ids (shard after shard, `counts[s]` ids of shard s) to the shards' local
@@ -81,7 +87,7 @@ class IdMap(nn.Module):
         T = len(rows)
         self.T, self.R, self.Ord = T, sum(rows), sum(usable)
         self.NB, self.S, self.W = sum(buckets), sum(buckets) * P, sum(widths)
-        self.rows_host, self.row_base_host = rows, offsets(rows)
+        self.rows_host, self.row_base_host, self.usable_host = rows, offsets(rows), usable
         self.lru = any(s.table.eviction is Eviction.LRU for s in self.shards)
         self.lfu = any(s.table.eviction is Eviction.LFU for s in self.shards)
         self.sketching = any(s.table.admit_min_count > 1 for s in self.shards)
@@ -91,32 +97,31 @@ class IdMap(nn.Module):
             self.register_buffer(name, t.to(device), persistent=False)
 
         i64 = torch.int64
+        idx = _index_dtype(self.R, self.S)
         row_base = torch.tensor(offsets(rows), dtype=i64)
-        buf("row_base", row_base)
-        buf("null_row", row_base + torch.tensor(rows, dtype=i64) - 1)
+        buf("row_tab", torch.stack([row_base, row_base + torch.tensor(rows) - 1], 1))  # [T, 2]: first row, zero row
         buf("ord_base", torch.tensor(offsets(usable), dtype=i64))
-        buf("n_usable", torch.tensor(usable, dtype=i64))
-        buf("bucket_base", torch.tensor(offsets(buckets), dtype=i64))
-        buf("n_buckets", torch.tensor(buckets, dtype=i64))
+        buf("ord_bounds", torch.tensor(offsets(usable) + [self.Ord], dtype=i64))
+        buf("bucket_tab", torch.tensor([offsets(buckets), buckets], dtype=i64).T.contiguous())  # first, buckets
+        buf("bucket_salts", torch.tensor([_signed(s) for s in BUCKET_SALTS], dtype=i64))
         buf("min_count", torch.tensor([s.table.admit_min_count for s in self.shards], dtype=i64))
         buf("is_lfu", torch.tensor([s.table.eviction is Eviction.LFU for s in self.shards]))
-        buf("lane", torch.arange(P, dtype=i64))
-        seg = torch.repeat_interleave(torch.arange(T, dtype=i64), torch.tensor(usable))
-        usable_rows = torch.cat([b + torch.arange(u, dtype=i64) for b, u in zip(offsets(rows), usable)])
-        buf("seg", seg)
+        buf("seg", torch.repeat_interleave(torch.arange(T, dtype=i64), torch.tensor(usable)))
         if self.lru:
-            buf("order", usable_rows.clone())
+            buf("order", torch.cat([b + torch.arange(u, dtype=i64) for b, u in zip(offsets(rows), usable)]))
         buf("row_key", torch.zeros(self.R + 1, dtype=i64))
         buf("row_last", torch.full((self.R + 1,), -1, dtype=i64))
         buf("row_freq", torch.zeros(self.R + 1, dtype=i64))
+        buf("row_slot", torch.full((self.R + 1,), -1, dtype=idx))
         buf("slot_key", torch.zeros(self.S + 1, dtype=i64))
-        buf("slot_row", torch.full((self.S + 1,), -1, dtype=i64))
+        buf("slot_row", torch.full((self.S + 1,), -1, dtype=idx))
         buf("admitted", torch.zeros(T, dtype=i64))
         buf("evicted", torch.zeros(T, dtype=i64))
         if self.sketching:
             buf("sk_base", torch.tensor(offsets(widths), dtype=i64))
             buf("sk_width", torch.tensor(widths, dtype=i64))
             buf("sk_seg", torch.repeat_interleave(torch.arange(T, dtype=i64), torch.tensor(widths)))
+            buf("sketch_salts", torch.tensor([_signed(s) for s in SKETCH_SALTS], dtype=i64))
             buf("sketch", torch.zeros(SKETCH_DEPTH, self.W, dtype=i64))
             buf("sketch_adds", torch.zeros(T, dtype=i64))
 
@@ -128,262 +133,120 @@ class IdMap(nn.Module):
         self.reset(lookup, resets)
         return rows
 
-    def remap(
-        self, ids: torch.Tensor, counts: Sequence[int], train: bool
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """(local rows of `ids`, per shard the reset list (local rows, zero mask)). `train`: admit new ids, evict,
-        count uses and advance the clock; else only look up (unknown ids get the zero row)."""
+    def remap(self, ids: torch.Tensor, counts: Sequence[int], train: bool) -> tuple[torch.Tensor, Resets]:
+        """(local rows of `ids`, the reset list). `train`: admit new ids, evict, count uses and advance the clock;
+        else only look up (unknown ids get the zero row)."""
         n = ids.numel()
         dev = ids.device
         counts = [int(c) for c in counts]
         if sum(counts) != n or len(counts) != self.T:
             raise ValueError(f"IdMap.remap: counts {counts} do not add up to the {n} ids of {self.T} shards")
+        ids = ids.to(torch.int64)
         if n == 0:
             if train:
                 self.clock += 1
-            return ids.to(torch.int64), self._resets(None, counts, dev)
-        ids = ids.to(torch.int64)
-        bounds = offsets(counts) + [n]
+            return ids, Resets(None, ids, counts)
+        host = offsets(counts) + [n]
+        if train and self.lru:  # the LRU window: per shard min(its ids, its usable rows) positions of its order
+            window = [min(c, u) for c, u in zip(counts, self.usable_host)]
+            host += offsets(window) + [sum(window)]
+        both = _h2d(host, dev)
+        bounds, wb = both[: self.T + 1], both[self.T + 1 :]
         if self.T == 1:
             shard_of = torch.zeros(n, dtype=torch.int64, device=dev)
-            starts = torch.zeros(1, dtype=torch.int64, device=dev)
         else:
-            both = _h2d(bounds, dev)
-            starts = both[:-1]
-            shard_of = torch.searchsorted(both[1:], torch.arange(n, device=dev), right=True)
+            shard_of = torch.searchsorted(bounds[1:], torch.arange(n, device=dev), right=True)
         if not train:
-            row, _, _ = self._find(ids, shard_of)
-            rows = torch.where(row >= 0, row, self.null_row[shard_of])
-            return rows - self.row_base[shard_of], self._resets(None, counts, dev)
-        rows, given = self._train(ids, shard_of, starts, n)
-        return rows, self._resets(given, counts, dev)
+            row, _ = self._find(ids, shard_of)
+            tab = self.row_tab[shard_of]
+            return torch.where(row >= 0, row, tab[:, 1]) - tab[:, 0], Resets(None, shard_of, counts)
+        rows, given = self._train(ids, shard_of, bounds, wb, host[-1] if self.lru else 0)
+        return rows, Resets(given, shard_of, counts)
 
     def _train(
-        self, ids: torch.Tensor, shard_of: torch.Tensor, starts: torch.Tensor, n: int
+        self, ids: torch.Tensor, shard_of: torch.Tensor, bounds: torch.Tensor, wb: torch.Tensor, W: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One training step's remap (package docstring, steps 1-5): (local rows of the ids, per position of the
-        batch the group row given to a new id there (its first occurrence), else -1)."""
+        batch the local row given to a new id there (its first occurrence), else -1). `bounds`: the shards' first
+        positions and n; `wb`, W: the LRU window's (`_victims`)."""
+        n = ids.numel()
         dev, clock, i64 = ids.device, self.clock, torch.int64
         ar = torch.arange(n, device=dev)
-        # 1. unique (shard, id) pairs: a stable sort by id keeps each id's shards in order, so pairs form runs
+        # 1. unique (shard, id) pairs: a stable sort by id keeps each id's shards in order, so pairs form runs; the
+        #    runs' first positions by a scatter (unused runs n..: n), their counts by difference
         sid, perm = torch.sort(ids, stable=True)
-        ss = shard_of[perm]
+        ss = shard_of[perm] if self.T > 1 else shard_of
         first = torch.ones(n, dtype=torch.bool, device=dev)
-        first[1:] = (sid[1:] != sid[:-1]) | (ss[1:] != ss[:-1])
+        torch.ne(sid[1:], sid[:-1], out=first[1:])
+        if self.T > 1:
+            first[1:].logical_or_(ss[1:] != ss[:-1])
         uid = torch.cumsum(first, 0) - 1  # the run of every sorted position
-        valid = ar <= uid[-1]  # runs 0 .. n_unique-1
-        run0 = torch.full((n,), n - 1, dtype=i64, device=dev).scatter_reduce_(0, uid, ar, "amin")
+        run0 = torch.full((n + 2,), n, dtype=i64, device=dev).scatter_(0, torch.where(first, uid, n + 1), ar)
+        u_cnt = run0[1 : n + 1] - run0[:n]
+        valid = u_cnt > 0  # runs 0 .. n_unique-1
+        run0 = run0[:n].clamp_(max=n - 1)
         u_key, u_shard, u_pos = sid[run0], ss[run0], perm[run0]  # u_pos: first position in the batch
-        u_cnt = torch.zeros(n, dtype=i64, device=dev).index_add_(0, uid, torch.ones_like(uid))
         # 2. lookup; hits are used now
-        row_u, _, cand = self._find(u_key, u_shard)
+        row_u, cand = self._find(u_key, u_shard)
         hit = valid & (row_u >= 0)
         hrow = torch.where(hit, row_u, self.R)
-        self.row_last.scatter_(0, hrow, torch.full_like(hrow, clock))
-        self.row_freq.index_add_(0, hrow, u_cnt)
+        self.row_last.index_fill_(0, hrow, clock)
+        self.row_freq.scatter_(0, hrow, self.row_freq[hrow] + u_cnt)  # one id per row: no atomics
         # 3. admission, and each shard's admitted ids (ranked in batch order) take its victims in order
         new = valid & ~hit
-        admit = new & (self._count(u_key, u_shard, u_cnt, new) >= self.min_count[u_shard]) if self.sketching else new
-        flag = torch.zeros(n + 1, dtype=i64, device=dev).scatter_(0, torch.where(admit, u_pos, n), 1)[:n]
-        cs_ex = torch.cat([flag.new_zeros(1), torch.cumsum(flag, 0)])
-        rank = cs_ex[u_pos] - cs_ex[starts][u_shard]
-        victims, n_ev = self._victims(max(clock - 1, 0))
-        ok = admit & (rank < n_ev[u_shard])
-        new_row = torch.where(ok, victims[torch.where(ok, self.ord_base[u_shard] + rank, self.Ord)], self.R)
-        # 4. evicted ids leave the index, admitted ids enter it; rows get their new id
+        if self.sketching:
+            est = self._count(u_key, u_shard, u_cnt, new, self._sums_per_shard(u_pos, new, bounds))
+            admit = new & (est >= self.min_count[u_shard])
+        else:
+            admit = new
+        flag = torch.zeros(n + 1, dtype=i64, device=dev).index_fill_(0, torch.where(admit, u_pos, n), 1)
+        cs = torch.cumsum(flag[:n], 0)
+        victims, vbase, n_ev = self._victims(max(clock - 1, 0), wb, W)
+        # per shard: admitted before it, victims, where they start, first row, zero row (one gather per id)
+        tab = torch.cat([torch.stack([bounded_prefix(cs, bounds)[:-1], n_ev, vbase], 1), self.row_tab], 1)[u_shard]
+        rank = cs[u_pos] - 1 - tab[:, 0]
+        ok = admit & (rank < tab[:, 1])
+        new_row = torch.where(ok, victims[torch.where(ok, tab[:, 2] + rank, victims.numel() - 1)], self.R)
+        # 4. evicted ids leave the index (their slot: `row_slot`), admitted ids enter it; rows get their new id
         old = ok & (self.row_last[new_row] >= 0)
-        _, old_slot, _ = self._find(self.row_key[new_row], u_shard)
-        self.slot_row.scatter_(0, torch.where(old, old_slot, self.S), -1)
+        self.slot_row.index_fill_(0, torch.where(old, self.row_slot[new_row].to(i64), self.S), -1)
         slot = self._insert(u_key, cand, ok, new_row)
         ins = ok & (slot >= 0)
         self.row_key.scatter_(0, new_row, u_key)
         self.row_last.scatter_(0, new_row, torch.where(ins, clock, -1))
         self.row_freq.scatter_(0, new_row, torch.where(ins, u_cnt, 0))
-        self.admitted.index_add_(0, u_shard, ins.to(i64))
-        self.evicted.index_add_(0, u_shard, old.to(i64))
-        # 5. every id's row; the LRU order
-        final = torch.where(hit, row_u, torch.where(ins, new_row, self.null_row[u_shard]))
-        rows = torch.empty_like(final).scatter_(0, perm, final[uid]) - self.row_base[shard_of]
+        self.row_slot.scatter_(0, new_row, slot.to(self.row_slot.dtype))
+        both = self._sums_per_shard(u_pos, ok, bounds)(old.to(i64) + (ins.to(i64) << 32))
+        self.evicted += both & 0xFFFFFFFF
+        self.admitted += both >> 32
+        # 5. every id's local row; the LRU order
+        final = torch.where(hit, row_u, torch.where(ins, new_row, tab[:, 4])) - tab[:, 3]
+        rows = torch.empty_like(final).scatter_(0, perm, final[uid])
         if self.lru:
             self._reorder(clock)
         self.clock += 1
         given = torch.full((n + 1,), -1, dtype=i64, device=dev)
-        return rows, given.scatter_(0, torch.where(ok, u_pos, n), torch.where(ok, new_row, -1))[:n]
+        given.scatter_(0, torch.where(ok, u_pos, n), new_row - tab[:, 3])
+        return rows, given[:n]
 
-    def _resets(self, given: torch.Tensor | None, counts: list[int], dev: torch.device) -> list[torch.Tensor | None]:
-        """Per shard: at each of its positions in the step the local row given to a new id there, else -1 (None:
-        no id of the shard could get a row)."""
-        out: list[torch.Tensor | None] = []
-        for s, (start, c) in enumerate(zip(offsets(counts), counts)):
-            if given is None or c == 0:
-                out.append(None)
-                continue
-            g = given[start : start + c]
-            out.append(torch.where(g >= 0, g - self.row_base_host[s], -1))
-        return out
+    def _sums_per_shard(
+        self, u_pos: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function of per-id values (`[n]`, one per unique id) giving `[T]` the sums per shard over the ids in
+        `mask`: the values scattered to the ids' batch positions (shard after shard), a cumsum, its differences."""
+        n = u_pos.numel()
+        pos = torch.where(mask, u_pos, n)
 
-    def reset(self, lookup: nn.Module, resets: Sequence[torch.Tensor | None]) -> None:
-        """Re-initialise the rows of the reset lists (`_resets`) in `lookup`'s weights and zero their optimizer
-        state; zero every shard's zero row. On CUDA one Triton program per list entry, returning at once for -1
-        (embshard.kernels._reset_triton: the work follows the rows actually reset, no host sync); on the CPU the
-        listed rows are picked out first. Writes through `.data`: an autograd graph still waiting for its backward
-        is not invalidated. The lookup's shard tensors are taken once (they are updated in place, never replaced)."""
-        if getattr(self, "_views_of", None) != id(lookup):
-            self._views = (lookup.shard_weights(), lookup.shard_optimizer_states())
-            self._views_of = id(lookup)
-        weights, states = self._views
-        with torch.no_grad():
-            for s, (shard, w, st, new) in enumerate(zip(self.shards, weights, states, resets)):
-                zero = self.rows_host[s] - 1
-                w.data[zero].zero_()
-                for v in st.values():
-                    v.data[zero].zero_()
-                if new is not None:
-                    self._reset_rows(shard, w.data, [v.data for v in st.values()], new)
+        def sums(values: torch.Tensor) -> torch.Tensor:
+            at = torch.zeros(n + 1, dtype=values.dtype, device=values.device).scatter_(0, pos, values)
+            before = bounded_prefix(torch.cumsum(at[:n], 0), bounds)
+            return before[1:] - before[:-1]
 
-    def _reset_rows(self, s: LocalShard, w: torch.Tensor, states: list[torch.Tensor], new: torch.Tensor) -> None:
-        sh = s.shard
-        fp16 = s.table.data_type is DataType.FP16  # its values rounded to fp16 even where the weights are fp32
-        if (
-            w.is_cuda
-            and self.seed is not None
-            and all(v.is_cuda for v in states)
-            and not (fp16 and w.dtype != torch.float16)
-        ):
-            from embshard.kernels._reset_triton import reset_weights_, zero_rows_
-
-            key = table_key(self.seed, s.table_index)
-            reset_weights_(w, new, sh.row_offset, s.table.embedding_dim, sh.col_offset, key, s.table.init_bound)
-            for v in states:
-                zero_rows_(v, new)
-            return
-        idx = new if w.is_cuda else new[new >= 0]  # (CUDA without a seed: the -1 entries write into the zero row)
-        idx = torch.where(idx >= 0, idx, w.shape[0] - 1)
-        vals = init_rows_at(s.table, s.table_index, idx + sh.row_offset, sh.col_offset, sh.num_cols, self.seed)
-        vals = torch.where((idx == w.shape[0] - 1).unsqueeze(1), 0.0, vals)
-        w.index_copy_(0, idx, (vals.half() if fp16 else vals).to(w.dtype))
-        for v in states:
-            v.index_fill_(0, idx, 0)
+        return sums
 
     def tick(self) -> None:
         """A training step without a lookup on this rank (empty global batch): the clock still advances."""
         self.clock += 1
-
-    # ---- index -------------------------------------------------------------------------------------------
-    def _find(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(group row or -1, slot or -1, the two candidate buckets `[m, 2]`) of every (shard, key). Reads the two
-        buckets one after the other (`[m, P]` at a time)."""
-        nb, bb = self.n_buckets[shard], self.bucket_base[shard]
-        cand = torch.stack([bb + torch.remainder(hash64(keys, salt), nb) for salt in BUCKET_SALTS], 1)
-        row = slot = None
-        for k in range(2):
-            slots = cand[:, k : k + 1] * P + self.lane  # [m, P]
-            rows_k = self.slot_row[slots]
-            match = (self.slot_key[slots] == keys.unsqueeze(1)) & (rows_k >= 0)
-            r = torch.where(match, rows_k, -1).amax(1)
-            s = torch.where(match.any(1), cand[:, k] * P + match.to(torch.int32).argmax(1), -1)
-            row, slot = (r, s) if row is None else (torch.maximum(row, r), torch.maximum(slot, s))
-        return row, slot, cand
-
-    def _insert(self, keys: torch.Tensor, cand: torch.Tensor, active: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Insert the active keys (rows `rows`): into the emptier candidate bucket, then the other; the slot, or
-        -1 where both were full."""
-        free = [(self.slot_row[cand[:, k : k + 1] * P + self.lane] < 0).sum(1) for k in range(2)]
-        swap = free[1] > free[0]
-        first = torch.where(swap, cand[:, 1], cand[:, 0])
-        second = torch.where(swap, cand[:, 0], cand[:, 1])
-        slot = self._place(keys, first, active, rows)
-        slot2 = self._place(keys, second, active & (slot < 0), rows)
-        return torch.where(slot >= 0, slot, slot2)
-
-    def _place(
-        self, keys: torch.Tensor, bucket: torch.Tensor, active: torch.Tensor, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """The active keys that share a bucket take its free slots in order (the q-th key the q-th free slot);
-        returns the slot or -1 (bucket full), and writes the placed keys."""
-        m = keys.numel()
-        ar = torch.arange(m, device=keys.device)
-        sb, order = torch.sort(torch.where(active, bucket, self.NB), stable=True)
-        starts = torch.ones(m, dtype=torch.bool, device=keys.device)
-        starts[1:] = sb[1:] != sb[:-1]
-        q = torch.empty_like(ar).scatter_(0, order, ar - torch.cummax(torch.where(starts, ar, 0), 0).values)
-        free = self.slot_row[bucket.unsqueeze(1) * P + self.lane] < 0
-        pick = free & (torch.cumsum(free, 1) == (q + 1).unsqueeze(1))
-        found = active & pick.any(1)
-        slot = torch.where(found, bucket * P + pick.to(torch.int64).argmax(1), -1)
-        target = torch.where(found, slot, self.S)
-        self.slot_key.scatter_(0, target, keys)
-        self.slot_row.scatter_(0, target, torch.where(found, rows, -1))
-        return slot
-
-    # ---- eviction ----------------------------------------------------------------------------------------
-    def _victims(self, last_before: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`[Ord + 1]` per shard segment its evictable rows in eviction order, then -1; `[T]` how many). A row is
-        evictable if last used before step `last_before` (holding no id: last use -1)."""
-        lru_v = lfu_v = None
-        if self.lru:
-            ev = self.row_last[self.order] < last_before
-            lru_v, lru_n = self._compact(self.order, ev)
-        if self.lfu:
-            u = self._usable_rows()
-            last = self.row_last[u]
-            ev = last < last_before
-            key = self.row_freq[u].clamp(max=_FREQ_CAP) * (1 << 32) + (last + 1).clamp(max=_LAST_CAP)
-            idx = torch.sort(torch.where(ev, key, _MAX), stable=True).indices
-            if self.T > 1:
-                idx = idx[torch.sort(self.seg[idx], stable=True).indices]
-            lfu_v, lfu_n = self._compact(u[idx], ev[idx])
-        if lru_v is None:
-            return lfu_v, lfu_n
-        if lfu_v is None:
-            return lru_v, lru_n
-        pos_lfu = torch.cat([self.is_lfu[self.seg], self.is_lfu.new_zeros(1)])
-        return torch.where(pos_lfu, lfu_v, lru_v), torch.where(self.is_lfu, lfu_n, lru_n)
-
-    def _usable_rows(self) -> torch.Tensor:
-        """`[Ord]` the usable rows of every shard, shard after shard (each shard's zero row left out: position i of
-        segment s is row i + s of the group)."""
-        return torch.arange(self.Ord, device=self.seg.device) + self.seg
-
-    def _segment_bases(self, cs_ex: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per shard the exclusive cumsum at its segment's start, per shard the segment's total)."""
-        start = cs_ex[self.ord_base]
-        return start, cs_ex[self.ord_base + self.n_usable] - start
-
-    def _compact(self, rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per segment, the kept entries of `rows` moved to the segment's front in order (the rest -1), and their
-        count per segment."""
-        cs = torch.cumsum(keep, 0)
-        start, count = self._segment_bases(torch.cat([cs.new_zeros(1), cs]))
-        pos = torch.where(keep, self.ord_base[self.seg] + cs - 1 - start[self.seg], self.Ord)
-        out = torch.full((self.Ord + 1,), -1, dtype=torch.int64, device=rows.device)
-        return out.scatter_(0, pos, rows), count
-
-    def _reorder(self, clock: int) -> None:
-        """LRU order: within every segment, the rows used at `clock` move to the end (stable partition)."""
-        o = self.order
-        used = self.row_last[o] == clock
-        cs_u, cs_n = torch.cumsum(used, 0), torch.cumsum(~used, 0)
-        u0, _ = self._segment_bases(torch.cat([cs_u.new_zeros(1), cs_u]))
-        n0, n_unused = self._segment_bases(torch.cat([cs_n.new_zeros(1), cs_n]))
-        seg, base = self.seg, self.ord_base[self.seg]
-        pos = torch.where(used, base + n_unused[seg] + cs_u - 1 - u0[seg], base + cs_n - 1 - n0[seg])
-        self.order.copy_(torch.empty_like(o).scatter_(0, pos, o))
-
-    # ---- admission ---------------------------------------------------------------------------------------
-    def _count(self, keys: torch.Tensor, shard: torch.Tensor, cnt: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Add the new ids' uses to the count-min sketch and return each id's estimate (decayed by halving)."""
-        width, base = self.sk_width[shard], self.sk_base[shard]
-        add = torch.where(new, cnt, 0)
-        idx = [base + torch.remainder(hash64(keys, salt), width) for salt in SKETCH_SALTS]
-        for d in range(SKETCH_DEPTH):
-            self.sketch[d].index_add_(0, idx[d], add)
-        est = torch.minimum(self.sketch[0][idx[0]], self.sketch[1][idx[1]])
-        self.sketch_adds.index_add_(0, shard, add)
-        halve = self.sketch_adds >= SKETCH_DECAY * self.sk_width
-        self.sketch.copy_(torch.where(halve[self.sk_seg], self.sketch >> 1, self.sketch))
-        self.sketch_adds.copy_(torch.where(halve, self.sketch_adds >> 1, self.sketch_adds))
-        return est
 
     # ---- state -------------------------------------------------------------------------------------------
     def shard_state(self, s: int) -> dict[str, torch.Tensor]:
@@ -401,13 +264,14 @@ class IdMap(nn.Module):
         rows = torch.arange(R, device=dev)
         shard = torch.repeat_interleave(torch.arange(self.T, device=dev), torch.tensor(self.rows_host, device=dev))
         used = self.row_last[:R] >= 0
-        used[self.null_row] = False
+        used[self.row_tab[:, 1]] = False
         self.row_last[:R] = torch.where(used, self.row_last[:R], -1)
         self.slot_key.zero_()
         self.slot_row.fill_(-1)
         keys = self.row_key[:R]
-        _, _, cand = self._find(keys, shard)
+        _, cand = self._find(keys, shard)
         slot = self._insert(keys, cand, used, rows)
+        self.row_slot[:R] = torch.where(used, slot, -1)
         lost = used & (slot < 0)
         self.row_last[:R] = torch.where(lost, -1, self.row_last[:R])
         self.row_freq[:R] = torch.where(self.row_last[:R] >= 0, self.row_freq[:R], 0)
@@ -416,7 +280,7 @@ class IdMap(nn.Module):
             idx = torch.sort(self.row_last[u], stable=True).indices
             if self.T > 1:
                 idx = idx[torch.sort(self.seg[idx], stable=True).indices]
-            self.order.copy_(u[idx])
+            self.order = u[idx]
         self.clock = max(self.clock, int(self.row_last[:R].max()) + 1)
         return int(lost.sum())
 

@@ -52,6 +52,7 @@ class PolicyModel:
         self.key = [None] * self.usable
         self.order = list(range(self.usable))
         self.clock = 0
+        self.admitted = self.evicted = 0
 
     def step(self, ids: list[int]) -> list[int]:
         c = self.clock
@@ -73,8 +74,10 @@ class PolicyModel:
         else:
             ev = [r for r in self.order if self.last[r] < thr]
         for i, r in zip(new, ev):
+            self.admitted += 1
             if self.key[r] is not None:
                 del self.row_of[self.key[r]]
+                self.evicted += 1
             self.key[r], self.row_of[i], self.last[r], self.freq[r] = i, r, c, counts[i]
         self.order = [r for r in self.order if self.last[r] != c] + [r for r in self.order if self.last[r] == c]
         self.clock += 1
@@ -101,6 +104,29 @@ def test_victims_follow_the_policy(eviction):
     assert evicted > 20  # the stream did evict
     resident = {k: r for k, r in model.row_of.items()}
     assert _lookup_rows(m, list(resident)) == list(resident.values())
+
+
+def test_shards_of_a_group_follow_the_policy_each():
+    """Several shards in one map (two LRU of different sizes, one LFU), the same id values in all of them, steps
+    where a shard gets no ids or more ids than it has rows: every shard maps and counts as its own policy model."""
+    specs = [("a", 41, "lru", 0), ("b", 25, "lru", 30), ("c", 30, "lfu", 0)]
+    shards = [_shard(TableConfig(name, rows + off, 4, (f"f{name}",), ids="raw", eviction=ev), i, rows, off)
+              for i, (name, rows, ev, off) in enumerate(specs)]  # fmt: skip
+    m = IdMap(shards, torch.device("cpu"), seed=0)
+    models = [PolicyModel(rows, ev == "lfu") for _, rows, ev, _ in specs]
+    lk = FakeLookup(shards)
+    gen = torch.Generator().manual_seed(2)
+    pool = torch.randint(-(2**62), 2**62, (150,), generator=gen)
+    for step in range(80):
+        counts = [int(torch.randint(0, 50, (1,), generator=gen)) * int(torch.rand(1, generator=gen) > 0.15)
+                  for _ in shards]  # fmt: skip
+        ids = [pool[(torch.rand(c, generator=gen) ** 2 * len(pool)).long()].tolist() for c in counts]
+        got = m(torch.tensor([i for x in ids for i in x], dtype=torch.int64), counts, lk).tolist()
+        want = [r for model, x in zip(models, ids) for r in model.step(x)]
+        assert got == want, f"step {step}"
+    stats = m.stats()
+    assert [(s["admitted"], s["evicted"]) for s in stats] == [(x.admitted, x.evicted) for x in models]
+    assert all(x.evicted > 20 for x in models)
 
 
 def test_lru_and_lfu_pick_the_expected_rows():

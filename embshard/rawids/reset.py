@@ -1,0 +1,183 @@
+"""Resetting the rows an `IdMap` (idmap.py) gave to new ids, and its shards' zero rows, in a lookup's weights and
+optimizer state.
+
+A step's reset list (`Resets`) has one entry per id of the group (shard after shard): the local row given to a
+new id at that position, else -1. Work goes per storage, not per shard: a TBE keeps all its shards' weights in one
+tensor and each optimizer state in one (other lookups: one storage per shard tensor). Per storage and step: one
+`index_fill_` zeroes the shards' zero rows; on CUDA one Triton launch writes the listed rows
+(embshard/kernels/_reset_triton.py: a program returns at once when its entries list no row); elsewhere (the CPU,
+or fp16 values in fp32 storage) torch ops write them, the CPU picking the listed entries out first. The values are
+`init_rows`' for the row (seed given), bit for bit; with seed None, a stream drawn per step. Writes go through
+tensors aliasing the storages (`.data` semantics): an autograd graph still waiting for its backward is not
+invalidated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from embshard.geometry import offsets
+from embshard.lookup.shards import _GOLDEN, LocalShard, _mix_, _signed, table_key
+from embshard.tables import DataType
+
+
+class Resets(NamedTuple):
+    """A step's reset list: `rows` `[n]` the local row given to a new id at each position, else -1 (None: no row
+    was given: evaluation); `shard` `[n]` the shard of each position; `counts` the ids per shard (host)."""
+
+    rows: torch.Tensor | None
+    shard: torch.Tensor
+    counts: list[int]
+
+
+def _fp32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _small(values: list[list[int]], device: torch.device) -> torch.Tensor:
+    """A small int64 table on `device` without a sync (pinned, non-blocking copy on CUDA)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+class _Storage:
+    """The tensors of shards `ids` (one each, views of one storage): the storage as a 1-d tensor and, per shard
+    (`ints` `[4, k]` on the device): where its rows start, their stride, their width, its zero row; for weights
+    also `init` `[4, k]` (table row offset, table dim, column offset, fp16 values) and `scale` `[2, k]` fp32 (the
+    factor 2 x bound / 2^24 and the bound); the elements of the zero rows."""
+
+    def __init__(self, views: Sequence[torch.Tensor], ids: Sequence[int], shards: Sequence[LocalShard]) -> None:
+        self.ids = list(ids)
+        v0 = views[0]
+        dev = v0.device
+        self.flat = torch.empty(0, dtype=v0.dtype, device=dev).set_(v0.untyped_storage())  # own version counter
+        start = [v.storage_offset() for v in views]
+        stride = [v.stride(0) for v in views]
+        self.width = [v.shape[1] if v.dim() > 1 else 1 for v in views]
+        zero = [v.shape[0] - 1 for v in views]
+        self.ints = _small([start, stride, self.width, zero], dev)
+        self.zero_elems = torch.cat(
+            [
+                torch.arange(w) * (v.stride(1) if v.dim() > 1 else 1) + a + z * b
+                for v, a, b, w, z in zip(views, start, stride, self.width, zero)
+            ]  # fmt: skip
+        ).to(dev)
+        sh = [shards[i] for i in ids]
+        fp16 = [int(s.table.data_type is DataType.FP16 and v.dtype != torch.float16) for s, v in zip(sh, views)]
+        self.round_fp16 = any(fp16)  # fp16 tables' values rounded to fp16 in wider storage
+        self.init = _small([[s.shard.row_offset for s in sh], [s.table.embedding_dim for s in sh],
+                            [s.shard.col_offset for s in sh], fp16], dev)  # fmt: skip
+        bounds = [s.table.init_bound for s in sh]
+        scale = [[_fp32(2.0 * b / (1 << 24)) for b in bounds], [_fp32(b) for b in bounds]]
+        self.scale = torch.tensor(scale, dtype=torch.float32).to(dev)
+        # the weights kernel's per-shard table: start, stride, row offset, dim, column offset, width
+        self.kernel_ints = torch.cat([self.ints[:2], self.init[:3], self.ints[2:3]])
+
+    def entries(self, resets: Resets, compact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local rows, shard index within `ids`) of the reset list's entries of this storage's shards; `compact`:
+        only the listed rows (a host sync on CUDA: the CPU only)."""
+        rows, shard = resets.rows, resets.shard
+        if len(self.ids) == 1 and len(resets.counts) > 1:
+            b = offsets(resets.counts)[self.ids[0]]
+            rows = rows[b : b + resets.counts[self.ids[0]]]
+            shard = torch.zeros_like(rows)
+        if compact:
+            keep = (rows >= 0).nonzero().squeeze(1)
+            rows, shard = rows[keep], shard[keep]
+        return rows, shard
+
+    def elements(self, rows: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """`[k, width]` the storage elements of the rows (-1 rows and columns past a shard's width: an element of
+        its zero row, which holds zeros)."""
+        t = self.ints[:, shard]  # [4, k]
+        c = torch.arange(max(self.width), device=rows.device)
+        r = torch.where(rows >= 0, rows, t[3])
+        elem = (t[0] + r * t[1]).unsqueeze(1) + c
+        return torch.where((c < t[2].unsqueeze(1)) & (rows >= 0).unsqueeze(1), elem, (t[0] + t[3] * t[1]).unsqueeze(1))
+
+
+def _storages(views: Sequence[torch.Tensor], shards: Sequence[LocalShard]) -> list[_Storage]:
+    """One `_Storage` for all shards where their tensors are views of one storage with contiguous rows (a TBE's),
+    else one per shard."""
+    if len({v.untyped_storage().data_ptr() for v in views}) == 1 and all(v.dim() == 1 or v.stride(1) == 1
+                                                                          for v in views):  # fmt: skip
+        return [_Storage(views, range(len(views)), shards)]
+    return [_Storage([v], [i], shards) for i, v in enumerate(views)]
+
+
+class ResetOps:
+    """The reset of a step's rows, mixed into `IdMap`."""
+
+    shards: list[LocalShard]
+    seed: int | None
+    reset_kernel: str = "auto"
+    """'auto': the Triton kernels on CUDA, torch ops elsewhere; 'triton' or 'torch' (tests)."""
+
+    def reset(self, lookup: nn.Module, resets: Resets) -> None:
+        """Re-initialise the rows of the reset list in `lookup`'s weights and zero their optimizer state; zero every
+        shard's zero row. The lookup's shard tensors are taken once (updated in place, never replaced)."""
+        if getattr(self, "_stores_of", None) != id(lookup):
+            weights = [w.data for w in lookup.shard_weights()]
+            states = [{k: v.data for k, v in st.items()} for st in lookup.shard_optimizer_states()]
+            names = states[0] if states else {}
+            self._stores = (
+                _storages(weights, self.shards),
+                [s for k in names for s in _storages([st[k] for st in states], self.shards)],
+            )
+            self._stores_of, self._keys_seed = id(lookup), None
+        w_stores, st_stores = self._stores
+        with torch.no_grad():
+            for st in (*w_stores, *st_stores):
+                st.flat.index_fill_(0, st.zero_elems, 0)
+            if resets.rows is None:
+                return
+            dev = resets.rows.device
+            seed = self.seed
+            if seed is None:  # not reproducible: a fresh stream per step, drawn on the host (no device sync)
+                seed = int(torch.randint(0, 2**62, ()))
+            if seed != self._keys_seed:
+                self._keys = _small([[_signed(table_key(seed, s.table_index)) for s in self.shards]], dev)[0]
+                self._keys_seed = seed
+            triton = self.reset_kernel == "triton" or (self.reset_kernel == "auto" and dev.type == "cuda")
+            triton = triton and not any(st.round_fp16 for st in w_stores)
+            compact = not triton and dev.type == "cpu"
+            for st in w_stores:
+                keys = self._keys[st.ids[0] : st.ids[-1] + 1]
+                rows, shard = st.entries(resets, compact)
+                if triton:
+                    from embshard.kernels._reset_triton import reset_weights_batched_
+
+                    reset_weights_batched_(st.flat, rows, shard, st.kernel_ints, st.scale, keys, max(st.width))
+                else:
+                    vals = _init_values(st, rows, shard, keys)
+                    st.flat.index_put_((st.elements(rows, shard),), vals.to(st.flat.dtype))
+            for st in st_stores:
+                rows, shard = st.entries(resets, compact)
+                if triton:
+                    from embshard.kernels._reset_triton import zero_rows_batched_
+
+                    zero_rows_batched_(st.flat, rows, shard, st.ints[:3], max(st.width))
+                else:
+                    st.flat.index_fill_(0, st.elements(rows, shard).view(-1), 0)
+
+
+def _init_values(st: _Storage, rows: torch.Tensor, shard: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`[k, width]` fp32: the initial values `init_rows` gives the rows (`embshard.lookup.shards`: splitmix64 of the
+    element's table index keyed by the table's key, its top 24 bits as u, then u x scale - bound in fp32), rows
+    listed -1 zeros."""
+    init, scale = st.init[:, shard], st.scale[:, shard]
+    c = torch.arange(max(st.width), device=rows.device)
+    z = ((rows + init[0]) * init[1] + init[2]).unsqueeze(1) + c  # the element's index in the table
+    z.mul_(_GOLDEN).add_(keys[shard].unsqueeze(1))
+    tmp = torch.empty_like(z)
+    _mix_(z, tmp)
+    torch.bitwise_right_shift(z, 40, out=tmp)
+    u = tmp.bitwise_and_(0xFFFFFF).to(torch.float32)
+    v = u.mul_(scale[0].unsqueeze(1)).sub_(scale[1].unsqueeze(1))
+    if st.round_fp16:
+        v = torch.where(init[3].unsqueeze(1) > 0, v.half().float(), v)
+    return torch.where((rows >= 0).unsqueeze(1), v, 0.0)
