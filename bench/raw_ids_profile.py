@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=32, help="embedding dim")
     ap.add_argument("--id-space", type=float, default=1.0, help="ids drawn from this many x rows distinct values")
     ap.add_argument("--eviction", choices=("lru", "lfu"), default="lru")
-    ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
+    ap.add_argument("--batches", type=int, default=0, help="distinct batches cycled (0: 4, or 20 with --id-space > 1)")
     ap.add_argument("--warmup", type=int, default=0, help="warm-up steps per collection (0: 2 x --batches)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of --steps steps")
     ap.add_argument("--steps", type=int, default=4, help="steps per timing round and under the profiler")
@@ -104,6 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     rows, batch = SCALES[args.scale]
     rows, batch = args.rows or rows, args.batch or batch
+    args.batches = args.batches or (4 if args.id_space <= 1 else 20)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -140,8 +141,12 @@ def main() -> None:
           f"id space {args.id_space:g} x rows, {args.eviction}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads", flush=True)  # fmt: skip
 
-    def step(kind: str, i: int) -> None:
-        ebcs[kind](batches[i % len(batches)][kind]).values().sum().backward()
+    taken = dict.fromkeys(ebcs, 0)
+
+    def step(kind: str, _: int = 0) -> None:
+        """One training step on the collection's next batch (the batches cycle)."""
+        ebcs[kind](batches[taken[kind] % len(batches)][kind]).values().sum().backward()
+        taken[kind] += 1
 
     t0 = time.time()
     for kind in ebcs:
@@ -156,6 +161,13 @@ def main() -> None:
                 step(kind, i)
             times[kind].append((time.perf_counter() - t0) / args.steps * 1e3)
     ms = {k: statistics.median(v) for k, v in times.items()}
+    ebcs["raw"].reset_raw_id_stats()
+    step("raw")
+    last = ebcs["raw"].raw_id_stats()
+    per_step = {k: sum(v[k] for v in last.values()) for k in ("admitted", "evicted")}
+    print(f"raw-id tables now: {sum(v['resident'] for v in last.values()):,} ids resident of "
+          f"{sum(v['capacity'] for v in last.values()):,}; one step admits {per_step['admitted']:,}, evicts "
+          f"{per_step['evicted']:,}")  # fmt: skip
     for k, v in times.items():
         print(f"{k:6s} {ms[k]:8.1f} ms/step (rounds: {', '.join(f'{t:.1f}' for t in v)})")
     print(f"raw / static: {ms['raw'] / ms['static']:.2f}x, raw - static: {ms['raw'] - ms['static']:.1f} ms/step")
