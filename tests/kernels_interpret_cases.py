@@ -303,9 +303,9 @@ def test_raw_id_map_resets_through_the_batched_kernels_as_through_torch(optimize
     from embshard.plan import Shard
     from embshard.rawids import IdMap
 
-    tables = [TableConfig("a", 60, 8, ("fa",), ids="raw"), TableConfig("b", 90, 12, ("fb",), ids="raw", eviction="lfu")]
+    tables = [TableConfig("a", 60, 8, ("fa",), ids="raw"), TableConfig("b", 90, 16, ("fb",), ids="raw", eviction="lfu")]
     shards = [LocalShard(tables[0], 0, Shard(0, 0, 60, 0, 8), ("fa",), "host"),
-              LocalShard(tables[1], 1, Shard(0, 50, 40, 4, 8), ("fb",), "host")]  # fmt: skip
+              LocalShard(tables[1], 1, Shard(0, 50, 40, 4, 12), ("fb",), "host")]  # fmt: skip
     cpu = torch.device("cpu")
     if optimizer == "separate":
         lookups = [_SeparateTensors(shards) for _ in range(2)]

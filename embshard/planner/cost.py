@@ -85,7 +85,7 @@ data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp
 table.
 
 Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
-shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~64-96 B); its step, in
+shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-92 B); its step, in
 the forward phase, remaps the shard's n ids: n*RAW_ID_BYTES / bw (sorting the ids, the unique ids' arrays, two
 buckets of 16 slots read per id; NOT fitted: estimated from the bytes the ops move) plus writing one row and its
 state per id (the reset list: rows given to new ids, padded; over the host link for uvm), r*RAW_ROW_BYTES / bw

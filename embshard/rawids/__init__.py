@@ -24,20 +24,26 @@ Where the remapping runs
     pipeline; under semi-sync (this batch's lookup before the previous batch's backward) rows used in the
     previous step are never evicted (below), so a late gradient never lands on a row given to a new id.
 
-The map of one lookup group (`IdMap`, idmap.py), T shards, all tensors on the compute device
+The map of one lookup group (`IdMap`, idmap.py; index.py, eviction.py, reset.py), T shards, tensors on the device
     rows        the shards' rows concatenated (R = sum of rows); per row: `row_key` (its id), `row_last` (the
-                map's clock when last used; -1: holds no id), `row_freq` (times used). The LAST row of every shard
-                is its zero row: never given to an id, reset to zeros before every lookup; ids that have no row
-                (not admitted yet, no row could be freed this step, unknown ids at evaluation) look it up, so they
-                add zeros to their bag and train nothing. A shard of C rows holds up to C - 1 ids.
+                map's clock when last used; -1: holds no id), `row_freq` (times used), `row_slot` (its index slot).
+                The LAST row of every shard is its zero row: never given to an id, reset to zeros before every
+                lookup; ids that have no row (not admitted yet, no row could be freed this step, unknown ids at
+                evaluation) look it up, so they add zeros to their bag and train nothing. A shard of C rows holds
+                up to C - 1 ids.
     index       an open-addressing hash table in two tensors, `slot_key` / `slot_row` (-1: empty), of buckets of
                 P = 16 slots, 2 slots per row, per shard its own range of buckets. Each id has two candidate
-                buckets (two hashes); a lookup reads both buckets (2P slots, a fixed probe count) and matches the
-                key; an insert takes a free slot of the emptier bucket. Removing a key empties its slot (lookups
-                read every slot of both buckets, so no tombstones are needed).
+                buckets (two hashes); a lookup reads both buckets (2P slots, a fixed probe count: two rows of the
+                `[buckets, P]` view) and matches the key; an insert takes a free slot of the emptier bucket.
+                Removing a key empties its slot (found through `row_slot`; lookups read every slot of both
+                buckets, so no tombstones are needed). Slot -> row and row -> slot are int32 while they fit.
     LRU order   `order`: per shard a permutation of its usable rows, least recently used first (unused rows
-                lead). Victims are the first evictable rows of a shard's segment; after the step the rows used in
-                it move to the segment's end (a stable partition by cumsum + scatter: O(rows), no sort).
+                lead); the rows used in a step move to the segment's end after it (a stable partition: one
+                cumsum and one scatter over the rows, O(rows)). So the rows used in the previous step are the
+                segment's tail, and victims (the first evictable rows of the segment) lie in its first
+                min(ids of the shard this step, usable rows) positions, the window: an evictable row past the
+                window means the tail starts past it, so every non-evictable row of the window is a hit of this
+                step, and hits + new ids <= ids. Only the window is read (O(ids), not O(rows)).
     LFU         victims are the evictable rows sorted by (uses, last use, row) (a sort over the group's rows).
     evictable   a row not used in this step or the previous one (`row_last < clock - 1`).
     admission   with admit_min_count > 1, a count-min sketch (2 x rows counters per shard, halved when the
@@ -45,25 +51,32 @@ The map of one lookup group (`IdMap`, idmap.py), T shards, all tensors on the co
                 estimate reaches the count.
 
 One training step of a group (`IdMap.remap`), fixed-size outputs throughout (n = the group's ids this step):
-    1. sort the ids (stable): equal (shard, id) pairs become runs; run starts give the unique ids (n slots,
-       the first `n_unique` valid: a device scalar, never read on the host) and their counts;
+    1. sort the ids (stable): equal (shard, id) pairs become runs; run starts (a scatter of each run's first
+       position) give the unique ids (n slots, the first `n_unique` valid: a device scalar, never read on the
+       host) and their counts (differences of the starts);
     2. look up the unique ids in the index (2P slots each); hits update `row_last` / `row_freq`;
     3. new ids (misses) pass admission; each shard's admitted ids, ranked in batch order, take the shard's
        victims in order (`victims[rank]`); ids past the shard's evictable rows get no row this step;
-    4. evicted ids leave the index; admitted ids are inserted (two rounds: emptier bucket, then the other; an id
-       that finds no free slot gets no row and its row is left unused); rows get their new id, clock, count;
+    4. evicted ids leave the index (their slot from `row_slot`); admitted ids are inserted (two rounds: emptier
+       bucket, then the other; an id that finds no free slot gets no row and its row is left unused); rows get
+       their new id, clock, count and slot;
     5. the LRU order is updated; per id the row: its hit, its new row, or the shard's zero row;
-    6. reset list per shard: the rows given to new ids (re-initialised: `lookup.shards.init_rows_at`, the same
-       values `init_rows` drew for the row, so a table whose ids never exceed its rows trains exactly like a
-       static table fed the same rows) and the zero row; padded with the zero row to the shard's ids.
-All of it is torch ops that run on the CPU and CUDA without a host sync: sort, cumsum, cummax, gather, scatter,
-scatter_add/index_add, scatter_reduce(amin), where, remainder and integer hashing; no `.item()`, `.tolist()`,
-`nonzero`, `unique` or boolean-mask indexing. The only host values are sizes the host already knows (the ids
-per feature from the step's counts) and the map's clock (a Python int). Evaluation (no grad) only looks up.
+    6. the reset list: per position of the batch the local row given to a new id there (re-initialised:
+       `lookup.shards.init_rows_at`'s values for the row, so a table whose ids never exceed its rows trains
+       exactly like a static table fed the same rows), else -1; `IdMap.reset` writes it per storage (one Triton
+       launch per storage on CUDA, whose programs skip entries without a row) and zeroes the zero rows.
+All of it is torch ops that run on the CPU and CUDA without a host sync: sort, cumsum, gather, index_select,
+scatter, index_fill, where, searchsorted, remainder and integer hashing; no `.item()`, `.tolist()`, `nonzero`,
+`unique` or boolean-mask indexing. The only host values are sizes the host already knows (the ids per shard from
+the step's counts, hence the windows) and the map's clock (a Python int). Two GPU rules: masked-off entries write
+to a trash slot only with plain stores, never atomic adds (atomics on one address serialise: per-shard sums go
+through a cumsum over batch positions, the hits' use counts through a scatter, one id per row); and no cummax or
+cummin (CUDA scans a 1-d tensor with them in a single thread block). Evaluation (no grad) only looks up.
 
-Cost per step and group: ~2 sorts of n ids, 2 x 2P slot reads per unique id, O(rows) elementwise passes for
-LRU (LFU: a sort of the rows), and writing one row per id of the reset list (re-initialised values or zeros).
-Memory per row: `map_bytes_per_row` (about 72 bytes, 96 with admission counting); the planner counts it.
+Cost per step and group: a sort of the n ids and 2 of n int32 bucket numbers (the inserts), 3 reads of two
+16-slot buckets per unique id, the LRU window (<= n), one O(rows) pass group for the LRU order (a gather, a cumsum
+and a scatter over the rows; LFU: a sort of the rows), ~300 ops, and one row and its state written per new id.
+Memory per row: `map_bytes_per_row` (about 68 bytes, 92 with admission counting); the planner counts it.
 
 Checkpoints (checkpoint/raw_ids.py): per table the logical tensors `ids`, `id_last`, `id_count` `[rows]` ride
 with `weight` and the optimizer state; a load under the same row blocks reads them straight into place and

@@ -60,6 +60,16 @@ class _Storage:
         self.width = [v.shape[1] if v.dim() > 1 else 1 for v in views]
         zero = [v.shape[0] - 1 for v in views]
         self.ints = _small([start, stride, self.width, zero], dev)
+        self.grids = []  # (rows `[N, width]` over the storage, per shard its first row there or -1, a zero row)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for k, (a, b, w) in enumerate(zip(start, stride, self.width)):
+            groups.setdefault((b, w, a % b), []).append(k)
+        for (b, w, _), ks in groups.items():
+            base = min(start[k] for k in ks)
+            n = max(start[k] + views[k].shape[0] * b for k in ks) - base
+            grid = self.flat.as_strided((-(-n // b), w), (b, 1), base)
+            row0 = [(start[k] - base) // b if k in ks else -1 for k in range(len(views))]
+            self.grids.append((grid, _small([row0], dev)[0], row0[ks[0]] + zero[ks[0]]))
         self.zero_elems = torch.cat(
             [
                 torch.arange(w) * (v.stride(1) if v.dim() > 1 else 1) + a + z * b
@@ -90,14 +100,25 @@ class _Storage:
             rows, shard = rows[keep], shard[keep]
         return rows, shard
 
-    def elements(self, rows: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-        """`[k, width]` the storage elements of the rows (-1 rows and columns past a shard's width: an element of
-        its zero row, which holds zeros)."""
-        t = self.ints[:, shard]  # [4, k]
-        c = torch.arange(max(self.width), device=rows.device)
-        r = torch.where(rows >= 0, rows, t[3])
-        elem = (t[0] + r * t[1]).unsqueeze(1) + c
-        return torch.where((c < t[2].unsqueeze(1)) & (rows >= 0).unsqueeze(1), elem, (t[0] + t[3] * t[1]).unsqueeze(1))
+    def write(self, rows: torch.Tensor, shard: torch.Tensor, values: torch.Tensor | None) -> None:
+        """Write `values` `[k, width]` (None: zeros) into the rows (-1: the shard's zero row, with zeros), through
+        row grids over the storage: one per group of shards with one row stride, width and alignment (one in a
+        TBE whose tables have one width)."""
+        zero = self.ints[3][shard]
+        for grid, row0, first in self.grids:
+            r = torch.where(rows >= 0, rows, zero) + row0[shard]
+            v = values[:, : grid.shape[1]].to(grid.dtype) if values is not None else None
+            if len(self.grids) > 1:  # the entries of this group's shards
+                mine = row0[shard] >= 0
+                if rows.device.type == "cpu":
+                    r, v = r[mine], (v[mine] if v is not None else None)
+                else:
+                    r = torch.where(mine, r, first)
+                    v = torch.where(mine.unsqueeze(1), v, 0) if v is not None else None
+            if v is None:
+                grid.index_fill_(0, r, 0)
+            else:
+                grid.index_copy_(0, r, v)
 
 
 def _storages(views: Sequence[torch.Tensor], shards: Sequence[LocalShard]) -> list[_Storage]:
@@ -153,8 +174,7 @@ class ResetOps:
 
                     reset_weights_batched_(st.flat, rows, shard, st.kernel_ints, st.scale, keys, max(st.width))
                 else:
-                    vals = _init_values(st, rows, shard, keys)
-                    st.flat.index_put_((st.elements(rows, shard),), vals.to(st.flat.dtype))
+                    st.write(rows, shard, _init_values(st, rows, shard, keys))
             for st in st_stores:
                 rows, shard = st.entries(resets, compact)
                 if triton:
@@ -162,7 +182,7 @@ class ResetOps:
 
                     zero_rows_batched_(st.flat, rows, shard, st.ints[:3], max(st.width))
                 else:
-                    st.flat.index_fill_(0, st.elements(rows, shard).view(-1), 0)
+                    st.write(rows, shard, None)
 
 
 def _init_values(st: _Storage, rows: torch.Tensor, shard: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
