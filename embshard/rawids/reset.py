@@ -25,6 +25,10 @@ from embshard.lookup.shards import _GOLDEN, LocalShard, _mix_, _signed, table_ke
 from embshard.tables import DataType
 
 
+RESET_BLOCK_ELEMENTS = 1 << 18
+"""Torch path: elements whose initial values are drawn per pass (int64 temporaries of 2 MiB)."""
+
+
 class Resets(NamedTuple):
     """A step's reset list: `rows` `[n]` the local row given to a new id at each position, else -1 (None: no row
     was given: evaluation); `shard` `[n]` the shard of each position; `counts` the ids per shard (host)."""
@@ -173,8 +177,11 @@ class ResetOps:
                     from embshard.kernels._reset_triton import reset_weights_batched_
 
                     reset_weights_batched_(st.flat, rows, shard, st.kernel_ints, st.scale, keys, max(st.width))
-                else:
-                    st.write(rows, shard, _init_values(st, rows, shard, keys))
+                else:  # in blocks of rows, their temporaries small enough to stay in cache
+                    step = max(1, RESET_BLOCK_ELEMENTS // max(st.width))
+                    for i in range(0, rows.numel(), step):
+                        r, sh = rows[i : i + step], shard[i : i + step]
+                        st.write(r, sh, _init_values(st, r, sh, keys))
             for st in st_stores:
                 rows, shard = st.entries(resets, compact)
                 if triton:
