@@ -24,8 +24,8 @@ from embshard.geometry import offsets
 from embshard.lookup.shards import _GOLDEN, LocalShard, _mix_, _signed, table_key
 from embshard.tables import DataType
 
-RESET_BLOCK_ELEMENTS = 1 << 18
-"""Torch path: elements whose initial values are drawn per pass (int64 temporaries of 2 MiB)."""
+RESET_BLOCK_ELEMENTS = 1 << 20
+"""Torch path: elements whose initial values are drawn per pass (int64 temporaries of 8 MiB)."""
 
 
 class Resets(NamedTuple):
