@@ -263,3 +263,16 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
     only.mkdir()
     (only / "rawids.log").write_text(mc)
     assert report.folders_in([str(only)]) == [] and report.compared_commands(report.load(only)) == []
+
+
+def test_tests_suite_spreads_files_over_xdist_workers_only_when_installed(monkeypatch):
+    real = suites.importlib.util.find_spec
+    for installed in (True, False):
+        fake = lambda name, real=real, installed=installed: (  # noqa: E731
+            (object() if installed else None) if name == "xdist" else real(name)
+        )
+        monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+        (step,) = steps("tests", "--test-workers", "4")
+        assert (" -n 4 --dist loadfile " in f" {' '.join(step.argv)} ") == installed
+        (step,) = steps("tests")
+        assert "-n" not in step.argv
