@@ -274,5 +274,10 @@ def test_tests_suite_spreads_files_over_xdist_workers_only_when_installed(monkey
         monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
         (step,) = steps("tests", "--test-workers", "4")
         assert (" -n 4 --dist loadfile " in f" {' '.join(step.argv)} ") == installed
-        (step,) = steps("tests")
+        (step,) = steps("tests")  # the default on a GPU host of 32 CPUs: 4 workers
+        assert (" -n 4 " in f" {' '.join(step.argv)} ") == installed
+        for machine in (suites.Machine(gpus=2, cpus=8), suites.Machine(gpus=0, cpus=32)):
+            (step,) = steps("tests", machine=machine)
+            assert "-n" not in step.argv
+        (step,) = steps("tests", "--test-workers", "0")
         assert "-n" not in step.argv
