@@ -256,6 +256,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-bandwidth", action="store_true", help="e2e, emb: skip the bandwidth measurement")
     g = p.add_argument_group("other suites")
     g.add_argument("--pytest-args", default="", help="tests: instead of `tests` (e.g. 'tests/sharding -x')")
+    g.add_argument(
+        "--test-workers",
+        type=int,
+        default=-1,
+        help="tests: pytest-xdist workers where installed, files spread over them (default: 4 with GPUs, 16+ CPUs)",
+    )
     g.add_argument("--test-timeout", type=int, default=300, help="tests: per-test limit when pytest-timeout is there")
     g.add_argument("--fuzz", default="", help="fuzz: WORLD:CASES list (default 2:300,1:100; CPU 2:20,1:10)")
     g.add_argument("--ckpt-scale", type=float, default=0.0, help="ckpt: row fraction of hetero124 (0.1)")

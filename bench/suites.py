@@ -100,13 +100,26 @@ def tests_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     argv.append(f"--junitxml={args.out}/tests_junit.xml")
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv.append(f"--timeout={args.test_timeout}")
+    workers = args.test_workers if args.test_workers >= 0 else (4 if m.gpus and m.cpus >= 16 and not args.cpu else 0)
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        argv += ["-n", str(workers), "--dist", "loadfile"]  # a file's tests share one worker's process pools
     argv += args.pytest_args.split() if args.pytest_args else ["tests"]
-    return [Step("pytest", argv, cuda_env(args), timeout=600)]
+    env = cuda_env(args) | {"EMBSHARD_TEST_TIMES": f"{args.out}/test_times.txt"}  # kept if the time limit stops it
+    return [Step("pytest", argv, env, timeout=600)]
 
 
 def tests_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     final = last_match(log, PYTEST_LINE) or "no pytest summary line"
     rows = [("pytest", final)]
+    times = Path(args.out) / "test_times.txt"
+    if times.exists():
+        entries = [line.split(None, 3) for line in times.read_text().splitlines() if line.strip()]
+        per_file: dict[str, float] = {}
+        for sec, _, node, _ in (e for e in entries if len(e) == 4):
+            name = node.split("::")[0]
+            per_file[name] = per_file.get(name, 0.0) + float(sec)
+        top = sorted(per_file.items(), key=lambda kv: -kv[1])[:6]
+        rows.append(("slowest files", ", ".join(f"{name} {sec:.0f} s" for name, sec in top) + " (test_times.txt)"))
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)
     if failed:
         rows.append(("failed", ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")))

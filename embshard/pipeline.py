@@ -237,8 +237,8 @@ class TrainPipeline:
 
     # ---- host side ---------------------------------------------------------------------------------------
     def _prepare(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:
-        """In the host thread: pin the batch (CUDA) and count it."""
-        if self.cuda and not batch.dense.is_pinned():
+        """In the host thread: pin the batch (CUDA; a batch already on the device stays there) and count it."""
+        if self.cuda and batch.dense.device.type == "cpu" and not batch.dense.is_pinned():
             batch = batch.pin_memory()
         row = self.ebc.host_counts(batch.sparse, check=not self.ids_checked) if self.host_counts else None
         return batch, row

@@ -61,11 +61,14 @@ def test_tests_suite_device_junit_and_timeout_only_when_installed(monkeypatch):
         )
         monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
         (step,) = steps("tests", "--test-timeout", "120")
-        assert step.env == {"EMBSHARD_TEST_DEVICE": "cuda"}
+        assert step.env == {"EMBSHARD_TEST_DEVICE": "cuda", "EMBSHARD_TEST_TIMES": "/tmp/bench-out/test_times.txt"}
         assert "--junitxml=/tmp/bench-out/tests_junit.xml" in step.argv and step.argv[-1] == "tests"
         assert ("--timeout=120" in step.argv) == installed
     (cpu,) = steps("tests", "--cpu", "--pytest-args", "tests/sharding -x")
-    assert cpu.env == {} and cpu.argv[-2:] == ["tests/sharding", "-x"]
+    assert cpu.env == {"EMBSHARD_TEST_TIMES": "/tmp/bench-out/test_times.txt"} and cpu.argv[-2:] == [
+        "tests/sharding",
+        "-x",
+    ]
 
 
 def test_fuzz_suite_world_sizes_cases_and_the_env_test_fuzz_reads():
@@ -216,9 +219,22 @@ def test_summaries_read_the_result_lines():
     assert "GROWTH +102.4 MiB" in suites.soak_summary(grown, args_for("soak"))[0][1]
     rows = suites.compare_summary(LOG, args_for("emb"))
     assert any("ratio 1.225 (1.200-1.250; n=2): leads" in text for _, text in rows), rows
-    assert suites.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", None) == [
+    tests_args = argparse.Namespace(out="/nonexistent")
+    assert suites.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", tests_args) == [
         ("pytest", "3 passed, 1 skipped in 2.0s"), ("failed", "tests/x.py::t")
     ]  # fmt: skip
+
+
+def test_tests_summary_names_the_slowest_files_of_a_run_stopped_at_its_limit(tmp_path):
+    (tmp_path / "test_times.txt").write_text(
+        "    3.00 setup    tests/a.py::t1 passed\n   40.50 call     tests/b.py::t[1] failed\n"
+        "    2.00 call     tests/a.py::t2 passed\n"
+    )
+    rows = suites.tests_summary("....", argparse.Namespace(out=str(tmp_path)))
+    assert rows == [
+        ("pytest", "no pytest summary line"),
+        ("slowest files", "tests/b.py 40 s, tests/a.py 5 s (test_times.txt)"),
+    ]
 
 
 def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_path):
@@ -247,3 +263,21 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
     only.mkdir()
     (only / "rawids.log").write_text(mc)
     assert report.folders_in([str(only)]) == [] and report.compared_commands(report.load(only)) == []
+
+
+def test_tests_suite_spreads_files_over_xdist_workers_only_when_installed(monkeypatch):
+    real = suites.importlib.util.find_spec
+    for installed in (True, False):
+        fake = lambda name, real=real, installed=installed: (  # noqa: E731
+            (object() if installed else None) if name == "xdist" else real(name)
+        )
+        monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+        (step,) = steps("tests", "--test-workers", "4")
+        assert (" -n 4 --dist loadfile " in f" {' '.join(step.argv)} ") == installed
+        (step,) = steps("tests")  # the default on a GPU host of 32 CPUs: 4 workers
+        assert (" -n 4 " in f" {' '.join(step.argv)} ") == installed
+        for machine in (suites.Machine(gpus=2, cpus=8), suites.Machine(gpus=0, cpus=32)):
+            (step,) = steps("tests", machine=machine)
+            assert "-n" not in step.argv
+        (step,) = steps("tests", "--test-workers", "0")
+        assert "-n" not in step.argv
