@@ -53,13 +53,16 @@ def test_every_suite_builds_commands_of_existing_scripts():
                 assert step.argv[0] == sys.executable and step.timeout > 0, step
 
 
-def test_tests_suite_device_junit_and_timeout_only_when_installed(monkeypatch):
+def _installed(monkeypatch, module: str, installed: bool) -> None:
+    """The suites see `module` installed or not (whatever this machine has), other modules as they are."""
     real = suites.importlib.util.find_spec
+    fake = lambda name: (object() if installed else None) if name == module else real(name)  # noqa: E731
+    monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+
+
+def test_tests_suite_device_junit_and_timeout_only_when_installed(monkeypatch):
     for installed in (True, False):
-        fake = lambda name, real=real, installed=installed: (  # noqa: E731
-            (object() if installed else None) if name == "pytest_timeout" else real(name)
-        )
-        monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+        _installed(monkeypatch, "pytest_timeout", installed)
         (step,) = steps("tests", "--test-timeout", "120")
         assert step.env == {"EMBSHARD_TEST_DEVICE": "cuda", "EMBSHARD_TEST_TIMES": "/tmp/bench-out/test_times.txt"}
         assert "--junitxml=/tmp/bench-out/tests_junit.xml" in step.argv and step.argv[-1] == "tests"
@@ -266,12 +269,8 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
 
 
 def test_tests_suite_spreads_files_over_xdist_workers_only_when_installed(monkeypatch):
-    real = suites.importlib.util.find_spec
     for installed in (True, False):
-        fake = lambda name, real=real, installed=installed: (  # noqa: E731
-            (object() if installed else None) if name == "xdist" else real(name)
-        )
-        monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+        _installed(monkeypatch, "xdist", installed)
         (step,) = steps("tests", "--test-workers", "4")
         assert (" -n 4 --dist loadfile " in f" {' '.join(step.argv)} ") == installed
         (step,) = steps("tests")  # the default on a GPU host of 32 CPUs: 4 workers
