@@ -11,7 +11,8 @@ Calls with another `pg_timeout_s` or `fresh=True` (a test that leaves a process 
 inherit: a watchdog timeout set, a collective left pending) get processes of their own (EMBSHARD_TEST_POOL=0: never
 reuse processes). On machines without CUDA the processes are forks of a server that imported those modules once
 (EMBSHARD_TEST_START_METHOD=spawn: new interpreters); with CUDA they are new interpreters (CUDA does not survive a
-fork), each bound to the GPU of its rank, whose peak-memory counters and cached blocks are reset between calls.
+fork), each bound to the GPU of its rank, whose peak-memory counters, cached blocks and TF32 flags are reset between
+calls.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def _entry(
             dist.destroy_process_group()
 
 
+_FRESH_TF32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+
 def _reset_after_call(rank: int, world_size: int, port: int, pg_timeout_s: float) -> None:
     """What a call may leave behind that the next must not inherit: an ended process group (embshard.train.run
     ends it: the ranks join a new one on `port`), embshard's watchdog timeout and its record of collectives."""
@@ -93,6 +97,9 @@ def _reset_after_call(rank: int, world_size: int, port: int, pg_timeout_s: float
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        # process-wide numerics a call may have set (training.precision tf32 does): back to a fresh process's
+        torch.backends.cuda.matmul.allow_tf32 = _FRESH_TF32[0]
+        torch.backends.cudnn.allow_tf32 = _FRESH_TF32[1]
 
 
 def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) -> None:
