@@ -39,7 +39,7 @@ def pytest_runtest_logreport(report) -> None:
     """EMBSHARD_TEST_TIMES=FILE: every test phase's duration appended to FILE as it ends (seconds, phase, test), so
     that a run stopped at a time limit still says where its time went (pytest's --durations prints at the end)."""
     path = os.environ.get("EMBSHARD_TEST_TIMES")
-    if path and report.duration >= 0.5:
+    if path and report.duration >= 0.5 and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: its controller writes
         with open(path, "a") as f:
             f.write(f"{report.duration:8.2f} {report.when:8} {report.nodeid} {report.outcome}\n")
 
