@@ -65,6 +65,11 @@ def py() -> list[str]:
     return [sys.executable]
 
 
+def pytest(*args: str) -> list[str]:
+    """This Python's pytest, quiet, without its cache folder, on `args`."""
+    return py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+
+
 def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
 
@@ -96,7 +101,7 @@ def last_match(log: str, pattern: str) -> str:
 
 # ---- tests ----------------------------------------------------------------------------------------------------
 def tests_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
-    argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30"]
+    argv = pytest("--durations=30")
     argv.append(f"--junitxml={args.out}/tests_junit.xml")
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv.append(f"--timeout={args.test_timeout}")
@@ -139,9 +144,9 @@ def fuzz_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     steps = []
     for world, cases in fuzz_plan(args):
         env = cuda_env(args) | {"EMBSHARD_FUZZ_CASES": str(cases), "EMBSHARD_FUZZ_WORLDS": str(world)}
-        argv = py() + ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_fuzz.py"]
+        argv = pytest("-s", "tests/test_fuzz.py")
         steps.append(Step(f"world {world}, {cases} cases", argv, env, timeout=420, needs_gpus=world))
-    argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz_regressions.py"]
+    argv = pytest("tests/test_fuzz_regressions.py")
     steps.append(Step("regressions", argv, cuda_env(args), timeout=120))
     return steps
 
@@ -321,7 +326,7 @@ def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     same against TorchRec's managed-collision tables (bench/torchrec_mc.py: MCH modules, capacity = rows, against its
     static tables, interleaved) on the same ranks, id spaces and batches."""
     n = nproc(args, m)
-    tests = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/rawids"]
+    tests = pytest("tests/rawids")
     out = [Step("tests/rawids", tests, cuda_env(args), timeout=400)]
     workload = "tiny" if args.cpu else "uniform26"
     timed = ["--batches", "8", "--rounds", "3", "--steps", str(args.steps or (5 if args.cpu else 20))]
@@ -382,7 +387,7 @@ def ckpt_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     argv = torchrun(n) + ["bench/checkpoint_bench.py", "--dir", CKPT_DIR, "--scale", f"{scale:g}"]
     out = [Step(f"checkpoint_bench, {n} ranks, scale {scale:g}", argv, timeout=420, needs_gpus=n)]
     if not args.cpu:
-        argv = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/checkpoint"]
+        argv = pytest("tests/checkpoint")
         out.append(Step("checkpoint tests on the GPUs", argv, cuda_env(args), timeout=240))
     return out
 
@@ -496,7 +501,7 @@ def interop_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     """The interop tests (TorchRec's DMP on CPU processes, under this machine's torchrec), the three migration steps
     of examples/torchrec on the GPUs sharing one folder, then TorchRec's runtime on its own plan against TorchRec's
     runtime on embshard's plan (bench/torchrec_embshard_plan.py), interleaved pairs per workload."""
-    out = [Step("tests/interop", py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interop"], timeout=300)]
+    out = [Step("tests/interop", pytest("tests/interop"), timeout=300)]
     if args.interop_examples:
         for step in ("step1_plan", "step2_train", "step3_export"):
             argv = torchrun(2) + [f"examples/torchrec/{step}.py", "--out", INTEROP_DIR]
@@ -565,9 +570,9 @@ def hier_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     tests of tests/sharding/test_sharding_types.py and 40 world-4 fuzz cases with the hierarchical scenario."""
     gpus = 4
     bench = torchrun(4) + ["bench/hier_exchange.py"] + (["--smoke"] if args.cpu else [])
-    tests = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sharding/test_sharding_types.py", "-k"]
+    tests = pytest("tests/sharding/test_sharding_types.py", "-k")
     tests.append("world4")
-    fuzz = py() + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py", "-k", "parity or hierarchical"]
+    fuzz = pytest("tests/test_fuzz.py", "-k", "parity or hierarchical")
     fuzz_env = dict(cuda_env(args), EMBSHARD_FUZZ_WORLDS="4", EMBSHARD_FUZZ_CASES="40")
     return [
         Step("hier_exchange, 4 ranks as 2 hosts x 2", bench, timeout=300, needs_gpus=gpus),
