@@ -3,6 +3,9 @@ tables, row-wise Adagrad applied to its embeddings in backward, SGD for its dens
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -96,3 +99,13 @@ def quiet() -> None:
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
+
+
+def run_as_script(main: Callable, doc: str, out_help: str) -> None:
+    """A step run by torchrun: `--out FOLDER`, the process group joined, main(out, device), the group ended."""
+    from embshard.distributed import init_distributed
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help=out_help)
+    main(ap.parse_args().out, init_distributed())
+    dist.destroy_process_group()

@@ -10,13 +10,12 @@ DistributedModelParallel trains as before and saves a DCP checkpoint, the usual 
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import batches, quiet, torchrec_constraints, torchrec_dlrm, torchrec_train
+from common import batches, quiet, run_as_script, torchrec_constraints, torchrec_dlrm, torchrec_train
 
 from embshard.interop import (
     constraints_from_torchrec,
@@ -63,9 +62,4 @@ def main(out: str, device: torch.device) -> dict:
 
 
 if __name__ == "__main__":
-    from embshard.distributed import init_distributed
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for the plan file and the TorchRec checkpoint")
-    main(ap.parse_args().out, init_distributed())
-    dist.destroy_process_group()
+    run_as_script(main, __doc__, "folder for the plan file and the TorchRec checkpoint")

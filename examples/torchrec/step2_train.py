@@ -9,12 +9,11 @@ loads into it (tables, row-wise Adagrad state, dense weights), and embshard save
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
-from common import LR, batches, quiet, torchrec_dlrm
+from common import LR, batches, quiet, run_as_script, torchrec_dlrm
 
 from embshard.checkpoint import Checkpointer, TrainState
 from embshard.interop import load_torchrec_checkpoint, rec_model_from_torchrec, tables_from_torchrec
@@ -48,9 +47,4 @@ def main(out: str, device: torch.device) -> dict:
 
 
 if __name__ == "__main__":
-    from embshard.distributed import init_distributed
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the folder of step 1")
-    main(ap.parse_args().out, init_distributed())
-    dist.destroy_process_group()
+    run_as_script(main, __doc__, "the folder of step 1")

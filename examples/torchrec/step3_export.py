@@ -9,13 +9,12 @@ and computes the loss embshard computes on the same held-out batch.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import batches, quiet, torchrec_batch, torchrec_dlrm
+from common import batches, quiet, run_as_script, torchrec_batch, torchrec_dlrm
 
 from embshard import simple_plan
 from embshard.checkpoint import TrainState, latest, load_checkpoint
@@ -55,9 +54,4 @@ def main(out: str, device: torch.device) -> dict:
 
 
 if __name__ == "__main__":
-    from embshard.distributed import init_distributed
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the folder of steps 1 and 2")
-    main(ap.parse_args().out, init_distributed())
-    dist.destroy_process_group()
+    run_as_script(main, __doc__, "the folder of steps 1 and 2")
