@@ -532,7 +532,7 @@ def interop_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
                 timed.setdefault(plan[2], {}).setdefault(plan[1], []).append(ms[-1])
             predicted.setdefault(plan[2], []).extend(float(x) for x in re.findall(r"predicted ([\d.]+) ms/step", text))
             continue
-        found = re.findall(r"^((?:embshard trained|held-out loss).*)$", text, re.M) or re.findall(
+        found = re.findall(r"^((?:TorchRec trained|embshard trained|held-out loss).*)$", text, re.M) or re.findall(
             PYTEST_LINE, text, re.M
         )
         rows.append((label, found[-1] if found else "see interop.log"))
