@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from embshard.lookup.shards import _GOLDEN, _MIX1, _MIX2
+from embshard.lookup.shards import _GOLDEN, _MIX1, _MIX2, _signed, fp32
 
 BLOCK_E = 16
 """Reset-list entries per program."""
@@ -68,16 +68,6 @@ def _zero_rows_kernel(V, ROWS, SHARD, n, PI, T, BLOCK_E: tl.constexpr, BLOCK_D: 
         mask = (r >= 0)[:, None] & (c[None, :] < width[:, None])
         zeros = tl.zeros([BLOCK_E, BLOCK_D], V.dtype.element_ty)
         tl.store(V + (base + r * stride)[:, None] + c[None, :], zeros, mask=mask)
-
-
-def _signed(x: int) -> int:
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def fp32(x: float) -> float:
-    """`x` rounded to fp32 (the factor and offset init_rows applies in fp32)."""
-    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def reset_weights_batched_(

@@ -96,14 +96,27 @@ def init_rows(
     return out
 
 
-def _uniform_of_index_(z: torch.Tensor, tmp: torch.Tensor, key: int, bound: float) -> torch.Tensor:
+def fp32(x: float) -> float:
+    """`x` rounded to fp32 (the factor and offset the initial values apply in fp32)."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _uniform_of_index_(
+    z: torch.Tensor,
+    tmp: torch.Tensor,
+    key: int | torch.Tensor,
+    bound: float | torch.Tensor,
+    scale: float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """The initial values of the elements whose table indices are `z` (int64, overwritten; `tmp` a scratch of its
-    shape): splitmix64 of the index keyed by `key`, its top 24 bits as u in [0, 1), then (2u - 1) x bound."""
+    shape): splitmix64 of the index keyed by `key`, its top 24 bits as u in [0, 1), then u x scale - bound in fp32,
+    scale = 2 x bound / 2^24 (derived from a number `bound`; with per-row tensors `key`, `bound` and `scale`
+    broadcast against `z`)."""
     z.mul_(_GOLDEN).add_(key)
     _mix_(z, tmp)
     torch.bitwise_right_shift(z, 40, out=tmp)
     u = tmp.bitwise_and_(0xFFFFFF).to(torch.float32)  # the top 24 bits: exact in fp32
-    u.mul_(2.0 * bound / (1 << 24))
+    u.mul_(2.0 * bound / (1 << 24) if scale is None else scale)
     return u.sub_(bound)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from embshard.geometry import offsets
-from embshard.lookup.shards import _GOLDEN, LocalShard, _mix_, _signed, table_key
+from embshard.lookup.shards import LocalShard, _signed, _uniform_of_index_, fp32, table_key
 from embshard.tables import DataType
 
 RESET_BLOCK_ELEMENTS = 1 << 20
@@ -35,10 +35,6 @@ class Resets(NamedTuple):
     rows: torch.Tensor | None
     shard: torch.Tensor
     counts: list[int]
-
-
-def _fp32(x: float) -> float:
-    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def _small(values: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -85,7 +81,7 @@ class _Storage:
         self.init = _small([[s.shard.row_offset for s in sh], [s.table.embedding_dim for s in sh],
                             [s.shard.col_offset for s in sh], fp16], dev)  # fmt: skip
         bounds = [s.table.init_bound for s in sh]
-        scale = [[_fp32(2.0 * b / (1 << 24)) for b in bounds], [_fp32(b) for b in bounds]]
+        scale = [[fp32(2.0 * b / (1 << 24)) for b in bounds], [fp32(b) for b in bounds]]
         self.scale = torch.tensor(scale, dtype=torch.float32).to(dev)
         # the weights kernel's per-shard table: start, stride, row offset, dim, column offset, width
         self.kernel_ints = torch.cat([self.ints[:2], self.init[:3], self.ints[2:3]])
@@ -198,12 +194,9 @@ def _init_values(st: _Storage, rows: torch.Tensor, shard: torch.Tensor, keys: to
     init, scale = st.init[:, shard], st.scale[:, shard]
     c = torch.arange(max(st.width), device=rows.device)
     z = ((rows + init[0]) * init[1] + init[2]).unsqueeze(1) + c  # the element's index in the table
-    z.mul_(_GOLDEN).add_(keys[shard].unsqueeze(1))
-    tmp = torch.empty_like(z)
-    _mix_(z, tmp)
-    torch.bitwise_right_shift(z, 40, out=tmp)
-    u = tmp.bitwise_and_(0xFFFFFF).to(torch.float32)
-    v = u.mul_(scale[0].unsqueeze(1)).sub_(scale[1].unsqueeze(1))
+    v = _uniform_of_index_(
+        z, torch.empty_like(z), keys[shard].unsqueeze(1), scale[1].unsqueeze(1), scale[0].unsqueeze(1)
+    )
     if st.round_fp16:
         v = torch.where(init[3].unsqueeze(1) > 0, v.half().float(), v)
     return torch.where((rows >= 0).unsqueeze(1), v, 0.0)
