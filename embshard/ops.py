@@ -27,6 +27,13 @@ def cached_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtyp
     return t
 
 
+def small_to_device(values: Sequence, device: torch.device) -> torch.Tensor:
+    """A small int64 host list (nested lists: a table) on `device`, copied without a host sync (pinned,
+    non-blocking on CUDA): for values that change from step to step, where `cached_tensor` would only grow."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """Sums of consecutive segments of `lengths` with the given sizes (on the same device, no sync)."""
     ends = [0]

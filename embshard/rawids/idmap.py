@@ -18,6 +18,7 @@ from torch import nn
 
 from embshard.geometry import offsets
 from embshard.lookup.shards import LocalShard, _signed
+from embshard.ops import small_to_device
 from embshard.rawids.eviction import SKETCH_DEPTH, EvictionOps, bounded_prefix
 from embshard.rawids.hashing import BUCKET_SALTS, SKETCH_SALTS
 from embshard.rawids.index import IndexOps, P
@@ -52,14 +53,6 @@ def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_
     if admit_min_count > 1:
         total += (SKETCH_DEPTH + 1) * max(usable, 16) * 8  # the counters and each column's shard
     return total / rows
-
-
-def _h2d(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A small int64 host list on `device` without a sync (pinned, non-blocking copy on CUDA)."""
-    t = torch.tensor(list(values), dtype=torch.int64)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
@@ -150,7 +143,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         if train and self.lru:  # the LRU window: per shard min(its ids, its usable rows) positions of its order
             window = [min(c, u) for c, u in zip(counts, self.usable_host)]
             host += offsets(window) + [sum(window)]
-        both = _h2d(host, dev)
+        both = small_to_device(host, dev)
         bounds, wb = both[: self.T + 1], both[self.T + 1 :]
         if self.T == 1:
             shard_of = torch.zeros(n, dtype=torch.int64, device=dev)

@@ -22,6 +22,7 @@ from torch import nn
 
 from embshard.geometry import offsets
 from embshard.lookup.shards import LocalShard, _signed, _uniform_of_index_, fp32, table_key
+from embshard.ops import small_to_device
 from embshard.tables import DataType
 
 RESET_BLOCK_ELEMENTS = 1 << 20
@@ -35,12 +36,6 @@ class Resets(NamedTuple):
     rows: torch.Tensor | None
     shard: torch.Tensor
     counts: list[int]
-
-
-def _small(values: list[list[int]], device: torch.device) -> torch.Tensor:
-    """A small int64 table on `device` without a sync (pinned, non-blocking copy on CUDA)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class _Storage:
@@ -58,7 +53,7 @@ class _Storage:
         stride = [v.stride(0) for v in views]
         self.width = [v.shape[1] if v.dim() > 1 else 1 for v in views]
         zero = [v.shape[0] - 1 for v in views]
-        self.ints = _small([start, stride, self.width, zero], dev)
+        self.ints = small_to_device([start, stride, self.width, zero], dev)
         self.grids = []  # (rows `[N, width]` over the storage, per shard its first row there or -1, a zero row)
         groups: dict[tuple[int, int, int], list[int]] = {}
         for k, (a, b, w) in enumerate(zip(start, stride, self.width)):
@@ -68,7 +63,7 @@ class _Storage:
             n = max(start[k] + views[k].shape[0] * b for k in ks) - base
             grid = self.flat.as_strided((-(-n // b), w), (b, 1), base)
             row0 = [(start[k] - base) // b if k in ks else -1 for k in range(len(views))]
-            self.grids.append((grid, _small([row0], dev)[0], row0[ks[0]] + zero[ks[0]]))
+            self.grids.append((grid, small_to_device([row0], dev)[0], row0[ks[0]] + zero[ks[0]]))
         self.zero_elems = torch.cat(
             [
                 torch.arange(w) * (v.stride(1) if v.dim() > 1 else 1) + a + z * b
@@ -78,7 +73,7 @@ class _Storage:
         sh = [shards[i] for i in ids]
         fp16 = [int(s.table.data_type is DataType.FP16 and v.dtype != torch.float16) for s, v in zip(sh, views)]
         self.round_fp16 = any(fp16)  # fp16 tables' values rounded to fp16 in wider storage
-        self.init = _small([[s.shard.row_offset for s in sh], [s.table.embedding_dim for s in sh],
+        self.init = small_to_device([[s.shard.row_offset for s in sh], [s.table.embedding_dim for s in sh],
                             [s.shard.col_offset for s in sh], fp16], dev)  # fmt: skip
         bounds = [s.table.init_bound for s in sh]
         scale = [[fp32(2.0 * b / (1 << 24)) for b in bounds], [fp32(b) for b in bounds]]
@@ -160,7 +155,7 @@ class ResetOps:
             if seed is None:  # not reproducible: a fresh stream per step, drawn on the host (no device sync)
                 seed = int(torch.randint(0, 2**62, ()))
             if seed != self._keys_seed:
-                self._keys = _small([[_signed(table_key(seed, s.table_index)) for s in self.shards]], dev)[0]
+                self._keys = small_to_device([[_signed(table_key(seed, s.table_index)) for s in self.shards]], dev)[0]
                 self._keys_seed = seed
             triton = self.reset_kernel == "triton" or (self.reset_kernel == "auto" and dev.type == "cuda")
             triton = triton and not any(st.round_fp16 for st in w_stores)
