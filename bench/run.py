@@ -266,6 +266,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fuzz", default="", help="fuzz: WORLD:CASES list (default 2:300,1:100; CPU 2:20,1:10)")
     g.add_argument("--ckpt-scale", type=float, default=0.0, help="ckpt: row fraction of hetero124 (0.1)")
     g.add_argument("--interop-examples", action="store_true", help="interop: also examples/torchrec's three steps")
+    g.add_argument(
+        "--interop-no-tests", action="store_true", help="interop: skip tests/interop (the tests suite runs it too)"
+    )
     g.add_argument("--loader-workers", default="", help="loader: worker counts (default 0,8,16[,32] up to the CPUs)")
     args = p.parse_args(argv)
     unknown = [s for s in args.suites if s not in SUITES]
