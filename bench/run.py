@@ -260,7 +260,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--test-workers",
         type=int,
         default=-1,
-        help="tests: pytest-xdist workers where installed, files spread over them (default: 4 with GPUs, 16+ CPUs)",
+        help="tests: pytest-xdist workers where installed, tests spread over them (default: 8 with GPUs, 16+ CPUs)",
     )
     g.add_argument("--test-timeout", type=int, default=300, help="tests: per-test limit when pytest-timeout is there")
     g.add_argument("--fuzz", default="", help="fuzz: WORLD:CASES list (default 2:300,1:100; CPU 2:20,1:10)")

@@ -105,9 +105,11 @@ def tests_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     argv.append(f"--junitxml={args.out}/tests_junit.xml")
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv.append(f"--timeout={args.test_timeout}")
-    workers = args.test_workers if args.test_workers >= 0 else (4 if m.gpus and m.cpus >= 16 and not args.cpu else 0)
+    workers = args.test_workers if args.test_workers >= 0 else (8 if m.gpus and m.cpus >= 16 and not args.cpu else 0)
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
-        argv += ["-n", str(workers), "--dist", "loadfile"]  # a file's tests share one worker's process pools
+        # tests one by one to whichever worker is free (a file's tests on one worker leave test_train.py's 230 s on
+        # one worker's critical path); each worker keeps process pools of its own
+        argv += ["-n", str(workers), "--dist", "load"]
     argv += args.pytest_args.split() if args.pytest_args else ["tests"]
     env = cuda_env(args) | {"EMBSHARD_TEST_TIMES": f"{args.out}/test_times.txt"}  # kept if the time limit stops it
     return [Step("pytest", argv, env, timeout=600)]

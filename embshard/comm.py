@@ -241,6 +241,15 @@ def start_all_gather(
     return CollectiveHandle(flat.view(W, *tensor.shape), _issued(name, work), name)
 
 
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of `group` reaches this point before any leaves it, on the group's own device: NCCL on the current
+    GPU (torch's `barrier()` otherwise guesses the device and warns), gloo as a one-element CPU all-reduce."""
+    if dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.all_reduce(torch.zeros(1), group=group)
+
+
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """torch.distributed's gather into one flat tensor: `all_gather_single` where torch has it (from 2.13, where
     `all_gather_into_tensor` is deprecated with a FutureWarning), else `all_gather_into_tensor` (the same call)."""

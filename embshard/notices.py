@@ -7,6 +7,15 @@ emitted, each by its exact logger and text (every other record and warning stays
   advice to code that calls `is_fx_tracing()`, which embshard does not; any process that builds a
   KeyedJaggedTensor (every rank, each batch) would print it.
 
+Warnings (Python's warnings filter, by the start of their text):
+
+- FBGEMM, "TBE B200 optimization: device_major=...": a debug line that fbgemm-gpu 1.6's TBE backward (CUDA) prints
+  once per process (`TORCH_WARN_ONCE`, marked "remove after verification" in its source); it reports the card's
+  compute capability and a segment length.
+- torch, "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered ...": FBGEMM's dense
+  TBE (the data-parallel replicas, embshard/lookup/replicas.py) builds its own autograd graph, whose gradient is
+  right; torch's fallback warns on its backward anyway.
+
 `install()` runs when embshard is imported, so spawned ranks (which import embshard to run) and the data workers
 (forked from them) get it too.
 """
@@ -14,9 +23,16 @@ emitted, each by its exact logger and text (every other record and warning stays
 from __future__ import annotations
 
 import logging
+import re
+import warnings
 
 # (logger name, start of the message) of each notice dropped
 DROPPED = (("torch.fx._symbolic_trace", "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"),)
+# start of the text of each warning dropped
+DROPPED_WARNINGS = (
+    "TBE B200 optimization: device_major=",
+    "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered",
+)
 
 
 class _Drop(logging.Filter):
@@ -34,3 +50,5 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.prefix == prefix for f in logger.filters):
             logger.addFilter(_Drop(prefix))
+    for prefix in DROPPED_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from embshard import comm
 from embshard.config import DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TrainConfig, load_config
 from embshard.plan import ShardingPlan
 from embshard.planner.policy import plan_for_job
@@ -316,7 +317,7 @@ def _run_or_exit(config_path: str, overrides: Sequence[str]) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         if isinstance(e, AllRanksError) and dist.is_initialized():
-            dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has printed the message
+            comm.barrier()  # no rank exits (and gets the others killed) before rank 0 has printed the message
         sys.exit(2)
 
 

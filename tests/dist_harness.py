@@ -60,7 +60,11 @@ def _join_group(rank: int, world_size: int, port: int, pg_timeout_s: float) -> t
     if device == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    # The store's own timeout is generous: under a loaded machine (parallel test workers) a rank can take seconds to
+    # reach it, which is no hang; a short pg_timeout_s is for the collectives.
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=max(120, pg_timeout_s)))
+    timeout = timedelta(seconds=pg_timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return torch.device(device, rank) if device == "cuda" else torch.device("cpu")
 
 

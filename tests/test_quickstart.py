@@ -101,7 +101,10 @@ def test_every_readme_command_works(tmp_path):
     for name in ("configs", "data"):  # relative paths as in the repository; outputs land in the scratch folder
         (tmp_path / name).symlink_to(ROOT / name)
     in_process: list[tuple[str, list[str]]] = []
-    no_venv_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != BIN)
+    # the environment off PATH, as in a shell where .venv is not active; where no `make install` made .venv (an
+    # environment of the machine's own, as on a GPU host) the script finds torchrun on PATH as is
+    venv = (ROOT / ".venv").exists()
+    no_venv_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != BIN or not venv)
     for cmd in commands:
         tokens = shlex.split(cmd)
         env_vars = {}

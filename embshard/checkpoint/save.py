@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from embshard import comm
 from embshard.checkpoint import integrity, storage
 from embshard.checkpoint.layout import Piece, save_pieces, split_rows, table_entries
 from embshard.checkpoint.load import DEFAULT_CHUNK_BYTES, Resumed, load_checkpoint
@@ -281,7 +282,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         manifest_record = storage.prepare(path, info) if self.rank == 0 else None
         if self._group is not None:
-            dist.barrier(group=self._group)  # the folder is ready before any rank writes into it
+            comm.barrier(self._group)  # the folder is ready before any rank writes into it
         writer = storage.writer(path, self.io_threads)
         dcp.save(
             plain,

@@ -3,7 +3,6 @@ with the gradient all-reduced over ranks (the data flow is in embshard/sharding/
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -18,9 +17,6 @@ from embshard.ops import feature_of_ids
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.options import LookupOptions
 from embshard.tables import ConfigError, DataType
-
-# FBGEMM's CPU kernel builds its own autograd graph (the gradient is right) but torch warns on its backward.
-_CPU_BACKWARD_WARNING = "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered"
 
 
 class _ReplicaBags(torch.autograd.Function):
@@ -45,10 +41,7 @@ class _ReplicaBags(torch.autograd.Function):
         if pooled is None:
             grad = torch.zeros_like(lookup.tbe.weights)
         else:
-            with warnings.catch_warnings() if not grad_BD.is_cuda else nullcontext():
-                if not grad_BD.is_cuda:
-                    warnings.filterwarnings("ignore", message=_CPU_BACKWARD_WARNING)
-                (grad,) = torch.autograd.grad(pooled, lookup.tbe.weights, grad_BD)
+            (grad,) = torch.autograd.grad(pooled, lookup.tbe.weights, grad_BD)  # its warning: embshard/notices.py
         lookup.apply_gradient(grad, *ctx.inputs, label=ctx.label)
         return (None,) * 5
 

@@ -1,0 +1,31 @@
+"""embshard drops the library notices of embshard/notices.py, by their exact source and text, and nothing else."""
+
+import logging
+import warnings
+
+import embshard  # noqa: F401  (installs the filters)
+from embshard import notices
+
+
+def test_listed_warnings_are_dropped_and_others_kept():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded, then embshard's filters in front of that
+        notices.install()
+        for prefix in notices.DROPPED_WARNINGS:
+            warnings.warn(prefix + " and the rest of the text", UserWarning)
+        warnings.warn("a warning of another library: " + notices.DROPPED_WARNINGS[0], UserWarning)
+        warnings.warn(notices.DROPPED_WARNINGS[0], DeprecationWarning)  # another category stays visible
+    assert [str(w.message) for w in caught] == [
+        "a warning of another library: " + notices.DROPPED_WARNINGS[0],
+        notices.DROPPED_WARNINGS[0],
+    ]
+
+
+def test_listed_log_records_are_dropped_and_others_kept(caplog):
+    for name, prefix in notices.DROPPED:
+        logger = logging.getLogger(name)
+        with caplog.at_level(logging.INFO, logger=name):
+            logger.warning(prefix + " (once per process)")
+            logger.warning("another record of the same logger")
+        assert [r.getMessage() for r in caplog.records] == ["another record of the same logger"]
+        caplog.clear()
