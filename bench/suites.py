@@ -601,7 +601,7 @@ def hier_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 SUITES = {
     s.name: s
     for s in [
-        Suite("tests", "the test suite on the GPUs (NCCL); junit XML and the 30 slowest tests", "1-2", "5-9 min",
+        Suite("tests", "the test suite on the GPUs (NCCL); junit XML and the 30 slowest tests", "1-2", "4-9 min",
               tests_steps, tests_summary),
         Suite("fuzz", "the parity fuzzer: random tables, plans and batches against the reference, per world size",
               "2", "4-8 min", fuzz_steps, fuzz_summary),
@@ -625,7 +625,7 @@ SUITES = {
               "2-4 min", profile_steps, profile_summary),
         Suite("interop", "embshard.interop: tests/interop under this torchrec, examples/torchrec's three migration "
               "steps on 2 GPUs (--interop-examples), then TorchRec's runtime on its own plan against embshard's plan "
-              "(hetero124, overflow), interleaved pairs", "2", "5-8 min (estimate)", interop_steps, interop_summary),
+              "(hetero124, overflow), interleaved pairs", "2", "11-12 min", interop_steps, interop_summary),
         Suite("bandwidth", "measured GPU memory, GPU link and host link bandwidths (`embshard calibrate`)", "1-2",
               "1 min", bandwidth_steps, bandwidth_summary),
         Suite("rawids", "raw-id tables: tests/rawids on the GPUs, then uniform26 with every table ids: raw against "
