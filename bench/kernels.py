@@ -440,8 +440,8 @@ def summary() -> None:
 
 
 def small_summary() -> None:
-    """Forward + backward of every small-table backward variant against FBGEMM, one line per case (issue 15: the
-    kernel at least 1.3x faster than FBGEMM on Zipf 1.2)."""
+    """Forward + backward of every small-table backward variant against FBGEMM, one line per case (the goal:
+    the kernel at least 1.3x faster than FBGEMM on Zipf 1.2)."""
     names = [n for n, _ in SMALL_VARIANTS] + ["direct_sgd"]
     cases: dict[tuple[str, str], dict[str, dict]] = {}
     for r in ROWS:

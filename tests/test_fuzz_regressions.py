@@ -58,7 +58,7 @@ def test_empty_global_batch_weight_decay():
     )
 
 
-# Issue 10: column-wise tables under row-wise Adagrad keep one state per row of each column block (the mean of g^2
+# Column-wise tables under row-wise Adagrad used to keep one state per row of each column block (the mean of g^2
 # over the block), so they train unlike the unsharded table; LookupOptions(column_wise_exact=True) is to keep one
 # state per full row (the sum of g^2 combined over the blocks). The fuzzer draws the option once it exists.
 COLUMN_WISE_EXACT = Case(

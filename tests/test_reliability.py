@@ -1,6 +1,6 @@
 """No hangs on uneven batches, and a watchdog instead of a hang.
 
-- The reported hang (issue 10): 2 ranks, row-wise tables among others, a step where one rank's local batch is
+- A hang seen on GPUs: 2 ranks, row-wise tables among others, a step where one rank's local batch is
   empty. Every rank must enter every collective whatever its local data; the result must match the unsharded
   reference (batches of 0 on one rank, on every rank, and back to normal).
 - Ranks out of step (one skipped a batch, its step counter says so): every rank raises at once, naming the steps.
@@ -21,8 +21,8 @@ from embshard import FusedOptimizerConfig, ShardingType, TableConfig, simple_pla
 from embshard.plan import MemoryTier
 
 RW, TW, DP = ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL
-# The issue's reproduction: one feature per table, row-wise Adagrad, simple_plan with these types.
-ISSUE_TABLES = [
+# The hang's reproduction: one feature per table, row-wise Adagrad, simple_plan with these types.
+HANG_TABLES = [
     (TableConfig("t0", 4099, 64, ("f0",)), DP),
     (TableConfig("t1", 1000, 4, ("f1",), pooling="mean"), TW),
     (TableConfig("t2", 5, 8, ("f2",)), DP),
@@ -39,8 +39,8 @@ def _tier() -> MemoryTier:
 
 
 def _plan(world_size: int):
-    tables = [t for t, _ in ISSUE_TABLES]
-    return tables, simple_plan(tables, world_size, sharding_types={t.name: st for t, st in ISSUE_TABLES}, tier=_tier())
+    tables = [t for t, _ in HANG_TABLES]
+    return tables, simple_plan(tables, world_size, sharding_types={t.name: st for t, st in HANG_TABLES}, tier=_tier())
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def _plan(world_size: int):
         [[5, 2], [5, 0]],  # the report: step 1 hung on NCCL
         [[5, 2], [0, 3], [0, 0], [4, 4]],  # either rank empty, both empty, then normal again
     ],
-    ids=["issue", "empty-either-both"],
+    ids=["one-rank-empty", "empty-either-both"],
 )
 def test_empty_local_batch_with_row_wise_tables(batch_sizes):
     world_size, steps = 2, len(batch_sizes)
@@ -159,7 +159,7 @@ def test_reference_handles_an_empty_global_batch():
     """The reference itself: a global batch of 0 gives [0, D] outputs and changes no weight."""
     from reference import ReferenceEBC
 
-    tables = [t for t, _ in ISSUE_TABLES]
+    tables = [t for t, _ in HANG_TABLES]
     ref = ReferenceEBC(tables, ROWWISE, seed=1)
     before = {k: v.clone() for k, v in ref.weights.items()}
     empty = {

@@ -120,7 +120,7 @@ def test_choice_gives_the_kernel_small_collision_heavy_tables_only():
     u = np.array([5000, 5000, 240_000])
     fwd = small_table_forward(n, b, rows, cols, u, 0, BW, L2, k)
     bwd, hot = small_table_backward(n, b, rows, cols, u, 0, 4, 1.2, BW, k)
-    fbgemm = np.full(3, 2.49e-3 / 100)  # measured: 100 such 10k x 16 tables (Zipf 1.2) in 2.49 ms (issue 15)
+    fbgemm = np.full(3, 2.49e-3 / 100)  # measured: 100 such 10k x 16 tables (Zipf 1.2) in 2.49 ms on a GPU
     # a group of 100 hot small tables, one fp16 table and one large table: the kernel takes the 100
     idx = np.array([0] * 100 + [1, 2])
     pick = choose_small_tables(fbgemm[idx], (fwd + bwd)[idx], hot[idx], ok[idx])
