@@ -19,7 +19,15 @@ ROOT = paths.ROOT
 
 
 def documents() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "bench").glob("*.md"))]
+    return [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "bench").glob("*.md")),
+        *sorted((ROOT / "bench" / "results").glob("*/*.md")),
+        ROOT / "bench" / "baselines" / "README.md",
+        ROOT / "tests" / "README.md",
+        ROOT / "data" / "README.md",
+    ]
 
 
 FORBIDDEN = re.compile(
@@ -109,3 +117,30 @@ def test_paths_and_links_exist(doc: Path):
             elif anchor and where.suffix == ".md" and anchor not in anchors(where):
                 bad.append(f"{doc.relative_to(ROOT)}:{i}: link {target}: no heading #{anchor} in {file or doc.name}")
     assert not bad, "\n".join(dict.fromkeys(bad))
+
+
+CODE_FORBIDDEN = re.compile(r"\bissues? #?\d+\b(?!-)|\bworkplace\b|\bthe brief\b|\bdevice tools?\b|\$OUT\b", re.I)
+
+
+def test_code_and_configs_name_no_tracker_numbers():
+    """Comments, docstrings and test ids say what a case is ("the hang with an empty local batch"), not which
+    tracker entry or working environment it came from (the documents' test above covers the Markdown)."""
+    files = [
+        *ROOT.glob("embshard/**/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+        *ROOT.glob("bench/**/*.py"),
+        *ROOT.glob("examples/**/*.py"),
+        *ROOT.glob("launch/*"),
+        *ROOT.glob("configs/**/*.yaml"),
+        ROOT / "Makefile",
+        ROOT / "pyproject.toml",
+    ]
+    this = Path(__file__).resolve()
+    hits = [
+        f"{f.relative_to(ROOT)}:{i}: {m.group(0)!r} in: {line.strip()[:160]}"
+        for f in files
+        if f.is_file() and f.resolve() != this
+        for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
+        for m in CODE_FORBIDDEN.finditer(line)
+    ]
+    assert not hits, "say what the case or goal is, not its tracker number or where it was run:\n" + "\n".join(hits)
