@@ -48,11 +48,17 @@ WORKLOADS = {
 }
 
 
-def workload_tables(name: str) -> list:
+def workload_spec(name: str, rows_scale: float = 1.0) -> list[tuple[int, int, int]]:
+    """The workload's (rows, dim, mean ids per bag) per table, rows scaled by `rows_scale` (at least 1)."""
+    return [(max(1, int(r * rows_scale)), d, m) for r, d, m in WORKLOADS[name][0]]
+
+
+def workload_tables(name: str, rows_scale: float = 1.0) -> list:
     """The workload's tables (t0, t1, ...; one feature each, f0, f1, ...)."""
     from embshard.tables import TableConfig
 
-    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(WORKLOADS[name][0])]
+    spec = workload_spec(name, rows_scale)
+    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
 
 
 def make_plan(args, tables, world: int, tier, batch: int, opt):
@@ -89,6 +95,10 @@ def main() -> None:
     ap.add_argument("--mem-at", default="", help="comma-separated timed steps after which to record allocated memory")
     ap.add_argument("--bench", default="emb", help="the bench name in the RESULT line (emb; soak for long runs)")
     ap.add_argument("--profile-build", action="store_true", help="cProfile of building the module (rank 0)")
+    ap.add_argument("--build-only", action="store_true", help="stop after building the module (build time only)")
+    ap.add_argument(
+        "--rows-scale", type=float, default=1.0, help="every table's rows x this (CPU runs of big workloads)"
+    )
     ap.add_argument("--ids", choices=("static", "raw", "both"), default="static", help="table ids (both: interleaved)")
     ap.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="raw-id tables' eviction policy")
     ap.add_argument("--id-space", type=float, default=1.0, help="ids drawn from this many x rows distinct values")
@@ -110,8 +120,8 @@ def main() -> None:
     dev = init_distributed()
     cuda = dev.type == "cuda"
     rank, ws = dist.get_rank(), dist.get_world_size()
-    spec, batch = WORKLOADS[args.workload]
-    tables = workload_tables(args.workload)
+    spec, batch = workload_spec(args.workload, args.rows_scale), WORKLOADS[args.workload][1]
+    tables = workload_tables(args.workload, args.rows_scale)
     raw_tables = [dataclasses.replace(t, ids="raw", eviction=args.eviction) for t in tables]
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
@@ -153,6 +163,9 @@ def main() -> None:
             plan.save(args.save_plan)
         # The plan this run measures, for `bench/planner_predict.py --refit` (one line of JSON).
         print(f"PLAN workload={args.workload} json={json.dumps(json.loads(plan.to_json()), separators=(',', ':'))}")
+    if args.build_only:
+        dist.destroy_process_group()
+        return
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
