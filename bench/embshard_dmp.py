@@ -9,6 +9,8 @@ fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, sa
 one line `RESULT framework=embshard bench=emb workload=... ms_per_step=... predicted_ms=... floor_hbm_gb=...`
 (bench/report.py reads it; the floor fields are the bytes each rank moves per step, bench/floors.py).
 --mem-at 100,5000 also records the GPU memory allocated after those timed steps (a long run: no growth).
+--build-only stops after printing the plan and build time; --profile-build prints a cProfile of the build (rank
+0); --rows-scale 0.01 scales every table's rows (a big workload's build profiled on CPUs).
 
 --ids raw: every table is a raw-id table (ids: raw, capacity = its rows, --eviction lru|lfu; docs/raw_ids.md): the
 same step with the ids mapped to rows on the device. --ids both builds a static and a raw-id collection of the same
