@@ -154,13 +154,18 @@ def main() -> None:
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
             pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     built_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+    builds: list = [None] * ws  # each rank's build time: rank 0 may wait inside its build for a slower rank
+    dist.all_gather_object(builds, build_s)
     if rank == 0:
         kinds: dict[str, int] = {}
         for tp in plan.tables:
             kinds[f"{tp.sharding_type.value}/{tp.tier.value}"] = (
                 kinds.get(f"{tp.sharding_type.value}/{tp.tier.value}", 0) + 1
             )
-        print(f"plan {plan_s:.2f} s, build {build_s:.1f} s ({', '.join(ebcs)}); plan: {kinds}", flush=True)
+        each = ", ".join(f"{b:.1f}" for b in builds)
+        print(
+            f"plan {plan_s:.2f} s, build {build_s:.1f} s ({', '.join(ebcs)}; ranks {each}); plan: {kinds}", flush=True
+        )
         if args.save_plan:
             plan.save(args.save_plan)
         # The plan this run measures, for `bench/planner_predict.py --refit` (one line of JSON).
