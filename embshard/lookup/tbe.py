@@ -18,7 +18,7 @@ from embshard.lookup.fbgemm_fixes import array_cache_state
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
-from embshard.lookup.uvm_fill import HostFirstTouch, uvm_first_touch
+from embshard.lookup.uvm_fill import HostFirstTouch, concurrent_managed_access, uvm_first_touch
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import LookupOptions, OutputDtype
 from embshard.tables import ConfigError
@@ -60,7 +60,7 @@ class TBELookup(nn.Module):
                 "(seen with fbgemm-gpu 1.6.0: 'row_counter_dev' Half vs Float); use data_type fp32 for these tables, "
                 "or sgd/adagrad/rowwise_adagrad"
             )
-        uvm = device.type == "cuda" and self.settings.location in ("MANAGED", "MANAGED_CACHING")
+        uvm = self.settings.location in ("MANAGED", "MANAGED_CACHING") and concurrent_managed_access(device)
         with uvm_first_touch() if uvm else nullcontext() as touch:  # uvm_fill.py: host threads populate UVM
             with array_cache_state() if self.settings.caching else nullcontext():  # fbgemm_fixes.py
                 self.tbe = SplitTableBatchedEmbeddingBagsCodegen(

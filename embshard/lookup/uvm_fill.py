@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -48,6 +49,15 @@ def default_threads() -> int:
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     return max(1, min(MAX_THREADS, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+
+
+def concurrent_managed_access(device: torch.device) -> bool:
+    """Whether host threads may write managed memory while `device` runs kernels (CUDA on Linux, compute
+    capability 6.0 or newer: concurrentManagedAccess)."""
+    if device.type != "cuda" or not sys.platform.startswith("linux"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 6
 
 
 class HostFirstTouch:
