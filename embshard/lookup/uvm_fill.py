@@ -23,6 +23,7 @@ EMBSHARD_UVM_FIRST_TOUCH=fbgemm keeps FBGEMM's GPU fill (to compare); EMBSHARD_U
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import sys
@@ -60,6 +61,10 @@ def concurrent_managed_access(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 6
 
 
+def _memset_zero(keep_alive: torch.Tensor, address: int, nbytes: int) -> None:
+    ctypes.memset(address, 0, nbytes)
+
+
 class HostFirstTouch:
     """Zeroes buffers on host threads in pieces (`zero_async`); `wait(view)` for the pieces under a view."""
 
@@ -70,18 +75,21 @@ class HostFirstTouch:
 
     def zero_async(self, host: torch.Tensor, address: int | None = None) -> None:
         """Start zeroing the contiguous tensor `host` (a CPU tensor: for UVM, `uvm_to_cpu` of the buffer) piece by
-        piece; `address`: where other views see its first byte (default: its own data_ptr)."""
+        piece; `address`: where other views see its first byte (default: its own data_ptr). Each piece is one
+        memset (ctypes: no GIL held, no intra-op threads started from the pool's threads)."""
         if not host.is_contiguous():
             raise ValueError("HostFirstTouch.zero_async needs a contiguous tensor")
+        if host.device.type != "cpu":
+            raise ValueError(f"HostFirstTouch.zero_async needs a CPU view of the memory, got a {host.device} tensor")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="embshard-uvm-fill")
-        flat = host.view(-1)
-        size = flat.element_size()
-        base = host.data_ptr() if address is None else address
-        step = max(1, PIECE_BYTES // size)
-        for i in range(0, flat.numel(), step):
-            j = min(i + step, flat.numel())
-            self._pieces.append((base + i * size, base + j * size, self._pool.submit(flat[i:j].zero_)))
+        nbytes = host.numel() * host.element_size()
+        ptr = host.data_ptr()
+        base = ptr if address is None else address
+        for off in range(0, nbytes, PIECE_BYTES):
+            n = min(PIECE_BYTES, nbytes - off)
+            done = self._pool.submit(_memset_zero, host, ptr + off, n)  # `host` rides along: kept alive
+            self._pieces.append((base + off, base + off + n, done))
 
     def wait(self, view: torch.Tensor) -> None:
         """Return once every piece overlapping the bytes of `view` (a view of a buffer given to zero_async, any
