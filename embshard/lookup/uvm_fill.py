@@ -3,11 +3,13 @@
 FBGEMM allocates every UVM buffer of a TBE (tiers uvm and uvm_caching: the weights, and for adagrad or adam their
 per-element state) with `new_unified_tensor`: cudaMallocManaged, preferred location the host, accessed by the GPU.
 Its `apply_split_helper` then zeroes the buffer with a GPU kernel (`torch.zeros(..., out=...)`). That kernel is the
-buffer's first touch: the driver populates every host page on a GPU page fault, serviced by one driver thread per
-GPU a batch of faults at a time (a few GB/s). A 2-GPU plan with two 100M x 128 fp32 UVM-caching tables (102 GB) on
-one rank (bench/embshard_dmp.py --workload hetero124 --plan planner) took 37-49 s to build: that first touch, then
-a second pass over the same 102 GB over PCIe when the lookup wrote the initial weights. A CPU page fault is
-serviced on the faulting thread (the driver locks per 2 MB block), so host threads populate in parallel.
+buffer's first touch, through GPU page faults. The driver (nvidia-uvm) serves a first-touch fault at the preferred
+location by populating the whole 2 MB block (zeroed host pages, mapped for the GPU too), but it serves a GPU's
+faults on one thread, a batch at a time: a few GB/s. A 2-GPU plan with two 100M x 128 fp32 UVM-caching tables
+(102 GB) on one rank (bench/embshard_dmp.py --workload hetero124 --plan planner) took 37-49 s to build: that first
+touch, then a second pass over the same 102 GB over PCIe when the lookup wrote the initial weights. A CPU fault is
+served on the faulting thread, the same way (whole 2 MB block, locked per block), so host threads populate many
+blocks at once.
 
 While `uvm_first_touch()` is active (TBELookup builds UVM TBEs inside it), FBGEMM's helper allocates the same
 buffer (FBGEMM's own `new_unified_tensor`, same memory advice) without its GPU fill; host threads zero it through
