@@ -113,6 +113,7 @@ def main() -> None:
 
     from numa import numa_setup
 
+    from embshard import comm
     from embshard.distributed import init_distributed
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier
@@ -220,7 +221,7 @@ def main() -> None:
                     f"memory probe ({kind}): forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over "
                     f"{base / 2**30:.2f}"
                 )
-    dist.barrier()
+    comm.barrier()
     warm_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -229,7 +230,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in ebcs}
     for _ in range(args.rounds if args.ids == "both" else 1):
         for kind in ebcs:
-            dist.barrier()
+            comm.barrier()
             sync()
             t0 = time.time()
             for i in range(args.steps):
