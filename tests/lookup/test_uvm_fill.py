@@ -112,11 +112,22 @@ def test_uvm_tbe_same_as_fbgemm_fill(monkeypatch, tier):
     shards = [LocalShard(t, i, Shard(0, 0, t.num_embeddings, 0, t.embedding_dim), t.feature_names, tier)
               for i, t in enumerate(tables)]  # fmt: skip
     opt = FusedOptimizerConfig("adagrad", lr=0.1)
+    zeroed: list[int] = []
+    zero_async = HostFirstTouch.zero_async
+
+    def counted(self, host, address=None):
+        zeroed.append(host.numel())
+        return zero_async(self, host, address)
+
+    monkeypatch.setattr(HostFirstTouch, "zero_async", counted)
     built = {}
     for way in ("host", "fbgemm"):
         monkeypatch.setenv("EMBSHARD_UVM_FIRST_TOUCH", way)
+        zeroed.clear()
         lk = TBELookup(shards, opt, torch.device("cuda", 0), seed=7)
         torch.cuda.synchronize()
+        n = 3001 * 64 + 777 * 16
+        assert zeroed == ([n, n] if way == "host" else []), zeroed  # weights and adagrad's state, on host threads
         assert torch.ops.fbgemm.is_uvm_tensor(lk.tbe.weights_uvm) and lk.tbe.weights_uvm.numel() == 3001 * 64 + 777 * 16
         assert (
             torch.count_nonzero(lk.tbe.momentum1_uvm) == 0
