@@ -46,7 +46,9 @@ def default_threads() -> int:
     node's ranks (LOCAL_WORLD_SIZE), between 1 and MAX_THREADS."""
     env = os.environ.get("EMBSHARD_UVM_THREADS")
     if env:
-        return max(1, int(env))
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ValueError(f"EMBSHARD_UVM_THREADS={env!r} must be a whole number >= 1: set it so, or unset it")
+        return int(env)
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -173,7 +175,10 @@ def uvm_first_touch(threads: int | None = None) -> Iterator[HostFirstTouch | Non
     buffer is zero and FBGEMM's helper is restored."""
     import importlib
 
-    if os.environ.get("EMBSHARD_UVM_FIRST_TOUCH", "host") == "fbgemm":
+    way = os.environ.get("EMBSHARD_UVM_FIRST_TOUCH", "host")
+    if way not in ("host", "fbgemm"):
+        raise ValueError(f"EMBSHARD_UVM_FIRST_TOUCH={way!r} is invalid: choose host (the default) or fbgemm")
+    if way == "fbgemm":
         yield None
         return
     try:

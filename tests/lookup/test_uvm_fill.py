@@ -95,6 +95,15 @@ def test_applied_only_inside_the_context(monkeypatch):
     monkeypatch.setenv("EMBSHARD_UVM_FIRST_TOUCH", "fbgemm")
     with uvm_first_touch() as touch:
         assert touch is None and training.apply_split_helper is original
+    monkeypatch.setenv("EMBSHARD_UVM_FIRST_TOUCH", "gpu")
+    with pytest.raises(ValueError, match="EMBSHARD_UVM_FIRST_TOUCH='gpu' is invalid: choose host"):
+        with uvm_first_touch():
+            pass
+    monkeypatch.setenv("EMBSHARD_UVM_THREADS", "0")
+    with pytest.raises(ValueError, match="EMBSHARD_UVM_THREADS='0' must be a whole number >= 1"):
+        uvm_fill.default_threads()
+    monkeypatch.setenv("EMBSHARD_UVM_THREADS", "3")
+    assert uvm_fill.default_threads() == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
