@@ -10,7 +10,8 @@ one line `RESULT framework=embshard bench=emb workload=... ms_per_step=... predi
 (bench/report.py reads it; the floor fields are the bytes each rank moves per step, bench/floors.py).
 --mem-at 100,5000 also records the GPU memory allocated after those timed steps (a long run: no growth).
 --build-only stops after printing the plan and build time; --profile-build prints a cProfile of the build (rank
-0); --rows-scale 0.01 scales every table's rows (a big workload's build profiled on CPUs).
+0); --rows-scale 0.01 scales every table's rows (a big workload's build profiled on CPUs); --seed 0 builds the
+initial weights as training runs do (embshard.lookup.init_rows), instead of drawing them on the device.
 
 --ids raw: every table is a raw-id table (ids: raw, capacity = its rows, --eviction lru|lfu; docs/raw_ids.md): the
 same step with the ids mapped to rows on the device. --ids both builds a static and a raw-id collection of the same
@@ -97,6 +98,13 @@ def main() -> None:
     ap.add_argument("--mem-at", default="", help="comma-separated timed steps after which to record allocated memory")
     ap.add_argument("--bench", default="emb", help="the bench name in the RESULT line (emb; soak for long runs)")
     ap.add_argument("--profile-build", action="store_true", help="cProfile of building the module (rank 0)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="initial weights from this seed (init_rows, as training "
+        "runs build them); default: drawn on the device, not reproducible",
+    )
     ap.add_argument("--build-only", action="store_true", help="stop after building the module (build time only)")
     ap.add_argument(
         "--rows-scale", type=float, default=1.0, help="every table's rows x this (CPU runs of big workloads)"
@@ -140,7 +148,7 @@ def main() -> None:
         profiler.enable()
     t0 = time.time()
     ebcs = {
-        k: ShardedEmbeddingBagCollection(raw_tables if k == "raw" else tables, plan, opt, device=dev, seed=None)
+        k: ShardedEmbeddingBagCollection(raw_tables if k == "raw" else tables, plan, opt, device=dev, seed=args.seed)
         for k in kinds_run
     }
     if cuda:
