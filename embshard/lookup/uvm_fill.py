@@ -19,7 +19,8 @@ right behind the threads (population and the writes over PCIe overlap). On exit 
 holds zeros, as FBGEMM's own fill leaves it. Any other FBGEMM version or argument (HBM-enforced, host-mapped
 buffers) goes through FBGEMM's helper unchanged.
 
-EMBSHARD_UVM_FIRST_TOUCH=fbgemm keeps FBGEMM's GPU fill (to compare); EMBSHARD_UVM_THREADS sets the thread count
+EMBSHARD_UVM_FIRST_TOUCH=host turns it on; the default, fbgemm, keeps FBGEMM's GPU fill until the host way has been
+timed on GPUs (bench/uvm_fill.py, and the hetero124 build with each). EMBSHARD_UVM_THREADS sets the thread count
 (default: this process's CPUs / LOCAL_WORLD_SIZE, at most 32). bench/uvm_fill.py times both ways on one GPU.
 """
 
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 _TRAINING = "fbgemm_gpu.split_table_batched_embeddings_ops_training"
+DEFAULT_WAY = "fbgemm"  # EMBSHARD_UVM_FIRST_TOUCH's default: host once measured on GPUs (module docstring)
 PIECE_BYTES = 256 << 20  # a host thread zeroes this much at a time; `wait` waits for whole pieces
 MAX_THREADS = 32
 
@@ -171,13 +173,13 @@ def host_first_touch_helper(
 def uvm_first_touch(threads: int | None = None) -> Iterator[HostFirstTouch | None]:
     """While active, FBGEMM's TBE constructor has its UVM buffers zeroed on host threads (module docstring). Yields
     the HostFirstTouch (call `wait(view)` before writing into a UVM buffer from the GPU), or None where FBGEMM's
-    own fill stays (EMBSHARD_UVM_FIRST_TOUCH=fbgemm, or an FBGEMM without `apply_split_helper`). On exit every
+    own fill stays (EMBSHARD_UVM_FIRST_TOUCH=fbgemm, the default, or an FBGEMM without `apply_split_helper`). On exit every
     buffer is zero and FBGEMM's helper is restored."""
     import importlib
 
-    way = os.environ.get("EMBSHARD_UVM_FIRST_TOUCH", "host")
+    way = os.environ.get("EMBSHARD_UVM_FIRST_TOUCH", DEFAULT_WAY)
     if way not in ("host", "fbgemm"):
-        raise ValueError(f"EMBSHARD_UVM_FIRST_TOUCH={way!r} is invalid: choose host (the default) or fbgemm")
+        raise ValueError(f"EMBSHARD_UVM_FIRST_TOUCH={way!r} is invalid: choose host or fbgemm (the default)")
     if way == "fbgemm":
         yield None
         return

@@ -86,6 +86,9 @@ def test_same_buffers_as_fbgemm(monkeypatch, dtype, enforce_hbm):
 
 def test_applied_only_inside_the_context(monkeypatch):
     original = training.apply_split_helper
+    with uvm_first_touch(threads=1) as touch:  # the default: FBGEMM's own fill
+        assert touch is None and training.apply_split_helper is original
+    monkeypatch.setenv("EMBSHARD_UVM_FIRST_TOUCH", "host")
     with uvm_first_touch(threads=1) as touch:
         assert isinstance(touch, HostFirstTouch) and training.apply_split_helper is not original
     assert training.apply_split_helper is original
@@ -96,7 +99,7 @@ def test_applied_only_inside_the_context(monkeypatch):
     with uvm_first_touch() as touch:
         assert touch is None and training.apply_split_helper is original
     monkeypatch.setenv("EMBSHARD_UVM_FIRST_TOUCH", "gpu")
-    with pytest.raises(ValueError, match="EMBSHARD_UVM_FIRST_TOUCH='gpu' is invalid: choose host"):
+    with pytest.raises(ValueError, match="EMBSHARD_UVM_FIRST_TOUCH='gpu' is invalid: choose host or fbgemm"):
         with uvm_first_touch():
             pass
     monkeypatch.setenv("EMBSHARD_UVM_THREADS", "0")
