@@ -424,7 +424,7 @@ class CostModel:
             fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * self.out_bytes))
             v[loads.FWD] = permute + fwd + 2 * pooled / bw
             v[loads.BWD] = bwd + 2 * pooled / bw
-        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s  # the step's fixed cost, whatever the plan
+        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s + bags * self.topo.batch_bag_s  # whatever the plan
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ def _plan(case: dict[str, Any], tables: list[TableConfig], where: str) -> Shardi
     if len(ranks) != len(tables):
         raise ValueError(f"{where}: plan has {len(ranks)} characters for {len(tables)} tables (one per table)")
     uvm = set(case.get("uvm_caching", []))
+    dp_kernel = case.get("data_parallel_kernel", "fbgemm")
     entries = []
     for i, (t, r) in enumerate(zip(tables, ranks, strict=True)):
         tier = "uvm_caching" if i in uvm else "hbm"
@@ -76,7 +77,7 @@ def _plan(case: dict[str, Any], tables: list[TableConfig], where: str) -> Shardi
                     for k in on
                 ],
                 "cache_load_factor": case.get("cache_load_factor") or 0.2,
-                "kernel": "fbgemm",
+                "kernel": dp_kernel if r == "d" else "fbgemm",
             }
         )
     return ShardingPlan.from_dict({"world_size": world, "local_world_size": world, "tables": entries})
