@@ -73,7 +73,13 @@ def _plan(case: dict[str, Any], tables: list[TableConfig], where: str) -> Shardi
                 "sharding_type": "data_parallel" if r == "d" else "table_wise",
                 "tier": tier,
                 "shards": [
-                    {"rank": k, "row_offset": 0, "num_rows": t.num_embeddings, "col_offset": 0, "num_cols": t.embedding_dim}
+                    {
+                        "rank": k,
+                        "row_offset": 0,
+                        "num_rows": t.num_embeddings,
+                        "col_offset": 0,
+                        "num_cols": t.embedding_dim,
+                    }
                     for k in on
                 ],
                 "cache_load_factor": case.get("cache_load_factor") or 0.2,
