@@ -40,3 +40,17 @@ def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
             assert sum(t.tier.value == "uvm_caching" for t in c.plan.tables) == 5, c
         if c.workload == "hetero124":
             assert sum(t.sharding_type.value == "data_parallel" for t in c.plan.tables) == 100, kinds
+
+
+def test_the_presets_are_the_fit_of_the_measured_steps():
+    """bench/planner_predict.py --measured --fit: refitting the shared host cost and the per-bag cost to the cases
+    gives back the presets' values (so the presets are that fit, not hand-tuned per workload)."""
+    from embshard.planner.tools.measured import fit_host_and_bag
+    from embshard.planner.topology import Topology
+
+    sync, bags, lines = fit_host_and_bag(CASES)
+    assert len(lines) == len(CASES) + 1
+    for gpu, bag in bags.items():
+        topo = Topology.preset(gpu, 2)
+        assert topo.host_sync_s == pytest.approx(sync, rel=0.02), gpu
+        assert topo.batch_bag_s == pytest.approx(bag, rel=0.02), gpu

@@ -129,3 +129,35 @@ def table(cases: list[MeasuredCase], **overrides: float) -> list[str]:
             f"{p:.2f} | {p / m - 1:+.1%} |"
         )
     return rows
+
+
+def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float], list[str]]:
+    """Refit the step's shared host cost (host_sync_s, the same on every GPU model: a host's) and the per-bag cost
+    of the own batch (batch_bag_s, GPU-side: one value at the H200's copy bandwidth, scaled on each GPU model by
+    the ratio of the copy bandwidths, as the per-id constants are) to the cases, by least squares on the relative
+    errors. Returns host_sync_s, {gpu: batch_bag_s} and the table before -> after."""
+    import numpy as np
+
+    ref = Topology.preset("h200", 2).hbm_bw
+    A, y, bare = [], [], []
+    for c in cases:
+        b = c.report(host_sync_s=0.0, batch_bag_s=0.0).step_time_s
+        scale = ref / Topology.preset(c.gpu, c.world).hbm_bw
+        m = c.median_ms * 1e-3
+        A.append([1 / m, c.batch * sum(len(t.feature_names) for t in c.tables) * scale / m])
+        y.append((m - b) / m)
+        bare.append(b)
+    (sync, bag), *_ = np.linalg.lstsq(np.array(A), np.array(y), rcond=None)
+    bags = {c.gpu: float(bag * ref / Topology.preset(c.gpu, c.world).hbm_bw) for c in cases}
+    lines = [
+        f"host_sync {sync * 1e6:.0f} us (every GPU model); batch_bag "
+        + ", ".join(f"{g} {v * 1e9:.3f} ns" for g, v in sorted(bags.items()))
+    ]
+    for c, b, row in zip(cases, bare, A, strict=True):
+        before = c.report().step_time_s * 1e3
+        after = (b + sync * row[0] * c.median_ms * 1e-3 + bag * row[1] * c.median_ms * 1e-3) * 1e3
+        lines.append(
+            f"2 x {c.gpu} {c.workload:9s} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
+            f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
+        )
+    return float(sync), bags, lines
