@@ -66,13 +66,13 @@ class Topology:
     """Fixed cost of one collective spanning hosts (seconds)."""
     kernel_s: float = 10 * US
     """Fixed cost of one kernel launch in a lookup group (seconds); the cost model counts the kernels per group."""
-    host_sync_s: float = 1000 * US
-    """Cost of the input exchange's device-to-host synchronisation per sharding scheme, seconds: the wait itself
-    plus the GPU idling while the host issues the exchange's small kernels after it (launch-bound)."""
+    host_sync_s: float = 680 * US
+    """Cost of the input exchange's device-to-host synchronisation, once per step with model-parallel tables
+    (seconds): the wait itself plus the GPU idling while the host issues the step's small kernels around it
+    (launch-bound); a host cost, the same on every GPU model (presets: fitted to measured steps of both)."""
     step_overhead_s: float = 0.0
-    """Fixed cost of every training step whatever the plan (seconds): the host's own work that the GPU waits for
-    (Python and autograd issuing the step, the launches no lookup group accounts for), fitted to measured steps
-    (`embshard calibrate --refit`)."""
+    """Fixed cost of every training step whatever the plan beyond host_sync_s (seconds): a per-GPU-model
+    correction `bench/planner_predict.py --refit --steps` fits to measured steps; 0 in the presets."""
     batch_bag_s: float = 0.0
     """Cost of every bag (sample x feature) of a rank's own batch per training step whatever the plan (seconds):
     the per-segment work beyond the bytes of the kernels that walk the step's bags (the lookups' forward and
