@@ -94,15 +94,19 @@ def main() -> None:
     ap.add_argument("--id-space", type=float, default=1.0, help="ids drawn from this many x rows distinct values")
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
     ap.add_argument("--rounds", type=int, default=3, help="--ids both: interleaved rounds of --steps steps each")
+    ap.add_argument("--numa-bind", action="store_true", help="run each rank on its GPU's NUMA node's CPUs")
     args = ap.parse_args()
     if args.ids != "static" and args.bench == "emb":
         args.bench = "rawids"
+
+    from numa import numa_setup
 
     from embshard.distributed import init_distributed
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier
     from embshard.sharded import ShardedEmbeddingBagCollection
 
+    numa_setup(bind=args.numa_bind)  # one line per rank: the GPU's node and where the process runs
     dev = init_distributed()
     cuda = dev.type == "cuda"
     rank, ws = dist.get_rank(), dist.get_world_size()
