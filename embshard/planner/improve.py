@@ -39,7 +39,7 @@ def improve(state: State, p: Problem) -> None:
                 else:
                     contrib = float(ch.same[0][rows].max() + ch.other[0][rows].max()) * 0.5
                 # the last table of a scheme also carries the scheme's latencies (and the step's host sync)
-                contrib += float(state.fixed_freed(items[i], ch)[rows].max())
+                contrib += state.fixed_freed(items[i], ch, rows)
                 if contrib > 0:
                     scores[i] = max(scores.get(i, 0.0), contrib * phases[phase].max())
             if len(scores) >= CANDIDATES_PER_ROUND:
