@@ -1,6 +1,9 @@
 """The id -> row index of an `IdMap` (idmap.py): an open-addressing hash table of buckets of P slots, two candidate
 buckets per key (the design: embshard/rawids/__init__.py).
 
+Lookups run as one Triton launch on CUDA (embshard/kernels/_find_triton.py: both buckets read once per key) and
+as torch ops elsewhere (`_find_torch`, the same results).
+
 Storage (buffers of the IdMap): `slot_key` `[S + 1]` int64 and `slot_row` `[S + 1]` (int32 while the group's rows
 and slots fit, else int64; -1: empty), the last element of each a trash slot that masked-off writes go to;
 `bucket_tab` `[T, 2]` (first bucket, buckets) per shard. A bucket is read as one row of the `[NB, P]` view of the
@@ -11,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from embshard.lookup.shards import _GOLDEN, _mix_
+from embshard.lookup.shards import _GOLDEN, _mix_, _signed
+from embshard.rawids.hashing import BUCKET_SALTS
 
 P = 16
 """Slots per bucket of the index (an id is looked up in 2 buckets: 2P slots)."""
@@ -26,6 +30,8 @@ class IndexOps:
     bucket_salts: torch.Tensor
     NB: int
     S: int
+    find_kernel: str = "auto"
+    """'auto': the Triton lookup on CUDA, torch ops elsewhere; 'triton' or 'torch' (tests)."""
 
     def _candidates(self, keys: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """`[m, 2]` the two candidate buckets of every (shard, key): bucket base + hash mod buckets, one hash per salt
@@ -40,8 +46,18 @@ class IndexOps:
         return self.slot_row[: self.S].view(self.NB, P).index_select(0, cand.reshape(-1)).view(-1, 2, P)
 
     def _find(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(group row of every (shard, key) or -1 (int64), its two candidate buckets `[m, 2]`). A key is in the
-        index at most once, so the row is the one matching slot's."""
+        """(group row of every (shard, key) or -1 (int64), its two candidate buckets `[m, 2]` (int64)). A key is in
+        the index at most once, so the row is the one matching slot's."""
+        kernel = self.find_kernel
+        if kernel == "triton" or (kernel == "auto" and keys.device.type == "cuda"):
+            from embshard.kernels._find_triton import find_
+
+            salts = (_signed(BUCKET_SALTS[0]), _signed(BUCKET_SALTS[1]))
+            return find_(keys.contiguous(), shard.contiguous(), self.bucket_tab, self.slot_key, self.slot_row, salts, P)
+        return self._find_torch(keys, shard)
+
+    def _find_torch(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_find` in torch ops: both candidate buckets `[m, 2, P]` gathered, then matched."""
         m = keys.numel()
         cand = self._candidates(keys, shard)
         rows = self._bucket_rows(cand)
