@@ -367,3 +367,11 @@ def test_raw_id_map_finds_through_the_kernel_as_through_torch():
     assert sum(s["evicted"] for s in maps[0].stats()) > 10
     assert maps[0].rebuild() == maps[1].rebuild() == 0
     assert torch.equal(maps[0].slot_row, maps[1].slot_row) and torch.equal(maps[0].order, maps[1].order)
+    # crowded buckets: 40 keys (some inactive) all wanting buckets 2 and 5 fill the emptier, then the other, and
+    # the last find no slot
+    keys = torch.randint(-(2**62), 2**62, (40,), generator=gen)
+    cand = torch.tensor([[2, 5] if k % 3 else [5, 2] for k in range(40)])
+    active = torch.rand(40, generator=gen) < 0.9
+    slots = [m._insert(keys, cand, active, torch.arange(40) + 7) for m in maps]
+    assert torch.equal(slots[0], slots[1]) and (slots[0] < 0).any() and (slots[0] // 16 == 2).any()
+    assert torch.equal(maps[0].slot_key, maps[1].slot_key) and torch.equal(maps[0].slot_row, maps[1].slot_row)

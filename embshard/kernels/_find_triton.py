@@ -1,10 +1,15 @@
-"""The Triton kernel that looks raw ids up in an `IdMap`'s index (embshard/rawids/index.py), on CUDA.
+"""The Triton kernels of an `IdMap`'s index (embshard/rawids/index.py), on CUDA: lookups and the free slots of
+inserts.
 
 One program takes BLOCK keys: it hashes each key twice (splitmix64 of `key * golden + salt`, one salt per candidate
 bucket, the bits `embshard.rawids.hashing` computes), takes the shard's bucket range (first bucket, buckets) from a
 small table, reads both candidate buckets of P slots (keys and rows), and writes the row of the slot holding the key
 (-1: none) and the two buckets. The torch ops it replaces (IndexOps._find_torch) build `[m, 2, P]` int64 and int32
 temporaries (about 3 GB read and written at 2M keys) in ~26 launches; this reads the buckets once.
+
+`free_counts_`: the free slots of both candidate buckets of every key (an insert takes the emptier); `pick_free_`:
+the slot the q-th key placed into a bucket takes, its q-th free slot (in slot order), or -1 (the torch ops read the
+bucket into `[m, P]` temporaries, scan and match them in ~10 launches).
 """
 
 from __future__ import annotations
@@ -86,3 +91,51 @@ def find_(
             P=slots_per_bucket, BLOCK=BLOCK,
         )  # fmt: skip
     return row, cand
+
+
+@triton.jit
+def _free_counts_kernel(SLOT_ROW, CAND, NFREE, m, P: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < m
+    j = tl.arange(0, P).to(tl.int64)
+    for c in tl.static_range(2):
+        b = tl.load(CAND + 2 * i + c, mask=live, other=0)
+        sr = tl.load(SLOT_ROW + b[:, None] * P + j[None, :], mask=live[:, None], other=0)
+        tl.store(NFREE + 2 * i + c, tl.sum((sr < 0).to(tl.int64), 1), mask=live)
+
+
+@triton.jit
+def _pick_free_kernel(SLOT_ROW, BUCKET, Q, ACTIVE, SLOT, m, P: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < m
+    act = tl.load(ACTIVE + i, mask=live, other=0) != 0
+    b = tl.load(BUCKET + i, mask=live, other=0)
+    q = tl.load(Q + i, mask=live, other=0)
+    j = tl.arange(0, P).to(tl.int64)
+    free = tl.load(SLOT_ROW + b[:, None] * P + j[None, :], mask=(live & act)[:, None], other=0) < 0
+    rank = tl.cumsum(free.to(tl.int64), 1)  # free slots so far, slot order
+    at = tl.min(tl.where(free & (rank == q[:, None] + 1), j[None, :], P), 1)
+    tl.store(SLOT + i, tl.where(act & (at < P), b * P + at, -1), mask=live)
+
+
+def free_counts_(slot_row: torch.Tensor, cand: torch.Tensor, slots_per_bucket: int) -> torch.Tensor:
+    """`[m, 2]` int64: the free slots (row -1) of both candidate buckets `cand` (int64 `[m, 2]`) of every key."""
+    m = cand.shape[0]
+    out = torch.empty(m, 2, dtype=torch.int64, device=cand.device)
+    if m:
+        _free_counts_kernel[(triton.cdiv(m, BLOCK),)](slot_row, cand, out, m, P=slots_per_bucket, BLOCK=BLOCK)
+    return out
+
+
+def pick_free_(
+    slot_row: torch.Tensor, bucket: torch.Tensor, q: torch.Tensor, active: torch.Tensor, slots_per_bucket: int
+) -> torch.Tensor:
+    """`[m]` int64: for every active key, the (q+1)-th free slot of its bucket (slot order), else -1 (bucket full,
+    or inactive). `bucket`, `q` int64 `[m]`, `active` bool `[m]`."""
+    m = bucket.numel()
+    out = torch.empty(m, dtype=torch.int64, device=bucket.device)
+    if m:
+        _pick_free_kernel[(triton.cdiv(m, BLOCK),)](
+            slot_row, bucket, q, active, out, m, P=slots_per_bucket, BLOCK=BLOCK
+        )
+    return out

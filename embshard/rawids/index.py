@@ -33,6 +33,10 @@ class IndexOps:
     find_kernel: str = "auto"
     """'auto': the Triton lookup on CUDA, torch ops elsewhere; 'triton' or 'torch' (tests)."""
 
+    def _kernels(self, t: torch.Tensor) -> bool:
+        """Whether the index runs on its Triton kernels (`find_kernel`) for tensors like `t`."""
+        return self.find_kernel == "triton" or (self.find_kernel == "auto" and t.device.type == "cuda")
+
     def _candidates(self, keys: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """`[m, 2]` the two candidate buckets of every (shard, key): bucket base + hash mod buckets, one hash per salt
         (`hashing.hash64`, both salts in one pass)."""
@@ -48,8 +52,7 @@ class IndexOps:
     def _find(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(group row of every (shard, key) or -1 (int64), its two candidate buckets `[m, 2]` (int64)). A key is in
         the index at most once, so the row is the one matching slot's."""
-        kernel = self.find_kernel
-        if kernel == "triton" or (kernel == "auto" and keys.device.type == "cuda"):
+        if self._kernels(keys):
             from embshard.kernels._find_triton import find_
 
             salts = (_signed(BUCKET_SALTS[0]), _signed(BUCKET_SALTS[1]))
@@ -70,12 +73,19 @@ class IndexOps:
         """Insert the active keys (rows `rows`): into the emptier candidate bucket (the first on ties), then, where
         that was full, the other; the slot (int64), or -1 where both were full."""
         m = keys.numel()
-        free = self._bucket_rows(cand) < 0  # [m, 2, P]
-        n_free = torch.count_nonzero(free, 2)
+        if self._kernels(keys):
+            from embshard.kernels._find_triton import free_counts_
+
+            free, n_free = None, free_counts_(self.slot_row, cand.contiguous(), P)
+        else:
+            free = self._bucket_rows(cand) < 0  # [m, 2, P]
+            n_free = torch.count_nonzero(free, 2)
         swap = n_free[:, 1] > n_free[:, 0]
         first = torch.where(swap, cand[:, 1], cand[:, 0])
         second = torch.where(swap, cand[:, 0], cand[:, 1])
-        slot = self._place(keys, first, active, rows, torch.where(swap.view(m, 1), free[:, 1], free[:, 0]))
+        if free is not None:
+            free = torch.where(swap.view(m, 1), free[:, 1], free[:, 0])
+        slot = self._place(keys, first, active, rows, free)
         retry = active & (slot < 0)
         slot2 = self._place(keys, second, retry, rows, None)
         return torch.where(slot >= 0, slot, slot2)
@@ -103,11 +113,17 @@ class IndexOps:
         run = torch.cumsum(starts, 0) - 1
         run_start = torch.empty(m + 1, dtype=torch.int64, device=dev).scatter_(0, torch.where(starts, run, m), ar)
         q = torch.empty_like(ar).scatter_(0, order, ar - run_start[run])
-        if free is None:
-            free = self.slot_row[: self.S].view(self.NB, P).index_select(0, bucket) < 0  # [m, P]
-        pick = free & (torch.cumsum(free, 1, dtype=torch.int32) == (q + 1).clamp_(max=P + 1).view(m, 1))
-        found = active & pick.any(1)
-        slot = torch.where(found, bucket * P + pick.to(torch.int8).argmax(1), -1)
+        if self._kernels(keys):
+            from embshard.kernels._find_triton import pick_free_
+
+            slot = pick_free_(self.slot_row, bucket.contiguous(), q, active.contiguous(), P)
+            found = slot >= 0
+        else:
+            if free is None:
+                free = self.slot_row[: self.S].view(self.NB, P).index_select(0, bucket) < 0  # [m, P]
+            pick = free & (torch.cumsum(free, 1, dtype=torch.int32) == (q + 1).clamp_(max=P + 1).view(m, 1))
+            found = active & pick.any(1)
+            slot = torch.where(found, bucket * P + pick.to(torch.int8).argmax(1), -1)
         target = torch.where(found, slot, self.S)
         self.slot_key.scatter_(0, target, keys)
         self.slot_row.scatter_(0, target, torch.where(found, rows, -1).to(self.slot_row.dtype))
