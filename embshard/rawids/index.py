@@ -1,7 +1,7 @@
 """The id -> row index of an `IdMap` (idmap.py): an open-addressing hash table of buckets of P slots, two candidate
 buckets per key (the design: embshard/rawids/__init__.py).
 
-Lookups run as one Triton launch on CUDA (embshard/kernels/_find_triton.py: both buckets read once per key) and
+Lookups run as one Triton launch on CUDA (embshard/kernels/_idmap_triton.py: both buckets read once per key) and
 as torch ops elsewhere (`_find_torch`, the same results).
 
 Storage (buffers of the IdMap): `slot_key` `[S + 1]` int64 and `slot_row` `[S + 1]` (int32 while the group's rows
@@ -30,12 +30,12 @@ class IndexOps:
     bucket_salts: torch.Tensor
     NB: int
     S: int
-    find_kernel: str = "auto"
+    map_kernel: str = "auto"
     """'auto': the Triton lookup on CUDA, torch ops elsewhere; 'triton' or 'torch' (tests)."""
 
     def _kernels(self, t: torch.Tensor) -> bool:
-        """Whether the index runs on its Triton kernels (`find_kernel`) for tensors like `t`."""
-        return self.find_kernel == "triton" or (self.find_kernel == "auto" and t.device.type == "cuda")
+        """Whether the index runs on its Triton kernels (`map_kernel`) for tensors like `t`."""
+        return self.map_kernel == "triton" or (self.map_kernel == "auto" and t.device.type == "cuda")
 
     def _candidates(self, keys: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """`[m, 2]` the two candidate buckets of every (shard, key): bucket base + hash mod buckets, one hash per salt
@@ -53,7 +53,7 @@ class IndexOps:
         """(group row of every (shard, key) or -1 (int64), its two candidate buckets `[m, 2]` (int64)). A key is in
         the index at most once, so the row is the one matching slot's."""
         if self._kernels(keys):
-            from embshard.kernels._find_triton import find_
+            from embshard.kernels._idmap_triton import find_
 
             salts = (_signed(BUCKET_SALTS[0]), _signed(BUCKET_SALTS[1]))
             return find_(keys.contiguous(), shard.contiguous(), self.bucket_tab, self.slot_key, self.slot_row, salts, P)
@@ -74,7 +74,7 @@ class IndexOps:
         that was full, the other; the slot (int64), or -1 where both were full."""
         m = keys.numel()
         if self._kernels(keys):
-            from embshard.kernels._find_triton import free_counts_
+            from embshard.kernels._idmap_triton import free_counts_
 
             free, n_free = None, free_counts_(self.slot_row, cand.contiguous(), P)
         else:
@@ -114,7 +114,7 @@ class IndexOps:
         run_start = torch.empty(m + 1, dtype=torch.int64, device=dev).scatter_(0, torch.where(starts, run, m), ar)
         q = torch.empty_like(ar).scatter_(0, order, ar - run_start[run])
         if self._kernels(keys):
-            from embshard.kernels._find_triton import pick_free_
+            from embshard.kernels._idmap_triton import pick_free_
 
             slot = pick_free_(self.slot_row, bucket.contiguous(), q, active.contiguous(), P)
             found = slot >= 0

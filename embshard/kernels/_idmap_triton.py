@@ -1,5 +1,5 @@
-"""The Triton kernels of an `IdMap`'s index (embshard/rawids/index.py), on CUDA: lookups and the free slots of
-inserts.
+"""The Triton kernels of an `IdMap` (embshard/rawids: index.py, eviction.py), on CUDA: the index's lookups and the
+free slots of its inserts, and the LRU order's update.
 
 One program takes BLOCK keys: it hashes each key twice (splitmix64 of `key * golden + salt`, one salt per candidate
 bucket, the bits `embshard.rawids.hashing` computes), takes the shard's bucket range (first bucket, buckets) from a
@@ -10,6 +10,10 @@ temporaries (about 3 GB read and written at 2M keys) in ~26 launches; this reads
 `free_counts_`: the free slots of both candidate buckets of every key (an insert takes the emptier); `pick_free_`:
 the slot the q-th key placed into a bucket takes, its q-th free slot (in slot order), or -1 (the torch ops read the
 bucket into `[m, P]` temporaries, scan and match them in ~10 launches).
+
+`reorder_`: the LRU order's stable partition (per segment, the rows used at the clock move to its end, in order):
+one pass marks the used positions and counts them per block, a cumsum over the blocks, a pass that scans each block
+and scatters every row to its new position; the torch ops make ~12 passes over the group's rows.
 """
 
 from __future__ import annotations
@@ -138,4 +142,57 @@ def pick_free_(
         _pick_free_kernel[(triton.cdiv(m, BLOCK),)](
             slot_row, bucket, q, active, out, m, P=slots_per_bucket, BLOCK=BLOCK
         )
+    return out
+
+
+REORDER_BLOCK = 1024
+"""Positions of the LRU order per program of `reorder_`."""
+
+
+@triton.jit
+def _used_kernel(ORDER, ROW_LAST, USED, COUNTS, n, clock, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    o = tl.load(ORDER + i, mask=live, other=0)
+    used = (tl.load(ROW_LAST + o, mask=live, other=-1) == clock) & live
+    tl.store(USED + i, used.to(tl.int8), mask=live)
+    tl.store(COUNTS + tl.program_id(0), tl.sum(used.to(tl.int64), 0))
+
+
+@triton.jit
+def _reorder_kernel(ORDER, USED, SEG, PREFIX, BEFORE, BOUNDS, OUT, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    u = tl.load(USED + i, mask=live, other=0).to(tl.int64)
+    cu = tl.cumsum(u, 0) + tl.load(PREFIX + tl.program_id(0))  # used positions up to i (inclusive)
+    s = tl.load(SEG + i, mask=live, other=0)
+    before = tl.load(BEFORE + s, mask=live, other=0)  # used positions before the segment
+    end = tl.load(BOUNDS + s + 1, mask=live, other=0) - tl.load(BEFORE + s + 1, mask=live, other=0)
+    pos = tl.where(u != 0, end + cu - 1, i - cu + before)
+    tl.store(OUT + pos, tl.load(ORDER + i, mask=live, other=0), mask=live)
+
+
+def reorder_(
+    order: torch.Tensor, row_last: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor, clock: int
+) -> torch.Tensor:
+    """The new LRU order (int64 `[n]`): within each segment (`bounds` int64 `[T + 1]`: their first positions and n;
+    `seg` int64 `[n]`: the segment of each position) the rows of `order` whose `row_last` is `clock` move to the
+    segment's end, both parts keeping their order. A row used at position i of segment s goes to
+    bounds[s + 1] - used(segments <= s) + used(positions <= i) - 1, an unused one to i - used(positions <= i) +
+    used(segments < s)."""
+    n = order.numel()
+    dev = order.device
+    blocks = triton.cdiv(n, REORDER_BLOCK)
+    used = torch.empty(n, dtype=torch.int8, device=dev)
+    counts = torch.zeros(blocks + 1, dtype=torch.int64, device=dev)  # counts[k + 1]: used positions of block k
+    out = torch.empty_like(order)
+    if n == 0:
+        return out
+    _used_kernel[(blocks,)](order, row_last, used, counts[1:], n, clock, BLOCK=REORDER_BLOCK)
+    prefix = torch.cumsum(counts, 0)  # used positions before each block (and in all)
+    blk = torch.div(bounds, REORDER_BLOCK, rounding_mode="floor")
+    at = (blk * REORDER_BLOCK).unsqueeze(1) + torch.arange(REORDER_BLOCK, device=dev)  # [T + 1, BLOCK]
+    part = torch.where(at < bounds.unsqueeze(1), used[at.clamp_(max=n - 1)], 0).sum(1)
+    before = prefix[blk] + part  # used positions before each segment (and in all)
+    _reorder_kernel[(blocks,)](order, used, seg, prefix, before, bounds, out, n, BLOCK=REORDER_BLOCK)
     return out
