@@ -99,9 +99,19 @@ def _largest(e, acc: list[int]) -> None:
         _largest(c, acc)
 
 
-def _launches(e) -> int:
-    """Kernels (and memcpy/memset) launched by `e` and the ops below it."""
-    return len(getattr(e, "kernels", [])) + sum(_launches(c) for c in e.cpu_children)
+def _kernels(e) -> list:
+    """The kernels (and memcpy/memset) `e` itself launched (not the device mirrors of record_function ranges)."""
+    return [k for k in getattr(e, "kernels", []) if k.name != "step" and not k.name.startswith("idmap.")]
+
+
+def _launches(e) -> tuple[int, float]:
+    """(kernels launched by `e` and the ops below it, their device us)."""
+    ks = _kernels(e)
+    n, us = len(ks), sum(k.duration for k in ks)
+    for c in e.cpu_children:
+        cn, cus = _launches(c)
+        n, us = n + cn, us + cus
+    return n, us
 
 
 def _wrap_phases() -> None:
@@ -183,6 +193,11 @@ def _count_syncs(fn, steps: int) -> tuple[int, Counter]:
     return sum(where.values()), where
 
 
+def _annotation(e) -> bool:
+    """Whether the device event `e` mirrors a record_function range (no kernel)."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.name == "step" or e.name.startswith("idmap.")
+
+
 def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     """The union of the intervals (us), in ms."""
     total, end = 0.0, float("-inf")
@@ -198,9 +213,11 @@ def _gpu_report(per_kind, syncs, ms, wall, kern_phase, phase_gpu, S: int, top: i
     """Print the GPU sections (top kernels, host syncs, wall vs kernels); the RESULT line's GPU fields."""
     from torch.autograd import DeviceType
 
-    busy, kern = {}, {}
+    busy, kern, host = {}, {}, {}
     for kind, p in per_kind.items():
-        dev_ev = [e for e in p.events() if e.device_type == DeviceType.CUDA]
+        steps = [e for e in p.events() if e.name == "step" and e.device_type == DeviceType.CPU]
+        host[kind] = sum(e.cpu_time_total for e in steps) / 1e3 / S
+        dev_ev = [e for e in p.events() if e.device_type == DeviceType.CUDA and not _annotation(e)]
         iv = [(e.time_range.start, e.time_range.end) for e in dev_ev]
         kern[kind] = sum(b - a for a, b in iv) / 1e3 / S
         busy[kind] = _busy_ms(iv) / S
@@ -226,11 +243,14 @@ def _gpu_report(per_kind, syncs, ms, wall, kern_phase, phase_gpu, S: int, top: i
         for (ph, line), c in where_.most_common(12):
             print(f"      {c / S:6.1f}  {ph:22s} {line}")
     print("\nwall vs kernels per step (profiled steps; wall includes the profiler's overhead):")
-    print(f"  {'':6s} {'wall ms':>8s} {'timed ms':>8s} {'kernel ms':>9s} {'GPU busy':>8s} {'idle':>6s}  verdict")
+    print("  (host ms: the step's time on the host, profiled; timed ms: unprofiled, synchronized; idle: timed - busy)")
+    print(
+        f"  {'':6s} {'wall ms':>8s} {'host ms':>8s} {'timed ms':>8s} {'kernel ms':>9s} {'GPU busy':>8s} {'idle':>6s}  verdict"
+    )
     for kind in per_kind:
         idle = max(0.0, ms[kind] - busy[kind])
         verdict = "host-bound (launches/syncs)" if busy[kind] < 0.7 * ms[kind] else "kernel-bound"
-        print(f"  {kind:6s} {wall[kind]:8.2f} {ms[kind]:8.2f} {kern[kind]:9.2f} {busy[kind]:8.2f} "
+        print(f"  {kind:6s} {wall[kind]:8.2f} {host[kind]:8.2f} {ms[kind]:8.2f} {kern[kind]:9.2f} {busy[kind]:8.2f} "
               f"{idle:6.2f}  {verdict}")  # fmt: skip
     fields = (
         f" static_kernel_ms={kern['static']:.2f} raw_kernel_ms={kern['raw']:.2f} static_busy_ms={busy['static']:.2f} "
@@ -387,14 +407,15 @@ def main() -> None:
         if e.name.startswith("idmap."):
             phase = e.name
             phase_ms[e.name] += e.cpu_time_total / 1e3
-            phase_gpu[e.name] += getattr(e, "device_time_total", 0) / 1e3 if cuda else 0.0
-            phase_launch[e.name] += _launches(e)
+            launched, us = _launches(e)
+            phase_gpu[e.name] += us / 1e3
+            phase_launch[e.name] += launched
             phase_ops[e.name] += _ops(e)
             phase_calls[e.name] += 1
             acc: list[int] = []
             _largest(e, acc)
             phase_big[e.name] = max(phase_big[e.name], max(acc, default=0))
-        for k in getattr(e, "kernels", []):
+        for k in _kernels(e):
             kern_phase[k.name][phase] += k.duration
         for c in e.cpu_children:
             visit(c, phase)
