@@ -18,11 +18,12 @@ GPU only (--device cuda):
 Sizes: --scale small (rows 100k, batch 1024, dim 32) or large (rows 400k, batch 4096), --uniform26 (rows 1M, dim 128,
 batch 16384: what one of 2 ranks looks up in `torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload
 uniform26`, table-wise: its 13 tables over the global batch of 2 x 8192; ids drawn per step as that run draws
-them, seed None), or --rows / --batch / --dim. --out FILE also writes the report to FILE.
+them, seed None), or --rows / --batch / --dim. --out FILE also writes the report to FILE (--trace: and the
+profiled steps' chrome traces beside it).
 
     python bench/raw_ids_profile.py --scale small
     python bench/raw_ids_profile.py --scale large --steps 3
-    python bench/raw_ids_profile.py --device cuda --uniform26 --out prof/uniform26.txt
+    python bench/raw_ids_profile.py --device cuda --uniform26 --trace --out prof/uniform26.txt
 """
 
 from __future__ import annotations
@@ -280,6 +281,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0, help="the collections' seed (-1: None, fresh values per reset)")
     ap.add_argument("--out", default="", help="also write the report to this file")
+    ap.add_argument("--trace", action="store_true", help="with --out: also the profiled steps' chrome traces, "
+                    "OUT.static.json and OUT.raw.json (open in chrome://tracing or ui.perfetto.dev)")  # fmt: skip
     args = ap.parse_args()
     if args.uniform26:
         args.scale = "uniform26"
@@ -385,6 +388,8 @@ def main() -> None:
             sync()
             wall[kind] = (time.perf_counter() - t0) / args.steps * 1e3
         per_kind[kind] = prof
+        if args.trace and args.out:
+            prof.export_chrome_trace(f"{os.path.splitext(args.out)[0]}.{kind}.json")
     events = per_kind["raw"].events()
     roots = [e for e in events if e.cpu_parent is None]
     ops_step = {k: sum(_ops(e) for e in p.events() if e.cpu_parent is None) / args.steps for k, p in per_kind.items()}
