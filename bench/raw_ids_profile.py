@@ -5,7 +5,8 @@ every table `ids: raw` (capacity = rows) and, for comparison, the same tables st
 in [0, 2 x 10], ids uniform in [0, id_space x R). After warm-up steps (the map fills: with --id-space 1 every id is
 resident after the first pass over the --batches batches), it times static and raw steps (forward, backward with
 row-wise Adagrad) interleaved, then runs torch.profiler over --steps steps of each and prints:
-    - ms per step, static and raw (median of the rounds; on a GPU synchronized around each round);
+    - ms per step, static and raw (median of the rounds; on a GPU synchronized around each round), and the map's
+      step alone (`IdMap.forward`, and `remap` without the reset; synchronized);
     - the top operators by self CPU time (CPU) or by device time (GPU);
     - per phase of the id -> row map (`IdMap` methods, wrapped in record_function here): host ms, ops (an op: the
       innermost aten/fbgemm call that does work, ~ one kernel launch on a GPU; views, empty and other metadata calls
@@ -210,6 +211,28 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def _time_map_alone(ebc, inputs: list, steps: int, sync) -> dict[str, float]:
+    """Time the map's training step alone (no lookup kernel around it), synchronized: `IdMap.forward` (remap and
+    reset) and `remap` alone, on the lookup's inputs of the batches (world 1: the batch's ids, feature-major)."""
+    scheme = next(s for s in ebc.schemes if len(getattr(s, "idmaps", ())))
+    key, idmap = next(iter(scheme.idmaps.items()))
+    lookup = scheme.lookups[int(key)]
+    ms = {}
+    for what in ("forward", "remap"):
+        fn = (lambda v, c: idmap(v, c, lookup)) if what == "forward" else (lambda v, c: idmap.remap(v, c, True))
+        for i in range(2):  # warm
+            fn(*inputs[i % len(inputs)])
+        sync()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            fn(*inputs[i % len(inputs)])
+        sync()
+        ms[what] = (time.perf_counter() - t0) / steps * 1e3
+    print(f"the map alone (synchronized, {steps} steps): forward (remap + reset) {ms['forward']:.2f} ms/step, "
+          f"remap {ms['remap']:.2f} ms/step", flush=True)  # fmt: skip
+    return ms
+
+
 def _gpu_report(per_kind, syncs, ms, wall, kern_phase, phase_gpu, S: int, top: int) -> str:
     """Print the GPU sections (top kernels, host syncs, wall vs kernels); the RESULT line's GPU fields."""
     from torch.autograd import DeviceType
@@ -317,7 +340,7 @@ def main() -> None:
     sync()
     build_s = time.time() - t0
     gen = torch.Generator().manual_seed(0)
-    batches = []
+    batches, map_inputs = [], []
     for _ in range(args.batches):
         lengths = [torch.randint(0, 2 * mean + 1, (batch,), generator=gen, dtype=torch.int32) for _ in tables]
         values = [
@@ -326,6 +349,7 @@ def main() -> None:
         raw = torch.cat(values)
         static = torch.cat([v % rows for v in values])
         keys = [f"f{i}" for i in range(len(tables))]
+        map_inputs.append((raw.to(dev), [int(le.sum()) for le in lengths]))  # the map's ids: the lookup's input
         batches.append({k: KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v.to(dev),
                                                                lengths=torch.cat(lengths).to(dev))
                         for k, v in (("static", static), ("raw", raw))})  # fmt: skip
@@ -369,6 +393,7 @@ def main() -> None:
         print(f"{k:6s} {ms[k]:8.2f} ms/step (rounds: {', '.join(f'{t:.2f}' for t in v)})")
     print(f"raw / static: {ms['raw'] / ms['static']:.2f}x, raw - static: {ms['raw'] - ms['static']:.2f} ms/step")
 
+    alone = _time_map_alone(ebcs["raw"], map_inputs, args.steps, sync)
     _wrap_phases()
     syncs = {}
     if cuda:
@@ -446,7 +471,8 @@ def main() -> None:
           f"id_space={args.id_space:g} eviction={args.eviction} static_ms={ms['static']:.2f} raw_ms={ms['raw']:.2f} "
           f"map_host_ms={phase_ms.get('idmap.forward', 0) / S:.2f} static_ops={ops_step['static']:.0f} "
           f"raw_ops={ops_step['raw']:.0f} map_ops={phase_ops.get('idmap.forward', 0) / S:.0f} "
-          f"remap_ops={remap_ops:.0f}{fields}", flush=True)  # fmt: skip
+          f"remap_ops={remap_ops:.0f} map_alone_ms={alone['forward']:.2f} remap_alone_ms={alone['remap']:.2f}"
+          f"{fields}", flush=True)  # fmt: skip
     import torch.distributed as dist
 
     dist.destroy_process_group()
