@@ -9,6 +9,9 @@ fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, sa
 one line `RESULT framework=embshard bench=emb workload=... ms_per_step=... predicted_ms=... floor_hbm_gb=...`
 (bench/report.py reads it; the floor fields are the bytes each rank moves per step, bench/floors.py).
 --mem-at 100,5000 also records the GPU memory allocated after those timed steps (a long run: no growth).
+--build-only stops after printing the plan and build time; --profile-build prints a cProfile of the build (rank
+0); --rows-scale 0.01 scales every table's rows (a big workload's build profiled on CPUs); --seed 0 builds the
+initial weights as training runs do (embshard.lookup.init_rows), instead of drawing them on the device.
 
 --ids raw: every table is a raw-id table (ids: raw, capacity = its rows, --eviction lru|lfu; docs/raw_ids.md): the
 same step with the ids mapped to rows on the device. --ids both builds a static and a raw-id collection of the same
@@ -48,11 +51,17 @@ WORKLOADS = {
 }
 
 
-def workload_tables(name: str) -> list:
+def workload_spec(name: str, rows_scale: float = 1.0) -> list[tuple[int, int, int]]:
+    """The workload's (rows, dim, mean ids per bag) per table, rows scaled by `rows_scale` (at least 1)."""
+    return [(max(1, int(r * rows_scale)), d, m) for r, d, m in WORKLOADS[name][0]]
+
+
+def workload_tables(name: str, rows_scale: float = 1.0) -> list:
     """The workload's tables (t0, t1, ...; one feature each, f0, f1, ...)."""
     from embshard.tables import TableConfig
 
-    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(WORKLOADS[name][0])]
+    spec = workload_spec(name, rows_scale)
+    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
 
 
 def make_plan(args, tables, world: int, tier, batch: int, opt):
@@ -89,25 +98,41 @@ def main() -> None:
     ap.add_argument("--mem-at", default="", help="comma-separated timed steps after which to record allocated memory")
     ap.add_argument("--bench", default="emb", help="the bench name in the RESULT line (emb; soak for long runs)")
     ap.add_argument("--profile-build", action="store_true", help="cProfile of building the module (rank 0)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="initial weights from this seed (init_rows, as training "
+        "runs build them); default: drawn on the device, not reproducible",
+    )
+    ap.add_argument("--build-only", action="store_true", help="stop after building the module (build time only)")
+    ap.add_argument(
+        "--rows-scale", type=float, default=1.0, help="every table's rows x this (CPU runs of big workloads)"
+    )
     ap.add_argument("--ids", choices=("static", "raw", "both"), default="static", help="table ids (both: interleaved)")
     ap.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="raw-id tables' eviction policy")
     ap.add_argument("--id-space", type=float, default=1.0, help="ids drawn from this many x rows distinct values")
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
     ap.add_argument("--rounds", type=int, default=3, help="--ids both: interleaved rounds of --steps steps each")
+    ap.add_argument("--numa-bind", action="store_true", help="run each rank on its GPU's NUMA node's CPUs")
     args = ap.parse_args()
     if args.ids != "static" and args.bench == "emb":
         args.bench = "rawids"
 
+    from numa import numa_setup
+
+    from embshard import comm
     from embshard.distributed import init_distributed
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier
     from embshard.sharded import ShardedEmbeddingBagCollection
 
+    numa_setup(bind=args.numa_bind)  # one line per rank: the GPU's node and where the process runs
     dev = init_distributed()
     cuda = dev.type == "cuda"
     rank, ws = dist.get_rank(), dist.get_world_size()
-    spec, batch = WORKLOADS[args.workload]
-    tables = workload_tables(args.workload)
+    spec, batch = workload_spec(args.workload, args.rows_scale), WORKLOADS[args.workload][1]
+    tables = workload_tables(args.workload, args.rows_scale)
     raw_tables = [dataclasses.replace(t, ids="raw", eviction=args.eviction) for t in tables]
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
@@ -123,7 +148,7 @@ def main() -> None:
         profiler.enable()
     t0 = time.time()
     ebcs = {
-        k: ShardedEmbeddingBagCollection(raw_tables if k == "raw" else tables, plan, opt, device=dev, seed=None)
+        k: ShardedEmbeddingBagCollection(raw_tables if k == "raw" else tables, plan, opt, device=dev, seed=args.seed)
         for k in kinds_run
     }
     if cuda:
@@ -138,17 +163,25 @@ def main() -> None:
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
             pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     built_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+    builds: list = [None] * ws  # each rank's build time: rank 0 may wait inside its build for a slower rank
+    dist.all_gather_object(builds, build_s)
     if rank == 0:
         kinds: dict[str, int] = {}
         for tp in plan.tables:
             kinds[f"{tp.sharding_type.value}/{tp.tier.value}"] = (
                 kinds.get(f"{tp.sharding_type.value}/{tp.tier.value}", 0) + 1
             )
-        print(f"plan {plan_s:.2f} s, build {build_s:.1f} s ({', '.join(ebcs)}); plan: {kinds}", flush=True)
+        each = ", ".join(f"{b:.1f}" for b in builds)
+        print(
+            f"plan {plan_s:.2f} s, build {build_s:.1f} s ({', '.join(ebcs)}; ranks {each}); plan: {kinds}", flush=True
+        )
         if args.save_plan:
             plan.save(args.save_plan)
         # The plan this run measures, for `bench/planner_predict.py --refit` (one line of JSON).
         print(f"PLAN workload={args.workload} json={json.dumps(json.loads(plan.to_json()), separators=(',', ':'))}")
+    if args.build_only:
+        dist.destroy_process_group()
+        return
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -196,7 +229,7 @@ def main() -> None:
                     f"memory probe ({kind}): forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over "
                     f"{base / 2**30:.2f}"
                 )
-    dist.barrier()
+    comm.barrier()
     warm_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -205,7 +238,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in ebcs}
     for _ in range(args.rounds if args.ids == "both" else 1):
         for kind in ebcs:
-            dist.barrier()
+            comm.barrier()
             sync()
             t0 = time.time()
             for i in range(args.steps):

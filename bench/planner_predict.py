@@ -18,6 +18,10 @@ buffers, without the dense model) per_rank_hbm_gib=[...] per_rank_host_gib=[...]
 Refit a GPU model's constants (embshard/planner/presets/DEVICE.yaml) to benchmark logs of that GPU, one command
 after `python bench/run.py emb kernels --out OUT` (emb.log has each run's RESULT line and the plan it ran):
     python bench/planner_predict.py --refit --device h100 --steps OUT/emb.log --kernels OUT/kernels.log --write
+Predicted against every measured embedding step of embshard's runtime kept in the repository (one line per GPU
+model and workload, the plan it ran; tests/planner/test_planner_measured.py pins them within 10%), and with --fit
+the shared host cost and the per-bag cost refitted to them (values to put into presets/*.yaml):
+    python bench/planner_predict.py --measured [tests/planner/data/measured_steps.json] [--fit]
 --kernels refits the small-table kernel's constants (forward per id, backward and data-parallel dense gradient
 per atomic sector), --steps the fixed cost of a step (embshard/planner/tools/refit.py); it prints every measured
 step against the prediction before and after, and --write rewrites the preset file (or --out FILE).
@@ -169,7 +173,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--write", action="store_true", help="--refit: rewrite embshard/planner/presets/DEVICE.yaml")
     p.add_argument("--out", help="--refit: write the refitted preset here instead")
+    p.add_argument(
+        "--measured",
+        nargs="?",
+        const=str(ROOT / "tests" / "planner" / "data" / "measured_steps.json"),
+        help="print predicted against the measured steps of this JSON file (default: the tests' table)",
+    )
+    p.add_argument("--fit", action="store_true", help="--measured: refit host_sync and batch_bag to them")
     args = p.parse_args(argv)
+    if args.measured:
+        from embshard.planner.tools import measured as ms
+
+        cases, _ = ms.load_cases(args.measured)
+        print("\n".join(ms.table(cases)))
+        if args.fit:
+            print("\n".join(ms.fit_host_and_bag(cases)[2]))
+        return
     if args.refit:
         refit(args)
         return

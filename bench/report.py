@@ -6,7 +6,8 @@
     python bench/report.py --check docs/benchmarks.md       # exit 1 if that region is not current
 
 A results folder holds the logs of one run on one machine (`python bench/run.py SUITE... --out DIR` writes them).
-Read from every *.log and *.txt file, in name order:
+Read from every *.log and *.txt file, in name order (but interop*: TorchRec's runtime on two plans is no
+framework comparison; docs/benchmarks.md has its own section):
   META key=value ...      the machine, date, versions and commands (bench/run.py writes them at the top of a log)
   RESULT key=value ...    one run: framework (torchrec | embshard), bench (e2e when absent and `pipeline` is given;
                           emb; loader ...), ms_per_step, and the case's keys (workload; pipeline, precision,
@@ -138,7 +139,7 @@ class Folder:
 def load(path: Path) -> Folder:
     folder = Folder(path)
     seen: dict[str, list[float]] = {}
-    for f in sorted(p for p in path.iterdir() if p.suffix in (".log", ".txt")):
+    for f in sorted(p for p in path.iterdir() if p.suffix in (".log", ".txt") and not p.name.startswith("interop")):
         for line in f.read_text(errors="replace").splitlines():
             if line.startswith("META "):
                 for k, v in (kv.split("=", 1) for kv in shlex.split(line[5:]) if "=" in kv):

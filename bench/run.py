@@ -267,6 +267,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ckpt-scale", type=float, default=0.0, help="ckpt: row fraction of hetero124 (0.1)")
     g.add_argument("--interop-examples", action="store_true", help="interop: also examples/torchrec's three steps")
     g.add_argument(
+        "--numa-bind", action="store_true", help="interop: every rank on its GPU's NUMA node's CPUs (bench/numa.py)"
+    )
+    g.add_argument(
         "--interop-no-tests", action="store_true", help="interop: skip tests/interop (the tests suite runs it too)"
     )
     g.add_argument("--loader-workers", default="", help="loader: worker counts (default 0,8,16[,32] up to the CPUs)")

@@ -517,7 +517,7 @@ def interop_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             for plan in ("torchrec", "embshard"):
                 argv = torchrun(n) + ["bench/torchrec_embshard_plan.py", "--plan", plan, "--workload", w, *size]
                 best = ["--force", "small-dp"] if plan == "torchrec" and w == "hetero124" else []
-                argv += best + ["--steps", steps_]
+                argv += best + ["--steps", steps_] + (["--numa-bind"] if args.numa_bind else [])
                 out.append(Step(f"{plan} plan {w} (pair {i + 1})", argv, timeout=300, needs_gpus=n))
     return out
 

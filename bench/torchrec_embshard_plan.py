@@ -14,7 +14,8 @@ per bag and batch; row-wise Adagrad as the baseline trains), converted with embs
 prints the embshard plan's summary, its predicted step time and the conversion's notes (data-parallel tables run
 TorchRec's dense kernel; the small-table kernel becomes FBGEMM's). --plan FILE: a TorchRec plan file
 (`embshard plan ... --format torchrec --out FILE`, tables named t0, t1, ... as the baseline's). Other flags are the
-baseline's (--workload, --hbm-gib, --steps, --force); the workloads of bench/embshard_dmp.py it lacks (overflow)
+baseline's (--workload, --hbm-gib, --steps, --force); --numa-bind runs each rank on the CPUs of its GPU's NUMA
+node (bench/numa.py; every run prints each rank's placement); the workloads of bench/embshard_dmp.py it lacks (overflow)
 are added as in bench/torchrec_more.py. The baseline prints the plan summary and ms/step, samples/s, peak memory.
 """
 
@@ -81,9 +82,13 @@ def main() -> None:
     ap.add_argument("--plan", default="torchrec", help="torchrec, embshard, or a TorchRec plan file (JSON)")
     ap.add_argument("--workload", default="uniform26")
     ap.add_argument("--hbm-gib", type=float, default=0)
+    ap.add_argument("--numa-bind", action="store_true", help="run each rank on its GPU's NUMA node's CPUs")
     args, rest = ap.parse_known_args()
     sys.path.insert(0, HERE)
     from embshard_dmp import WORKLOADS
+    from numa import numa_setup
+
+    numa_setup(bind=args.numa_bind)  # one line per rank: the GPU's node and where the process runs
 
     path = next(p for p in BASELINES if p and os.path.exists(p))
     spec_ = importlib.util.spec_from_file_location("torchrec_dmp", path)

@@ -244,7 +244,7 @@ def start_all_gather(
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Every rank of `group` reaches this point before any leaves it, on the group's own device: NCCL on the current
     GPU (torch's `barrier()` otherwise guesses the device and warns), gloo as a one-element CPU all-reduce."""
-    if dist.get_backend(group) == "nccl":
+    if "nccl" in str(dist.get_backend(group)):  # "nccl", or a group of several backends ("cpu:gloo,cuda:nccl")
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     else:
         dist.all_reduce(torch.zeros(1), group=group)

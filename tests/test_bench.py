@@ -268,13 +268,13 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
     assert report.folders_in([str(only)]) == [] and report.compared_commands(report.load(only)) == []
 
 
-def test_tests_suite_spreads_files_over_xdist_workers_only_when_installed(monkeypatch):
+def test_tests_suite_spreads_tests_over_xdist_workers_only_when_installed(monkeypatch):
     for installed in (True, False):
         _installed(monkeypatch, "xdist", installed)
         (step,) = steps("tests", "--test-workers", "4")
-        assert (" -n 4 --dist loadfile " in f" {' '.join(step.argv)} ") == installed
-        (step,) = steps("tests")  # the default on a GPU host of 32 CPUs: 4 workers
-        assert (" -n 4 " in f" {' '.join(step.argv)} ") == installed
+        assert (" -n 4 --dist load " in f" {' '.join(step.argv)} ") == installed
+        (step,) = steps("tests")  # the default on a GPU host of 32 CPUs: 8 workers
+        assert (" -n 8 " in f" {' '.join(step.argv)} ") == installed
         for machine in (suites.Machine(gpus=2, cpus=8), suites.Machine(gpus=0, cpus=32)):
             (step,) = steps("tests", machine=machine)
             assert "-n" not in step.argv

@@ -12,9 +12,9 @@ def test_listed_warnings_are_dropped_and_others_kept():
         warnings.simplefilter("always")  # every warning recorded, then embshard's filters in front of that
         notices.install()
         for prefix in notices.DROPPED_WARNINGS:
-            warnings.warn(prefix + " and the rest of the text", UserWarning)
-        warnings.warn("a warning of another library: " + notices.DROPPED_WARNINGS[0], UserWarning)
-        warnings.warn(notices.DROPPED_WARNINGS[0], DeprecationWarning)  # another category stays visible
+            warnings.warn(prefix + " and the rest of the text", UserWarning, stacklevel=1)
+        warnings.warn("a warning of another library: " + notices.DROPPED_WARNINGS[0], UserWarning, stacklevel=1)
+        warnings.warn(notices.DROPPED_WARNINGS[0], DeprecationWarning, stacklevel=1)  # another category stays visible
     assert [str(w.message) for w in caught] == [
         "a warning of another library: " + notices.DROPPED_WARNINGS[0],
         notices.DROPPED_WARNINGS[0],

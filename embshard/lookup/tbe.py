@@ -18,6 +18,7 @@ from embshard.lookup.fbgemm_fixes import array_cache_state
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
+from embshard.lookup.uvm_fill import HostFirstTouch, concurrent_managed_access, uvm_first_touch
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import LookupOptions, OutputDtype
 from embshard.tables import ConfigError
@@ -59,25 +60,34 @@ class TBELookup(nn.Module):
                 "(seen with fbgemm-gpu 1.6.0: 'row_counter_dev' Half vs Float); use data_type fp32 for these tables, "
                 "or sgd/adagrad/rowwise_adagrad"
             )
-        with array_cache_state() if self.settings.caching else nullcontext():  # fbgemm_fixes.py
-            self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-                device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
-            )
+        uvm = self.settings.location in ("MANAGED", "MANAGED_CACHING") and concurrent_managed_access(device)
+        with uvm_first_touch() if uvm else nullcontext() as touch:  # uvm_fill.py: host threads populate UVM
+            with array_cache_state() if self.settings.caching else nullcontext():  # fbgemm_fixes.py
+                self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+                    device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
+                )
+            self._init_weights(seed, touch)
         self._cast = OutputDtype(self.settings.cast_output_to).torch_dtype if self.settings.cast_output_to else None
-        with torch.no_grad():
-            for w, s in zip(self.tbe.split_embedding_weights(), shards):
-                sh = s.shard
-                block = max(1, INIT_BLOCK_BYTES // (4 * sh.num_cols))
-                for r0 in range(0, sh.num_rows, block):  # drawn where the weights live, in blocks (UVM > HBM)
-                    n = min(block, sh.num_rows - r0)
-                    init = init_rows(
-                        s.table, s.table_index, sh.row_offset + r0, n, sh.col_offset, sh.num_cols, seed, w.device
-                    )
-                    w[r0 : r0 + n].copy_(init.to(w.dtype))
         if self.settings.cache_stats:
             requested_F = torch.zeros(len(self.features), dtype=torch.int64, device=device)
             self.register_buffer("_requested_F", requested_F, persistent=False)
             self._occupied_base = 0
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int | None, touch: HostFirstTouch | None) -> None:
+        """Every shard's initial rows (`init_rows`), drawn where the weights live, in row blocks of about
+        INIT_BLOCK_BYTES (UVM: each block written from the GPU once host threads have populated its pages)."""
+        for w, s in zip(self.tbe.split_embedding_weights(), self.shards):
+            sh = s.shard
+            block = max(1, INIT_BLOCK_BYTES // (4 * sh.num_cols))
+            for r0 in range(0, sh.num_rows, block):
+                n = min(block, sh.num_rows - r0)
+                init = init_rows(
+                    s.table, s.table_index, sh.row_offset + r0, n, sh.col_offset, sh.num_cols, seed, w.device
+                )
+                if touch is not None:
+                    touch.wait(w[r0 : r0 + n])
+                w[r0 : r0 + n].copy_(init.to(w.dtype))
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None

@@ -68,19 +68,26 @@ depends on the row width through the bytes (and through fwd_byte_s / bwd_byte_s,
 Per rank, whatever the plan (`batch_loads`, with B*F bags and B*F*L ids of its own, P = B*F*D*4 pooled bytes):
 the sender's permute of its ids by destination and the id check, 2 * max(bags*bag_s, 2*ids*i/bw) (forward
 phase), and the regroup of the pooled rows into the output and its gradient, max(bags*bag_s, 2P/bw) + 2P/bw
-in the forward and again in the backward phase (on GPUs the Triton regroup's time, kernel_cost.py, + 2P/bw).
+in the forward and again in the backward phase (on GPUs the Triton regroup's time, kernel_cost.py, + 2P/bw);
+and bags*batch_bag_s (first phase): the per-segment cost, beyond bytes, of all the kernels that walk the step's
+bags (lookups forward and backward, lengths and offsets of the exchange, permutes, id check, regroup), which
+the per-id and per-byte terms miss; fitted with host_sync_s to the measured steps of 2 x H100 and 2 x H200
+(tests/planner/data/measured_steps.json): 1.67 ns a bag on the H200, scaled by the copy bandwidth ratio on the
+H100 as the per-id constants are. Workloads with many features pay it most (hetero124: 124 features, 1.0 M
+bags a rank, 1.7 ms on an H200).
 
 Shards whose TablePlan.kernel is 'small' (embshard's small-table kernel, GPUs): kernel_cost.py's forward,
 backward, hot-row chain (ShardWork.hot_s, paid once per lookup group: its longest), step memory and launches.
 
 Fixed costs (seconds): every step, on every rank, whatever the plan: step_overhead_s (the host's own work the
-GPU waits for: Python and autograd issuing the step, launches no group accounts for; fitted to measured steps per
-GPU model; first phase, with the own batch's loads); per lookup-kernel group (sharding type x tier x dtype x
+GPU waits for beyond host_sync_s: a correction `bench/planner_predict.py --refit` fits per GPU model, 0 in the
+presets, whose fixed host cost is host_sync_s; first phase, with the own batch's loads); per lookup-kernel group (sharding type x tier x dtype x
 weighted) on a rank: kernel_s forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort
 passes, run-length encoding, the optimizer kernels); per sharding scheme in the plan: input all-to-all 3
 collectives (+1 for weights), output and gradient 1 collective each; once per step when any table is
 model-parallel (`step_fixed`): host_sync_s, the input exchange's host synchronisation and the launch-bound stretch
-around it while the GPU idles (fitted to the 1.2-1.7 ms per step the profiled steps are not busy on the GPU);
+around it while the GPU idles (a host cost, the same on every GPU model: 0.68 ms fitted with batch_bag_s to the
+measured steps of both GPU models; 1.0 ms before, from the idle time of profiled 2 x H200 steps);
 data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp_kernels_per_table kernels per
 table.
 
@@ -406,8 +413,8 @@ class CostModel:
     def batch_loads(self, tables: Sequence[TableConfig]) -> np.ndarray:
         """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
         destination (forward phase) and the regroup of the pooled rows into the output, forward and backward,
-        with a plain copy each way, and the step's fixed cost (Topology.step_overhead_s, first phase; module
-        docstring)."""
+        with a plain copy each way, the per-bag cost of its bags (Topology.batch_bag_s) and the step's fixed cost
+        (Topology.step_overhead_s), both in the first phase (module docstring)."""
         v = np.zeros(loads.NROWS)
         if not tables:
             v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s
@@ -424,7 +431,7 @@ class CostModel:
             fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * self.out_bytes))
             v[loads.FWD] = permute + fwd + 2 * pooled / bw
             v[loads.BWD] = bwd + 2 * pooled / bw
-        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s  # the step's fixed cost, whatever the plan
+        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s + bags * self.topo.batch_bag_s  # whatever the plan
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------

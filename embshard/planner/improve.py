@@ -17,8 +17,9 @@ SWAP_PARTNERS = 8
 
 
 def improve(state: State, p: Problem) -> None:
-    """Local search on the bottleneck: re-place the tables loading the slowest (phase, rank) most, at most
-    settings.max_moves tries."""
+    """Local search on the bottleneck: re-place the tables loading the slowest (phase, rank) most (a table
+    that is the last of its sharding scheme counts the fixed costs its move would save), at most settings.max_moves
+    tries."""
     items, usable, max_moves = p.items, p.usable, p.settings.max_moves
     tried = 0
     while tried < max_moves:
@@ -37,6 +38,8 @@ def improve(state: State, p: Problem) -> None:
                     contrib = float(ch.owner[ranks.index(r)][rows].max())
                 else:
                     contrib = float(ch.same[0][rows].max() + ch.other[0][rows].max()) * 0.5
+                # the last table of a scheme also carries the scheme's latencies (and the step's host sync)
+                contrib += state.fixed_freed(items[i], ch, rows)
                 if contrib > 0:
                     scores[i] = max(scores.get(i, 0.0), contrib * phases[phase].max())
             if len(scores) >= CANDIDATES_PER_ROUND:

@@ -81,6 +81,13 @@ class State:
             for q in r[hot >= top[r]].tolist():
                 top[q] = max(lists[q], default=0.0)
 
+    def fixed_freed(self, item: Item, ch: Choice, rows: Sequence[int]) -> float:
+        """The largest of `rows` of the collective latencies and the step's host sync that removing the placed
+        item would save (nonzero when it is the last table of its sharding scheme, or its last weighted one)."""
+        if self.scheme_count.get(ch.option.sharding, (0, 0))[0] > 1 and not item.weighted:
+            return 0.0
+        return float(-self._scheme_delta(item, ch, -1)[rows].min())
+
     def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1), and of
         the once-per-step host sync when the plan gains its first or loses its last model-parallel table."""

@@ -66,13 +66,19 @@ class Topology:
     """Fixed cost of one collective spanning hosts (seconds)."""
     kernel_s: float = 10 * US
     """Fixed cost of one kernel launch in a lookup group (seconds); the cost model counts the kernels per group."""
-    host_sync_s: float = 1000 * US
-    """Cost of the input exchange's device-to-host synchronisation per sharding scheme, seconds: the wait itself
-    plus the GPU idling while the host issues the exchange's small kernels after it (launch-bound)."""
+    host_sync_s: float = 680 * US
+    """Cost of the input exchange's device-to-host synchronisation, once per step with model-parallel tables
+    (seconds): the wait itself plus the GPU idling while the host issues the step's small kernels around it
+    (launch-bound); a host cost, the same on every GPU model (presets: fitted to measured steps of both)."""
     step_overhead_s: float = 0.0
-    """Fixed cost of every training step whatever the plan (seconds): the host's own work that the GPU waits for
-    (Python and autograd issuing the step, the launches no lookup group accounts for), fitted to measured steps
-    (`embshard calibrate --refit`)."""
+    """Fixed cost of every training step whatever the plan beyond host_sync_s (seconds): a per-GPU-model
+    correction `bench/planner_predict.py --refit --steps` fits to measured steps; 0 in the presets."""
+    batch_bag_s: float = 0.0
+    """Cost of every bag (sample x feature) of a rank's own batch per training step whatever the plan (seconds):
+    the per-segment work beyond the bytes of the kernels that walk the step's bags (the lookups' forward and
+    backward, the exchange's lengths and offsets, the permutes, the id check, the regroup), bound by the GPU's
+    memory latency; fitted to measured steps of workloads with 16, 26 and 124 features (docs/planner.md
+    "Constants")."""
     l2_bytes: int = 50 * MIB
     """GPU L2 cache (bytes): rows of shards smaller than this are read from L2, not HBM, during their lookups."""
     fwd_id_s: float = 18e-12
@@ -356,6 +362,7 @@ _PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
     "bwd_row_s",
     "routed_id_s",
     "bag_s",
+    "batch_bag_s",
     "uvm_row_s",
     "uvm_page_s",
     *KERNEL_FIELDS,
@@ -381,7 +388,7 @@ GPU_FILES = ("h100", "h200")
 _A100_SCALE = 1.7
 _A100_SCALED = ("fwd_id_s", "bwd_id_s", "bwd_row_s", "routed_id_s", "bag_s", "uvm_row_s")
 _A100_SCALED += ("small_fwd_id_s", "small_atomic_sector_s", "small_same_row_s", "small_sorted_id_s")
-_A100_SCALED += ("small_dense_sector_s",)
+_A100_SCALED += ("small_dense_sector_s", "batch_bag_s")
 
 
 def preset_path(name: str) -> Path:

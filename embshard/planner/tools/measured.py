@@ -1,0 +1,163 @@
+"""Measured embedding steps against the cost model: the cases of a JSON table (tests/planner/data/
+measured_steps.json: GPU model, workload, the plan that ran, the measured ms/step and the logs they come from),
+each rebuilt as the plan it ran and predicted with the GPU model's preset. tests/planner/test_planner_measured.py
+pins the predictions within the table's tolerance of each case's median; `bench/planner_predict.py --measured`
+prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from embshard.optim import FusedOptimizerConfig
+from embshard.plan import ShardingPlan
+from embshard.planner.predict import predict
+from embshard.planner.report import PlanReport
+from embshard.planner.topology import Topology
+from embshard.tables import TableConfig
+
+
+@dataclass(frozen=True)
+class MeasuredCase:
+    """One GPU model x workload x plan with its measured steps."""
+
+    gpu: str
+    world: int
+    workload: str
+    date: str
+    measured_ms: tuple[float, ...]
+    sources: tuple[str, ...]
+    tables: tuple[TableConfig, ...]
+    batch: int
+    plan: ShardingPlan
+    hbm_gib: float | None
+
+    @property
+    def median_ms(self) -> float:
+        """The median of the measured steps (ms)."""
+        return float(statistics.median(self.measured_ms))
+
+    def report(self, **overrides: float) -> PlanReport:
+        """The model's prediction of this case's plan on the GPU model's preset (`overrides`: Topology fields)."""
+        topo = Topology.preset(self.gpu, self.world).with_sizes(self.world, hbm_gib=self.hbm_gib)
+        if overrides:
+            topo = replace(topo, **overrides)
+        opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
+        return predict(self.plan, list(self.tables), topo, self.batch, opt)
+
+
+def workload_tables(spec: dict[str, Any]) -> list[TableConfig]:
+    """Tables t0, t1, ... (features f0, f1, ...) from [[count, rows, dim, ids per bag], ...] (bench/embshard_dmp.py's
+    naming)."""
+    shapes = [(r, d, m) for count, r, d, m in spec["tables"] for _ in range(count)]
+    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(shapes)]
+
+
+def _plan(case: dict[str, Any], tables: list[TableConfig], where: str) -> ShardingPlan:
+    ranks, world = case["plan"], int(case["world"])
+    if len(ranks) != len(tables):
+        raise ValueError(f"{where}: plan has {len(ranks)} characters for {len(tables)} tables (one per table)")
+    uvm = set(case.get("uvm_caching", []))
+    dp_kernel = case.get("data_parallel_kernel", "fbgemm")
+    entries = []
+    for i, (t, r) in enumerate(zip(tables, ranks, strict=True)):
+        tier = "uvm_caching" if i in uvm else "hbm"
+        on = list(range(world)) if r == "d" else [int(r)]
+        entries.append(
+            {
+                "table": t.name,
+                "sharding_type": "data_parallel" if r == "d" else "table_wise",
+                "tier": tier,
+                "shards": [
+                    {
+                        "rank": k,
+                        "row_offset": 0,
+                        "num_rows": t.num_embeddings,
+                        "col_offset": 0,
+                        "num_cols": t.embedding_dim,
+                    }
+                    for k in on
+                ],
+                "cache_load_factor": case.get("cache_load_factor") or 0.2,
+                "kernel": dp_kernel if r == "d" else "fbgemm",
+            }
+        )
+    return ShardingPlan.from_dict({"world_size": world, "local_world_size": world, "tables": entries})
+
+
+def load_cases(path: str | Path) -> tuple[list[MeasuredCase], float]:
+    """The cases of a measured-steps JSON file and its tolerance (relative)."""
+    data = json.loads(Path(path).read_text())
+    cases = []
+    for k, c in enumerate(data["cases"]):
+        where = f"{path}: case {k} ({c['gpu']} {c['workload']})"
+        w = data["workloads"][c["workload"]]
+        tables = workload_tables(w)
+        cases.append(
+            MeasuredCase(
+                gpu=c["gpu"],
+                world=int(c["world"]),
+                workload=c["workload"],
+                date=c.get("date", ""),
+                measured_ms=tuple(float(x) for x in c["measured_ms"]),
+                sources=tuple(c.get("sources", ())),
+                tables=tuple(tables),
+                batch=int(w["batch"]),
+                plan=_plan(c, tables, where),
+                hbm_gib=c.get("hbm_gib"),
+            )
+        )
+    return cases, float(data.get("tolerance", 0.10))
+
+
+def table(cases: list[MeasuredCase], **overrides: float) -> list[str]:
+    """Markdown rows: GPU, workload, plan mix, measured median (range, n), predicted, error."""
+    rows = [
+        "| GPU | workload | date | measured ms (median; range; n) | predicted ms | error |",
+        "| --- | --- | --- | --- | ---: | ---: |",
+    ]
+    for c in cases:
+        p = c.report(**overrides).step_time_s * 1e3
+        m = c.median_ms
+        rng = f"{min(c.measured_ms):.2f}-{max(c.measured_ms):.2f}"
+        rows.append(
+            f"| 2 x {c.gpu.upper()} | {c.workload} | {c.date} | {m:.2f} ({rng}; n={len(c.measured_ms)}) | "
+            f"{p:.2f} | {p / m - 1:+.1%} |"
+        )
+    return rows
+
+
+def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float], list[str]]:
+    """Refit the step's shared host cost (host_sync_s, the same on every GPU model: a host's) and the per-bag cost
+    of the own batch (batch_bag_s, GPU-side: one value at the H200's copy bandwidth, scaled on each GPU model by
+    the ratio of the copy bandwidths, as the per-id constants are) to the cases, by least squares on the relative
+    errors. Returns host_sync_s, {gpu: batch_bag_s} and the table before -> after."""
+    import numpy as np
+
+    ref = Topology.preset("h200", 2).hbm_bw
+    A, y, bare = [], [], []
+    for c in cases:
+        b = c.report(host_sync_s=0.0, batch_bag_s=0.0).step_time_s
+        scale = ref / Topology.preset(c.gpu, c.world).hbm_bw
+        m = c.median_ms * 1e-3
+        A.append([1 / m, c.batch * sum(len(t.feature_names) for t in c.tables) * scale / m])
+        y.append((m - b) / m)
+        bare.append(b)
+    (sync, bag), *_ = np.linalg.lstsq(np.array(A), np.array(y), rcond=None)
+    bags = {c.gpu: float(bag * ref / Topology.preset(c.gpu, c.world).hbm_bw) for c in cases}
+    lines = [
+        f"host_sync {sync * 1e6:.0f} us (every GPU model); batch_bag "
+        + ", ".join(f"{g} {v * 1e9:.3f} ns" for g, v in sorted(bags.items()))
+    ]
+    for c, b, row in zip(cases, bare, A, strict=True):
+        before = c.report().step_time_s * 1e3
+        after = (b + sync * row[0] * c.median_ms * 1e-3 + bag * row[1] * c.median_ms * 1e-3) * 1e3
+        lines.append(
+            f"2 x {c.gpu} {c.workload:9s} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
+            f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
+        )
+    return float(sync), bags, lines
