@@ -192,7 +192,8 @@ def reorder_(
     prefix = torch.cumsum(counts, 0)  # used positions before each block (and in all)
     blk = torch.div(bounds, REORDER_BLOCK, rounding_mode="floor")
     at = (blk * REORDER_BLOCK).unsqueeze(1) + torch.arange(REORDER_BLOCK, device=dev)  # [T + 1, BLOCK]
-    part = torch.where(at < bounds.unsqueeze(1), used[at.clamp_(max=n - 1)], 0).sum(1)
+    inside = at < bounds.unsqueeze(1)  # the block's positions before the bound
+    part = torch.where(inside, used[at.clamp_(max=n - 1)], 0).sum(1)
     before = prefix[blk] + part  # used positions before each segment (and in all)
     _reorder_kernel[(blocks,)](order, used, seg, prefix, before, bounds, out, n, BLOCK=REORDER_BLOCK)
     return out
