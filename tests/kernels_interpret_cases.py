@@ -334,3 +334,49 @@ def test_raw_id_map_resets_through_the_batched_kernels_as_through_torch(optimize
         for a, b in zip(got.shard_optimizer_states(), want.shard_optimizer_states()):
             assert all(torch.equal(a[k], b[k]) for k in a), step
     assert sum(s["evicted"] for s in maps[0].stats()) > 10
+
+
+def test_raw_id_map_runs_on_its_kernels_as_on_torch(monkeypatch):
+    """IdMap on its Triton kernels (index lookup: hash, both buckets read; insert: free counts, the q-th free slot;
+    the LRU order's partition, in blocks of 16 positions so that blocks straddle segments) gives the torch ops'
+    rows and candidate buckets, and two maps driven by them stay equal, over training steps that admit and evict
+    (two LRU shards and an LFU one of different sizes, int32 slot rows), evaluation (unknown ids) and a rebuild;
+    crowded buckets fill as in torch."""
+    from embshard.lookup.shards import LocalShard
+    from embshard.plan import Shard
+    from embshard.rawids import IdMap
+
+    monkeypatch.setattr("embshard.kernels._idmap_triton.REORDER_BLOCK", 16)
+    tables = [TableConfig("a", 70, 4, ("fa",), ids="raw"), TableConfig("b", 33, 4, ("fb",), ids="raw", eviction="lfu"),
+              TableConfig("c", 41, 4, ("fc",), ids="raw")]  # fmt: skip
+    shards = [LocalShard(t, i, Shard(0, 0, t.num_embeddings, 0, 4), t.feature_names, "host")
+              for i, t in enumerate(tables)]  # fmt: skip
+    maps = [IdMap(shards, CPU, seed=5) for _ in range(2)]
+    maps[0].map_kernel, maps[1].map_kernel = "triton", "torch"
+    gen = torch.Generator().manual_seed(8)
+    pool_ids = torch.randint(-(2**62), 2**62, (250,), generator=gen)
+    for step in range(10):
+        counts = [int(torch.randint(0, 60, (1,), generator=gen)) for _ in shards]
+        ids = pool_ids[torch.randint(0, 250, (sum(counts),), generator=gen)]
+        shard = torch.repeat_interleave(torch.arange(len(shards)), torch.tensor(counts))
+        found = [m._find(ids, shard) for m in maps]
+        assert torch.equal(found[0][0], found[1][0]) and torch.equal(found[0][1], found[1][1]), step
+        with torch.no_grad():
+            looked = [m.remap(ids, counts, False)[0] for m in maps]
+        assert torch.equal(looked[0], looked[1]), step
+        rows = [m.remap(ids, counts, True)[0] for m in maps]
+        assert torch.equal(rows[0], rows[1]), step
+        for b in ("row_key", "row_last", "row_freq", "row_slot", "slot_key", "slot_row", "order"):
+            assert torch.equal(getattr(maps[0], b), getattr(maps[1], b)), (step, b)
+    assert (found[0][0] >= 0).any() and (found[0][0] < 0).any()  # hits and misses
+    assert sum(s["evicted"] for s in maps[0].stats()) > 10
+    assert maps[0].rebuild() == maps[1].rebuild() == 0
+    assert torch.equal(maps[0].slot_row, maps[1].slot_row) and torch.equal(maps[0].order, maps[1].order)
+    # crowded buckets: 40 keys (some inactive) all wanting buckets 2 and 5 fill the emptier, then the other, and
+    # the last find no slot
+    keys = torch.randint(-(2**62), 2**62, (40,), generator=gen)
+    cand = torch.tensor([[2, 5] if k % 3 else [5, 2] for k in range(40)])
+    active = torch.rand(40, generator=gen) < 0.9
+    slots = [m._insert(keys, cand, active, torch.arange(40) + 7) for m in maps]
+    assert torch.equal(slots[0], slots[1]) and (slots[0] < 0).any() and (slots[0] // 16 == 2).any()
+    assert torch.equal(maps[0].slot_key, maps[1].slot_key) and torch.equal(maps[0].slot_row, maps[1].slot_row)

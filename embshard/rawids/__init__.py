@@ -67,7 +67,9 @@ One training step of a group (`IdMap.remap`), fixed-size outputs throughout (n =
        launch per storage on CUDA, whose programs skip entries without a row) and zeroes the zero rows.
 All of it is torch ops that run on the CPU and CUDA without a host sync: sort, cumsum, gather, index_select,
 scatter, index_fill, where, searchsorted, remainder and integer hashing; no `.item()`, `.tolist()`, `nonzero`,
-`unique` or boolean-mask indexing. The only host values are sizes the host already knows (the ids per shard from
+`unique` or boolean-mask indexing. On CUDA the index's lookups, an insert's free slots and the LRU order's update
+run on Triton kernels instead (embshard/kernels/_idmap_triton.py: one read of a key's buckets instead of `[n, 2,
+P]` temporaries; two passes over the rows instead of ~12), with the torch ops' results. The only host values are sizes the host already knows (the ids per shard from
 the step's counts, hence the windows) and the map's clock (a Python int). Two GPU rules: masked-off entries write
 to a trash slot only with plain stores, never atomic adds (atomics on one address serialise: per-shard sums go
 through a cumsum over batch positions, the hits' use counts through a scatter, one id per row); and no cummax or

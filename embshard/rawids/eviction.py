@@ -96,7 +96,13 @@ class EvictionOps:
 
     def _reorder(self, clock: int) -> None:
         """LRU order: within every segment, the rows used at `clock` move to the end, in their order (a stable
-        partition: one gather of the rows' last use, one cumsum, one scatter over the usable rows)."""
+        partition: one gather of the rows' last use, one cumsum, one scatter over the usable rows; on CUDA two
+        Triton passes, embshard/kernels/_idmap_triton.py)."""
+        if self._kernels(self.order):
+            from embshard.kernels._idmap_triton import reorder_
+
+            self.order = reorder_(self.order, self.row_last, self.seg, self.ord_bounds, clock)
+            return
         o = self.order
         used = self.row_last[o] == clock
         cs = torch.cumsum(~used, 0)  # unused positions so far

@@ -11,6 +11,7 @@ are taken by a scatter into batch positions (shard after shard) and a cumsum, no
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +30,18 @@ __all__ = ["P", "IdMap", "Resets", "map_bytes_per_row"]
 
 SLOTS_PER_ROW = 2
 """Index slots per usable row (load factor 1/2)."""
+
+
+KERNELS_ENV = "EMBSHARD_RAWID_KERNELS"
+
+
+def kernel_choice() -> str:
+    """Where the map's steps run: EMBSHARD_RAWID_KERNELS, 'auto' (the default: Triton kernels on CUDA, torch ops
+    elsewhere), 'torch' (torch ops everywhere: a fallback to compare with) or 'triton'."""
+    choice = os.environ.get(KERNELS_ENV, "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{KERNELS_ENV}={choice!r} is invalid: choose auto (the default), torch or triton")
+    return choice
 
 
 def _buckets(usable: int) -> int:
@@ -66,6 +79,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         super().__init__()
         self.shards = list(shards)
         self.seed = seed
+        self.map_kernel = self.reset_kernel = kernel_choice()
         for s in self.shards:
             if s.shard.num_rows < 2:
                 raise ConfigError(

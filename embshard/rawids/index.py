@@ -1,6 +1,9 @@
 """The id -> row index of an `IdMap` (idmap.py): an open-addressing hash table of buckets of P slots, two candidate
 buckets per key (the design: embshard/rawids/__init__.py).
 
+Lookups run as one Triton launch on CUDA (embshard/kernels/_idmap_triton.py: both buckets read once per key) and
+as torch ops elsewhere (`_find_torch`, the same results).
+
 Storage (buffers of the IdMap): `slot_key` `[S + 1]` int64 and `slot_row` `[S + 1]` (int32 while the group's rows
 and slots fit, else int64; -1: empty), the last element of each a trash slot that masked-off writes go to;
 `bucket_tab` `[T, 2]` (first bucket, buckets) per shard. A bucket is read as one row of the `[NB, P]` view of the
@@ -11,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from embshard.lookup.shards import _GOLDEN, _mix_
+from embshard.lookup.shards import _GOLDEN, _mix_, _signed
+from embshard.rawids.hashing import BUCKET_SALTS
 
 P = 16
 """Slots per bucket of the index (an id is looked up in 2 buckets: 2P slots)."""
@@ -26,6 +30,12 @@ class IndexOps:
     bucket_salts: torch.Tensor
     NB: int
     S: int
+    map_kernel: str = "auto"
+    """'auto': the Triton lookup on CUDA, torch ops elsewhere; 'triton' or 'torch' (tests)."""
+
+    def _kernels(self, t: torch.Tensor) -> bool:
+        """Whether the index runs on its Triton kernels (`map_kernel`) for tensors like `t`."""
+        return self.map_kernel == "triton" or (self.map_kernel == "auto" and t.device.type == "cuda")
 
     def _candidates(self, keys: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """`[m, 2]` the two candidate buckets of every (shard, key): bucket base + hash mod buckets, one hash per salt
@@ -40,8 +50,17 @@ class IndexOps:
         return self.slot_row[: self.S].view(self.NB, P).index_select(0, cand.reshape(-1)).view(-1, 2, P)
 
     def _find(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(group row of every (shard, key) or -1 (int64), its two candidate buckets `[m, 2]`). A key is in the
-        index at most once, so the row is the one matching slot's."""
+        """(group row of every (shard, key) or -1 (int64), its two candidate buckets `[m, 2]` (int64)). A key is in
+        the index at most once, so the row is the one matching slot's."""
+        if self._kernels(keys):
+            from embshard.kernels._idmap_triton import find_
+
+            salts = (_signed(BUCKET_SALTS[0]), _signed(BUCKET_SALTS[1]))
+            return find_(keys.contiguous(), shard.contiguous(), self.bucket_tab, self.slot_key, self.slot_row, salts, P)
+        return self._find_torch(keys, shard)
+
+    def _find_torch(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_find` in torch ops: both candidate buckets `[m, 2, P]` gathered, then matched."""
         m = keys.numel()
         cand = self._candidates(keys, shard)
         rows = self._bucket_rows(cand)
@@ -54,12 +73,19 @@ class IndexOps:
         """Insert the active keys (rows `rows`): into the emptier candidate bucket (the first on ties), then, where
         that was full, the other; the slot (int64), or -1 where both were full."""
         m = keys.numel()
-        free = self._bucket_rows(cand) < 0  # [m, 2, P]
-        n_free = torch.count_nonzero(free, 2)
+        if self._kernels(keys):
+            from embshard.kernels._idmap_triton import free_counts_
+
+            free, n_free = None, free_counts_(self.slot_row, cand.contiguous(), P)
+        else:
+            free = self._bucket_rows(cand) < 0  # [m, 2, P]
+            n_free = torch.count_nonzero(free, 2)
         swap = n_free[:, 1] > n_free[:, 0]
         first = torch.where(swap, cand[:, 1], cand[:, 0])
         second = torch.where(swap, cand[:, 0], cand[:, 1])
-        slot = self._place(keys, first, active, rows, torch.where(swap.view(m, 1), free[:, 1], free[:, 0]))
+        if free is not None:
+            free = torch.where(swap.view(m, 1), free[:, 1], free[:, 0])
+        slot = self._place(keys, first, active, rows, free)
         retry = active & (slot < 0)
         slot2 = self._place(keys, second, retry, rows, None)
         return torch.where(slot >= 0, slot, slot2)
@@ -87,11 +113,17 @@ class IndexOps:
         run = torch.cumsum(starts, 0) - 1
         run_start = torch.empty(m + 1, dtype=torch.int64, device=dev).scatter_(0, torch.where(starts, run, m), ar)
         q = torch.empty_like(ar).scatter_(0, order, ar - run_start[run])
-        if free is None:
-            free = self.slot_row[: self.S].view(self.NB, P).index_select(0, bucket) < 0  # [m, P]
-        pick = free & (torch.cumsum(free, 1, dtype=torch.int32) == (q + 1).clamp_(max=P + 1).view(m, 1))
-        found = active & pick.any(1)
-        slot = torch.where(found, bucket * P + pick.to(torch.int8).argmax(1), -1)
+        if self._kernels(keys):
+            from embshard.kernels._idmap_triton import pick_free_
+
+            slot = pick_free_(self.slot_row, bucket.contiguous(), q, active.contiguous(), P)
+            found = slot >= 0
+        else:
+            if free is None:
+                free = self.slot_row[: self.S].view(self.NB, P).index_select(0, bucket) < 0  # [m, P]
+            pick = free & (torch.cumsum(free, 1, dtype=torch.int32) == (q + 1).clamp_(max=P + 1).view(m, 1))
+            found = active & pick.any(1)
+            slot = torch.where(found, bucket * P + pick.to(torch.int8).argmax(1), -1)
         target = torch.where(found, slot, self.S)
         self.slot_key.scatter_(0, target, keys)
         self.slot_row.scatter_(0, target, torch.where(found, rows, -1).to(self.slot_row.dtype))

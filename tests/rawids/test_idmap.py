@@ -229,3 +229,18 @@ def test_the_planners_price_is_the_maps_memory(eviction, min_count):
     m = IdMap([_shard(t)], torch.device("cpu"), seed=0)
     held = sum(b.numel() * b.element_size() for b in m.buffers())
     assert abs(held - map_bytes_per_row(rows, eviction, min_count) * rows) < 1024  # per-shard constants aside
+
+
+def test_kernel_choice_comes_from_the_environment(monkeypatch):
+    """EMBSHARD_RAWID_KERNELS picks where the map's steps run (torch: the fallback to compare the kernels with); the
+    torch path on the CPU under 'triton' would need Triton's interpreter, so only the choice itself is checked."""
+    t = TableConfig("t", 64, 4, ("f",), ids="raw")
+    assert IdMap([_shard(t)], torch.device("cpu"), seed=0).map_kernel == "auto"
+    monkeypatch.setenv("EMBSHARD_RAWID_KERNELS", "torch")
+    m = IdMap([_shard(t)], torch.device("cpu"), seed=0)
+    assert m.map_kernel == m.reset_kernel == "torch"
+    rows, _ = m.remap(torch.tensor([5, 7, 5]), [3], True)
+    assert rows[0] == rows[2] != rows[1]
+    monkeypatch.setenv("EMBSHARD_RAWID_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="EMBSHARD_RAWID_KERNELS='cuda' is invalid: choose auto"):
+        IdMap([_shard(t)], torch.device("cpu"), seed=0)

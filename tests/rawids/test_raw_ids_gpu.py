@@ -1,7 +1,7 @@
-"""Raw-id tables on a GPU: the id -> row map's step (training and evaluation) and the resets run with no host
-sync (CUDA's sync debug mode set to error), give what the same map computes on the CPU, and a whole lookup stage of
-a raw-id collection (forward after its prefetched input exchange, then backward) syncs no more than a static one's.
-CUDA only (EMBSHARD_TEST_DEVICE=cuda)."""
+"""Raw-id tables on a GPU: the id -> row map's step (training and evaluation; its Triton kernels for the index and
+the LRU order) and the resets run with no host sync (CUDA's sync debug mode set to error), give what the same map
+computes on the CPU (torch ops), and a whole lookup stage of a raw-id collection (forward after its prefetched
+input exchange, then backward) syncs no more than a static one's. CUDA only (EMBSHARD_TEST_DEVICE=cuda)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def _stream(steps: int):
 
 
 @cuda_only
-def test_map_step_has_no_host_sync_and_matches_the_cpu():
+def test_map_step_has_no_host_sync_and_matches_the_cpu(monkeypatch):
     from embshard.lookup import TBELookup
+
+    monkeypatch.setattr("embshard.kernels._idmap_triton.REORDER_BLOCK", 64)  # the LRU order: blocks straddle shards
 
     dev = torch.device("cuda", 0)
     gpu, cpu = _map(dev), _map(torch.device("cpu"))
