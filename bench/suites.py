@@ -322,7 +322,8 @@ def soak_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 
 # ---- rawids ---------------------------------------------------------------------------------------------------
 def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
-    """The raw-id tests on the GPUs (the map's step under CUDA's sync debug mode, parity with a static table), then
+    """The raw-id tests on the GPUs (the map's step under CUDA's sync debug mode, parity with a static table), the
+    map's step profiled in one process (bench/raw_ids_profile.py: kernels, launches and syncs per phase), then
     uniform26 with every table ids: raw (capacity = rows) against static, interleaved: ids within the rows (after
     the first batches every id is resident) and from 10 x rows values (admitting and evicting every step); then the
     same against TorchRec's managed-collision tables (bench/torchrec_mc.py: MCH modules, capacity = rows, against its
@@ -330,6 +331,9 @@ def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     n = nproc(args, m)
     tests = pytest("tests/rawids")
     out = [Step("tests/rawids", tests, cuda_env(args), timeout=400)]
+    profile = py() + ["bench/raw_ids_profile.py", "--out", f"{args.out}/rawids_profile.txt"]
+    profile += ["--scale", "small", "--steps", "2"] if args.cpu else ["--device", "cuda", "--uniform26"]
+    out.append(Step("the map's step profiled (one process)", profile, cuda_env(args), timeout=300))
     workload = "tiny" if args.cpu else "uniform26"
     timed = ["--batches", "8", "--rounds", "3", "--steps", str(args.steps or (5 if args.cpu else 20))]
     for space in ("1", "10"):
@@ -566,6 +570,29 @@ def bandwidth_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str
     return rows or [("bandwidth", "no bandwidth line (see bandwidth.log)")]
 
 
+# ---- build: building the module, UVM first touch on the GPU or on host threads -------------------------------------
+def build_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    """bench/uvm_fill.py (one GPU: FBGEMM's fill of a managed buffer against host threads), then hetero124's build
+    (`--build-only`) with FBGEMM's fill and with the host first touch (EMBSHARD_UVM_FIRST_TOUCH), interleaved."""
+    n = nproc(args, m)
+    workload = ["--workload", "tiny"] if args.cpu else ["--workload", "hetero124", "--plan", "planner"]
+    out = [] if args.cpu else [Step("uvm_fill (one GPU)", py() + ["bench/uvm_fill.py", "--gib", "16"], timeout=300)]
+    for i in range(args.pairs or 2):
+        for way in ("fbgemm", "host"):
+            env = dict(cuda_env(args), EMBSHARD_UVM_FIRST_TOUCH=way)
+            argv = torchrun(n) + ["bench/embshard_dmp.py", *workload, "--build-only"]
+            out.append(Step(f"build, first touch {way} (pair {i + 1})", argv, env, timeout=300, needs_gpus=n))
+    return out
+
+
+def build_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    rows = []
+    for label, text in step_blocks(log):
+        found = re.findall(r"^(plan [\d.]+ s, build .*?); plan:", text, re.M) or re.findall(r"^(.*GB/s.*)$", text, re.M)
+        rows.append((label, "; ".join(found[-3:]) if found else "see build.log"))
+    return rows
+
+
 # ---- hier: table-row-wise's hierarchical exchange, 4 GPUs as 2 hosts x 2 ------------------------------------------
 def hier_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     """bench/hier_exchange.py (flat against hierarchical exchange, 4 ranks as 2 hosts x 2), then the world-4 parity
@@ -632,6 +659,9 @@ SUITES = {
               "static, interleaved (ids within the rows; 10 x rows ids, evicting), and TorchRec's managed-collision "
               "tables against its static ones on the same workloads", "1-2", "6-9 min (estimate)",
               rawids_steps, rawids_summary),
+        Suite("build", "building the module: hetero124 with FBGEMM's UVM first touch against host threads "
+              "(EMBSHARD_UVM_FIRST_TOUCH), interleaved pairs, and bench/uvm_fill.py", "1-2", "3-5 min (estimate)",
+              build_steps, build_summary),
         Suite("hier", "table-row-wise's hierarchical against flat exchange, 4 GPUs as 2 hosts x 2: bytes per level, "
               "ms, the planner's predictions; then the world-4 parity tests and fuzz cases", "4",
               "3-6 min (estimate)", hier_steps, hier_summary),
