@@ -3,7 +3,8 @@
 Run with torchrun, one process per GPU (gloo on CPU for a smoke test):
     torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload uniform26
     torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload hetero124 --plan small-dp
-Workloads (rows, dim, mean ids per bag), batch per rank 8192 (tiny: 64), ids uniform, row-wise Adagrad, bag
+Workloads (rows, dim, mean ids per bag), batch per rank 8192 (tiny: 64; mlperf: the 26 tables of
+configs/dlrm_dcnv2_mlperf.yaml, the end-to-end model's embedding part), ids uniform, row-wise Adagrad, bag
 lengths uniform in [0, 2 x mean]: the same as the TorchRec baseline script. Step = forward, backward with the
 fused optimizer (`values().sum().backward()`), no pipelining. Prints ms/step, samples/s and peak GPU memory, and
 one line `RESULT framework=embshard bench=emb workload=... ms_per_step=... predicted_ms=... floor_hbm_gb=...`
@@ -48,6 +49,42 @@ WORKLOADS = {
     "hetero124": ([(100_000_000, 128, 1)] * 4 + [(5_000_000, 64, 5)] * 20 + [(10_000, 16, 30)] * 100, 8192),
     "overflow": ([(20_000_000, 128, 2)] * 6 + [(1_000_000, 64, 20)] * 10, 8192),
     "tiny": ([(1000, 16, 3)] * 4, 64),
+    # the MLPerf DLRM-DCNv2 model's 26 tables (configs/dlrm_dcnv2_mlperf.yaml: rows, 128 wide, its multi-hot sizes as
+    # mean ids per bag; tests/test_bench.py checks they match), batch 8192: the end-to-end model's embedding part
+    "mlperf": (
+        [
+            (rows, 128, ids)
+            for rows, ids in [
+                (40_000_000, 3),
+                (39_060, 2),
+                (17_295, 1),
+                (7_424, 2),
+                (20_265, 6),
+                (3, 1),
+                (7_122, 1),
+                (1_543, 1),
+                (63, 1),
+                (40_000_000, 7),
+                (3_067_956, 3),
+                (405_282, 8),
+                (10, 1),
+                (2_209, 6),
+                (11_938, 9),
+                (155, 5),
+                (4, 1),
+                (976, 1),
+                (14, 1),
+                (40_000_000, 12),
+                (40_000_000, 100),
+                (40_000_000, 27),
+                (590_152, 10),
+                (12_973, 3),
+                (108, 1),
+                (36, 1),
+            ]
+        ],
+        8192,
+    ),
 }
 
 
@@ -133,7 +170,9 @@ def main() -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     spec, batch = workload_spec(args.workload, args.rows_scale), WORKLOADS[args.workload][1]
     tables = workload_tables(args.workload, args.rows_scale)
-    raw_tables = [dataclasses.replace(t, ids="raw", eviction=args.eviction) for t in tables]
+    raw_tables = (
+        [dataclasses.replace(t, ids="raw", eviction=args.eviction) for t in tables] if args.ids != "static" else []
+    )
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
     planned = raw_tables if args.ids != "static" else tables  # both: one plan raw-id tables can use

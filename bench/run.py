@@ -251,7 +251,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--compile", default="", help="e2e: embshard's training.compile mode (e.g. default)")
     g.add_argument("--loss-steps", type=int, default=0, help="e2e: also both frameworks' loss curves, this many steps")
-    g.add_argument("--workloads", default="uniform26,overflow,hetero124", help="emb, profile: workloads")
+    g.add_argument(
+        "--workloads",
+        default="uniform26,overflow,hetero124",
+        help="emb, profile: workloads (also: mlperf, the end-to-end model's 26 tables)",
+    )
     g.add_argument("--torchrec-hbm-gib", type=float, default=0, help="emb: TorchRec's HBM for hetero124 (the card's)")
     g.add_argument("--no-bandwidth", action="store_true", help="e2e, emb: skip the bandwidth measurement")
     g = p.add_argument_group("other suites")

@@ -277,6 +277,8 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             elif w == "overflow":
                 base = ["bench/torchrec_more.py", "--workload", w, "--hbm-gib", "16"]
                 mine += ["--hbm-gib", "16"]
+            elif w == "mlperf":  # the end-to-end model's tables (97 GiB): TorchRec planning for the whole card
+                base = ["bench/torchrec_more.py", "--workload", w, "--hbm-gib", f"{hbm:g}"]
             out.append(
                 Step(
                     f"TorchRec {w} (pair {i + 1})",

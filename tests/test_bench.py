@@ -280,3 +280,16 @@ def test_tests_suite_spreads_tests_over_xdist_workers_only_when_installed(monkey
             assert "-n" not in step.argv
         (step,) = steps("tests", "--test-workers", "0")
         assert "-n" not in step.argv
+
+
+def test_mlperf_workload_is_the_mlperf_configs_tables():
+    """bench/embshard_dmp.py's `mlperf` workload (the end-to-end model's embedding part, timed alone) has the tables
+    of configs/dlrm_dcnv2_mlperf.yaml: rows, width and multi-hot size, in order; and its batch."""
+    import embshard_dmp
+
+    from embshard.config import load_config
+
+    cfg = load_config(str(ROOT / "configs" / "dlrm_dcnv2_mlperf.yaml"))
+    spec, batch = embshard_dmp.WORKLOADS["mlperf"]
+    want = [(t.num_embeddings, t.embedding_dim, t.ids_per_bag) for t in cfg.model.tables]
+    assert spec == want and batch == cfg.schedule.batch_size
