@@ -96,7 +96,9 @@ def case_of(r: dict[str, str]) -> str:
     """What a TorchRec run and an embshard run must share to be compared."""
     if bench_of(r) == "e2e":
         precision = r.get("precision") or r.get("dtype") or "fp32"
-        return f"e2e {r.get('pipeline', 'sparse_dist')} {precision}"
+        law = (r.get("ids", "uniform"), r.get("bags", "fixed"))  # logs from before the law was printed: the default
+        suffix = "" if law == ("uniform", "fixed") else " " + "/".join(law)
+        return f"e2e {r.get('pipeline', 'sparse_dist')} {precision}{suffix}"
     return f"{bench_of(r)} {r.get('workload') or r.get('layout') or '-'}"
 
 

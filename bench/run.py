@@ -249,6 +249,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--timeline", action="store_true", help="e2e: --profile, and the last 2 steps drawn as timeline_P.png"
     )
+    g.add_argument(
+        "--data-law",
+        choices=("mlperf", "zipf-poisson"),
+        default="mlperf",
+        help="e2e: both frameworks' synthetic ids and bags (mlperf: uniform, fixed sizes; zipf-poisson: Zipf 1.05 "
+        "ids, 1 + Poisson(size - 1) ids per bag)",
+    )
     g.add_argument("--compile", default="", help="e2e: embshard's training.compile mode (e.g. default)")
     g.add_argument("--loss-steps", type=int, default=0, help="e2e: also both frameworks' loss curves, this many steps")
     g.add_argument(

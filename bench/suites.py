@@ -180,14 +180,19 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     if args.cpu:
         size, tr_size = size + ["--batch-size", "64"], tr_size + ["--batch-size", "64"]
     timing = ["--steps", str(steps_), "--warmup", str(warmup)]
+    tr_law, law = [], []  # the MLPerf law (uniform ids, fixed bags) by default; both frameworks draw the same law
+    if args.data_law == "zipf-poisson":
+        tr_law = ["--ids", "zipf", "--zipf-alpha", "1.05", "--bag-lengths", "poisson"]
+        law = ["data.synthetic.zipf_exponent=1.05", "data.synthetic.bag_lengths=poisson"]
+        law.append("planner.settings.zipf_alpha=1.05")  # the planner prices the skew (UVM-cache hits)
 
     def torchrec(precision: str) -> Step:
         argv = torchrun(n) + ["bench/baselines/torchrec_dlrm_train.py", *timing, "--precision", precision, *tr_size]
-        return Step(f"TorchRec {precision}", argv, timeout=240, needs_gpus=n)
+        return Step(f"TorchRec {precision}", argv + tr_law, timeout=240, needs_gpus=n)
 
     def embshard(tag: str, *extra: str) -> Step:
         argv = py() + ["bench/train_e2e.py", "--config", E2E_CONFIG, "--nproc", str(n), *timing, "--eval", *size]
-        return Step(f"embshard {tag}", argv + ["--tag", tag, *extra], timeout=240, needs_gpus=n)
+        return Step(f"embshard {tag}", argv + ["--tag", tag, *extra, *law], timeout=240, needs_gpus=n)
 
     out = bandwidth_step(args)
     precisions = args.precisions.split(",")

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> None:
     )
     say(
         f"RESULT framework=embshard tag={args.tag or '-'} pipeline={tr.pipeline} precision={tr.precision} "
-        f"compile={tr.compile} "
+        f"compile={tr.compile} {data_law(cfg.data)} "
         f"pooled={cfg.lookup.output_dtype.value} world={world} batch_per_rank={batch} scale={args.scale:g} "
         f"ms_per_step={ms:.3f} samples_per_s={sps:.0f} build_s={build_s:.2f} peak_gib={float(g[:, 1].max()):.2f} "
         f"data_wait_ms={float(g[:, 2].max()):.3f} gpu_busy={busy:.3f} gpu_busy_compute={busy_compute:.3f} "
@@ -245,6 +245,15 @@ def run(args: argparse.Namespace) -> None:
 
 def _rank_main(args: argparse.Namespace) -> None:
     run(args)
+
+
+def data_law(data) -> str:
+    """`ids=uniform|zipf bags=fixed|poisson` of a synthetic source, as the TorchRec baseline's RESULT line says them
+    (bench/report.py compares only runs of the same law); empty for other sources."""
+    syn = getattr(data, "synthetic", None)
+    if getattr(data, "source", "synthetic") != "synthetic" or syn is None:
+        return ""
+    return f"ids={'zipf' if syn.zipf_exponent > 0 else 'uniform'} bags={syn.bag_lengths}"
 
 
 def main(argv: list[str] | None = None) -> None:

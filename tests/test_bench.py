@@ -293,3 +293,16 @@ def test_mlperf_workload_is_the_mlperf_configs_tables():
     spec, batch = embshard_dmp.WORKLOADS["mlperf"]
     want = [(t.num_embeddings, t.embedding_dim, t.ids_per_bag) for t in cfg.model.tables]
     assert spec == want and batch == cfg.schedule.batch_size
+
+
+def test_e2e_data_law_reaches_both_frameworks_and_splits_the_cases():
+    """--data-law zipf-poisson: TorchRec's baseline and embshard draw Zipf ids and Poisson bags; the report compares
+    a run only with runs of its own law (older lines without the law count as the MLPerf law)."""
+    tr, mine = steps("e2e", "--data-law", "zipf-poisson", "--precisions", "bf16", "--pairs", "1", "--no-bandwidth")
+    assert tr.argv[-5:] == ["--ids", "zipf", "--zipf-alpha", "1.05", "--bag-lengths", "poisson"][-5:]
+    assert {"data.synthetic.zipf_exponent=1.05", "data.synthetic.bag_lengths=poisson"} <= set(mine.argv)
+    plain = steps("e2e", "--precisions", "bf16", "--pairs", "1", "--no-bandwidth")
+    assert not any("zipf" in a for s in plain for a in s.argv)
+    base = {"framework": "torchrec", "pipeline": "sparse_dist", "precision": "bf16"}
+    assert report.case_of(base) == report.case_of({**base, "ids": "uniform", "bags": "fixed"})
+    assert report.case_of({**base, "ids": "zipf", "bags": "poisson"}) != report.case_of(base)
