@@ -19,6 +19,13 @@ from embshard.rawids.hashing import BUCKET_SALTS
 
 P = 16
 """Slots per bucket of the index (an id is looked up in 2 buckets: 2P slots)."""
+_SALTS = (_signed(BUCKET_SALTS[0]), _signed(BUCKET_SALTS[1]))
+"""The two candidate buckets' salts as signed 64-bit ints (the Triton lookup's arguments)."""
+
+
+def triton_for(choice: str, device: torch.device) -> bool:
+    """Whether a map step runs on its Triton kernels: `choice` 'triton', or 'auto' on CUDA ('torch': never)."""
+    return choice == "triton" or (choice == "auto" and device.type == "cuda")
 
 
 class IndexOps:
@@ -35,7 +42,7 @@ class IndexOps:
 
     def _kernels(self, t: torch.Tensor) -> bool:
         """Whether the index runs on its Triton kernels (`map_kernel`) for tensors like `t`."""
-        return self.map_kernel == "triton" or (self.map_kernel == "auto" and t.device.type == "cuda")
+        return triton_for(self.map_kernel, t.device)
 
     def _candidates(self, keys: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """`[m, 2]` the two candidate buckets of every (shard, key): bucket base + hash mod buckets, one hash per salt
@@ -55,8 +62,9 @@ class IndexOps:
         if self._kernels(keys):
             from embshard.kernels._idmap_triton import find_
 
-            salts = (_signed(BUCKET_SALTS[0]), _signed(BUCKET_SALTS[1]))
-            return find_(keys.contiguous(), shard.contiguous(), self.bucket_tab, self.slot_key, self.slot_row, salts, P)
+            return find_(
+                keys.contiguous(), shard.contiguous(), self.bucket_tab, self.slot_key, self.slot_row, _SALTS, P
+            )
         return self._find_torch(keys, shard)
 
     def _find_torch(self, keys: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

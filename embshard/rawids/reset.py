@@ -23,6 +23,7 @@ from torch import nn
 from embshard.geometry import offsets
 from embshard.lookup.shards import LocalShard, _signed, _uniform_of_index_, fp32, table_key
 from embshard.ops import small_to_device
+from embshard.rawids.index import triton_for
 from embshard.tables import DataType
 
 RESET_BLOCK_ELEMENTS = 1 << 20
@@ -157,8 +158,7 @@ class ResetOps:
             if seed != self._keys_seed:
                 self._keys = small_to_device([[_signed(table_key(seed, s.table_index)) for s in self.shards]], dev)[0]
                 self._keys_seed = seed
-            triton = self.reset_kernel == "triton" or (self.reset_kernel == "auto" and dev.type == "cuda")
-            triton = triton and not any(st.round_fp16 for st in w_stores)
+            triton = triton_for(self.reset_kernel, dev) and not any(st.round_fp16 for st in w_stores)
             compact = not triton and dev.type == "cpu"
             for st in w_stores:
                 keys = self._keys[st.ids[0] : st.ids[-1] + 1]
