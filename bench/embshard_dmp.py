@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,34 @@ WORKLOADS = {
         8192,
     ),
 }
+
+
+def timed_ms(step: Callable[[int], None], steps: int, sync: Callable[[], None]) -> float:
+    """Wall milliseconds per step of `step(0)` ... `step(steps - 1)`, synchronized (`sync`) before and after."""
+    sync()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def interleaved_ms(
+    kinds: Iterable[str],
+    rounds: int,
+    steps: int,
+    step: Callable[[str, int], None],
+    sync: Callable[[], None],
+    before: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """`timed_ms` of every kind in turn, `rounds` times (A B A B ...; `before` ahead of each run, e.g. a barrier):
+    each kind's ms/step per round."""
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(rounds):
+        for kind in times:
+            before()
+            times[kind].append(timed_ms(lambda i, kind=kind: step(kind, i), steps, sync))
+    return times
 
 
 def workload_spec(name: str, rows_scale: float = 1.0) -> list[tuple[int, int, int]]:
@@ -274,19 +303,15 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     mem_at = sorted({int(x) for x in args.mem_at.split(",") if x})
     allocated: dict[int, float] = {}
-    times: dict[str, list[float]] = {k: [] for k in ebcs}
-    for _ in range(args.rounds if args.ids == "both" else 1):
-        for kind in ebcs:
-            comm.barrier()
+
+    def step_and_record(kind: str, i: int) -> None:
+        step(kind, i)
+        if i + 1 in mem_at:
             sync()
-            t0 = time.time()
-            for i in range(args.steps):
-                step(kind, i)
-                if i + 1 in mem_at:
-                    sync()
-                    allocated[i + 1] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
-            sync()
-            times[kind].append((time.time() - t0) / args.steps * 1e3)
+            allocated[i + 1] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+
+    rounds = args.rounds if args.ids == "both" else 1
+    times = interleaved_ms(ebcs, rounds, args.steps, step_and_record, sync, before=comm.barrier)
     mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(ws)]
     dist.all_gather_object(everyone, mine)

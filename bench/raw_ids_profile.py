@@ -42,6 +42,8 @@ from collections import Counter, defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from embshard_dmp import interleaved_ms, timed_ms  # noqa: E402
 
 SCALES = {"small": (100_000, 1024, 32), "large": (400_000, 4096, 32), "uniform26": (1_000_000, 16_384, 128)}
 PHASES = (
@@ -222,12 +224,7 @@ def _time_map_alone(ebc, inputs: list, steps: int, sync) -> dict[str, float]:
         fn = (lambda v, c: idmap(v, c, lookup)) if what == "forward" else (lambda v, c: idmap.remap(v, c, True))
         for i in range(2):  # warm
             fn(*inputs[i % len(inputs)])
-        sync()
-        t0 = time.perf_counter()
-        for i in range(steps):
-            fn(*inputs[i % len(inputs)])
-        sync()
-        ms[what] = (time.perf_counter() - t0) / steps * 1e3
+        ms[what] = timed_ms(lambda i, fn=fn: fn(*inputs[i % len(inputs)]), steps, sync)
     print(f"the map alone (synchronized, {steps} steps): forward (remap + reset) {ms['forward']:.2f} ms/step, "
           f"remap {ms['remap']:.2f} ms/step", flush=True)  # fmt: skip
     return ms
@@ -372,15 +369,7 @@ def main() -> None:
             step(kind, i)
     sync()
     print(f"warm-up {time.time() - t0:.1f} s", flush=True)
-    times: dict[str, list[float]] = {k: [] for k in ebcs}
-    for _ in range(args.rounds):
-        for kind in ebcs:
-            sync()
-            t0 = time.perf_counter()
-            for i in range(args.steps):
-                step(kind, i)
-            sync()
-            times[kind].append((time.perf_counter() - t0) / args.steps * 1e3)
+    times = interleaved_ms(ebcs, args.rounds, args.steps, step, sync)
     ms = {k: statistics.median(v) for k, v in times.items()}
     ebcs["raw"].reset_raw_id_stats()
     step("raw")
@@ -404,14 +393,13 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     per_kind, wall = {}, {}
     for kind in ebcs:
-        sync()
+
+        def marked(i: int, kind: str = kind) -> None:
+            with torch.profiler.record_function("step"):
+                step(kind, i)
+
         with profile(activities=activities, record_shapes=True) as prof:
-            t0 = time.perf_counter()
-            for i in range(args.steps):
-                with torch.profiler.record_function("step"):
-                    step(kind, i)
-            sync()
-            wall[kind] = (time.perf_counter() - t0) / args.steps * 1e3
+            wall[kind] = timed_ms(marked, args.steps, sync)
         per_kind[kind] = prof
         if args.trace and args.out:
             prof.export_chrome_trace(f"{os.path.splitext(args.out)[0]}.{kind}.json")

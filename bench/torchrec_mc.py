@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from embshard_dmp import WORKLOADS  # noqa: E402
+from embshard_dmp import WORKLOADS, interleaved_ms  # noqa: E402
 
 KINDS = ("static", "mc")
 
@@ -273,16 +273,7 @@ def main() -> None:
             )
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
-    for _ in range(args.rounds):
-        for kind in KINDS:
-            dist.barrier()
-            sync()
-            t0 = time.time()
-            for i in range(args.steps):
-                step(kind, i)
-            sync()
-            times[kind].append((time.time() - t0) / args.steps * 1e3)
+    times = interleaved_ms(KINDS, args.rounds, args.steps, step, sync, before=dist.barrier)
     peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else 0.0], device=dev)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     from torchrec.distributed.mc_modules import ShardedManagedCollisionCollection

@@ -197,8 +197,9 @@ def uvm_first_touch(threads: int | None = None) -> Iterator[HostFirstTouch | Non
     try:
         yield touch
     except BaseException:
-        training.apply_split_helper = original
         touch.close(cancel=True)
         raise
-    training.apply_split_helper = original
-    touch.close()
+    else:
+        touch.close()
+    finally:
+        training.apply_split_helper = original
