@@ -250,8 +250,8 @@ def _rank_main(args: argparse.Namespace) -> None:
 def data_law(data) -> str:
     """`ids=uniform|zipf bags=fixed|poisson` of a synthetic source, as the TorchRec baseline's RESULT line says them
     (bench/report.py compares only runs of the same law); empty for other sources."""
-    syn = getattr(data, "synthetic", None)
-    if getattr(data, "source", "synthetic") != "synthetic" or syn is None:
+    syn = data.synthetic
+    if data.source != "synthetic" or syn is None:
         return ""
     return f"ids={'zipf' if syn.zipf_exponent > 0 else 'uniform'} bags={syn.bag_lengths}"
 
