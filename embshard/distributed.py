@@ -33,7 +33,11 @@ def init_distributed(collective_timeout_s: float | None = 600.0) -> torch.device
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        kwargs = {"timeout": timedelta(seconds=collective_timeout_s + 60)} if collective_timeout_s else {}
+        kwargs: dict[str, Any] = (
+            {"timeout": timedelta(seconds=collective_timeout_s + 60)} if collective_timeout_s else {}
+        )
+        if cuda:  # the group's GPU, named: collectives without tensors (barrier, DCP's) use it instead of guessing
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
     comm.set_timeout(collective_timeout_s)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

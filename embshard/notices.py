@@ -16,6 +16,10 @@ Warnings (Python's warnings filter, by the start of their text):
   TBE (the data-parallel replicas, embshard/lookup/replicas.py) builds its own autograd graph, whose gradient is
   right; torch's fallback warns on its backward anyway.
 
+- torch, "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled ...": torch.compile's
+  advice, printed once per process when it compiles fp32 matrix products on a GPU with TF32 units.
+  `training.precision` is the knob for it: fp32 keeps full fp32 products on purpose, tf32 (or bf16) takes the advice.
+
 `install()` runs when embshard is imported, so spawned ranks (which import embshard to run) and the data workers
 (forked from them) get it too.
 """
@@ -32,6 +36,7 @@ DROPPED = (("torch.fx._symbolic_trace", "is_fx_tracing will return true for both
 DROPPED_WARNINGS = (
     "TBE B200 optimization: device_major=",
     "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered",
+    "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled",
 )
 
 

@@ -18,6 +18,7 @@ calls.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import pickle
 import socket
@@ -43,10 +44,24 @@ def device_kind() -> str:
     return os.environ.get("EMBSHARD_TEST_DEVICE", "cpu")
 
 
+_PORTS = itertools.count()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768 and up), from a range of its own per pytest-xdist worker:
+    neither the ports the kernel hands to other sockets (NCCL's, the command line's) nor another worker's groups can
+    take it between this choice and the store's bind (a port from the ephemeral range could be, under load)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    base = 20000 + 500 * (int(worker) % 24 if worker.isdigit() else 0)
+    for _ in range(500):
+        port = base + next(_PORTS) % 500
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + 499}: close the processes holding them")
 
 
 def _join_group(rank: int, world_size: int, port: int, pg_timeout_s: float) -> torch.device:
@@ -64,12 +79,21 @@ def _join_group(rank: int, world_size: int, port: int, pg_timeout_s: float) -> t
     # reach it, which is no hang; a short pg_timeout_s is for the collectives.
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=max(120, pg_timeout_s)))
     timeout = timedelta(seconds=pg_timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    bound = {"device_id": torch.device("cuda", rank)} if device == "cuda" else {}  # as embshard's init_distributed
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound)
     return torch.device(device, rank) if device == "cuda" else torch.device("cpu")
 
 
 def _entry(
-    rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, pg_timeout_s: float, environ: dict
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    fn: Callable,
+    args: tuple,
+    pg_timeout_s: float,
+    environ: dict,
+    exit_at_once: bool = False,
 ) -> None:
     os.environ.clear()  # the caller's (a forked process has the fork server's)
     os.environ.update(environ)
@@ -77,6 +101,8 @@ def _entry(
     try:
         result = fn(rank, world_size, device, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+        if exit_at_once:  # no teardown of a group fn left a collective pending in (NCCL's would abort the process)
+            os._exit(0)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
         raise
@@ -255,21 +281,30 @@ def _collect(out_dir: str, world_size: int) -> list[Any]:
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S, fresh: bool = False
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S,
+    fresh: bool = False,
+    exit_at_once: bool = False,
 ) -> list[Any]:
     """Call fn(rank, world_size, device, *args) on `world_size` processes; return each rank's result.
     `pg_timeout_s`: the process group's timeout (a hung collective fails the test after it). `fresh`: on processes
-    started for this call alone (else, on the CPU, on the pool of this world size: see the module's docstring)."""
+    started for this call alone (else, on the CPU, on the pool of this world size: see the module's docstring).
+    `exit_at_once` (with `fresh`): each rank exits as soon as its result is saved, without ending its process group
+    (for a test that leaves a collective pending on purpose: NCCL's watchdog would take the process down later)."""
     if device_kind() == "cuda" and world_size > torch.cuda.device_count():
         import pytest
 
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible (one process per GPU)")
     with tempfile.TemporaryDirectory() as out_dir:
+        if exit_at_once and not fresh:
+            raise ValueError("run_distributed(exit_at_once=True) needs fresh=True: pooled ranks must stay")
         if fresh or pg_timeout_s != DEFAULT_PG_TIMEOUT_S or not _pooling():
             try:
                 mp.start_processes(
                     _entry,
-                    args=(world_size, _free_port(), out_dir, fn, args, pg_timeout_s, dict(os.environ)),
+                    args=(world_size, _free_port(), out_dir, fn, args, pg_timeout_s, dict(os.environ), exit_at_once),
                     nprocs=world_size,
                     join=True,
                     start_method=_start_method(),
