@@ -181,6 +181,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
     ap.add_argument("--rounds", type=int, default=3, help="--ids both: interleaved rounds of --steps steps each")
     ap.add_argument("--numa-bind", action="store_true", help="run each rank on its GPU's NUMA node's CPUs")
+    ap.add_argument(
+        "--counts",
+        choices=("host", "device", "both"),
+        default="host",
+        help="each step's batch counts: host (counted from the batch's CPU copy before the step and gathered over a "
+        "CPU group, as embshard's training pipeline does: no GPU sync in the step), device (the forward gathers "
+        "them on the GPUs and syncs once), both (interleaved; RESULT lines for host)",
+    )
     args = ap.parse_args()
     if args.ids != "static" and args.bench == "emb":
         args.bench = "rawids"
@@ -192,6 +200,7 @@ def main() -> None:
     from embshard.optim import FusedOptimizerConfig
     from embshard.plan import MemoryTier
     from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.sharding.exchange import parse_counts
 
     numa_setup(bind=args.numa_bind)  # one line per rank: the GPU's node and where the process runs
     dev = init_distributed()
@@ -271,15 +280,38 @@ def main() -> None:
         )
 
     batches = [make_batch() for _ in range(args.batches)]
+    # Host counts: each batch's counts row made from its CPU copy once, before the timed steps (the training
+    # pipeline makes it in its host thread while earlier batches train), with the id range check when asked.
+    host_group = dist.new_group(backend="gloo") if cuda else None
+    rows = {}
+    if args.counts != "device":
+        for kind, ebc in ebcs.items():
+            rows[kind] = []
+            for b in batches:
+                kjt = b[kind == "raw"]
+                cpu = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().cpu(), lengths=kjt.lengths().cpu())
+                rows[kind].append(ebc.host_counts(cpu, check=not args.no_check_ids))
+    primary = "device" if args.counts == "device" else "host"
+    labels = list(ebcs) + ([f"{k}@device" for k in ebcs] if args.counts == "both" else [])
 
-    def step(kind: str, i: int) -> None:
+    def step(label: str, i: int) -> None:
+        kind, _, mode = label.partition("@")
         kjt = batches[i % len(batches)][kind == "raw"]
-        ebcs[kind](kjt, check_ids=not args.no_check_ids).values().sum().backward()
+        ebc = ebcs[kind]
+        if (mode or primary) == "host":
+            # the step's agreement: every rank's counts row over the CPU group (host only, no GPU sync)
+            row = rows[kind][i % len(batches)].clone()
+            row[2] = ebc.next_prefetch_step
+            table = comm.start_all_gather(row, host_group, "bench counts all-gather").wait(host=True).numpy()
+            handle = ebc.prefetch(kjt, counts=parse_counts(table))
+            ebc(kjt, prefetched=handle).values().sum().backward()
+        else:
+            ebc(kjt, check_ids=not args.no_check_ids).values().sum().backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for kind in ebcs:
+    for label in labels:
         for i in range(5):
-            step(kind, i)
+            step(label, i)
     sync()
     if cuda and args.mem_probe:  # where the step's transient memory goes: forward vs backward
         for kind, ebc in ebcs.items():
@@ -310,8 +342,8 @@ def main() -> None:
             sync()
             allocated[i + 1] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
 
-    rounds = args.rounds if args.ids == "both" else 1
-    times = interleaved_ms(ebcs, rounds, args.steps, step_and_record, sync, before=comm.barrier)
+    rounds = args.rounds if len(labels) > 1 else 1
+    times = interleaved_ms(labels, rounds, args.steps, step_and_record, sync, before=comm.barrier)
     mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(ws)]
     dist.all_gather_object(everyone, mine)
@@ -325,8 +357,17 @@ def main() -> None:
             if cuda
             else ""
         )
-        for kind in ebcs:
-            ms = statistics.median(times[kind])
+        for label in labels:
+            kind, _, mode = label.partition("@")
+            ms = statistics.median(times[label])
+            if mode:  # the other counts mode, interleaved with the primary: one line, no RESULT
+                print(
+                    f"embshard {args.workload} world={ws} ids={kind} counts={mode}: {ms:.2f} ms/step (rounds: "
+                    f"{', '.join(f'{t:.2f}' for t in times[label])}); counts={primary}: "
+                    f"{statistics.median(times[kind]):.2f} ms/step",
+                    flush=True,
+                )
+                continue
             pred = ""
             if report is not None:
                 pred = (
@@ -335,6 +376,7 @@ def main() -> None:
                 )
             ids = "" if args.ids == "static" else f" ids={kind}"
             rounds = f" (rounds: {', '.join(f'{t:.2f}' for t in times[kind])})" if len(times[kind]) > 1 else ""
+            ids += f" counts={primary}"
             print(
                 f"embshard {args.workload} world={ws} plan={args.plan}{ids} check_ids={not args.no_check_ids}: "
                 f"{ms:.2f} ms/step{rounds}, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
@@ -343,6 +385,7 @@ def main() -> None:
             fields = [
                 f"framework=embshard bench={args.bench} workload={args.workload} world={ws} batch_per_rank={batch}",
                 f"plan={os.path.basename(args.plan)} hbm_gib={args.hbm_gib:g} steps={args.steps} ms_per_step={ms:.3f}",
+                f"counts={primary}",
                 f"samples_per_s={ws * batch / ms * 1e3:.0f} peak_gib={peak.item() / 2**30:.2f}",
             ]
             if args.ids != "static":

@@ -276,7 +276,7 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     for i in range(pairs):  # pair 1 of every workload, then pair 2, ...: a time limit still leaves one of each
         for w in workloads:
             base = ["bench/baselines/torchrec_dmp.py", "--workload", w]
-            mine = ["bench/embshard_dmp.py", "--workload", w, "--plan", "planner"]
+            mine = ["bench/embshard_dmp.py", "--workload", w, "--plan", "planner", "--counts", "both"]
             if w == "hetero124":
                 base += ["--hbm-gib", f"{hbm:g}", "--force", "small-dp"]
             elif w == "overflow":

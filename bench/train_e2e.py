@@ -103,12 +103,32 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def gpu_kernels(prof) -> list:
+    """The profile's GPU kernels and copies: device events that are not user annotations (a `record_function`
+    range shows on the GPU timeline too, spanning its kernels; counting it would count them twice)."""
+    return [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and e.time_range.elapsed_us() > 0
+        and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith("## ")
+    ]
+
+
+def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]:
+    """(name, ms per step, launches per step) of the n kernels with the most GPU time."""
+    ms, calls = collections.Counter(), collections.Counter()
+    for e in gpu_kernels(prof):
+        ms[e.name] += e.time_range.elapsed_us() / 1e3 / steps
+        calls[e.name] += 1 / steps
+    return [(k, v, calls[k]) for k, v in ms.most_common(n)]
+
+
 def busy_share(prof, steps: int) -> tuple[float, float, dict[str, float]]:
     """(share of the window with any kernel running, same without NCCL kernels, kernel ms per step by kind)."""
     spans, spans_compute, by_kind = [], [], collections.Counter()
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.elapsed_us() <= 0:
-            continue
+    for e in gpu_kernels(prof):
         start, end = e.time_range.start, e.time_range.end
         kind = kernel_kind(e.name)
         by_kind[kind] += (end - start) / 1e3 / steps
@@ -222,6 +242,10 @@ def run(args: argparse.Namespace) -> None:
             say(f"profile ({args.profile_steps} steps, rank 0): GPU busy {busy:.1%} of the window "
                 f"({busy_compute:.1%} without NCCL kernels); kernel ms/step "
                 + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))  # fmt: skip
+            launches = len(gpu_kernels(prof)) / args.profile_steps
+            say(f"profile: {launches:.0f} kernels and copies a step; the top ones (ms/step, launches/step):")
+            for name, k_ms, k_calls in top_kernels(prof, args.profile_steps):
+                say(f"  {k_ms:7.3f} {k_calls:6.1f}  {name[:110]}")
         if args.trace and rank == 0:
             prof.export_chrome_trace(args.trace)
             say(f"trace: {args.trace}")
