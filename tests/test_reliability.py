@@ -106,8 +106,12 @@ def _stall_worker(rank, world_size, device, tables, plan, timeout_s):
     return {"type": None}
 
 
-def test_a_stalled_rank_makes_the_others_raise_within_the_timeout():
+def test_a_stalled_rank_makes_the_others_raise_within_the_timeout(monkeypatch):
     world_size, timeout_s = 2, 1.0  # short: the test waits 3 timeouts (the stall) in real time
+    # On CPU process groups (gloo) on every machine: embshard's timeout is the same host-side wait for every backend,
+    # while this test leaves a collective pending on purpose, and NCCL's own watchdog then takes the process down
+    # (TORCH_NCCL_ASYNC_ERROR_HANDLING) whatever embshard does.
+    monkeypatch.setenv("EMBSHARD_TEST_DEVICE", "cpu")
     tables, plan = _plan(world_size)
     # fresh processes: the watchdog's timeout stays set in them, and rank 0 leaves a collective pending
     results = run_distributed(

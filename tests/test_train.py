@@ -149,7 +149,7 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
 def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     """The 20-step run saved step 10 on the way (`straight`: its evaluations at 0, 10, 20). A run of 20 steps
     resumed from it (`resume_from=latest`, 2 processes) ends with the same held-out loss and AUC, bitwise; the same
-    checkpoint resumes on 3 processes; a rank killed with SIGKILL mid-training under torchrun --max-restarts makes
+    checkpoint resumes on 3 processes (on 1 where 2 GPUs are all there are: one process per GPU); a rank killed with SIGKILL mid-training under torchrun --max-restarts makes
     the job restart from its latest complete checkpoint and end with the uninterrupted run's numbers."""
     assert [m["step"] for m in straight] == [0, 10, 20]
     common = ["configs/dlrm_criteo.yaml", "schedule.epochs=null", "schedule.steps=20", "logging.tensorboard_dir=null"]
@@ -164,12 +164,14 @@ def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout
     assert metrics(resumed) == [straight[-1]]  # step 20: the same loss, AUC and samples, bitwise
     three = tmp / "three"
+    other = 3 if DEVICE == "cpu" or torch.cuda.device_count() >= 3 else 1  # one process per GPU: 2 -> 1 on 2 GPUs
     res = train_job(
         [*common, f"checkpoint.resume_from={resumed}/ck/step_10", f"checkpoint.dir={three}/ck"]
         + [f"logging.metrics_file={three}/metrics.jsonl"],
-        3,
+        other,
     )
-    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout and "ShardingPlan: world_size=3" in res.stdout
+    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout
+    assert f"ShardingPlan: world_size={other}" in res.stdout
     (m,) = metrics(three)
     assert m["step"] == 20 and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
     elastic = tmp / "elastic"
