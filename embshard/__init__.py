@@ -1,6 +1,6 @@
 """embshard: sharded embedding tables on FBGEMM TBE kernels."""
 
-from embshard import notices
+from embshard import notices  # noqa: F401  (first: its import drops known library notices, embshard/notices.py)
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import BoundsCheck, LookupOptions, OutputDtype
 from embshard.plan import CacheAlgorithm, Exchange, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
@@ -27,8 +27,6 @@ __all__ = [
     "TablePlan",
     "simple_plan",
 ]
-
-notices.install()  # known library notices that ask nothing of embshard's users (embshard/notices.py)
 
 
 def __getattr__(name: str):

@@ -7,6 +7,11 @@ emitted, each by its exact logger and text (every other record and warning stays
   advice to code that calls `is_fx_tracing()`, which embshard does not; any process that builds a
   KeyedJaggedTensor (every rank, each batch) would print it.
 
+- fbgemm-gpu, "_fbgemm_torch_compat_table has no entry for <version> of FBGEMM; cannot determine compatibility with
+  PyTorch ...": fbgemm-gpu's import checks its own table of tested torch versions, which lacks some releases
+  (fbgemm-gpu 1.6.0 with torch 2.11, a pair embshard is tested with), and logs this on the root logger in
+  every process that imports it. Its other message, a version the table says is not compatible, stays visible.
+
 Warnings (Python's warnings filter, by the start of their text):
 
 - FBGEMM, "TBE B200 optimization: device_major=...": a debug line that fbgemm-gpu 1.6's TBE backward (CUDA) prints
@@ -20,8 +25,8 @@ Warnings (Python's warnings filter, by the start of their text):
   advice, printed once per process when it compiles fp32 matrix products on a GPU with TF32 units.
   `training.precision` is the knob for it: fp32 keeps full fp32 products on purpose, tf32 (or bf16) takes the advice.
 
-`install()` runs when embshard is imported, so spawned ranks (which import embshard to run) and the data workers
-(forked from them) get it too.
+`install()` runs when this module is imported, the first thing `import embshard` does, so spawned ranks (which
+import embshard to run) and the data workers (forked from them) get it too.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ import re
 import warnings
 
 # (logger name, start of the message) of each notice dropped
-DROPPED = (("torch.fx._symbolic_trace", "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"),)
+DROPPED = (
+    ("torch.fx._symbolic_trace", "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"),
+    ("root", "_fbgemm_torch_compat_table has no entry for "),
+)
 # start of the text of each warning dropped
 DROPPED_WARNINGS = (
     "TBE B200 optimization: device_major=",
@@ -46,7 +54,12 @@ class _Drop(logging.Filter):
         self.prefix = prefix
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefix))
+        if not isinstance(record.msg, str):
+            return True
+        return not _ANSI.sub("", record.msg).lstrip().startswith(self.prefix)  # text as printed, colours aside
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def install() -> None:
@@ -57,3 +70,6 @@ def install() -> None:
             logger.addFilter(_Drop(prefix))
     for prefix in DROPPED_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)
+
+
+install()

@@ -29,3 +29,13 @@ def test_listed_log_records_are_dropped_and_others_kept(caplog):
             logger.warning("another record of the same logger")
         assert [r.getMessage() for r in caplog.records] == ["another record of the same logger"]
         caplog.clear()
+
+
+def test_fbgemm_compat_notice_is_dropped_as_it_prints_and_its_incompatibility_warning_kept(caplog):
+    """fbgemm-gpu logs both on the root logger, coloured and indented (its __init__'s version check)."""
+    missing = "\n            \033[33m\n            _fbgemm_torch_compat_table has no entry for 1.6.0 of FBGEMM;\n"
+    wrong = "\n            \033[31m\n            FBGEMM_GPU version is 1.6.0, which is not guaranteed to be\n"
+    with caplog.at_level(logging.WARNING):
+        logging.warning(missing)
+        logging.warning(wrong)
+    assert [r.getMessage() for r in caplog.records] == [wrong]
