@@ -92,12 +92,20 @@ data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp
 table.
 
 Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
-shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-92 B); its step, in
-the forward phase, remaps the shard's n ids: n*RAW_ID_BYTES / bw (sorting the ids, the unique ids' arrays, two
-buckets of 16 slots read per id; NOT fitted: estimated from the bytes the ops move) plus writing one row and its
-state per id (the reset list: rows given to new ids, padded; over the host link for uvm), r*RAW_ROW_BYTES / bw
-(LRU: the O(rows) passes over the order; LFU sorts the rows: 4x that) and RAW_KERNELS*kernel_s of launches, and
-n*RAW_ID_STEP_BYTES of step memory.
+shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-92 B), and
+n*RAW_ID_STEP_BYTES of step memory. Its step, in the forward phase, remaps the shard's n ids (`raw_terms`):
+n*RAW_ID_BYTES / bw (the time per id as bytes at the copy bandwidth, so it scales with the GPU as the per-id
+constants do) plus writing one row and its state per id (the reset list: rows given to new ids, padded; over the
+host link for uvm) and r*RAW_ROW_BYTES / bw (LRU: the O(rows) passes over the order; LFU sorts the rows: 4x that).
+Raw-id shards form lookup groups of their own (the runtime's LocalShard.group_key), and a group's remap launches
+RAW_KERNELS kernels once for all its shards on a rank: RAW_KERNELS*kernel_s per group (`group_fixed`), not per
+shard. RAW_KERNELS (216) is counted (326 launches a raw step against 110 static, 1 x H100, 13 tables); RAW_ID_BYTES
+(7132) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3 with NVLink, 2026-11-26
+(`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py --workload uniform26
+--plan planner --ids both --steps 20`: 13.45 ms a step, 13 table-wise raw-id tables a rank; the case in
+tests/planner/data/measured_steps.json, `bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and
+the reset's bytes are estimates (the reset's 0.39 ms there matches the profiled 0.41 ms). The same constants put a
+1-GPU raw step at 8.42 ms more than a static one where one process measured 4.53 ms more (docs/planner.md).
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
 (GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
