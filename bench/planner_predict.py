@@ -19,8 +19,10 @@ Refit a GPU model's constants (embshard/planner/presets/DEVICE.yaml) to benchmar
 after `python bench/run.py emb kernels --out OUT` (emb.log has each run's RESULT line and the plan it ran):
     python bench/planner_predict.py --refit --device h100 --steps OUT/emb.log --kernels OUT/kernels.log --write
 Predicted against every measured embedding step of embshard's runtime kept in the repository (one line per GPU
-model and workload, the plan it ran; tests/planner/test_planner_measured.py pins them within 10%), and with --fit
-the shared host cost and the per-bag cost refitted to them (values to put into presets/*.yaml):
+model and workload, static or raw ids, the plan it ran; tests/planner/test_planner_measured.py pins them within
+10%), with the raw-id cases' remap term by term, and with --fit the shared host cost and the per-bag cost refitted
+to the static cases (values to put into presets/*.yaml), then the raw-id remap's cost per id (cost.RAW_ID_BYTES)
+to the raw-id cases:
     python bench/planner_predict.py --measured [tests/planner/data/measured_steps.json] [--fit]
 --kernels refits the small-table kernel's constants (forward per id, backward and data-parallel dense gradient
 per atomic sector), --steps the fixed cost of a step (embshard/planner/tools/refit.py); it prints every measured
@@ -179,15 +181,22 @@ def main(argv: list[str] | None = None) -> None:
         const=str(ROOT / "tests" / "planner" / "data" / "measured_steps.json"),
         help="print predicted against the measured steps of this JSON file (default: the tests' table)",
     )
-    p.add_argument("--fit", action="store_true", help="--measured: refit host_sync and batch_bag to them")
+    p.add_argument(
+        "--fit", action="store_true", help="--measured: refit host_sync and batch_bag (and RAW_ID_BYTES) to them"
+    )
     args = p.parse_args(argv)
     if args.measured:
         from embshard.planner.tools import measured as ms
 
         cases, _ = ms.load_cases(args.measured)
         print("\n".join(ms.table(cases)))
+        for c in cases:
+            if c.ids == "raw":  # the raw-id tables' remap, term by term
+                print("\n".join(ms.raw_breakdown(c)))
         if args.fit:
             print("\n".join(ms.fit_host_and_bag(cases)[2]))
+            if any(c.ids == "raw" for c in cases):
+                print("\n".join(ms.fit_raw_id_bytes(cases)[1]))
         return
     if args.refit:
         refit(args)

@@ -92,12 +92,20 @@ data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp
 table.
 
 Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
-shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-92 B); its step, in
-the forward phase, remaps the shard's n ids: n*RAW_ID_BYTES / bw (sorting the ids, the unique ids' arrays, two
-buckets of 16 slots read per id; NOT fitted: estimated from the bytes the ops move) plus writing one row and its
-state per id (the reset list: rows given to new ids, padded; over the host link for uvm), r*RAW_ROW_BYTES / bw
-(LRU: the O(rows) passes over the order; LFU sorts the rows: 4x that) and RAW_KERNELS*kernel_s of launches, and
-n*RAW_ID_STEP_BYTES of step memory.
+shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-92 B), and
+n*RAW_ID_STEP_BYTES of step memory. Its step, in the forward phase, remaps the shard's n ids (`raw_terms`):
+n*RAW_ID_BYTES / bw (the time per id as bytes at the copy bandwidth, so it scales with the GPU as the per-id
+constants do) plus writing one row and its state per id (the reset list: rows given to new ids, padded; over the
+host link for uvm) and r*RAW_ROW_BYTES / bw (LRU: the O(rows) passes over the order; LFU sorts the rows: 4x that).
+Raw-id shards form lookup groups of their own (the runtime's LocalShard.group_key), and a group's remap launches
+RAW_KERNELS kernels once for all its shards on a rank: RAW_KERNELS*kernel_s per group (`group_fixed`), not per
+shard. RAW_KERNELS (216) is counted (326 launches a raw step against 110 static, 1 x H100, 13 tables); RAW_ID_BYTES
+(7132) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3 with NVLink, 2026-11-26
+(`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py --workload uniform26
+--plan planner --ids both --steps 20`: 13.45 ms a step, 13 table-wise raw-id tables a rank; the case in
+tests/planner/data/measured_steps.json, `bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and
+the reset's bytes are estimates (the reset's 0.39 ms there matches the profiled 0.41 ms). The same constants put a
+1-GPU raw step at 8.42 ms more than a static one where one process measured 4.53 ms more (docs/planner.md).
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
 (GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
@@ -153,23 +161,28 @@ ROUTE_PASSES = 1
 BATCH_ID_PASSES = 2
 """Segment-wise passes over a rank's own bags: the sender's permute by destination and the id check."""
 DP_UPDATE_PASSES = 8
+"""Passes of the data-parallel update over the flat gradient, in bytes (norm, mask, update; fitted: 175 us for
+1M rows x 16 on an H200, its row-norm kernel runs well below the copy bandwidth)."""
 # Exact column-wise row-wise Adagrad (sharding/column_wise.py): its backward instead of the fused one gathers a
 # gradient row per id, adds them per touched row and updates those rows (passes over n*c*4 bytes), in about this
 # many kernels, with one host sync (the touched-row count) and one small all-to-all per step.
 EXACT_COLUMN_PASSES = 3
 EXACT_COLUMN_KERNELS = 14
-# Raw-id tables' id -> row map (embshard/rawids; module docstring). Estimated from the bytes the ops move, not fitted.
-RAW_ID_BYTES = 1024
-"""Bytes moved per id by the remap: sorts, the unique ids' arrays, two buckets of 16 slots (id and row) read."""
+# Raw-id tables' id -> row map (embshard/rawids; module docstring). RAW_ID_BYTES is fitted to the measured raw-id
+# step of uniform26 on 2 x H100 (tests/planner/data/measured_steps.json; `bench/planner_predict.py --measured --fit`
+# gives it back); RAW_KERNELS is counted; RAW_ROW_BYTES and the reset's bytes are estimates (docs/planner.md).
+RAW_ID_BYTES = 7132
+"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 2.55 ns an id on an H100): fitted, not the
+bytes the ops move (~1 KB an id: sorts, the unique ids' arrays, two buckets of 16 slots read); the rest is the
+latency of its dependent gathers and scatters and, in a multi-GPU step, the launch-bound stretch it adds."""
 RAW_ROW_BYTES = 96
 """Bytes moved per row of the shard per step by LRU's order update (LFU: RAW_LFU_FACTOR times that: a sort)."""
 RAW_LFU_FACTOR = 4
-RAW_KERNELS = 120
-"""Kernel launches of one remap (per shard: an upper bound, shards of one group share them)."""
+RAW_KERNELS = 216
+"""Kernel launches of one remap, paid once per lookup group of raw-id tables on a rank (its shards share them):
+326 launches a raw step against 110 static, counted on an H100 (13 tables, bench/raw_ids_profile.py)."""
 RAW_ID_STEP_BYTES = 512
 """Step memory per id of the remap (its int64 working arrays, a bucket's slots at a time)."""
-"""Passes of the data-parallel update over the flat gradient, in bytes (norm, mask, update; fitted: 175 us for
-1M rows x 16 on an H200, its row-norm kernel runs well below the copy bandwidth)."""
 FWD_KERNELS, CACHE_KERNELS, BWD_KERNELS, DP_UPDATE_KERNELS = 1, 8, 12, 4
 
 ROW_KINDS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
@@ -403,12 +416,16 @@ class CostModel:
         """Seconds of a raw-id shard's remap per step (0 for other tables; module docstring)."""
         if not np.any(t.raw):
             return 0.0
+        return t.raw * sum(self.raw_terms(t, tier, n, rows, rb, sb).values())
+
+    def raw_terms(self, t: TableStats, tier: MemoryTier, n, rows, rb, sb) -> dict[str, np.ndarray | float]:
+        """A raw-id shard's remap seconds by term (as if every table were raw; the launches, RAW_KERNELS *
+        kernel_s, are its lookup group's: `group_fixed`): 'ids' n * RAW_ID_BYTES / bw, 'rows' the LRU order's
+        (LFU's sort) passes, 'reset' a row and its state written per id (over the host link for uvm)."""
         bw = self.mem_bw
         reset_bw = self.topo.uvm_bw if tier is MemoryTier.UVM else bw
         row_passes = rows * RAW_ROW_BYTES * (1 + (RAW_LFU_FACTOR - 1) * t.lfu)
-        return t.raw * (
-            (n * RAW_ID_BYTES + row_passes) / bw + n * (rb + sb) / reset_bw + RAW_KERNELS * self.topo.kernel_s
-        )
+        return {"ids": n * RAW_ID_BYTES / bw, "rows": row_passes / bw, "reset": n * (rb + sb) / reset_bw}
 
     def batch_loads(self, tables: Sequence[TableConfig]) -> np.ndarray:
         """[NROWS]: what every rank does for its own batch whatever the plan: the sender's permute of its ids by
@@ -523,11 +540,17 @@ class CostModel:
             return twrw.hierarchical_vecs(self.topo, flat, wk.out_b, blocks)
         return flat
 
-    def group_fixed(self, sharding: ShardingType, tier: MemoryTier, kernel=LookupKernel.FBGEMM) -> np.ndarray:
-        """[NROWS]: kernel launch costs of one lookup group on a rank (do not modify: cached)."""
-        key = ("group", sharding, tier, kernel)
+    def group_fixed(
+        self, sharding: ShardingType, tier: MemoryTier, kernel=LookupKernel.FBGEMM, raw: bool = False
+    ) -> np.ndarray:
+        """[NROWS]: kernel launch costs of one lookup group on a rank (do not modify: cached). Raw-id tables form
+        groups of their own (the runtime's LocalShard.group_key), whose remap adds RAW_KERNELS launches forward."""
+        key = ("group", sharding, tier, kernel, raw)
         if key not in self._fixed:
-            self._fixed[key] = self._group_fixed(sharding, tier, kernel)
+            v = self._group_fixed(sharding, tier, kernel).copy()
+            if raw:
+                v[loads.FWD] += RAW_KERNELS * self.topo.kernel_s
+            self._fixed[key] = v
         return self._fixed[key]
 
     def scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:

@@ -46,6 +46,9 @@ class Option:
     """UVM-caching cache size (fraction of rows); 0 for other tiers."""
     kernel: LookupKernel = LookupKernel.FBGEMM
     """Lookup kernel of its shards (kernel_choice.py gives small tables 'small' forms of their options)."""
+    raw: bool = False
+    """Whether the table has raw ids (ids: raw): its shards form lookup groups of their own, each with its remap's
+    launches (CostModel.group_fixed)."""
 
     @property
     def label(self) -> str:
@@ -106,7 +109,7 @@ def table_options(
                     continue
                 if st is ShardingType.COLUMN_WISE and tier is MemoryTier.UVM and not constraint.column_shards:
                     continue  # duplicated ids over the host link: never better than table-wise UVM
-                out.append(Option(st, tier, parts, clf if tier is MemoryTier.UVM_CACHING else 0.0))
+                out.append(Option(st, tier, parts, clf if tier is MemoryTier.UVM_CACHING else 0.0, raw=table.raw_ids))
     if not out:
         raise ConfigError(
             f"table {table.name!r}: no sharding option is left: constraints {constraint.to_dict()} and planner "

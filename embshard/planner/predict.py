@@ -127,7 +127,8 @@ def predict(
         alone[ti[single]] = np.maximum.reduceat(peak, loads.PHASE_START, axis=1).sum(axis=1)
         for k in np.flatnonzero(~single).tolist():
             per_table[ti[k]].append((rk[k], owner[k], same[k], other[k]))
-        groups.update((st, tier, kernel, int(r)) for r in set(rk.tolist()))
+        raw = np.asarray(sub.raw, dtype=bool)  # raw-id tables' shards form lookup groups of their own
+        groups.update((st, tier, kernel, bool(w), int(r)) for w, r in set(zip(raw.tolist(), rk.tolist())))
         for r, h in zip(rk.tolist(), np.broadcast_to(wk.hot_s, rows.shape).tolist()):
             if kernel is LookupKernel.SMALL:
                 hot[(st, tier, r)] = max(hot.get((st, tier, r), 0.0), h)
@@ -159,8 +160,8 @@ def predict(
         sc[0] += 1
         sc[1] += int(t.weighted)
     rank_mem_list = [Storage(*(float(rank_mem[f][r]) for f in fields)) for r in range(W)]
-    for st, tier, kernel, r in sorted(groups, key=lambda g: (g[0].value, g[1].value, g[2].value, g[3])):
-        total[:, r] += model.group_fixed(st, tier, kernel)
+    for st, tier, kernel, raw, r in sorted(groups, key=lambda g: (g[0].value, g[1].value, g[2].value, g[3], g[4])):
+        total[:, r] += model.group_fixed(st, tier, kernel, raw)
     for (_st, _tier, r), h in sorted(hot.items(), key=lambda g: (g[0][0].value, g[0][1].value, g[0][2])):
         total[loads.BWD, r] += h
     for st, (_n, nw) in schemes.items():

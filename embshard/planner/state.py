@@ -44,7 +44,7 @@ class State:
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
-        return (ch.option.sharding, ch.option.tier, ch.option.kernel)
+        return (ch.option.sharding, ch.option.tier, ch.option.kernel, ch.option.raw)
 
     def _hot_change(self, ch: Choice, ranks: Sequence[int], sign: int) -> np.ndarray:
         """[W]: change of each rank's longest hot chain in the choice's group if it joins (+1) or leaves (-1)."""

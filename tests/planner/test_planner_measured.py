@@ -1,7 +1,8 @@
 """The cost model against embshard's measured embedding steps: every case of data/measured_steps.json (GPU model,
-workload, the plan it ran, the measured ms/step and the logs they come from) is predicted with its GPU model's
-preset within the file's tolerance (10%) of the median of its measured steps. A change to the model or to a
-preset that breaks the fit fails here; new measurements go into the JSON file with their source log."""
+workload, static or raw ids, the plan it ran, the measured ms/step and the logs they come from) is predicted with
+its GPU model's preset within the file's tolerance (10%) of the median of its measured steps. A change to the
+model or to a preset that breaks the fit fails here; new measurements go into the JSON file with their source
+log."""
 
 from __future__ import annotations
 
@@ -15,25 +16,32 @@ DATA = Path(__file__).parent / "data" / "measured_steps.json"
 CASES, TOLERANCE = load_cases(DATA)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.gpu}-{c.workload}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.gpu}-{c.workload}-{c.ids}" for c in CASES])
 def test_prediction_within_tolerance_of_the_measured_median(case):
     predicted = case.report().step_time_s * 1e3
     measured = case.median_ms
     assert predicted == pytest.approx(measured, rel=TOLERANCE), (
-        f"2 x {case.gpu} {case.workload}: predicted {predicted:.2f} ms/step, measured median {measured:.2f} "
+        f"{case.world} x {case.gpu} {case.label}: predicted {predicted:.2f} ms/step, measured median {measured:.2f} "
         f"({predicted / measured - 1:+.1%}; the rule: within {TOLERANCE:.0%}); sources: {'; '.join(case.sources)}"
     )
 
 
 def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
-    """Every bench/embshard_dmp.py workload is measured on every GPU model with a preset file, and each case's plan
-    is the kind the logs describe (table-wise, data-parallel and UVM-caching tables as they ran)."""
+    """Every bench/embshard_dmp.py workload is measured with static ids on every GPU model with a preset file, once
+    each; raw-id cases (ids: raw) are extra, each beside the static case of its GPU model and workload; and each
+    case's plan is the kind the logs describe (table-wise, data-parallel and UVM-caching tables as they ran)."""
     from embshard.planner.topology import GPU_FILES
 
-    assert {(c.gpu, c.workload) for c in CASES} == {
-        (g, w) for g in GPU_FILES for w in ("uniform26", "hetero124", "overflow")
-    }
+    static = [(c.gpu, c.workload) for c in CASES if c.ids == "static"]
+    assert sorted(static) == sorted((g, w) for g in GPU_FILES for w in ("uniform26", "hetero124", "overflow"))
+    raw = [c for c in CASES if c.ids != "static"]
+    assert raw, "the raw-id tables' cost (cost.RAW_*) is pinned by at least one measured raw-id case"
+    for c in raw:
+        assert c.ids == "raw" and (c.gpu, c.workload) in static, c
+        assert all(t.raw_ids and t.eviction.value == c.eviction for t in c.tables), c
+        assert {(t.sharding_type.value, t.tier.value) for t in c.plan.tables} == {("table_wise", "hbm")}, c
     for c in CASES:
+        assert all(not t.raw_ids for t in c.tables) or c.ids == "raw", c
         kinds = {(t.sharding_type.value, t.tier.value, t.kernel.value) for t in c.plan.tables}
         assert all(c.sources) and len(c.measured_ms) >= 1
         if c.workload == "overflow":
@@ -49,8 +57,33 @@ def test_the_presets_are_the_fit_of_the_measured_steps():
     from embshard.planner.topology import Topology
 
     sync, bags, lines = fit_host_and_bag(CASES)
-    assert len(lines) == len(CASES) + 1
+    assert len(lines) == sum(c.ids == "static" for c in CASES) + 1
     for gpu, bag in bags.items():
         topo = Topology.preset(gpu, 2)
         assert topo.host_sync_s == pytest.approx(sync, rel=0.02), gpu
         assert topo.batch_bag_s == pytest.approx(bag, rel=0.02), gpu
+
+
+def test_the_raw_id_constant_is_the_fit_of_the_raw_cases():
+    """bench/planner_predict.py --measured --fit: refitting the remap's cost per id (cost.RAW_ID_BYTES) to the raw-id
+    cases, the static constants as they are, gives back its value; and the breakdown adds up to the prediction,
+    with the static tables' step as the same plan with static ids predicts it and the remap's launches paid once
+    per lookup group (RAW_KERNELS), not per table."""
+    from dataclasses import replace
+
+    from embshard.planner import cost
+    from embshard.planner.tools.measured import fit_raw_id_bytes, raw_breakdown
+
+    fitted, lines = fit_raw_id_bytes(CASES)
+    assert cost.RAW_ID_BYTES == pytest.approx(fitted, rel=0.02)
+    assert len(lines) == sum(c.ids == "raw" for c in CASES) + 1
+    for c in (c for c in CASES if c.ids == "raw"):
+        static = replace(c, tables=tuple(replace(t, ids="index") for t in c.tables), ids="static")
+        predicted, plain = c.report().step_time_s, static.report().step_time_s
+        (line,) = raw_breakdown(c)
+        assert f"predicted {predicted * 1e3:.2f} ms = static tables {plain * 1e3:.2f}" in line, line
+        groups = {(tp.sharding_type, tp.tier, tp.kernel) for tp in c.plan.tables}
+        launches = len(groups) * cost.RAW_KERNELS * c.report().topology.kernel_s
+        assert f"launches {launches * 1e3:.2f}" in line, line
+        tables_per_rank = len(c.plan.tables) / c.world
+        assert launches < tables_per_rank * cost.RAW_KERNELS * c.report().topology.kernel_s / 2

@@ -406,3 +406,43 @@ def test_predictions_of_the_measured_workloads():
     ovf = overflow()
     plan, r = plan_with_report(ovf, topo.with_sizes(hbm_gib=16), 8192, ROWWISE)
     assert r.step_time_s == pytest.approx(5.06e-3, rel=0.2) and r.peak_hbm / GIB == pytest.approx(14.26, rel=0.1)
+
+
+def test_raw_id_tables_pay_the_remap_launches_once_per_group_and_rank():
+    """Raw-id tables form lookup groups of their own (the runtime's LocalShard.group_key): a rank pays RAW_KERNELS
+    launches once for all its raw-id shards of one group, plus each shard's per-id, per-row and reset terms; a
+    raw-id table beside static ones on a rank adds a second group's lookup launches. The search prices plans
+    with raw-id tables as predict does."""
+    import dataclasses
+
+    from embshard.planner import cost, loads, simple_plan
+    from embshard.planner.cost import CostModel, TableStats
+
+    topo = Topology.preset("h100", 2)
+    static = [TableConfig(f"r{i}", 200_000 + 1000 * i, 64, (f"g{i}",), ids_per_bag=5) for i in range(6)]
+    raw = [dataclasses.replace(t, ids="raw") for t in static]
+    plan = simple_plan(static, 2, tier=MemoryTier.HBM)
+    model = CostModel(topo, 1024, ROWWISE)
+    remap = np.zeros(2)
+    for tp, t in zip(plan.tables, raw, strict=True):
+        (sh,) = tp.shards
+        n, _ = model.volumes(TableStats.one(t), TW, sh.num_rows)
+        terms = model.raw_terms(TableStats.one(t), tp.tier, n, sh.num_rows, 64 * 4.0, model.state_bytes(64))
+        remap[sh.rank] += sum(terms.values())
+    launches = cost.RAW_KERNELS * topo.kernel_s
+    base = predict(plan, static, topo, 1024, ROWWISE).loads[loads.FWD]
+    every = predict(plan, raw, topo, 1024, ROWWISE).loads[loads.FWD]
+    assert every - base == pytest.approx(remap + launches, rel=1e-9)  # one group a rank, not one per table
+    one = [raw[0], *static[1:]]
+    r0 = plan[raw[0].name].ranks[0]
+    mixed = predict(plan, one, topo, 1024, ROWWISE).loads
+    n, _ = model.volumes(TableStats.one(raw[0]), TW, raw[0].num_embeddings)
+    alone = sum(model.raw_terms(TableStats.one(raw[0]), MemoryTier.HBM, n, raw[0].num_embeddings, 256.0, 4.0).values())
+    group = model.group_fixed(TW, MemoryTier.HBM)  # the static group's launches, now paid twice on r0
+    extra = mixed[:, r0] - predict(plan, static, topo, 1024, ROWWISE).loads[:, r0]
+    assert extra[loads.FWD] == pytest.approx(alone + launches + group[loads.FWD], rel=1e-9)
+    assert extra[loads.BWD] == pytest.approx(group[loads.BWD], rel=1e-9)
+    for tables in (raw, one, [*one, *random_tables(3, 8)]):
+        p, report = plan_with_report(tables, Topology.preset("h100", 8, 4), 512)
+        assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
+        assert_valid(p, report, tables)

@@ -1,20 +1,24 @@
 """Measured embedding steps against the cost model: the cases of a JSON table (tests/planner/data/
 measured_steps.json: GPU model, workload, the plan that ran, the measured ms/step and the logs they come from),
-each rebuilt as the plan it ran and predicted with the GPU model's preset. tests/planner/test_planner_measured.py
-pins the predictions within the table's tolerance of each case's median; `bench/planner_predict.py --measured`
-prints the table.
+each rebuilt as the plan it ran and predicted with the GPU model's preset. A case with "ids": "raw" ran the
+workload's tables as raw-id tables (ids: raw, capacity = their rows, its "eviction", default lru).
+tests/planner/test_planner_measured.py pins the predictions within the table's tolerance of each case's median;
+`bench/planner_predict.py --measured` prints the table.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from embshard.optim import FusedOptimizerConfig
 from embshard.plan import ShardingPlan
+from embshard.planner import cost
 from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
 from embshard.planner.topology import Topology
@@ -35,6 +39,14 @@ class MeasuredCase:
     batch: int
     plan: ShardingPlan
     hbm_gib: float | None
+    ids: str = "static"
+    """'static', or 'raw': the tables ran as raw-id tables (ids: raw) evicting by `eviction`."""
+    eviction: str = "lru"
+
+    @property
+    def label(self) -> str:
+        """The workload, and for raw-id tables their ids and eviction, e.g. 'uniform26 raw ids (lru)'."""
+        return self.workload + (f" raw ids ({self.eviction})" if self.ids == "raw" else "")
 
     @property
     def median_ms(self) -> float:
@@ -97,6 +109,14 @@ def load_cases(path: str | Path) -> tuple[list[MeasuredCase], float]:
         where = f"{path}: case {k} ({c['gpu']} {c['workload']})"
         w = data["workloads"][c["workload"]]
         tables = workload_tables(w)
+        ids, eviction = c.get("ids", "static"), c.get("eviction", "lru")
+        if ids not in ("static", "raw") or eviction not in ("lru", "lfu"):
+            raise ValueError(
+                f"{where}: ids {ids!r}, eviction {eviction!r}: ids must be 'static' or 'raw' and eviction 'lru' or "
+                "'lfu' (raw-id tables)"
+            )
+        if ids == "raw":
+            tables = [replace(t, ids="raw", eviction=eviction) for t in tables]
         cases.append(
             MeasuredCase(
                 gpu=c["gpu"],
@@ -109,6 +129,8 @@ def load_cases(path: str | Path) -> tuple[list[MeasuredCase], float]:
                 batch=int(w["batch"]),
                 plan=_plan(c, tables, where),
                 hbm_gib=c.get("hbm_gib"),
+                ids=ids,
+                eviction=eviction,
             )
         )
     return cases, float(data.get("tolerance", 0.10))
@@ -125,7 +147,7 @@ def table(cases: list[MeasuredCase], **overrides: float) -> list[str]:
         m = c.median_ms
         rng = f"{min(c.measured_ms):.2f}-{max(c.measured_ms):.2f}"
         rows.append(
-            f"| 2 x {c.gpu.upper()} | {c.workload} | {c.date} | {m:.2f} ({rng}; n={len(c.measured_ms)}) | "
+            f"| {c.world} x {c.gpu.upper()} | {c.label} | {c.date} | {m:.2f} ({rng}; n={len(c.measured_ms)}) | "
             f"{p:.2f} | {p / m - 1:+.1%} |"
         )
     return rows
@@ -135,9 +157,11 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
     """Refit the step's shared host cost (host_sync_s, the same on every GPU model: a host's) and the per-bag cost
     of the own batch (batch_bag_s, GPU-side: one value at the H200's copy bandwidth, scaled on each GPU model by
     the ratio of the copy bandwidths, as the per-id constants are) to the cases, by least squares on the relative
-    errors. Returns host_sync_s, {gpu: batch_bag_s} and the table before -> after."""
+    errors. Only the cases of static tables: raw-id cases are fitted after them (`fit_raw_id_bytes`). Returns
+    host_sync_s, {gpu: batch_bag_s} and the table before -> after."""
     import numpy as np
 
+    cases = [c for c in cases if c.ids == "static"]
     ref = Topology.preset("h200", 2).hbm_bw
     A, y, bare = [], [], []
     for c in cases:
@@ -157,7 +181,83 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
         before = c.report().step_time_s * 1e3
         after = (b + sync * row[0] * c.median_ms * 1e-3 + bag * row[1] * c.median_ms * 1e-3) * 1e3
         lines.append(
-            f"2 x {c.gpu} {c.workload:9s} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
+            f"{c.world} x {c.gpu} {c.workload:9s} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
             f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
         )
     return float(sync), bags, lines
+
+
+@contextmanager
+def raw_id_bytes(value: float) -> Iterator[None]:
+    """The cost model with cost.RAW_ID_BYTES set to `value` inside the block (restored after)."""
+    old = cost.RAW_ID_BYTES
+    cost.RAW_ID_BYTES = value
+    try:
+        yield
+    finally:
+        cost.RAW_ID_BYTES = old
+
+
+def raw_breakdown(case: MeasuredCase) -> list[str]:
+    """The prediction of a raw-id case split into the static tables' step (the same plan with static ids) and the
+    remap's terms on the slowest rank (ms): per id, per row (LRU order / LFU sort), reset, the lookup groups'
+    launches (RAW_KERNELS * kernel_s each)."""
+    import numpy as np
+
+    static = replace(case, tables=tuple(replace(t, ids="index") for t in case.tables), ids="static")
+    report = case.report()
+    topo = report.topology
+    model = cost.CostModel(topo, case.batch, FusedOptimizerConfig("rowwise_adagrad", lr=0.01))
+    stats = cost.TableStats.of(list(case.tables))
+    terms = {"ids": np.zeros(case.world), "rows": np.zeros(case.world), "reset": np.zeros(case.world)}
+    groups = set()
+    for i, tp in enumerate(case.plan.tables):
+        one = cost.TableStats(*(getattr(stats, f)[i] for f in cost.TableStats.__dataclass_fields__))
+        for sh in tp.shards:
+            n, _ = model.volumes(one, tp.sharding_type, float(sh.num_rows))
+            rb = sh.num_cols * one.elem
+            parts = model.raw_terms(one, tp.tier, n, float(sh.num_rows), rb, model.state_bytes(sh.num_cols))
+            for k, v in parts.items():
+                terms[k][sh.rank] += float(one.raw * v)
+            if one.raw:
+                groups.add((tp.sharding_type, tp.tier, tp.kernel, sh.rank))
+    launches = np.zeros(case.world)
+    for *_, r in groups:
+        launches[r] += cost.RAW_KERNELS * topo.kernel_s
+    r = max(range(case.world), key=lambda k: report.ranks[k].time_s)
+    s_ms = static.report().step_time_s * 1e3
+    ms = {k: v[r] * 1e3 for k, v in terms.items()}
+    remap = sum(ms.values()) + launches[r] * 1e3
+    return [
+        f"{case.world} x {case.gpu} {case.label}: predicted {report.step_time_s * 1e3:.2f} ms = static tables "
+        f"{s_ms:.2f} + remap {remap:.2f} (rank {r}: ids {ms['ids']:.2f} [{cost.RAW_ID_BYTES:g} B/id], rows "
+        f"{ms['rows']:.2f} [{cost.RAW_ROW_BYTES} B/row], reset {ms['reset']:.2f}, launches {launches[r] * 1e3:.2f} "
+        f"[{cost.RAW_KERNELS} x {topo.kernel_s * 1e6:g} us per group]); measured {case.median_ms:.2f} "
+        f"({report.step_time_s * 1e3 / case.median_ms - 1:+.1%})"
+    ]
+
+
+def fit_raw_id_bytes(cases: list[MeasuredCase]) -> tuple[float, list[str]]:
+    """Refit cost.RAW_ID_BYTES (the remap's time per id, as bytes at the copy bandwidth) to the raw-id cases, the
+    other constants as they are (the static ones fitted to the static cases), by least squares on the relative
+    errors (the prediction is linear in it while the slowest rank stays the same). Returns the value and the
+    table before -> after."""
+    raw = [c for c in cases if c.ids == "raw"]
+    if not raw:
+        raise ValueError('no raw-id case ("ids": "raw") to fit RAW_ID_BYTES to')
+    probe = 1000.0
+    with raw_id_bytes(0.0):
+        base = [c.report().step_time_s for c in raw]
+    with raw_id_bytes(probe):
+        slope = [(c.report().step_time_s - b) / probe for c, b in zip(raw, base, strict=True)]
+    num = sum((c.median_ms * 1e-3 - b) * s / (c.median_ms * 1e-3) ** 2 for c, b, s in zip(raw, base, slope))
+    den = sum(s * s / (c.median_ms * 1e-3) ** 2 for c, s in zip(raw, slope, strict=True))
+    fitted = num / den
+    lines = [f"raw_id_bytes {cost.RAW_ID_BYTES:g} -> {fitted:.0f} B/id (raw-id cases; the other constants as they are)"]
+    for c, b, s in zip(raw, base, slope, strict=True):
+        before, after = c.report().step_time_s * 1e3, (b + fitted * s) * 1e3
+        lines.append(
+            f"{c.world} x {c.gpu} {c.label} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
+            f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
+        )
+    return float(fitted), lines
