@@ -85,9 +85,13 @@ presets, whose fixed host cost is host_sync_s; first phase, with the own batch's
 weighted) on a rank: kernel_s forward (+8 with the UVM-caching prefetch), 12*kernel_s backward (linearise, sort
 passes, run-length encoding, the optimizer kernels); per sharding scheme in the plan: input all-to-all 3
 collectives (+1 for weights), output and gradient 1 collective each; once per step when any table is
-model-parallel (`step_fixed`): host_sync_s, the input exchange's host synchronisation and the launch-bound stretch
-around it while the GPU idles (a host cost, the same on every GPU model: 0.68 ms fitted with batch_bag_s to the
-measured steps of both GPU models; 1.0 ms before, from the idle time of profiled 2 x H200 steps);
+model-parallel and the step's batch counts are gathered on the GPUs (settings.batch_counts device: the forward's
+`gather_batch_counts`, one device sync; `step_fixed`): host_sync_s, the input exchange's host synchronisation and
+the launch-bound stretch around it while the GPU idles (a host cost, the same on every GPU model: 0.68 ms fitted
+with batch_bag_s to the measured steps of both GPU models, all with device counts; 1.0 ms before, from the idle
+time of profiled 2 x H200 steps); nothing with host counts (batch_counts host, the default and the training
+pipeline's: each batch counted on the CPU and the rows gathered over a CPU group, no device sync; the 2 x H100
+uniform26 step measured both ways: 4.40 ms host, 5.48 ms device);
 data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp_kernels_per_table kernels per
 table.
 
@@ -323,6 +327,9 @@ class CostModel:
         self.latency = topology.collective_latency_s if topology.num_hosts == 1 else topology.inter_collective_latency_s
         self._fixed: dict[tuple, np.ndarray] = {}
         self.exact_column = self.settings.column_wise_exact and optimizer.kind is OptimizerKind.ROWWISE_ADAGRAD
+        self.device_counts = self.settings.batch_counts == "device"
+        """The step's batch counts are gathered on the GPUs (one device sync a step: host_sync_s), not counted on
+        the host by the training pipeline (settings.batch_counts; unset: host)."""
 
     # ---- volumes ------------------------------------------------------------------------------------------
     def volumes(self, t: TableStats, sharding: ShardingType, rows):
@@ -561,12 +568,13 @@ class CostModel:
         return self._fixed[key]
 
     def step_fixed(self) -> np.ndarray:
-        """[NROWS]: paid once per step when any table is model-parallel, on every rank: the input exchange's host
-        sync (one for all schemes) and the launch-bound stretch around it (do not modify: cached)."""
+        """[NROWS]: paid once per step when any table is model-parallel, on every rank, with device batch counts:
+        the input exchange's host sync (one for all schemes) and the launch-bound stretch around it; 0 with host
+        counts (the training pipeline's: no device sync) (do not modify: cached)."""
         key = ("step",)
         if key not in self._fixed:
             v = np.zeros(loads.NROWS)
-            if self.topo.world_size > 1:
+            if self.topo.world_size > 1 and self.device_counts:
                 v[loads.PHASE_ROWS[loads.INPUT]] = self.topo.host_sync_s
             self._fixed[key] = v
         return self._fixed[key]

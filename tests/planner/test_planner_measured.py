@@ -1,6 +1,7 @@
 """The cost model against embshard's measured embedding steps: every case of data/measured_steps.json (GPU model,
-workload, static or raw ids, the plan it ran, the measured ms/step and the logs they come from) is predicted with
-its GPU model's preset within the file's tolerance (10%) of the median of its measured steps. A change to the
+workload, static or raw ids, batch counts from the device or the host, the plan it ran, the measured ms/step and the
+logs they come from) is predicted with its GPU model's preset within the file's tolerance (10%) of the median of its
+measured steps. A change to the
 model or to a preset that breaks the fit fails here; new measurements go into the JSON file with their source
 log."""
 
@@ -16,7 +17,7 @@ DATA = Path(__file__).parent / "data" / "measured_steps.json"
 CASES, TOLERANCE = load_cases(DATA)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.gpu}-{c.workload}-{c.ids}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.gpu}-{c.workload}-{c.ids}-{c.counts}" for c in CASES])
 def test_prediction_within_tolerance_of_the_measured_median(case):
     predicted = case.report().step_time_s * 1e3
     measured = case.median_ms
@@ -27,13 +28,21 @@ def test_prediction_within_tolerance_of_the_measured_median(case):
 
 
 def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
-    """Every bench/embshard_dmp.py workload is measured with static ids on every GPU model with a preset file, once
-    each; raw-id cases (ids: raw) are extra, each beside the static case of its GPU model and workload; and each
-    case's plan is the kind the logs describe (table-wise, data-parallel and UVM-caching tables as they ran)."""
+    """Every bench/embshard_dmp.py workload is measured with static ids and device counts on every GPU model with a
+    preset file, once each; raw-id cases (ids: raw) and host-count cases (counts: host) are extra, each beside the
+    static device-count case of its GPU model and workload; and each case's plan is the kind the logs describe
+    (table-wise, data-parallel and UVM-caching tables as they ran)."""
     from embshard.planner.topology import GPU_FILES
 
-    static = [(c.gpu, c.workload) for c in CASES if c.ids == "static"]
+    static = [(c.gpu, c.workload) for c in CASES if c.ids == "static" and c.counts == "device"]
     assert sorted(static) == sorted((g, w) for g in GPU_FILES for w in ("uniform26", "hetero124", "overflow"))
+    host = [c for c in CASES if c.counts == "host"]
+    assert host, "the host-count step (the training pipeline's, no host_sync_s) is pinned by a measured case"
+    assert all(c.counts in ("device", "host") for c in CASES)
+    for c in host:
+        assert (c.gpu, c.workload) in static and c.ids == "static", c
+        same = next(d for d in CASES if (d.gpu, d.workload, d.ids, d.counts) == (c.gpu, c.workload, "static", "device"))
+        assert c.plan == same.plan, "the host-count case ran the plan of its device-count case"
     raw = [c for c in CASES if c.ids != "static"]
     assert raw, "the raw-id tables' cost (cost.RAW_*) is pinned by at least one measured raw-id case"
     for c in raw:
@@ -57,11 +66,22 @@ def test_the_presets_are_the_fit_of_the_measured_steps():
     from embshard.planner.topology import Topology
 
     sync, bags, lines = fit_host_and_bag(CASES)
-    assert len(lines) == sum(c.ids == "static" for c in CASES) + 1
+    assert len(lines) == sum(c.ids == "static" and c.counts == "device" for c in CASES) + 1
     for gpu, bag in bags.items():
         topo = Topology.preset(gpu, 2)
         assert topo.host_sync_s == pytest.approx(sync, rel=0.02), gpu
         assert topo.batch_bag_s == pytest.approx(bag, rel=0.02), gpu
+
+
+def test_host_counts_pay_no_host_sync():
+    """A host-count case is predicted as its plan with device counts less the preset's host_sync_s (the one device
+    sync a step the training pipeline's host counts avoid), and every other term the same."""
+    from dataclasses import replace
+
+    for c in (c for c in CASES if c.counts == "host"):
+        host, device = c.report(), replace(c, counts="device").report()
+        sync = host.topology.host_sync_s
+        assert sync > 0 and device.step_time_s - host.step_time_s == pytest.approx(sync, rel=1e-6), c.label
 
 
 def test_the_raw_id_constant_is_the_fit_of_the_raw_cases():

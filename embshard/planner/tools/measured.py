@@ -1,7 +1,10 @@
 """Measured embedding steps against the cost model: the cases of a JSON table (tests/planner/data/
 measured_steps.json: GPU model, workload, the plan that ran, the measured ms/step and the logs they come from),
 each rebuilt as the plan it ran and predicted with the GPU model's preset. A case with "ids": "raw" ran the
-workload's tables as raw-id tables (ids: raw, capacity = their rows, its "eviction", default lru).
+workload's tables as raw-id tables (ids: raw, capacity = their rows, its "eviction", default lru). "counts" says where
+the steps' batch counts came from: "device" (gathered on the GPUs with one device sync a step; the default: every
+case measured before bench/embshard_dmp.py had --counts) or "host" (counted on the CPU and gathered over a CPU
+group, the training pipeline's way); each case is predicted with that PlannerSettings.batch_counts.
 tests/planner/test_planner_measured.py pins the predictions within the table's tolerance of each case's median;
 `bench/planner_predict.py --measured` prints the table.
 """
@@ -21,6 +24,7 @@ from embshard.plan import ShardingPlan
 from embshard.planner import cost
 from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
+from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
 from embshard.tables import TableConfig
 
@@ -42,11 +46,15 @@ class MeasuredCase:
     ids: str = "static"
     """'static', or 'raw': the tables ran as raw-id tables (ids: raw) evicting by `eviction`."""
     eviction: str = "lru"
+    counts: str = "device"
+    """Where the steps' batch counts came from: 'device' (one device sync a step) or 'host' (no device sync)."""
 
     @property
     def label(self) -> str:
-        """The workload, and for raw-id tables their ids and eviction, e.g. 'uniform26 raw ids (lru)'."""
-        return self.workload + (f" raw ids ({self.eviction})" if self.ids == "raw" else "")
+        """The workload, for raw-id tables their ids and eviction, and host counts, e.g. 'uniform26 raw ids (lru)',
+        'uniform26 host counts'."""
+        raw = f" raw ids ({self.eviction})" if self.ids == "raw" else ""
+        return self.workload + raw + (" host counts" if self.counts == "host" else "")
 
     @property
     def median_ms(self) -> float:
@@ -59,7 +67,8 @@ class MeasuredCase:
         if overrides:
             topo = replace(topo, **overrides)
         opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
-        return predict(self.plan, list(self.tables), topo, self.batch, opt)
+        settings = PlannerSettings(batch_counts=self.counts)
+        return predict(self.plan, list(self.tables), topo, self.batch, opt, settings=settings)
 
 
 def workload_tables(spec: dict[str, Any]) -> list[TableConfig]:
@@ -115,6 +124,12 @@ def load_cases(path: str | Path) -> tuple[list[MeasuredCase], float]:
                 f"{where}: ids {ids!r}, eviction {eviction!r}: ids must be 'static' or 'raw' and eviction 'lru' or "
                 "'lfu' (raw-id tables)"
             )
+        counts = c.get("counts", "device")
+        if counts not in ("device", "host"):
+            raise ValueError(
+                f"{where}: counts {counts!r}: it must be 'device' (batch counts gathered on the GPUs, one device sync "
+                "a step; the default) or 'host' (counted on the CPU: bench/embshard_dmp.py --counts host)"
+            )
         if ids == "raw":
             tables = [replace(t, ids="raw", eviction=eviction) for t in tables]
         cases.append(
@@ -131,6 +146,7 @@ def load_cases(path: str | Path) -> tuple[list[MeasuredCase], float]:
                 hbm_gib=c.get("hbm_gib"),
                 ids=ids,
                 eviction=eviction,
+                counts=counts,
             )
         )
     return cases, float(data.get("tolerance", 0.10))
@@ -157,11 +173,12 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
     """Refit the step's shared host cost (host_sync_s, the same on every GPU model: a host's) and the per-bag cost
     of the own batch (batch_bag_s, GPU-side: one value at the H200's copy bandwidth, scaled on each GPU model by
     the ratio of the copy bandwidths, as the per-id constants are) to the cases, by least squares on the relative
-    errors. Only the cases of static tables: raw-id cases are fitted after them (`fit_raw_id_bytes`). Returns
-    host_sync_s, {gpu: batch_bag_s} and the table before -> after."""
+    errors. Only the cases of static tables with device counts: host_sync_s is the device sync's cost, which steps
+    with host counts do not pay, and raw-id cases are fitted after them (`fit_raw_id_bytes`). Returns host_sync_s,
+    {gpu: batch_bag_s} and the table before -> after."""
     import numpy as np
 
-    cases = [c for c in cases if c.ids == "static"]
+    cases = [c for c in cases if c.ids == "static" and c.counts == "device"]
     ref = Topology.preset("h200", 2).hbm_bw
     A, y, bare = [], [], []
     for c in cases:
