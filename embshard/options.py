@@ -69,3 +69,14 @@ class LookupOptions:
         for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats", "column_wise_exact"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"lookup option {name}={getattr(self, name)!r} is invalid: it must be true or false")
+
+
+def counts_on_host(pipeline: str, bounds_check: BoundsCheck | str, catalog: bool) -> bool:
+    """Whether a training job's steps take their batch counts from the host (embshard/pipeline.py: each batch
+    counted on the CPU and the rows gathered over a CPU group, so the step has no device sync): under a pipeline
+    that runs the input exchange ahead (training.pipeline sparse_dist or semi_sync), without a retrieval catalog
+    (its model runs its own exchange in the forward) and with bounds_check error (drop removes ids on the device,
+    which the host's counts would miss). Otherwise the forward gathers the counts on the device and syncs once
+    (`sharding.exchange.gather_batch_counts`). The planner prices the step the same way (PlannerSettings.
+    batch_counts)."""
+    return pipeline != "none" and not catalog and BoundsCheck(bounds_check) is not BoundsCheck.DROP

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from embshard.comm import CollectiveHandle, start_all_gather, start_all_reduce
 from embshard.data.common import Batch
 from embshard.models.registry import StepOutput
-from embshard.options import BoundsCheck
+from embshard.options import counts_on_host
 from embshard.plan import MemoryTier
 from embshard.sharding.exchange import BatchCounts, parse_counts
 from embshard.tables import ConfigError
@@ -209,7 +209,7 @@ class TrainPipeline:
         self._fetched = start_step  # batches taken from the source so far (the step of the last one)
         # The id exchange runs ahead only where the model hands `ebc` the batch's own kjt (not in catalog mode).
         self.dist_ahead = mode != "none" and model.catalog is None
-        self.host_counts = self.dist_ahead and self.ebc.options.bounds_check is not BoundsCheck.DROP
+        self.host_counts = counts_on_host(mode, self.ebc.options.bounds_check, model.catalog is not None)
         cached = [t.name for t in self.ebc.tables if self.ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
         if mode == "semi_sync" and (model.catalog is not None or cached):
             why = "a retrieval catalog" if model.catalog is not None else f"UVM-caching tables {cached}"

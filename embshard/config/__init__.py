@@ -39,7 +39,7 @@ from embshard.config.run import (
 from embshard.config.runtime import RuntimeConfig
 from embshard.config.schema import Source, build
 from embshard.optim import FusedOptimizerConfig
-from embshard.options import LookupOptions
+from embshard.options import LookupOptions, counts_on_host
 from embshard.planner.policy import PlannerConfig
 from embshard.tables import ConfigError, FieldError
 
@@ -132,6 +132,16 @@ class TrainConfig:
                         getattr(affinity, key),
                         f"no table lists this feature: {sorted(features)}",
                     )
+
+    @property
+    def batch_counts(self) -> str:
+        """Where this job's training steps take their batch counts from: 'host' (the training pipeline counts each
+        batch on the CPU: no device sync) or 'device' (the forward gathers them on the GPUs and syncs once a step):
+        `embshard.options.counts_on_host` of training.pipeline, lookup.bounds_check and the retrieval catalog
+        (two_tower with item_mlp: []). The planner prices the step so unless planner.settings.batch_counts is set."""
+        tt = self.model.two_tower
+        catalog = self.model.kind == "two_tower" and tt is not None and tt.catalog_mode
+        return "host" if counts_on_host(self.training.pipeline, self.lookup.bounds_check, catalog) else "device"
 
 
 _KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")

@@ -90,6 +90,15 @@ def settings_for_lookup(settings: PlannerSettings, lookup) -> PlannerSettings:
     return replace(settings, pooled_bytes=4 if fp32 else 2)
 
 
+def settings_for_counts(settings: PlannerSettings, batch_counts: str | None) -> PlannerSettings:
+    """`settings` with `batch_counts` taken from a job (TrainConfig.batch_counts: 'host' under training.pipeline
+    sparse_dist / semi_sync, 'device' under none, with lookup.bounds_check drop or a retrieval catalog) where the
+    config leaves it unset: the step is priced with the device sync only where it runs one."""
+    if settings.batch_counts is not None or batch_counts is None:
+        return settings
+    return replace(settings, batch_counts=batch_counts)
+
+
 def plan_for_job(
     tables: Sequence[TableConfig],
     planner_cfg: PlannerConfig,
@@ -100,6 +109,7 @@ def plan_for_job(
     optimizer: FusedOptimizerConfig,
     log: Callable[[str], None] | None = None,
     lookup=None,
+    batch_counts: str | None = None,
 ) -> ShardingPlan:
     """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
     (strategy auto: the search on the topology of planner.topology_file or of this machine, for `batch_size`
@@ -107,7 +117,9 @@ def plan_for_job(
     allowed sharding type, tier and rank, planner.tier and planner.column_shards for the rest). `log` gets the
     plan and, for auto, the predicted memory and time per rank and the predicted step time. `lookup`: the job's
     LookupOptions, whose output dtype prices the pooled rows unless planner.settings.pooled_bytes is set
-    (`settings_for_lookup`). Deterministic; a training job still makes it on rank 0 only and
+    (`settings_for_lookup`); `batch_counts`: where the job's steps take their batch counts from
+    (TrainConfig.batch_counts, 'host' or 'device'), which says whether the step pays the device sync, unless
+    planner.settings.batch_counts is set (`settings_for_counts`). Deterministic; a training job still makes it on rank 0 only and
     broadcasts it (train.plan_on_rank0)."""
     say = log or (lambda _text: None)
     if planner_cfg.plan_file:
@@ -137,6 +149,7 @@ def plan_for_job(
     topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
     try:
         settings = settings_for_lookup(planner_cfg.settings, lookup) if lookup is not None else planner_cfg.settings
+        settings = settings_for_counts(settings, batch_counts)
         plan, report = plan_with_report(tables, topo, batch_size, optimizer, planner_cfg.constraints, settings)
     except PlanningError as e:
         raise PlanningError(

@@ -50,9 +50,9 @@ class PlannerSettings:
     """Output exchange of table-row-wise tables on several hosts: flat (one all-to-all over every rank),
     hierarchical (reduce inside each host, then one all-to-all between hosts), or auto (the one predicted faster)."""
     batch_counts: Literal["host", "device"] | None = None
-    """Where each step's batch counts come from: host (the training pipeline counts each batch on the CPU: no
-    device sync) or device (gathered on the GPUs: Topology.host_sync_s, 0.68 ms, charged a step); unset: a training
-    job's (training.pipeline), else host."""
+    """Where each step's batch counts come from: host (counted on the CPU by the training pipeline: no device sync)
+    or device (gathered on the GPUs: the topology's host_sync_s, 0.68 ms a step, charged); unset: as the training
+    job runs (host unless training.pipeline is none, lookup.bounds_check drop or a retrieval catalog), else host."""
 
     def __post_init__(self) -> None:
         def bad(fld: str, rule: str) -> ConfigError:

@@ -412,3 +412,36 @@ def test_plan_for_job_auto_uses_the_planner(tmp_path):
         load_config(write(tmp_path, data))
     with pytest.raises(ConfigError, match=r"planner.settings.memory_fill=0.1 is invalid"):
         load_config(path, ["planner.settings.memory_fill=0.1"])
+
+
+def test_the_plan_prices_the_batch_counts_the_job_uses(tmp_path):
+    """TrainConfig.batch_counts is where the training pipeline takes each step's batch counts from (host unless
+    training.pipeline is none, lookup.bounds_check drop or a retrieval catalog: embshard/pipeline.py), and
+    plan_for_job prices the step with it unless planner.settings.batch_counts is set: device counts carry the
+    topology's host sync, host counts do not."""
+    from embshard.planner import Topology
+
+    path = write(tmp_path, base())
+    assert load_config(path).batch_counts == "host"
+    assert load_config(path, ["training.pipeline=semi_sync"]).batch_counts == "host"
+    assert load_config(path, ["training.pipeline=none"]).batch_counts == "device"
+    assert load_config(path, ["lookup.bounds_check=drop"]).batch_counts == "device"
+    assert load_config(ROOT / "configs" / "two_tower_synthetic_1m.yaml").batch_counts == "device"  # catalog mode
+    assert load_config(ROOT / "configs" / "two_tower_movielens.yaml").batch_counts == "host"
+    h100 = Topology.preset("h100", 2)
+    h100.save(tmp_path / "h100.yaml")
+    tables = [TableConfig(f"t{i}", 100_000, 64, (f"f{i}",), ids_per_bag=4) for i in range(4)]
+
+    def step_ms(overrides: list[str], counts: str | None) -> float:
+        cfg = load_config(path, [f"planner.topology_file={tmp_path}/h100.yaml", *overrides])
+        lines: list[str] = []
+        plan = plan_for_job(tables, cfg.planner, 2, 2, "cuda", 1024, cfg.sparse_optimizer, lines.append, None, counts)
+        assert any(t.sharding_type is not ShardingType.DATA_PARALLEL for t in plan.tables)  # an input exchange
+        return float(re.search(r"predicted step time ([0-9.]+) ms", "\n".join(lines)).group(1))
+
+    host, device = step_ms([], "host"), step_ms([], "device")
+    assert device - host == pytest.approx(h100.host_sync_s * 1e3, abs=2e-3)
+    assert step_ms([], None) == host  # outside a job: host, the default
+    assert step_ms(["planner.settings.batch_counts=device"], "host") == device  # the config's setting wins
+    with pytest.raises(ConfigError, match="batch_counts='gpu' is invalid: expected one of 'host', 'device'"):
+        load_config(path, ["planner.settings.batch_counts=gpu"])

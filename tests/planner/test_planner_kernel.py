@@ -99,8 +99,10 @@ def test_fp16_and_constraints_keep_fbgemm_and_a_forced_kernel_is_honoured():
 def test_data_parallel_tables_get_one_kernel():
     """Tiny tables, cheapest data-parallel: all on the small kernel; one constrained to FBGEMM is sharded
     (the others' savings are larger); nine of ten constrained: those are data-parallel on FBGEMM (one lookup serves
-    them, the notes say so) and so is the tenth: at the kernel's measured H200 speed its table-wise form alone
-    would bring the input exchange (and its host sync) into a plan that has none."""
+    them, the notes say so) and so is the tenth where the step's batch counts come from the device: at the kernel's
+    measured H200 speed its table-wise form alone would bring the input exchange and its host sync into a plan that
+    has none; with host counts (the training pipeline's, the default) the exchange brings no sync and the tenth goes
+    table-wise on the small kernel."""
     topo = Topology.preset("h200", 2)
     tables = tiny(10)
     all_dp, report = plan_with_report(tables, topo, 8192, ROWWISE)
@@ -110,11 +112,16 @@ def test_data_parallel_tables_get_one_kernel():
     checked(plan, report, tables)
     assert plan["s3"].sharding_type is not DP and plan["s3"].kernel is FBGEMM
     assert {(t.sharding_type, t.kernel) for t in plan.tables if t.table != "s3"} == {(DP, SMALL)}
-    plan, report = plan_with_report(tables, topo, 8192, ROWWISE, {"s[1-9]": {"kernels": ["fbgemm"]}})
+    nine = {"s[1-9]": {"kernels": ["fbgemm"]}}
+    plan, report = plan_with_report(tables, topo, 8192, ROWWISE, nine, PlannerSettings(batch_counts="device"))
     checked(plan, report, tables)
     assert {(t.sharding_type, t.kernel) for t in plan.tables} == {(DP, FBGEMM)}
     assert any("local search: table_wise hbm small" in n for n in report.table("s0").notes)
     assert any("kernel fbgemm for all of them" in n for n in report.table("s1").notes)
+    host, report = plan_with_report(tables, topo, 8192, ROWWISE, nine)
+    checked(host, report, tables)
+    assert (host["s0"].sharding_type, host["s0"].kernel) == (TW, SMALL)
+    assert {(t.sharding_type, t.kernel) for t in host.tables if t.table != "s0"} == {(DP, FBGEMM)}
     bad = ShardingPlan(2, 2, tuple(replace(t, kernel=FBGEMM) if t.table == "s0" else t for t in all_dp.tables))
     with pytest.raises(ConfigError, match="data-parallel tables share one lookup"):
         predict(bad, tables, topo, 8192, ROWWISE)

@@ -1,6 +1,9 @@
 """The planner's plans for fixed workloads on a pinned machine stay what they were: the search's speed-ups must
 not change a plan (a cost-model change that does must update tests/planner/data/plans.json and say why the new
-plans are better). Also: bench/planner_scale.py's generated models fit their GPUs at every size it is run at.
+plans are better). The plans are searched and priced with device batch counts (PlannerSettings.batch_counts
+device: the step's host sync charged), as the expectations were made; host counts take the pinned host_sync_s off
+every step (test_planner_search.py). Also: bench/planner_scale.py's generated models fit their GPUs at every size
+it is run at.
 
 Regenerate the expectations (only for an intended change):  python tests/planner/test_planner_plans.py
 """
@@ -10,11 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from embshard.planner import Topology, plan_with_report
+from embshard.planner import PlannerSettings, Topology, plan_with_report
 from embshard.planner.tools.inputs import load_planner_input
 
 HERE = Path(__file__).resolve().parent
@@ -46,9 +50,11 @@ def run_case(source: str, world: int, local: int, hbm_gib: float | None, pinned:
     if source.startswith("mixed:"):
         bench = planner_scale()
         n = int(source.split(":")[1])
-        return plan_with_report(bench.mixed_tables(n, world_size=world), topo, bench.batch_size(n))
+        device = PlannerSettings(batch_counts="device")
+        return plan_with_report(bench.mixed_tables(n, world_size=world), topo, bench.batch_size(n), settings=device)
     inp = load_planner_input(ROOT / "configs" / "planner" / f"{source}.yaml")
-    return plan_with_report(inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings)
+    settings = replace(inp.settings, batch_counts="device")
+    return plan_with_report(inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, settings)
 
 
 def summary(plan) -> list[str]:

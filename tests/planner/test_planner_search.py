@@ -361,7 +361,10 @@ def test_a_plan_that_fits_only_without_its_step_buffers_is_refused_with_numbers(
 
 
 def test_the_host_sync_is_paid_once_per_step():
-    from embshard.planner import loads
+    """With device batch counts the first model-parallel table brings the step's one host sync, the next ones do
+    not, and removing the last takes it away; with host counts (the training pipeline's, the default) there is
+    none: the phase holds only the exchange's collective latencies."""
+    from embshard.planner import PlannerSettings, loads
     from embshard.planner.choices import build_items
     from embshard.planner.constraints import resolve_constraints
     from embshard.planner.cost import CostModel
@@ -369,7 +372,13 @@ def test_the_host_sync_is_paid_once_per_step():
 
     tables = [TableConfig(f"t{i}", 100_000, 32, (f"f{i}",)) for i in range(3)]
     topo = Topology.preset("h200", 2)
-    model = CostModel(topo, 256, ROWWISE)
+    host = CostModel(topo, 256, ROWWISE)
+    assert not host.step_fixed().any() and not host.device_counts
+    items = build_items(host, tables, resolve_constraints(tables, {}, 2))
+    tw = next(ch for ch in items[0].choices if ch.option.sharding is TW and ch.option.tier is MemoryTier.HBM)
+    assert 0 < State(host, 1e12, 1e12).delta(items[0], tw, (0,))[loads.PHASE_ROWS[0]].max() < topo.host_sync_s
+    model = CostModel(topo, 256, ROWWISE, PlannerSettings(batch_counts="device"))
+    assert model.step_fixed()[loads.PHASE_ROWS[0]].max() == topo.host_sync_s
     items = build_items(model, tables, resolve_constraints(tables, {}, 2))
     state = State(model, 1e12, 1e12)
     pick = {
