@@ -25,7 +25,9 @@ ids=static|raw, id_space, rounds (median ms_per_step; `python bench/run.py rawid
 --plan: `simple` (all table-wise, greedy), `small-dp` (tables <= 10k rows data-parallel, the rest table-wise),
 `planner` (embshard.planner on the detected GPUs; --hbm-gib caps the GPU memory it may plan for, which is how
 `overflow` is made not to fit), or a saved plan file. With the planner, the line also carries the predicted
-step time and peak GPU memory, to compare with the measured ones.
+step time and peak GPU memory, to compare with the measured ones: planned and predicted with the batch counts the
+run uses (PlannerSettings.batch_counts: --counts host or device; both: host, and the device line carries the same
+plan's prediction with device counts, which charges the step's host sync).
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def workload_tables(name: str, rows_scale: float = 1.0) -> list:
 
 
 def make_plan(args, tables, world: int, tier, batch: int, opt):
-    """(plan, planner report or None)."""
+    """(plan, planner report or None); the planner plans and predicts with the run's primary batch counts
+    (--counts; both: host)."""
     from embshard.plan import ShardingPlan, ShardingType
     from embshard.planner import simple_plan
 
@@ -141,13 +144,14 @@ def make_plan(args, tables, world: int, tier, batch: int, opt):
         types = {t.name: ShardingType.DATA_PARALLEL for t in tables if t.num_embeddings <= 10_000}
         return simple_plan(tables, world, sharding_types=types, tier=tier), None
     if args.plan == "planner":
-        from embshard.planner import Topology, plan_with_report
+        from embshard.planner import PlannerSettings, Topology, plan_with_report
 
+        settings = PlannerSettings(batch_counts="device" if args.counts == "device" else "host")
         if args.topology:  # measured by `embshard calibrate` on this machine
             topo = Topology.load(args.topology).with_sizes(world_size=world, hbm_gib=args.hbm_gib or None)
         else:
             topo = Topology.detect(world_size=world).with_sizes(hbm_gib=args.hbm_gib or None)
-        return plan_with_report(tables, topo, batch_size=batch, optimizer=opt)
+        return plan_with_report(tables, topo, batch_size=batch, optimizer=opt, settings=settings)
     return ShardingPlan.load(args.plan), None
 
 
@@ -361,10 +365,18 @@ def main() -> None:
             kind, _, mode = label.partition("@")
             ms = statistics.median(times[label])
             if mode:  # the other counts mode, interleaved with the primary: one line, no RESULT
+                pred = ""
+                if report is not None:  # the same plan, predicted with device counts (the step's host sync)
+                    from embshard.planner import PlannerSettings, predict
+
+                    other = predict(
+                        plan, planned, report.topology, batch, opt, settings=PlannerSettings(batch_counts=mode)
+                    ).step_time_s
+                    pred = f"; predicted {other * 1e3:.2f} ms/step ({other * 1e3 / ms:.2f}x measured)"
                 print(
                     f"embshard {args.workload} world={ws} ids={kind} counts={mode}: {ms:.2f} ms/step (rounds: "
                     f"{', '.join(f'{t:.2f}' for t in times[label])}); counts={primary}: "
-                    f"{statistics.median(times[kind]):.2f} ms/step",
+                    f"{statistics.median(times[kind]):.2f} ms/step{pred}",
                     flush=True,
                 )
                 continue

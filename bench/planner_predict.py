@@ -22,7 +22,8 @@ Predicted against every measured embedding step of embshard's runtime kept in th
 model and workload, static or raw ids, the plan it ran; tests/planner/test_planner_measured.py pins them within
 10%), with the raw-id cases' remap term by term, and with --fit the shared host cost and the per-bag cost refitted
 to the static cases (values to put into presets/*.yaml), then the raw-id remap's cost per id (cost.RAW_ID_BYTES)
-to the raw-id cases:
+to the raw-id cases (host_sync and batch_bag to the static cases with device batch counts only: host_sync is the
+cost of the device sync that host counts, the training pipeline's, avoid; each case is predicted with its counts):
     python bench/planner_predict.py --measured [tests/planner/data/measured_steps.json] [--fit]
 --kernels refits the small-table kernel's constants (forward per id, backward and data-parallel dense gradient
 per atomic sector), --steps the fixed cost of a step (embshard/planner/tools/refit.py); it prints every measured
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from embshard.plan import MemoryTier, ShardingPlan, ShardingType  # noqa: E402
-from embshard.planner import PlanReport, Topology, plan_with_report, predict, simple_plan  # noqa: E402
+from embshard.planner import PlannerSettings, PlanReport, Topology, plan_with_report, predict, simple_plan  # noqa: E402
 from embshard.planner.tools.inputs import PlannerInput, load_planner_input  # noqa: E402
 from embshard.planner.topology import GIB  # noqa: E402
 
@@ -133,12 +134,15 @@ def refit(args: argparse.Namespace) -> None:
             hbm = float(run.get("hbm_gib", 0) or 0) or None
             tables, batch = dmp_workload(workload)
             machine = bare.with_sizes(world, hbm_gib=hbm)
+            # the run's batch counts (RESULT counts=host|device; logs from before --counts: device, one sync a step)
+            counts = run.get("counts", "device")
+            settings = PlannerSettings(batch_counts=counts)
             if run["plan_json"] is not None:
                 plan, how = ShardingPlan.from_dict(json.loads(run["plan_json"])), "its plan"
             else:  # logs before the PLAN lines: the plan the planner makes now (the same where the preset agrees)
-                plan, how = plan_with_report(tables, machine, batch, opt)[0], "re-planned"
-            report = predict(plan, tables, machine, batch, opt)
-            rows.append((workload, how, run["seconds"], report.step_time_s))
+                plan, how = plan_with_report(tables, machine, batch, opt, settings=settings)[0], "re-planned"
+            report = predict(plan, tables, machine, batch, opt, settings=settings)
+            rows.append((workload, f"{how}, {counts}", run["seconds"], report.step_time_s))
             predicted.append(report.step_time_s)
             measured.append(run["seconds"])
         c = rf.fit_step_overhead(predicted, measured)
@@ -146,7 +150,7 @@ def refit(args: argparse.Namespace) -> None:
         print(f"# steps ({len(rows)} runs): step_overhead {old * 1e6:.0f} -> {c * 1e6:.0f} us")
         for workload, how, seconds, p0 in rows:
             print(
-                f"{workload:10s} {how:11s} measured {seconds * 1e3:7.2f} ms  predicted {(p0 + old) * 1e3:7.2f} "
+                f"{workload:10s} {how:19s} measured {seconds * 1e3:7.2f} ms  predicted {(p0 + old) * 1e3:7.2f} "
                 f"({(p0 + old) / seconds - 1:+.0%}) -> {(p0 + c) * 1e3:7.2f} ({(p0 + c) / seconds - 1:+.0%})"
             )
         updates["step_overhead_s"] = c
