@@ -91,7 +91,7 @@ the launch-bound stretch around it while the GPU idles (a host cost, the same on
 with batch_bag_s to the measured steps of both GPU models, all with device counts; 1.0 ms before, from the idle
 time of profiled 2 x H200 steps); nothing with host counts (batch_counts host, the default and the training
 pipeline's: each batch counted on the CPU and the rows gathered over a CPU group, no device sync; the 2 x H100
-uniform26 step measured both ways: 4.40 ms host, 5.48 ms device);
+uniform26 step measured both ways, medians of 6 rounds: 4.34 ms host, 5.38 ms device);
 data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp_kernels_per_table kernels per
 table.
 

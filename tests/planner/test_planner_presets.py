@@ -138,8 +138,9 @@ def test_step_overhead_fit():
 
 def test_refit_command_rewrites_the_preset(tmp_path):
     """bench/planner_predict.py --refit on a log of RESULT lines with the plans the runs printed: the step overhead
-    that makes the predictions match (here: measured = predicted + 0.4 ms) goes into the preset file, the other
-    values and notes stay; a log of another GPU model is refused."""
+    that makes the predictions match (here: measured = predicted + 0.4 ms, with the runs' host batch counts, which
+    a line without counts= would not have: device, +host_sync) goes into the preset file, the other values and
+    notes stay; a log of another GPU model is refused."""
     import json
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -157,7 +158,8 @@ def test_refit_command_rewrites_the_preset(tmp_path):
         compact = json.dumps(json.loads(plan.to_json()), separators=(",", ":"))
         lines.append(f"PLAN workload={workload} json={compact}")
         lines.append(
-            f"RESULT framework=embshard bench=emb workload={workload} world=2 plan=planner ms_per_step={ms:.5f}"
+            f"RESULT framework=embshard bench=emb workload={workload} world=2 plan=planner ms_per_step={ms:.5f} "
+            "counts=host"
         )
     (tmp_path / "emb.log").write_text("\n".join(lines) + "\n")
     out = tmp_path / "h100.yaml"
@@ -167,7 +169,7 @@ def test_refit_command_rewrites_the_preset(tmp_path):
         capture_output=True, text=True, env=cpu_subprocess_env(), cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert "step_overhead" in run.stdout and "uniform26  its plan" in run.stdout
+    assert "step_overhead" in run.stdout and "uniform26  its plan, host" in run.stdout
     values = load_preset_file(out)
     assert values["step_overhead_s"] == pytest.approx(0.4e-3, rel=1e-3)
     before = load_preset_file(preset_path("h100"))
