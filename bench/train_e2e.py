@@ -61,6 +61,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval", action="store_true", help="held-out loss and AUC before and after training")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps (GPU busy share)")
     ap.add_argument("--trace", default=None, help="write the profiled window's Chrome trace here (rank 0)")
+    ap.add_argument(
+        "--host-profile", type=int, default=0, help="print the Python functions taking the host's time: cProfile of "
+        "the timed steps on rank 0, this many lines (sorted by own time and by cumulative time)"
+    )  # fmt: skip
     ap.add_argument("--tag", default="", help="a label echoed in the RESULT line")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides, as for `embshard train`")
     return ap.parse_intermixed_args(argv)
@@ -205,11 +209,26 @@ def run(args: argparse.Namespace) -> None:
             first = float(done.output.loss.detach())
     sync()
     dist.barrier()
-    wait0, t0 = pipe.data_wait_s, time.perf_counter()
+    profiler = None
+    if args.host_profile and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    wait0, gather0, t0 = pipe.data_wait_s, pipe.gather_s, time.perf_counter()
     for _ in range(steps):
         done = pipe.progress(batches)
+    host_ms = (time.perf_counter() - t0) / steps * 1e3  # the host's own pace: launches run ahead until a wait
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        say(f"host profile of the {steps} timed steps (rank 0, cProfile; its own overhead included):")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.host_profile)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.host_profile)
     sync()
     elapsed = time.perf_counter() - t0
+    agree_ms = (pipe.gather_s - gather0) / steps * 1e3
     last = float(done.output.loss.detach())
     wait_ms = (pipe.data_wait_s - wait0) / steps * 1e3
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
@@ -221,6 +240,10 @@ def run(args: argparse.Namespace) -> None:
     sps = world * batch / ms * 1e3
     say(f"per rank: peak GPU memory {[round(float(x), 2) for x in g[:, 1]]} GiB; waits for the data path "
         f"{[round(float(x), 3) for x in g[:, 2]]} ms/step")  # fmt: skip
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, (round(host_ms, 2), round(agree_ms, 3)))
+    say(f"per rank: host loop {[h for h, _ in hosts]} ms/step (the host issuing the step, before the final sync), "
+        f"waits for the ranks' agreement {[a for _, a in hosts]} ms/step")  # fmt: skip
     say(f"loss: first warm-up step {first:.4f}, last timed step {last:.4f}" if first is not None else "")
     if args.eval:
         m = evaluate(model, source, device, pipe.host_group)
@@ -237,15 +260,22 @@ def run(args: argparse.Namespace) -> None:
                 with torch.profiler.record_function("## train step ##"):
                     pipe.progress(batches)
             sync()
-        if cuda:
-            busy, busy_compute, kinds = busy_share(prof, args.profile_steps)
-            say(f"profile ({args.profile_steps} steps, rank 0): GPU busy {busy:.1%} of the window "
-                f"({busy_compute:.1%} without NCCL kernels); kernel ms/step "
-                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))  # fmt: skip
-            launches = len(gpu_kernels(prof)) / args.profile_steps
-            say(f"profile: {launches:.0f} kernels and copies a step; the top ones (ms/step, launches/step):")
-            for name, k_ms, k_calls in top_kernels(prof, args.profile_steps):
-                say(f"  {k_ms:7.3f} {k_calls:6.1f}  {name[:110]}")
+        if cuda:  # every rank profiled its own steps; rank 0 prints them all (a rank waiting shows in NCCL)
+            mine = (
+                *busy_share(prof, args.profile_steps),
+                len(gpu_kernels(prof)) / args.profile_steps,
+                top_kernels(prof, args.profile_steps),
+            )
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, mine)
+            busy, busy_compute = mine[0], mine[1]
+            for r, (r_busy, r_compute, kinds, launches, top) in enumerate(everyone):
+                say(f"profile ({args.profile_steps} steps, rank {r}): GPU busy {r_busy:.1%} of the window "
+                    f"({r_compute:.1%} without NCCL kernels); kernel ms/step "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))  # fmt: skip
+                say(f"profile (rank {r}): {launches:.0f} kernels and copies a step; the top ones (ms/step, launches):")
+                for name, k_ms, k_calls in top:
+                    say(f"  {k_ms:7.3f} {k_calls:6.1f}  {name[:110]}")
         if args.trace and rank == 0:
             prof.export_chrome_trace(args.trace)
             say(f"trace: {args.trace}")
