@@ -286,7 +286,7 @@ def main() -> None:
     batches = [make_batch() for _ in range(args.batches)]
     # Host counts: each batch's counts row made from its CPU copy once, before the timed steps (the training
     # pipeline makes it in its host thread while earlier batches train), with the id range check when asked.
-    host_group = dist.new_group(backend="gloo") if cuda else None
+    host_group = dist.new_group(backend="gloo") if cuda and args.counts != "device" else None
     rows = {}
     if args.counts != "device":
         for kind, ebc in ebcs.items():

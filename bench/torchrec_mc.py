@@ -134,12 +134,11 @@ def main() -> None:
     if args.id_space < 1 or not 0 < args.scale <= 1:
         raise SystemExit(f"--id-space {args.id_space:g} must be >= 1 and --scale {args.scale:g} in (0, 1]")
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    from embshard.distributed import init_distributed
+
+    dev = init_distributed(collective_timeout_s=None)  # torchrun's group: NCCL on the rank's GPU, else gloo
+    cuda = dev.type == "cuda"
     rank, ws = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel

@@ -120,19 +120,20 @@ def gpu_kernels(prof) -> list:
     ]
 
 
-def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]:
-    """(name, ms per step, launches per step) of the n kernels with the most GPU time."""
+def top_kernels(kernels: list, steps: int, n: int = 12) -> list[tuple[str, float, float]]:
+    """(name, ms per step, launches per step) of the n kernels (of `gpu_kernels`) with the most GPU time."""
     ms, calls = collections.Counter(), collections.Counter()
-    for e in gpu_kernels(prof):
+    for e in kernels:
         ms[e.name] += e.time_range.elapsed_us() / 1e3 / steps
         calls[e.name] += 1 / steps
     return [(k, v, calls[k]) for k, v in ms.most_common(n)]
 
 
-def busy_share(prof, steps: int) -> tuple[float, float, dict[str, float]]:
-    """(share of the window with any kernel running, same without NCCL kernels, kernel ms per step by kind)."""
+def busy_share(kernels: list, steps: int) -> tuple[float, float, dict[str, float]]:
+    """(share of the window with any kernel running, same without NCCL kernels, kernel ms per step by kind) of
+    `gpu_kernels`."""
     spans, spans_compute, by_kind = [], [], collections.Counter()
-    for e in gpu_kernels(prof):
+    for e in kernels:
         start, end = e.time_range.start, e.time_range.end
         kind = kernel_kind(e.name)
         by_kind[kind] += (end - start) / 1e3 / steps
@@ -261,10 +262,11 @@ def run(args: argparse.Namespace) -> None:
                     pipe.progress(batches)
             sync()
         if cuda:  # every rank profiled its own steps; rank 0 prints them all (a rank waiting shows in NCCL)
+            kernels = gpu_kernels(prof)
             mine = (
-                *busy_share(prof, args.profile_steps),
-                len(gpu_kernels(prof)) / args.profile_steps,
-                top_kernels(prof, args.profile_steps),
+                *busy_share(kernels, args.profile_steps),
+                len(kernels) / args.profile_steps,
+                top_kernels(kernels, args.profile_steps),
             )
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)

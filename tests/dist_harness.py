@@ -93,7 +93,6 @@ def _entry(
     args: tuple,
     pg_timeout_s: float,
     environ: dict,
-    exit_at_once: bool = False,
 ) -> None:
     os.environ.clear()  # the caller's (a forked process has the fork server's)
     os.environ.update(environ)
@@ -101,8 +100,6 @@ def _entry(
     try:
         result = fn(rank, world_size, device, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
-        if exit_at_once:  # no teardown of a group fn left a collective pending in (NCCL's would abort the process)
-            os._exit(0)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
         raise
@@ -286,25 +283,20 @@ def run_distributed(
     *args: Any,
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S,
     fresh: bool = False,
-    exit_at_once: bool = False,
 ) -> list[Any]:
     """Call fn(rank, world_size, device, *args) on `world_size` processes; return each rank's result.
     `pg_timeout_s`: the process group's timeout (a hung collective fails the test after it). `fresh`: on processes
-    started for this call alone (else, on the CPU, on the pool of this world size: see the module's docstring).
-    `exit_at_once` (with `fresh`): each rank exits as soon as its result is saved, without ending its process group
-    (for a test that leaves a collective pending on purpose: NCCL's watchdog would take the process down later)."""
+    started for this call alone (else, on the CPU, on the pool of this world size: see the module's docstring)."""
     if device_kind() == "cuda" and world_size > torch.cuda.device_count():
         import pytest
 
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible (one process per GPU)")
     with tempfile.TemporaryDirectory() as out_dir:
-        if exit_at_once and not fresh:
-            raise ValueError("run_distributed(exit_at_once=True) needs fresh=True: pooled ranks must stay")
         if fresh or pg_timeout_s != DEFAULT_PG_TIMEOUT_S or not _pooling():
             try:
                 mp.start_processes(
                     _entry,
-                    args=(world_size, _free_port(), out_dir, fn, args, pg_timeout_s, dict(os.environ), exit_at_once),
+                    args=(world_size, _free_port(), out_dir, fn, args, pg_timeout_s, dict(os.environ)),
                     nprocs=world_size,
                     join=True,
                     start_method=_start_method(),

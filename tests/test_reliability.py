@@ -115,7 +115,7 @@ def test_a_stalled_rank_makes_the_others_raise_within_the_timeout(monkeypatch):
     tables, plan = _plan(world_size)
     # fresh processes: the watchdog's timeout stays set in them, and rank 0 leaves a collective pending
     results = run_distributed(
-        _stall_worker, world_size, tables, plan, timeout_s, pg_timeout_s=3 * timeout_s, fresh=True, exit_at_once=True
+        _stall_worker, world_size, tables, plan, timeout_s, pg_timeout_s=3 * timeout_s, fresh=True
     )
     waiting, stalled = results
     assert waiting["type"] == "CollectiveTimeout", waiting

@@ -119,8 +119,8 @@ def plan_for_job(
     LookupOptions, whose output dtype prices the pooled rows unless planner.settings.pooled_bytes is set
     (`settings_for_lookup`); `batch_counts`: where the job's steps take their batch counts from
     (TrainConfig.batch_counts, 'host' or 'device'), which says whether the step pays the device sync, unless
-    planner.settings.batch_counts is set (`settings_for_counts`). Deterministic; a training job still makes it on rank 0 only and
-    broadcasts it (train.plan_on_rank0)."""
+    planner.settings.batch_counts is set (`settings_for_counts`). Deterministic; a training job still makes it on
+    rank 0 only and broadcasts it (train.plan_on_rank0)."""
     say = log or (lambda _text: None)
     if planner_cfg.plan_file:
         plan = ShardingPlan.load(planner_cfg.plan_file)
