@@ -210,6 +210,8 @@ def run_suite(name: str, args: argparse.Namespace, info: dict, m: Machine) -> li
             else:
                 rc, seconds, n = run_step(step, log, deadline)
                 dropped += n
+                if step.epilogue is not None:
+                    log.write(step.epilogue())
                 note = f"{'stopped at the time limit' if rc is None else f'rc {rc}'}, {seconds:.0f} s"
                 if rc != 0:
                     status.append((name, step.label, note))

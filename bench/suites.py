@@ -4,6 +4,7 @@ reads back from its log. Kept apart from the runner so that the commands can be 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import re
 import statistics
@@ -49,6 +50,8 @@ class Step:
     timeout: float = 300.0
     needs_gpus: int = 0
     """GPUs the step needs (skipped with a note when the machine has fewer; 0: runs anywhere)."""
+    epilogue: Callable[[], str] | None = None
+    """Text written into the log after the command ends, stopped at its time limit or not."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,32 @@ def tests_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
         argv.append(f"--timeout={args.test_timeout}")
     workers = args.test_workers if args.test_workers >= 0 else (8 if m.gpus and m.cpus >= 16 and not args.cpu else 0)
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
-        # tests one by one to whichever worker is free (a file's tests on one worker leave test_train.py's 230 s on
-        # one worker's critical path); each worker keeps process pools of its own
-        argv += ["-n", str(workers), "--dist", "load"]
+        # work units to whichever worker is free, in the collection's order: a test alone, or the tests of an
+        # xdist_group (those sharing a module-scoped fixture: set up once, on one worker); tests/conftest.py orders
+        # the units longest first by tests/durations_gpu.txt (xdist before 3.8 puts the groups first)
+        argv += ["-n", str(workers), "--dist", "loadgroup"]
+        if xdist_version() >= (3, 8):
+            argv.append("--no-loadscope-reorder")
     argv += args.pytest_args.split() if args.pytest_args else ["tests"]
-    env = cuda_env(args) | {"EMBSHARD_TEST_TIMES": f"{args.out}/test_times.txt"}  # kept if the time limit stops it
-    return [Step("pytest", argv, env, timeout=600)]
+    times = f"{args.out}/test_times.txt"
+    env = cuda_env(args) | {"EMBSHARD_TEST_TIMES": times}  # kept if the time limit stops it
+    return [Step("pytest", argv, env, timeout=600, epilogue=lambda: failures_text(times))]
+
+
+def xdist_version() -> tuple[int, ...]:
+    """pytest-xdist's version, (0,) where it is not installed or says none."""
+    try:
+        return tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version("pytest-xdist"))[:2])
+    except importlib.metadata.PackageNotFoundError:
+        return (0,)
+
+
+def failures_text(times: str) -> str:
+    """The failures tests/conftest.py wrote to TIMES.failures as they happened, for the log: pytest prints its own
+    at the end only (pytest-xdist too), which a run stopped at its time limit never reaches."""
+    path = Path(f"{times}.failures")
+    text = path.read_text(errors="replace").strip() if path.exists() else ""
+    return f"\n--- failed tests as they ended ({path.name}) ---\n{text}\n--- end of {path.name} ---\n" if text else ""
 
 
 def tests_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -127,7 +150,7 @@ def tests_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             per_file[name] = per_file.get(name, 0.0) + float(sec)
         top = sorted(per_file.items(), key=lambda kv: -kv[1])[:6]
         rows.append(("slowest files", ", ".join(f"{name} {sec:.0f} s" for name, sec in top) + " (test_times.txt)"))
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)
+    failed = list(dict.fromkeys(re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)))  # failures file, then pytest's
     if failed:
         rows.append(("failed", ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")))
     return rows

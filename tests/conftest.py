@@ -11,7 +11,9 @@ EMBSHARD_TEST_DEVICE=cuda (NCCL, one process per GPU); a test that only makes se
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -35,13 +37,90 @@ cuda_only = pytest.mark.skipif(
 )
 
 
+FAILURE_CHARS = 3000  # the end of a failure's text kept in the failures file (its last lines say why)
+
+
 def pytest_runtest_logreport(report) -> None:
-    """EMBSHARD_TEST_TIMES=FILE: every test phase's duration appended to FILE as it ends (seconds, phase, test), so
-    that a run stopped at a time limit still says where its time went (pytest's --durations prints at the end)."""
+    """EMBSHARD_TEST_TIMES=FILE: every test phase's duration appended to FILE as it ends (seconds, phase, test), and
+    every failed phase's text (its last FAILURE_CHARS characters) to FILE.failures, so that a run stopped at a time
+    limit still says where its time went and why a test failed (pytest's --durations and failure reports print at
+    the end, pytest-xdist's too)."""
     path = os.environ.get("EMBSHARD_TEST_TIMES")
-    if path and report.duration >= 0.5 and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: its controller writes
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: its controller writes
+        return
+    if report.duration >= 0.5:
         with open(path, "a") as f:
             f.write(f"{report.duration:8.2f} {report.when:8} {report.nodeid} {report.outcome}\n")
+    if report.failed:
+        text = report.longreprtext
+        if len(text) > FAILURE_CHARS:
+            text = f"[... its first {len(text) - FAILURE_CHARS} characters left out]\n" + text[-FAILURE_CHARS:]
+        kind = "FAILED" if report.when == "call" else "ERROR"  # as pytest's short summary names them
+        with open(f"{path}.failures", "a") as f:
+            f.write(f"{kind} {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{text.rstrip()}\n\n")
+
+
+def pytest_configure(config) -> None:
+    # pytest-xdist registers it where it is installed; without it (plain `pytest tests`) the mark is a no-op
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's --dist loadgroup runs a group on one worker")
+
+
+# ---- pytest-xdist, --dist loadgroup: work units of shared set-up, longest first ---------------------------------
+_MODULE_FIXTURE = re.compile(r"scope\s*=\s*[\"']module[\"']")
+
+
+@functools.cache
+def _defines_module_fixture(module: str) -> bool:
+    """Whether a test module defines a module-scoped fixture (read from its source: the controller of an xdist run
+    collects nothing)."""
+    path = Path(__file__).resolve().parent.parent / module
+    return path.suffix == ".py" and path.exists() and bool(_MODULE_FIXTURE.search(path.read_text()))
+
+
+def work_unit(nodeid: str) -> str:
+    """A test's work unit under `--dist loadgroup`, the tests one worker runs together: its xdist_group where xdist
+    named it (`nodeid@group`), else its module where the module defines a module-scoped fixture (often processes
+    trained once for all its tests: set up once, on one worker, instead of on every worker that gets one of its
+    tests), else the test alone."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's own rule (LoadGroupScheduling._split_scope)
+        return nodeid.split("@")[-1]
+    module = nodeid.split("::")[0]
+    return module if _defines_module_fixture(module) else nodeid
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; a hook of xdist's, optional without it
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` hands out work_unit()s in the collection's order (pytest_collection_modifyitems sorts
+    them, longest first; before xdist 3.8 the groups come first, by size). xdist's own loadgroup marks a group in
+    its tests' node ids, which pytest 9.2 ignores (pytest-xdist issue 1386): work_unit() groups by module too."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SharedSetupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return SharedSetupScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (parametrized module fixtures) and xdist's groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """In a worker of `--dist loadgroup`: the work units (their tests in pytest's order) longest first by
+    tests/durations_gpu.txt, so that the slowest do not start near the end; ties in collection order: the same
+    order in every worker, as xdist requires. Elsewhere the order stays pytest's."""
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False)):
+        return
+    from durations import load, test_id
+
+    seconds = load()
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(work_unit(item.nodeid), []).append(item)
+    weight = {key: sum(seconds.get(test_id(i.nodeid), 0.0) for i in unit) for key, unit in units.items()}
+    order = sorted(units, key=lambda key: -weight[key])  # stable: ties keep the collection's order
+    items[:] = [item for key in order for item in units[key]]
 
 
 @pytest.fixture

@@ -37,6 +37,9 @@ from parity import to_kjt
 from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig
 from embshard.plan import Shard, TablePlan
 
+# pytest-xdist (--dist loadgroup): the module's tests on one worker, which trains every case once (fuzz_run)
+pytestmark = pytest.mark.xdist_group("fuzz")
+
 CANDIDATES = 400  # random cases drawn by default, of which the suite trains a covering subset
 DEFAULT_CORNERS = 0.3  # share of random cases drawn into the corners (to_corners): the collective-desync class
 FIRST_SEED = 1000  # random case i has seed FIRST_SEED + i

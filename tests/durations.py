@@ -1,0 +1,50 @@
+"""Recorded test durations, for the order of pytest-xdist's work units (tests/conftest.py: longest first, so that
+the slowest tests do not start near the end of a run spread over workers).
+
+tests/durations_gpu.txt holds, per test, its phases' seconds summed (setup, call, teardown; a phase under 0.5 s is
+not recorded), from the test_times.txt of a run of the GPU suite (`python bench/run.py tests --out DIR` writes it):
+
+    python tests/durations.py DIR/test_times.txt > tests/durations_gpu.txt
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+FILE = Path(__file__).resolve().parent / "durations_gpu.txt"
+
+
+def test_id(nodeid: str) -> str:
+    """A test's id without pytest-xdist's `@group` suffix (its loadgroup mode adds one to the tests of a group)."""
+    return re.sub(r"@[^\]@]*$", "", nodeid)
+
+
+def from_times(lines: list[str]) -> dict[str, float]:
+    """test id -> seconds, from test_times.txt lines ("seconds phase nodeid outcome")."""
+    out: dict[str, float] = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 4:
+            node = test_id(parts[2])
+            out[node] = out.get(node, 0.0) + float(parts[0])
+    return out
+
+
+def load(path: Path = FILE) -> dict[str, float]:
+    """test id -> seconds, from a durations file ("seconds nodeid" lines); empty where there is none."""
+    if not path.exists():
+        return {}
+    rows = (line.split(None, 1) for line in path.read_text().splitlines() if line.strip())
+    return {node.strip(): float(sec) for sec, node in rows}
+
+
+def render(durations: dict[str, float]) -> str:
+    return "".join(f"{sec:8.2f} {node}\n" for node, sec in sorted(durations.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python tests/durations.py DIR/test_times.txt > tests/durations_gpu.txt")
+    sys.stdout.write(render(from_times(Path(sys.argv[1]).read_text().splitlines())))
