@@ -146,57 +146,89 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         assert {"raw_ids/t_C1/admitted", "raw_ids/t_C26/resident", "raw_ids/all/evicted"} <= set(tags), tags
 
 
+# dlrm_criteo.yaml's runs of a fixed number of steps (its schedule: 20 steps, evaluations at 0, 10 and 20)
+CRITEO = [
+    "configs/dlrm_criteo.yaml",
+    "schedule.epochs=null",
+    "logging.tensorboard_dir=null",
+    "logging.progress_bar=false",
+]
+
+
 def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     """The 20-step run saved step 10 on the way (`straight`: its evaluations at 0, 10, 20). A run of 20 steps
-    resumed from it (`resume_from=latest`, 2 processes) ends with the same held-out loss and AUC, bitwise; the same
-    checkpoint resumes on 3 processes (on 1 where 2 GPUs are all there are: one process per GPU); a rank killed with SIGKILL mid-training under torchrun --max-restarts makes
-    the job restart from its latest complete checkpoint and end with the uninterrupted run's numbers."""
+    resumed from it (`resume_from=latest`, 2 processes) ends with the same held-out loss and AUC, bitwise. (Other
+    world sizes and a rank killed under torchrun: tests of their own below, so that each stays well within the
+    suite's per-test limit on GPUs, where every run is three new processes.)"""
     assert [m["step"] for m in straight] == [0, 10, 20]
-    common = ["configs/dlrm_criteo.yaml", "schedule.epochs=null", "schedule.steps=20", "logging.tensorboard_dir=null"]
-    common.append("logging.progress_bar=false")
     resumed = tmp / "resumed"
     shutil.copytree(tmp / "ck" / "step_10", resumed / "ck" / "step_10")
     res = train_job(
-        [*common, f"checkpoint.dir={resumed}/ck", "checkpoint.resume_from=latest"]
+        [*CRITEO, "schedule.steps=20", f"checkpoint.dir={resumed}/ck", "checkpoint.resume_from=latest"]
         + [f"logging.metrics_file={resumed}/metrics.jsonl"],
         2,
     )
     assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout
     assert metrics(resumed) == [straight[-1]]  # step 20: the same loss, AUC and samples, bitwise
-    three = tmp / "three"
+
+
+def test_resume_on_another_world_size_and_a_schedule_ending_before_the_checkpoint(tmp_path):
+    """dlrm_criteo's checkpoint of step 10 (2 processes) resumes on 3 processes (on 1 where 2 GPUs are all there
+    are: one process per GPU) and trains to step 20; a schedule that ends before the newest checkpoint stops with
+    the steps and the fix (1 process)."""
+    ck = tmp_path / "ck"
+    train_job([*CRITEO, "schedule.steps=10", "schedule.eval_every=0", "checkpoint.every=10", f"checkpoint.dir={ck}"], 2)
+    assert (ck / "step_10" / "COMMIT").is_file()
+    three = tmp_path / "three"
     other = 3 if DEVICE == "cpu" or torch.cuda.device_count() >= 3 else 1  # one process per GPU: 2 -> 1 on 2 GPUs
     res = train_job(
-        [*common, f"checkpoint.resume_from={resumed}/ck/step_10", f"checkpoint.dir={three}/ck"]
+        [*CRITEO, "schedule.steps=20", f"checkpoint.resume_from={ck}/step_10", f"checkpoint.dir={three}/ck"]
         + [f"logging.metrics_file={three}/metrics.jsonl"],
         other,
     )
-    assert f"resumed from {resumed}/ck/step_10 at step 10" in res.stdout
+    assert f"resumed from {ck}/step_10 at step 10" in res.stdout
     assert f"ShardingPlan: world_size={other}" in res.stdout
     (m,) = metrics(three)
     assert m["step"] == 20 and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
-    elastic = tmp / "elastic"
+    res = train([*CRITEO, "schedule.steps=5", f"checkpoint.dir={ck}", "checkpoint.resume_from=latest"])
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"checkpoint '{ck}/step_10' was saved after step 10, but this run's schedule ends at step 5 " in res.stderr
+    assert "(schedule.steps=5): it would train no step. Fix: a schedule past step 10" in res.stderr
+    assert "Traceback" not in res.stderr and "train step" not in res.stdout
+
+
+def test_a_rank_killed_under_torchrun_restarts_from_the_latest_checkpoint(tmp_path):
+    """Rank 1 killed with SIGKILL at step 7 under torchrun --max-restarts=1 (checkpoints every 5 steps): the job
+    restarts from its latest complete checkpoint (step 5) and ends with the numbers of an uninterrupted run (trained
+    beside it, at the same time), bitwise."""
+    elastic, straight = tmp_path / "elastic", tmp_path / "straight"
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
     torchrun += ["--monitor-interval=0.5", str(ROOT / "tests" / "ckpt_faults.py"), "train"]
     env_kill = dict(env(), KILL_STEP="7", KILL_RANK="1", KILL_AFTER=f"{elastic}/ck/step_5")
     env_kill["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as launch/torchrun.sh sets it (docs/launch.md)
-    args = [*common, f"checkpoint.dir={elastic}/ck", "checkpoint.every=5", "checkpoint.resume_from=latest"]
-    args += [f"logging.metrics_file={elastic}/metrics.jsonl", "schedule.eval_at_start=true"]
-    res = subprocess.run(torchrun + args, cwd=ROOT, env=env_kill, capture_output=True, text=True, timeout=300)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
+    args = [*CRITEO, "schedule.steps=20", "schedule.eval_at_start=true", f"checkpoint.dir={elastic}/ck"]
+    args += ["checkpoint.every=5", "checkpoint.resume_from=latest", f"logging.metrics_file={elastic}/metrics.jsonl"]
+    elastic.mkdir()
+    with open(elastic / "stdout", "w") as out, open(elastic / "stderr", "w") as err:
+        job = subprocess.Popen(torchrun + args, cwd=ROOT, env=env_kill, stdout=out, stderr=err, text=True)
+        try:
+            train_job(
+                [*CRITEO, "schedule.steps=20", "schedule.eval_at_start=true", f"checkpoint.dir={straight}/ck"]
+                + [f"logging.metrics_file={straight}/metrics.jsonl"],
+                2,
+            )
+            returncode = job.wait(timeout=300)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    stdout, log = (elastic / "stdout").read_text(), (elastic / "stdout").read_text() + (elastic / "stderr").read_text()
+    assert returncode == 0, log[-4000:]
     assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # rank 1 was killed, the job went on
-    assert f"resumed from {elastic}/ck/step_5 at step 5" in res.stdout, log[-4000:]
-    got = metrics(elastic)  # step 0 (first attempt), then 10 and 20 after the restart
-    assert [m["step"] for m in got] == [0, 10, 20] and got[1:] == straight[1:], got
-    # a schedule that ends before the newest checkpoint (step 20) stops with the steps and the fix (1 process)
-    short = ["configs/dlrm_criteo.yaml", "schedule.epochs=null", "schedule.steps=15", "logging.tensorboard_dir=null"]
-    res = train([*short, f"checkpoint.dir={tmp}/ck", "checkpoint.resume_from=latest", "logging.progress_bar=false"])
-    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
-    assert (
-        f"checkpoint '{tmp}/ck/step_20' was saved after step 20, but this run's schedule ends at step 15 " in res.stderr
-    )
-    assert "(schedule.steps=15): it would train no step. Fix: a schedule past step 20" in res.stderr
-    assert "Traceback" not in res.stderr and "train step" not in res.stdout
+    assert f"resumed from {elastic}/ck/step_5 at step 5" in stdout, log[-4000:]
+    got, want = metrics(elastic), metrics(straight)  # step 0 (first attempt), then 10 and 20 after the restart
+    assert [m["step"] for m in want] == [0, 10, 20]
+    assert [m["step"] for m in got] == [0, 10, 20] and got[1:] == want[1:], (got, want)
 
 
 def test_train_e2e_benchmark_trains_scaled_down_on_cpu():
