@@ -4,6 +4,7 @@ docs/benchmarks.md's generated region being current with the committed results."
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import statistics
@@ -240,6 +241,35 @@ def test_tests_summary_names_the_slowest_files_of_a_run_stopped_at_its_limit(tmp
     ]
 
 
+def test_a_failure_reaches_the_log_of_a_run_stopped_at_its_limit(tmp_path, monkeypatch):
+    """tests/conftest.py writes a failed phase's text to test_times.txt.failures as it happens; the tests suite
+    prints that file into its log after pytest, also when the time limit stopped it, and its summary names it."""
+    import conftest
+
+    times = tmp_path / "test_times.txt"
+    monkeypatch.setenv("EMBSHARD_TEST_TIMES", str(times))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    text = "x" * 5000 + "\nE   AssertionError: rank 0 raised at step 0"
+    phase = dict(duration=37.6, when="call", nodeid="tests/a.py::t", longreprtext=text)
+    conftest.pytest_runtest_logreport(argparse.Namespace(**phase, failed=True, outcome="failed"))
+    conftest.pytest_runtest_logreport(argparse.Namespace(**phase, failed=False, outcome="passed"))
+    written = (tmp_path / "test_times.txt.failures").read_text()
+    assert written.startswith("FAILED tests/a.py::t (call, 37.6 s)\n[... its first") and written.count("FAILED") == 1
+    assert written.rstrip().endswith("E   AssertionError: rank 0 raised at step 0") and len(written) < 3200
+    assert times.read_text().splitlines()[0].split() == ["37.60", "call", "tests/a.py::t", "failed"]
+    args = args_for("tests", "--suite-minutes", "1")
+    args.out = str(tmp_path)
+    (step,) = suites.tests_steps(args, H100)
+    step.argv, step.timeout = ["bash", "-c", "echo ....; sleep 30"], 1.0  # stopped at its limit, no pytest summary
+    monkeypatch.setitem(suites.SUITES, "tests", dataclasses.replace(suites.SUITES["tests"], steps=lambda a, m: [step]))
+    rows = run.run_suite("tests", args, {}, H100)
+    log = (tmp_path / "tests.log").read_text()
+    assert "!! stopped after" in log and "--- failed tests as they ended (test_times.txt.failures) ---" in log
+    assert log.index("!! stopped after") < log.index("E   AssertionError: rank 0 raised at step 0")
+    assert ("tests", "failed", "tests/a.py::t") in rows
+    assert any(w == "pytest" and r.startswith("stopped at the time limit") for _, w, r in rows), rows
+
+
 def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_path):
     mc = (
         "RESULT bench=torchrec_mc framework=torchrec workload=uniform26 world=2 ids=static id_space=10 ms_per_step=3.0\n"
@@ -272,7 +302,7 @@ def test_tests_suite_spreads_tests_over_xdist_workers_only_when_installed(monkey
     for installed in (True, False):
         _installed(monkeypatch, "xdist", installed)
         (step,) = steps("tests", "--test-workers", "4")
-        assert (" -n 4 --dist load " in f" {' '.join(step.argv)} ") == installed
+        assert (" -n 4 --dist loadgroup " in f" {' '.join(step.argv)} ") == installed
         (step,) = steps("tests")  # the default on a GPU host of 32 CPUs: 8 workers
         assert (" -n 8 " in f" {' '.join(step.argv)} ") == installed
         for machine in (suites.Machine(gpus=2, cpus=8), suites.Machine(gpus=0, cpus=32)):

@@ -46,6 +46,9 @@ SHORTEN = {
         "schedule.eval_every=0",
     ],
 }
+# A compiled run's ranks compile in their own process: the dense part is a few kernels, and inductor's default pool
+# of compile workers (one process per CPU, up to 32, per rank) costs more than it saves beside the suite's other tests.
+COMPILE_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 # The MovieLens sample's held-out movies are almost all unseen in training: with the catalog softmax only the
 # training loss falls there (and recall@K is reported); every other config's held-out loss falls.
 TRAIN_LOSS_ONLY = {"two_tower_movielens_full_softmax.yaml"}
@@ -73,10 +76,10 @@ def train(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
-def train_job(args: list[str], nproc: int) -> Ran:
+def train_job(args: list[str], nproc: int, extra_env: dict[str, str] | None = None) -> Ran:
     """A successful `embshard train ARGS --nproc N`: in processes forked for it where train_job.IN_TEST_RANKS
-    (tests/train_job.py), else by the command line."""
-    return embshard_train(args, nproc, env=env())
+    (tests/train_job.py), else by the command line (with `extra_env`)."""
+    return embshard_train(args, nproc, env=env() | (extra_env or {}))
 
 
 def outputs(tmp: Path) -> list[str]:
@@ -113,7 +116,7 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         res = train([*args, "--nproc", "2"])
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     else:
-        res = train_job(args, 2)
+        res = train_job(args, 2, COMPILE_ENV if "training.compile=default" in args else None)
     assert not library_noise(res), library_noise(res)[:10]  # the ranks and data workers print no library warnings
     out = res.stdout
     assert "ShardingPlan: world_size=2" in out and f"2 ranks on {DEVICE}" in out
