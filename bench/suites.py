@@ -4,7 +4,6 @@ reads back from its log. Kept apart from the runner so that the commands can be 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import re
 import statistics
@@ -110,24 +109,13 @@ def tests_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
         argv.append(f"--timeout={args.test_timeout}")
     workers = args.test_workers if args.test_workers >= 0 else (8 if m.gpus and m.cpus >= 16 and not args.cpu else 0)
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
-        # work units to whichever worker is free, in the collection's order: a test alone, or the tests of an
-        # xdist_group (those sharing a module-scoped fixture: set up once, on one worker); tests/conftest.py orders
-        # the units longest first by tests/durations_gpu.txt (xdist before 3.8 puts the groups first)
+        # work units to whichever worker is free, longest first: a test alone, or a module that defines a
+        # module-scoped fixture (set up once, on one worker): tests/conftest.py's scheduler and order
         argv += ["-n", str(workers), "--dist", "loadgroup"]
-        if xdist_version() >= (3, 8):
-            argv.append("--no-loadscope-reorder")
     argv += args.pytest_args.split() if args.pytest_args else ["tests"]
     times = f"{args.out}/test_times.txt"
     env = cuda_env(args) | {"EMBSHARD_TEST_TIMES": times}  # kept if the time limit stops it
     return [Step("pytest", argv, env, timeout=600, epilogue=lambda: failures_text(times))]
-
-
-def xdist_version() -> tuple[int, ...]:
-    """pytest-xdist's version, (0,) where it is not installed or says none."""
-    try:
-        return tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version("pytest-xdist"))[:2])
-    except importlib.metadata.PackageNotFoundError:
-        return (0,)
 
 
 def failures_text(times: str) -> str:

@@ -92,7 +92,8 @@ def work_unit(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` hands out work_unit()s in the collection's order (pytest_collection_modifyitems sorts
     them, longest first; before xdist 3.8 the groups come first, by size). xdist's own loadgroup marks a group in
-    its tests' node ids, which pytest 9.2 ignores (pytest-xdist issue 1386): work_unit() groups by module too."""
+    its tests' node ids, which pytest 9.2 no longer reads (xdist 3.8 sets the old attribute): work_unit() groups by
+    module too."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling

@@ -4,7 +4,10 @@ the slowest tests do not start near the end of a run spread over workers).
 tests/durations_gpu.txt holds, per test, its phases' seconds summed (setup, call, teardown; a phase under 0.5 s is
 not recorded), from the test_times.txt of a run of the GPU suite (`python bench/run.py tests --out DIR` writes it):
 
-    python tests/durations.py DIR/test_times.txt > tests/durations_gpu.txt
+    python tests/durations.py DIR/test_times.txt [MORE/test_times.txt ...] > tests/durations_gpu.txt
+
+(a later file's time of a test replaces an earlier one's). Lines starting with # are comments; a test missing from
+the file counts as 0 s (after every recorded test).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def load(path: Path = FILE) -> dict[str, float]:
     """test id -> seconds, from a durations file ("seconds nodeid" lines); empty where there is none."""
     if not path.exists():
         return {}
-    rows = (line.split(None, 1) for line in path.read_text().splitlines() if line.strip())
+    rows = (line.split(None, 1) for line in path.read_text().splitlines() if line.strip() and line[0] != "#")
     return {node.strip(): float(sec) for sec, node in rows}
 
 
@@ -45,6 +48,9 @@ def render(durations: dict[str, float]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python tests/durations.py DIR/test_times.txt > tests/durations_gpu.txt")
-    sys.stdout.write(render(from_times(Path(sys.argv[1]).read_text().splitlines())))
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python tests/durations.py DIR/test_times.txt [MORE ...] > tests/durations_gpu.txt")
+    merged: dict[str, float] = {}
+    for name in sys.argv[1:]:
+        merged.update(from_times(Path(name).read_text().splitlines()))
+    sys.stdout.write(render(merged))
