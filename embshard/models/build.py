@@ -59,7 +59,10 @@ class RecModel(nn.Module):
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None)
+            # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no copy back after each
+            # all-reduce, and no second copy of the gradients' memory)
+            ids = [device.index] if device.type == "cuda" else None
+            dense = DistributedDataParallel(dense, device_ids=ids, gradient_as_bucket_view=True)
         self.dense = dense
 
     def compile_dense(self, mode: str, batch_size: int) -> bool:
@@ -69,6 +72,10 @@ class RecModel(nn.Module):
         forward is swapped). Returns whether it compiled (False on the CPU)."""
         if self.ebc.device.type != "cuda":
             return False
+        # One graph for the whole dense part, not one per DDP bucket (torch's DDP optimizer splits it so that each
+        # bucket's all-reduce starts during the backward): the dense part is small, and every graph costs its
+        # launch and Python wrapper on the host, which is what bounds a bf16 step.
+        torch._dynamo.config.optimize_ddp = False
         inner = self.dense_module()
         inner.forward = _CompiledForBatch(inner.forward, mode, batch_size)
         return True
