@@ -120,7 +120,9 @@ def test_a_stalled_rank_makes_the_others_raise_within_the_timeout(monkeypatch):
     waiting, stalled = results
     assert waiting["type"] == "CollectiveTimeout", waiting
     assert f"step 1: batch counts all-gather did not complete within {timeout_s:g} s" in waiting["error"], waiting
-    assert timeout_s <= waiting["after_s"] < timeout_s * 2, waiting  # raised from the step's start, in time
+    # raised from the step's start, after the timeout and before the stalled rank came back (3 timeouts: a loaded
+    # machine, e.g. the GPU suite's parallel workers, may be slow to schedule the raising thread)
+    assert timeout_s <= waiting["after_s"] < timeout_s * 3, waiting
     assert stalled["type"] is not None, "the stalled rank went on as if nothing happened"
 
 
