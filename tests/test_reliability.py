@@ -91,12 +91,13 @@ def _stall_worker(rank, world_size, device, tables, plan, timeout_s):
     from embshard import comm
     from embshard.sharded import ShardedEmbeddingBagCollection
 
-    comm.set_timeout(timeout_s)
     ebc = ShardedEmbeddingBagCollection(tables, plan, ROWWISE, device=device)
     batches = random_batches(tables, [3, 3], 3, seed=9)
     keys = [f for t in tables for f in t.feature_names]
     try:
         for step, (per_rank, _) in enumerate(batches):
+            if step == 1:  # from step 1: step 0 may wait seconds for a rank started late on a loaded machine
+                comm.set_timeout(timeout_s)
             if rank == 1 and step == 1:
                 time.sleep(timeout_s * 3)
             t0 = time.monotonic()
