@@ -53,6 +53,10 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
     mode = cfg.training.compile
     if mode != "none" and not model.compile_dense(mode, cfg.schedule.batch_size):
         log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
+    if cfg.training.cuda_graph:
+        why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, cfg.training.precision == "bf16")
+        if why_not is not None:
+            log(f"training.cuda_graph: {why_not}; the dense step runs eagerly")
     return model, dense_opt
 
 
