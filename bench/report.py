@@ -108,7 +108,8 @@ def setting_of(r: dict[str, str]) -> str:
         return ""
     if bench_of(r) == "e2e":
         compiled = r.get("compile", "none")
-        return f"pooled {r.get('pooled', 'fp32')}" + ("" if compiled == "none" else f", compile {compiled}")
+        graph = ", dense step as a CUDA graph" if r.get("cuda_graph", "0") == "1" else ""
+        return f"pooled {r.get('pooled', 'fp32')}" + ("" if compiled == "none" else f", compile {compiled}") + graph
     return f"plan {r.get('plan', 'planner')}" + (f", {r['hbm_gib']} GiB budget" if r.get("hbm_gib", "0") != "0" else "")
 
 
