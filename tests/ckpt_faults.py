@@ -73,13 +73,13 @@ def train_and_die(argv: list[str]) -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     original = RecModel.step
 
-    def step(self, batch, check_finite=False):
+    def step(self, batch, *args, **kwargs):  # RecModel.step's own arguments passed on
         if first_attempt and self.training and self.ebc.step == kill_step and int(os.environ["RANK"]) == kill_rank:
             deadline = time.time() + 120
             while not committed.is_file() and time.time() < deadline:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, batch, check_finite)
+        return original(self, batch, *args, **kwargs)
 
     RecModel.step = step
     main(argv)
