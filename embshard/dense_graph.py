@@ -31,7 +31,48 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DenseGraphStep"]
+__all__ = ["DenseGraphStep", "graph_optimizer_step"]
+
+
+def graph_optimizer_step(optimizer: torch.optim.Optimizer):
+    """(step to capture, host work after each replay) for `optimizer`, or a string saying why it cannot be captured.
+    torch's fused optimizers keep their step counters on the device: their own step is captured. Adagrad without
+    a fused kernel in this torch (and without lr_decay, whose rate depends on the step count on the host): its
+    foreach arithmetic, written out as torch's Adagrad does it, on its own state tensors, and its step counters
+    (host tensors) advanced by one foreach add after each replay."""
+    groups = optimizer.param_groups
+    if all(g.get("fused") for g in groups):
+        return optimizer.step, None
+    if not isinstance(optimizer, torch.optim.Adagrad):
+        return f"the dense optimizer ({type(optimizer).__name__}) has no fused implementation in this torch"
+    if any(g["lr_decay"] or g["maximize"] or g["differentiable"] for g in groups):
+        return "Adagrad with lr_decay, maximize or differentiable has no capturable step here"
+    state = optimizer.state
+    steps = [state[p]["step"] for g in groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step() -> None:
+        for g in groups:
+            params = list(g["params"])
+            grads = [p.grad for p in params]
+            sums = [state[p]["sum"] for p in params]
+            lr, wd = g["lr"], g["weight_decay"]
+            if wd:
+                grads = torch._foreach_add(grads, params, alpha=wd)
+            torch._foreach_addcmul_(sums, grads, grads, value=1)
+            std = torch._foreach_sqrt(sums)
+            torch._foreach_add_(std, g["eps"])
+            if wd:
+                torch._foreach_mul_(grads, -lr)
+                numerator = grads
+            else:
+                numerator = torch._foreach_mul(grads, -lr)
+            torch._foreach_addcdiv_(params, numerator, std)
+
+    def after() -> None:
+        torch._foreach_add_(steps, 1)
+
+    return step, after
 
 
 class _CapturedLoss(torch.autograd.Function):
@@ -54,8 +95,7 @@ class DenseGraphStep:
     Args:
         dense: the dense module, without its DistributedDataParallel wrapper: `dense(dense_BN, sparse_BS)` -> logits
             `[B]`, scored by binary cross-entropy (the DLRM kinds).
-        optimizer: the dense parameters' torch optimizer (stepped inside the graph: a fused one, whose step counters
-            live on the device).
+        optimizer: the dense parameters' torch optimizer, stepped inside the graph (`graph_optimizer_step`).
         batch_size: the samples per rank of the steps that replay.
         autocast_bf16: the forward and loss under bf16 autocast (training.precision bf16).
         group: the process group the gradients are averaged over (None: the default group; one process: none).
@@ -73,6 +113,7 @@ class DenseGraphStep:
         self.autocast_bf16, self.group = autocast_bf16, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.params = [p for p in dense.parameters() if p.requires_grad]
+        self._step, self._after = graph_optimizer_step(optimizer)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eligible_steps = 0  # steps offered so far: the first runs eagerly
         self.replays = 0
@@ -98,6 +139,8 @@ class DenseGraphStep:
         self._sparse_BS.copy_(sparse_BS.detach())
         self._labels_B.copy_(labels_B)
         self.graph.replay()
+        if self._after is not None:
+            self._after()
         self.replays += 1
         loss = _CapturedLoss.apply(sparse_BS, self._loss, self._sparse_BS.grad)
         return loss, self._logits_B.detach().clone()
@@ -150,7 +193,7 @@ class DenseGraphStep:
                 if self.world > 1:
                     dist.all_reduce(self._grads, group=self.group)
                     self._grads.div_(self.world)
-                self.optimizer.step()
+                self._step()
         except Exception as e:
             self.graph = None
             raise RuntimeError(

@@ -63,3 +63,37 @@ def test_cuda_graph_refuses_compile_reduce_overhead():
     with pytest.raises(ConfigError, match="cuda_graph.*reduce-overhead"):
         TrainingConfig(compile="reduce-overhead", cuda_graph=True)
     TrainingConfig(compile="default", cuda_graph=True)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_graph_adagrad_step_is_torchs_adagrad_step(weight_decay):
+    """The Adagrad step the graph captures (where torch has no fused Adagrad) updates parameters, sums and step
+    counters exactly as torch's Adagrad does, over several steps of fresh random gradients."""
+    from embshard.dense_graph import graph_optimizer_step
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(7, 3), (3,), (4, 4, 2)]
+    ours = [torch.randn(s, generator=g, requires_grad=True) for s in shapes]
+    ref = [p.detach().clone().requires_grad_(True) for p in ours]
+    kw = dict(lr=0.05, eps=1e-8, weight_decay=weight_decay, initial_accumulator_value=0.1)
+    opt, opt_ref = torch.optim.Adagrad(ours, **kw), torch.optim.Adagrad(ref, **kw)
+    step, after = graph_optimizer_step(opt)
+    for _ in range(4):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        step()
+        after()
+        opt_ref.step()
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["sum"], opt_ref.state[b]["sum"])
+        assert float(opt.state[a]["step"]) == float(opt_ref.state[b]["step"]) == 4.0
+
+
+def test_graph_step_refuses_what_it_cannot_capture():
+    from embshard.dense_graph import graph_optimizer_step
+
+    p = [torch.zeros(2, requires_grad=True)]
+    assert "no fused implementation" in graph_optimizer_step(torch.optim.SGD(p, lr=0.1))
+    assert "lr_decay" in graph_optimizer_step(torch.optim.Adagrad(p, lr=0.1, lr_decay=0.1))

@@ -61,7 +61,7 @@ class TrainingConfig:
     cuda_graph: bool = False
     """Replay the dense part's whole training step (forward, loss, backward, gradient all-reduce, optimizer) as one
     CUDA graph, captured at the second step of the training batch size (embshard/dense_graph.py): DLRM kinds on CUDA
-    GPUs, with a fused dense optimizer; steps of other sizes and evaluation run eagerly, and the CPU always does.
+    GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU always does.
     Not with compile reduce-overhead (it captures graphs of its own)."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
