@@ -31,14 +31,21 @@ class EvictionOps:
     lru: bool
     lfu: bool
 
-    def _victims(self, last_before: int, wb: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _victims(
+        self, last_before: int, wb: torch.Tensor, W: int, total: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(victims, base, count): per shard s its evictable rows in eviction order at `victims[base[s] + k]`,
         k < count[s] (int64 `[T]`). A row is evictable if last used before step `last_before` (holding no id:
         last use -1). LRU shards: only the first min(ids of s, usable rows of s) positions of s's order are read
         (the window, `wb`: its start per shard and the end, W in all), which hold every victim the step can take
-        (package docstring); LFU shards: every row, sorted."""
+        (package docstring); LFU shards: every row, sorted. `total` (a device scalar: the ids the step admits): the
+        LRU window is read on the Triton kernels, not at all when it is 0 (entries past the victims unspecified)."""
         lru_v = lfu_v = None
-        if self.lru:
+        if self.lru and total is not None:
+            from embshard.kernels._step_triton import lru_window_victims_
+
+            lru_v, lru_n = lru_window_victims_(self.order, self.row_last, wb, self.ord_base, W, last_before, total)
+        elif self.lru:
             lru_v, lru_n = self._lru_victims(last_before, wb, W)
         if self.lfu:
             lfu_v, lfu_n = self._lfu_victims(last_before)

@@ -60,7 +60,7 @@ def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_
     usable = max(rows - 1, 1)
     slots = _buckets(usable) * P
     idx = _index_dtype(rows, slots).itemsize
-    total = slots * (8 + idx) + rows * (24 + idx) + usable * 8
+    total = slots * (8 + idx) + rows * (24 + idx) + usable * 8 + slots // P * 8  # the last: the buckets' list heads
     if Eviction(eviction) is Eviction.LRU:
         total += usable * 8
     if admit_min_count > 1:
@@ -122,6 +122,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         buf("row_slot", torch.full((self.R + 1,), -1, dtype=idx))
         buf("slot_key", torch.zeros(self.S + 1, dtype=i64))
         buf("slot_row", torch.full((self.S + 1,), -1, dtype=idx))
+        buf("list_head", torch.full((self.NB,), -1, dtype=i64))  # the Triton step's inserts (rawids/step.py)
         buf("admitted", torch.zeros(T, dtype=i64))
         buf("evicted", torch.zeros(T, dtype=i64))
         if self.sketching:
@@ -167,7 +168,16 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
             row, _ = self._find(ids, shard_of)
             tab = self.row_tab[shard_of]
             return torch.where(row >= 0, row, tab[:, 1]) - tab[:, 0], Resets(None, shard_of, counts)
-        rows, given = self._train(ids, shard_of, bounds, wb, host[-1] if self.lru else 0)
+        W = host[-1] if self.lru else 0
+        if self._kernels(ids):
+            from embshard.rawids.step import train_triton
+
+            rows, given, listed = train_triton(self, ids, shard_of, bounds, wb, W)
+            if self.lru:
+                self._reorder(self.clock)
+            self.clock += 1
+            return rows, Resets(given, shard_of, counts, listed)
+        rows, given = self._train(ids, shard_of, bounds, wb, W)
         return rows, Resets(given, shard_of, counts)
 
     def _train(

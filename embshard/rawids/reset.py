@@ -32,11 +32,14 @@ RESET_BLOCK_ELEMENTS = 1 << 20
 
 class Resets(NamedTuple):
     """A step's reset list: `rows` `[n]` the local row given to a new id at each position, else -1 (None: no row
-    was given: evaluation); `shard` `[n]` the shard of each position; `counts` the ids per shard (host)."""
+    was given: evaluation); `shard` `[n]` the shard of each position; `counts` the ids per shard (host); `listed`
+    (the Triton step's): the positions given a row `[n]` (the first `count` entries, in any order) and `count`
+    `[1]` on the device, which the reset kernels walk instead of the whole list."""
 
     rows: torch.Tensor | None
     shard: torch.Tensor
     counts: list[int]
+    listed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _Storage:
