@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from embshard.kernels._idmap_triton import _bucket, _probe
+from embshard.kernels._idmap_triton import _bucket, _probe, _segment_of
 from embshard.lookup.shards import _GOLDEN, _MIX1, _MIX2
 
 BLOCK = 128
@@ -56,8 +56,9 @@ def _uniq_kernel(SID, PERM, SHARD, FIRST, CSU, UKEY, USHARD, UPOS, RUN0, n, BLOC
 
 @triton.jit
 def _find_step_kernel(
-    UKEY, USHARD, RUN0, CSU, UPOS, BTAB, SLOT_KEY, SLOT_ROW, ROW_LAST, ROW_FREQ, UROW, CAND, UCNT, FLAG,
-    n, clock, salt0, salt1, golden, mix1, mix2, WRITE_FLAG: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
+    UKEY, USHARD, RUN0, CSU, UPOS, BTAB, SLOT_KEY, SLOT_ROW, ROW_LAST, ROW_FREQ, ROW_USED, UROW, CAND, UCNT, FLAG,
+    n, clock, salt0, salt1, golden, mix1, mix2, WRITE_FLAG: tl.constexpr, MARK: tl.constexpr, P: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     nu = tl.load(CSU + n - 1)
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -77,26 +78,14 @@ def _find_step_kernel(
         hit = live & (row >= 0)
         tl.store(ROW_LAST + row, tl.zeros_like(row) + clock, mask=hit)
         tl.store(ROW_FREQ + row, tl.load(ROW_FREQ + row, mask=hit, other=0) + cnt, mask=hit)  # one id per row
+        if MARK:  # used now: the LRU order's partition reads (and clears) the mark
+            tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=hit)
         tl.store(UROW + u, row, mask=live)
         tl.store(CAND + 2 * u, c0, mask=live)
         tl.store(CAND + 2 * u + 1, c1, mask=live)
         tl.store(UCNT + u, cnt, mask=live)
         if WRITE_FLAG:
             tl.store(FLAG + tl.load(UPOS + u, mask=live, other=0), (row < 0).to(tl.int64), mask=live)
-
-
-@triton.jit
-def _segment_of(WB, w, live, T, LOGT: tl.constexpr):
-    """The segment s of window position w: the last s in 0..T with wb[s] <= w (a binary search of `[T + 1]`)."""
-    lo = tl.zeros_like(w)
-    hi = tl.zeros_like(w) + T + 1
-    for _ in tl.static_range(LOGT):
-        go = lo < hi
-        mid = (lo + hi) // 2
-        le = tl.load(WB + mid, mask=live & go, other=0) <= w
-        lo = tl.where(go & le, mid + 1, lo)
-        hi = tl.where(go & ~le, mid, hi)
-    return lo - 1
 
 
 @triton.jit
@@ -277,7 +266,7 @@ def _place_kernel(UKEY, NEWROW, OK, CSU, CS, HEAD, NXT, BK, SLOT, SLOT_KEY, SLOT
 @triton.jit
 def _finish_kernel(
     UKEY, USHARD, UCNT, NEWROW, OK, SLOT, CSU, CS, SLOT_KEY, SLOT_ROW, ROW_KEY, ROW_LAST, ROW_FREQ, ROW_SLOT,
-    EVICTED, ADMITTED, n, T, clock, TP: tl.constexpr, BLOCK: tl.constexpr,
+    ROW_USED, EVICTED, ADMITTED, n, T, clock, MARK: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     nu = tl.load(CSU + n - 1)
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -297,6 +286,8 @@ def _finish_kernel(
             tl.store(ROW_LAST + row, tl.where(ins, clock, -1), mask=ok)
             tl.store(ROW_FREQ + row, tl.where(ins, tl.load(UCNT + u, mask=ok, other=0), 0), mask=ok)
             tl.store(ROW_SLOT + row, slot.to(ROW_SLOT.dtype.element_ty), mask=ok)
+            if MARK:
+                tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=ins)
             # per shard: evicted (old rows) and admitted (inserted) ids, summed in the block, then one add each
             s = tl.load(USHARD + u, mask=ok, other=-1)
             t = tl.arange(0, TP)

@@ -101,14 +101,14 @@ class EvictionOps:
         out = torch.full((self.Ord + 1,), -1, dtype=torch.int64, device=rows.device)
         return out.scatter_(0, pos, rows), before[1:] - before[:-1]
 
-    def _reorder(self, clock: int) -> None:
+    def _reorder(self, clock: int, row_used: torch.Tensor | None = None) -> None:
         """LRU order: within every segment, the rows used at `clock` move to the end, in their order (a stable
         partition: one gather of the rows' last use, one cumsum, one scatter over the usable rows; on CUDA two
-        Triton passes, embshard/kernels/_idmap_triton.py)."""
+        Triton passes, embshard/kernels/_idmap_triton.py; `row_used`: the Triton step's marks of the used rows)."""
         if self._kernels(self.order):
             from embshard.kernels._idmap_triton import reorder_
 
-            self.order = reorder_(self.order, self.row_last, self.seg, self.ord_bounds, clock)
+            self.order = reorder_(self.order, self.row_last, self.ord_bounds, clock, row_used)
             return
         o = self.order
         used = self.row_last[o] == clock

@@ -62,7 +62,7 @@ def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_
     idx = _index_dtype(rows, slots).itemsize
     total = slots * (8 + idx) + rows * (24 + idx) + usable * 8 + slots // P * 8  # the last: the buckets' list heads
     if Eviction(eviction) is Eviction.LRU:
-        total += usable * 8
+        total += usable * 8 + rows  # the order, the Triton step's marks of used rows
     if admit_min_count > 1:
         total += (SKETCH_DEPTH + 1) * max(usable, 16) * 8  # the counters and each column's shard
     return total / rows
@@ -123,6 +123,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         buf("slot_key", torch.zeros(self.S + 1, dtype=i64))
         buf("slot_row", torch.full((self.S + 1,), -1, dtype=idx))
         buf("list_head", torch.full((self.NB,), -1, dtype=i64))  # the Triton step's inserts (rawids/step.py)
+        buf("row_used", torch.zeros(self.R + 1 if self.lru else 1, dtype=torch.int8))  # its marks of used rows
         buf("admitted", torch.zeros(T, dtype=i64))
         buf("evicted", torch.zeros(T, dtype=i64))
         if self.sketching:
@@ -174,7 +175,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
 
             rows, given, listed = train_triton(self, ids, shard_of, bounds, wb, W)
             if self.lru:
-                self._reorder(self.clock)
+                self._reorder(self.clock, self.row_used)
             self.clock += 1
             return rows, Resets(given, shard_of, counts, listed)
         rows, given = self._train(ids, shard_of, bounds, wb, W)

@@ -46,9 +46,9 @@ def train_triton(
     cand = torch.empty(n, 2, dtype=i64, device=dev)
     flag = torch.zeros(n, dtype=i64, device=dev)
     k["find"][grid](
-        u_key, u_shard, run0, csu, u_pos, m.bucket_tab, m.slot_key, m.slot_row, m.row_last, m.row_freq, row_u, cand,
-        u_cnt, flag, n, clock, _SALTS[0], _SALTS[1], k["golden"], k["mix1"], k["mix2"], WRITE_FLAG=not m.sketching,
-        P=P, BLOCK=BLOCK,
+        u_key, u_shard, run0, csu, u_pos, m.bucket_tab, m.slot_key, m.slot_row, m.row_last, m.row_freq, m.row_used,
+        row_u, cand, u_cnt, flag, n, clock, _SALTS[0], _SALTS[1], k["golden"], k["mix1"], k["mix2"],
+        WRITE_FLAG=not m.sketching, MARK=m.lru, P=P, BLOCK=BLOCK,
     )  # fmt: skip
     if m.sketching:  # admission counting: the torch path's sketch over the valid unique ids
         valid = torch.arange(n, device=dev) < csu[-1]
@@ -77,7 +77,8 @@ def train_triton(
     k["pick"][grid](m.slot_row, ok, csu, cs, head, nxt, bk, slot, n, gen2, ROUND=1, P=P, BLOCK=BLOCK)
     k["finish"][grid](
         u_key, u_shard, u_cnt, new_row, ok, slot, csu, cs, m.slot_key, m.slot_row, m.row_key, m.row_last, m.row_freq,
-        m.row_slot, m.evicted, m.admitted, n, m.T, clock, TP=triton.next_power_of_2(m.T), BLOCK=BLOCK,
+        m.row_slot, m.row_used, m.evicted, m.admitted, n, m.T, clock, MARK=m.lru, TP=triton.next_power_of_2(m.T),
+        BLOCK=BLOCK,
     )  # fmt: skip
     rows, given = torch.empty(n, dtype=i64, device=dev), torch.empty(n, dtype=i64, device=dev)
     listed, count = torch.empty(n, dtype=i64, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
