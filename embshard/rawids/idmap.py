@@ -171,9 +171,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
             return torch.where(row >= 0, row, tab[:, 1]) - tab[:, 0], Resets(None, shard_of, counts)
         W = host[-1] if self.lru else 0
         if self._kernels(ids):
-            from embshard.rawids.step import train_triton
-
-            rows, given, listed = train_triton(self, ids, shard_of, bounds, wb, W)
+            rows, given, listed = self._train_triton(ids, shard_of, bounds, wb, W)
             if self.lru:
                 self._reorder(self.clock, self.row_used)
             self.clock += 1
@@ -246,6 +244,14 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         given = torch.full((n + 1,), -1, dtype=i64, device=dev)
         given.scatter_(0, torch.where(ok, u_pos, n), new_row - tab[:, 3])
         return rows, given[:n]
+
+    def _train_triton(
+        self, ids: torch.Tensor, shard_of: torch.Tensor, bounds: torch.Tensor, wb: torch.Tensor, W: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`_train` on the Triton kernels (rawids/step.py), and the compact list of positions given a row."""
+        from embshard.rawids.step import train_triton
+
+        return train_triton(self, ids, shard_of, bounds, wb, W)
 
     def _sums_per_shard(
         self, u_pos: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor
