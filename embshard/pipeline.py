@@ -310,12 +310,27 @@ class TrainPipeline:
             item.batch.record_stream(current)
 
     # ---- the step ----------------------------------------------------------------------------------------
+    def _graph_step(self, item: _Item) -> bool:
+        """Whether this step replays the dense step's CUDA graph: only when every rank's batch has the graph's
+        size (the agreed counts), so that every rank replays, and all-reduces, together."""
+        graph = getattr(self.model, "dense_graph", None)
+        if graph is None or self.check_finite:
+            return False
+        if self.world > 1 and item.counts is None:  # the sizes are not known on the host: never
+            return False
+        sizes = item.counts.batch_sizes if item.counts is not None else [item.batch.size]
+        return len(set(sizes)) == 1 and graph.ready(sizes[0])
+
     def _forward(self, item: _Item) -> StepOutput:
+        graph = self._graph_step(item)
         ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
-            return self.model.step(item.batch, check_finite=self.check_finite)
+            return self.model.step(item.batch, check_finite=self.check_finite, graph=graph)
 
     def _update(self, out: StepOutput) -> None:
+        if out.dense_updated:  # the dense step's graph updated the dense part; the embeddings' backward is left
+            out.loss.backward()
+            return
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         self.optimizer.step()

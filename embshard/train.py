@@ -53,6 +53,10 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
     mode = cfg.training.compile
     if mode != "none" and not model.compile_dense(mode, cfg.schedule.batch_size):
         log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
+    if cfg.training.cuda_graph:
+        why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, cfg.training.precision == "bf16")
+        if why_not is not None:
+            log(f"training.cuda_graph: {why_not}; the dense step runs eagerly")
     return model, dense_opt
 
 
@@ -304,12 +308,39 @@ def past_schedule(
 
 
 def make_dense_optimizer(o: DenseOptimizerConfig, params: list) -> torch.optim.Optimizer:
-    """torch.optim optimizer of the dense parameters (gets only the dense_optimizer section)."""
+    """torch.optim optimizer of the dense parameters (gets only the dense_optimizer section). On a GPU, torch's fused
+    implementation (one kernel launch for every parameter, and little host work) where this torch has it for the
+    kind; elsewhere torch's default (foreach)."""
+    fused = {"fused": True} if _fused_available(o.kind, params) else {}
     if o.kind == "adam":
-        return torch.optim.Adam(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        betas = (o.beta1, o.beta2)
+        return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay, **fused)
     if o.kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay)
-    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return torch.optim.Adagrad(params, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, **fused)
+    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **fused)
+
+
+_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+_FUSED: dict[tuple[str, str], bool] = {}
+
+
+def _fused_available(kind: str, params: list) -> bool:
+    """Whether torch's fused `kind` runs on the parameters' device (CUDA only: the CPU keeps the foreach path the
+    tests compare with): one step of a one-element parameter, once per process."""
+    devices = {p.device for p in params}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return False
+    device = next(iter(devices))
+    key = (kind, str(device))
+    if key not in _FUSED:
+        try:
+            probe = torch.zeros(1, device=device, requires_grad=True)
+            probe.grad = torch.ones(1, device=device)
+            _OPTIMIZERS[kind]([probe], lr=0.1, fused=True).step()
+            _FUSED[key] = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FUSED[key] = False
+    return _FUSED[key]
 
 
 def _run_or_exit(config_path: str, overrides: Sequence[str]) -> None:

@@ -91,12 +91,13 @@ def _stall_worker(rank, world_size, device, tables, plan, timeout_s):
     from embshard import comm
     from embshard.sharded import ShardedEmbeddingBagCollection
 
-    comm.set_timeout(timeout_s)
     ebc = ShardedEmbeddingBagCollection(tables, plan, ROWWISE, device=device)
     batches = random_batches(tables, [3, 3], 3, seed=9)
     keys = [f for t in tables for f in t.feature_names]
     try:
         for step, (per_rank, _) in enumerate(batches):
+            if step == 1:  # from step 1: step 0 may wait seconds for a rank started late on a loaded machine
+                comm.set_timeout(timeout_s)
             if rank == 1 and step == 1:
                 time.sleep(timeout_s * 3)
             t0 = time.monotonic()
@@ -120,7 +121,9 @@ def test_a_stalled_rank_makes_the_others_raise_within_the_timeout(monkeypatch):
     waiting, stalled = results
     assert waiting["type"] == "CollectiveTimeout", waiting
     assert f"step 1: batch counts all-gather did not complete within {timeout_s:g} s" in waiting["error"], waiting
-    assert timeout_s <= waiting["after_s"] < timeout_s * 2, waiting  # raised from the step's start, in time
+    # raised from the step's start, after the timeout and before the stalled rank came back (3 timeouts: a loaded
+    # machine, e.g. the GPU suite's parallel workers, may be slow to schedule the raising thread)
+    assert timeout_s <= waiting["after_s"] < timeout_s * 3, waiting
     assert stalled["type"] is not None, "the stalled rank went on as if nothing happened"
 
 

@@ -58,6 +58,11 @@ class TrainingConfig:
     default fuses its elementwise work into fewer kernels; reduce-overhead also replays it as CUDA graphs. Other
     batch shapes (the last partial batch, evaluation) and the CPU run eagerly. Costs a compile at the first step
     (tens of seconds)."""
+    cuda_graph: bool = False
+    """Replay the dense part's whole training step (forward, loss, backward, gradient all-reduce, optimizer) as one
+    CUDA graph, captured at the second step of the training batch size (embshard/dense_graph.py): DLRM kinds on CUDA
+    GPUs, with a fused dense optimizer; steps of other sizes and evaluation run eagerly, and the CPU always does.
+    Not with compile reduce-overhead (it captures graphs of its own)."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""
@@ -65,6 +70,11 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.prefetch_batches < 1:
             raise FieldError("prefetch_batches", self.prefetch_batches, "it must be >= 1 batch")
+        if self.cuda_graph and self.compile == "reduce-overhead":
+            raise FieldError(
+                "cuda_graph", self.cuda_graph,
+                "compile reduce-overhead captures CUDA graphs of its own: use compile default (or none) with it",
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,28 @@ class RecModel(nn.Module):
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None)
+            # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no copy back after each
+            # all-reduce, and no second copy of the gradients' memory)
+            ids = [device.index] if device.type == "cuda" else None
+            dense = DistributedDataParallel(dense, device_ids=ids, gradient_as_bucket_view=True)
         self.dense = dense
+        self.dense_graph = None  # a DenseGraphStep (training.cuda_graph), set by `capture_dense_step`
+
+    def capture_dense_step(self, optimizer: torch.optim.Optimizer, batch_size: int, bf16: bool) -> str | None:
+        """Replay the dense part's training step as one CUDA graph for batches of `batch_size` (training.cuda_graph,
+        embshard/dense_graph.py). Returns None if it will, else why not (it then runs eagerly)."""
+        from embshard.dense_graph import DenseGraphStep
+
+        if self.ebc.device.type != "cuda":
+            return "CUDA graphs need a CUDA GPU"
+        if self.kind.sparse_input is None:
+            return f"model kind {self.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
+        if self.catalog is not None:
+            return "a retrieval catalog's step is not a DLRM step"
+        if not all(g.get("fused") for g in optimizer.param_groups):
+            return f"the dense optimizer ({type(optimizer).__name__}) has no fused implementation in this torch"
+        self.dense_graph = DenseGraphStep(self.dense_module(), optimizer, batch_size, bf16)
+        return None
 
     def compile_dense(self, mode: str, batch_size: int) -> bool:
         """Compile the dense part's forward with torch.compile (`mode`: "default", "max-autotune-no-cudagraphs" or
@@ -69,6 +89,10 @@ class RecModel(nn.Module):
         forward is swapped). Returns whether it compiled (False on the CPU)."""
         if self.ebc.device.type != "cuda":
             return False
+        # One graph for the whole dense part, not one per DDP bucket (torch's DDP optimizer splits it so that each
+        # bucket's all-reduce starts during the backward): the dense part is small, and every graph costs its
+        # launch and Python wrapper on the host, which is what bounds a bf16 step.
+        torch._dynamo.config.optimize_ddp = False
         inner = self.dense_module()
         inner.forward = _CompiledForBatch(inner.forward, mode, batch_size)
         return True
@@ -84,9 +108,14 @@ class RecModel(nn.Module):
         """The sharded embedding collections (the catalog's last, in catalog mode), for checkpoints."""
         return [self.ebc] + ([self.catalog.ebc] if self.catalog is not None else [])
 
-    def step(self, batch: Batch, check_finite: bool = False) -> StepOutput:
+    def step(self, batch: Batch, check_finite: bool = False, graph: bool = False) -> StepOutput:
         """Forward and loss on this rank's batch. `check_finite`: raise `guard.NonFiniteError` on every rank
-        (collective) if the loss or a pooled embedding is NaN or Inf, before any update (runtime.nan_check)."""
+        (collective) if the loss or a pooled embedding is NaN or Inf, before any update (runtime.nan_check).
+        `graph`: the dense step replays its CUDA graph (every rank must pass the same; `dense_graph.ready` says
+        when): the returned output's dense update is done."""
+        if graph:
+            loss, logits = self.dense_graph.run(batch.dense, self.kind.sparse_input(self, batch), batch.labels)
+            return StepOutput(loss, logits, batch.labels, dense_updated=True)
         if not check_finite:
             return self.kind.step(self, batch)
         from embshard.guard import check_finite as check

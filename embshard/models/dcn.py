@@ -56,9 +56,14 @@ def dcn_dense(cfg: ModelConfig, num_dense: int) -> DLRMDCNDense:
     )
 
 
+def dcn_sparse(model: Any, batch: Batch) -> torch.Tensor:
+    """The pooled embeddings of every feature side by side `[B, sparse_width]`."""
+    return model.ebc(batch.sparse).values()
+
+
 def dcn_step(model: Any, batch: Batch) -> StepOutput:
-    """BCE of the logits of the dense features and the pooled embeddings (KeyedTensor) `[B, sparse_width]`."""
-    return bce_output(model.dense(batch.dense, model.ebc(batch.sparse).values()), batch.labels)
+    """BCE of the logits of the dense features and the pooled embeddings `[B, sparse_width]`."""
+    return bce_output(model.dense(batch.dense, dcn_sparse(model, batch)), batch.labels)
 
 
-register("dlrm_dcnv2", ModelKind(dcn_dense, dcn_step))
+register("dlrm_dcnv2", ModelKind(dcn_dense, dcn_step, sparse_input=dcn_sparse))

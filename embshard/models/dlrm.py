@@ -52,11 +52,15 @@ def dlrm_dense(cfg: ModelConfig, num_dense: int) -> DLRMDense:
     return DLRMDense(num_dense, len(cfg.features), cfg.tables[0].embedding_dim, cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp)
 
 
-def dlrm_step(model: Any, batch: Batch) -> StepOutput:
-    """BCE of the logits of the dense features and the pooled embeddings (KeyedTensor) `[B, F, D]`."""
+def dlrm_sparse(model: Any, batch: Batch) -> torch.Tensor:
+    """The pooled embeddings `[B, F, D]`."""
     cfg = model.cfg
-    sparse_BFD = model.ebc(batch.sparse).values().view(batch.size, len(cfg.features), cfg.tables[0].embedding_dim)
-    return bce_output(model.dense(batch.dense, sparse_BFD), batch.labels)
+    return model.ebc(batch.sparse).values().view(batch.size, len(cfg.features), cfg.tables[0].embedding_dim)
 
 
-register("dlrm", ModelKind(dlrm_dense, dlrm_step))
+def dlrm_step(model: Any, batch: Batch) -> StepOutput:
+    """BCE of the logits of the dense features and the pooled embeddings `[B, F, D]`."""
+    return bce_output(model.dense(batch.dense, dlrm_sparse(model, batch)), batch.labels)
+
+
+register("dlrm", ModelKind(dlrm_dense, dlrm_step, sparse_input=dlrm_sparse))

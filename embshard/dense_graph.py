@@ -1,0 +1,162 @@
+"""The dense part's whole training step as one CUDA graph (YAML `training.cuda_graph`).
+
+A bf16 step of a DLRM-class model is bound by the host: the dense part's forward, loss, backward, the gradient
+all-reduce and the optimizer are a few hundred small launches, each with its Python and dispatcher cost, while the GPU
+work behind them takes a few milliseconds. Here they are captured once, for the training batch size, and each step
+replays them with one launch:
+
+    static inputs   dense features [B, N], pooled embeddings [B, S] (a leaf that requires grad), labels [B]
+    graph           forward and BCE loss (under bf16 autocast if asked), backward into one flat gradient buffer,
+                    one all-reduce of that buffer (summed, then divided by the world size: DDP's average), the
+                    optimizer's step (torch's fused optimizers run on device-side step counters)
+    outputs         the loss, the logits, the pooled embeddings' gradient
+
+`run` returns a loss whose backward hands the captured gradient of the pooled embeddings to the embeddings'
+backward (the exchange's and the fused sparse optimizer's, eager as before). The dense update has then already
+happened: the pipeline only calls `loss.backward()` (`StepOutput.dense_updated`).
+
+Which steps use it: the pipeline asks for it only when every rank's batch has the training batch size (the
+ranks' agreed counts), so every rank replays (and so all-reduces) together; other steps (the last partial batch,
+empty batches, evaluation) run the eager path with DistributedDataParallel. The first eligible step runs eagerly too
+(optimizer state, cuBLAS handles, compiled kernels come into being), the second captures. The captured kernels
+read and write fixed addresses: the parameters, the optimizer's state tensors and the gradient buffer, which the
+eager path leaves in place (it reads the parameters and updates the same state tensors), so both paths can follow
+each other in any order. Loading a checkpoint replaces optimizer state tensors: load before training (as
+`embshard train` does), or call `reset()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DenseGraphStep"]
+
+
+class _CapturedLoss(torch.autograd.Function):
+    """The loss of a replayed step: its backward is the captured gradient of the pooled embeddings."""
+
+    @staticmethod
+    def forward(ctx, sparse_BS: torch.Tensor, loss: torch.Tensor, grad_BS: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(grad_BS)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+        (grad_BS,) = ctx.saved_tensors
+        return grad_BS * grad_loss.to(grad_BS.dtype), None, None
+
+
+class DenseGraphStep:
+    """One CUDA graph of the dense part's training step for batches of `batch_size` samples.
+
+    Args:
+        dense: the dense module, without its DistributedDataParallel wrapper: `dense(dense_BN, sparse_BS)` -> logits
+            `[B]`, scored by binary cross-entropy (the DLRM kinds).
+        optimizer: the dense parameters' torch optimizer (stepped inside the graph: a fused one, whose step counters
+            live on the device).
+        batch_size: the samples per rank of the steps that replay.
+        autocast_bf16: the forward and loss under bf16 autocast (training.precision bf16).
+        group: the process group the gradients are averaged over (None: the default group; one process: none).
+    """
+
+    def __init__(
+        self,
+        dense: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch_size: int,
+        autocast_bf16: bool,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.dense, self.optimizer, self.batch_size = dense, optimizer, batch_size
+        self.autocast_bf16, self.group = autocast_bf16, group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.params = [p for p in dense.parameters() if p.requires_grad]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.eligible_steps = 0  # steps offered so far: the first runs eagerly
+        self.replays = 0
+
+    def reset(self) -> None:
+        """Forget the captured graph (after the optimizer's state tensors were replaced): the next eligible step
+        runs eagerly, the one after captures again."""
+        self.graph, self.eligible_steps = None, 0
+
+    def ready(self, batch_size: int) -> bool:
+        """Whether this step (every rank's batch has `batch_size` samples, as agreed) replays the graph; the
+        first eligible step returns False (it runs eagerly) and counts itself."""
+        if batch_size != self.batch_size or not torch.is_grad_enabled():
+            return False
+        self.eligible_steps += 1
+        return self.eligible_steps > 1
+
+    def run(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor):
+        """The step: (loss with the embeddings' backward attached, logits `[B]`). Captures at the first call."""
+        if self.graph is None:
+            self._capture(dense_BN, sparse_BS, labels_B)
+        self._dense_BN.copy_(dense_BN)
+        self._sparse_BS.copy_(sparse_BS.detach())
+        self._labels_B.copy_(labels_B)
+        self.graph.replay()
+        self.replays += 1
+        loss = _CapturedLoss.apply(sparse_BS, self._loss, self._sparse_BS.grad)
+        return loss, self._logits_B.detach().clone()
+
+    # ---- capture ---------------------------------------------------------------------------------------------
+    def _forward_backward(self) -> None:
+        ctx = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.autocast_bf16
+            else torch.autocast("cuda", enabled=False)
+        )
+        with ctx:
+            logits_B = self.dense(self._dense_BN, self._sparse_BS)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits_B, self._labels_B)
+        loss.backward()
+        self._logits_B, self._loss = logits_B, loss
+
+    def _capture(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor) -> None:
+        device = sparse_BS.device
+        self._dense_BN = dense_BN.detach().clone()
+        self._sparse_BS = sparse_BS.detach().clone().requires_grad_(True)
+        self._labels_B = labels_B.detach().clone()
+        # every gradient a view of one flat buffer: the graph zeroes it, backward accumulates into it, one
+        # all-reduce averages it over the ranks
+        numel = sum(p.numel() for p in self.params)
+        self._grads = torch.zeros(numel, dtype=self.params[0].dtype, device=device)
+        offset = 0
+        for p in self.params:
+            p.grad = self._grads[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisations), no update
+            self._sparse_BS.grad = None
+            self._forward_backward()
+            self._grads.zero_()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self._sparse_BS.grad = torch.zeros_like(self._sparse_BS)
+        # torch's optimizers with a `capturable` flag check it under capture; their fused step is the same kernel
+        # either way (device-side step counters), so the flag is set for the capture only
+        flags = [(g, g["capturable"]) for g in self.optimizer.param_groups if "capturable" in g]
+        for g, _ in flags:
+            g["capturable"] = True
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph):
+                self._grads.zero_()
+                self._sparse_BS.grad.zero_()
+                self._forward_backward()
+                if self.world > 1:
+                    dist.all_reduce(self._grads, group=self.group)
+                    self._grads.div_(self.world)
+                self.optimizer.step()
+        except Exception as e:
+            self.graph = None
+            raise RuntimeError(
+                f"training.cuda_graph: capturing the dense step failed ({type(e).__name__}: {e}); set "
+                "training.cuda_graph false to train without it"
+            ) from e
+        finally:
+            for g, flag in flags:
+                g["capturable"] = flag
