@@ -47,7 +47,7 @@ from embshard_dmp import interleaved_ms, timed_ms  # noqa: E402
 
 SCALES = {"small": (100_000, 1024, 32), "large": (400_000, 4096, 32), "uniform26": (1_000_000, 16_384, 128)}
 PHASES = (
-    "forward", "remap", "_train", "_find", "_insert", "_place", "_victims", "_lru_victims", "_lfu_victims",
+    "forward", "remap", "_train", "_train_triton", "_find", "_insert", "_place", "_victims", "_lru_victims", "_lfu_victims",
     "_compact", "_reorder", "_count", "reset",
 )  # fmt: skip
 """IdMap methods timed as phases (those the class has)."""

@@ -3,8 +3,8 @@ free slots of its inserts, and the LRU order's update.
 
 One program takes BLOCK keys: it hashes each key twice (splitmix64 of `key * golden + salt`, one salt per candidate
 bucket, the bits `embshard.rawids.hashing` computes), takes the shard's bucket range (first bucket, buckets) from a
-small table, reads both candidate buckets of P slots (keys and rows), and writes the row of the slot holding the key
-(-1: none) and the two buckets. The torch ops it replaces (IndexOps._find_torch) build `[m, 2, P]` int64 and int32
+small table, reads the first candidate bucket of P slots (keys and rows), the second only for keys not found in the
+first, and writes the row of the slot holding the key (-1: none) and the two buckets. The torch ops it replaces (IndexOps._find_torch) build `[m, 2, P]` int64 and int32
 temporaries (about 3 GB read and written at 2M keys) in ~26 launches; this reads the buckets once.
 
 `free_counts_`: the free slots of both candidate buckets of every key (an insert takes the emptier); `pick_free_`:
@@ -13,7 +13,9 @@ bucket into `[m, P]` temporaries, scan and match them in ~10 launches).
 
 `reorder_`: the LRU order's stable partition (per segment, the rows used at the clock move to its end, in order):
 one pass marks the used positions and counts them per block, a cumsum over the blocks, a pass that scans each block
-and scatters every row to its new position; the torch ops make ~12 passes over the group's rows.
+and scatters every row to its new position (its segment by a binary search of the bounds); the torch ops make ~12
+passes over the group's rows. The map's Triton step marks the rows it uses in a byte per row, which the first pass
+reads (a gather that stays in cache, unlike the rows' last use) and the second clears.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def _find_kernel(
     tl.store(CAND + 2 * i, c0, mask=live)
     tl.store(CAND + 2 * i + 1, c1, mask=live)
     j = tl.arange(0, P).to(tl.int64)
-    best = tl.maximum(_probe(SLOT_KEY, SLOT_ROW, c0, j, key, live, P), _probe(SLOT_KEY, SLOT_ROW, c1, j, key, live, P))
+    best = _probe(SLOT_KEY, SLOT_ROW, c0, j, key, live, P)
+    best = tl.maximum(best, _probe(SLOT_KEY, SLOT_ROW, c1, j, key, live & (best < 0), P))  # the other if not found
     tl.store(ROW + i, best, mask=live)
 
 
@@ -145,39 +148,60 @@ def pick_free_(
     return out
 
 
+@triton.jit
+def _segment_of(WB, w, live, T, LOGT: tl.constexpr):
+    """The segment s of window position w: the last s in 0..T with wb[s] <= w (a binary search of `[T + 1]`)."""
+    lo = tl.zeros_like(w)
+    hi = tl.zeros_like(w) + T + 1
+    for _ in tl.static_range(LOGT):
+        go = lo < hi
+        mid = (lo + hi) // 2
+        le = tl.load(WB + mid, mask=live & go, other=0) <= w
+        lo = tl.where(go & le, mid + 1, lo)
+        hi = tl.where(go & ~le, mid, hi)
+    return lo - 1
+
+
 REORDER_BLOCK = 1024
 """Positions of the LRU order per program of `reorder_`."""
 
 
 @triton.jit
-def _used_kernel(ORDER, ROW_LAST, USED, COUNTS, n, clock, BLOCK: tl.constexpr):
+def _used_kernel(ORDER, ROW_LAST, ROW_USED, USED, COUNTS, n, clock, MARKED: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     o = tl.load(ORDER + i, mask=live, other=0)
-    used = (tl.load(ROW_LAST + o, mask=live, other=-1) == clock) & live
+    if MARKED:  # a byte per row (in cache), not the row's last use
+        used = (tl.load(ROW_USED + o, mask=live, other=0) != 0) & live
+    else:
+        used = (tl.load(ROW_LAST + o, mask=live, other=-1) == clock) & live
     tl.store(USED + i, used.to(tl.int8), mask=live)
     tl.store(COUNTS + tl.program_id(0), tl.sum(used.to(tl.int64), 0))
 
 
 @triton.jit
-def _reorder_kernel(ORDER, USED, SEG, PREFIX, BEFORE, BOUNDS, OUT, n, BLOCK: tl.constexpr):
+def _reorder_kernel(ORDER, USED, ROW_USED, PREFIX, BEFORE, BOUNDS, OUT, n, T, MARKED: tl.constexpr,
+                    LOGT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     u = tl.load(USED + i, mask=live, other=0).to(tl.int64)
     cu = tl.cumsum(u, 0) + tl.load(PREFIX + tl.program_id(0))  # used positions up to i (inclusive)
-    s = tl.load(SEG + i, mask=live, other=0)
+    s = _segment_of(BOUNDS, i, live, T, LOGT)
     before = tl.load(BEFORE + s, mask=live, other=0)  # used positions before the segment
     end = tl.load(BOUNDS + s + 1, mask=live, other=0) - tl.load(BEFORE + s + 1, mask=live, other=0)
     pos = tl.where(u != 0, end + cu - 1, i - cu + before)
-    tl.store(OUT + pos, tl.load(ORDER + i, mask=live, other=0), mask=live)
+    o = tl.load(ORDER + i, mask=live, other=0)
+    tl.store(OUT + pos, o, mask=live)
+    if MARKED:
+        tl.store(ROW_USED + o, tl.zeros([BLOCK], tl.int8), mask=live & (u != 0))
 
 
 def reorder_(
-    order: torch.Tensor, row_last: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor, clock: int
+    order: torch.Tensor, row_last: torch.Tensor, bounds: torch.Tensor, clock: int, row_used: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The new LRU order (int64 `[n]`): within each segment (`bounds` int64 `[T + 1]`: their first positions and n;
-    `seg` int64 `[n]`: the segment of each position) the rows of `order` whose `row_last` is `clock` move to the
-    segment's end, both parts keeping their order. A row used at position i of segment s goes to
+    """The new LRU order (int64 `[n]`): within each segment (`bounds` int64 `[T + 1]`: their first positions and n)
+    the rows of `order` whose `row_last` is `clock` (`row_used`: whose mark is set; the marks are cleared) move to
+    the segment's end, both parts keeping their order. A row used at position i of segment s goes to
     bounds[s + 1] - used(segments <= s) + used(positions <= i) - 1, an unused one to i - used(positions <= i) +
     used(segments < s)."""
     n = order.numel()
@@ -188,12 +212,18 @@ def reorder_(
     out = torch.empty_like(order)
     if n == 0:
         return out
-    _used_kernel[(blocks,)](order, row_last, used, counts[1:], n, clock, BLOCK=REORDER_BLOCK)
+    marked = row_used is not None
+    mark = row_used if marked else used
+    _used_kernel[(blocks,)](order, row_last, mark, used, counts[1:], n, clock, MARKED=marked, BLOCK=REORDER_BLOCK)
     prefix = torch.cumsum(counts, 0)  # used positions before each block (and in all)
     blk = torch.div(bounds, REORDER_BLOCK, rounding_mode="floor")
     at = (blk * REORDER_BLOCK).unsqueeze(1) + torch.arange(REORDER_BLOCK, device=dev)  # [T + 1, BLOCK]
     inside = at < bounds.unsqueeze(1)  # the block's positions before the bound
     part = torch.where(inside, used[at.clamp_(max=n - 1)], 0).sum(1)
     before = prefix[blk] + part  # used positions before each segment (and in all)
-    _reorder_kernel[(blocks,)](order, used, seg, prefix, before, bounds, out, n, BLOCK=REORDER_BLOCK)
+    T = bounds.numel() - 1
+    _reorder_kernel[(blocks,)](
+        order, used, mark, prefix, before, bounds, out, n, T, MARKED=marked, LOGT=(T + 1).bit_length() + 1,
+        BLOCK=REORDER_BLOCK,
+    )  # fmt: skip
     return out

@@ -67,18 +67,25 @@ One training step of a group (`IdMap.remap`), fixed-size outputs throughout (n =
        launch per storage on CUDA, whose programs skip entries without a row) and zeroes the zero rows.
 All of it is torch ops that run on the CPU and CUDA without a host sync: sort, cumsum, gather, index_select,
 scatter, index_fill, where, searchsorted, remainder and integer hashing; no `.item()`, `.tolist()`, `nonzero`,
-`unique` or boolean-mask indexing. On CUDA the index's lookups, an insert's free slots and the LRU order's update
-run on Triton kernels instead (embshard/kernels/_idmap_triton.py: one read of a key's buckets instead of `[n, 2,
-P]` temporaries; two passes over the rows instead of ~12), with the torch ops' results. The only host values are sizes the host already knows (the ids per shard from
-the step's counts, hence the windows) and the map's clock (a Python int). Two GPU rules: masked-off entries write
-to a trash slot only with plain stores, never atomic adds (atomics on one address serialise: per-shard sums go
-through a cumsum over batch positions, the hits' use counts through a scatter, one id per row); and no cummax or
-cummin (CUDA scans a 1-d tensor with them in a single thread block). Evaluation (no grad) only looks up.
+`unique` or boolean-mask indexing (`IdMap._train`, ~220 ops). On CUDA the step runs on fused Triton kernels instead
+(rawids/step.py, embshard/kernels/_step_triton.py; ~30 launches), with the torch ops' results: after the sort, the
+unique ids by run starts and one cumsum, their lookup and the hits' updates in one kernel; the number of unique ids
+and of admitted ids stay on the device, and every kernel of the miss path (the LRU window's victims, eviction, the
+inserts, the rows' new state, the statistics) reads the admitted count and returns at once when it is 0, so a step
+whose ids are all resident does no work for misses. Inserts rank the keys of a bucket without a sort (each pushes
+itself on its bucket's list, then counts the keys before it: the sort's rank). The step lists the positions given
+a row compactly (count on the device), and the reset kernels walk that list. The LRU order's partition runs on two
+Triton passes (embshard/kernels/_idmap_triton.py) reading the step's marks of its used rows (a byte per row). The
+only host values are sizes the host already knows (the ids per shard from the step's counts, hence the windows) and
+the map's clock (a Python int). Two GPU rules: masked-off entries write to a trash slot only with plain stores,
+never atomic adds (atomics on one address serialise: per-shard sums go through a cumsum over batch positions, the
+hits' use counts through a scatter, one id per row; the Triton step adds a program's per-shard sums once); and no
+cummax or cummin (CUDA scans a 1-d tensor with them in a single thread block). Evaluation (no grad) only looks up.
 
-Cost per step and group: a sort of the n ids and 2 of n int32 bucket numbers (the inserts), 3 reads of two
-16-slot buckets per unique id, the LRU window (<= n), one O(rows) pass group for the LRU order (a gather, a cumsum
-and a scatter over the rows; LFU: a sort of the rows), ~300 ops, and one row and its state written per new id.
-Memory per row: `map_bytes_per_row` (about 68 bytes, 92 with admission counting); the planner counts it.
+Cost per step and group (Triton): a sort of the n ids, one read of a 16-slot bucket per unique id (the second
+bucket for misses), writing every id's row, and one O(rows) pass pair for the LRU order (LFU: a sort of the rows,
+torch ops); per new id its victim, two bucket reads, its row and state. Memory per row: `map_bytes_per_row` (about
+70 bytes, 94 with admission counting); the planner counts it.
 
 Checkpoints (checkpoint/raw_ids.py): per table the logical tensors `ids`, `id_last`, `id_count` `[rows]` ride
 with `weight` and the optimizer state; a load under the same row blocks reads them straight into place and

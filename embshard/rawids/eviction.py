@@ -31,14 +31,21 @@ class EvictionOps:
     lru: bool
     lfu: bool
 
-    def _victims(self, last_before: int, wb: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _victims(
+        self, last_before: int, wb: torch.Tensor, W: int, total: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(victims, base, count): per shard s its evictable rows in eviction order at `victims[base[s] + k]`,
         k < count[s] (int64 `[T]`). A row is evictable if last used before step `last_before` (holding no id:
         last use -1). LRU shards: only the first min(ids of s, usable rows of s) positions of s's order are read
         (the window, `wb`: its start per shard and the end, W in all), which hold every victim the step can take
-        (package docstring); LFU shards: every row, sorted."""
+        (package docstring); LFU shards: every row, sorted. `total` (a device scalar: the ids the step admits): the
+        LRU window is read on the Triton kernels, not at all when it is 0 (entries past the victims unspecified)."""
         lru_v = lfu_v = None
-        if self.lru:
+        if self.lru and total is not None:
+            from embshard.kernels._step_triton import lru_window_victims_
+
+            lru_v, lru_n = lru_window_victims_(self.order, self.row_last, wb, self.ord_base, W, last_before, total)
+        elif self.lru:
             lru_v, lru_n = self._lru_victims(last_before, wb, W)
         if self.lfu:
             lfu_v, lfu_n = self._lfu_victims(last_before)
@@ -94,14 +101,14 @@ class EvictionOps:
         out = torch.full((self.Ord + 1,), -1, dtype=torch.int64, device=rows.device)
         return out.scatter_(0, pos, rows), before[1:] - before[:-1]
 
-    def _reorder(self, clock: int) -> None:
+    def _reorder(self, clock: int, row_used: torch.Tensor | None = None) -> None:
         """LRU order: within every segment, the rows used at `clock` move to the end, in their order (a stable
         partition: one gather of the rows' last use, one cumsum, one scatter over the usable rows; on CUDA two
-        Triton passes, embshard/kernels/_idmap_triton.py)."""
+        Triton passes, embshard/kernels/_idmap_triton.py; `row_used`: the Triton step's marks of the used rows)."""
         if self._kernels(self.order):
             from embshard.kernels._idmap_triton import reorder_
 
-            self.order = reorder_(self.order, self.row_last, self.seg, self.ord_bounds, clock)
+            self.order = reorder_(self.order, self.row_last, self.ord_bounds, clock, row_used)
             return
         o = self.order
         used = self.row_last[o] == clock

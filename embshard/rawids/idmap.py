@@ -60,9 +60,9 @@ def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_
     usable = max(rows - 1, 1)
     slots = _buckets(usable) * P
     idx = _index_dtype(rows, slots).itemsize
-    total = slots * (8 + idx) + rows * (24 + idx) + usable * 8
+    total = slots * (8 + idx) + rows * (24 + idx) + usable * 8 + slots // P * 8  # the last: the buckets' list heads
     if Eviction(eviction) is Eviction.LRU:
-        total += usable * 8
+        total += usable * 8 + rows  # the order, the Triton step's marks of used rows
     if admit_min_count > 1:
         total += (SKETCH_DEPTH + 1) * max(usable, 16) * 8  # the counters and each column's shard
     return total / rows
@@ -122,6 +122,8 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         buf("row_slot", torch.full((self.R + 1,), -1, dtype=idx))
         buf("slot_key", torch.zeros(self.S + 1, dtype=i64))
         buf("slot_row", torch.full((self.S + 1,), -1, dtype=idx))
+        buf("list_head", torch.full((self.NB,), -1, dtype=i64))  # the Triton step's inserts (rawids/step.py)
+        buf("row_used", torch.zeros(self.R + 1 if self.lru else 1, dtype=torch.int8))  # its marks of used rows
         buf("admitted", torch.zeros(T, dtype=i64))
         buf("evicted", torch.zeros(T, dtype=i64))
         if self.sketching:
@@ -167,7 +169,14 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
             row, _ = self._find(ids, shard_of)
             tab = self.row_tab[shard_of]
             return torch.where(row >= 0, row, tab[:, 1]) - tab[:, 0], Resets(None, shard_of, counts)
-        rows, given = self._train(ids, shard_of, bounds, wb, host[-1] if self.lru else 0)
+        W = host[-1] if self.lru else 0
+        if self._kernels(ids):
+            rows, given, listed = self._train_triton(ids, shard_of, bounds, wb, W)
+            if self.lru:
+                self._reorder(self.clock, self.row_used)
+            self.clock += 1
+            return rows, Resets(given, shard_of, counts, listed)
+        rows, given = self._train(ids, shard_of, bounds, wb, W)
         return rows, Resets(given, shard_of, counts)
 
     def _train(
@@ -235,6 +244,14 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         given = torch.full((n + 1,), -1, dtype=i64, device=dev)
         given.scatter_(0, torch.where(ok, u_pos, n), new_row - tab[:, 3])
         return rows, given[:n]
+
+    def _train_triton(
+        self, ids: torch.Tensor, shard_of: torch.Tensor, bounds: torch.Tensor, wb: torch.Tensor, W: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`_train` on the Triton kernels (rawids/step.py), and the compact list of positions given a row."""
+        from embshard.rawids.step import train_triton
+
+        return train_triton(self, ids, shard_of, bounds, wb, W)
 
     def _sums_per_shard(
         self, u_pos: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor

@@ -32,11 +32,14 @@ RESET_BLOCK_ELEMENTS = 1 << 20
 
 class Resets(NamedTuple):
     """A step's reset list: `rows` `[n]` the local row given to a new id at each position, else -1 (None: no row
-    was given: evaluation); `shard` `[n]` the shard of each position; `counts` the ids per shard (host)."""
+    was given: evaluation); `shard` `[n]` the shard of each position; `counts` the ids per shard (host); `listed`
+    (the Triton step's): the positions given a row `[n]` (the first `count` entries, in any order) and `count`
+    `[1]` on the device, which the reset kernels walk instead of the whole list."""
 
     rows: torch.Tensor | None
     shard: torch.Tensor
     counts: list[int]
+    listed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _Storage:
@@ -159,6 +162,9 @@ class ResetOps:
                 self._keys = small_to_device([[_signed(table_key(seed, s.table_index)) for s in self.shards]], dev)[0]
                 self._keys_seed = seed
             triton = triton_for(self.reset_kernel, dev) and not any(st.round_fp16 for st in w_stores)
+            if triton and resets.listed is not None:  # the Triton map step's compact list
+                self._reset_listed(w_stores, st_stores, resets)
+                return
             compact = not triton and dev.type == "cpu"
             for st in w_stores:
                 keys = self._keys[st.ids[0] : st.ids[-1] + 1]
@@ -180,6 +186,24 @@ class ResetOps:
                     zero_rows_batched_(st.flat, rows, shard, st.ints[:3], max(st.width))
                 else:
                     st.write(rows, shard, None)
+
+    def _reset_listed(self, w_stores: list[_Storage], st_stores: list[_Storage], resets: Resets) -> None:
+        """The reset on the Triton kernels that walk the list of positions given a row (`Resets.listed`): one
+        launch per storage, whose programs return at once when the step gave no row."""
+        from embshard.kernels._reset_triton import reset_listed_
+
+        n = resets.rows.numel()
+        for st in (*w_stores, *st_stores):
+            span = (0, n, st.ids[0], len(st.ids))
+            if len(st.ids) == 1 and len(resets.counts) > 1:
+                b = offsets(resets.counts)[st.ids[0]]
+                span = (b, b + resets.counts[st.ids[0]], st.ids[0], 1)
+            if st in w_stores:
+                keys = self._keys[st.ids[0] : st.ids[-1] + 1]
+                ints, floats = st.kernel_ints, st.scale
+            else:
+                keys, ints, floats = None, st.ints[:3], None
+            reset_listed_(st.flat, resets.listed, resets.rows, resets.shard, span, ints, floats, keys, max(st.width))
 
 
 def _init_values(st: _Storage, rows: torch.Tensor, shard: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

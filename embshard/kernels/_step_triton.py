@@ -1,0 +1,335 @@
+"""The Triton kernels of an `IdMap` training step on CUDA (embshard/rawids/step.py drives them): the steps after
+the sort of the ids, fused, with the torch path's results (IdMap._train, index.py, eviction.py).
+
+Every kernel takes BLOCK entries per program. Unique ids live in slots u < n_unique, a device scalar (the last
+element of the inclusive cumsum of the run starts) that the kernels read: programs past it return at once, so the
+work follows the unique ids. Every kernel of the miss path (victims, eviction, the index inserts, the rows' new
+state) reads the step's admitted count, also a device scalar, and returns at once when it is 0: a step whose ids
+are all resident costs the sort, the lookups and writing the rows.
+
+Inserts rank the keys wanting one bucket without a sort: every active key pushes itself on its bucket's list
+(`atomic_xchg` of a list head; keys of one bucket only meet there, at most a few under the hash), then walks the
+list counting the keys before it in key order: its rank q, that of the torch path's stable sort. A head holds
+(generation << 32 | key), the generation 2 x clock + round, so heads of earlier rounds read as empty and are never
+cleared. The rows given to new ids are listed for the reset (per program one atomic reservation of its entries).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from embshard.kernels._idmap_triton import _bucket, _probe, _segment_of
+from embshard.lookup.shards import _GOLDEN, _MIX1, _MIX2
+
+BLOCK = 128
+"""Entries (sorted positions, unique ids or window positions) per program."""
+
+
+@triton.jit
+def _runs_kernel(SID, PERM, SHARD, FIRST, n, MULTI: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    prev = live & (i > 0)
+    first = tl.load(SID + i, mask=live, other=0) != tl.load(SID + i - 1, mask=prev, other=0)
+    if MULTI:
+        s = tl.load(SHARD + tl.load(PERM + i, mask=live, other=0), mask=live, other=0)
+        sp = tl.load(SHARD + tl.load(PERM + i - 1, mask=prev, other=0), mask=prev, other=0)
+        first = first | (s != sp)
+    tl.store(FIRST + i, (first | (i == 0)).to(tl.int8), mask=live)
+
+
+@triton.jit
+def _uniq_kernel(SID, PERM, SHARD, FIRST, CSU, UKEY, USHARD, UPOS, RUN0, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    at = live & (tl.load(FIRST + i, mask=live, other=0) != 0)
+    u = tl.load(CSU + i, mask=live, other=1) - 1
+    p = tl.load(PERM + i, mask=at, other=0)
+    tl.store(UKEY + u, tl.load(SID + i, mask=at, other=0), mask=at)
+    tl.store(USHARD + u, tl.load(SHARD + p, mask=at, other=0), mask=at)
+    tl.store(UPOS + u, p, mask=at)
+    tl.store(RUN0 + u, i, mask=at)
+    tl.store(RUN0 + u + 1, i + 1, mask=live & (i == n - 1))  # run0[n_unique] = n
+
+
+@triton.jit
+def _find_step_kernel(
+    UKEY, USHARD, RUN0, CSU, UPOS, BTAB, SLOT_KEY, SLOT_ROW, ROW_LAST, ROW_FREQ, ROW_USED, UROW, CAND, UCNT, FLAG,
+    n, clock, salt0, salt1, golden, mix1, mix2, WRITE_FLAG: tl.constexpr, MARK: tl.constexpr, P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    nu = tl.load(CSU + n - 1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start < nu:
+        u = start + tl.arange(0, BLOCK)
+        live = u < nu
+        key = tl.load(UKEY + u, mask=live, other=0)
+        s = tl.load(USHARD + u, mask=live, other=0)
+        cnt = tl.load(RUN0 + u + 1, mask=live, other=0) - tl.load(RUN0 + u, mask=live, other=0)
+        first = tl.load(BTAB + 2 * s, mask=live, other=0)
+        nb = tl.load(BTAB + 2 * s + 1, mask=live, other=1)
+        c0 = _bucket(key, salt0, first, nb, golden, mix1, mix2)
+        c1 = _bucket(key, salt1, first, nb, golden, mix1, mix2)
+        j = tl.arange(0, P).to(tl.int64)
+        row = _probe(SLOT_KEY, SLOT_ROW, c0, j, key, live, P)
+        row = tl.maximum(row, _probe(SLOT_KEY, SLOT_ROW, c1, j, key, live & (row < 0), P))  # the other if not found
+        hit = live & (row >= 0)
+        tl.store(ROW_LAST + row, tl.zeros_like(row) + clock, mask=hit)
+        tl.store(ROW_FREQ + row, tl.load(ROW_FREQ + row, mask=hit, other=0) + cnt, mask=hit)  # one id per row
+        if MARK:  # used now: the LRU order's partition reads (and clears) the mark
+            tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=hit)
+        tl.store(UROW + u, row, mask=live)
+        tl.store(CAND + 2 * u, c0, mask=live)
+        tl.store(CAND + 2 * u + 1, c1, mask=live)
+        tl.store(UCNT + u, cnt, mask=live)
+        if WRITE_FLAG:
+            tl.store(FLAG + tl.load(UPOS + u, mask=live, other=0), (row < 0).to(tl.int64), mask=live)
+
+
+@triton.jit
+def _window_kernel(
+    ORDER, ROW_LAST, WB, OBASE, TOT, EV, ROWS, SEG, COUNTS, BSTART, W, T, last_before,
+    LOGT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    if tl.load(TOT) > 0:
+        pid = tl.program_id(0)
+        w = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = w < W
+        s = _segment_of(WB, w, live, T, LOGT)
+        pos = w + tl.load(OBASE + s, mask=live, other=0) - tl.load(WB + s, mask=live, other=0)
+        row = tl.load(ORDER + pos, mask=live, other=0)
+        ev = live & (tl.load(ROW_LAST + row, mask=live, other=0) < last_before)
+        e = ev.to(tl.int64)
+        tl.store(EV + w, e.to(tl.int8), mask=live)
+        tl.store(ROWS + w, row, mask=live)
+        tl.store(SEG + w, s, mask=live)
+        tl.store(COUNTS + pid + 1, tl.sum(e, 0))
+        seg_start = live & (w == tl.load(WB + s, mask=live, other=-1))
+        tl.store(BSTART + s, tl.cumsum(e, 0) - e, mask=seg_start)  # evictable before it in its block
+
+
+@triton.jit
+def _compact_kernel(EV, ROWS, SEG, WB, PREFIX, BSTART, TOT, OUT, NEV, W, BLOCK: tl.constexpr):
+    if tl.load(TOT) > 0:
+        pid = tl.program_id(0)
+        w = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = w < W
+        e = tl.load(EV + w, mask=live, other=0).to(tl.int64)
+        s = tl.load(SEG + w, mask=live, other=0)
+        b = tl.load(WB + s, mask=live, other=0)
+        before = tl.load(PREFIX + b // BLOCK, mask=live, other=0) + tl.load(BSTART + s, mask=live, other=0)
+        r = tl.cumsum(e, 0) + tl.load(PREFIX + pid) - before  # evictable of the segment up to w (inclusive)
+        tl.store(OUT + b + r - 1, tl.load(ROWS + w, mask=live, other=0), mask=live & (e != 0))
+        tl.store(NEV + s, r, mask=live & (w == tl.load(WB + s + 1, mask=live, other=0) - 1))
+
+
+def lru_window_victims_(
+    order: torch.Tensor, row_last: torch.Tensor, wb: torch.Tensor, ord_base: torch.Tensor, W: int,
+    last_before: int, total: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`EvictionOps._lru_victims` for a step that admits `total` ids (a device scalar): (`[W + 1]` per shard s at
+    wb[s].. the evictable rows of its LRU window in order (entries past them unspecified), `[T]` how many). Nothing
+    runs but two small fills when `total` is 0 (then every count is 0)."""
+    T = wb.numel() - 1
+    dev = wb.device
+    blocks = max(triton.cdiv(W, BLOCK), 1)
+    counts = torch.zeros(blocks + 1, dtype=torch.int64, device=dev)
+    nev = torch.zeros(T, dtype=torch.int64, device=dev)
+    out = torch.empty(W + 1, dtype=torch.int64, device=dev)
+    if W == 0:
+        return out, nev
+    ev = torch.empty(W, dtype=torch.int8, device=dev)
+    rows = torch.empty(W, dtype=torch.int64, device=dev)
+    seg = torch.empty(W, dtype=torch.int64, device=dev)
+    bstart = torch.zeros(T, dtype=torch.int64, device=dev)
+    logt = (T + 1).bit_length() + 1
+    _window_kernel[(blocks,)](
+        order, row_last, wb, ord_base, total, ev, rows, seg, counts, bstart, W, T, last_before, LOGT=logt, BLOCK=BLOCK
+    )
+    prefix = torch.cumsum(counts, 0)
+    _compact_kernel[(blocks,)](ev, rows, seg, wb, prefix, bstart, total, out, nev, W, BLOCK=BLOCK)
+    return out, nev
+
+
+@triton.jit
+def _assign_kernel(
+    UPOS, USHARD, FLAG, CS, CSU, BOUNDS, NEV, VBASE, VICT, ROW_LAST, ROW_SLOT, SLOT_ROW, NEWROW, OK, n, R,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    nu = tl.load(CSU + n - 1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if (tl.load(CS + n - 1) > 0) & (start < nu):
+        u = start + tl.arange(0, BLOCK)
+        live = u < nu
+        p = tl.load(UPOS + u, mask=live, other=0)
+        admit = live & (tl.load(FLAG + p, mask=live, other=0) != 0)
+        s = tl.load(USHARD + u, mask=live, other=0)
+        b = tl.load(BOUNDS + s, mask=live, other=0)
+        before = tl.load(CS + b - 1, mask=live & (b > 0), other=0)  # admitted before the shard
+        rank = tl.load(CS + p, mask=admit, other=0) - 1 - before
+        ok = admit & (rank < tl.load(NEV + s, mask=admit, other=0))
+        row = tl.load(VICT + tl.load(VBASE + s, mask=ok, other=0) + rank, mask=ok, other=R)
+        old = ok & (tl.load(ROW_LAST + row, mask=ok, other=-1) >= 0)
+        slot = tl.load(ROW_SLOT + row, mask=old, other=-1).to(tl.int64)
+        tl.store(SLOT_ROW + slot, tl.full([BLOCK], -1, SLOT_ROW.dtype.element_ty), mask=old & (slot >= 0))
+        tl.store(NEWROW + u, tl.where(ok, row, R), mask=live)
+        tl.store(OK + u, (ok.to(tl.int8) | (old.to(tl.int8) << 1)), mask=live)
+
+
+@triton.jit
+def _push(HEAD, NXT, bucket, u, act, gen):
+    """Push every active key u on its bucket's list: its next is the head's key if of this generation, else -1."""
+    old = tl.atomic_xchg(HEAD + bucket, gen + u, mask=act)
+    nxt = tl.where(old - (old & 0x7FFFFFFF) == gen, old & 0x7FFFFFFF, -1)
+    tl.store(NXT + u, nxt, mask=act)
+
+
+@triton.jit
+def _pick(HEAD, NXT, SLOT_ROW, bucket, u, act, gen, P: tl.constexpr):
+    """The slot an active key takes in its bucket: the q-th free one (slot order), q the keys before it in its
+    bucket's list; -1 when there are not enough."""
+    h = tl.load(HEAD + bucket, mask=act, other=-1)
+    cur = tl.where(act & (h - (h & 0x7FFFFFFF) == gen), h & 0x7FFFFFFF, -1)
+    q = tl.zeros_like(u)
+    while tl.max(cur, 0) >= 0:
+        q += ((cur >= 0) & (cur < u)).to(tl.int64)
+        cur = tl.load(NXT + cur, mask=cur >= 0, other=-1)
+    j = tl.arange(0, P).to(tl.int64)
+    free = tl.load(SLOT_ROW + bucket[:, None] * P + j[None, :], mask=act[:, None], other=0) < 0
+    rank = tl.cumsum(free.to(tl.int64), 1)
+    at = tl.min(tl.where(free & (rank == q[:, None] + 1), j[None, :], P), 1)
+    return tl.where(act & (at < P), bucket * P + at, -1)
+
+
+@triton.jit
+def _link_kernel(SLOT_ROW, CAND, OK, CSU, CS, HEAD, NXT, BK, n, gen, P: tl.constexpr, BLOCK: tl.constexpr):
+    nu = tl.load(CSU + n - 1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if (tl.load(CS + n - 1) > 0) & (start < nu):
+        u = start + tl.arange(0, BLOCK)
+        act = (u < nu) & ((tl.load(OK + u, mask=u < nu, other=0) & 1) != 0)
+        if tl.max(act.to(tl.int32), 0) > 0:
+            j = tl.arange(0, P).to(tl.int64)
+            c0 = tl.load(CAND + 2 * u, mask=act, other=0)
+            c1 = tl.load(CAND + 2 * u + 1, mask=act, other=0)
+            f0 = tl.sum(
+                (tl.load(SLOT_ROW + c0[:, None] * P + j[None, :], mask=act[:, None], other=0) < 0).to(tl.int32), 1
+            )
+            f1 = tl.sum(
+                (tl.load(SLOT_ROW + c1[:, None] * P + j[None, :], mask=act[:, None], other=0) < 0).to(tl.int32), 1
+            )
+            swap = f1 > f0  # the emptier first, the first candidate on ties
+            b1 = tl.where(swap, c1, c0)
+            tl.store(BK + 2 * u, b1, mask=act)
+            tl.store(BK + 2 * u + 1, tl.where(swap, c0, c1), mask=act)
+            _push(HEAD, NXT, b1, u, act, gen)
+
+
+@triton.jit
+def _pick_kernel(SLOT_ROW, OK, CSU, CS, HEAD, NXT, BK, SLOT, n, gen, ROUND: tl.constexpr, P: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    nu = tl.load(CSU + n - 1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if (tl.load(CS + n - 1) > 0) & (start < nu):
+        u = start + tl.arange(0, BLOCK)
+        okb = tl.load(OK + u, mask=u < nu, other=0)
+        act = (u < nu) & ((okb & 1) != 0)
+        if ROUND == 1:
+            act = act & ((okb & 4) != 0)
+        if tl.max(act.to(tl.int32), 0) > 0:
+            bucket = tl.load(BK + 2 * u + ROUND, mask=act, other=0)
+            tl.store(SLOT + u, _pick(HEAD, NXT, SLOT_ROW, bucket, u, act, gen, P), mask=act)
+
+
+@triton.jit
+def _place_kernel(UKEY, NEWROW, OK, CSU, CS, HEAD, NXT, BK, SLOT, SLOT_KEY, SLOT_ROW, n, gen2, BLOCK: tl.constexpr):
+    """Round 1's keys into their slots; keys that found none go on their other bucket's list (round 2)."""
+    nu = tl.load(CSU + n - 1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if (tl.load(CS + n - 1) > 0) & (start < nu):
+        u = start + tl.arange(0, BLOCK)
+        okb = tl.load(OK + u, mask=u < nu, other=0)
+        act = (u < nu) & ((okb & 1) != 0)
+        if tl.max(act.to(tl.int32), 0) > 0:
+            slot = tl.load(SLOT + u, mask=act, other=-1)
+            put = act & (slot >= 0)
+            tl.store(SLOT_KEY + slot, tl.load(UKEY + u, mask=put, other=0), mask=put)
+            row = tl.load(NEWROW + u, mask=put, other=0)
+            tl.store(SLOT_ROW + slot, row.to(SLOT_ROW.dtype.element_ty), mask=put)
+            retry = act & (slot < 0)
+            tl.store(OK + u, okb | 4, mask=retry)
+            _push(HEAD, NXT, tl.load(BK + 2 * u + 1, mask=retry, other=0), u, retry, gen2)
+
+
+@triton.jit
+def _finish_kernel(
+    UKEY, USHARD, UCNT, NEWROW, OK, SLOT, CSU, CS, SLOT_KEY, SLOT_ROW, ROW_KEY, ROW_LAST, ROW_FREQ, ROW_SLOT,
+    ROW_USED, EVICTED, ADMITTED, n, T, clock, MARK: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    nu = tl.load(CSU + n - 1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if (tl.load(CS + n - 1) > 0) & (start < nu):
+        u = start + tl.arange(0, BLOCK)
+        okb = tl.load(OK + u, mask=u < nu, other=0)
+        ok = (u < nu) & ((okb & 1) != 0)
+        if tl.max(ok.to(tl.int32), 0) > 0:
+            slot = tl.load(SLOT + u, mask=ok, other=-1)
+            row = tl.load(NEWROW + u, mask=ok, other=0)
+            key = tl.load(UKEY + u, mask=ok, other=0)
+            ins = ok & (slot >= 0)
+            put2 = ins & ((okb & 4) != 0)  # placed in round 2
+            tl.store(SLOT_KEY + slot, key, mask=put2)
+            tl.store(SLOT_ROW + slot, row.to(SLOT_ROW.dtype.element_ty), mask=put2)
+            tl.store(ROW_KEY + row, key, mask=ok)
+            tl.store(ROW_LAST + row, tl.where(ins, clock, -1), mask=ok)
+            tl.store(ROW_FREQ + row, tl.where(ins, tl.load(UCNT + u, mask=ok, other=0), 0), mask=ok)
+            tl.store(ROW_SLOT + row, slot.to(ROW_SLOT.dtype.element_ty), mask=ok)
+            if MARK:
+                tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=ins)
+            # per shard: evicted (old rows) and admitted (inserted) ids, summed in the block, then one add each
+            s = tl.load(USHARD + u, mask=ok, other=-1)
+            t = tl.arange(0, TP)
+            at = s[:, None] == t[None, :]
+            ev = tl.sum(tl.where(at & ((okb & 2) != 0)[:, None], 1, 0), 0).to(tl.int64)
+            ad = tl.sum(tl.where(at & ins[:, None], 1, 0), 0).to(tl.int64)
+            tl.atomic_add(EVICTED + t, ev, mask=(t < T) & (ev != 0))
+            tl.atomic_add(ADMITTED + t, ad, mask=(t < T) & (ad != 0))
+
+
+@triton.jit
+def _out_kernel(
+    PERM, SHARD, FIRST, CSU, CS, UROW, OK, NEWROW, SLOT, ROW_TAB, ROWS, GIVEN, LIST, LCOUNT, n, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    tot = tl.load(CS + n - 1)
+    u = tl.load(CSU + i, mask=live, other=1) - 1
+    p = tl.load(PERM + i, mask=live, other=0)
+    s = tl.load(SHARD + p, mask=live, other=0)
+    r0 = tl.load(ROW_TAB + 2 * s, mask=live, other=0)
+    row = tl.load(UROW + u, mask=live, other=-1)
+    miss = live & (row < 0) & (tl.zeros_like(row) + tot > 0)
+    ok = (tl.load(OK + u, mask=miss, other=0) & 1) != 0
+    nr = tl.load(NEWROW + u, mask=ok, other=0)
+    ins = ok & (tl.load(SLOT + u, mask=ok, other=-1) >= 0)
+    row = tl.where(ins, nr, row)
+    row = tl.where(row >= 0, row, tl.load(ROW_TAB + 2 * s + 1, mask=live, other=0))
+    tl.store(ROWS + p, row - r0, mask=live)
+    given = ok & (tl.load(FIRST + i, mask=ok, other=0) != 0)
+    tl.store(GIVEN + p, tl.where(given, nr - r0, -1), mask=live)
+    k = tl.sum(given.to(tl.int32), 0)
+    if k > 0:  # list the positions given a row (one reservation per program; order is free)
+        base = tl.atomic_add(LCOUNT, k)
+        at = base + tl.cumsum(given.to(tl.int32), 0) - 1
+        tl.store(LIST + at, p, mask=given)
+
+
+def step_kernels() -> dict:
+    """The kernels and constants (for embshard/rawids/step.py)."""
+    return {
+        "runs": _runs_kernel, "uniq": _uniq_kernel, "find": _find_step_kernel, "assign": _assign_kernel,
+        "link": _link_kernel, "pick": _pick_kernel, "place": _place_kernel, "finish": _finish_kernel,
+        "out": _out_kernel, "golden": _GOLDEN, "mix1": _MIX1, "mix2": _MIX2,
+    }  # fmt: skip
