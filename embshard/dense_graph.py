@@ -147,11 +147,8 @@ class DenseGraphStep:
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _forward_backward(self) -> None:
-        ctx = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if self.autocast_bf16
-            else torch.autocast("cuda", enabled=False)
-        )
+        # no autocast cache under capture (torch's advice for graphs): the casts are captured kernels either way
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False)
         with ctx:
             logits_B = self.dense(self._dense_BN, self._sparse_BS)
             loss = nn.functional.binary_cross_entropy_with_logits(logits_B, self._labels_B)

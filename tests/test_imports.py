@@ -192,7 +192,13 @@ def test_the_planner_library_imports_neither_the_app_nor_the_runtime():
 
 # Import name -> distribution name, where they differ. fbgemm_gpu is fbgemm-gpu on GPU machines and fbgemm-gpu-cpu in
 # the CPU pins (requirements/cpu.txt).
-DISTRIBUTION = {"yaml": "pyyaml", "fbgemm_gpu": "fbgemm-gpu", "PIL": "pillow", "google": "protobuf"}
+DISTRIBUTION = {
+    "yaml": "pyyaml",
+    "fbgemm_gpu": "fbgemm-gpu",
+    "PIL": "pillow",
+    "google": "protobuf",
+    "xdist": "pytest-xdist",
+}
 CPU_DISTRIBUTION = {"fbgemm-gpu": "fbgemm-gpu-cpu"}
 
 

@@ -58,13 +58,13 @@ class ModelKind:
     """(the RecModel: its `ebc`, `dense`, `catalog`, `cfg`, `training`; a batch) -> the loss (and scores)."""
     output_groups: Callable[[ModelConfig], dict[str, list[str]]] | None = None
     """Feature groups the embeddings return, one tensor each (None: one KeyedTensor of every feature)."""
+    build_catalog: Callable[..., nn.Module | None] | None = None
+    """(model config, plan, sparse optimizer, device, seed) -> a retrieval Catalog serving one table in a
+    collection of its own (left out of `ebc`), or None."""
     sparse_input: Callable[[Any, Batch], torch.Tensor] | None = None
     """(the RecModel, a batch) -> the dense part's second input, for kinds whose step is
     `bce_output(model.dense(batch.dense, sparse_input(model, batch)), batch.labels)`: their dense step can be
     replayed as a CUDA graph (training.cuda_graph)."""
-    build_catalog: Callable[..., nn.Module | None] | None = None
-    """(model config, plan, sparse optimizer, device, seed) -> a retrieval Catalog serving one table in a
-    collection of its own (left out of `ebc`), or None."""
 
 
 _KINDS: dict[str, ModelKind] = {}
