@@ -259,7 +259,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "ids, 1 + Poisson(size - 1) ids per bag)",
     )
     g.add_argument("--compile", default="", help="e2e: embshard's training.compile mode (e.g. default)")
-    g.add_argument("--cuda-graph", action="store_true", help="e2e: also embshard with training.cuda_graph, each pair")
+    g.add_argument(
+        "--cuda-graph", choices=["also", "only"], default=None,
+        help="e2e: embshard with training.cuda_graph in each pair, besides the plain run (also) or instead (only)",
+    )  # fmt: skip
     g.add_argument("--loss-steps", type=int, default=0, help="e2e: also both frameworks' loss curves, this many steps")
     g.add_argument(
         "--workloads",

@@ -214,9 +214,12 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             pooled = ["lookup.output_dtype=bf16"] if p == "bf16" and args.bf16_pooled == "bf16" else []
             profile = ["--profile-steps", "3"] if (args.profile or args.timeline) and last else []
             profile += ["--trace", f"/tmp/embshard_trace_{p}.json"] if args.timeline and last else []
-            out += [torchrec(p), embshard(p, "--precision", p, *profile, *pooled, *compile_)]
+            out.append(torchrec(p))
+            if args.cuda_graph != "only":
+                out.append(embshard(p, "--precision", p, *profile, *pooled, *compile_))
             if args.cuda_graph:  # the dense step as one CUDA graph (not with reduce-overhead's graphs: no compile)
-                out.append(embshard(f"{p}_graph", "--precision", p, *pooled, "training.cuda_graph=true"))
+                graph = ["training.cuda_graph=true"] + (profile if args.cuda_graph == "only" else [])
+                out.append(embshard(f"{p}_graph", "--precision", p, *pooled, *graph))
     if args.timeline:  # the traces stay in /tmp; only the pictures go to the output folder
         for p in precisions:
             argv = py() + [
