@@ -63,6 +63,8 @@ def pytest_runtest_logreport(report) -> None:
 def pytest_configure(config) -> None:
     # pytest-xdist registers it where it is installed; without it (plain `pytest tests`) the mark is a no-op
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's --dist loadgroup runs a group on one worker")
+    # pytest-timeout's, where installed (the GPU suite's per-test limit); without it the mark is a no-op
+    config.addinivalue_line("markers", "timeout(seconds): pytest-timeout's limit for this test")
 
 
 # ---- pytest-xdist, --dist loadgroup: work units of shared set-up, longest first ---------------------------------

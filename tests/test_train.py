@@ -109,6 +109,7 @@ def test_examples_are_all_tested():
     assert sorted([*SHORTEN, *E2E_TESTED]) == sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
 
 
+@pytest.mark.timeout(220)  # dlrm_criteo's train, plan and resume runs: ~100 s on a loaded 2-GPU machine
 @pytest.mark.parametrize("name", sorted(SHORTEN))
 def test_example_config_trains_on_two_processes(name, tmp_path):
     args = [f"configs/{name}", *outputs(tmp_path), *SHORTEN[name]]
@@ -175,6 +176,7 @@ def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
     assert metrics(resumed) == [straight[-1]]  # step 20: the same loss, AUC and samples, bitwise
 
 
+@pytest.mark.timeout(220)  # three `embshard train` runs, each starting its processes (seconds each on GPUs)
 def test_resume_on_another_world_size_and_a_schedule_ending_before_the_checkpoint(tmp_path):
     """dlrm_criteo's checkpoint of step 10 (2 processes) resumes on 3 processes (on 1 where 2 GPUs are all there
     are: one process per GPU) and trains to step 20; a schedule that ends before the newest checkpoint stops with
