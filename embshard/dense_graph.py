@@ -6,9 +6,9 @@ work behind them takes a few milliseconds. Here they are captured once, for the 
 replays them with one launch:
 
     static inputs   dense features [B, N], pooled embeddings [B, S] (a leaf that requires grad), labels [B]
-    graph           forward and BCE loss (under bf16 autocast if asked), backward into one flat gradient buffer,
-                    one all-reduce of that buffer (summed, then divided by the world size: DDP's average), the
-                    optimizer's step (torch's fused optimizers run on device-side step counters)
+    graph           forward and BCE loss (under bf16 autocast if asked), the gradients (torch.autograd.grad)
+                    copied into one flat buffer, one all-reduce of it (summed, then divided by the world size:
+                    DDP's average), the optimizer's step (`graph_optimizer_step`)
     outputs         the loss, the logits, the pooled embeddings' gradient
 
 `run` returns a loss whose backward hands the captured gradient of the pooled embeddings to the embeddings'
@@ -99,6 +99,8 @@ class DenseGraphStep:
         batch_size: the samples per rank of the steps that replay.
         autocast_bf16: the forward and loss under bf16 autocast (training.precision bf16).
         group: the process group the gradients are averaged over (None: the default group; one process: none).
+        capture: False runs the same step without a graph, each call (on any device: a check of the step's
+            arithmetic against the eager one where CUDA graphs do not exist).
     """
 
     def __init__(
@@ -108,20 +110,23 @@ class DenseGraphStep:
         batch_size: int,
         autocast_bf16: bool,
         group: dist.ProcessGroup | None = None,
+        capture: bool = True,
     ) -> None:
         self.dense, self.optimizer, self.batch_size = dense, optimizer, batch_size
         self.autocast_bf16, self.group = autocast_bf16, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.params = [p for p in dense.parameters() if p.requires_grad]
         self._step, self._after = graph_optimizer_step(optimizer)
+        self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._static = False  # the static buffers exist
         self.eligible_steps = 0  # steps offered so far: the first runs eagerly
         self.replays = 0
 
     def reset(self) -> None:
         """Forget the captured graph (after the optimizer's state tensors were replaced): the next eligible step
         runs eagerly, the one after captures again."""
-        self.graph, self.eligible_steps = None, 0
+        self.graph, self.eligible_steps, self._static = None, 0, False
 
     def ready(self, batch_size: int) -> bool:
         """Whether this step (every rank's batch has `batch_size` samples, as agreed) replays the graph; the
@@ -133,49 +138,71 @@ class DenseGraphStep:
 
     def run(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor):
         """The step: (loss with the embeddings' backward attached, logits `[B]`). Captures at the first call."""
-        if self.graph is None:
-            self._capture(dense_BN, sparse_BS, labels_B)
-        self._dense_BN.copy_(dense_BN)
-        self._sparse_BS.copy_(sparse_BS.detach())
-        self._labels_B.copy_(labels_B)
-        self.graph.replay()
+        if not self._static:
+            self._make_static(dense_BN, sparse_BS, labels_B)
+        if self.capture and self.graph is None:
+            self._capture()
+        with torch.no_grad():  # into the static inputs (one of them a leaf that requires grad)
+            self._dense_BN.copy_(dense_BN)
+            self._sparse_BS.copy_(sparse_BS.detach())
+            self._labels_B.copy_(labels_B)
+        if self.capture:
+            self.graph.replay()
+        else:  # the eager steps between may have dropped the gradients (zero_grad): the optimizer reads these
+            for p, grad in zip(self.params, self._grad_views):
+                p.grad = grad
+            self._body()
         if self._after is not None:
             self._after()
         self.replays += 1
-        loss = _CapturedLoss.apply(sparse_BS, self._loss, self._sparse_BS.grad)
+        loss = _CapturedLoss.apply(sparse_BS, self._loss.detach(), self._sparse_grad.detach())
         return loss, self._logits_B.detach().clone()
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _forward_backward(self) -> None:
+        """Forward, loss and the gradients, by `torch.autograd.grad`: no AccumulateGrad node runs (the parameters'
+        were made by the eager steps on the default stream, which a capture on its own stream cannot wait on);
+        the parameters' gradients are copied into the flat buffer that `p.grad` views."""
         # no autocast cache under capture (torch's advice for graphs): the casts are captured kernels either way
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False)
+        device = self._sparse_BS.device.type
+        ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False)
         with ctx:
             logits_B = self.dense(self._dense_BN, self._sparse_BS)
             loss = nn.functional.binary_cross_entropy_with_logits(logits_B, self._labels_B)
-        loss.backward()
-        self._logits_B, self._loss = logits_B, loss
+        *grads, grad_BS = torch.autograd.grad(loss, [*self.params, self._sparse_BS])
+        torch._foreach_copy_(self._grad_views, grads)
+        self._logits_B, self._loss, self._sparse_grad = logits_B, loss, grad_BS
 
-    def _capture(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor) -> None:
+    def _body(self) -> None:
+        """What the graph holds: forward, loss, gradients, their average over the ranks, the optimizer's step."""
+        self._forward_backward()
+        if self.world > 1:
+            dist.all_reduce(self._grads, group=self.group)
+            self._grads.div_(self.world)
+        self._step()
+
+    def _make_static(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor) -> None:
         device = sparse_BS.device
         self._dense_BN = dense_BN.detach().clone()
         self._sparse_BS = sparse_BS.detach().clone().requires_grad_(True)
         self._labels_B = labels_B.detach().clone()
-        # every gradient a view of one flat buffer: the graph zeroes it, backward accumulates into it, one
-        # all-reduce averages it over the ranks
+        # every gradient a view of one flat buffer, which one all-reduce averages over the ranks
         numel = sum(p.numel() for p in self.params)
         self._grads = torch.zeros(numel, dtype=self.params[0].dtype, device=device)
-        offset = 0
+        offset, self._grad_views = 0, []
         for p in self.params:
-            p.grad = self._grads[offset : offset + p.numel()].view_as(p)
+            self._grad_views.append(self._grads[offset : offset + p.numel()].view_as(p))
+            p.grad = self._grad_views[-1]  # what the optimizer's step reads (under capture: these addresses)
             offset += p.numel()
+        self._static = True
+
+    def _capture(self) -> None:
+        device = self._sparse_BS.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisations), no update
-            self._sparse_BS.grad = None
             self._forward_backward()
-            self._grads.zero_()
         torch.cuda.current_stream(device).wait_stream(side)
-        self._sparse_BS.grad = torch.zeros_like(self._sparse_BS)
         # torch's optimizers with a `capturable` flag check it under capture; their fused step is the same kernel
         # either way (device-side step counters), so the flag is set for the capture only
         flags = [(g, g["capturable"]) for g in self.optimizer.param_groups if "capturable" in g]
@@ -183,14 +210,10 @@ class DenseGraphStep:
             g["capturable"] = True
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
-                self._grads.zero_()
-                self._sparse_BS.grad.zero_()
-                self._forward_backward()
-                if self.world > 1:
-                    dist.all_reduce(self._grads, group=self.group)
-                    self._grads.div_(self.world)
-                self._step()
+            # thread_local: the host threads beside this one (the pipeline's batch preparation pins memory, NCCL's
+            # watchdog queries events) may make calls that a global capture would fail on
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self._body()
         except Exception as e:
             self.graph = None
             raise RuntimeError(

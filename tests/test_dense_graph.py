@@ -1,7 +1,12 @@
 """training.cuda_graph (embshard/dense_graph.py): the dense step replayed as one CUDA graph trains like the eager
 step, on 2 processes, through steps where every rank has a full batch (the first eager, the second captured, then
-replays) and steps where one rank's data has ended (eager again, DistributedDataParallel); fp32 and bf16. On the CPU
-the option falls back to the eager step (the same losses, bit for bit) and says why."""
+replays) and steps where one rank's data has ended (eager again, DistributedDataParallel); fp32 and bf16. On the CPU,
+where CUDA graphs do not exist, the option falls back to the eager step and says why, and the graph's step run
+without capture (`DenseGraphStep(capture=False)`: the same gradients by torch.autograd.grad, flat all-reduce and
+optimizer) is checked against the eager step instead.
+
+Its Adagrad (torch 2.11 has no fused CUDA Adagrad) is checked against torch's, bitwise.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +22,13 @@ STEPS = [8, 6]  # batches of rank 0 and rank 1: steps 7 and 8 run eagerly (rank 
 
 
 def _train(rank, world, device, graph: bool, precision: str):
+    from embshard.dense_graph import DenseGraphStep
     from embshard.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
     why_not = model.capture_dense_step(opt, 32, precision == "bf16") if graph else "off"
+    if graph and device.type == "cpu":  # the graph's step without capture
+        model.dense_graph = DenseGraphStep(model.dense_module(), opt, 32, precision == "bf16", capture=False)
     pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
     batches = _batches(rank, STEPS[rank])
     losses = []
@@ -46,16 +54,11 @@ def test_graph_step_trains_like_the_eager_step():
             eager_losses, eager_state, _, _ = res[(False, precision)]
             losses, state, why_not, replays = res[(True, precision)]
             assert len(losses) == max(STEPS), (rank, precision, losses)
-            if device_kind() == "cuda":
-                assert why_not is None, why_not
-                assert replays == min(STEPS) - 1, (rank, precision, replays)  # steps 2-6 replayed; 1, 7, 8 eager
-                torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=rtol, atol=atol)
-                torch.testing.assert_close(state["dense"], eager_state["dense"], rtol=rtol, atol=atol)
-                torch.testing.assert_close(state["tables"], eager_state["tables"], rtol=rtol, atol=atol)
-            else:
-                assert why_not == "CUDA graphs need a CUDA GPU" and replays == 0, (why_not, replays)
-                assert losses == eager_losses, (rank, precision)
-                torch.testing.assert_close(state, eager_state, rtol=0, atol=0)
+            assert why_not == (None if device_kind() == "cuda" else "CUDA graphs need a CUDA GPU"), why_not
+            assert replays == min(STEPS) - 1, (rank, precision, replays)  # steps 2-6 replayed; 1, 7, 8 eager
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=rtol, atol=atol)
+            torch.testing.assert_close(state["dense"], eager_state["dense"], rtol=rtol, atol=atol)
+            torch.testing.assert_close(state["tables"], eager_state["tables"], rtol=rtol, atol=atol)
             assert losses[-1] < losses[0], (rank, precision, losses)  # it trains
 
 
