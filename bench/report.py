@@ -400,6 +400,8 @@ def earlier_line(folder: Folder) -> str:
         if row.ratios:
             cases.append(f"{short_name(row)} {fmt_ratio(row.ratios).replace('**', '')}")
     what = folder.meta.get("source", "raw logs")
+    if not cases:
+        return f"- {folder.path.name} ({what}, {folder.date}): no pair of embshard and TorchRec runs (its README.md says what ran)."
     return f"- {folder.path.name} ({what}, {folder.date}): ratios " + "; ".join(cases) + "."
 
 
