@@ -115,7 +115,7 @@ class DenseGraphStep:
         self.dense, self.optimizer, self.batch_size = dense, optimizer, batch_size
         self.autocast_bf16, self.group = autocast_bf16, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.params = [p for p in dense.parameters() if p.requires_grad]
+        self.names, self.params = zip(*[(n, p) for n, p in dense.named_parameters() if p.requires_grad])
         self._step, self._after = graph_optimizer_step(optimizer)
         self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -155,23 +155,26 @@ class DenseGraphStep:
         if self._after is not None:
             self._after()
         self.replays += 1
-        loss = _CapturedLoss.apply(sparse_BS, self._loss.detach(), self._sparse_grad.detach())
+        loss = _CapturedLoss.apply(sparse_BS, self._loss, self._sparse_grad)
         return loss, self._logits_B.detach().clone()
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _forward_backward(self) -> None:
-        """Forward, loss and the gradients, by `torch.autograd.grad`: no AccumulateGrad node runs (the parameters'
-        were made by the eager steps on the default stream, which a capture on its own stream cannot wait on);
-        the parameters' gradients are copied into the flat buffer that `p.grad` views."""
+        """Forward, loss and gradients. The forward reads the parameters through leaves of their own (detached
+        aliases of the same memory, `torch.func.functional_call`), and the gradients come from
+        `torch.autograd.grad`: the parameters' own AccumulateGrad nodes belong to the stream the eager steps ran on
+        (DistributedDataParallel keeps them), which a capture on its own stream must not wait on. The gradients
+        are copied into the flat buffer that `p.grad` views; nothing of the autograd graph is kept (its nodes would
+        carry the warm-up's stream into the capture)."""
         # no autocast cache under capture (torch's advice for graphs): the casts are captured kernels either way
         device = self._sparse_BS.device.type
         ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False)
         with ctx:
-            logits_B = self.dense(self._dense_BN, self._sparse_BS)
+            logits_B = torch.func.functional_call(self.dense, self._leaves, (self._dense_BN, self._sparse_BS))
             loss = nn.functional.binary_cross_entropy_with_logits(logits_B, self._labels_B)
-        *grads, grad_BS = torch.autograd.grad(loss, [*self.params, self._sparse_BS])
+        *grads, grad_BS = torch.autograd.grad(loss, [*self._leaves.values(), self._sparse_BS])
         torch._foreach_copy_(self._grad_views, grads)
-        self._logits_B, self._loss, self._sparse_grad = logits_B, loss, grad_BS
+        self._logits_B, self._loss, self._sparse_grad = logits_B.detach(), loss.detach(), grad_BS
 
     def _body(self) -> None:
         """What the graph holds: forward, loss, gradients, their average over the ranks, the optimizer's step."""
@@ -186,6 +189,7 @@ class DenseGraphStep:
         self._dense_BN = dense_BN.detach().clone()
         self._sparse_BS = sparse_BS.detach().clone().requires_grad_(True)
         self._labels_B = labels_B.detach().clone()
+        self._leaves = {n: p.detach().requires_grad_(True) for n, p in zip(self.names, self.params)}
         # every gradient a view of one flat buffer, which one all-reduce averages over the ranks
         numel = sum(p.numel() for p in self.params)
         self._grads = torch.zeros(numel, dtype=self.params[0].dtype, device=device)

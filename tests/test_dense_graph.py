@@ -62,10 +62,11 @@ def test_graph_step_trains_like_the_eager_step():
             assert losses[-1] < losses[0], (rank, precision, losses)  # it trains
 
 
-def test_cuda_graph_refuses_compile_reduce_overhead():
-    with pytest.raises(ConfigError, match="cuda_graph.*reduce-overhead"):
-        TrainingConfig(compile="reduce-overhead", cuda_graph=True)
-    TrainingConfig(compile="default", cuda_graph=True)
+def test_cuda_graph_refuses_a_compiled_dense_part():
+    for mode in ("reduce-overhead", "default"):
+        with pytest.raises(ConfigError, match=f"cuda_graph.*compile {mode}.*training.compile none"):
+            TrainingConfig(compile=mode, cuda_graph=True)
+    TrainingConfig(compile="none", cuda_graph=True)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])

@@ -62,7 +62,7 @@ class TrainingConfig:
     """Replay the dense part's whole training step (forward, loss, backward, gradient all-reduce, optimizer) as one
     CUDA graph, captured at the second step of the training batch size (embshard/dense_graph.py): DLRM kinds on CUDA
     GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU always does.
-    Not with compile reduce-overhead (it captures graphs of its own)."""
+    Not with training.compile (the graph holds the eager forward's kernels)."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""
@@ -70,10 +70,11 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.prefetch_batches < 1:
             raise FieldError("prefetch_batches", self.prefetch_batches, "it must be >= 1 batch")
-        if self.cuda_graph and self.compile == "reduce-overhead":
+        if self.cuda_graph and self.compile != "none":
             raise FieldError(
                 "cuda_graph", self.cuda_graph,
-                "compile reduce-overhead captures CUDA graphs of its own: use compile default (or none) with it",
+                f"the graph runs the dense part's eager forward, so compile {self.compile} would not apply: set "
+                "training.compile none with it (or cuda_graph false to compile)",
             )  # fmt: skip
 
 
