@@ -61,8 +61,8 @@ class TrainingConfig:
     cuda_graph: bool = False
     """Replay the dense part's whole training step (forward, loss, backward, gradient all-reduce, optimizer) as one
     CUDA graph, captured at the second step of the training batch size (embshard/dense_graph.py): DLRM kinds on CUDA
-    GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU always does.
-    Not with training.compile (the graph holds the eager forward's kernels)."""
+    GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU
+    always does. Not with training.compile (the graph holds the eager forward's kernels)."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""
