@@ -18,7 +18,7 @@ from test_pipeline import _batches, _build, _state
 from embshard.config.run import TrainingConfig
 from embshard.tables import ConfigError
 
-STEPS = [8, 6]  # batches of rank 0 and rank 1: steps 7 and 8 run eagerly (rank 1 feeds empty batches)
+STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 run eagerly (rank 1 feeds empty batches)
 
 
 def _train(rank, world, device, graph: bool, precision: str):
@@ -50,12 +50,15 @@ def _worker(rank, world, device):
 def test_graph_step_trains_like_the_eager_step():
     results = run_distributed(_worker, 2)
     for rank, res in enumerate(results):
-        for precision, (rtol, atol) in (("fp32", (1e-5, 1e-6)), ("bf16", (2e-2, 2e-3))):
+        # fp32: on the CPU the same arithmetic as the eager step; on GPUs 20 steps of the same model trained twice
+        # (atomics in the embedding backward, kernels picked under capture) may drift by rounding
+        fp32 = (1e-5, 1e-6) if device_kind() == "cpu" else (1e-4, 1e-5)
+        for precision, (rtol, atol) in (("fp32", fp32), ("bf16", (2e-2, 2e-3))):
             eager_losses, eager_state, _, _ = res[(False, precision)]
             losses, state, why_not, replays = res[(True, precision)]
             assert len(losses) == max(STEPS), (rank, precision, losses)
             assert why_not == (None if device_kind() == "cuda" else "CUDA graphs need a CUDA GPU"), why_not
-            assert replays == min(STEPS) - 1, (rank, precision, replays)  # steps 2-6 replayed; 1, 7, 8 eager
+            assert replays == min(STEPS) - 1, (rank, precision, replays)  # steps 2-20 replayed; 1, 21, 22 eager
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=rtol, atol=atol)
             torch.testing.assert_close(state["dense"], eager_state["dense"], rtol=rtol, atol=atol)
             torch.testing.assert_close(state["tables"], eager_state["tables"], rtol=rtol, atol=atol)
