@@ -48,7 +48,6 @@ def graph_optimizer_step(optimizer: torch.optim.Optimizer):
     if any(g["lr_decay"] or g["maximize"] or g["differentiable"] for g in groups):
         return "Adagrad with lr_decay, maximize or differentiable has no capturable step here"
     state = optimizer.state
-    steps = [state[p]["step"] for g in groups for p in g["params"]]
 
     @torch.no_grad()
     def step() -> None:
@@ -69,8 +68,8 @@ def graph_optimizer_step(optimizer: torch.optim.Optimizer):
                 numerator = torch._foreach_mul(grads, -lr)
             torch._foreach_addcdiv_(params, numerator, std)
 
-    def after() -> None:
-        torch._foreach_add_(steps, 1)
+    def after() -> None:  # the counters as they are now (a checkpoint's load may have replaced them)
+        torch._foreach_add_([state[p]["step"] for g in groups for p in g["params"]], 1)
 
     return step, after
 
