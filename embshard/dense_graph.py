@@ -171,7 +171,8 @@ class DenseGraphStep:
         with ctx:
             logits_B = torch.func.functional_call(self.dense, self._leaves, (self._dense_BN, self._sparse_BS))
             loss = nn.functional.binary_cross_entropy_with_logits(logits_B, self._labels_B)
-        *grads, grad_BS = torch.autograd.grad(loss, [*self._leaves.values(), self._sparse_BS])
+        inputs = [*self._leaves.values(), self._sparse_BS]
+        *grads, grad_BS = torch.autograd.grad(loss, inputs, materialize_grads=True)  # unused: zeros
         torch._foreach_copy_(self._grad_views, grads)
         self._logits_B, self._loss, self._sparse_grad = logits_B.detach(), loss.detach(), grad_BS
 
