@@ -311,13 +311,13 @@ def make_dense_optimizer(o: DenseOptimizerConfig, params: list) -> torch.optim.O
     """torch.optim optimizer of the dense parameters (gets only the dense_optimizer section). On a GPU, torch's fused
     implementation (one kernel launch for every parameter, and little host work) where this torch has it for the
     kind; elsewhere torch's default (foreach)."""
+    own = {
+        "adam": {"betas": (o.beta1, o.beta2), "eps": o.eps},
+        "adagrad": {"eps": o.eps},
+        "sgd": {"momentum": o.momentum},
+    }
     fused = {"fused": True} if _fused_available(o.kind, params) else {}
-    if o.kind == "adam":
-        betas = (o.beta1, o.beta2)
-        return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay, **fused)
-    if o.kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, **fused)
-    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **fused)
+    return _OPTIMIZERS[o.kind](params, lr=o.lr, weight_decay=o.weight_decay, **own[o.kind], **fused)
 
 
 _OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
