@@ -98,7 +98,10 @@ def case_of(r: dict[str, str]) -> str:
         precision = r.get("precision") or r.get("dtype") or "fp32"
         law = (r.get("ids", "uniform"), r.get("bags", "fixed"))  # logs from before the law was printed: the default
         suffix = "" if law == ("uniform", "fixed") else " " + "/".join(law)
-        return f"e2e {r.get('pipeline', 'sparse_dist')} {precision}{suffix}"
+        scale = float(r.get("scale", "1") or 1)
+        rows = 1 / scale if r.get("framework") == "torchrec" else scale  # TorchRec's --scale divides the rows
+        size = f" world {r.get('world', '2')}" + ("" if abs(rows - 1) < 1e-9 else f" rows x{rows:g}")
+        return f"e2e {r.get('pipeline', 'sparse_dist')} {precision}{suffix}{size}"
     return f"{bench_of(r)} {r.get('workload') or r.get('layout') or '-'}"
 
 
@@ -336,7 +339,9 @@ def case_title(row: Row) -> str:
             r.get("pooled", "fp32"),
             r.get("pipeline", "sparse_dist"),
         )
-        return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}"
+        rows = float(r.get("scale", "1") or 1)
+        scaled = "" if abs(rows - 1) < 1e-9 else f", tables at {rows:g} of their rows"
+        return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{scaled}"
     extra = f" ({r['hbm_gib']} GiB budget)" if r.get("hbm_gib", "0") not in ("0", "") else ""
     return f"embedding step, {r.get('workload')}{extra}"
 

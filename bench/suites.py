@@ -280,6 +280,75 @@ def compare_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
     return rows or [("results", "no RESULT lines (see the log)")]
 
 
+# ---- scaling: weak scaling of the MLPerf model, 1, 2 and 4 GPUs at 8192 samples per GPU -------------------------
+SCALING_ONE_GPU_ROWS = 0.5
+"""At 1 GPU the MLPerf tables (97 GiB) do not fit one card: every table keeps this fraction of its rows."""
+
+
+def scaling_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
+    """Per round and precision: TorchRec at 4 GPUs, embshard at 4, embshard at 2 (the pair is TorchRec and
+    embshard at 4); after the rounds, embshard at 1 GPU on tables at half their rows, once per precision."""
+    pairs = args.pairs or (1 if args.cpu else 2)
+    timing = [
+        "--steps",
+        str(args.steps or (3 if args.cpu else 60)),
+        "--warmup",
+        str(args.warmup or (1 if args.cpu else 20)),
+    ]
+    scale = args.scale or (1e-5 if args.cpu else 1.0)
+    small = ["--batch-size", "64"] if args.cpu else []
+    graph = ["training.cuda_graph=true"] if args.cuda_graph else []
+
+    def torchrec(n: int, p: str) -> Step:
+        size = ["--scale", f"{1 / scale:g}"] if scale != 1.0 else []
+        argv = torchrun(n) + ["bench/baselines/torchrec_dlrm_train.py", *timing, "--precision", p, *size, *small]
+        return Step(f"TorchRec {p}, {n} GPUs", argv, timeout=240, needs_gpus=0 if args.cpu else n)
+
+    def embshard(n: int, p: str, rows: float) -> Step:
+        argv = py() + ["bench/train_e2e.py", "--config", E2E_CONFIG, "--nproc", str(n), *timing, *small]
+        argv += ["--scale", f"{rows:g}"] if rows != 1.0 else []
+        argv += ["--tag", f"{p}_x{n}", "--precision", p] + (["lookup.output_dtype=bf16"] if p == "bf16" else [])
+        return Step(f"embshard {p}, {n} GPUs", argv + (graph if p == "bf16" else []), timeout=240,
+                    needs_gpus=0 if args.cpu else n)  # fmt: skip
+
+    out = []
+    precisions = args.precisions.split(",")
+    for _ in range(pairs):
+        for p in precisions:
+            out += [torchrec(4, p), embshard(4, p, scale), embshard(2, p, scale)]
+    out += [embshard(1, p, scale * SCALING_ONE_GPU_ROWS) for p in precisions]
+    return out
+
+
+def scaling_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Per precision: samples/s per GPU at 1, 2 and 4 GPUs (median of the runs), 4 GPUs against 2, and the ratio
+    to TorchRec at 4 GPUs (median and spread over the rounds' pairs)."""
+    runs = [r for r in results(log) if "samples_per_s" in r and "world" in r]
+    rows = []
+    for p in args.precisions.split(","):
+        per_gpu: dict[tuple[str, int], list[float]] = {}
+        ms: dict[tuple[str, int], list[float]] = {}
+        for r in runs:
+            if (r.get("precision") or "fp32") != p:
+                continue
+            key = (r.get("framework", "?"), int(r["world"]))
+            per_gpu.setdefault(key, []).append(float(r["samples_per_s"]) / int(r["world"]))
+            ms.setdefault(key, []).append(float(r["ms_per_step"]))
+        if not per_gpu:
+            continue
+        med = {k: statistics.median(v) for k, v in per_gpu.items()}
+        text = ", ".join(f"{n} GPUs {med[('embshard', n)]:,.0f}" for n in (1, 2, 4) if ("embshard", n) in med)
+        text = f"embshard samples/s per GPU: {text}"
+        if ("embshard", 2) in med and ("embshard", 4) in med:
+            text += f"; 4 GPUs keep {med[('embshard', 4)] / med[('embshard', 2)]:.1%} of 2 GPUs' per-GPU rate"
+        base, mine = ms.get(("torchrec", 4), []), ms.get(("embshard", 4), [])
+        if base and mine:
+            ratios = [b / e for b, e in zip(base, mine)]
+            text += f"; TorchRec at 4 GPUs {med[('torchrec', 4)]:,.0f} per GPU, embshard {report.fmt_ratio(ratios)}"
+        rows.append((f"weak scaling, {p}", text.replace("**", "")))
+    return rows or [("scaling", "no RESULT lines (see scaling.log)")]
+
+
 # ---- emb ------------------------------------------------------------------------------------------------------
 def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     n = nproc(args, m)
@@ -619,13 +688,13 @@ def build_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 # ---- hier: table-row-wise's hierarchical exchange, 4 GPUs as 2 hosts x 2 ------------------------------------------
 def hier_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     """bench/hier_exchange.py (flat against hierarchical exchange, 4 ranks as 2 hosts x 2), then the world-4 parity
-    tests of tests/sharding/test_sharding_types.py and 40 world-4 fuzz cases with the hierarchical scenario."""
+    tests of tests/sharding/test_sharding_types.py and 100 world-4 fuzz cases with the hierarchical scenario."""
     gpus = 4
     bench = torchrun(4) + ["bench/hier_exchange.py"] + (["--smoke"] if args.cpu else [])
     tests = pytest("tests/sharding/test_sharding_types.py", "-k")
     tests.append("world4")
     fuzz = pytest("tests/test_fuzz.py", "-k", "parity or hierarchical")
-    fuzz_env = dict(cuda_env(args), EMBSHARD_FUZZ_WORLDS="4", EMBSHARD_FUZZ_CASES="40")
+    fuzz_env = dict(cuda_env(args), EMBSHARD_FUZZ_WORLDS="4", EMBSHARD_FUZZ_CASES="20" if args.cpu else "100")
     return [
         Step("hier_exchange, 4 ranks as 2 hosts x 2", bench, timeout=300, needs_gpus=gpus),
         Step("world-4 parity tests (2 hosts x 2)", tests, cuda_env(args), timeout=400, needs_gpus=gpus),
@@ -685,6 +754,9 @@ SUITES = {
         Suite("build", "building the module: hetero124 with FBGEMM's UVM first touch against host threads "
               "(EMBSHARD_UVM_FIRST_TOUCH), interleaved pairs, and bench/uvm_fill.py", "1-2", "3-5 min (estimate)",
               build_steps, build_summary),
+        Suite("scaling", "weak scaling of the MLPerf model at 8192 samples per GPU: embshard at 1 (tables at half "
+              "their rows), 2 and 4 GPUs, TorchRec at 4 GPUs in interleaved pairs", "4", "6-8 min",
+              scaling_steps, scaling_summary),
         Suite("hier", "table-row-wise's hierarchical against flat exchange, 4 GPUs as 2 hosts x 2: bytes per level, "
               "ms, the planner's predictions; then the world-4 parity tests and fuzz cases", "4",
               "3-6 min (estimate)", hier_steps, hier_summary),

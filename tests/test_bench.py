@@ -180,9 +180,9 @@ def test_report_pairs_each_run_with_the_baseline_before_it(tmp_path):
     assert report.best_ratio(u) == f"{5.0 / 4.0:.3f}" and report.baseline_setting(u) == "its planner's default plan"
     floor, missing = report.floor_terms(u.emb[0], folder)  # the busier rank: 3 GB / 3000 GB/s + 0.2 GB / 200 GB/s
     assert floor == pytest.approx(2.0) and missing == []
-    e2e = rows["e2e sparse_dist fp32"]
+    e2e = rows["e2e sparse_dist fp32 world 2"]
     assert e2e.ratios == [20.0 / 22.0] and report.verdict(e2e.ratios) == "trails"
-    assert rows["e2e sparse_dist bf16"].ratios == [] and "emb onehot" not in rows
+    assert rows["e2e sparse_dist bf16 world 2"].ratios == [] and "emb onehot" not in rows
     region = report.render([folder])
     assert "embshard leads on uniform26 (1.20-1.25x)" in region and "it trails on end to end fp32" in region
     assert "bench/embshard_dmp.py --workload uniform26" in region
@@ -336,3 +336,32 @@ def test_e2e_data_law_reaches_both_frameworks_and_splits_the_cases():
     base = {"framework": "torchrec", "pipeline": "sparse_dist", "precision": "bf16"}
     assert report.case_of(base) == report.case_of({**base, "ids": "uniform", "bags": "fixed"})
     assert report.case_of({**base, "ids": "zipf", "bags": "poisson"}) != report.case_of(base)
+
+
+def test_scaling_suite_pairs_torchrec_and_embshard_at_4_gpus_and_reads_the_per_gpu_rates():
+    """Weak scaling: per round and precision TorchRec at 4, embshard at 4 and 2; embshard at 1 on half the rows.
+    The report keeps the world sizes and row fractions apart, so a 4-GPU run is never paired with a 2-GPU one."""
+    got = steps("scaling", "--pairs", "2", "--precisions", "fp32,bf16")
+    labels = [s.label for s in got]
+    round_ = [
+        f"{w} {p}, {n} GPUs" for p in ("fp32", "bf16") for w, n in (("TorchRec", 4), ("embshard", 4), ("embshard", 2))
+    ]
+    assert labels == round_ * 2 + ["embshard fp32, 1 GPUs", "embshard bf16, 1 GPUs"]
+    one = got[-1].argv
+    assert one[one.index("--scale") + 1] == "0.5" and one[one.index("--nproc") + 1] == "1"
+    assert [s.needs_gpus for s in got[:3]] == [4, 4, 2]
+    log = "\n".join(
+        f"RESULT framework={fw} pipeline=sparse_dist precision=bf16 world={w} scale={sc} ms_per_step={ms} samples_per_s={w * 8192 / ms * 1e3:.0f}"
+        for fw, w, sc, ms in [("torchrec", 4, 1, 10.0), ("embshard", 4, 1, 8.0), ("embshard", 2, 1, 7.5),
+                              ("torchrec", 4, 1, 12.0), ("embshard", 4, 1, 8.0), ("embshard", 2, 1, 7.5),
+                              ("embshard", 1, 0.5, 6.0)]
+    )  # fmt: skip
+    ((label, text),) = suites.scaling_summary(log, args_for("scaling", "--precisions", "bf16"))
+    assert label == "weak scaling, bf16"
+    assert "1 GPUs 1,365,333, 2 GPUs 1,092,266, 4 GPUs 1,024,000" in text and "keep 93.8%" in text
+    assert "TorchRec at 4 GPUs 750,933 per GPU, embshard 1.375 (1.250-1.500; n=2)" in text
+    runs = [report.parse_line(x) for x in log.splitlines()]
+    assert len({report.case_of(r) for r in runs}) == 3  # world 4, world 2, world 1 at half the rows
+    assert report.case_of(runs[0]) == report.case_of(runs[1])
+    halved = {"framework": "torchrec", "pipeline": "sparse_dist", "precision": "bf16", "world": "1", "scale": "2"}
+    assert report.case_of(halved) == report.case_of(runs[-1])  # TorchRec's --scale 2 is embshard's 0.5
