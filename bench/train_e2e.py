@@ -297,6 +297,8 @@ def run(args: argparse.Namespace) -> None:
         f"data_wait_ms={float(g[:, 2].max()):.3f} gpu_busy={busy:.3f} gpu_busy_compute={busy_compute:.3f} "
         f"auc={auc:.5f} auc_before={auc_before:.5f} loss_first={first:.4f} loss_last={last:.4f} {floor}"
     )
+    if graph is not None:
+        graph.close()  # before the process group goes: a live graph with an NCCL collective hangs its teardown
     dist.barrier()
     dist.destroy_process_group()
     say(f"samples_per_s={sps:.0f}")

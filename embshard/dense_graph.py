@@ -127,6 +127,14 @@ class DenseGraphStep:
         runs eagerly, the one after captures again."""
         self.graph, self.eligible_steps, self._static = None, 0, False
 
+    def close(self) -> None:
+        """Release the captured graph, after the device finished its work. Call it before
+        `dist.destroy_process_group()`: a live graph that holds an NCCL collective makes the process group's teardown
+        hang (pytorch/pytorch#115388). Training may go on afterwards: the next eligible step captures again."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self._sparse_BS.device)
+        self.reset()
+
     def ready(self, batch_size: int) -> bool:
         """Whether this step (every rank's batch has `batch_size` samples, as agreed) replays the graph; the
         first eligible step returns False (it runs eagerly) and counts itself."""

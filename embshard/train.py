@@ -274,6 +274,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     if ck.dir and step > start:
         report.line(f"saved checkpoint {ckpt.history[-1].path}")
     report.close()
+    if model.dense_graph is not None:
+        model.dense_graph.close()  # before the process group goes: a live graph with NCCL in it hangs the teardown
     dist.destroy_process_group()
 
 

@@ -43,6 +43,10 @@ TOL_FP32 = dict(rtol=1e-4, atol=1e-5)
 TOL_FP16 = dict(rtol=1e-2, atol=1e-2)
 # fp16/bf16 outputs: the pooled rows and their gradients are rounded to 8 (bf16) or 11 (fp16) significant bits.
 TOL_LOW_OUTPUT = dict(rtol=2e-2, atol=2e-2)
+# Adagrad's state under fp16/bf16 outputs sums squared gradients: a gradient's rounding error doubles in its square,
+# and grows where the per-sample terms of a row's gradient cancel (seen: 2 of 2,944 elements 2.6% off on 4 GPUs, a
+# table read by 18 samples). A lost or misplaced gradient is still 100% off.
+TOL_LOW_OUTPUT_STATE = dict(rtol=5e-2, atol=2e-2)
 
 
 @contextmanager
@@ -236,7 +240,7 @@ def check_case(case: Case, results: list[dict]) -> list[str]:
                 err = _close(
                     st[k],
                     want_st[k],
-                    tol if case.optimizer.weight_decay or low else TOL_FP32,
+                    TOL_LOW_OUTPUT_STATE if low else tol if case.optimizer.weight_decay else TOL_FP32,
                     f"state {k!r} of {where}",
                 )
                 errors += [err] if err else []

@@ -36,6 +36,9 @@ def _train(rank, world, device, graph: bool, precision: str):
         losses.append(float(done.output.loss.detach()))
     pipe.close()
     replays = model.dense_graph.replays if model.dense_graph is not None else 0
+    if model.dense_graph is not None:  # the graph holds an NCCL collective: released before the group may go
+        model.dense_graph.close()
+        assert model.dense_graph.graph is None
     return losses, _state(model), why_not, replays
 
 
