@@ -145,7 +145,9 @@ class Folder:
 def load(path: Path) -> Folder:
     folder = Folder(path)
     seen: dict[str, list[float]] = {}
-    for f in sorted(p for p in path.iterdir() if p.suffix in (".log", ".txt") and not p.name.startswith("interop")):
+    files = sorted(p for p in path.iterdir() if p.suffix in (".log", ".txt") and not p.name.startswith("interop"))
+    files.sort(key=lambda p: p.name == "meta.txt")  # the notes written with the logs have the last word
+    for f in files:
         for line in f.read_text(errors="replace").splitlines():
             if line.startswith("META "):
                 for k, v in (kv.split("=", 1) for kv in shlex.split(line[5:]) if "=" in kv):
@@ -209,15 +211,17 @@ def rows_of(folder: Folder) -> dict[tuple[str, str], Row]:
 
 
 def current_rows(folders: list[Folder]) -> tuple[dict[str, list[Row]], dict[str, list[Folder]]]:
-    """Per GPU model: the rows of each case from the newest folder that measured the case, and the folders none
-    of whose rows made it (earlier runs)."""
+    """Per GPU model: the rows of each case from the newest folder that measured the case (with a baseline, where
+    any folder has one), and the folders none of whose rows made it (earlier runs)."""
     newest: dict[str, dict[str, tuple[Folder, list[Row]]]] = {}
     for folder in sorted(folders, key=lambda f: f.when):
         by_case: dict[str, list[Row]] = {}
         for row in rows_of(folder).values():
             by_case.setdefault(row.case, []).append(row)
-        for case, rows in by_case.items():
-            newest.setdefault(folder.gpu, {})[case] = (folder, rows)
+        for case, rows in by_case.items():  # a newer run without a baseline does not hide an older pair
+            cases = newest.setdefault(folder.gpu, {})
+            if case not in cases or any(r.ratios for r in rows) or not any(r.ratios for r in cases[case][1]):
+                cases[case] = (folder, rows)
     current = {gpu: [r for _, rows in cases.values() for r in rows] for gpu, cases in newest.items()}
     earlier = {
         gpu: [f for f in folders if f.gpu == gpu and all(r.folder is not f for r in current[gpu])] for gpu in current
@@ -326,7 +330,9 @@ def short_name(row: Row) -> str:
     if bench_of(r) == "e2e":
         pooled = "" if r.get("pooled", "fp32") == "fp32" else f", pooled {r['pooled']}"
         compiled = "" if r.get("compile", "none") == "none" else f", compile {r['compile']}"
-        return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}"
+        graph = ", CUDA graph" if r.get("cuda_graph", "0") == "1" else ""
+        world = f", {r.get('world', '?')} GPU{'s' if r.get('world') != '1' else ''}"
+        return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}{graph}{world}"
     return str(r.get("workload"))
 
 
@@ -341,7 +347,8 @@ def case_title(row: Row) -> str:
         )
         rows = float(r.get("scale", "1") or 1)
         scaled = "" if abs(rows - 1) < 1e-9 else f", tables at {rows:g} of their rows"
-        return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{scaled}"
+        graph = ", dense step as a CUDA graph" if r.get("cuda_graph", "0") == "1" else ""
+        return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{graph}{scaled}"
     extra = f" ({r['hbm_gib']} GiB budget)" if r.get("hbm_gib", "0") not in ("0", "") else ""
     return f"embedding step, {r.get('workload')}{extra}"
 
