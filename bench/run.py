@@ -148,9 +148,10 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def run_step(step: Step, log, deadline: float) -> tuple[int | None, float, int]:
+def run_step(step: Step, log, deadline: float) -> tuple[int | None, float, int, str]:
     """Run one step, its output into the log (noise dropped); (exit code or None if stopped, seconds, lines
-    dropped). The step runs in its own process group so that a time limit stops its workers too."""
+    dropped, why it was stopped or ""). The step runs in its own process group so that a time limit stops its
+    workers too."""
     limit = max(1.0, min(step.timeout, deadline - time.monotonic()))
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -158,31 +159,38 @@ def run_step(step: Step, log, deadline: float) -> tuple[int | None, float, int]:
         text=True, errors="replace", start_new_session=True,
     )  # fmt: skip
     noise = LogFilter()
-    timer_hit = False
+    timer_hit = ""  # why it was stopped
 
-    def stop() -> None:
+    def stop(why: str) -> None:
         nonlocal timer_hit
-        timer_hit = True
+        timer_hit = timer_hit or why
         for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's workers may leave its process group
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
-    timer = threading.Timer(limit, stop)
+    timer = threading.Timer(limit, stop, args=(f"time limit {limit:.0f} s",))
     timer.start()
+    after_result: threading.Timer | None = None
     try:
         for line in proc.stdout:
             if noise.keep(line):
                 log.write(line)
+            if step.exit_after_result_s > 0 and after_result is None and line.startswith("RESULT "):
+                why = f"not exited {step.exit_after_result_s:g} s after its RESULT line"
+                after_result = threading.Timer(step.exit_after_result_s, stop, args=(why,))
+                after_result.start()
         proc.wait()
     finally:
         timer.cancel()
+        if after_result is not None:
+            after_result.cancel()
     seconds = time.monotonic() - t0
     if timer_hit:
-        log.write(f"!! stopped after {seconds:.0f} s (time limit {limit:.0f} s)\n")
-        return None, seconds, noise.dropped
-    return proc.returncode, seconds, noise.dropped
+        log.write(f"!! stopped after {seconds:.0f} s ({timer_hit})\n")
+        return None, seconds, noise.dropped, timer_hit
+    return proc.returncode, seconds, noise.dropped, ""
 
 
 def run_suite(name: str, args: argparse.Namespace, info: dict, m: Machine) -> list[tuple[str, str, str]]:
@@ -208,11 +216,12 @@ def run_suite(name: str, args: argparse.Namespace, info: dict, m: Machine) -> li
             elif deadline - time.monotonic() < 20:
                 note = f"skipped: the suite's {args.suite_minutes:g} minutes are used up"
             else:
-                rc, seconds, n = run_step(step, log, deadline)
+                rc, seconds, n, why = run_step(step, log, deadline)
                 dropped += n
                 if step.epilogue is not None:
                     log.write(step.epilogue())
-                note = f"{'stopped at the time limit' if rc is None else f'rc {rc}'}, {seconds:.0f} s"
+                stopped = "stopped at the time limit" if why.startswith("time limit") else f"stopped: {why}"
+                note = f"{stopped if rc is None else f'rc {rc}'}, {seconds:.0f} s"
                 if rc != 0:
                     status.append((name, step.label, note))
             log.write(f"= {step.label}: {note}\n")

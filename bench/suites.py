@@ -51,6 +51,9 @@ class Step:
     """GPUs the step needs (skipped with a note when the machine has fewer; 0: runs anywhere)."""
     epilogue: Callable[[], str] | None = None
     """Text written into the log after the command ends, stopped at its time limit or not."""
+    exit_after_result_s: float = 0.0
+    """If > 0: the command prints its RESULT line last, and is stopped if it has not exited this many seconds after
+    it (a process hung in its teardown keeps its result but does not hold the suite's time)."""
 
 
 @dataclass(frozen=True)
@@ -199,11 +202,12 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
     def torchrec(precision: str) -> Step:
         argv = torchrun(n) + ["bench/baselines/torchrec_dlrm_train.py", *timing, "--precision", precision, *tr_size]
-        return Step(f"TorchRec {precision}", argv + tr_law, timeout=240, needs_gpus=n)
+        return Step(f"TorchRec {precision}", argv + tr_law, timeout=240, needs_gpus=n, exit_after_result_s=45)
 
     def embshard(tag: str, *extra: str) -> Step:
         argv = py() + ["bench/train_e2e.py", "--config", E2E_CONFIG, "--nproc", str(n), *timing, "--eval", *size]
-        return Step(f"embshard {tag}", argv + ["--tag", tag, *extra, *law], timeout=240, needs_gpus=n)
+        argv += ["--tag", tag, *extra, *law]
+        return Step(f"embshard {tag}", argv, timeout=240, needs_gpus=n, exit_after_result_s=45)
 
     out = bandwidth_step(args)
     precisions = args.precisions.split(",")
@@ -302,14 +306,16 @@ def scaling_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     def torchrec(n: int, p: str) -> Step:
         size = ["--scale", f"{1 / scale:g}"] if scale != 1.0 else []
         argv = torchrun(n) + ["bench/baselines/torchrec_dlrm_train.py", *timing, "--precision", p, *size, *small]
-        return Step(f"TorchRec {p}, {n} GPUs", argv, timeout=240, needs_gpus=0 if args.cpu else n)
+        return Step(
+            f"TorchRec {p}, {n} GPUs", argv, timeout=240, needs_gpus=0 if args.cpu else n, exit_after_result_s=45
+        )
 
     def embshard(n: int, p: str, rows: float) -> Step:
         argv = py() + ["bench/train_e2e.py", "--config", E2E_CONFIG, "--nproc", str(n), *timing, *small]
         argv += ["--scale", f"{rows:g}"] if rows != 1.0 else []
         argv += ["--tag", f"{p}_x{n}", "--precision", p] + (["lookup.output_dtype=bf16"] if p == "bf16" else [])
         return Step(f"embshard {p}, {n} GPUs", argv + (graph if p == "bf16" else []), timeout=240,
-                    needs_gpus=0 if args.cpu else n)  # fmt: skip
+                    needs_gpus=0 if args.cpu else n, exit_after_result_s=45)  # fmt: skip
 
     out = []
     precisions = args.precisions.split(",")

@@ -141,11 +141,26 @@ def test_a_step_past_its_time_limit_is_stopped_with_its_children(tmp_path):
     step = suites.Step("sleeper", ["bash", "-c", f"sleep 30 & echo $! > {marker}; echo started; wait"], timeout=1.0)
     log = io.StringIO()
     t0 = time.monotonic()
-    rc, seconds, _ = run.run_step(step, log, time.monotonic() + 60)
-    assert rc is None and time.monotonic() - t0 < 10 and "started" in log.getvalue()
+    rc, seconds, _, why = run.run_step(step, log, time.monotonic() + 60)
+    assert rc is None and time.monotonic() - t0 < 10 and "started" in log.getvalue() and why == "time limit 1 s"
     child = int(marker.read_text())
     time.sleep(0.2)
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_a_step_that_hangs_after_its_result_is_stopped_and_keeps_the_result():
+    """A benchmark whose RESULT line is out but whose process hangs at exit (a teardown that never returns) is
+    stopped `exit_after_result_s` later, not at its time limit; its RESULT line stays in the log."""
+    argv = ["bash", "-c", "echo 'RESULT framework=embshard ms_per_step=1.0'; sleep 30"]
+    step = suites.Step("hangs at exit", argv, timeout=60.0, exit_after_result_s=0.5)
+    log = io.StringIO()
+    t0 = time.monotonic()
+    rc, _, _, why = run.run_step(step, log, time.monotonic() + 120)
+    assert rc is None and time.monotonic() - t0 < 10 and why == "not exited 0.5 s after its RESULT line"
+    assert "RESULT framework=embshard" in log.getvalue() and "!! stopped after" in log.getvalue()
+    quick = suites.Step("exits", ["bash", "-c", "echo 'RESULT x=1'; sleep 0.2"], timeout=60.0, exit_after_result_s=5)
+    assert run.run_step(quick, io.StringIO(), time.monotonic() + 120)[::3] == (0, "")
+    assert all(s.exit_after_result_s > 0 for s in steps("e2e", "--no-bandwidth") + steps("scaling"))
 
 
 def test_log_filter_drops_repeated_warnings_keeps_results():
