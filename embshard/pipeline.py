@@ -394,9 +394,15 @@ class TrainPipeline:
         return self._host.wait_s if self._host is not None else 0.0
 
     def close(self) -> None:
-        """Stop the host thread (the data source's workers stop with its iterator)."""
+        """Stop the host thread (the data source's workers stop with its iterator), and finish the next batch's
+        agreement, which every rank started with its last training batch. Waited for here, its all-gather does not
+        outlive the loop: a gloo work still referenced when the interpreter shuts down aborts the process
+        ("terminate called without an active exception") when its tensors are freed without the interpreter."""
         if self._host is not None:
             self._host.close()
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None and agreement.handle is not None:
+            agreement.handle.wait(host=True)
 
 
 def even_batches(
