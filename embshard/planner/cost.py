@@ -103,13 +103,14 @@ constants do) plus writing one row and its state per id (the reset list: rows gi
 host link for uvm) and r*RAW_ROW_BYTES / bw (LRU: the O(rows) passes over the order; LFU sorts the rows: 4x that).
 Raw-id shards form lookup groups of their own (the runtime's LocalShard.group_key), and a group's remap launches
 RAW_KERNELS kernels once for all its shards on a rank: RAW_KERNELS*kernel_s per group (`group_fixed`), not per
-shard. RAW_KERNELS (216) is counted (326 launches a raw step against 110 static, 1 x H100, 13 tables); RAW_ID_BYTES
-(7132) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3 with NVLink, 2026-11-26
-(`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py --workload uniform26
---plan planner --ids both --steps 20`: 13.45 ms a step, 13 table-wise raw-id tables a rank; the case in
-tests/planner/data/measured_steps.json, `bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and
-the reset's bytes are estimates (the reset's 0.39 ms there matches the profiled 0.41 ms). The same constants put a
-1-GPU raw step at 8.42 ms more than a static one where one process measured 4.53 ms more (docs/planner.md).
+shard. RAW_KERNELS (60) is counted (170 launches a raw step against 110 static, 1 x H100, 13 tables, the map's
+fused step); RAW_ID_BYTES (2531) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3
+with NVLink, 2026-11-26 (`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py
+--workload uniform26 --ids both --id-space 1 --steps 20`, counts from the host: 7.71 ms a step, 13 table-wise raw-id
+tables a rank; the case in tests/planner/data/measured_steps.json, `bench/planner_predict.py --measured --fit`
+refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the reset's 0.39 ms matches the profiled 0.41 ms
+of the earlier map). The same constants put a 1-GPU raw step 3.36 ms above a static one where one process measured
+2.62 ms (docs/planner.md).
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
 (GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
@@ -175,16 +176,17 @@ EXACT_COLUMN_KERNELS = 14
 # Raw-id tables' id -> row map (embshard/rawids; module docstring). RAW_ID_BYTES is fitted to the measured raw-id
 # step of uniform26 on 2 x H100 (tests/planner/data/measured_steps.json; `bench/planner_predict.py --measured --fit`
 # gives it back); RAW_KERNELS is counted; RAW_ROW_BYTES and the reset's bytes are estimates (docs/planner.md).
-RAW_ID_BYTES = 7132
-"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 2.55 ns an id on an H100): fitted, not the
+RAW_ID_BYTES = 2531
+"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 0.91 ns an id on an H100): fitted, not the
 bytes the ops move (~1 KB an id: sorts, the unique ids' arrays, two buckets of 16 slots read); the rest is the
 latency of its dependent gathers and scatters and, in a multi-GPU step, the launch-bound stretch it adds."""
 RAW_ROW_BYTES = 96
 """Bytes moved per row of the shard per step by LRU's order update (LFU: RAW_LFU_FACTOR times that: a sort)."""
 RAW_LFU_FACTOR = 4
-RAW_KERNELS = 216
+RAW_KERNELS = 60
 """Kernel launches of one remap, paid once per lookup group of raw-id tables on a rank (its shards share them):
-326 launches a raw step against 110 static, counted on an H100 (13 tables, bench/raw_ids_profile.py)."""
+170 launches a raw step against 110 static, counted on an H100 with the map's fused step (13 tables,
+bench/raw_ids_profile.py, bench/results/2026-11-26-h100-1gpu-run3)."""
 RAW_ID_STEP_BYTES = 512
 """Step memory per id of the remap (its int64 working arrays, a bucket's slots at a time)."""
 FWD_KERNELS, CACHE_KERNELS, BWD_KERNELS, DP_UPDATE_KERNELS = 1, 8, 12, 4
