@@ -22,56 +22,88 @@ empty batches, evaluation) run the eager path with DistributedDataParallel. The 
 read and write fixed addresses: the parameters, the optimizer's state tensors and the gradient buffer, which the
 eager path leaves in place (it reads the parameters and updates the same state tensors), so both paths can follow
 each other in any order. Loading a checkpoint replaces optimizer state tensors: load before training (as
-`embshard train` does), or call `reset()`.
+`embshard train` does), or call `reset()`. A learning rate changed between steps applies at the next step
+(`GraphOptimizer`: a device tensor the graph reads, or a new capture where the captured step holds the rate).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DenseGraphStep", "graph_optimizer_step"]
+__all__ = ["DenseGraphStep", "GraphOptimizer", "graph_optimizer_step"]
 
 
-def graph_optimizer_step(optimizer: torch.optim.Optimizer):
-    """(step to capture, host work after each replay) for `optimizer`, or a string saying why it cannot be captured.
-    torch's fused optimizers keep their step counters on the device: their own step is captured. Adagrad without
-    a fused kernel in this torch (and without lr_decay, whose rate depends on the step count on the host): its
-    foreach arithmetic, written out as torch's Adagrad does it, on its own state tensors, and its step counters
-    (host tensors) advanced by one foreach add after each replay."""
+@dataclass
+class GraphOptimizer:
+    """The dense optimizer's step as the graph captures it (`graph_optimizer_step`)."""
+
+    step: Callable[[], None]
+    """The update, captured into the graph."""
+    before: Callable[[], None] | None = None
+    """Host work before each replay: the learning rates, kept in device tensors the graph reads."""
+    after: Callable[[], None] | None = None
+    """Host work after each replay: the step counters torch keeps on the host."""
+    lr_in_graph: bool = False
+    """The captured step holds the learning rates as constants: a changed rate needs a new capture."""
+
+
+def graph_optimizer_step(optimizer: torch.optim.Optimizer) -> GraphOptimizer | str:
+    """The step of `optimizer` that a graph can capture, or a string saying why there is none. torch's fused
+    optimizers keep their step counters on the device: their own step is captured (with its learning rates as
+    constants). Adagrad without a fused kernel in this torch (and without lr_decay, whose rate depends on the step
+    count on the host): its foreach arithmetic, written out as torch's Adagrad does it, on its own state tensors,
+    with each group's learning rate in a device tensor (`before` refreshes it from the param group, so a changed
+    rate applies at the next replay), and its step counters (host tensors) advanced by one foreach add after each
+    replay."""
     groups = optimizer.param_groups
     if all(g.get("fused") for g in groups):
-        return optimizer.step, None
+        return GraphOptimizer(optimizer.step, lr_in_graph=True)
     if not isinstance(optimizer, torch.optim.Adagrad):
         return f"the dense optimizer ({type(optimizer).__name__}) has no fused implementation in this torch"
-    if any(g["lr_decay"] or g["maximize"] or g["differentiable"] for g in groups):
-        return "Adagrad with lr_decay, maximize or differentiable has no capturable step here"
-    state = optimizer.state
+    if any(g["lr_decay"] or g["maximize"] or g["differentiable"] or isinstance(g["lr"], torch.Tensor) for g in groups):
+        return "Adagrad with lr_decay, maximize, differentiable or a tensor learning rate has no capturable step here"
+    device = groups[0]["params"][0].device
+    minus_lr = [torch.tensor(-float(g["lr"]), device=device) for g in groups]  # what the graph reads
+    lrs = [float(g["lr"]) for g in groups]  # the rates in `minus_lr` now
+    # The groups and the state are looked up at each call: a checkpoint's load replaces both (load_state_dict),
+    # and a graph captured after it holds the loaded state tensors.
 
     @torch.no_grad()
     def step() -> None:
-        for g in groups:
+        state = optimizer.state
+        for g, m_lr in zip(optimizer.param_groups, minus_lr):
             params = list(g["params"])
             grads = [p.grad for p in params]
             sums = [state[p]["sum"] for p in params]
-            lr, wd = g["lr"], g["weight_decay"]
+            wd = g["weight_decay"]
             if wd:
                 grads = torch._foreach_add(grads, params, alpha=wd)
             torch._foreach_addcmul_(sums, grads, grads, value=1)
             std = torch._foreach_sqrt(sums)
             torch._foreach_add_(std, g["eps"])
             if wd:
-                torch._foreach_mul_(grads, -lr)
+                torch._foreach_mul_(grads, m_lr)
                 numerator = grads
             else:
-                numerator = torch._foreach_mul(grads, -lr)
+                numerator = torch._foreach_mul(grads, m_lr)
             torch._foreach_addcdiv_(params, numerator, std)
 
-    def after() -> None:  # the counters as they are now (a checkpoint's load may have replaced them)
-        torch._foreach_add_([state[p]["step"] for g in groups for p in g["params"]], 1)
+    def before() -> None:  # a copy only when a rate changed
+        for i, g in enumerate(optimizer.param_groups):
+            if float(g["lr"]) != lrs[i]:
+                lrs[i] = float(g["lr"])
+                minus_lr[i].fill_(-lrs[i])
 
-    return step, after
+    def after() -> None:  # the counters as they are now (a checkpoint's load may have replaced them)
+        state = optimizer.state
+        torch._foreach_add_([state[p]["step"] for g in optimizer.param_groups for p in g["params"]], 1)
+
+    return GraphOptimizer(step, before, after)
 
 
 class _CapturedLoss(torch.autograd.Function):
@@ -115,7 +147,8 @@ class DenseGraphStep:
         self.autocast_bf16, self.group = autocast_bf16, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.names, self.params = zip(*[(n, p) for n, p in dense.named_parameters() if p.requires_grad])
-        self._step, self._after = graph_optimizer_step(optimizer)
+        self._opt = graph_optimizer_step(optimizer)
+        self._captured_lrs: list[float] = []  # the learning rates a captured fused step holds
         self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self._static = False  # the static buffers exist
@@ -140,8 +173,13 @@ class DenseGraphStep:
         first eligible step returns False (it runs eagerly) and counts itself."""
         if batch_size != self.batch_size or not torch.is_grad_enabled():
             return False
+        if self.graph is not None and self._opt.lr_in_graph and self._lrs() != self._captured_lrs:
+            self.reset()  # a changed learning rate: this step runs eagerly, the next eligible one captures again
         self.eligible_steps += 1
         return self.eligible_steps > 1
+
+    def _lrs(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def run(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor):
         """The step: (loss with the embeddings' backward attached, logits `[B]`). Captures at the first call."""
@@ -153,14 +191,16 @@ class DenseGraphStep:
             self._dense_BN.copy_(dense_BN)
             self._sparse_BS.copy_(sparse_BS.detach())
             self._labels_B.copy_(labels_B)
+        if self._opt.before is not None:
+            self._opt.before()
         if self.capture:
             self.graph.replay()
         else:  # the eager steps between may have dropped the gradients (zero_grad): the optimizer reads these
             for p, grad in zip(self.params, self._grad_views):
                 p.grad = grad
             self._body()
-        if self._after is not None:
-            self._after()
+        if self._opt.after is not None:
+            self._opt.after()
         self.replays += 1
         loss = _CapturedLoss.apply(sparse_BS, self._loss, self._sparse_grad)
         return loss, self._logits_B.detach().clone()
@@ -190,7 +230,7 @@ class DenseGraphStep:
         if self.world > 1:
             dist.all_reduce(self._grads, group=self.group)
             self._grads.div_(self.world)
-        self._step()
+        self._opt.step()
 
     def _make_static(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor) -> None:
         device = sparse_BS.device
@@ -220,6 +260,7 @@ class DenseGraphStep:
         flags = [(g, g["capturable"]) for g in self.optimizer.param_groups if "capturable" in g]
         for g, _ in flags:
             g["capturable"] = True
+        self._captured_lrs = self._lrs()
         self.graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the host threads beside this one (the pipeline's batch preparation pins memory, NCCL's

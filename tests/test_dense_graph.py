@@ -87,18 +87,26 @@ def test_graph_adagrad_step_is_torchs_adagrad_step(weight_decay):
     ref = [p.detach().clone().requires_grad_(True) for p in ours]
     kw = dict(lr=0.05, eps=1e-8, weight_decay=weight_decay, initial_accumulator_value=0.1)
     opt, opt_ref = torch.optim.Adagrad(ours, **kw), torch.optim.Adagrad(ref, **kw)
-    step, after = graph_optimizer_step(opt)
-    for _ in range(4):
+    graph_opt = graph_optimizer_step(opt)
+    assert not graph_opt.lr_in_graph  # the rate is a device tensor the graph reads
+    for i in range(6):
+        if i == 2:  # a rate set between steps applies from the next step on, as in torch's
+            for o in (opt, opt_ref):
+                o.param_groups[0]["lr"] = 0.02
+        if i == 4:  # a checkpoint's load replaces the groups and the state: the step follows them
+            opt.load_state_dict(opt.state_dict())
         for a, b in zip(ours, ref):
             a.grad = torch.randn(a.shape, generator=g)
             b.grad = a.grad.clone()
-        step()
-        after()
+        graph_opt.before()
+        graph_opt.step()
+        graph_opt.after()
         opt_ref.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), i
     for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
         assert torch.equal(opt.state[a]["sum"], opt_ref.state[b]["sum"])
-        assert float(opt.state[a]["step"]) == float(opt_ref.state[b]["step"]) == 4.0
+        assert float(opt.state[a]["step"]) == float(opt_ref.state[b]["step"]) == 6.0
 
 
 def test_graph_step_refuses_what_it_cannot_capture():
@@ -107,3 +115,19 @@ def test_graph_step_refuses_what_it_cannot_capture():
     p = [torch.zeros(2, requires_grad=True)]
     assert "no fused implementation" in graph_optimizer_step(torch.optim.SGD(p, lr=0.1))
     assert "lr_decay" in graph_optimizer_step(torch.optim.Adagrad(p, lr=0.1, lr_decay=0.1))
+
+
+def test_a_changed_rate_recaptures_a_fused_step_that_holds_it():
+    """A fused optimizer's captured step holds its learning rates: after a change, the next eligible step runs
+    eagerly (the graph is dropped) and the one after captures again; an unchanged rate keeps replaying."""
+    from embshard.dense_graph import DenseGraphStep
+
+    dense = torch.nn.Linear(3, 1)
+    opt = torch.optim.Adam(dense.parameters(), lr=0.1, fused=True)
+    step = DenseGraphStep(dense, opt, batch_size=4, autocast_bf16=False, capture=False)
+    assert step._opt.lr_in_graph and step.ready(4) is False and step.ready(4) is True
+    step.graph, step._captured_lrs = "captured", [0.1]  # as a capture leaves them
+    assert step.ready(4) is True and step.graph == "captured"
+    opt.param_groups[0]["lr"] = 0.05
+    assert step.ready(4) is False and step.graph is None  # eager now
+    assert step.ready(4) is True  # captures again
