@@ -126,7 +126,8 @@ class DenseGraphStep:
     Args:
         dense: the dense module, without its DistributedDataParallel wrapper: `dense(dense_BN, sparse_BS)` -> logits
             `[B]`, scored by binary cross-entropy (the DLRM kinds).
-        optimizer: the dense parameters' torch optimizer, stepped inside the graph (`graph_optimizer_step`).
+        optimizer: the dense parameters' torch optimizer, stepped inside the graph (`graph_optimizer_step`; one
+            without a capturable step raises ValueError with the reason).
         batch_size: the samples per rank of the steps that replay.
         autocast_bf16: the forward and loss under bf16 autocast (training.precision bf16).
         group: the process group the gradients are averaged over (None: the default group; one process: none).
@@ -147,7 +148,10 @@ class DenseGraphStep:
         self.autocast_bf16, self.group = autocast_bf16, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.names, self.params = zip(*[(n, p) for n, p in dense.named_parameters() if p.requires_grad])
-        self._opt = graph_optimizer_step(optimizer)
+        opt = graph_optimizer_step(optimizer)
+        if isinstance(opt, str):
+            raise ValueError(opt)
+        self._opt = opt
         self._captured_lrs: list[float] = []  # the learning rates a captured fused step holds
         self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None

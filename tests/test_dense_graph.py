@@ -110,11 +110,13 @@ def test_graph_adagrad_step_is_torchs_adagrad_step(weight_decay):
 
 
 def test_graph_step_refuses_what_it_cannot_capture():
-    from embshard.dense_graph import graph_optimizer_step
+    from embshard.dense_graph import DenseGraphStep, graph_optimizer_step
 
     p = [torch.zeros(2, requires_grad=True)]
     assert "no fused implementation" in graph_optimizer_step(torch.optim.SGD(p, lr=0.1))
     assert "lr_decay" in graph_optimizer_step(torch.optim.Adagrad(p, lr=0.1, lr_decay=0.1))
+    with pytest.raises(ValueError, match="SGD.*no fused implementation"):
+        DenseGraphStep(torch.nn.Linear(2, 1), torch.optim.SGD(p, lr=0.1), 4, False, capture=False)
 
 
 def test_a_changed_rate_recaptures_a_fused_step_that_holds_it():

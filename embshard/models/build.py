@@ -69,7 +69,7 @@ class RecModel(nn.Module):
     def capture_dense_step(self, optimizer: torch.optim.Optimizer, batch_size: int, bf16: bool) -> str | None:
         """Replay the dense part's training step as one CUDA graph for batches of `batch_size` (training.cuda_graph,
         embshard/dense_graph.py). Returns None if it will, else why not (it then runs eagerly)."""
-        from embshard.dense_graph import DenseGraphStep, graph_optimizer_step
+        from embshard.dense_graph import DenseGraphStep
 
         if self.ebc.device.type != "cuda":
             return "CUDA graphs need a CUDA GPU"
@@ -77,10 +77,10 @@ class RecModel(nn.Module):
             return f"model kind {self.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
         if self.catalog is not None:
             return "a retrieval catalog's step is not a DLRM step"
-        capturable = graph_optimizer_step(optimizer)
-        if isinstance(capturable, str):
-            return capturable
-        self.dense_graph = DenseGraphStep(self.dense_module(), optimizer, batch_size, bf16)
+        try:
+            self.dense_graph = DenseGraphStep(self.dense_module(), optimizer, batch_size, bf16)
+        except ValueError as e:  # the optimizer has no capturable step
+            return str(e)
         return None
 
     def compile_dense(self, mode: str, batch_size: int) -> bool:
