@@ -92,14 +92,25 @@ def bench_of(r: dict[str, str]) -> str:
     return r.get("bench") or ("e2e" if "pipeline" in r else "?")
 
 
+def rows_fraction(r: dict[str, str]) -> float:
+    """The fraction of every table's rows an e2e run kept (TorchRec's --scale divides the rows, embshard's
+    multiplies them)."""
+    scale = float(r.get("scale", "1") or 1)
+    return 1 / scale if r.get("framework") == "torchrec" else scale
+
+
+def dense_graph(r: dict[str, str]) -> bool:
+    """Whether an e2e run replayed its dense step as a CUDA graph."""
+    return r.get("cuda_graph", "0") == "1"
+
+
 def case_of(r: dict[str, str]) -> str:
     """What a TorchRec run and an embshard run must share to be compared."""
     if bench_of(r) == "e2e":
         precision = r.get("precision") or r.get("dtype") or "fp32"
         law = (r.get("ids", "uniform"), r.get("bags", "fixed"))  # logs from before the law was printed: the default
         suffix = "" if law == ("uniform", "fixed") else " " + "/".join(law)
-        scale = float(r.get("scale", "1") or 1)
-        rows = 1 / scale if r.get("framework") == "torchrec" else scale  # TorchRec's --scale divides the rows
+        rows = rows_fraction(r)
         size = f" world {r.get('world', '2')}" + ("" if abs(rows - 1) < 1e-9 else f" rows x{rows:g}")
         return f"e2e {r.get('pipeline', 'sparse_dist')} {precision}{suffix}{size}"
     return f"{bench_of(r)} {r.get('workload') or r.get('layout') or '-'}"
@@ -111,7 +122,7 @@ def setting_of(r: dict[str, str]) -> str:
         return ""
     if bench_of(r) == "e2e":
         compiled = r.get("compile", "none")
-        graph = ", dense step as a CUDA graph" if r.get("cuda_graph", "0") == "1" else ""
+        graph = ", dense step as a CUDA graph" if dense_graph(r) else ""
         return f"pooled {r.get('pooled', 'fp32')}" + ("" if compiled == "none" else f", compile {compiled}") + graph
     return f"plan {r.get('plan', 'planner')}" + (f", {r['hbm_gib']} GiB budget" if r.get("hbm_gib", "0") != "0" else "")
 
@@ -330,7 +341,7 @@ def short_name(row: Row) -> str:
     if bench_of(r) == "e2e":
         pooled = "" if r.get("pooled", "fp32") == "fp32" else f", pooled {r['pooled']}"
         compiled = "" if r.get("compile", "none") == "none" else f", compile {r['compile']}"
-        graph = ", CUDA graph" if r.get("cuda_graph", "0") == "1" else ""
+        graph = ", CUDA graph" if dense_graph(r) else ""
         world = f", {r.get('world', '?')} GPU{'s' if r.get('world') != '1' else ''}"
         return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}{graph}{world}"
     return str(r.get("workload"))
@@ -345,9 +356,9 @@ def case_title(row: Row) -> str:
             r.get("pooled", "fp32"),
             r.get("pipeline", "sparse_dist"),
         )
-        rows = float(r.get("scale", "1") or 1)
+        rows = rows_fraction(r)
         scaled = "" if abs(rows - 1) < 1e-9 else f", tables at {rows:g} of their rows"
-        graph = ", dense step as a CUDA graph" if r.get("cuda_graph", "0") == "1" else ""
+        graph = ", dense step as a CUDA graph" if dense_graph(r) else ""
         return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{graph}{scaled}"
     extra = f" ({r['hbm_gib']} GiB budget)" if r.get("hbm_gib", "0") not in ("0", "") else ""
     return f"embedding step, {r.get('workload')}{extra}"

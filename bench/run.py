@@ -159,11 +159,11 @@ def run_step(step: Step, log, deadline: float) -> tuple[int | None, float, int, 
         text=True, errors="replace", start_new_session=True,
     )  # fmt: skip
     noise = LogFilter()
-    timer_hit = ""  # why it was stopped
+    stopped_why = ""  # why it was stopped
 
     def stop(why: str) -> None:
-        nonlocal timer_hit
-        timer_hit = timer_hit or why
+        nonlocal stopped_why
+        stopped_why = stopped_why or why
         for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's workers may leave its process group
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -187,9 +187,9 @@ def run_step(step: Step, log, deadline: float) -> tuple[int | None, float, int, 
         if after_result is not None:
             after_result.cancel()
     seconds = time.monotonic() - t0
-    if timer_hit:
-        log.write(f"!! stopped after {seconds:.0f} s ({timer_hit})\n")
-        return None, seconds, noise.dropped, timer_hit
+    if stopped_why:
+        log.write(f"!! stopped after {seconds:.0f} s ({stopped_why})\n")
+        return None, seconds, noise.dropped, stopped_why
     return proc.returncode, seconds, noise.dropped, ""
 
 

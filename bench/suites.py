@@ -328,18 +328,19 @@ def scaling_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
 def scaling_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     """Per precision: samples/s per GPU at 1, 2 and 4 GPUs (median of the runs), 4 GPUs against 2, and the ratio
-    to TorchRec at 4 GPUs (median and spread over the rounds' pairs)."""
+    to TorchRec at 4 GPUs (median and spread over the pairs bench/report.py makes: each embshard run with the
+    TorchRec run of its case before it)."""
     runs = [r for r in results(log) if "samples_per_s" in r and "world" in r]
+    folder = report.Folder(Path(args.out))
+    folder.runs = [r | {"_file": "log"} for r in runs]
+    ratios = {report.case_of(row.emb[0]): row.ratios for row in report.rows_of(folder).values()}
     rows = []
     for p in args.precisions.split(","):
         per_gpu: dict[tuple[str, int], list[float]] = {}
-        ms: dict[tuple[str, int], list[float]] = {}
         for r in runs:
-            if (r.get("precision") or "fp32") != p:
-                continue
-            key = (r.get("framework", "?"), int(r["world"]))
-            per_gpu.setdefault(key, []).append(float(r["samples_per_s"]) / int(r["world"]))
-            ms.setdefault(key, []).append(float(r["ms_per_step"]))
+            if (r.get("precision") or "fp32") == p:
+                key = (r.get("framework", "?"), int(r["world"]))
+                per_gpu.setdefault(key, []).append(float(r["samples_per_s"]) / int(r["world"]))
         if not per_gpu:
             continue
         med = {k: statistics.median(v) for k, v in per_gpu.items()}
@@ -347,10 +348,10 @@ def scaling_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
         text = f"embshard samples/s per GPU: {text}"
         if ("embshard", 2) in med and ("embshard", 4) in med:
             text += f"; 4 GPUs keep {med[('embshard', 4)] / med[('embshard', 2)]:.1%} of 2 GPUs' per-GPU rate"
-        base, mine = ms.get(("torchrec", 4), []), ms.get(("embshard", 4), [])
-        if base and mine:
-            ratios = [b / e for b, e in zip(base, mine)]
-            text += f"; TorchRec at 4 GPUs {med[('torchrec', 4)]:,.0f} per GPU, embshard {report.fmt_ratio(ratios)}"
+        at4 = [r for r in runs if r.get("framework") == "embshard" and r["world"] == "4" and r.get("precision") == p]
+        paired = ratios.get(report.case_of(at4[0]), []) if at4 else []
+        if paired:
+            text += f"; TorchRec at 4 GPUs {med[('torchrec', 4)]:,.0f} per GPU, embshard {report.fmt_ratio(paired)}"
         rows.append((f"weak scaling, {p}", text.replace("**", "")))
     return rows or [("scaling", "no RESULT lines (see scaling.log)")]
 
