@@ -106,7 +106,7 @@ RAW_KERNELS kernels once for all its shards on a rank: RAW_KERNELS*kernel_s per 
 shard. RAW_KERNELS (60) is counted (170 launches a raw step against 110 static, 1 x H100, 13 tables, the map's
 fused step); RAW_ID_BYTES (2531) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3
 with NVLink, 2026-11-26 (`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py
---workload uniform26 --ids both --id-space 1 --steps 20`, counts from the host: 7.71 ms a step, 13 table-wise raw-id
+--workload uniform26 --ids both --id-space 1 --batches 8 --rounds 3 --steps 20`, counts from the host: 7.71 ms a step, 13 table-wise raw-id
 tables a rank; the case in tests/planner/data/measured_steps.json, `bench/planner_predict.py --measured --fit`
 refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the reset's 0.39 ms matches the profiled 0.41 ms
 of the earlier map). The same constants put a 1-GPU raw step 3.36 ms above a static one where one process measured
@@ -173,11 +173,9 @@ DP_UPDATE_PASSES = 8
 # many kernels, with one host sync (the touched-row count) and one small all-to-all per step.
 EXACT_COLUMN_PASSES = 3
 EXACT_COLUMN_KERNELS = 14
-# Raw-id tables' id -> row map (embshard/rawids; module docstring). RAW_ID_BYTES is fitted to the measured raw-id
-# step of uniform26 on 2 x H100 (tests/planner/data/measured_steps.json; `bench/planner_predict.py --measured --fit`
-# gives it back); RAW_KERNELS is counted; RAW_ROW_BYTES and the reset's bytes are estimates (docs/planner.md).
+# Raw-id tables' id -> row map (embshard/rawids): fitted, counted and estimated as the module docstring says.
 RAW_ID_BYTES = 2531
-"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 0.91 ns an id on an H100): fitted, not the
+"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 0.90 ns an id on an H100): fitted, not the
 bytes the ops move (~1 KB an id: sorts, the unique ids' arrays, two buckets of 16 slots read); the rest is the
 latency of its dependent gathers and scatters and, in a multi-GPU step, the launch-bound stretch it adds."""
 RAW_ROW_BYTES = 96
@@ -556,10 +554,7 @@ class CostModel:
         groups of their own (the runtime's LocalShard.group_key), whose remap adds RAW_KERNELS launches forward."""
         key = ("group", sharding, tier, kernel, raw)
         if key not in self._fixed:
-            v = self._group_fixed(sharding, tier, kernel).copy()
-            if raw:
-                v[loads.FWD] += RAW_KERNELS * self.topo.kernel_s
-            self._fixed[key] = v
+            self._fixed[key] = self._group_fixed(sharding, tier, kernel, raw)
         return self._fixed[key]
 
     def scheme_fixed(self, sharding: ShardingType, weighted: bool) -> np.ndarray:
@@ -581,13 +576,15 @@ class CostModel:
             self._fixed[key] = v
         return self._fixed[key]
 
-    def _group_fixed(self, sharding: ShardingType, tier: MemoryTier, kernel: LookupKernel) -> np.ndarray:
+    def _group_fixed(self, sharding: ShardingType, tier: MemoryTier, kernel: LookupKernel, raw: bool) -> np.ndarray:
         v = np.zeros(loads.NROWS)
         k = self.topo.kernel_s
         v[loads.FWD] = k * (FWD_KERNELS + (CACHE_KERNELS if tier is MemoryTier.UVM_CACHING else 0))
         v[loads.BWD] = BWD_KERNELS * k
         if kernel is LookupKernel.SMALL and self.topo.is_gpu:
             v[loads.FWD], v[loads.BWD] = kernel_cost.SMALL_FWD_KERNELS * k, kernel_cost.SMALL_BWD_KERNELS * k
+        if raw:  # the remap of the group's ids, once for all its shards
+            v[loads.FWD] += RAW_KERNELS * k
         if sharding is ShardingType.DATA_PARALLEL:
             v[loads.DP_UPDATE] = DP_UPDATE_KERNELS * k
         return v

@@ -90,7 +90,8 @@ class State:
 
     def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1), and of
-        the once-per-step host sync when the plan gains its first or loses its last model-parallel table."""
+        the once-per-step host sync (device counts) when the plan gains its first or loses its last model-parallel
+        table."""
         st = ch.option.sharding
         n, nw = self.scheme_count.get(st, [0, 0])
         before = self.model.scheme_fixed(st, nw > 0) if n else np.zeros(loads.NROWS)

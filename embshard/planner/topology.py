@@ -68,8 +68,9 @@ class Topology:
     """Fixed cost of one kernel launch in a lookup group (seconds); the cost model counts the kernels per group."""
     host_sync_s: float = 680 * US
     """Cost of the input exchange's device-to-host synchronisation, once per step with model-parallel tables when
-    the batch counts come from the device (PlannerSettings.batch_counts device; none with host counts) (seconds): the wait itself plus the GPU idling while the host issues the step's small kernels around it
-    (launch-bound); a host cost, the same on every GPU model (presets: fitted to measured steps of both)."""
+    the batch counts come from the device (PlannerSettings.batch_counts device; none with host counts) (seconds):
+    the wait itself plus the GPU idling while the host issues the step's small kernels around it (launch-bound); a
+    host cost, the same on every GPU model (presets: fitted to measured steps of both)."""
     step_overhead_s: float = 0.0
     """Fixed cost of every training step whatever the plan beyond host_sync_s (seconds): a per-GPU-model
     correction `bench/planner_predict.py --refit --steps` fits to measured steps; 0 in the presets."""

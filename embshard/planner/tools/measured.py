@@ -225,11 +225,11 @@ def raw_breakdown(case: MeasuredCase) -> list[str]:
     report = case.report()
     topo = report.topology
     model = cost.CostModel(topo, case.batch, FusedOptimizerConfig("rowwise_adagrad", lr=0.01))
-    stats = cost.TableStats.of(list(case.tables))
     terms = {"ids": np.zeros(case.world), "rows": np.zeros(case.world), "reset": np.zeros(case.world)}
     groups = set()
-    for i, tp in enumerate(case.plan.tables):
-        one = cost.TableStats(*(getattr(stats, f)[i] for f in cost.TableStats.__dataclass_fields__))
+    by_name = {t.name: t for t in case.tables}
+    for tp in case.plan.tables:
+        one = cost.TableStats.one(by_name[tp.table])
         for sh in tp.shards:
             n, _ = model.volumes(one, tp.sharding_type, float(sh.num_rows))
             rb = sh.num_cols * one.elem
