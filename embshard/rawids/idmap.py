@@ -210,11 +210,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         self.row_freq.scatter_(0, hrow, self.row_freq[hrow] + u_cnt)  # one id per row: no atomics
         # 3. admission, and each shard's admitted ids (ranked in batch order) take its victims in order
         new = valid & ~hit
-        if self.sketching:
-            est = self._count(u_key, u_shard, u_cnt, new, self._sums_per_shard(u_pos, new, bounds))
-            admit = new & (est >= self.min_count[u_shard])
-        else:
-            admit = new
+        admit = self._admitted(u_key, u_shard, u_cnt, new, u_pos, bounds) if self.sketching else new
         flag = torch.zeros(n + 1, dtype=i64, device=dev).index_fill_(0, torch.where(admit, u_pos, n), 1)
         cs = torch.cumsum(flag[:n], 0)
         victims, vbase, n_ev = self._victims(max(clock - 1, 0), wb, W)
@@ -252,6 +248,15 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         from embshard.rawids.step import train_triton
 
         return train_triton(self, ids, shard_of, bounds, wb, W)
+
+    def _admitted(
+        self, key: torch.Tensor, shard: torch.Tensor, cnt: torch.Tensor, new: torch.Tensor, pos: torch.Tensor,
+        bounds: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The new ids admission counting lets in: their uses added to the sketch (`_count`), the ids whose
+        estimate reaches their shard's min_count (per unique id: key, shard, uses, new, batch position)."""
+        est = self._count(key, shard, cnt, new, self._sums_per_shard(pos, new, bounds))
+        return new & (est >= self.min_count[shard])
 
     def _sums_per_shard(
         self, u_pos: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor

@@ -85,13 +85,21 @@ class _Storage:
         # the weights kernel's per-shard table: start, stride, row offset, dim, column offset, width
         self.kernel_ints = torch.cat([self.ints[:2], self.init[:3], self.ints[2:3]])
 
+    def span(self, resets: Resets) -> tuple[int, int] | None:
+        """[start, end) of the reset list's entries of this storage's one shard, where the list holds several
+        shards' entries one after another; None where all of the list's entries are this storage's."""
+        if len(self.ids) == 1 and len(resets.counts) > 1:
+            b = offsets(resets.counts)[self.ids[0]]
+            return b, b + resets.counts[self.ids[0]]
+        return None
+
     def entries(self, resets: Resets, compact: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(local rows, shard index within `ids`) of the reset list's entries of this storage's shards; `compact`:
         only the listed rows (a host sync on CUDA: the CPU only)."""
         rows, shard = resets.rows, resets.shard
-        if len(self.ids) == 1 and len(resets.counts) > 1:
-            b = offsets(resets.counts)[self.ids[0]]
-            rows = rows[b : b + resets.counts[self.ids[0]]]
+        span = self.span(resets)
+        if span is not None:
+            rows = rows[span[0] : span[1]]
             shard = torch.zeros_like(rows)
         if compact:
             keep = (rows >= 0).nonzero().squeeze(1)
@@ -194,10 +202,8 @@ class ResetOps:
 
         n = resets.rows.numel()
         for st in (*w_stores, *st_stores):
-            span = (0, n, st.ids[0], len(st.ids))
-            if len(st.ids) == 1 and len(resets.counts) > 1:
-                b = offsets(resets.counts)[st.ids[0]]
-                span = (b, b + resets.counts[st.ids[0]], st.ids[0], 1)
+            one = st.span(resets)
+            span = (0, n, st.ids[0], len(st.ids)) if one is None else (*one, st.ids[0], 1)
             if st in w_stores:
                 keys = self._keys[st.ids[0] : st.ids[-1] + 1]
                 ints, floats = st.kernel_ints, st.scale

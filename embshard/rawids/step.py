@@ -55,8 +55,7 @@ def train_triton(
         new = valid & (row_u < 0)
         key, shard = torch.where(valid, u_key, 0), torch.where(valid, u_shard, 0)
         pos = torch.where(valid, u_pos, n)
-        est = m._count(key, shard, torch.where(valid, u_cnt, 0), new, m._sums_per_shard(pos, new, bounds))
-        admit = new & (est >= m.min_count[shard])
+        admit = m._admitted(key, shard, torch.where(valid, u_cnt, 0), new, pos, bounds)
         flag = torch.zeros(n + 1, dtype=i64, device=dev).index_fill_(0, torch.where(admit, pos, n), 1)[:n]
     cs = torch.cumsum(flag, 0)  # admitted ids up to each batch position; its last element: all of them
     total = cs[-1:]
