@@ -104,6 +104,20 @@ def dense_graph(r: dict[str, str]) -> bool:
     return r.get("cuda_graph", "0") == "1"
 
 
+def whole_graph(r: dict[str, str]) -> bool:
+    """Whether an e2e run replayed its whole step as a CUDA graph (embshard/step_graph.py)."""
+    return r.get("whole_step", "0") == "1"
+
+
+def graph_label(r: dict[str, str], short: bool = False) -> str:
+    """How an e2e run used CUDA graphs, for the tables ("" without them)."""
+    if whole_graph(r):
+        return ", whole step as a CUDA graph" if not short else ", whole-step graph"
+    if dense_graph(r):
+        return ", dense step as a CUDA graph" if not short else ", CUDA graph"
+    return ""
+
+
 def case_of(r: dict[str, str]) -> str:
     """What a TorchRec run and an embshard run must share to be compared."""
     if bench_of(r) == "e2e":
@@ -122,7 +136,7 @@ def setting_of(r: dict[str, str]) -> str:
         return ""
     if bench_of(r) == "e2e":
         compiled = r.get("compile", "none")
-        graph = ", dense step as a CUDA graph" if dense_graph(r) else ""
+        graph = graph_label(r)
         return f"pooled {r.get('pooled', 'fp32')}" + ("" if compiled == "none" else f", compile {compiled}") + graph
     return f"plan {r.get('plan', 'planner')}" + (f", {r['hbm_gib']} GiB budget" if r.get("hbm_gib", "0") != "0" else "")
 
@@ -341,7 +355,7 @@ def short_name(row: Row) -> str:
     if bench_of(r) == "e2e":
         pooled = "" if r.get("pooled", "fp32") == "fp32" else f", pooled {r['pooled']}"
         compiled = "" if r.get("compile", "none") == "none" else f", compile {r['compile']}"
-        graph = ", CUDA graph" if dense_graph(r) else ""
+        graph = graph_label(r, short=True)
         world = f", {r.get('world', '?')} GPU{'s' if r.get('world') != '1' else ''}"
         return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}{graph}{world}"
     return str(r.get("workload"))
@@ -358,7 +372,7 @@ def case_title(row: Row) -> str:
         )
         rows = rows_fraction(r)
         scaled = "" if abs(rows - 1) < 1e-9 else f", tables at {rows:g} of their rows"
-        graph = ", dense step as a CUDA graph" if dense_graph(r) else ""
+        graph = graph_label(r)
         return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{graph}{scaled}"
     extra = f" ({r['hbm_gib']} GiB budget)" if r.get("hbm_gib", "0") not in ("0", "") else ""
     return f"embedding step, {r.get('workload')}{extra}"

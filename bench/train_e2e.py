@@ -284,23 +284,28 @@ def run(args: argparse.Namespace) -> None:
             prof.export_chrome_trace(args.trace)
             say(f"trace: {args.trace}")
     pipe.close()
-    graph = model.dense_graph
+    graph, whole = model.dense_graph, model.step_graph
     if tr.cuda_graph:
         say(f"training.cuda_graph: {graph.replays if graph is not None else 0} replays of the dense step's graph")
+        if whole is not None:
+            why = f" (given up: {whole.given_up})" if whole.given_up else ""
+            say(
+                f"training.cuda_graph: {whole.replays} replays of the whole step's graph, {whole.captures} captures{why}"
+            )
     weights = sum(p.numel() for p in model.dense_parameters() if p.dim() >= 2)
     floor = floors.e2e_fields(
         tables, plan, batch, source.num_dense, weights, 4 if cfg.lookup.output_dtype.value == "fp32" else 2
     )
     say(
         f"RESULT framework=embshard tag={args.tag or '-'} pipeline={tr.pipeline} precision={tr.precision} "
-        f"compile={tr.compile} cuda_graph={int(graph is not None and graph.replays > 0)} {data_law(cfg.data)} "
+        f"compile={tr.compile} cuda_graph={int(graph is not None and graph.replays > 0)} "
+        f"whole_step={int(whole is not None and whole.replays > 0)} {data_law(cfg.data)} "
         f"pooled={cfg.lookup.output_dtype.value} world={world} batch_per_rank={batch} scale={args.scale:g} "
         f"ms_per_step={ms:.3f} samples_per_s={sps:.0f} build_s={build_s:.2f} peak_gib={float(g[:, 1].max()):.2f} "
         f"data_wait_ms={float(g[:, 2].max()):.3f} gpu_busy={busy:.3f} gpu_busy_compute={busy_compute:.3f} "
         f"auc={auc:.5f} auc_before={auc_before:.5f} loss_first={first:.4f} loss_last={last:.4f} {floor}"
     )
-    if graph is not None:
-        graph.close()  # before the process group goes: a live graph with an NCCL collective hangs its teardown
+    model.release_graphs()  # before the process group goes: a live graph with an NCCL collective hangs its teardown
     dist.barrier()
     dist.destroy_process_group()
     say(f"samples_per_s={sps:.0f}")

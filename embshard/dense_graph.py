@@ -156,6 +156,7 @@ class DenseGraphStep:
         self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self._static = False  # the static buffers exist
+        self._grads: torch.Tensor | None = None  # the gradients' flat buffer (`make_grads`)
         self.eligible_steps = 0  # steps offered so far: the first runs eagerly
         self.replays = 0
 
@@ -210,37 +211,58 @@ class DenseGraphStep:
         return loss, self._logits_B.detach().clone()
 
     # ---- capture ---------------------------------------------------------------------------------------------
-    def _forward_backward(self) -> None:
-        """Forward, loss and gradients. The forward reads the parameters through leaves of their own (detached
-        aliases of the same memory, `torch.func.functional_call`), and the gradients come from
-        `torch.autograd.grad`: the parameters' own AccumulateGrad nodes belong to the stream the eager steps ran on
-        (DistributedDataParallel keeps them), which a capture on its own stream must not wait on. The gradients
-        are copied into the flat buffer that `p.grad` views; nothing of the autograd graph is kept (its nodes would
-        carry the warm-up's stream into the capture)."""
+    def forward_backward(
+        self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward, loss and gradients of one batch: (loss, logits `[B]`, gradient of `sparse_BS`), the parameters'
+        gradients written into the flat buffer that `p.grad` views (`_make_grads` first). The forward reads the
+        parameters through leaves of their own (detached aliases of the same memory, `torch.func.functional_call`),
+        and the gradients come from `torch.autograd.grad`: the parameters' own AccumulateGrad nodes belong to the
+        stream the eager steps ran on (DistributedDataParallel keeps them), which a capture on its own stream must
+        not wait on. Nothing of the dense part's autograd graph is kept (its nodes would carry the warm-up's stream
+        into the capture); `sparse_BS` is read through a leaf of its own, so the embeddings' graph behind it is left
+        as it is (the caller runs its backward with the returned gradient)."""
         # no autocast cache under capture (torch's advice for graphs): the casts are captured kernels either way
-        device = self._sparse_BS.device.type
-        ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False)
+        ctx = torch.autocast(
+            sparse_BS.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False
+        )
+        sparse_leaf = sparse_BS.detach().requires_grad_(True)
         with ctx:
-            logits_B = torch.func.functional_call(self.dense, self._leaves, (self._dense_BN, self._sparse_BS))
-            loss = nn.functional.binary_cross_entropy_with_logits(logits_B, self._labels_B)
-        inputs = [*self._leaves.values(), self._sparse_BS]
+            logits_B = torch.func.functional_call(self.dense, self._leaves, (dense_BN, sparse_leaf))
+            loss = nn.functional.binary_cross_entropy_with_logits(logits_B, labels_B)
+        inputs = [*self._leaves.values(), sparse_leaf]
         *grads, grad_BS = torch.autograd.grad(loss, inputs, materialize_grads=True)  # unused: zeros
         torch._foreach_copy_(self._grad_views, grads)
-        self._logits_B, self._loss, self._sparse_grad = logits_B.detach(), loss.detach(), grad_BS
+        return loss.detach(), logits_B.detach(), grad_BS
 
-    def _body(self) -> None:
-        """What the graph holds: forward, loss, gradients, their average over the ranks, the optimizer's step."""
-        self._forward_backward()
+    def reduce_and_update(self) -> None:
+        """The gradients' average over the ranks (one all-reduce of the flat buffer) and the optimizer's step."""
         if self.world > 1:
             dist.all_reduce(self._grads, group=self.group)
             self._grads.div_(self.world)
         self._opt.step()
 
+    def _body(self) -> None:
+        """What the graph holds: forward, loss, gradients, their average over the ranks, the optimizer's step."""
+        self._loss, self._logits_B, self._sparse_grad = self.forward_backward(
+            self._dense_BN, self._sparse_BS, self._labels_B
+        )
+        self.reduce_and_update()
+
     def _make_static(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor) -> None:
-        device = sparse_BS.device
         self._dense_BN = dense_BN.detach().clone()
-        self._sparse_BS = sparse_BS.detach().clone().requires_grad_(True)
+        self._sparse_BS = sparse_BS.detach().clone()
         self._labels_B = labels_B.detach().clone()
+        self.make_grads(sparse_BS.device)
+        self._static = True
+
+    def make_grads(self, device: torch.device) -> None:
+        """The parameters' leaves and their gradients' flat buffer, which `p.grad` views (once: the graphs that
+        hold this step, the dense one and a whole step's, write the same buffer)."""
+        if getattr(self, "_grads", None) is not None:
+            for p, grad in zip(self.params, self._grad_views):
+                p.grad = grad
+            return
         self._leaves = {n: p.detach().requires_grad_(True) for n, p in zip(self.names, self.params)}
         # every gradient a view of one flat buffer, which one all-reduce averages over the ranks
         numel = sum(p.numel() for p in self.params)
@@ -250,14 +272,13 @@ class DenseGraphStep:
             self._grad_views.append(self._grads[offset : offset + p.numel()].view_as(p))
             p.grad = self._grad_views[-1]  # what the optimizer's step reads (under capture: these addresses)
             offset += p.numel()
-        self._static = True
 
     def _capture(self) -> None:
         device = self._sparse_BS.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisations), no update
-            self._forward_backward()
+            self.forward_backward(self._dense_BN, self._sparse_BS, self._labels_B)
         torch.cuda.current_stream(device).wait_stream(side)
         # torch's optimizers with a `capturable` flag check it under capture; their fused step is the same kernel
         # either way (device-side step counters), so the flag is set for the capture only

@@ -162,6 +162,7 @@ class _Item:
     counts: BatchCounts | None
     position: dict | None
     copied: torch.cuda.Event | None = None  # recorded on the data stream after the copy
+    dist_done: bool = False  # its input dist ran ahead (`ebc.prefetch` on the data stream)
 
 
 class TrainPipeline:
@@ -298,9 +299,19 @@ class TrainPipeline:
     def _fetch_and_dist(self) -> _Item | None:
         """`_fetch`, then the batch's input dist (and UVM-cache prefetch) on the data stream."""
         item = self._fetch()
-        if item is not None and self.dist_ahead:
+        if item is not None and self.dist_ahead and not self._whole_step_graph():
             self.ebc.prefetch(item.batch.sparse, stream=self.data_stream, counts=item.counts, made_on_stream=True)
+            item.dist_done = True
         return item
+
+    def _whole_step_graph(self):
+        """The model's whole-step graph (embshard/step_graph.py) while it is in use, else None. While it is, the
+        input dist is not run ahead: the graph holds it (the steps that do not replay run it just before their
+        forward)."""
+        graph = getattr(self.model, "step_graph", None)
+        if graph is None or graph.given_up is not None or self.mode == "semi_sync" or self.check_finite:
+            return None
+        return graph
 
     def _use(self, item: _Item) -> None:
         """The current stream takes over the batch copied on the data stream."""
@@ -322,12 +333,20 @@ class TrainPipeline:
         return len(set(sizes)) == 1 and graph.ready(sizes[0])
 
     def _forward(self, item: _Item) -> StepOutput:
+        whole = self._whole_step_graph()
+        if whole is not None and item.counts is not None and whole.ready(item.counts):
+            return whole.run(item.batch, item.counts)  # every update done
+        if self.dist_ahead and not item.dist_done:  # the whole-step graph is on but did not replay this step
+            self.ebc.prefetch(item.batch.sparse, counts=item.counts)
+            item.dist_done = True
         graph = self._graph_step(item)
         ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
             return self.model.step(item.batch, check_finite=self.check_finite, graph=graph)
 
     def _update(self, out: StepOutput) -> None:
+        if out.updated:  # a replayed whole-step graph did every update
+            return
         if out.dense_updated:  # the dense step's graph updated the dense part; the embeddings' backward is left
             out.loss.backward()
             return

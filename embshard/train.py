@@ -57,6 +57,13 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
         why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, cfg.training.precision == "bf16")
         if why_not is not None:
             log(f"training.cuda_graph: {why_not}; the dense step runs eagerly")
+        elif cfg.training.graph_scope == "step":
+            if cfg.training.pipeline == "semi_sync":
+                why_not = "training.pipeline semi_sync looks up the next batch before this one's backward"
+            else:
+                why_not = model.capture_whole_step()
+            if why_not is not None:
+                log(f"training.cuda_graph: the whole step is not captured ({why_not}); the dense step is")
     return model, dense_opt
 
 
@@ -274,8 +281,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     if ck.dir and step > start:
         report.line(f"saved checkpoint {ckpt.history[-1].path}")
     report.close()
-    if model.dense_graph is not None:
-        model.dense_graph.close()  # before the process group goes: a live graph with NCCL in it hangs the teardown
+    model.release_graphs()  # before the process group goes: a live graph with NCCL in it hangs the teardown
     dist.destroy_process_group()
 
 

@@ -63,6 +63,11 @@ class TrainingConfig:
     CUDA graph, captured at the second step of the training batch size (embshard/dense_graph.py): DLRM kinds on CUDA
     GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU
     always does. Not with training.compile (the graph holds the eager forward's kernels)."""
+    graph_scope: Literal["step", "dense"] = "step"
+    """What training.cuda_graph captures: step, the whole step (id exchange, lookups, pooled exchange, dense step,
+    embedding backward with the fused update) wherever every rank's batch counts repeat from one step to the next
+    (fixed bags) and the plan is table-wise and data-parallel in HBM/UVM (embshard/step_graph.py), else the dense
+    step alone; dense, the dense step alone."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""

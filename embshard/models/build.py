@@ -65,6 +65,27 @@ class RecModel(nn.Module):
             dense = DistributedDataParallel(dense, device_ids=ids, gradient_as_bucket_view=True)
         self.dense = dense
         self.dense_graph = None  # a DenseGraphStep (training.cuda_graph), set by `capture_dense_step`
+        self.step_graph = None  # a StepGraph (training.graph_scope step), set by `capture_whole_step`
+
+    def capture_whole_step(self) -> str | None:
+        """Replay the whole training step as one CUDA graph where the batch counts repeat (training.graph_scope step,
+        embshard/step_graph.py), on top of `capture_dense_step` (which must have succeeded: the other steps replay
+        the dense step alone). Returns None if it will, else why not."""
+        from embshard.step_graph import StepGraph, refusal
+
+        if self.dense_graph is None:
+            return "the dense step has no graph"
+        why = refusal(self)
+        if why is None:
+            self.step_graph = StepGraph(self, self.dense_graph)
+        return why
+
+    def release_graphs(self) -> None:
+        """Release the captured graphs (before the process group is destroyed: a live graph holding NCCL
+        collectives hangs the teardown, pytorch/pytorch#115388)."""
+        for graph in (self.step_graph, self.dense_graph):
+            if graph is not None:
+                graph.close()
 
     def capture_dense_step(self, optimizer: torch.optim.Optimizer, batch_size: int, bf16: bool) -> str | None:
         """Replay the dense part's training step as one CUDA graph for batches of `batch_size` (training.cuda_graph,

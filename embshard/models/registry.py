@@ -46,6 +46,8 @@ class StepOutput:
     hits: dict[int, torch.Tensor] = field(default_factory=dict)
     dense_updated: bool = False
     """The dense parameters are already updated (a replayed CUDA graph did the step): backward of `loss` only."""
+    updated: bool = False
+    """Every parameter is already updated (the whole step ran as one graph, embshard/step_graph.py): no backward."""
 
 
 @dataclass(frozen=True)

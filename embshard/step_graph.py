@@ -1,0 +1,232 @@
+"""The whole training step as one CUDA graph (YAML `training.cuda_graph` with `training.graph_scope: step`).
+
+With the dense step alone in a graph (embshard/dense_graph.py) a bf16 step is still bound by the host: the
+embeddings' side of the step (the id exchange, the lookups, the pooled exchange, the regroup and their backward)
+is a few hundred launches of Python and dispatcher work around a few milliseconds of GPU work. When every rank's
+batch has the same counts as at the step before (fixed bags: the MLPerf multi-hot sizes, any source whose bags
+have fixed lengths), every buffer and every all-to-all of the step has the same size, so the whole step is
+captured once and each later step with those counts replays it with one launch:
+
+    static inputs   the batch (dense features, the ids' lengths and values, labels), copied in each step
+    graph           the id exchange (sized from the captured counts), the lookups, the pooled exchange and the
+                    regroup; the dense forward, loss and gradients (`DenseGraphStep.forward_backward`); the
+                    embeddings' backward with the exchange's backward and the fused sparse update; the dense
+                    gradients' all-reduce and the dense optimizer's step (`DenseGraphStep.reduce_and_update`)
+    outputs         the loss and the logits (copied out), every update done
+
+Which steps replay: the pipeline asks `ready(counts)` with the ranks' agreed counts of the batch (gathered on the
+host a step ahead, the same on every rank), so every rank replays, and runs the same collectives, together. A step
+whose counts differ from the step before's runs the other way (the dense graph or the eager step); the first step
+whose counts repeat runs the graph's step eagerly on the capture stream (the lazy initialisations happen there),
+then captures it; the later ones replay. Counts that keep changing (ragged bags) are noticed after `max_changes`
+eligible steps without a repeat, and the graph is given up (`given_up` says why): the pipeline then runs the id
+exchange ahead again.
+
+What it takes (`refusal` says what is missing): table-wise and data-parallel tables only (their exchanges are
+sized from the host's counts; row-wise bucketing sizes its exchange on the device), HBM or UVM tiers (not
+UVM-caching: its prefetch runs on the host's schedule), static ids (not raw ids), out-of-range ids as an error
+(the host's counts check them; drop mode drops on the device), no retrieval catalog. The sparse optimizer's
+learning rate is a constant of the captured TBE launches (embshard has no sparse schedule); a dense learning rate
+that a fused optimizer holds as a constant drops the graph when it changes (captured again when counts repeat).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from embshard.dense_graph import DenseGraphStep
+from embshard.models.registry import StepOutput
+from embshard.options import BoundsCheck
+from embshard.plan import MemoryTier, ShardingType
+from embshard.sharding.exchange import BatchCounts
+
+__all__ = ["StepGraph", "refusal"]
+
+SUPPORTED = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
+
+
+def refusal(model) -> str | None:
+    """Why `model` (a RecModel) cannot run its whole step as one graph, or None if it can."""
+    ebc = model.ebc
+    if model.catalog is not None:
+        return "a retrieval catalog runs its own exchange"
+    if model.kind.sparse_input is None:
+        return f"model kind {model.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
+    other = sorted({tp.sharding_type.value for tp in ebc.plan.tables} - {t.value for t in SUPPORTED})
+    if other:
+        return (
+            f"the plan has {other} tables, whose exchanges are sized on the device (table_wise and data_parallel only)"
+        )
+    cached = [t.name for t in ebc.tables if ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
+    if cached:
+        return f"UVM-caching tables {cached[:3]} prefetch their rows on the host's schedule"
+    raw = [t.name for t in ebc.tables if t.raw_ids]
+    if raw:
+        return f"raw-id tables {raw[:3]} admit ids with host-side bookkeeping"
+    if ebc.options.bounds_check is BoundsCheck.DROP:
+        return "lookup.bounds_check drop removes ids on the device (the exchange's sizes change)"
+    return None
+
+
+class StepGraph:
+    """The whole training step of `model` as one CUDA graph, for batches whose counts repeat.
+
+    Args:
+        model: the RecModel (its `ebc`, its kind's `sparse_input`); `refusal(model)` must be None.
+        dense_step: the DenseGraphStep of its dense part (its optimizer, gradient buffer, autocast); the dense part's
+            own graph (for the steps that do not replay this one) and this one share its gradient buffer.
+        capture: False runs the same step without a graph, each call (on any device: a check of the step's
+            arithmetic against the eager one where CUDA graphs do not exist).
+        max_changes: eligible steps whose counts differ from the step before's, with no graph captured yet, after
+            which the graph is given up (the bags are ragged).
+    """
+
+    def __init__(self, model, dense_step: DenseGraphStep, capture: bool = True, max_changes: int = 8) -> None:
+        why = refusal(model)
+        if why is not None:
+            raise ValueError(why)
+        self.model, self.dense_step, self.capture, self.max_changes = model, dense_step, capture, max_changes
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.given_up: str | None = None  # why the graph was given up
+        self.replays = 0  # steps the captured graph ran
+        self.captures = 0
+        self.changes = 0  # eligible steps whose counts differed from the step before's
+        self._key: tuple | None = None  # the counts of the last eligible step
+        self._counts: BatchCounts | None = None  # the counts the static buffers (and the graph) are sized for
+        self._captured_lrs: list[float] = []
+        self._stream: torch.cuda.Stream | None = None
+
+    # ---- when ------------------------------------------------------------------------------------------------
+    def ready(self, counts: BatchCounts) -> bool:
+        """Whether this step (its ranks' agreed `counts`) runs the whole-step graph: its counts equal the last
+        eligible step's (the first of a run of equal counts returns False and remembers them)."""
+        if self.given_up is not None or not torch.is_grad_enabled() or counts.bad_ranks:
+            return False
+        if len(set(counts.batch_sizes)) != 1 or counts.batch_sizes[0] != self.dense_step.batch_size:
+            return False
+        opt = self.dense_step._opt
+        if self.graph is not None and opt.lr_in_graph and self.dense_step._lrs() != self._captured_lrs:
+            self.graph = None  # a changed rate the captured step holds: warm up and capture again
+        key = (tuple(counts.batch_sizes), np.ascontiguousarray(counts.ids, dtype=np.int64).tobytes())
+        if key == self._key:
+            return True
+        self._key, self.graph = key, None  # other counts: the graph's sizes no longer apply
+        self.changes += 1
+        if self.changes > self.max_changes and self.captures == 0:
+            self.given_up = (
+                f"the batch counts changed at {self.changes} of the eligible steps (ragged bags): the whole step "
+                "is captured only for counts that repeat"
+            )
+        elif self.captures >= self.max_changes:
+            self.given_up = f"captured {self.captures} times for changing counts: the counts do not settle"
+        return False
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    def run(self, batch, counts: BatchCounts) -> StepOutput:
+        """The step on `batch` (this rank's, on the device) with every update done; `counts` are the ones `ready`
+        accepted. Replays the graph, or (first call for these counts) runs the step eagerly and captures it."""
+        if self._counts is None or not _same_shapes(self._inputs, _inputs_of(batch)):
+            self._make_static(batch)
+        self._counts = counts
+        torch._foreach_copy_(self._inputs, _inputs_of(batch))
+        opt = self.dense_step._opt
+        if opt.before is not None:
+            opt.before()
+        if self.capture and self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+            loss, logits_B = self._graph_outputs
+        elif self.capture:
+            loss, logits_B = self._warm_up_and_capture()
+        else:  # the eager steps between may have dropped the dense gradients (zero_grad): the optimizer reads these
+            self.dense_step.make_grads(self._labels_B.device)
+            loss, logits_B = self._body()
+        if opt.after is not None:
+            opt.after()
+        return StepOutput(loss.clone(), logits_B.clone(), batch.labels, updated=True)
+
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        model, ebc = self.model, self.model.ebc
+        ebc.prefetch(self._batch.sparse, counts=self._counts)  # the id exchange, sized from the counts
+        sparse_BS = model.kind.sparse_input(model, self._batch)  # lookups, pooled exchange, regroup
+        loss, logits_B, grad_BS = self.dense_step.forward_backward(self._dense_BN, sparse_BS, self._labels_B)
+        torch.autograd.backward(sparse_BS, grad_BS)  # the exchanges' backward, the fused sparse update
+        self.dense_step.reduce_and_update()
+        return loss, logits_B
+
+    def _warm_up_and_capture(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step, eagerly, on the capture stream (lazy initialisations of that stream happen here: cuBLAS
+        workspaces, the lookups' constants), then the capture of the same step for the steps that follow (the
+        capture computes nothing). Returns this step's loss and logits."""
+        device = self._labels_B.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        self._stream.wait_stream(current)
+        self.dense_step.make_grads(device)
+        with torch.cuda.stream(self._stream):
+            outputs = self._body()
+        current.wait_stream(self._stream)
+        optimizer = self.dense_step.optimizer
+        flags = [(g, g["capturable"]) for g in optimizer.param_groups if "capturable" in g]
+        for g, _ in flags:  # as DenseGraphStep._capture: a fused step is the same kernel either way
+            g["capturable"] = True
+        self._captured_lrs = self.dense_step._lrs()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._graph_outputs = self._body()
+        except Exception as e:
+            self.given_up = f"capturing the whole step failed ({type(e).__name__}: {e})"
+            raise RuntimeError(
+                f"training.cuda_graph: {self.given_up}; set training.graph_scope dense (or cuda_graph false)"
+            ) from e
+        finally:
+            for g, flag in flags:
+                g["capturable"] = flag
+        self.graph, self.captures = graph, self.captures + 1
+        return outputs
+
+    def _make_static(self, batch) -> None:
+        """Device buffers the graph reads its batch from, and a batch made of them."""
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from embshard.data.common import Batch
+
+        kjt = batch.sparse
+        weights = kjt.weights_or_none()
+        self._dense_BN, self._labels_B = batch.dense.clone(), batch.labels.clone()
+        values, lengths = kjt.values().clone(), kjt.lengths().clone()
+        static = KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=values,
+            lengths=lengths,
+            weights=weights.clone() if weights is not None else None,
+            stride=kjt.stride(),
+        )
+        self._batch = Batch(self._dense_BN, static, self._labels_B)
+        self._inputs = _inputs_of(self._batch)
+        self.graph = None
+
+    def reset(self) -> None:
+        """Forget the captured graph (after the optimizers' state tensors were replaced, e.g. a checkpoint's load):
+        the next steps with repeating counts warm up and capture again."""
+        self.graph, self._key = None, None
+
+    def close(self) -> None:
+        """Release the captured graph after the device finished its work; call it before
+        `dist.destroy_process_group()` (a live graph holding NCCL collectives hangs the teardown)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self._labels_B.device)
+        self.reset()
+
+
+def _inputs_of(batch) -> list[torch.Tensor]:
+    kjt = batch.sparse
+    weights = kjt.weights_or_none()
+    return [batch.dense, kjt.values(), kjt.lengths(), batch.labels] + ([weights] if weights is not None else [])
+
+
+def _same_shapes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))

@@ -1,0 +1,137 @@
+"""The whole training step as one CUDA graph (embshard/step_graph.py, training.graph_scope step) trains like the
+eager step, on 2 processes, for 20 steps of fixed bags (the first eager, the second warms up on the capture stream
+and captures, then replays) and through the steps where one rank's data has ended (other counts: eager again);
+fp32 and bf16. With ragged bags the graph is given up after `max_changes` steps of changing counts and training
+goes on the other way, with the same losses. On the CPU, where CUDA graphs do not exist, the same step runs
+without capture (`StepGraph(capture=False)`: the same id exchange sized from the host's counts, lookups, dense
+step, embedding backward and optimizers) and is checked against the eager step instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from dist_harness import device_kind, run_distributed
+from test_pipeline import _state
+
+from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+from embshard.config.data import SyntheticConfig
+from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig
+from embshard.plan import MemoryTier, ShardingType
+
+TABLES = (
+    TableConfig("s_tw", 300, 8, ("h_a",), ids_per_bag=3),
+    TableConfig("s_tw2", 500, 8, ("h_b", "h_c"), pooling="mean", ids_per_bag=2),
+    TableConfig("s_w", 211, 8, ("h_d",), weighted=True, ids_per_bag=4),
+    TableConfig("s_dp", 12, 8, ("h_e",), ids_per_bag=2),
+)
+TYPES = {"s_dp": ShardingType.DATA_PARALLEL}  # the rest table-wise
+MODEL = ModelConfig("dlrm_dcnv2", TABLES, dlrm=DLRMConfig((16,), (16,)), dcn=DCNConfig(num_layers=2, low_rank=4))
+BATCH = 32
+STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 have other counts (rank 1 feeds empty batches)
+
+
+def _build(rank, world, device, types=TYPES):
+    from embshard.config.run import DenseOptimizerConfig
+    from embshard.models.build import RecModel
+    from embshard.train import make_dense_optimizer
+
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    plan = simple_plan(list(TABLES), world, world, types, tier=tier)
+    model = RecModel(MODEL, 4, plan, FusedOptimizerConfig("rowwise_adagrad", lr=0.1), device, world, 5)
+    return model, make_dense_optimizer(DenseOptimizerConfig("adagrad", lr=0.05), model.dense_parameters())
+
+
+def _batches(rank, n, bags):
+    from embshard.data.synthetic import SyntheticSource
+
+    data = SyntheticConfig(num_dense=4, zipf_exponent=0.5, bag_lengths=bags)
+    return itertools.islice(SyntheticSource(data, TABLES, BATCH, seed=3, rank=rank).train_batches(0), n)
+
+
+def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed"):
+    from embshard.dense_graph import DenseGraphStep
+    from embshard.pipeline import TrainPipeline
+    from embshard.step_graph import StepGraph
+
+    model, opt = _build(rank, world, device)
+    if whole:
+        cuda = device.type == "cuda"
+        if cuda:
+            assert model.capture_dense_step(opt, BATCH, precision == "bf16") is None
+        else:  # the graphs' steps without capture
+            model.dense_graph = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
+        model.step_graph = StepGraph(model, model.dense_graph, capture=cuda, max_changes=4)
+    pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
+    batches = _batches(rank, STEPS[rank], bags)
+    losses, whole_steps = [], 0
+    while (done := pipe.progress(batches)) is not None:
+        losses.append(float(done.output.loss.detach()))
+        whole_steps += int(done.output.updated)
+    pipe.close()
+    graph = model.step_graph
+    info = (whole_steps, graph.replays, graph.captures, graph.given_up) if graph is not None else None
+    model.release_graphs()
+    return losses, _state(model), info
+
+
+def _worker(rank, world, device):
+    res = {(False, p): _train(rank, world, device, False, p) for p in ("fp32", "bf16")}
+    res.update({(True, p): _train(rank, world, device, True, p) for p in ("fp32", "bf16")})
+    res["ragged"] = _train(rank, world, device, False, "fp32", "poisson")
+    res["ragged whole"] = _train(rank, world, device, True, "fp32", "poisson")
+    return res
+
+
+def _close(a, b, rtol, atol):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def test_whole_step_graph_trains_like_the_eager_step():
+    results = run_distributed(_worker, 2)
+    cuda = device_kind() == "cuda"
+    for rank, res in enumerate(results):
+        # fp32: on the CPU the same arithmetic as the eager step; on GPUs 20 steps of the same model trained twice
+        # (atomics in the embedding backward, kernels picked under capture) may drift by rounding
+        fp32 = (1e-5, 1e-6) if not cuda else (1e-4, 1e-5)
+        for precision, (rtol, atol) in (("fp32", fp32), ("bf16", (2e-2, 2e-3))):
+            eager_losses, eager_state, _ = res[(False, precision)]
+            losses, state, (whole_steps, replays, captures, given_up) = res[(True, precision)]
+            assert len(losses) == max(STEPS), (rank, precision, losses)
+            # step 1 eager (its counts are new), steps 2-20 the whole step (2 warms up and captures), 21-22 eager
+            assert whole_steps == min(STEPS) - 1 and given_up is None, (rank, precision, whole_steps, given_up)
+            assert (replays, captures) == ((min(STEPS) - 2, 1) if cuda else (0, 0)), (replays, captures)
+            _close(torch.tensor(losses), torch.tensor(eager_losses), rtol, atol)
+            _close(state["dense"], eager_state["dense"], rtol, atol)
+            _close(state["tables"], eager_state["tables"], rtol, atol)
+            assert losses[-1] < losses[0], (rank, precision, losses)  # it trains
+        # ragged bags: counts change every step, the graph is given up after 4 changes; the losses are the eager ones
+        eager_losses, eager_state, _ = res["ragged"]
+        losses, state, (whole_steps, replays, _, given_up) = res["ragged whole"]
+        assert whole_steps == 0 and replays == 0 and "ragged bags" in given_up, (whole_steps, given_up)
+        _close(torch.tensor(losses), torch.tensor(eager_losses), *fp32)
+        _close(state["tables"], eager_state["tables"], *fp32)
+
+
+def _refusal_worker(rank, world, device):
+    from embshard.step_graph import StepGraph, refusal
+
+    model, opt = _build(rank, world, device, {**TYPES, "s_tw2": ShardingType.ROW_WISE})
+    why = refusal(model)
+    with pytest.raises(ValueError, match="row_wise"):
+        StepGraph(model, None)
+    return why
+
+
+def test_whole_step_graph_refuses_a_plan_sized_on_the_device():
+    (why, _) = run_distributed(_refusal_worker, 2)
+    assert "['row_wise'] tables" in why and "table_wise and data_parallel only" in why, why
+
+
+def test_graph_scope_is_a_config_field():
+    from embshard.config.run import TrainingConfig
+
+    assert TrainingConfig(cuda_graph=True).graph_scope == "step"
+    assert TrainingConfig(cuda_graph=True, graph_scope="dense").graph_scope == "dense"
