@@ -3,6 +3,7 @@ LowRankCrossNet) in place of the dot interaction, so tables may differ in width;
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,29 @@ from embshard.config.model import ModelConfig
 from embshard.data.common import Batch
 from embshard.models.dlrm import mlp
 from embshard.models.registry import ModelKind, StepOutput, bce_output, feature_widths, register
+
+
+@functools.cache
+def _low_rank_cross_net() -> type[nn.Module]:
+    """torchrec's LowRankCrossNet, subclassed (torchrec imported on first use; one class per process)."""
+    from torchrec.modules.crossnet import LowRankCrossNet
+
+    class LowRankCross(LowRankCrossNet):
+        """torchrec's LowRankCrossNet (the same parameters and state dict, the same arithmetic
+        x_{l+1} = x_0 * (W (V x_l) + b) + x_l) whose layers keep the input's dtype under autocast: the bias joins the
+        second product (one GEMM, the bias added in its epilogue) and x_0 * y + x_l is one addcmul. torchrec's forward
+        adds the fp32 bias to the bf16 product outside the GEMM, which promotes every layer's [B, width] activations
+        to fp32: three fp32 passes over them per layer, a cast back to bf16 for the next product, and the same again
+        in the backward (most of a bf16 DLRM-DCNv2 step's elementwise time)."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            x_0 = x_l = input
+            for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
+                y = nn.functional.linear(nn.functional.linear(x_l, V), W, b)
+                x_l = torch.addcmul(x_l, x_0, y.to(x_l.dtype) if y.dtype != x_l.dtype else y)
+            return x_l
+
+    return LowRankCross
 
 
 class DLRMDCNDense(nn.Module):
@@ -31,11 +55,9 @@ class DLRMDCNDense(nn.Module):
         low_rank: int,
     ):
         super().__init__()
-        from torchrec.modules.crossnet import LowRankCrossNet
-
         self.bottom = mlp([num_dense, *bottom, dense_width])
         width = dense_width + sparse_width
-        self.cross = LowRankCrossNet(width, num_layers, low_rank)
+        self.cross = _low_rank_cross_net()(width, num_layers, low_rank)
         self.top = mlp([width, *top, 1], last_activation=False)
 
     def forward(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor) -> torch.Tensor:

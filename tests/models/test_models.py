@@ -112,3 +112,23 @@ def test_compiled_dense_trains_like_the_eager_one():
     with torch.no_grad():
         x, y = torch.randn(7, 13, device=dev), torch.randn(7, 26 * 16, device=dev)
         assert torch.equal(fast(x, y), fast.forward._eager(x, y))  # another shape: the eager forward
+
+
+def test_cross_network_is_torchrecs_and_keeps_bf16_under_autocast():
+    """The cross network has torchrec's LowRankCrossNet's parameters and arithmetic (fp32: equal within rounding,
+    random biases), and under bf16 autocast its layers stay bf16 (torchrec's promotes them to fp32 through the
+    bias), within bf16 rounding of torchrec's output."""
+    from torchrec.modules.crossnet import LowRankCrossNet
+
+    torch.manual_seed(4)
+    ours = DLRMDCNDense(5, 24, 8, [16], [16], num_layers=3, low_rank=4).cross
+    ref = LowRankCrossNet(32, 3, 4)
+    for p in ref.bias:
+        torch.nn.init.normal_(p)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(9, 32)
+    torch.testing.assert_close(ours(x), ref(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, slow = ours(x.bfloat16()), ref(x.bfloat16())
+    assert fast.dtype == torch.bfloat16 and slow.dtype == torch.float32
+    torch.testing.assert_close(fast.float(), slow, rtol=3e-2, atol=3e-2)
