@@ -151,7 +151,12 @@ class StepGraph:
         ebc.prefetch(self._batch.sparse, counts=self._counts)  # the id exchange, sized from the counts
         sparse_BS = model.kind.sparse_input(model, self._batch)  # lookups, pooled exchange, regroup
         loss, logits_B, grad_BS = self.dense_step.forward_backward(self._dense_BN, sparse_BS, self._labels_B)
-        torch.autograd.backward(sparse_BS, grad_BS)  # the exchanges' backward, the fused sparse update
+        # the exchanges' backward and the fused sparse update, through to the graph's leaves without running their
+        # AccumulateGrad nodes: a node made by an earlier eager step (kept alive by that step's loss, which the
+        # caller may hold) belongs to that step's stream, and the engine would make the capture wait on it
+        leaves = _leaves_of(sparse_BS)
+        if leaves:
+            torch.autograd.grad(sparse_BS, leaves, grad_BS, allow_unused=True)
         self.dense_step.reduce_and_update()
         return loss, logits_B
 
@@ -220,6 +225,22 @@ class StepGraph:
         if self.graph is not None:
             torch.cuda.synchronize(self._labels_B.device)
         self.reset()
+
+
+def _leaves_of(t: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (AccumulateGrad nodes) that `t`'s autograd graph reaches: the lookups' placeholders and
+    replicas."""
+    leaves, seen, stack = [], set(), [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # an AccumulateGrad node
+            leaves.append(fn.variable)
+        else:
+            stack.extend(f for f, _ in fn.next_functions)
+    return leaves
 
 
 def _inputs_of(batch) -> list[torch.Tensor]:
