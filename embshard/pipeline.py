@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -405,7 +405,7 @@ class TrainPipeline:
             advance()
         self._update(out)
         self.step = step
-        return TrainStep(step, out, item.batch.size, item.position)
+        return TrainStep(step, _released(out), item.batch.size, item.position)
 
     @property
     def data_wait_s(self) -> float:
@@ -422,6 +422,18 @@ class TrainPipeline:
         agreement, self._agreement = self._agreement, None
         if agreement is not None and agreement.handle is not None:
             agreement.handle.wait(host=True)
+
+
+def _released(out: StepOutput) -> StepOutput:
+    """The step's output without its autograd graph (the backward has run). A caller keeping the output (a
+    training loop's last step) would keep the graph's nodes alive, among them the lookups' AccumulateGrad nodes,
+    which belong to the stream their step ran on: a CUDA graph captured later on its own stream would then wait on
+    that stream (embshard/step_graph.py)."""
+    if not out.loss.requires_grad and (out.scores is None or not out.scores.requires_grad):
+        return out
+    detach = lambda t: t.detach() if t is not None else None  # noqa: E731
+    hits = {k: detach(v) for k, v in out.hits.items()}
+    return replace(out, loss=detach(out.loss), scores=detach(out.scores), labels=detach(out.labels), hits=hits)
 
 
 def even_batches(
