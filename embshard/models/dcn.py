@@ -23,17 +23,18 @@ def _low_rank_cross_net() -> type[nn.Module]:
 
     class LowRankCross(LowRankCrossNet):
         """torchrec's LowRankCrossNet (the same parameters and state dict, the same arithmetic
-        x_{l+1} = x_0 * (W (V x_l) + b) + x_l) whose layers keep the input's dtype under autocast: the bias joins the
-        second product (one GEMM, the bias added in its epilogue) and x_0 * y + x_l is one addcmul. torchrec's forward
-        adds the fp32 bias to the bf16 product outside the GEMM, which promotes every layer's [B, width] activations
-        to fp32: three fp32 passes over them per layer, a cast back to bf16 for the next product, and the same again
-        in the backward (most of a bf16 DLRM-DCNv2 step's elementwise time)."""
+        x_{l+1} = x_0 * (W (V x_l) + b) + x_l) with fewer passes under autocast: the bias joins the second product (one
+        GEMM, the bias added in its epilogue) and x_0 * y + x_l is one addcmul. The running sum x_l is kept in fp32 at
+        least (as torchrec's is under bf16 autocast, where its fp32 bias promotes it); torchrec's forward spends three
+        separate fp32 passes over the [B, width] activations per layer on it (add the bias, multiply, add), and the
+        same again in the backward."""
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            x_0 = x_l = input
+            x_0 = input
+            x_l = input.to(torch.promote_types(input.dtype, torch.float32))
             for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
                 y = nn.functional.linear(nn.functional.linear(x_l, V), W, b)
-                x_l = torch.addcmul(x_l, x_0, y.to(x_l.dtype) if y.dtype != x_l.dtype else y)
+                x_l = torch.addcmul(x_l, x_0, y)
             return x_l
 
     return LowRankCross
