@@ -29,9 +29,11 @@ def _low_rank_cross_net() -> type[nn.Module]:
         separate fp32 passes over the [B, width] activations per layer on it (add the bias, multiply, add), and the
         same again in the backward."""
 
+        bf16_residual = False  # DCNConfig.bf16_residual: the running sum in the input's dtype (bf16 under autocast)
+
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             x_0 = input
-            x_l = input.to(torch.promote_types(input.dtype, torch.float32))
+            x_l = input if self.bf16_residual else input.to(torch.promote_types(input.dtype, torch.float32))
             for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
                 y = nn.functional.linear(nn.functional.linear(x_l, V), W, b)
                 x_l = torch.addcmul(x_l, x_0, y)
@@ -54,11 +56,13 @@ class DLRMDCNDense(nn.Module):
         top: Sequence[int],
         num_layers: int,
         low_rank: int,
+        bf16_residual: bool = False,
     ):
         super().__init__()
         self.bottom = mlp([num_dense, *bottom, dense_width])
         width = dense_width + sparse_width
         self.cross = _low_rank_cross_net()(width, num_layers, low_rank)
+        self.cross.bf16_residual = bf16_residual
         self.top = mlp([width, *top, 1], last_activation=False)
 
     def forward(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor) -> torch.Tensor:
@@ -76,6 +80,7 @@ def dcn_dense(cfg: ModelConfig, num_dense: int) -> DLRMDCNDense:
         cfg.dlrm.top_mlp,
         cfg.dcn.num_layers,
         cfg.dcn.low_rank,
+        cfg.dcn.bf16_residual,
     )
 
 

@@ -131,4 +131,10 @@ def test_cross_network_is_torchrecs_in_fewer_passes():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast, slow = ours(x.bfloat16()), ref(x.bfloat16())
     assert fast.dtype == slow.dtype == torch.float32
+    torch.testing.assert_close(fast, slow, rtol=3e-2, atol=3e-2)
+    ours.bf16_residual = True  # model.dcn.bf16_residual: the running sum in bf16, within bf16 rounding
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = ours(x.bfloat16())
+    assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), slow, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(ours(x), ref(x))  # fp32: the option changes nothing
