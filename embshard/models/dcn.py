@@ -24,20 +24,33 @@ def _low_rank_cross_net() -> type[nn.Module]:
     class LowRankCross(LowRankCrossNet):
         """torchrec's LowRankCrossNet (the same parameters and state dict, the same arithmetic
         x_{l+1} = x_0 * (W (V x_l) + b) + x_l) with fewer passes under autocast: the bias joins the second product (one
-        GEMM, the bias added in its epilogue) and x_0 * y + x_l is one addcmul. The running sum x_l is kept in fp32 at
-        least (as torchrec's is under bf16 autocast, where its fp32 bias promotes it); torchrec's forward spends three
-        separate fp32 passes over the [B, width] activations per layer on it (add the bias, multiply, add), and the
-        same again in the backward."""
+        GEMM, the bias added in its epilogue), and the running sum x_l, kept in fp32 as torchrec's is under bf16
+        autocast (its fp32 bias promotes it), is updated by one fused kernel per layer on CUDA GPUs
+        (embshard.kernels.cross: the fp32 sum and its bf16 copy for the next product in one pass, the backward in
+        one pass) or one addcmul elsewhere. torchrec's forward spends three fp32 passes per layer on it (add the
+        bias, multiply, add) and a cast, and more in the backward. `bf16_residual` keeps the sum in bf16 instead
+        (model.dcn.bf16_residual)."""
 
         bf16_residual = False  # DCNConfig.bf16_residual: the running sum in the input's dtype (bf16 under autocast)
+        fused = True  # the fused running-sum kernel where it applies (False: torch's ops, for comparisons)
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
+            from embshard.kernels.cross import cross_sum, fused_available
+
             x_0 = input
-            x_l = input if self.bf16_residual else input.to(torch.promote_types(input.dtype, torch.float32))
-            for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
-                y = nn.functional.linear(nn.functional.linear(x_l, V), W, b)
-                x_l = torch.addcmul(x_l, x_0, y)
-            return x_l
+            if self.bf16_residual:
+                x_l = x_0
+                for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
+                    x_l = torch.addcmul(x_l, x_0, nn.functional.linear(nn.functional.linear(x_l, V), W, b))
+                return x_l
+            x_l = x_in = x_0.to(torch.promote_types(x_0.dtype, torch.float32))  # the sum; the products' input
+            for i, (V, W, b) in enumerate(zip(self.V_kernels, self.W_kernels, self.bias)):
+                y = nn.functional.linear(nn.functional.linear(x_0 if i == 0 else x_in, V), W, b)
+                if self.fused and fused_available(x_l, x_0, y):
+                    x_l, x_in = cross_sum(x_l, x_0, y)  # x_in: the sum in x_0's dtype (what autocast would cast)
+                else:
+                    x_l = x_in = torch.addcmul(x_l, x_0, y)
+            return x_in
 
     return LowRankCross
 

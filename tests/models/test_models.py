@@ -116,8 +116,10 @@ def test_compiled_dense_trains_like_the_eager_one():
 
 def test_cross_network_is_torchrecs_in_fewer_passes():
     """The cross network has torchrec's LowRankCrossNet's parameters and arithmetic (fp32: equal within rounding,
-    random biases); under bf16 autocast its running sum is fp32 (as torchrec's, which its fp32 bias promotes) and
-    its output within bf16 rounding of torchrec's."""
+    random biases); under bf16 autocast its running sum is fp32 (as torchrec's, which its fp32 bias promotes): its
+    output is within bf16 rounding of torchrec's, and the fused running-sum kernel (embshard.kernels.cross, which
+    runs here under Triton's interpreter where the tests set it, else on CUDA) gives the torch ops' forward and
+    gradients. `bf16_residual` keeps the sum in bf16, within bf16 rounding too."""
     from torchrec.modules.crossnet import LowRankCrossNet
 
     torch.manual_seed(4)
@@ -127,14 +129,53 @@ def test_cross_network_is_torchrecs_in_fewer_passes():
         torch.nn.init.normal_(p)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(9, 32)
-    torch.testing.assert_close(ours(x), ref(x))
+    torch.testing.assert_close(ours(x), ref(x))  # fp32
+    xb = x.bfloat16().requires_grad_(True)
+    runs = {}
+    for name, fused, bf16_sum in (("fused", True, False), ("torch", False, False), ("bf16", False, True)):
+        ours.fused, ours.bf16_residual = fused, bf16_sum
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ours(xb)
+        grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, 32)).sum(), [xb, *ours.parameters()])
+        runs[name] = (out, grads)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fast, slow = ours(x.bfloat16()), ref(x.bfloat16())
-    assert fast.dtype == slow.dtype == torch.float32
-    torch.testing.assert_close(fast, slow, rtol=3e-2, atol=3e-2)
-    ours.bf16_residual = True  # model.dcn.bf16_residual: the running sum in bf16, within bf16 rounding
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        fast = ours(x.bfloat16())
-    assert fast.dtype == torch.bfloat16
-    torch.testing.assert_close(fast.float(), slow, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(ours(x), ref(x))  # fp32: the option changes nothing
+        slow = ref(xb)
+    assert slow.dtype == torch.float32 and runs["torch"][0].dtype == torch.float32
+    assert runs["bf16"][0].dtype == torch.bfloat16
+    for name in runs:
+        torch.testing.assert_close(runs[name][0].float(), slow, rtol=3e-2, atol=3e-2)
+    fused, plain = runs["fused"], runs["torch"]  # within bf16 rounding (the interpreter rounds bf16 its own way)
+    torch.testing.assert_close(fused[0].float(), plain[0].bfloat16().float(), rtol=3e-2, atol=1e-1)
+    for a, b in zip(fused[1], plain[1]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=1e-1)
+
+
+def test_fused_cross_sum_is_the_torch_arithmetic():
+    """embshard.kernels.cross.cross_sum against torch's ops, forward and backward (fp16 factors, whose rounding the
+    interpreter shares with the GPU; bf16 on GPUs), with a gradient on either output or both."""
+    import pytest
+
+    from embshard.kernels.cross import cross_sum, fused_available
+
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    g = torch.Generator().manual_seed(9)
+    for lo in (torch.float16, torch.bfloat16) if dev.type == "cuda" else (torch.float16,):
+        x = torch.randn(37, 29, generator=g).to(dev).requires_grad_(True)  # 1,073 elements: a partial block
+        x0 = torch.randn(37, 29, generator=g).to(dev, lo).requires_grad_(True)
+        y = torch.randn(37, 29, generator=g).to(dev, lo).requires_grad_(True)
+        if not fused_available(x, x0, y):
+            pytest.skip("the fused kernel needs a CUDA GPU or Triton's interpreter")
+        out, out_lo = cross_sum(x, x0, y)
+        ref = x.detach() + x0.detach().float() * y.detach().float()
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out_lo, out.to(lo)) and out.dtype == torch.float32 and out_lo.dtype == lo
+        for w_out, w_lo in ((1.0, 0.0), (0.0, 1.0), (0.5, 2.0)):
+            g_out = torch.randn(37, 29, generator=g).to(dev)
+            g_lo = torch.randn(37, 29, generator=g).to(dev, lo)
+            o, o_lo = cross_sum(x, x0, y)
+            terms = ([(o * g_out).sum()] if w_out else []) + ([(o_lo.float() * g_lo.float()).sum()] if w_lo else [])
+            gx, gx0, gy = torch.autograd.grad(sum(terms), [x, x0, y])
+            total = (g_out if w_out else 0) + (g_lo.float() if w_lo else 0)
+            torch.testing.assert_close(gx, total * torch.ones_like(gx))
+            torch.testing.assert_close(gx0, (total * y.detach().float()).to(lo))
+            torch.testing.assert_close(gy, (total * x0.detach().float()).to(lo))
