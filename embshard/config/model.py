@@ -40,10 +40,6 @@ class DCNConfig:
     """Number of cross layers (count)."""
     low_rank: int = 64
     """Rank r of each cross layer's weight W = U V (U: d x r, V: r x d), in units."""
-    bf16_residual: bool = False
-    """Under training.precision bf16, keep the cross layers' running sum in bf16 instead of fp32: fewer bytes per
-    layer (the MLPerf-shaped step on 2 x H100: 6.4 instead of 8.6 ms), a slightly lower held-out AUC (0.0011 after
-    80 steps there, against 0.0002 with fp32); no effect in fp32."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -28,21 +28,14 @@ def _low_rank_cross_net() -> type[nn.Module]:
         autocast (its fp32 bias promotes it), is updated by one fused kernel per layer on CUDA GPUs
         (embshard.kernels.cross: the fp32 sum and its bf16 copy for the next product in one pass, the backward in
         one pass) or one addcmul elsewhere. torchrec's forward spends three fp32 passes per layer on it (add the
-        bias, multiply, add) and a cast, and more in the backward. `bf16_residual` keeps the sum in bf16 instead
-        (model.dcn.bf16_residual)."""
+        bias, multiply, add) and a cast, and more in the backward."""
 
-        bf16_residual = False  # DCNConfig.bf16_residual: the running sum in the input's dtype (bf16 under autocast)
         fused = True  # the fused running-sum kernel where it applies (False: torch's ops, for comparisons)
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             from embshard.kernels.cross import cross_sum, fused_available
 
             x_0 = input
-            if self.bf16_residual:
-                x_l = x_0
-                for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
-                    x_l = torch.addcmul(x_l, x_0, nn.functional.linear(nn.functional.linear(x_l, V), W, b))
-                return x_l
             x_l = x_in = x_0.to(torch.promote_types(x_0.dtype, torch.float32))  # the sum; the products' input
             for i, (V, W, b) in enumerate(zip(self.V_kernels, self.W_kernels, self.bias)):
                 y = nn.functional.linear(nn.functional.linear(x_0 if i == 0 else x_in, V), W, b)
@@ -69,13 +62,11 @@ class DLRMDCNDense(nn.Module):
         top: Sequence[int],
         num_layers: int,
         low_rank: int,
-        bf16_residual: bool = False,
     ):
         super().__init__()
         self.bottom = mlp([num_dense, *bottom, dense_width])
         width = dense_width + sparse_width
         self.cross = _low_rank_cross_net()(width, num_layers, low_rank)
-        self.cross.bf16_residual = bf16_residual
         self.top = mlp([width, *top, 1], last_activation=False)
 
     def forward(self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor) -> torch.Tensor:
@@ -93,7 +84,6 @@ def dcn_dense(cfg: ModelConfig, num_dense: int) -> DLRMDCNDense:
         cfg.dlrm.top_mlp,
         cfg.dcn.num_layers,
         cfg.dcn.low_rank,
-        cfg.dcn.bf16_residual,
     )
 
 
