@@ -129,6 +129,32 @@ def top_kernels(kernels: list, steps: int, n: int = 12) -> list[tuple[str, float
     return [(k, v, calls[k]) for k, v in ms.most_common(n)]
 
 
+def _union(items) -> float:
+    """Length of the union of (start, end) spans."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(items):
+        if cur_e is None or s > cur_e:
+            total += (cur_e - cur_s) if cur_e is not None else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+
+def busiest_stream(kernels: list) -> tuple[int, float]:
+    """(stream, share of the window its kernels keep it busy) of the stream with the most kernel time among
+    `gpu_kernels` (a device event's `thread` is its stream): the compute stream of a step."""
+    per_stream: dict[int, list] = collections.defaultdict(list)
+    for e in kernels:
+        per_stream[getattr(e, "thread", 0)].append((e.time_range.start, e.time_range.end))
+    if not per_stream:
+        return -1, float("nan")
+    lo = min(s for spans in per_stream.values() for s, _ in spans)
+    hi = max(e for spans in per_stream.values() for _, e in spans)
+    stream, spans = max(per_stream.items(), key=lambda kv: _union(kv[1]))
+    return stream, _union(spans) / (hi - lo)
+
+
 def busy_share(kernels: list, steps: int) -> tuple[float, float, dict[str, float]]:
     """(share of the window with any kernel running, same without NCCL kernels, kernel ms per step by kind) of
     `gpu_kernels`."""
@@ -143,18 +169,7 @@ def busy_share(kernels: list, steps: int) -> tuple[float, float, dict[str, float
     if not spans:
         return float("nan"), float("nan"), {}
     lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-
-    def union(items):
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in sorted(items):
-            if cur_e is None or s > cur_e:
-                total += (cur_e - cur_s) if cur_e is not None else 0.0
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
-
-    return union(spans) / (hi - lo), union(spans_compute) / (hi - lo), dict(by_kind)
+    return _union(spans) / (hi - lo), _union(spans_compute) / (hi - lo), dict(by_kind)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -269,13 +284,15 @@ def run(args: argparse.Namespace) -> None:
                 *busy_share(kernels, args.profile_steps),
                 len(kernels) / args.profile_steps,
                 top_kernels(kernels, args.profile_steps),
+                busiest_stream(kernels),
             )
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)
             busy, busy_compute = mine[0], mine[1]
-            for r, (r_busy, r_compute, kinds, launches, top) in enumerate(everyone):
+            for r, (r_busy, r_compute, kinds, launches, top, (stream, stream_busy)) in enumerate(everyone):
                 say(f"profile ({args.profile_steps} steps, rank {r}): GPU busy {r_busy:.1%} of the window "
-                    f"({r_compute:.1%} without NCCL kernels); kernel ms/step "
+                    f"({r_compute:.1%} without NCCL kernels; the busiest stream, {stream}, {stream_busy:.1%}); "
+                    "kernel ms/step "
                     + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))  # fmt: skip
                 say(f"profile (rank {r}): {launches:.0f} kernels and copies a step; the top ones (ms/step, launches):")
                 for name, k_ms, k_calls in top:

@@ -215,7 +215,7 @@ class DenseGraphStep:
         self, dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward, loss and gradients of one batch: (loss, logits `[B]`, gradient of `sparse_BS`), the parameters'
-        gradients written into the flat buffer that `p.grad` views (`_make_grads` first). The forward reads the
+        gradients written into the flat buffer that `p.grad` views (`make_grads` first). The forward reads the
         parameters through leaves of their own (detached aliases of the same memory, `torch.func.functional_call`),
         and the gradients come from `torch.autograd.grad`: the parameters' own AccumulateGrad nodes belong to the
         stream the eager steps ran on (DistributedDataParallel keeps them), which a capture on its own stream must
@@ -259,7 +259,7 @@ class DenseGraphStep:
     def make_grads(self, device: torch.device) -> None:
         """The parameters' leaves and their gradients' flat buffer, which `p.grad` views (once: the graphs that
         hold this step, the dense one and a whole step's, write the same buffer)."""
-        if getattr(self, "_grads", None) is not None:
+        if self._grads is not None:
             for p, grad in zip(self.params, self._grad_views):
                 p.grad = grad
             return

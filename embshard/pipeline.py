@@ -25,6 +25,11 @@ Modes (`TrainPipeline(mode=...)`, YAML `training.pipeline`):
   include batch i's update (the fused optimizer applies gradients to the current rows). Dense weights are not
   stale. Refused with UVM-caching tables and with a retrieval catalog.
 
+With the model's whole-step graph (`RecModel.step_graph`, training.cuda_graph with graph_scope step;
+embshard/step_graph.py) a batch whose agreed counts equal the step before's is trained by one replay: dist,
+lookup, train and both updates inside the graph. While the graph is in use the dist stage is not run ahead (a batch
+that does not replay runs it just before its forward); host, agree and copy still overlap the replay.
+
 Every rank runs the same collectives in the same order: the agree step is one collective per batch, and when some
 rank's data ends first it feeds empty batches (0 samples) until every rank's data has ended; then `progress`
 returns None on every rank. `even_batches` does the same for evaluation loops.

@@ -380,3 +380,20 @@ def test_scaling_suite_pairs_torchrec_and_embshard_at_4_gpus_and_reads_the_per_g
     assert report.case_of(runs[0]) == report.case_of(runs[1])
     halved = {"framework": "torchrec", "pipeline": "sparse_dist", "precision": "bf16", "world": "1", "scale": "2"}
     assert report.case_of(halved) == report.case_of(runs[-1])  # TorchRec's --scale 2 is embshard's 0.5
+
+
+def test_profile_shares_of_the_window():
+    """bench/train_e2e.py's profile summary: the share of the window any kernel runs, without NCCL kernels, and
+    the busiest stream's own share (the compute stream of a step), on hand-made kernel spans of two streams."""
+    from types import SimpleNamespace
+
+    import train_e2e
+
+    def kernel(start, end, stream, name="gemm"):
+        return SimpleNamespace(name=name, thread=stream, time_range=SimpleNamespace(start=start, end=end))
+
+    kernels = [kernel(0, 10, 7), kernel(12, 20, 7), kernel(5, 8, 21), kernel(18, 30, 21, "ncclDevKernel_SendRecv")]
+    busy, busy_compute, _ = train_e2e.busy_share(kernels, 1)
+    assert busy == pytest.approx(28 / 30) and busy_compute == pytest.approx(18 / 30)
+    assert train_e2e.busiest_stream(kernels) == (7, pytest.approx(18 / 30))  # stream 21: 15 of 30
+    assert train_e2e.busiest_stream([])[0] == -1
