@@ -18,9 +18,17 @@ Which steps replay: the pipeline asks `ready(counts)` with the ranks' agreed cou
 host a step ahead, the same on every rank), so every rank replays, and runs the same collectives, together. A step
 whose counts differ from the step before's runs the other way (the dense graph or the eager step); the first step
 whose counts repeat runs the graph's step eagerly on the capture stream (the lazy initialisations happen there),
-then captures it; the later ones replay. Counts that keep changing (ragged bags) are noticed after `max_changes`
-eligible steps without a repeat, and the graph is given up (`given_up` says why): the pipeline then runs the id
-exchange ahead again.
+then captures it; the later ones replay.
+
+Ragged bags (counts that change from step to step): from the first change on, the graph is captured for a capacity
+per feature (10% over the largest counts seen, `capacity`), and every batch whose counts fit is padded to it before
+the replay: each feature's ids, then filler ids (row 0) in its last bag up to the capacity, every id with a weight
+(the batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup pools with the weights
+(`ops.every_id_weighted`). A filler adds nothing to its bag and gets a zero gradient, which leaves row 0 as it is
+under sgd, adagrad and row-wise adagrad without weight decay. A batch over the capacity grows it (eager step, then
+a new capture). Where padding does not apply (`padding_refusal`: mean pooling, adam or weight decay, the
+small-table kernels), counts that keep changing are noticed after `max_changes` eligible steps and the graph is
+given up (`given_up` says why): the pipeline then runs the id exchange ahead again.
 
 What it takes (`refusal` says what is missing): table-wise and data-parallel tables only (their exchanges are
 sized from the host's counts; row-wise bucketing sizes its exchange on the device), HBM or UVM tiers (not
@@ -32,14 +40,19 @@ that a fused optimizer holds as a constant drops the graph when it changes (capt
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 
 from embshard.dense_graph import DenseGraphStep
 from embshard.models.registry import StepOutput
+from embshard.ops import every_id_weighted
+from embshard.optim import OptimizerKind
 from embshard.options import BoundsCheck
-from embshard.plan import MemoryTier, ShardingType
+from embshard.plan import LookupKernel, MemoryTier, ShardingType
 from embshard.sharding.exchange import BatchCounts
+from embshard.tables import Pooling, feature_columns
 
 __all__ = ["StepGraph", "refusal"]
 
@@ -69,8 +82,35 @@ def refusal(model) -> str | None:
     return None
 
 
+def padding_refusal(model) -> str | None:
+    """Why `model`'s whole step cannot be captured for ragged bags by padding them (`StepGraph`, padded mode), or
+    None if it can. A padded batch carries filler ids (row 0, weight 0) in the last bag of each feature, up to a
+    capacity per feature: they add nothing to the bag and get a zero gradient, which leaves row 0 as it is only under
+    an update rule that ignores a zero gradient."""
+    ebc = model.ebc
+    mean = [f for f in ebc.features if ebc._table_of[f].pooling is Pooling.MEAN]
+    if mean:
+        return f"mean-pooled features {mean[:3]} divide by their bag lengths, which the filler ids change"
+    opt = ebc.optimizer
+    if opt.kind is OptimizerKind.ADAM or opt.weight_decay:
+        return f"the sparse optimizer ({opt.kind.value}, weight decay {opt.weight_decay:g}) changes rows with a zero gradient"
+    small = [
+        s.table.name for sc in ebc.schemes for lk in sc.lookups for s in lk.shards if s.kernel is LookupKernel.SMALL
+    ]
+    if small:
+        return f"tables {small[:3]} on the small-table kernels take per-id weights only where the table has them"
+    return None
+
+
+def capacity(ids_F: np.ndarray) -> np.ndarray:
+    """Padded ids per feature for a run of ragged batches whose largest counts are `ids_F`: 10% above, rounded up
+    to a multiple of 64 ids."""
+    return (np.ceil(ids_F.astype(np.float64) * 1.1 / 64) * 64).astype(np.int64)
+
+
 class StepGraph:
-    """The whole training step of `model` as one CUDA graph, for batches whose counts repeat.
+    """The whole training step of `model` as one CUDA graph, for batches whose counts repeat, or (ragged bags,
+    where `padding_refusal` allows) whose counts fit a capacity per feature that the batches are padded to.
 
     Args:
         model: the RecModel (its `ebc`, its kind's `sparse_input`); `refusal(model)` must be None.
@@ -79,14 +119,21 @@ class StepGraph:
         capture: False runs the same step without a graph, each call (on any device: a check of the step's
             arithmetic against the eager one where CUDA graphs do not exist).
         max_changes: eligible steps whose counts differ from the step before's, with no graph captured yet, after
-            which the graph is given up (the bags are ragged).
+            which the graph is given up (the bags are ragged and cannot be padded); also the most captures.
+        pad: capture ragged batches padded to a capacity (where `padding_refusal` allows).
     """
 
-    def __init__(self, model, dense_step: DenseGraphStep, capture: bool = True, max_changes: int = 8) -> None:
+    def __init__(
+        self, model, dense_step: DenseGraphStep, capture: bool = True, max_changes: int = 8, pad: bool = True
+    ) -> None:
         why = refusal(model)
         if why is not None:
             raise ValueError(why)
         self.model, self.dense_step, self.capture, self.max_changes = model, dense_step, capture, max_changes
+        self.padding_refused = padding_refusal(model) if pad else "padding is off"
+        self.capacity: np.ndarray | None = None  # padded mode: ids per feature (canonical columns) of every rank
+        cols = feature_columns(model.ebc.tables)
+        self._column = {f: cols[f] for f in model.ebc.features}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.given_up: str | None = None  # why the graph was given up
         self.replays = 0  # steps the captured graph ran
@@ -108,15 +155,29 @@ class StepGraph:
         opt = self.dense_step._opt
         if self.graph is not None and opt.lr_in_graph and self.dense_step._lrs() != self._captured_lrs:
             self.graph = None  # a changed rate the captured step holds: warm up and capture again
-        key = (tuple(counts.batch_sizes), np.ascontiguousarray(counts.ids, dtype=np.int64).tobytes())
+        ids = np.asarray(counts.ids, dtype=np.int64)
+        if self.capacity is not None:  # padded mode: any counts that fit
+            if (ids <= self.capacity).all():
+                return True
+            self.capacity, self.graph = capacity(np.maximum(self.capacity, ids.max(0))), None  # grow: capture again
+            self.changes += 1
+            if self.captures >= self.max_changes:
+                self.given_up = f"captured {self.captures} times for a growing capacity: the counts do not settle"
+            return False
+        key = (tuple(counts.batch_sizes), ids.tobytes())
         if key == self._key:
             return True
+        if self._key is not None and self.padding_refused is None:  # counts changed: pad from now on
+            previous = np.frombuffer(self._key[1], dtype=np.int64).reshape(ids.shape)
+            self.capacity, self.graph = capacity(np.maximum(previous, ids).max(0)), None
+            self.changes += 1
+            return False
         self._key, self.graph = key, None  # other counts: the graph's sizes no longer apply
         self.changes += 1
         if self.changes > self.max_changes and self.captures == 0:
             self.given_up = (
-                f"the batch counts changed at {self.changes} of the eligible steps (ragged bags): the whole step "
-                "is captured only for counts that repeat"
+                f"the batch counts changed at {self.changes} of the eligible steps (ragged bags), and they cannot be "
+                f"padded: {self.padding_refused}"
             )
         elif self.captures >= self.max_changes:
             self.given_up = f"captured {self.captures} times for changing counts: the counts do not settle"
@@ -126,6 +187,8 @@ class StepGraph:
     def run(self, batch, counts: BatchCounts) -> StepOutput:
         """The step on `batch` (this rank's, on the device) with every update done; `counts` are the ones `ready`
         accepted. Replays the graph, or (first call for these counts) runs the step eagerly and captures it."""
+        if self.capacity is not None:
+            batch, counts = self._padded(batch, counts)
         if self._counts is None or not _same_shapes(self._inputs, _inputs_of(batch)):
             self._make_static(batch)
         self._counts = counts
@@ -147,6 +210,10 @@ class StepGraph:
         return StepOutput(loss.clone(), logits_B.clone(), batch.labels, updated=True)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with every_id_weighted() if self.capacity is not None else nullcontext():
+            return self._step()
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         model, ebc = self.model, self.model.ebc
         ebc.prefetch(self._batch.sparse, counts=self._counts)  # the id exchange, sized from the counts
         sparse_BS = model.kind.sparse_input(model, self._batch)  # lookups, pooled exchange, regroup
@@ -193,6 +260,48 @@ class StepGraph:
         self.graph, self.captures = graph, self.captures + 1
         return outputs
 
+    def _padded(self, batch, counts: BatchCounts):
+        """`batch` padded to the capacity: each feature's ids, then filler ids (row 0, weight 0) in its last bag up
+        to the feature's capacity; every id weighted (1 for tables without weights). And the counts of such a batch
+        on every rank (the capacity), which size the captured exchanges."""
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from embshard.data.common import Batch
+
+        ebc, kjt = self.model.ebc, batch.sparse
+        keys, B = list(kjt.keys()), kjt.stride()
+        rank = ebc.rank
+        cols = [self._column[k] for k in keys]
+        have = [int(counts.ids[rank, c]) for c in cols]
+        pad = [int(self.capacity[c]) - n for c, n in zip(cols, have)]
+        values, weights = kjt.values(), kjt.weights_or_none()
+        dev = values.device
+        need = max(max(pad, default=0), max(have, default=0), 1)
+        if getattr(self, "_fill", None) is None or self._fill[0].numel() < need:
+            self._fill = (
+                torch.zeros(need, dtype=values.dtype, device=dev),  # filler ids
+                torch.zeros(need, dtype=torch.float32, device=dev),  # their weights
+                torch.ones(need, dtype=torch.float32, device=dev),  # weights of tables without them
+            )
+        zero_ids, zero_w, ones_w = self._fill
+        parts_v, parts_w, start = [], [], 0
+        for k, n, p in zip(keys, have, pad):
+            own = weights is not None and ebc._table_of[k].weighted
+            parts_v += [values[start : start + n], zero_ids[:p]]
+            parts_w += [weights[start : start + n].float() if own else ones_w[:n], zero_w[:p]]
+            start += n
+        lengths_FB = kjt.lengths().view(len(keys), B).clone()
+        if B:
+            extra = torch.tensor(pad, dtype=lengths_FB.dtype).pin_memory() if dev.type == "cuda" else None
+            extra = extra.to(dev, non_blocking=True) if extra is not None else torch.tensor(pad, dtype=lengths_FB.dtype)
+            lengths_FB[:, -1] += extra
+        padded = KeyedJaggedTensor(
+            keys=keys, values=torch.cat(parts_v), lengths=lengths_FB.reshape(-1), weights=torch.cat(parts_w), stride=B
+        )
+        W = len(counts.batch_sizes)
+        full = BatchCounts(list(counts.batch_sizes), np.tile(self.capacity, (W, 1)), [])
+        return Batch(batch.dense, padded, batch.labels, batch.position), full
+
     def _make_static(self, batch) -> None:
         """Device buffers the graph reads its batch from, and a batch made of them."""
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -217,7 +326,7 @@ class StepGraph:
     def reset(self) -> None:
         """Forget the captured graph (after the optimizers' state tensors were replaced, e.g. a checkpoint's load):
         the next steps with repeating counts warm up and capture again."""
-        self.graph, self._key = None, None
+        self.graph, self._key, self.capacity = None, None, None
 
     def close(self) -> None:
         """Release the captured graph after the device finished its work; call it before

@@ -2,7 +2,9 @@
 eager step, on 2 processes, for 20 steps of fixed bags (the first eager, the second warms up on the capture stream
 and captures, then replays) and through the steps where one rank's data has ended (other counts: eager again);
 fp32 and bf16. With ragged bags the graph is given up after `max_changes` steps of changing counts and training
-goes on the other way, with the same losses. On the CPU, where CUDA graphs do not exist, the same step runs
+goes on the other way, with the same losses, where the batches cannot be padded (mean pooling); where they can, the
+ragged batches are padded to a capacity per feature (filler ids of weight 0) and the whole step replays for them,
+again with the eager step's losses and weights. On the CPU, where CUDA graphs do not exist, the same step runs
 without capture (`StepGraph(capture=False)`: the same id exchange sized from the host's counts, lookups, dense
 step, embedding backward and optimizers) and is checked against the eager step instead.
 """
@@ -10,6 +12,7 @@ step, embedding backward and optimizers) and is checked against the eager step i
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from embshard.plan import MemoryTier, ShardingType
 
 TABLES = (
     TableConfig("s_tw", 300, 8, ("h_a",), ids_per_bag=3),
-    TableConfig("s_tw2", 500, 8, ("h_b", "h_c"), pooling="mean", ids_per_bag=2),
+    TableConfig("s_tw2", 500, 8, ("h_b", "h_c"), ids_per_bag=2),
     TableConfig("s_w", 211, 8, ("h_d",), weighted=True, ids_per_bag=4),
     TableConfig("s_dp", 12, 8, ("h_e",), ids_per_bag=2),
 )
@@ -33,30 +36,34 @@ BATCH = 32
 STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 have other counts (rank 1 feeds empty batches)
 
 
-def _build(rank, world, device, types=TYPES):
+MEAN_TABLES = tuple(replace(t, pooling="mean") if t.name == "s_tw2" else t for t in TABLES)
+
+
+def _build(rank, world, device, types=TYPES, tables=TABLES):
     from embshard.config.run import DenseOptimizerConfig
     from embshard.models.build import RecModel
     from embshard.train import make_dense_optimizer
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
-    plan = simple_plan(list(TABLES), world, world, types, tier=tier)
-    model = RecModel(MODEL, 4, plan, FusedOptimizerConfig("rowwise_adagrad", lr=0.1), device, world, 5)
+    plan = simple_plan(list(tables), world, world, types, tier=tier)
+    model_cfg = replace(MODEL, tables=tables)
+    model = RecModel(model_cfg, 4, plan, FusedOptimizerConfig("rowwise_adagrad", lr=0.1), device, world, 5)
     return model, make_dense_optimizer(DenseOptimizerConfig("adagrad", lr=0.05), model.dense_parameters())
 
 
-def _batches(rank, n, bags):
+def _batches(rank, n, bags, tables=TABLES):
     from embshard.data.synthetic import SyntheticSource
 
     data = SyntheticConfig(num_dense=4, zipf_exponent=0.5, bag_lengths=bags)
-    return itertools.islice(SyntheticSource(data, TABLES, BATCH, seed=3, rank=rank).train_batches(0), n)
+    return itertools.islice(SyntheticSource(data, tables, BATCH, seed=3, rank=rank).train_batches(0), n)
 
 
-def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed"):
+def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed", tables=TABLES):
     from embshard.dense_graph import DenseGraphStep
     from embshard.pipeline import TrainPipeline
     from embshard.step_graph import StepGraph
 
-    model, opt = _build(rank, world, device)
+    model, opt = _build(rank, world, device, tables=tables)
     if whole:
         cuda = device.type == "cuda"
         if cuda:
@@ -65,7 +72,7 @@ def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed"
             model.dense_graph = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
         model.step_graph = StepGraph(model, model.dense_graph, capture=cuda, max_changes=4)
     pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
-    batches = _batches(rank, STEPS[rank], bags)
+    batches = _batches(rank, STEPS[rank], bags, tables)
     losses, whole_steps = [], 0
     while (done := pipe.progress(batches)) is not None:
         losses.append(float(done.output.loss.detach()))
@@ -82,6 +89,8 @@ def _worker(rank, world, device):
     res.update({(True, p): _train(rank, world, device, True, p) for p in ("fp32", "bf16")})
     res["ragged"] = _train(rank, world, device, False, "fp32", "poisson")
     res["ragged whole"] = _train(rank, world, device, True, "fp32", "poisson")
+    res["mean ragged"] = _train(rank, world, device, False, "fp32", "poisson", MEAN_TABLES)
+    res["mean ragged whole"] = _train(rank, world, device, True, "fp32", "poisson", MEAN_TABLES)
     return res
 
 
@@ -107,10 +116,19 @@ def test_whole_step_graph_trains_like_the_eager_step():
             _close(state["dense"], eager_state["dense"], rtol, atol)
             _close(state["tables"], eager_state["tables"], rtol, atol)
             assert losses[-1] < losses[0], (rank, precision, losses)  # it trains
-        # ragged bags: counts change every step, the graph is given up after 4 changes; the losses are the eager ones
+        # ragged bags: counts change every step. Padded to a capacity (step 1 eager, step 2 sets the capacity, then
+        # the padded whole step; a batch over the capacity grows it and runs eagerly): the eager step's training
         eager_losses, eager_state, _ = res["ragged"]
-        losses, state, (whole_steps, replays, _, given_up) = res["ragged whole"]
-        assert whole_steps == 0 and replays == 0 and "ragged bags" in given_up, (whole_steps, given_up)
+        losses, state, (whole_steps, replays, captures, given_up) = res["ragged whole"]
+        assert given_up is None and whole_steps >= min(STEPS) - 6, (whole_steps, given_up)
+        assert (replays > 0 and captures >= 1) if cuda else (replays, captures) == (0, 0), (replays, captures)
+        _close(torch.tensor(losses), torch.tensor(eager_losses), *fp32)
+        _close(state["dense"], eager_state["dense"], *fp32)
+        _close(state["tables"], eager_state["tables"], *fp32)
+        # mean pooling cannot be padded: the graph is given up after 4 changes, and the losses are the eager ones
+        eager_losses, eager_state, _ = res["mean ragged"]
+        losses, state, (whole_steps, replays, _, given_up) = res["mean ragged whole"]
+        assert whole_steps == 0 and replays == 0 and "ragged bags" in given_up and "mean" in given_up, given_up
         _close(torch.tensor(losses), torch.tensor(eager_losses), *fp32)
         _close(state["tables"], eager_state["tables"], *fp32)
 

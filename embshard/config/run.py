@@ -65,9 +65,9 @@ class TrainingConfig:
     always does. Not with training.compile (the graph holds the eager forward's kernels)."""
     graph_scope: Literal["step", "dense"] = "step"
     """What training.cuda_graph captures: step, the whole step (id exchange, lookups, pooled exchange, dense step,
-    embedding backward with the fused update) wherever every rank's batch counts repeat from one step to the next
-    (fixed bags) and the plan is table-wise and data-parallel in HBM/UVM (embshard/step_graph.py), else the dense
-    step alone; dense, the dense step alone."""
+    embedding backward with the fused update) where the plan is table-wise and data-parallel in HBM/UVM, for fixed
+    bags as they are and for ragged bags padded to a capacity (sum pooling, sgd/adagrad/rowwise_adagrad without
+    weight decay; embshard/step_graph.py), else the dense step alone; dense, the dense step alone."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""

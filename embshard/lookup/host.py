@@ -11,6 +11,7 @@ from torch import nn
 from embshard.lookup.base import NoCache
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
+from embshard.ops import weights_forced
 from embshard.optim import FusedOptimizerConfig, optimizer_state, sparse_update
 from embshard.options import LookupOptions
 from embshard.tables import DataType
@@ -80,7 +81,7 @@ class HostLookup(NoCache, nn.Module):
             end = offsets[hi]
             idx = indices[start:end].long()
             w = self.weights[self._feature_shard[f]]
-            psw = weights[start:end] if (weights is not None and self.weighted) else None
+            psw = weights[start:end] if (weights is not None and (self.weighted or weights_forced())) else None
             outs.append(
                 nn.functional.embedding_bag(
                     idx,

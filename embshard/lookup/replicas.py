@@ -13,7 +13,7 @@ from torch import nn
 from embshard.comm import scoped_label, start_all_reduce
 from embshard.lookup.base import CountedSteps, NoCache
 from embshard.lookup.shards import LocalShard, init_rows
-from embshard.ops import feature_of_ids
+from embshard.ops import feature_of_ids, weights_forced
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.options import LookupOptions
 from embshard.tables import ConfigError, DataType
@@ -136,9 +136,10 @@ class DataParallelLookup(NoCache, CountedSteps, nn.Module):
         if indices.dtype not in (torch.int32, torch.int64):
             indices = indices.long()
         psw = None
-        if weights is not None and self._weighted != "none":
+        forced = weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        if weights is not None and (self._weighted != "none" or forced):
             psw = weights.float()
-            if self._weighted == "some":  # unweighted features pool with weight 1
+            if self._weighted == "some" and not forced:  # unweighted features pool with weight 1
                 psw = torch.where(self._per_id(self._weighted_F, offsets, indices.numel()), psw, 1.0)
         if torch.is_grad_enabled():
             pooled = _ReplicaBags.apply(self, indices, offsets, psw, self.tbe.weights)

@@ -19,6 +19,7 @@ from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
 from embshard.lookup.uvm_fill import HostFirstTouch, concurrent_managed_access, uvm_first_touch
+from embshard.ops import weights_forced
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import LookupOptions, OutputDtype
 from embshard.tables import ConfigError
@@ -98,7 +99,8 @@ class TBELookup(nn.Module):
             F = len(self.features)
             bounds = offsets[torch.arange(F + 1, device=offsets.device) * ((offsets.numel() - 1) // F)]
             self._requested_F += bounds[1:] - bounds[:-1]
-        out = self.tbe(indices.long(), offsets, per_sample_weights=weights if self.weighted else None)
+        weighted = self.weighted or weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        out = self.tbe(indices.long(), offsets, per_sample_weights=weights if weighted else None)
         return out.to(self._cast) if self._cast is not None else out
 
     def prefetch(
