@@ -147,7 +147,8 @@ class StepGraph:
     # ---- when ------------------------------------------------------------------------------------------------
     def ready(self, counts: BatchCounts) -> bool:
         """Whether this step (its ranks' agreed `counts`) runs the whole-step graph: its counts equal the last
-        eligible step's (the first of a run of equal counts returns False and remembers them)."""
+        eligible step's (the first of a run of equal counts returns False and remembers them), or, once the counts
+        have changed (padded mode), they fit the capacity (a batch over it returns False and grows the capacity)."""
         if self.given_up is not None or not torch.is_grad_enabled() or counts.bad_ranks:
             return False
         if len(set(counts.batch_sizes)) != 1 or counts.batch_sizes[0] != self.dense_step.batch_size:
