@@ -7,6 +7,7 @@ CPU.
   without an optimizer. Their Triton kernels: `_pool_triton` (forward, update), `_grad_triton` (backward).
 - `data_parallel.KernelDataParallelLookup`: DataParallelLookup on `pool` / `dense_gradients`.
 - `regroup.KernelRegroup`: Regroup's contract, one column-gather launch forward and one backward.
+- `cross.cross_sum`: a DLRM-DCNv2 cross layer's fp32 running sum and its bf16 copy in one pass, backward in one.
 - `cost`: pure functions the planner uses to predict both kernels; `calibrate`: their measurements.
 """
 
