@@ -47,7 +47,7 @@ import torch
 
 from embshard.dense_graph import DenseGraphStep
 from embshard.models.registry import StepOutput
-from embshard.ops import every_id_weighted
+from embshard.ops import every_id_weighted, small_to_device
 from embshard.optim import OptimizerKind
 from embshard.options import BoundsCheck
 from embshard.plan import LookupKernel, MemoryTier, ShardingType
@@ -143,6 +143,7 @@ class StepGraph:
         self._counts: BatchCounts | None = None  # the counts the static buffers (and the graph) are sized for
         self._captured_lrs: list[float] = []
         self._stream: torch.cuda.Stream | None = None
+        self._fill: tuple[torch.Tensor, ...] | None = None  # padded mode: filler ids, their weights, ones
 
     # ---- when ------------------------------------------------------------------------------------------------
     def ready(self, counts: BatchCounts) -> bool:
@@ -278,7 +279,7 @@ class StepGraph:
         values, weights = kjt.values(), kjt.weights_or_none()
         dev = values.device
         need = max(max(pad, default=0), max(have, default=0), 1)
-        if getattr(self, "_fill", None) is None or self._fill[0].numel() < need:
+        if self._fill is None or self._fill[0].numel() < need:
             self._fill = (
                 torch.zeros(need, dtype=values.dtype, device=dev),  # filler ids
                 torch.zeros(need, dtype=torch.float32, device=dev),  # their weights
@@ -293,9 +294,7 @@ class StepGraph:
             start += n
         lengths_FB = kjt.lengths().view(len(keys), B).clone()
         if B:
-            extra = torch.tensor(pad, dtype=lengths_FB.dtype).pin_memory() if dev.type == "cuda" else None
-            extra = extra.to(dev, non_blocking=True) if extra is not None else torch.tensor(pad, dtype=lengths_FB.dtype)
-            lengths_FB[:, -1] += extra
+            lengths_FB[:, -1] += small_to_device(pad, dev).to(lengths_FB.dtype)
         padded = KeyedJaggedTensor(
             keys=keys, values=torch.cat(parts_v), lengths=lengths_FB.reshape(-1), weights=torch.cat(parts_w), stride=B
         )

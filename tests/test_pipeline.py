@@ -13,6 +13,7 @@ mean-pooled features):
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 from dist_harness import device_kind, run_distributed
@@ -42,22 +43,26 @@ BATCH = 32
 UNEVEN = [5, 3]  # batches of rank 0 and rank 1
 
 
-def _build(rank, world, device):
+def _build(rank, world, device, tables=TABLES, types=TYPES):
+    """The DLRM-DCNv2 of `tables` (default: this file's mixed plan) planned with `types`, and its dense Adagrad."""
     from embshard.config.run import DenseOptimizerConfig
     from embshard.models.build import RecModel
     from embshard.train import make_dense_optimizer
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
-    plan = simple_plan(list(TABLES), world, world, TYPES, tier=tier, column_shards=2)
+    plan = simple_plan(list(tables), world, world, types, tier=tier, column_shards=2)
     torch.manual_seed(77 + rank)  # must not matter: every weight is seeded
-    model = RecModel(MODEL, DATA.num_dense, plan, FusedOptimizerConfig("rowwise_adagrad", lr=0.1), device, world, 5)
+    cfg = MODEL if tables is TABLES else replace(MODEL, tables=tuple(tables))
+    model = RecModel(cfg, DATA.num_dense, plan, FusedOptimizerConfig("rowwise_adagrad", lr=0.1), device, world, 5)
     return model, make_dense_optimizer(DenseOptimizerConfig("adagrad", lr=0.05), model.dense_parameters())
 
 
-def _batches(rank, n):
+def _batches(rank, n, tables=TABLES, bags=None):
+    """This rank's first n synthetic batches of `tables` (bag lengths: DATA's, or `bags`)."""
     from embshard.data.synthetic import SyntheticSource
 
-    return itertools.islice(SyntheticSource(DATA, TABLES, BATCH, seed=3, rank=rank).train_batches(0), n)
+    data = DATA if bags is None else replace(DATA, bag_lengths=bags)
+    return itertools.islice(SyntheticSource(data, tables, BATCH, seed=3, rank=rank).train_batches(0), n)
 
 
 def _plain(rank, world, device, n):

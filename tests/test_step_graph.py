@@ -11,18 +11,17 @@ step, embedding backward and optimizers) and is checked against the eager step i
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
 import torch
 from dist_harness import device_kind, run_distributed
-from test_pipeline import _state
+from test_pipeline import BATCH, _state
+from test_pipeline import _batches as pipeline_batches
+from test_pipeline import _build as build_model
 
-from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.config.data import SyntheticConfig
-from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig
-from embshard.plan import MemoryTier, ShardingType
+from embshard import TableConfig
+from embshard.plan import ShardingType
 
 TABLES = (
     TableConfig("s_tw", 300, 8, ("h_a",), ids_per_bag=3),
@@ -31,31 +30,10 @@ TABLES = (
     TableConfig("s_dp", 12, 8, ("h_e",), ids_per_bag=2),
 )
 TYPES = {"s_dp": ShardingType.DATA_PARALLEL}  # the rest table-wise
-MODEL = ModelConfig("dlrm_dcnv2", TABLES, dlrm=DLRMConfig((16,), (16,)), dcn=DCNConfig(num_layers=2, low_rank=4))
-BATCH = 32
 STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 have other counts (rank 1 feeds empty batches)
 
 
 MEAN_TABLES = tuple(replace(t, pooling="mean") if t.name == "s_tw2" else t for t in TABLES)
-
-
-def _build(rank, world, device, types=TYPES, tables=TABLES):
-    from embshard.config.run import DenseOptimizerConfig
-    from embshard.models.build import RecModel
-    from embshard.train import make_dense_optimizer
-
-    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
-    plan = simple_plan(list(tables), world, world, types, tier=tier)
-    model_cfg = replace(MODEL, tables=tables)
-    model = RecModel(model_cfg, 4, plan, FusedOptimizerConfig("rowwise_adagrad", lr=0.1), device, world, 5)
-    return model, make_dense_optimizer(DenseOptimizerConfig("adagrad", lr=0.05), model.dense_parameters())
-
-
-def _batches(rank, n, bags, tables=TABLES):
-    from embshard.data.synthetic import SyntheticSource
-
-    data = SyntheticConfig(num_dense=4, zipf_exponent=0.5, bag_lengths=bags)
-    return itertools.islice(SyntheticSource(data, tables, BATCH, seed=3, rank=rank).train_batches(0), n)
 
 
 def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed", tables=TABLES):
@@ -63,7 +41,7 @@ def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed"
     from embshard.pipeline import TrainPipeline
     from embshard.step_graph import StepGraph
 
-    model, opt = _build(rank, world, device, tables=tables)
+    model, opt = build_model(rank, world, device, tables, TYPES)
     if whole:
         cuda = device.type == "cuda"
         if cuda:
@@ -72,7 +50,7 @@ def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed"
             model.dense_graph = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
         model.step_graph = StepGraph(model, model.dense_graph, capture=cuda, max_changes=4)
     pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
-    batches = _batches(rank, STEPS[rank], bags, tables)
+    batches = pipeline_batches(rank, STEPS[rank], tables, bags)
     losses, whole_steps = [], 0
     while (done := pipe.progress(batches)) is not None:
         losses.append(float(done.output.loss.detach()))
@@ -136,7 +114,7 @@ def test_whole_step_graph_trains_like_the_eager_step():
 def _refusal_worker(rank, world, device):
     from embshard.step_graph import StepGraph, refusal
 
-    model, opt = _build(rank, world, device, {**TYPES, "s_tw2": ShardingType.ROW_WISE})
+    model, opt = build_model(rank, world, device, TABLES, {**TYPES, "s_tw2": ShardingType.ROW_WISE})
     why = refusal(model)
     with pytest.raises(ValueError, match="row_wise"):
         StepGraph(model, None)

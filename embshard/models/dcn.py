@@ -36,9 +36,10 @@ def _low_rank_cross_net() -> type[nn.Module]:
             from embshard.kernels.cross import cross_sum, fused_available
 
             x_0 = input
-            x_l = x_in = x_0.to(torch.promote_types(x_0.dtype, torch.float32))  # the sum; the products' input
-            for i, (V, W, b) in enumerate(zip(self.V_kernels, self.W_kernels, self.bias)):
-                y = nn.functional.linear(nn.functional.linear(x_0 if i == 0 else x_in, V), W, b)
+            x_l = x_0.to(torch.promote_types(x_0.dtype, torch.float32))  # the running sum
+            x_in = x_0  # the products' input: the sum as autocast would cast it (x_0 itself at first)
+            for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
+                y = nn.functional.linear(nn.functional.linear(x_in, V), W, b)
                 if self.fused and fused_available(x_l, x_0, y):
                     x_l, x_in = cross_sum(x_l, x_0, y)  # x_in: the sum in x_0's dtype (what autocast would cast)
                 else:
