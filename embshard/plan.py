@@ -40,6 +40,11 @@ class Exchange(str, enum.Enum):
     HIERARCHICAL = "hierarchical"  # reduce within the host first, then one all-to-all between hosts' peer ranks
 
 
+GRAPH_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
+"""The sharding types a whole training step captured as one CUDA graph can hold (embshard/step_graph.py): their
+exchanges are sized from the host's counts."""
+
+
 class MemoryTier(str, enum.Enum):
     """Where a shard's weights and optimizer state live."""
 

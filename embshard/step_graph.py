@@ -50,13 +50,13 @@ from embshard.models.registry import StepOutput
 from embshard.ops import every_id_weighted, small_to_device
 from embshard.optim import OptimizerKind
 from embshard.options import BoundsCheck
-from embshard.plan import LookupKernel, MemoryTier, ShardingType
+from embshard.plan import GRAPH_SHARDING_TYPES, LookupKernel, MemoryTier
 from embshard.sharding.exchange import BatchCounts
 from embshard.tables import Pooling, feature_columns
 
 __all__ = ["StepGraph", "refusal"]
 
-SUPPORTED = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
+SUPPORTED = GRAPH_SHARDING_TYPES
 
 
 def refusal(model) -> str | None:

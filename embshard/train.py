@@ -33,12 +33,23 @@ from embshard.tables import AllRanksError, ConfigError
 def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: int, log: Callable[[str], None]):
     """The job's sharding plan (planner.*, priced for schedule.batch_size per rank, the lookups' output dtype and
     where the pipeline takes each step's batch counts from: cfg.batch_counts, host unless training.pipeline is none,
-    lookup.bounds_check drop or a retrieval catalog), made on rank 0 and broadcast to every rank (`plan_on_rank0`)."""
+    lookup.bounds_check drop or a retrieval catalog; a plan the whole-step CUDA graph can hold first where the job
+    captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`)."""
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     counts = cfg.batch_counts
     return plan_on_rank0(
         lambda: plan_for_job(
-            tables, cfg.planner, world, local_world, device.type, batch, cfg.sparse_optimizer, log, cfg.lookup, counts
+            tables,
+            cfg.planner,
+            world,
+            local_world,
+            device.type,
+            batch,
+            cfg.sparse_optimizer,
+            log,
+            cfg.lookup,
+            counts,
+            whole_step_graph=cfg.whole_step_graph and device.type == "cuda",
         )
     )
 

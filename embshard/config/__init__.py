@@ -143,6 +143,15 @@ class TrainConfig:
         catalog = self.model.kind == "two_tower" and tt is not None and tt.catalog_mode
         return "host" if counts_on_host(self.training.pipeline, self.lookup.bounds_check, catalog) else "device"
 
+    @property
+    def whole_step_graph(self) -> bool:
+        """Whether this job asks for its whole training step as one CUDA graph (training.cuda_graph with
+        graph_scope step, the batch counts on the host, no raw-id tables; on CUDA GPUs): the planner then looks
+        first for a plan the graph can hold, unless planner.settings.whole_step_graph is set."""
+        t = self.training
+        raw = any(tb.raw_ids for tb in self.model.tables)
+        return t.cuda_graph and t.graph_scope == "step" and self.batch_counts == "host" and not raw
+
 
 _KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan
+from embshard.plan import GRAPH_SHARDING_TYPES, MemoryTier, ShardingPlan, ShardingType
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.errors import PlanningError
 from embshard.planner.search import plan_with_report
@@ -99,6 +99,39 @@ def settings_for_counts(settings: PlannerSettings, batch_counts: str | None) -> 
     return replace(settings, batch_counts=batch_counts)
 
 
+def settings_for_graph(settings: PlannerSettings, whole_step_graph: bool) -> PlannerSettings:
+    """`settings` with `whole_step_graph` taken from a job (whether its training step is captured whole:
+    training.cuda_graph with graph_scope step on CUDA GPUs) where the config leaves it unset."""
+    if settings.whole_step_graph is not None:
+        return settings
+    return replace(settings, whole_step_graph=whole_step_graph)
+
+
+def graph_settings(settings: PlannerSettings) -> PlannerSettings:
+    """`settings` narrowed to the options a whole-step CUDA graph can hold (`GRAPH_SHARDING_TYPES`, no UVM caching,
+    FBGEMM's kernels), within what `settings` already allows."""
+    types = tuple(t for t in (settings.sharding_types or tuple(ShardingType)) if t in GRAPH_SHARDING_TYPES)
+    tiers = tuple(t for t in (settings.tiers or tuple(MemoryTier)) if t is not MemoryTier.UVM_CACHING)
+    return replace(settings, sharding_types=types, tiers=tiers, small_table_kernel=False)
+
+
+def search_plan(tables, topo, batch_size, optimizer, constraints, settings, say=None):
+    """The search's (plan, report); with settings.whole_step_graph, first among the options a whole-step graph can
+    hold (`graph_settings`), then, if none of those fits, among all (`say` gets why)."""
+    say = say or (lambda _text: None)
+    if settings.whole_step_graph:
+        try:
+            return plan_with_report(tables, topo, batch_size, optimizer, constraints, graph_settings(settings))
+        except (PlanningError, ConfigError) as e:
+            why = str(e).strip().splitlines()[0]
+            say(
+                "planner: no plan that the whole-step CUDA graph can hold fits (table_wise and data_parallel tables, "
+                f"no uvm_caching, FBGEMM's kernels): {why}; planning with every option, so the step runs without "
+                "the whole-step graph"
+            )
+    return plan_with_report(tables, topo, batch_size, optimizer, constraints, settings)
+
+
 def plan_for_job(
     tables: Sequence[TableConfig],
     planner_cfg: PlannerConfig,
@@ -110,6 +143,7 @@ def plan_for_job(
     log: Callable[[str], None] | None = None,
     lookup=None,
     batch_counts: str | None = None,
+    whole_step_graph: bool = False,
 ) -> ShardingPlan:
     """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
     (strategy auto: the search on the topology of planner.topology_file or of this machine, for `batch_size`
@@ -119,7 +153,9 @@ def plan_for_job(
     LookupOptions, whose output dtype prices the pooled rows unless planner.settings.pooled_bytes is set
     (`settings_for_lookup`); `batch_counts`: where the job's steps take their batch counts from
     (TrainConfig.batch_counts, 'host' or 'device'), which says whether the step pays the device sync, unless
-    planner.settings.batch_counts is set (`settings_for_counts`). Deterministic; a training job still makes it on
+    planner.settings.batch_counts is set (`settings_for_counts`); `whole_step_graph`: the job captures its whole
+    step as one CUDA graph, so a plan that the graph can hold is looked for first, unless
+    planner.settings.whole_step_graph is set (`settings_for_graph`). Deterministic; a training job still makes it on
     rank 0 only and broadcasts it (train.plan_on_rank0)."""
     say = log or (lambda _text: None)
     if planner_cfg.plan_file:
@@ -149,8 +185,8 @@ def plan_for_job(
     topo = topology_for(planner_cfg, world_size, local_world_size, device_type)
     try:
         settings = settings_for_lookup(planner_cfg.settings, lookup) if lookup is not None else planner_cfg.settings
-        settings = settings_for_counts(settings, batch_counts)
-        plan, report = plan_with_report(tables, topo, batch_size, optimizer, planner_cfg.constraints, settings)
+        settings = settings_for_graph(settings_for_counts(settings, batch_counts), whole_step_graph)
+        plan, report = search_plan(tables, topo, batch_size, optimizer, planner_cfg.constraints, settings, say)
     except PlanningError as e:
         raise PlanningError(
             f"planner: no sharding plan fits {topo.describe()}:\n{e}\n(in a training config: planner.hbm_gib and "

@@ -53,6 +53,10 @@ class PlannerSettings:
     """Where each step's batch counts come from: host (counted on the CPU by the training pipeline: no device sync)
     or device (gathered on the GPUs: the topology's host_sync_s, 0.68 ms a step, charged); unset: as the training
     job runs (host unless training.pipeline is none, lookup.bounds_check drop or a retrieval catalog), else host."""
+    whole_step_graph: bool | None = None
+    """Look first for a plan whose whole training step can be one CUDA graph (table-wise and data-parallel tables,
+    no UVM caching, FBGEMM's kernels); if none fits, plan without those limits (the log says why); unset: as the
+    training job runs (training.cuda_graph with graph_scope step on CUDA GPUs), else false."""
 
     def __post_init__(self) -> None:
         def bad(fld: str, rule: str) -> ConfigError:
@@ -86,6 +90,8 @@ class PlannerSettings:
         object.__setattr__(self, "table_row_wise_exchange", value)
         if self.batch_counts not in (None, "host", "device"):
             raise bad("batch_counts", "choose host (the training pipeline's) or device (one device sync a step)")
+        if self.whole_step_graph not in (None, True, False):
+            raise bad("whole_step_graph", "it must be true or false (or unset: as the training job runs)")
         object.__setattr__(self, "sharding_types", tuple(ShardingType(s) for s in self.sharding_types))
         object.__setattr__(self, "tiers", tuple(MemoryTier(t) for t in self.tiers))
 

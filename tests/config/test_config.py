@@ -445,3 +445,34 @@ def test_the_plan_prices_the_batch_counts_the_job_uses(tmp_path):
     assert step_ms(["planner.settings.batch_counts=device"], "host") == device  # the config's setting wins
     with pytest.raises(ConfigError, match="batch_counts='gpu' is invalid: expected one of 'host', 'device'"):
         load_config(path, ["planner.settings.batch_counts=gpu"])
+
+
+def test_whole_step_graph_plan_first_then_every_option():
+    """A job that captures its whole step asks the planner first for a plan the graph can hold (table-wise and
+    data-parallel, no UVM caching, FBGEMM's kernels); where none fits it plans with every option and says why."""
+    from embshard.planner import Topology
+    from embshard.planner.policy import search_plan
+    from embshard.planner.tools.inputs import training_planner_input
+
+    config = str(ROOT / "configs" / "dlrm_dcnv2_mlperf.yaml")
+    topo = Topology.preset("h100", 2, 2).with_sizes(hbm_gib=40)
+
+    def plan(graph: str, topo=topo):
+        inp, _ = training_planner_input(config, [f"training.cuda_graph={graph}", "training.precision=bf16"])
+        said: list[str] = []
+        out, _ = search_plan(inp.tables, topo, 8192, inp.optimizer, inp.constraints, inp.settings, said.append)
+        return {(t.sharding_type, t.tier) for t in out.tables}, said
+
+    free, said = plan("false")
+    assert not said
+    assert (ShardingType.ROW_WISE, MemoryTier.HBM) in free and (ShardingType.TABLE_WISE, MemoryTier.UVM_CACHING) in free
+    held, said = plan("true")
+    assert not said
+    assert {st for st, _ in held} <= {ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL}
+    assert MemoryTier.UVM_CACHING not in {tier for _, tier in held}
+    # 4 ranks of 18 GiB GPU and 30 GiB host memory hold one whole 40M-row table (19 GiB) each, not the fifth:
+    # that one is split row-wise, and the log says why
+    small = Topology.preset("h100", 4, 4).with_sizes(hbm_gib=18, ddr_gib=30)
+    fallback, said = plan("true", small)
+    assert ShardingType.ROW_WISE in {st for st, _ in fallback}
+    assert len(said) == 1 and "no plan that the whole-step CUDA graph can hold fits" in said[0]

@@ -12,8 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from embshard.planner.explain import explain
-from embshard.planner.policy import topology_for
-from embshard.planner.search import plan_with_report
+from embshard.planner.policy import search_plan, topology_for
 from embshard.planner.tools.inputs import (
     PlannerInput,
     is_training_config,
@@ -137,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_intermixed_args(argv)
     try:
         inp, topo = load_input(args)
-        plan, report = plan_with_report(inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings)
+        plan, report = search_plan(
+            inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, print
+        )
         if args.format == "table":
             print(report)
         elif args.format == "yaml":

@@ -28,7 +28,7 @@ from typing import Any
 from embshard.config import PlannerConfig, load_config
 from embshard.optim import FusedOptimizerConfig
 from embshard.planner.constraints import ParameterConstraints
-from embshard.planner.policy import settings_for_counts, settings_for_lookup
+from embshard.planner.policy import settings_for_counts, settings_for_graph, settings_for_lookup
 from embshard.planner.settings import PlannerSettings
 from embshard.tables import ConfigError, TableConfig, check_known_keys, validate_tables
 
@@ -149,11 +149,12 @@ def is_training_config(data: Any) -> bool:
 
 def training_planner_input(path: str | Path, overrides: Sequence[str] = ()) -> tuple[PlannerInput, PlannerConfig]:
     """The planner input of a training config: the model's tables, schedule.batch_size (per rank), the sparse
-    optimizer, planner.constraints and planner.settings (pooled_bytes and batch_counts as the job runs, where unset);
+    optimizer, planner.constraints and planner.settings (pooled_bytes, batch_counts and whole_step_graph as the job runs, where unset);
     and the config's planner section."""
     cfg = load_config(path, overrides)
     p = cfg.planner
     settings = settings_for_counts(settings_for_lookup(p.settings, cfg.lookup), cfg.batch_counts)  # as the job runs
+    settings = settings_for_graph(settings, cfg.whole_step_graph)
     inp = PlannerInput(
         tables=tuple(cfg.model.tables),
         batch_size=cfg.schedule.batch_size,
