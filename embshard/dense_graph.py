@@ -133,6 +133,8 @@ class DenseGraphStep:
         group: the process group the gradients are averaged over (None: the default group; one process: none).
         capture: False runs the same step without a graph, each call (on any device: a check of the step's
             arithmetic against the eager one where CUDA graphs do not exist).
+        compile: a torch.compile mode without CUDA graphs of its own ("default", "max-autotune-no-cudagraphs") for
+            the forward and loss (and so their backward), whose kernels the graph then holds; None: eager kernels.
     """
 
     def __init__(
@@ -143,8 +145,19 @@ class DenseGraphStep:
         autocast_bf16: bool,
         group: dist.ProcessGroup | None = None,
         capture: bool = True,
+        compile: str | None = None,
     ) -> None:
+        if compile not in (None, "default", "max-autotune-no-cudagraphs"):
+            raise ValueError(
+                f"compile mode {compile!r} cannot be held by the step's CUDA graph: use default or "
+                "max-autotune-no-cudagraphs (reduce-overhead makes CUDA graphs of its own)"
+            )
         self.dense, self.optimizer, self.batch_size = dense, optimizer, batch_size
+        self._forward_loss = (
+            torch.compile(self._eager_forward_loss, mode=compile, dynamic=False)
+            if compile
+            else self._eager_forward_loss
+        )
         self.autocast_bf16, self.group = autocast_bf16, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.names, self.params = zip(*[(n, p) for n, p in dense.named_parameters() if p.requires_grad])
@@ -222,18 +235,25 @@ class DenseGraphStep:
         not wait on. Nothing of the dense part's autograd graph is kept (its nodes would carry the warm-up's stream
         into the capture); `sparse_BS` is read through a leaf of its own, so the embeddings' graph behind it is left
         as it is (the caller runs its backward with the returned gradient)."""
-        # no autocast cache under capture (torch's advice for graphs): the casts are captured kernels either way
-        ctx = torch.autocast(
-            sparse_BS.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False
-        )
         sparse_leaf = sparse_BS.detach().requires_grad_(True)
-        with ctx:
-            logits_B = torch.func.functional_call(self.dense, self._leaves, (dense_BN, sparse_leaf))
-            loss = nn.functional.binary_cross_entropy_with_logits(logits_B, labels_B)
+        loss, logits_B = self._forward_loss(self._leaves, dense_BN, sparse_leaf, labels_B)
         inputs = [*self._leaves.values(), sparse_leaf]
         *grads, grad_BS = torch.autograd.grad(loss, inputs, materialize_grads=True)  # unused: zeros
         torch._foreach_copy_(self._grad_views, grads)
         return loss.detach(), logits_B.detach(), grad_BS
+
+    def _eager_forward_loss(
+        self, leaves: dict[str, torch.Tensor], dense_BN: torch.Tensor, sparse_BS: torch.Tensor, labels_B: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, logits `[B]`) of the dense part read through `leaves` (compiled when the step is)."""
+        # no autocast cache under capture (torch's advice for graphs): the casts are captured kernels either way
+        ctx = torch.autocast(
+            sparse_BS.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16, cache_enabled=False
+        )
+        with ctx:
+            logits_B = torch.func.functional_call(self.dense, leaves, (dense_BN, sparse_BS))
+            loss = nn.functional.binary_cross_entropy_with_logits(logits_B, labels_B)
+        return loss, logits_B
 
     def reduce_and_update(self) -> None:
         """The gradients' average over the ranks (one all-reduce of the flat buffer) and the optimizer's step."""

@@ -62,10 +62,12 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
     model = RecModel(cfg.model, num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     mode = cfg.training.compile
-    if mode != "none" and not model.compile_dense(mode, cfg.schedule.batch_size):
+    graph = cfg.training.cuda_graph
+    if mode != "none" and not graph and not model.compile_dense(mode, cfg.schedule.batch_size):
         log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
-    if cfg.training.cuda_graph:
-        why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, cfg.training.precision == "bf16")
+    if graph:  # with training.compile, the graph holds the compiled forward's kernels (the eager steps run eagerly)
+        bf16, compiled = cfg.training.precision == "bf16", None if mode == "none" else mode
+        why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
         if why_not is not None:
             log(f"training.cuda_graph: {why_not}; the dense step runs eagerly")
         elif cfg.training.graph_scope == "step":

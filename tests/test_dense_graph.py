@@ -21,12 +21,14 @@ from embshard.tables import ConfigError
 STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 run eagerly (rank 1 feeds empty batches)
 
 
-def _train(rank, world, device, graph: bool, precision: str):
+def _train(rank, world, device, graph: bool | str, precision: str):
+    """`graph`: False (eager), True (the graph) or "compiled" (the graph holding torch.compile's kernels, CUDA)."""
     from embshard.dense_graph import DenseGraphStep
     from embshard.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
-    why_not = model.capture_dense_step(opt, 32, precision == "bf16") if graph else "off"
+    compiled = "default" if graph == "compiled" else None
+    why_not = model.capture_dense_step(opt, 32, precision == "bf16", compiled) if graph else "off"
     if graph and device.type == "cpu":  # the graph's step without capture
         model.dense_graph = DenseGraphStep(model.dense_module(), opt, 32, precision == "bf16", capture=False)
     pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
@@ -43,10 +45,11 @@ def _train(rank, world, device, graph: bool, precision: str):
 
 
 def _worker(rank, world, device):
+    graphs = (False, True, "compiled") if device.type == "cuda" else (False, True)  # torch.compile: CUDA only
     return {
         (graph, precision): _train(rank, world, device, graph, precision)
         for precision in ("fp32", "bf16")
-        for graph in (False, True)
+        for graph in graphs
     }
 
 
@@ -56,9 +59,14 @@ def test_graph_step_trains_like_the_eager_step():
         # fp32: on the CPU the same arithmetic as the eager step; on GPUs 20 steps of the same model trained twice
         # (atomics in the embedding backward, kernels picked under capture) may drift by rounding
         fp32 = (1e-5, 1e-6) if device_kind() == "cpu" else (1e-4, 1e-5)
-        for precision, (rtol, atol) in (("fp32", fp32), ("bf16", (2e-2, 2e-3))):
+        # compiled: inductor's fused kernels round differently from the eager ones (fp32 to about 1e-6 a step)
+        cases = [(True, "fp32", fp32), (True, "bf16", (2e-2, 2e-3))]
+        cases += [("compiled", "fp32", (1e-3, 1e-4)), ("compiled", "bf16", (2e-2, 2e-3))]
+        for graph, precision, (rtol, atol) in cases:
+            if (graph, precision) not in res:
+                continue  # compiled: CUDA only
             eager_losses, eager_state, _, _ = res[(False, precision)]
-            losses, state, why_not, replays = res[(True, precision)]
+            losses, state, why_not, replays = res[(graph, precision)]
             assert len(losses) == max(STEPS), (rank, precision, losses)
             assert why_not == (None if device_kind() == "cuda" else "CUDA graphs need a CUDA GPU"), why_not
             assert replays == min(STEPS) - 1, (rank, precision, replays)  # steps 2-20 replayed; 1, 21, 22 eager
@@ -68,11 +76,11 @@ def test_graph_step_trains_like_the_eager_step():
             assert losses[-1] < losses[0], (rank, precision, losses)  # it trains
 
 
-def test_cuda_graph_refuses_a_compiled_dense_part():
-    for mode in ("reduce-overhead", "default"):
-        with pytest.raises(ConfigError, match=f"cuda_graph.*compile {mode}.*training.compile none"):
-            TrainingConfig(compile=mode, cuda_graph=True)
-    TrainingConfig(compile="none", cuda_graph=True)
+def test_cuda_graph_holds_compiled_kernels_not_compiled_graphs():
+    with pytest.raises(ConfigError, match="compile.*reduce-overhead.*CUDA graphs of its own.*compile default"):
+        TrainingConfig(compile="reduce-overhead", cuda_graph=True)
+    for mode in ("none", "default", "max-autotune-no-cudagraphs"):
+        TrainingConfig(compile=mode, cuda_graph=True)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])

@@ -57,12 +57,14 @@ class TrainingConfig:
     """torch.compile of the dense part's forward (and so its backward) for the training batch size, on CUDA GPUs:
     default fuses its elementwise work into fewer kernels; reduce-overhead also replays it as CUDA graphs. Other
     batch shapes (the last partial batch, evaluation) and the CPU run eagerly. Costs a compile at the first step
-    (tens of seconds)."""
+    (tens of seconds). With training.cuda_graph (default or max-autotune-no-cudagraphs): the graph holds the
+    compiled kernels."""
     cuda_graph: bool = False
     """Replay the dense part's whole training step (forward, loss, backward, gradient all-reduce, optimizer) as one
     CUDA graph, captured at the second step of the training batch size (embshard/dense_graph.py): DLRM kinds on CUDA
     GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU
-    always does. Not with training.compile (the graph holds the eager forward's kernels)."""
+    always does. With training.compile default or max-autotune-no-cudagraphs, the graph holds the compiled
+    forward's and backward's kernels."""
     graph_scope: Literal["step", "dense"] = "step"
     """What training.cuda_graph captures: step, the whole step (id exchange, lookups, pooled exchange, dense step,
     embedding backward with the fused update) where the plan is table-wise and data-parallel in HBM/UVM, for fixed
@@ -75,11 +77,11 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.prefetch_batches < 1:
             raise FieldError("prefetch_batches", self.prefetch_batches, "it must be >= 1 batch")
-        if self.cuda_graph and self.compile != "none":
+        if self.cuda_graph and self.compile == "reduce-overhead":
             raise FieldError(
-                "cuda_graph", self.cuda_graph,
-                f"the graph runs the dense part's eager forward, so compile {self.compile} would not apply: set "
-                "training.compile none with it (or cuda_graph false to compile)",
+                "compile", self.compile,
+                "reduce-overhead makes CUDA graphs of its own, which training.cuda_graph's graph cannot hold: use "
+                "compile default (or max-autotune-no-cudagraphs) with cuda_graph, or cuda_graph false",
             )  # fmt: skip
 
 

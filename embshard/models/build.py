@@ -87,9 +87,12 @@ class RecModel(nn.Module):
             if graph is not None:
                 graph.close()
 
-    def capture_dense_step(self, optimizer: torch.optim.Optimizer, batch_size: int, bf16: bool) -> str | None:
+    def capture_dense_step(
+        self, optimizer: torch.optim.Optimizer, batch_size: int, bf16: bool, compile: str | None = None
+    ) -> str | None:
         """Replay the dense part's training step as one CUDA graph for batches of `batch_size` (training.cuda_graph,
-        embshard/dense_graph.py). Returns None if it will, else why not (it then runs eagerly)."""
+        embshard/dense_graph.py), its forward and loss compiled in mode `compile` if given (training.compile).
+        Returns None if it will, else why not (it then runs eagerly)."""
         from embshard.dense_graph import DenseGraphStep
 
         if self.ebc.device.type != "cuda":
@@ -99,7 +102,7 @@ class RecModel(nn.Module):
         if self.catalog is not None:
             return "a retrieval catalog's step is not a DLRM step"
         try:
-            self.dense_graph = DenseGraphStep(self.dense_module(), optimizer, batch_size, bf16)
+            self.dense_graph = DenseGraphStep(self.dense_module(), optimizer, batch_size, bf16, compile=compile)
         except ValueError as e:  # the optimizer has no capturable step
             return str(e)
         return None
