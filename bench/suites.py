@@ -221,8 +221,9 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             out.append(torchrec(p))
             if args.cuda_graph != "only":
                 out.append(embshard(p, "--precision", p, *profile, *pooled, *compile_))
-            if args.cuda_graph:  # the dense step as one CUDA graph (not with reduce-overhead's graphs: no compile)
+            if args.cuda_graph:  # the step as one CUDA graph (holding compiled kernels, not reduce-overhead's graphs)
                 graph = ["training.cuda_graph=true"] + (profile if args.cuda_graph == "only" else [])
+                graph += compile_ if args.compile != "reduce-overhead" else []
                 out.append(embshard(f"{p}_graph", "--precision", p, *pooled, *graph))
     if args.timeline:  # the traces stay in /tmp; only the pictures go to the output folder
         for p in precisions:

@@ -14,8 +14,9 @@
 Batch t of rank r is drawn from its own seeded stream (seed, r, t): any step can be regenerated, every rank sees
 different samples, and evaluation batches come from a separate fixed stream. Each batch is drawn with a few
 vectorised numpy calls per feature; with `workers` > 0, worker processes draw the training batches (worker k of n:
-steps start + k, start + k + n, ...; torch's DataLoader hands them out in step order), pinned for an
-asynchronous copy when CUDA is available.
+steps start + k, start + k + n, ...; torch's DataLoader hands them out in step order), written into reused
+shared-memory slots (data/slots.py: no fresh pages per batch) and pinned for an asynchronous copy when CUDA is
+available.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from embshard.config.data import AffinityConfig, SyntheticConfig
 from embshard.data.common import Batch
+from embshard.data.slots import SlotBatch, Slots, SlotWriter, fresh_shared_arrays, zero_copy_supported
+from embshard.data.stream import local_arrays
 from embshard.tables import ConfigError, TableConfig
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -148,10 +152,11 @@ class SyntheticSource:
             return (1 + rng.poisson(p - 1.0, B)).astype(np.int32)
         return (rng.random(B) < p).astype(np.int32)
 
-    def draw(self, stream: int) -> dict:
+    def draw(self, stream: int, alloc=local_arrays) -> dict:
         """The arrays of the batch of one stream index (training step t uses t; evaluation _EVAL_STREAM + i):
-        dense `[B, num_dense]`, labels `[B]`, feature-major lengths `[F * B]` and ids, weights or None, and the
-        ids per feature (what a KeyedJaggedTensor is built from)."""
+        dense `[B, num_dense]`, labels `[B]`, feature-major lengths `[F * B]` and ids, weights (weighted tables
+        only), and the ids per feature (what a KeyedJaggedTensor is built from); written into the arrays `alloc`
+        makes (this process's, or a worker's shared-memory slot: data/slots.py)."""
         rng = np.random.default_rng([self.seed, self.rank, stream])
         B, F = self.batch_size, len(self.features)
         dense = rng.standard_normal((B, self.num_dense), dtype=np.float32)
@@ -182,27 +187,37 @@ class SyntheticSource:
                 extra, values[u], values[i], rows, a, self.cfg.zipf_exponent, self.multiplier[t.name]
             )
             labels = np.ones(B, dtype=np.float32)
-        return {
-            "dense": torch.from_numpy(dense),
-            "labels": torch.from_numpy(labels),
-            "lengths": torch.from_numpy(np.concatenate(lengths)),
-            "values": torch.from_numpy(np.concatenate(values)),
-            "weights": torch.from_numpy(np.concatenate(weights)).float() if self.weighted else None,
-            "length_per_key": [int(v.size) for v in values],
-        }
+        n = sum(int(v.size) for v in values)
+        specs = {"dense": (dense.shape, np.float32), "labels": ((B,), np.float32), "lengths": ((F * B,), np.int32)}
+        specs["values"] = ((n,), np.int64)
+        if self.weighted:
+            specs["weights"] = ((n,), np.float32)
+        items, out = alloc(specs)
+        out["dense"][...] = dense
+        out["labels"][...] = labels
+        np.concatenate(lengths, out=out["lengths"])
+        np.concatenate(values, out=out["values"])
+        if self.weighted:
+            np.concatenate(weights, out=out["weights"], casting="same_kind")
+        return {**items, "length_per_key": [int(v.size) for v in values]}
 
     def _batch(self, d: dict) -> Batch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+        if "slot" in d:  # from a worker: views of its shared-memory slot (copied out already when pinned)
+            arrays = d.pop("slot")
+            d.update(arrays.take() if isinstance(arrays, SlotBatch) else arrays)
+        t = {k: torch.as_tensor(d.pop(k)) for k in ("dense", "labels", "lengths", "values")}
+        weights = torch.as_tensor(d.pop("weights")) if "weights" in d else None
         kjt = KeyedJaggedTensor(
             keys=self.keys,
-            values=d["values"],
-            lengths=d["lengths"],
-            weights=d["weights"],
+            values=t["values"],
+            lengths=t["lengths"],
+            weights=weights,
             stride=self.batch_size,
             length_per_key=list(d["length_per_key"]),
         )
-        return Batch(d["dense"], kjt, d["labels"])
+        return Batch(t["dense"], kjt, t["labels"])
 
     def batch(self, stream: int) -> Batch:
         """The batch of one stream index (training step t uses t; evaluation uses _EVAL_STREAM + i)."""
@@ -214,14 +229,26 @@ class SyntheticSource:
         start = int(start_step or 0)
         if self.workers <= 0:
             return (self.batch(step) for step in itertools.count(start))
-        loader = torch.utils.data.DataLoader(
-            _Steps(self, start),
-            batch_size=None,
-            num_workers=self.workers,
-            pin_memory=self.pin,
-            prefetch_factor=self.prefetch,
-        )
-        return (self._batch(d) for d in iter(loader))
+        return self._loaded(start)
+
+    def _loaded(self, start: int) -> Iterator[Batch]:
+        """The batches of `workers` processes, written into reused shared-memory slots (data/slots.py): copied into
+        pinned memory by the DataLoader's pin thread (CUDA), or lent as they are (CPU) and freed once dropped."""
+        slots = Slots(self.workers, self.prefetch + (2 if self.pin else 4), pin=self.pin)
+        if not self.pin and not zero_copy_supported():  # no use counts to tell when a lent slot is free
+            slots = None
+        with slots if slots is not None else nullcontext():
+            loader = torch.utils.data.DataLoader(
+                _Steps(self, start, slots),
+                batch_size=None,
+                num_workers=self.workers,
+                pin_memory=self.pin,
+                prefetch_factor=self.prefetch,
+            )
+            for d in loader:
+                yield self._batch(d)
+                if slots is not None:
+                    slots.release()
 
     def eval_batches(self) -> Iterator[Batch]:
         """The same `eval_batches` held-out batches at every evaluation."""
@@ -233,13 +260,14 @@ class _Steps(torch.utils.data.IterableDataset):
     """Worker k of n draws the batches of steps start + k, start + k + n, ... (the DataLoader interleaves the
     workers in order, so the batches arrive in step order)."""
 
-    def __init__(self, source: SyntheticSource, start: int) -> None:
-        self.source, self.start = source, start
+    def __init__(self, source: SyntheticSource, start: int, slots: Slots | None = None) -> None:
+        self.source, self.start, self.slots = source, start, slots
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         k, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        alloc = SlotWriter(self.slots, k) if self.slots is not None else fresh_shared_arrays
         step = self.start + k
         while True:
-            yield self.source.draw(step)
+            yield self.source.draw(step, alloc)
             step += n

@@ -297,3 +297,22 @@ def test_synthetic_workers_fixed_bags_and_host_counts():
     assert SyntheticSource.ids_in_range and kjt["a"].values().max() < 100_000 and kjt["c"].values().max() < 50
     with pytest.raises(ConfigError, match="fixed bags hold round"):
         SyntheticSource(SyntheticConfig(bag_lengths="fixed"), SYN_TABLES, 8, 0, 0)  # table small: 0.5 ids per bag
+
+
+def test_synthetic_workers_reuse_their_slots_without_touching_held_batches():
+    """Workers write batches into reused shared-memory slots (data/slots.py): batches dropped at once free their
+    slot for a later batch, and batches the caller keeps (more than the slots) stay as they were drawn."""
+    cfg = SyntheticConfig(num_dense=3, zipf_exponent=1.05, bag_lengths="poisson", pooling={"a": 3.0, "b": 1.0})
+    local = SyntheticSource(cfg, SYN_TABLES, 32, seed=2, rank=1).train_batches(0)
+    expected = [next(local) for _ in range(40)]
+    workers = SyntheticSource(cfg, SYN_TABLES, 32, seed=2, rank=1, workers=2, prefetch=2).train_batches(0)
+    held = [next(workers) for _ in range(20)]  # 20 held batches: more than the 2 x 6 slots
+    for i in range(20, 40):  # each dropped before the next
+        b = next(workers)
+        assert torch.equal(b.sparse.values(), expected[i].sparse.values()), i
+        assert torch.equal(b.dense, expected[i].dense), i
+        del b
+    for i, b in enumerate(held):
+        assert torch.equal(b.sparse.values(), expected[i].sparse.values()), i
+        assert torch.equal(b.sparse.lengths(), expected[i].sparse.lengths()), i
+        assert torch.equal(b.dense, expected[i].dense) and torch.equal(b.labels, expected[i].labels), i
