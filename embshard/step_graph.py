@@ -22,9 +22,10 @@ then captures it; the later ones replay.
 
 Ragged bags (counts that change from step to step): from the first change on, the graph is captured for a capacity
 per feature (10% over the largest counts seen, `capacity`), and every batch whose counts fit is padded to it before
-the replay: each feature's ids, then filler ids (row 0) in its last bag up to the capacity, every id with a weight
-(the batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup pools with the weights
-(`ops.every_id_weighted`). A filler adds nothing to its bag and gets a zero gradient, which leaves row 0 as it is
+the replay: each feature's bags keep their ids and gain filler ids spread evenly over them up to the capacity (on the
+first 1,024 rows of the feature's table, so that no bag is long and no row hot), every id with a weight (the
+batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup pools with the weights
+(`ops.every_id_weighted`). A filler adds nothing to its bag and gets a zero gradient, which leaves its row as it is
 under sgd, adagrad and row-wise adagrad without weight decay. A batch over the capacity grows it (eager step, then
 a new capture). Where padding does not apply (`padding_refusal`: mean pooling, adam or weight decay, the
 small-table kernels), counts that keep changing are noticed after `max_changes` eligible steps and the graph is
@@ -47,7 +48,7 @@ import torch
 
 from embshard.dense_graph import DenseGraphStep
 from embshard.models.registry import StepOutput
-from embshard.ops import every_id_weighted, small_to_device
+from embshard.ops import complete_cumsum, every_id_weighted, small_to_device
 from embshard.optim import OptimizerKind
 from embshard.options import BoundsCheck
 from embshard.plan import GRAPH_SHARDING_TYPES, LookupKernel, MemoryTier
@@ -57,6 +58,7 @@ from embshard.tables import Pooling, feature_columns
 __all__ = ["StepGraph", "refusal"]
 
 SUPPORTED = GRAPH_SHARDING_TYPES
+FILLER_ROWS = 1024  # padded mode: the filler ids of a feature cycle over this many rows of its table (fewer if smaller)
 
 
 def refusal(model) -> str | None:
@@ -84,9 +86,9 @@ def refusal(model) -> str | None:
 
 def padding_refusal(model) -> str | None:
     """Why `model`'s whole step cannot be captured for ragged bags by padding them (`StepGraph`, padded mode), or
-    None if it can. A padded batch carries filler ids (row 0, weight 0) in the last bag of each feature, up to a
-    capacity per feature: they add nothing to the bag and get a zero gradient, which leaves row 0 as it is only under
-    an update rule that ignores a zero gradient."""
+    None if it can. A padded batch carries filler ids (weight 0) spread over the bags of each feature, up to a
+    capacity per feature: they add nothing to their bags and get a zero gradient, which leaves their rows as they are
+    only under an update rule that ignores a zero gradient."""
     ebc = model.ebc
     mean = [f for f in ebc.features if ebc._table_of[f].pooling is Pooling.MEAN]
     if mean:
@@ -143,7 +145,7 @@ class StepGraph:
         self._counts: BatchCounts | None = None  # the counts the static buffers (and the graph) are sized for
         self._captured_lrs: list[float] = []
         self._stream: torch.cuda.Stream | None = None
-        self._fill: tuple[torch.Tensor, ...] | None = None  # padded mode: filler ids, their weights, ones
+        self._fill: tuple | None = None  # padded mode: (its key, filler ids, their zero weights) (`_fillers`)
 
     # ---- when ------------------------------------------------------------------------------------------------
     def ready(self, counts: BatchCounts) -> bool:
@@ -263,44 +265,59 @@ class StepGraph:
         return outputs
 
     def _padded(self, batch, counts: BatchCounts):
-        """`batch` padded to the capacity: each feature's ids, then filler ids (row 0, weight 0) in its last bag up
-        to the feature's capacity; every id weighted (1 for tables without weights). And the counts of such a batch
-        on every rank (the capacity), which size the captured exchanges."""
+        """`batch` padded to the capacity: each feature's bags keep their ids and gain filler ids (weight 0, on rows
+        of the feature's table) spread evenly over them, up to the feature's capacity; every id weighted (1 for
+        tables without weights). Spread, the fillers make no bag long (one bag holding them all would hold up its
+        lookup) and no row hot. And the counts of such a batch on every rank (the capacity), which size the captured
+        exchanges. Device work only: the host knows every size."""
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         from embshard.data.common import Batch
 
         ebc, kjt = self.model.ebc, batch.sparse
         keys, B = list(kjt.keys()), kjt.stride()
-        rank = ebc.rank
+        F = len(keys)
         cols = [self._column[k] for k in keys]
-        have = [int(counts.ids[rank, c]) for c in cols]
-        pad = [int(self.capacity[c]) - n for c, n in zip(cols, have)]
+        have = [int(counts.ids[ebc.rank, c]) for c in cols]
+        cap = [int(self.capacity[c]) for c in cols]
         values, weights = kjt.values(), kjt.weights_or_none()
-        dev = values.device
-        need = max(max(pad, default=0), max(have, default=0), 1)
-        if self._fill is None or self._fill[0].numel() < need:
-            self._fill = (
-                torch.zeros(need, dtype=values.dtype, device=dev),  # filler ids
-                torch.zeros(need, dtype=torch.float32, device=dev),  # their weights
-                torch.ones(need, dtype=torch.float32, device=dev),  # weights of tables without them
-            )
-        zero_ids, zero_w, ones_w = self._fill
-        parts_v, parts_w, start = [], [], 0
-        for k, n, p in zip(keys, have, pad):
-            own = weights is not None and ebc._table_of[k].weighted
-            parts_v += [values[start : start + n], zero_ids[:p]]
-            parts_w += [weights[start : start + n].float() if own else ones_w[:n], zero_w[:p]]
-            start += n
-        lengths_FB = kjt.lengths().view(len(keys), B).clone()
-        if B:
-            lengths_FB[:, -1] += small_to_device(pad, dev).to(lengths_FB.dtype)
-        padded = KeyedJaggedTensor(
-            keys=keys, values=torch.cat(parts_v), lengths=lengths_FB.reshape(-1), weights=torch.cat(parts_w), stride=B
-        )
+        dev, N = values.device, sum(have)
+        filler_ids, filler_w = self._fillers(keys, cap, values.dtype, dev)
+        lengths_FB = kjt.lengths().view(F, B)
+        pad_F1 = small_to_device([c - n for c, n in zip(cap, have)], dev).view(F, 1)
+        bags_1B = torch.arange(B, device=dev).view(1, B)
+        extra_FB = pad_F1 // max(B, 1) + (bags_1B < pad_F1 % max(B, 1)).to(torch.int64)  # pad // B, +1 in the first
+        new_lengths = (lengths_FB.to(torch.int64) + extra_FB).reshape(-1)
+        old_lengths = lengths_FB.reshape(-1).to(torch.int64)
+        bag_of = torch.repeat_interleave(torch.arange(F * B, device=dev), old_lengths, output_size=N)
+        shift = complete_cumsum(new_lengths)[:-1] - complete_cumsum(old_lengths)[:-1]  # per bag: where its ids move
+        where = torch.arange(N, device=dev) + shift[bag_of]
+        if weights is None:
+            own_w = torch.ones(N, dtype=torch.float32, device=dev)
+        else:
+            own_w, start = weights.float().clone(), 0
+            for k, n in zip(keys, have):
+                if not ebc._table_of[k].weighted:  # a table without weights pools with 1
+                    own_w[start : start + n] = 1.0
+                start += n
+        values_out = filler_ids.clone().index_copy_(0, where, values)
+        weights_out = filler_w.clone().index_copy_(0, where, own_w)
+        lengths_out = new_lengths.to(kjt.lengths().dtype)
+        padded = KeyedJaggedTensor(keys=keys, values=values_out, lengths=lengths_out, weights=weights_out, stride=B)
         W = len(counts.batch_sizes)
         full = BatchCounts(list(counts.batch_sizes), np.tile(self.capacity, (W, 1)), [])
         return Batch(batch.dense, padded, batch.labels, batch.position), full
+
+    def _fillers(self, keys: list[str], cap: list[int], dtype: torch.dtype, device: torch.device):
+        """The padded batch's values and weights before its own ids are put in: per feature, `cap` filler ids on
+        rows 0, 1, ..., up to 1024 rows of its table (again and again), each of weight 0; made once per capacity."""
+        key = (tuple(keys), tuple(cap), dtype)
+        if self._fill is None or self._fill[0] != key:
+            rows = [min(self.model.ebc._table_of[k].num_embeddings, FILLER_ROWS) for k in keys]
+            ids = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(cap, rows)] or [np.zeros(0)])
+            ids_t = torch.from_numpy(ids.astype(np.int64)).to(device=device, dtype=dtype)
+            self._fill = (key, ids_t, torch.zeros(ids_t.numel(), dtype=torch.float32, device=device))
+        return self._fill[1], self._fill[2]
 
     def _make_static(self, batch) -> None:
         """Device buffers the graph reads its batch from, and a batch made of them."""

@@ -61,7 +61,8 @@ def test_graph_step_trains_like_the_eager_step():
         fp32 = (1e-5, 1e-6) if device_kind() == "cpu" else (1e-4, 1e-5)
         # compiled: inductor's fused kernels round differently from the eager ones (fp32 to about 1e-6 a step)
         cases = [(True, "fp32", fp32), (True, "bf16", (2e-2, 2e-3))]
-        cases += [("compiled", "fp32", (1e-3, 1e-4)), ("compiled", "bf16", (2e-2, 2e-3))]
+        # (in bf16 a step's loss of 32 samples to a few percent: fused kernels keep fp32 where eager rounds to bf16)
+        cases += [("compiled", "fp32", (1e-3, 1e-4)), ("compiled", "bf16", (5e-2, 2e-2))]
         for graph, precision, (rtol, atol) in cases:
             if (graph, precision) not in res:
                 continue  # compiled: CUDA only
@@ -70,7 +71,14 @@ def test_graph_step_trains_like_the_eager_step():
             assert len(losses) == max(STEPS), (rank, precision, losses)
             assert why_not == (None if device_kind() == "cuda" else "CUDA graphs need a CUDA GPU"), why_not
             assert replays == min(STEPS) - 1, (rank, precision, replays)  # steps 2-20 replayed; 1, 21, 22 eager
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=rtol, atol=atol)
+            case = f"rank {rank}, graph {graph}, {precision}"
+            torch.testing.assert_close(
+                torch.tensor(losses),
+                torch.tensor(eager_losses),
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, case=case: f"{case}: {m}",
+            )
             torch.testing.assert_close(state["dense"], eager_state["dense"], rtol=rtol, atol=atol)
             torch.testing.assert_close(state["tables"], eager_state["tables"], rtol=rtol, atol=atol)
             assert losses[-1] < losses[0], (rank, precision, losses)  # it trains
