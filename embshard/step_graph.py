@@ -123,15 +123,26 @@ class StepGraph:
         max_changes: eligible steps whose counts differ from the step before's, with no graph captured yet, after
             which the graph is given up (the bags are ragged and cannot be padded); also the most captures.
         pad: capture ragged batches padded to a capacity (where `padding_refusal` allows).
+        overlap: on CUDA, the dense gradients' all-reduce and the dense optimizer's step run on a stream of their
+            own, beside the embeddings' backward (the dense step's process group must then be a communicator of its
+            own: two NCCL collectives of one communicator at once may wait on each other).
     """
 
     def __init__(
-        self, model, dense_step: DenseGraphStep, capture: bool = True, max_changes: int = 8, pad: bool = True
+        self,
+        model,
+        dense_step: DenseGraphStep,
+        capture: bool = True,
+        max_changes: int = 8,
+        pad: bool = True,
+        overlap: bool = False,
     ) -> None:
         why = refusal(model)
         if why is not None:
             raise ValueError(why)
         self.model, self.dense_step, self.capture, self.max_changes = model, dense_step, capture, max_changes
+        cuda = model.ebc.device.type == "cuda"
+        self._side = torch.cuda.Stream(model.ebc.device) if overlap and cuda else None  # the dense update's
         self.padding_refused = padding_refusal(model) if pad else "padding is off"
         self.capacity: np.ndarray | None = None  # padded mode: ids per feature (canonical columns) of every rank
         cols = feature_columns(model.ebc.tables)
@@ -226,9 +237,18 @@ class StepGraph:
         # AccumulateGrad nodes: a node made by an earlier eager step (kept alive by that step's loss, which the
         # caller may hold) belongs to that step's stream, and the engine would make the capture wait on it
         leaves = _leaves_of(sparse_BS)
+        side = self._side
+        if side is not None:  # the dense update beside the embeddings' backward (a fork and a join in the graph)
+            current = torch.cuda.current_stream(side.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self.dense_step.reduce_and_update()
         if leaves:
             torch.autograd.grad(sparse_BS, leaves, grad_BS, allow_unused=True)
-        self.dense_step.reduce_and_update()
+        if side is not None:
+            current.wait_stream(side)
+        else:
+            self.dense_step.reduce_and_update()
         return loss, logits_B
 
     def _warm_up_and_capture(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,7 +74,7 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
             if cfg.training.pipeline == "semi_sync":
                 why_not = "training.pipeline semi_sync looks up the next batch before this one's backward"
             else:
-                why_not = model.capture_whole_step()
+                why_not = model.capture_whole_step(cfg.training.graph_overlap)
             if why_not is not None:
                 log(f"training.cuda_graph: the whole step is not captured ({why_not}); the dense step is")
     return model, dense_opt

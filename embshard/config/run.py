@@ -70,6 +70,9 @@ class TrainingConfig:
     embedding backward with the fused update) where the plan is table-wise and data-parallel in HBM/UVM, for fixed
     bags as they are and for ragged bags padded to a capacity (sum pooling, sgd/adagrad/rowwise_adagrad without
     weight decay; embshard/step_graph.py), else the dense step alone; dense, the dense step alone."""
+    graph_overlap: bool = True
+    """With the whole step as one CUDA graph: the dense gradients' all-reduce (on an NCCL communicator of its own) and
+    the dense optimizer's step run beside the embeddings' backward; false: after it."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""

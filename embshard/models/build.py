@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from embshard.config.model import ModelConfig
@@ -67,17 +68,22 @@ class RecModel(nn.Module):
         self.dense_graph = None  # a DenseGraphStep (training.cuda_graph), set by `capture_dense_step`
         self.step_graph = None  # a StepGraph (training.graph_scope step), set by `capture_whole_step`
 
-    def capture_whole_step(self) -> str | None:
+    def capture_whole_step(self, overlap: bool = True) -> str | None:
         """Replay the whole training step as one CUDA graph where the batch counts repeat (training.graph_scope step,
         embshard/step_graph.py), on top of `capture_dense_step` (which must have succeeded: the other steps replay
-        the dense step alone). Returns None if it will, else why not."""
+        the dense step alone). `overlap` (training.graph_overlap): the dense gradients' all-reduce and optimizer
+        step run beside the embeddings' backward, the all-reduce on a communicator of its own (made here,
+        collectively: every rank calls this with the same plan). Returns None if it will, else why not."""
         from embshard.step_graph import StepGraph, refusal
 
         if self.dense_graph is None:
             return "the dense step has no graph"
         why = refusal(self)
         if why is None:
-            self.step_graph = StepGraph(self, self.dense_graph)
+            if overlap and self.dense_graph.world > 1:  # two collectives at once need two communicators
+                group = self.dense_graph.group
+                self.dense_graph.group = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD))
+            self.step_graph = StepGraph(self, self.dense_graph, overlap=overlap)
         return why
 
     def release_graphs(self) -> None:
