@@ -350,6 +350,12 @@ def floor_terms(r: dict[str, str], folder: Folder) -> tuple[float | None, list[s
     return total * 1e3, missing
 
 
+def law_label(r: dict) -> str:
+    """The data law of an end-to-end run where it is not the MLPerf one (uniform ids, fixed bags)."""
+    ids, bags = r.get("ids", "uniform"), r.get("bags", "fixed")
+    return "" if (ids, bags) == ("uniform", "fixed") else f", {ids} ids, {bags} bags"
+
+
 def short_name(row: Row) -> str:
     r = row.emb[0]
     if bench_of(r) == "e2e":
@@ -357,7 +363,7 @@ def short_name(row: Row) -> str:
         compiled = "" if r.get("compile", "none") == "none" else f", compile {r['compile']}"
         graph = graph_label(r, short=True)
         world = f", {r.get('world', '?')} GPU{'s' if r.get('world') != '1' else ''}"
-        return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}{graph}{world}"
+        return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}{graph}{law_label(r)}{world}"
     return str(r.get("workload"))
 
 
@@ -373,7 +379,7 @@ def case_title(row: Row) -> str:
         rows = rows_fraction(r)
         scaled = "" if abs(rows - 1) < 1e-9 else f", tables at {rows:g} of their rows"
         graph = graph_label(r)
-        return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{graph}{scaled}"
+        return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{graph}{law_label(r)}{scaled}"
     extra = f" ({r['hbm_gib']} GiB budget)" if r.get("hbm_gib", "0") not in ("0", "") else ""
     return f"embedding step, {r.get('workload')}{extra}"
 
