@@ -107,21 +107,37 @@ def settings_for_graph(settings: PlannerSettings, whole_step_graph: bool) -> Pla
     return replace(settings, whole_step_graph=whole_step_graph)
 
 
-def graph_settings(settings: PlannerSettings) -> PlannerSettings:
+def graph_settings(settings: PlannerSettings) -> PlannerSettings | str:
     """`settings` narrowed to the options a whole-step CUDA graph can hold (`GRAPH_SHARDING_TYPES`, no UVM caching,
-    FBGEMM's kernels), within what `settings` already allows."""
+    FBGEMM's kernels), within what `settings` already allows; a string saying why when it allows none of them."""
     types = tuple(t for t in (settings.sharding_types or tuple(ShardingType)) if t in GRAPH_SHARDING_TYPES)
     tiers = tuple(t for t in (settings.tiers or tuple(MemoryTier)) if t is not MemoryTier.UVM_CACHING)
+    if not types or not tiers:  # an empty tuple would mean "every option"
+        return (
+            f"planner.settings allow sharding types {[t.value for t in settings.sharding_types]} and tiers "
+            f"{[t.value for t in settings.tiers]}, none of which the graph holds"
+        )
     return replace(settings, sharding_types=types, tiers=tiers, small_table_kernel=False)
 
 
-def search_plan(tables, topo, batch_size, optimizer, constraints, settings, say=None):
+def search_plan(
+    tables: Sequence[TableConfig],
+    topo: Topology,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    constraints: dict[str, ParameterConstraints] | None,
+    settings: PlannerSettings,
+    say: Callable[[str], None] | None = None,
+):
     """The search's (plan, report); with settings.whole_step_graph, first among the options a whole-step graph can
     hold (`graph_settings`), then, if none of those fits, among all (`say` gets why)."""
     say = say or (lambda _text: None)
-    if settings.whole_step_graph:
+    narrowed = graph_settings(settings) if settings.whole_step_graph else None
+    if narrowed is not None:
         try:
-            return plan_with_report(tables, topo, batch_size, optimizer, constraints, graph_settings(settings))
+            if isinstance(narrowed, str):
+                raise ConfigError(narrowed)
+            return plan_with_report(tables, topo, batch_size, optimizer, constraints, narrowed)
         except (PlanningError, ConfigError) as e:
             why = str(e).strip().splitlines()[0]
             say(

@@ -476,3 +476,9 @@ def test_whole_step_graph_plan_first_then_every_option():
     fallback, said = plan("true", small)
     assert ShardingType.ROW_WISE in {st for st, _ in fallback}
     assert len(said) == 1 and "no plan that the whole-step CUDA graph can hold fits" in said[0]
+    # settings that allow none of the graph's options: said so, and planned with them as they are
+    inp, _ = training_planner_input(config, ["training.cuda_graph=true", "planner.settings.sharding_types=[row_wise]"])
+    said = []
+    out, _ = search_plan(inp.tables, topo, 8192, inp.optimizer, inp.constraints, inp.settings, said.append)
+    assert {t.sharding_type for t in out.tables} == {ShardingType.ROW_WISE}
+    assert len(said) == 1 and "sharding types ['row_wise']" in said[0] and "none of which the graph holds" in said[0]
