@@ -43,12 +43,15 @@ def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed"
 
     model, opt = build_model(rank, world, device, tables, TYPES)
     if whole:
-        cuda = device.type == "cuda"
-        if cuda:
+        if (
+            device.type == "cuda"
+        ):  # as `embshard train` sets it up: the dense update overlapped (training.graph_overlap)
             assert model.capture_dense_step(opt, BATCH, precision == "bf16") is None
+            assert model.capture_whole_step(overlap=True) is None
+            model.step_graph.max_changes = 4
         else:  # the graphs' steps without capture
             model.dense_graph = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
-        model.step_graph = StepGraph(model, model.dense_graph, capture=cuda, max_changes=4)
+            model.step_graph = StepGraph(model, model.dense_graph, capture=False, max_changes=4)
     pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
     batches = pipeline_batches(rank, STEPS[rank], tables, bags)
     losses, whole_steps = [], 0
@@ -131,3 +134,43 @@ def test_graph_scope_is_a_config_field():
 
     assert TrainingConfig(cuda_graph=True).graph_scope == "step"
     assert TrainingConfig(cuda_graph=True, graph_scope="dense").graph_scope == "dense"
+
+
+def test_padding_spreads_the_fillers_and_keeps_every_bag():
+    """A padded batch (ragged bags): every bag keeps its ids and weights in order, each feature holds its capacity,
+    and the fillers (weight 0, on the first rows of the feature's table) are spread over the bags, at most
+    ceil(pad / B) in any one bag: one long bag of fillers would hold up its lookup."""
+    import numpy as np
+
+    from embshard.dense_graph import DenseGraphStep
+    from embshard.sharding.exchange import parse_counts
+    from embshard.step_graph import FILLER_ROWS, StepGraph
+
+    device = torch.device("cpu")
+    model, opt = build_model(0, 1, device, TABLES, TYPES)
+    dense = DenseGraphStep(model.dense_module(), opt, BATCH, False, capture=False)
+    graph = StepGraph(model, dense, capture=False)
+    batch = next(iter(pipeline_batches(0, 1, TABLES, "poisson")))
+    row = model.ebc.host_counts(batch.sparse, check=False).numpy()
+    counts = parse_counts(row.reshape(1, -1))
+    graph.capacity = np.asarray(counts.ids[0]) + np.array([0, 37, 5, 64, 3])[: len(counts.ids[0])]
+    padded, full = graph._padded(batch, counts)
+    kjt, out = batch.sparse, padded.sparse
+    assert (full.ids == graph.capacity).all()
+    rows = {f: t.num_embeddings for t in TABLES for f in t.feature_names}
+    weighted = {f for t in TABLES if t.weighted for f in t.feature_names}
+    for f in kjt.keys():
+        got, own = out[f], kjt[f]
+        cap, n = int(graph.capacity[graph._column[f]]), int(own.lengths().sum())
+        assert int(got.lengths().sum()) == cap, f
+        extra = got.lengths() - own.lengths()
+        assert (extra >= 0).all() and int(extra.max()) <= -(-(cap - n) // BATCH), (f, extra)
+        values, weights = got.values(), got.weights()
+        offsets, own_offsets = got.offsets(), own.offsets()
+        for b in range(BATCH):
+            lo, k = int(offsets[b]), int(own.lengths()[b])
+            assert torch.equal(values[lo : lo + k], own.values()[int(own_offsets[b]) : int(own_offsets[b]) + k]), f
+            want_w = own.weights()[int(own_offsets[b]) : int(own_offsets[b]) + k] if f in weighted else torch.ones(k)
+            assert torch.equal(weights[lo : lo + k], want_w.float()), f
+            fill = slice(lo + k, int(offsets[b + 1]))
+            assert (weights[fill] == 0).all() and (values[fill] < min(rows[f], FILLER_ROWS)).all(), f
