@@ -20,52 +20,73 @@ __all__ = ["cross_sum", "fused_available"]
 BLOCK = 1024  # elements per program
 
 
-def fused_available(x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether `cross_sum` takes these tensors: fp32 running sum, x0 in a 16-bit dtype (autocast), same shapes,
-    on a CUDA GPU (or any device under Triton's interpreter)."""
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+def fused_available(x: torch.Tensor | None, x0: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether `cross_sum` takes these tensors: an fp32 running sum (or None: the first layer's, x0 itself), x0 in a
+    16-bit dtype (autocast), same shapes, on a CUDA GPU (or any device under Triton's interpreter)."""
+    if not (x0.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    return (
-        x.dtype == torch.float32
-        and x0.dtype in (torch.bfloat16, torch.float16)
-        and x.shape == x0.shape == y.shape
-        and x.device == x0.device == y.device
-    )
+    if x is not None and (x.dtype != torch.float32 or x.shape != x0.shape or x.device != x0.device):
+        return False
+    return x0.dtype in (torch.bfloat16, torch.float16) and x0.shape == y.shape and x0.device == y.device
 
 
-def cross_sum(x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + x0 * y in fp32, the same in x0's dtype), differentiable in x, x0 and y (`fused_available` first)."""
-    return _CrossSum.apply(x, x0, y)
+def cross_sum(
+    x: torch.Tensor | None, x0: torch.Tensor, y: torch.Tensor, keep_sum: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(x + x0 * y in fp32, the same in x0's dtype), differentiable in x, x0 and y (`fused_available` first).
+    `x` None: the first layer, whose running sum is x0 itself (no fp32 copy of it is made, and its gradient comes
+    out as one tensor). `keep_sum` False (the last layer, whose fp32 sum nothing reads): (None, the sum in x0's
+    dtype), the fp32 sum not written."""
+    out = _CrossSum.apply(x, x0, y, keep_sum)
+    return out if keep_sum else (None, out)
 
 
 class _CrossSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, x0, y):  # type: ignore[override]
+    def forward(ctx, x, x0, y, keep_sum):  # type: ignore[override]
         from embshard.kernels._cross_triton import _cross_forward
 
-        x, x0, y = x.contiguous(), x0.contiguous(), y.contiguous()
-        out, out_lo = torch.empty_like(x), torch.empty_like(x0)
-        n = x.numel()
-        if n:
-            _cross_forward[(-(-n // BLOCK),)](x, x0, y, out, out_lo, n, BLOCK=BLOCK, LO=True)
-        ctx.save_for_backward(x0, y)
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
-        return out, out_lo
-
-    @staticmethod
-    def backward(ctx, g_out, g_lo):  # type: ignore[override]
-        from embshard.kernels._cross_triton import _cross_backward
-
-        x0, y = ctx.saved_tensors
-        if g_out is None and g_lo is None:
-            return None, None, None
-        gx = torch.empty(x0.shape, dtype=torch.float32, device=x0.device)
-        gx0, gy = torch.empty_like(x0), torch.empty_like(y)
+        first = x is None
+        x0, y = x0.contiguous(), y.contiguous()
+        x = x0 if first else x.contiguous()  # first: a pointer the kernel does not read
+        out_lo = torch.empty_like(x0)
+        out = torch.empty(x0.shape if keep_sum else (1,), dtype=torch.float32, device=x0.device)  # (1,): not written
         n = x0.numel()
         if n:
-            g = g_out.contiguous() if g_out is not None else gx  # a pointer the kernel does not read
-            g_lo_ = g_lo.contiguous() if g_lo is not None else gx
+            grid = (-(-n // BLOCK),)
+            _cross_forward[grid](x, x0, y, out, out_lo, n, BLOCK=BLOCK, FIRST=first, HI=keep_sum, LO=True)
+        ctx.first, ctx.keep_sum = first, keep_sum
+        ctx.save_for_backward(x0, y)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
+        return (out, out_lo) if keep_sum else out_lo
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        from embshard.kernels._cross_triton import _cross_backward
+
+        g_out, g_lo = grads if ctx.keep_sum else (None, grads[0])
+        x0, y = ctx.saved_tensors
+        if g_out is None and g_lo is None:
+            return None, None, None, None
+        gx0, gy = torch.empty_like(x0), torch.empty_like(y)
+        gx = None if ctx.first else torch.empty(x0.shape, dtype=torch.float32, device=x0.device)
+        n = x0.numel()
+        if n:
+            unread = torch.empty(1, dtype=torch.float32, device=x0.device)  # a pointer the kernel does not touch
+            g = g_out.contiguous() if g_out is not None else unread
+            g_lo_ = g_lo.contiguous() if g_lo is not None else unread
             _cross_backward[(-(-n // BLOCK),)](
-                g, g_lo_, x0, y, gx, gx0, gy, n, BLOCK=BLOCK, HAS_G=g_out is not None, HAS_LO=g_lo is not None
+                g,
+                g_lo_,
+                x0,
+                y,
+                gx if gx is not None else unread,
+                gx0,
+                gy,
+                n,
+                BLOCK=BLOCK,
+                HAS_G=g_out is not None,
+                HAS_LO=g_lo is not None,
+                FIRST=ctx.first,
             )
-        return gx, gx0, gy
+        return gx, gx0, gy, None

@@ -27,7 +27,7 @@ def _low_rank_cross_net() -> type[nn.Module]:
         GEMM, the bias added in its epilogue), and the running sum x_l, kept in fp32 as torchrec's is under bf16
         autocast (its fp32 bias promotes it), is updated by one fused kernel per layer on CUDA GPUs
         (embshard.kernels.cross: the fp32 sum and its bf16 copy for the next product in one pass, the backward in
-        one pass) or one addcmul elsewhere. torchrec's forward spends three fp32 passes per layer on it (add the
+        one pass; the first layer reads x_0 as it is, the last writes only the bf16 copy) or one addcmul elsewhere. torchrec's forward spends three fp32 passes per layer on it (add the
         bias, multiply, add) and a cast, and more in the backward."""
 
         fused = True  # the fused running-sum kernel where it applies (False: torch's ops, for comparisons)
@@ -36,14 +36,17 @@ def _low_rank_cross_net() -> type[nn.Module]:
             from embshard.kernels.cross import cross_sum, fused_available
 
             x_0 = input
-            x_l = x_0.to(torch.promote_types(x_0.dtype, torch.float32))  # the running sum
+            x_l = None  # the running sum in fp32 (None before the first layer: x_0 itself)
             x_in = x_0  # the products' input: the sum as autocast would cast it (x_0 itself at first)
-            for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
+            last = len(self.V_kernels) - 1
+            for i, (V, W, b) in enumerate(zip(self.V_kernels, self.W_kernels, self.bias)):
                 y = nn.functional.linear(nn.functional.linear(x_in, V), W, b)
                 if self.fused and fused_available(x_l, x_0, y):
-                    x_l, x_in = cross_sum(x_l, x_0, y)  # x_in: the sum in x_0's dtype (what autocast would cast)
+                    # x_in: the sum in x_0's dtype (what autocast would cast); the last layer's fp32 sum is not kept
+                    x_l, x_in = cross_sum(x_l, x_0, y, keep_sum=i < last)
                 else:
-                    x_l = x_in = torch.addcmul(x_l, x_0, y)
+                    base = x_l if x_l is not None else x_0.to(torch.promote_types(x_0.dtype, torch.float32))
+                    x_l = x_in = torch.addcmul(base, x_0, y)
             return x_in
 
     return LowRankCross

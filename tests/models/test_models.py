@@ -151,7 +151,8 @@ def test_cross_network_is_torchrecs_in_fewer_passes():
 
 def test_fused_cross_sum_is_the_torch_arithmetic():
     """embshard.kernels.cross.cross_sum against torch's ops, forward and backward (fp16 factors, whose rounding the
-    interpreter shares with the GPU; bf16 on GPUs), with a gradient on either output or both."""
+    interpreter shares with the GPU; bf16 on GPUs), with a gradient on either output or both; the first layer's
+    form (x is x0) and the last's (no fp32 sum written)."""
     import pytest
 
     from embshard.kernels.cross import cross_sum, fused_available
@@ -178,3 +179,23 @@ def test_fused_cross_sum_is_the_torch_arithmetic():
             torch.testing.assert_close(gx, total * torch.ones_like(gx))
             torch.testing.assert_close(gx0, (total * y.detach().float()).to(lo))
             torch.testing.assert_close(gy, (total * x0.detach().float()).to(lo))
+        # the first layer (the running sum is x0 itself: one gradient for it) and the last (no fp32 sum kept)
+        g_lo = torch.randn(37, 29, generator=g).to(dev, lo)
+        for first in (True, False):
+            for keep in (True, False):
+                s, s_lo = cross_sum(None if first else x, x0, y, keep_sum=keep)
+                base = x0.detach().float() if first else x.detach()
+                ref = base + x0.detach().float() * y.detach().float()
+                assert (s is None) == (not keep) and torch.equal(s_lo, ref.to(lo)), (first, keep)
+                if keep:
+                    torch.testing.assert_close(s, ref, rtol=1e-6, atol=1e-6)
+                g_out = torch.randn(37, 29, generator=g).to(dev)
+                loss = (s_lo.float() * g_lo.float()).sum() + ((s * g_out).sum() if keep else 0)
+                inputs = [x0, y] if first else [x, x0, y]
+                grads = torch.autograd.grad(loss, inputs)
+                total = g_lo.float() + (g_out if keep else 0)
+                gx0_ref = total * y.detach().float() + (total if first else 0)  # first: x0's own gradient too
+                torch.testing.assert_close(grads[-2], gx0_ref.to(lo), rtol=1e-2, atol=1e-2)
+                torch.testing.assert_close(grads[-1], (total * x0.detach().float()).to(lo))
+                if not first:
+                    torch.testing.assert_close(grads[0], total)
