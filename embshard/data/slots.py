@@ -26,6 +26,7 @@ import math
 import multiprocessing as mp
 import os
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -177,3 +178,31 @@ class SlotBatch:
     def take(self) -> dict[str, torch.Tensor]:
         """In the training process: the arrays (views of the slot, or copies when the slots are for pinning)."""
         return _READERS[self.slots].take(self)
+
+
+def load(make: Callable[[Slots | None], torch.utils.data.IterableDataset], workers: int, prefetch: int, pin: bool):
+    """Batch dicts of the dataset `make(slots)` (batch_size None) read by `workers` processes, whose batches arrive in
+    reused shared-memory slots: copied into pinned memory by the DataLoader's pin thread (`pin`), or lent to the
+    caller as they are and freed once it drops them (`take_arrays` puts the arrays into the dict). Without the use
+    counts that tell when a lent slot is free (CPU), `make(None)`: fresh shared memory per batch."""
+    if not pin and not zero_copy_supported():
+        yield from torch.utils.data.DataLoader(
+            make(None), batch_size=None, num_workers=workers, prefetch_factor=prefetch
+        )
+        return
+    # per worker: its batches in flight and a few the caller holds (more: fresh memory for those batches)
+    with Slots(workers, prefetch + (2 if pin else 4), pin=pin) as slots:
+        loader = torch.utils.data.DataLoader(
+            make(slots), batch_size=None, num_workers=workers, pin_memory=pin, prefetch_factor=prefetch
+        )
+        for d in loader:
+            yield d
+            slots.release()
+
+
+def take_arrays(d: dict) -> None:
+    """Put the arrays of a worker's batch dict into it, in place of its "slot" entry: views of the slot (copies in
+    pinned memory when the slots are for pinning), or the fresh shared memory it came in."""
+    if "slot" in d:
+        arrays = d.pop("slot")
+        d.update(arrays.take() if isinstance(arrays, SlotBatch) else arrays)

@@ -23,7 +23,7 @@ from embshard.config.schema import FieldError
 from embshard.data.common import Batch
 from embshard.data.decode import FeatureSpec, Reader, ReadSpec
 from embshard.data.layout import Layout, detect_format, resolve_files, scan
-from embshard.data.slots import SlotBatch, Slots, SlotWriter, fresh_shared_arrays, zero_copy_supported
+from embshard.data.slots import Slots, SlotWriter, fresh_shared_arrays, load, take_arrays
 from embshard.data.stream import StreamPlan, eval_stream, train_stream
 from embshard.data.vocab import Counter, VocabLookup, read_vocab
 from embshard.tables import ConfigError, TableConfig
@@ -221,20 +221,7 @@ class TableSource:
         if self.workers == 0:
             yield from make(None)
             return
-        if not self.pin and not zero_copy_supported():  # CPU, no use counts to tell when a slot is free
-            yield from torch.utils.data.DataLoader(
-                make(None), batch_size=None, num_workers=streams, prefetch_factor=self.prefetch
-            )
-            return
-        # per worker: its batches in flight and a few the caller holds (more: fresh memory for those batches)
-        per_worker = self.prefetch + (2 if self.pin else 4)
-        with Slots(streams, per_worker, pin=self.pin) as slots:
-            loader = torch.utils.data.DataLoader(
-                make(slots), batch_size=None, num_workers=streams, pin_memory=self.pin, prefetch_factor=self.prefetch
-            )
-            for d in loader:
-                yield d
-                slots.release()
+        yield from load(make, streams, self.prefetch, self.pin)
 
     def _batch(self, d: dict, position: dict | None) -> Batch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -250,9 +237,7 @@ class TableSource:
                     flush=True,
                 )
             self.skipped_rows[path] = self.skipped_rows.get(path, 0) + count
-        if "slot" in d:  # from a worker: views of its shared-memory slot (copied out already when pinned)
-            arrays = d.pop("slot")
-            d.update(arrays.take() if isinstance(arrays, SlotBatch) else arrays)
+        take_arrays(d)  # from a worker: views of its shared-memory slot (copied out already when pinned)
         # taken out of d, which the caller's loop keeps until the next batch: a lent slot is freed once the Batch goes
         t = {k: torch.as_tensor(d.pop(k)) for k in ("labels", "dense", "lengths", "values")}
         weights = d.pop("weights", None)

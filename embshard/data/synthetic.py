@@ -24,14 +24,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from embshard.config.data import AffinityConfig, SyntheticConfig
 from embshard.data.common import Batch
-from embshard.data.slots import SlotBatch, Slots, SlotWriter, fresh_shared_arrays, zero_copy_supported
+from embshard.data.slots import Slots, SlotWriter, fresh_shared_arrays, load, take_arrays
 from embshard.data.stream import local_arrays
 from embshard.tables import ConfigError, TableConfig
 
@@ -204,9 +203,7 @@ class SyntheticSource:
     def _batch(self, d: dict) -> Batch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        if "slot" in d:  # from a worker: views of its shared-memory slot (copied out already when pinned)
-            arrays = d.pop("slot")
-            d.update(arrays.take() if isinstance(arrays, SlotBatch) else arrays)
+        take_arrays(d)  # from a worker: views of its shared-memory slot (copied out already when pinned)
         t = {k: torch.as_tensor(d.pop(k)) for k in ("dense", "labels", "lengths", "values")}
         weights = torch.as_tensor(d.pop("weights")) if "weights" in d else None
         kjt = KeyedJaggedTensor(
@@ -224,31 +221,15 @@ class SyntheticSource:
         return self._batch(self.draw(stream))
 
     def train_batches(self, start_step: int | None = 0) -> Iterator[Batch]:
-        """Batches for steps start_step, start_step + 1, ... (endless); drawn by `workers` processes if > 0 (started
-        here, in the calling thread)."""
+        """Batches for steps start_step, start_step + 1, ... (endless); drawn by `workers` processes if > 0, which
+        start at the first batch taken and write into reused shared-memory slots (`slots.load`)."""
         start = int(start_step or 0)
         if self.workers <= 0:
             return (self.batch(step) for step in itertools.count(start))
-        return self._loaded(start)
-
-    def _loaded(self, start: int) -> Iterator[Batch]:
-        """The batches of `workers` processes, written into reused shared-memory slots (data/slots.py): copied into
-        pinned memory by the DataLoader's pin thread (CUDA), or lent as they are (CPU) and freed once dropped."""
-        slots = Slots(self.workers, self.prefetch + (2 if self.pin else 4), pin=self.pin)
-        if not self.pin and not zero_copy_supported():  # no use counts to tell when a lent slot is free
-            slots = None
-        with slots if slots is not None else nullcontext():
-            loader = torch.utils.data.DataLoader(
-                _Steps(self, start, slots),
-                batch_size=None,
-                num_workers=self.workers,
-                pin_memory=self.pin,
-                prefetch_factor=self.prefetch,
-            )
-            for d in loader:
-                yield self._batch(d)
-                if slots is not None:
-                    slots.release()
+        return (
+            self._batch(d)
+            for d in load(lambda slots: _Steps(self, start, slots), self.workers, self.prefetch, self.pin)
+        )
 
     def eval_batches(self) -> Iterator[Batch]:
         """The same `eval_batches` held-out batches at every evaluation."""
