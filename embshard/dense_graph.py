@@ -28,7 +28,8 @@ each other in any order. Loading a checkpoint replaces optimizer state tensors: 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -191,7 +192,7 @@ class DenseGraphStep:
         first eligible step returns False (it runs eagerly) and counts itself."""
         if batch_size != self.batch_size or not torch.is_grad_enabled():
             return False
-        if self.graph is not None and self._opt.lr_in_graph and self._lrs() != self._captured_lrs:
+        if self.graph is not None and self.rates_changed(self._captured_lrs):
             self.reset()  # a changed learning rate: this step runs eagerly, the next eligible one captures again
         self.eligible_steps += 1
         return self.eligible_steps > 1
@@ -300,24 +301,34 @@ class DenseGraphStep:
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisations), no update
             self.forward_backward(self._dense_BN, self._sparse_BS, self._labels_B)
         torch.cuda.current_stream(device).wait_stream(side)
-        # torch's optimizers with a `capturable` flag check it under capture; their fused step is the same kernel
-        # either way (device-side step counters), so the flag is set for the capture only
-        flags = [(g, g["capturable"]) for g in self.optimizer.param_groups if "capturable" in g]
-        for g, _ in flags:
-            g["capturable"] = True
-        self._captured_lrs = self._lrs()
         self.graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the host threads beside this one (the pipeline's batch preparation pins memory, NCCL's
             # watchdog queries events) may make calls that a global capture would fail on
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self._body()
+            with self.optimizer_captured() as self._captured_lrs:
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                    self._body()
         except Exception as e:
             self.graph = None
             raise RuntimeError(
                 f"training.cuda_graph: capturing the dense step failed ({type(e).__name__}: {e}); set "
                 "training.cuda_graph false to train without it"
             ) from e
+
+    @contextmanager
+    def optimizer_captured(self) -> Iterator[list[float]]:
+        """Around a capture that holds the optimizer's step; gives the learning rates the capture holds (compare
+        them with `rates_changed`). torch's optimizers with a `capturable` flag check it under capture; their fused
+        step is the same kernel either way (device-side step counters), so the flag is set for the capture only."""
+        flags = [(g, g["capturable"]) for g in self.optimizer.param_groups if "capturable" in g]
+        for g, _ in flags:
+            g["capturable"] = True
+        try:
+            yield self._lrs()
         finally:
             for g, flag in flags:
                 g["capturable"] = flag
+
+    def rates_changed(self, captured: list[float]) -> bool:
+        """Whether a learning rate changed since a capture that holds the rates as constants (a fused step's)."""
+        return self._opt.lr_in_graph and self._lrs() != captured

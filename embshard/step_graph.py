@@ -167,8 +167,7 @@ class StepGraph:
             return False
         if len(set(counts.batch_sizes)) != 1 or counts.batch_sizes[0] != self.dense_step.batch_size:
             return False
-        opt = self.dense_step._opt
-        if self.graph is not None and opt.lr_in_graph and self.dense_step._lrs() != self._captured_lrs:
+        if self.graph is not None and self.dense_step.rates_changed(self._captured_lrs):
             self.graph = None  # a changed rate the captured step holds: warm up and capture again
         ids = np.asarray(counts.ids, dtype=np.int64)
         if self.capacity is not None:  # padded mode: any counts that fit
@@ -204,10 +203,11 @@ class StepGraph:
         accepted. Replays the graph, or (first call for these counts) runs the step eagerly and captures it."""
         if self.capacity is not None:
             batch, counts = self._padded(batch, counts)
-        if self._counts is None or not _same_shapes(self._inputs, _inputs_of(batch)):
+        inputs = _inputs_of(batch)
+        if self._counts is None or not _same_shapes(self._inputs, inputs):
             self._make_static(batch)
         self._counts = counts
-        torch._foreach_copy_(self._inputs, _inputs_of(batch))
+        torch._foreach_copy_(self._inputs, inputs)
         opt = self.dense_step._opt
         if opt.before is not None:
             opt.before()
@@ -264,23 +264,16 @@ class StepGraph:
         with torch.cuda.stream(self._stream):
             outputs = self._body()
         current.wait_stream(self._stream)
-        optimizer = self.dense_step.optimizer
-        flags = [(g, g["capturable"]) for g in optimizer.param_groups if "capturable" in g]
-        for g, _ in flags:  # as DenseGraphStep._capture: a fused step is the same kernel either way
-            g["capturable"] = True
-        self._captured_lrs = self.dense_step._lrs()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                self._graph_outputs = self._body()
+            with self.dense_step.optimizer_captured() as self._captured_lrs:
+                with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                    self._graph_outputs = self._body()
         except Exception as e:
             self.given_up = f"capturing the whole step failed ({type(e).__name__}: {e})"
             raise RuntimeError(
                 f"training.cuda_graph: {self.given_up}; set training.graph_scope dense (or cuda_graph false)"
             ) from e
-        finally:
-            for g, flag in flags:
-                g["capturable"] = flag
         self.graph, self.captures = graph, self.captures + 1
         return outputs
 

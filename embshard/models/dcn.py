@@ -27,8 +27,9 @@ def _low_rank_cross_net() -> type[nn.Module]:
         GEMM, the bias added in its epilogue), and the running sum x_l, kept in fp32 as torchrec's is under bf16
         autocast (its fp32 bias promotes it), is updated by one fused kernel per layer on CUDA GPUs
         (embshard.kernels.cross: the fp32 sum and its bf16 copy for the next product in one pass, the backward in
-        one pass; the first layer reads x_0 as it is, the last writes only the bf16 copy) or one addcmul elsewhere. torchrec's forward spends three fp32 passes per layer on it (add the
-        bias, multiply, add) and a cast, and more in the backward."""
+        one pass; the first layer reads x_0 as it is, the last writes only the bf16 copy) or one addcmul elsewhere.
+        torchrec's forward spends three fp32 passes per layer on it (add the bias, multiply, add) and a cast, and
+        more in the backward."""
 
         fused = True  # the fused running-sum kernel where it applies (False: torch's ops, for comparisons)
 
