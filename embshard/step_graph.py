@@ -95,7 +95,10 @@ def padding_refusal(model) -> str | None:
         return f"mean-pooled features {mean[:3]} divide by their bag lengths, which the filler ids change"
     opt = ebc.optimizer
     if opt.kind is OptimizerKind.ADAM or opt.weight_decay:
-        return f"the sparse optimizer ({opt.kind.value}, weight decay {opt.weight_decay:g}) changes rows with a zero gradient"
+        return (
+            f"the sparse optimizer ({opt.kind.value}, weight decay {opt.weight_decay:g}) changes rows with a zero "
+            "gradient"
+        )
     small = [
         s.table.name for sc in ebc.schemes for lk in sc.lookups for s in lk.shards if s.kernel is LookupKernel.SMALL
     ]

@@ -106,9 +106,9 @@ RAW_KERNELS kernels once for all its shards on a rank: RAW_KERNELS*kernel_s per 
 shard. RAW_KERNELS (60) is counted (170 launches a raw step against 110 static, 1 x H100, 13 tables, the map's
 fused step); RAW_ID_BYTES (2531) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3
 with NVLink, 2026-11-26 (`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py
---workload uniform26 --ids both --id-space 1 --batches 8 --rounds 3 --steps 20`, counts from the host: 7.71 ms a step, 13 table-wise raw-id
-tables a rank; the case in tests/planner/data/measured_steps.json, `bench/planner_predict.py --measured --fit`
-refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the reset's 0.39 ms matches the profiled 0.41 ms
+--workload uniform26 --ids both --id-space 1 --batches 8 --rounds 3 --steps 20`, counts from the host: 7.71 ms a
+step, 13 table-wise raw-id tables a rank; the case in tests/planner/data/measured_steps.json,
+`bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the reset's 0.39 ms matches the profiled 0.41 ms
 of the earlier map). The same constants put a 1-GPU raw step 3.36 ms above a static one where one process measured
 2.62 ms (docs/planner.md).
 

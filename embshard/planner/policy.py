@@ -131,20 +131,19 @@ def search_plan(
 ):
     """The search's (plan, report); with settings.whole_step_graph, first among the options a whole-step graph can
     hold (`graph_settings`), then, if none of those fits, among all (`say` gets why)."""
-    say = say or (lambda _text: None)
-    narrowed = graph_settings(settings) if settings.whole_step_graph else None
-    if narrowed is not None:
-        try:
-            if isinstance(narrowed, str):
-                raise ConfigError(narrowed)
-            return plan_with_report(tables, topo, batch_size, optimizer, constraints, narrowed)
-        except (PlanningError, ConfigError) as e:
-            why = str(e).strip().splitlines()[0]
-            say(
-                "planner: no plan that the whole-step CUDA graph can hold fits (table_wise and data_parallel tables, "
-                f"no uvm_caching, FBGEMM's kernels): {why}; planning with every option, so the step runs without "
-                "the whole-step graph"
-            )
+    if settings.whole_step_graph:
+        narrowed = graph_settings(settings)
+        why = narrowed if isinstance(narrowed, str) else None
+        if why is None:
+            try:
+                return plan_with_report(tables, topo, batch_size, optimizer, constraints, narrowed)
+            except (PlanningError, ConfigError) as e:
+                why = str(e).strip().splitlines()[0]
+        (say or (lambda _text: None))(
+            "planner: no plan that the whole-step CUDA graph can hold fits (table_wise and data_parallel tables, "
+            f"no uvm_caching, FBGEMM's kernels): {why}; planning with every option, so the step runs without "
+            "the whole-step graph"
+        )
     return plan_with_report(tables, topo, batch_size, optimizer, constraints, settings)
 
 
