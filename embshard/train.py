@@ -62,14 +62,13 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
     model = RecModel(cfg.model, num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     mode = cfg.training.compile
-    graph = cfg.training.cuda_graph
-    if mode != "none" and not graph and not model.compile_dense(mode, cfg.schedule.batch_size):
-        log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
-    if graph:  # with training.compile, the graph holds the compiled forward's kernels (the eager steps run eagerly)
+    graphed = False  # the dense step has a graph (with training.compile, holding the compiled kernels)
+    if cfg.training.cuda_graph:
         bf16, compiled = cfg.training.precision == "bf16", None if mode == "none" else mode
         why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
-        if why_not is not None:
-            log(f"training.cuda_graph: {why_not}; the dense step runs eagerly")
+        graphed = why_not is None
+        if not graphed:
+            log(f"training.cuda_graph: {why_not}; the dense step runs without a graph")
         elif cfg.training.graph_scope == "step":
             if cfg.training.pipeline == "semi_sync":
                 why_not = "training.pipeline semi_sync looks up the next batch before this one's backward"
@@ -77,6 +76,8 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
                 why_not = model.capture_whole_step(cfg.training.graph_overlap)
             if why_not is not None:
                 log(f"training.cuda_graph: the whole step is not captured ({why_not}); the dense step is")
+    if mode != "none" and not graphed and not model.compile_dense(mode, cfg.schedule.batch_size):
+        log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
     return model, dense_opt
 
 
