@@ -159,7 +159,7 @@ class StepGraph:
         self._counts: BatchCounts | None = None  # the counts the static buffers (and the graph) are sized for
         self._captured_lrs: list[float] = []
         self._stream: torch.cuda.Stream | None = None
-        self._fill: tuple | None = None  # padded mode: (its key, filler ids, their zero weights) (`_fillers`)
+        self._fill: tuple | None = None  # padded mode: (key, filler ids, zero weights, weighted features)
 
     # ---- when ------------------------------------------------------------------------------------------------
     def ready(self, counts: BatchCounts) -> bool:
@@ -298,9 +298,10 @@ class StepGraph:
         cap = [int(self.capacity[c]) for c in cols]
         values, weights = kjt.values(), kjt.weights_or_none()
         dev, N = values.device, sum(have)
-        filler_ids, filler_w = self._fillers(keys, cap, values.dtype, dev)
+        filler_ids, filler_w, weighted_F = self._fillers(keys, cap, values.dtype, dev)
         lengths_FB = kjt.lengths().view(F, B)
-        pad_F1 = small_to_device([c - n for c, n in zip(cap, have)], dev).view(F, 1)
+        sizes = small_to_device([c - n for c, n in zip(cap, have)] + have, dev)  # one copy: padding, own ids
+        pad_F1, have_F = sizes[:F].view(F, 1), sizes[F:]
         bags_1B = torch.arange(B, device=dev).view(1, B)
         extra_FB = pad_F1 // max(B, 1) + (bags_1B < pad_F1 % max(B, 1)).to(torch.int64)  # pad // B, +1 in the first
         new_lengths = (lengths_FB.to(torch.int64) + extra_FB).reshape(-1)
@@ -310,12 +311,8 @@ class StepGraph:
         where = torch.arange(N, device=dev) + shift[bag_of]
         if weights is None:
             own_w = torch.ones(N, dtype=torch.float32, device=dev)
-        else:
-            own_w, start = weights.float().clone(), 0
-            for k, n in zip(keys, have):
-                if not ebc._table_of[k].weighted:  # a table without weights pools with 1
-                    own_w[start : start + n] = 1.0
-                start += n
+        else:  # a table without weights pools with 1
+            own_w = torch.where(torch.repeat_interleave(weighted_F, have_F, output_size=N), weights.float(), 1.0)
         values_out = filler_ids.clone().index_copy_(0, where, values)
         weights_out = filler_w.clone().index_copy_(0, where, own_w)
         lengths_out = new_lengths.to(kjt.lengths().dtype)
@@ -326,14 +323,17 @@ class StepGraph:
 
     def _fillers(self, keys: list[str], cap: list[int], dtype: torch.dtype, device: torch.device):
         """The padded batch's values and weights before its own ids are put in: per feature, `cap` filler ids on
-        rows 0, 1, ..., up to 1024 rows of its table (again and again), each of weight 0; made once per capacity."""
+        rows 0, 1, ..., up to 1024 rows of its table (again and again), each of weight 0; and per feature whether
+        its table has weights. Made once per capacity."""
         key = (tuple(keys), tuple(cap), dtype)
         if self._fill is None or self._fill[0] != key:
-            rows = [min(self.model.ebc._table_of[k].num_embeddings, FILLER_ROWS) for k in keys]
+            tables = [self.model.ebc._table_of[k] for k in keys]
+            rows = [min(t.num_embeddings, FILLER_ROWS) for t in tables]
             ids = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(cap, rows)] or [np.zeros(0)])
             ids_t = torch.from_numpy(ids.astype(np.int64)).to(device=device, dtype=dtype)
-            self._fill = (key, ids_t, torch.zeros(ids_t.numel(), dtype=torch.float32, device=device))
-        return self._fill[1], self._fill[2]
+            weighted_F = torch.tensor([t.weighted for t in tables], device=device)
+            self._fill = (key, ids_t, torch.zeros(ids_t.numel(), dtype=torch.float32, device=device), weighted_F)
+        return self._fill[1:]
 
     def _make_static(self, batch) -> None:
         """Device buffers the graph reads its batch from, and a batch made of them."""
