@@ -60,6 +60,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--eval", action="store_true", help="held-out loss and AUC before and after training")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps (GPU busy share)")
+    ap.add_argument("--profile-top", type=int, default=12, help="kernels listed per rank in the profile (most time)")
     ap.add_argument("--trace", default=None, help="write the profiled window's Chrome trace here (rank 0)")
     ap.add_argument(
         "--host-profile", type=int, default=0, help="print the Python functions taking the host's time: cProfile of "
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> None:
             mine = (
                 *busy_share(kernels, args.profile_steps),
                 len(kernels) / args.profile_steps,
-                top_kernels(kernels, args.profile_steps),
+                top_kernels(kernels, args.profile_steps, args.profile_top),
                 busiest_stream(kernels),
             )
             everyone: list = [None] * world
