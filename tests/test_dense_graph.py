@@ -27,6 +27,7 @@ def _train(rank, world, device, graph: bool | str, precision: str):
     from embshard.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
+    init = _state(model)
     compiled = "default" if graph == "compiled" else None
     why_not = model.capture_dense_step(opt, 32, precision == "bf16", compiled) if graph else "off"
     if graph and device.type == "cpu":  # the graph's step without capture
@@ -41,7 +42,7 @@ def _train(rank, world, device, graph: bool | str, precision: str):
     if model.dense_graph is not None:  # the graph holds an NCCL collective: released before the group may go
         model.dense_graph.close()
         assert model.dense_graph.graph is None
-    return losses, _state(model), why_not, replays
+    return losses, _state(model), why_not, replays, init
 
 
 def _worker(rank, world, device):
@@ -66,8 +67,8 @@ def test_graph_step_trains_like_the_eager_step():
         for graph, precision, (rtol, atol) in cases:
             if (graph, precision) not in res:
                 continue  # compiled: CUDA only
-            eager_losses, eager_state, _, _ = res[(False, precision)]
-            losses, state, why_not, replays = res[(graph, precision)]
+            eager_losses, eager_state, _, _, init = res[(False, precision)]
+            losses, state, why_not, replays, _ = res[(graph, precision)]
             assert len(losses) == max(STEPS), (rank, precision, losses)
             assert why_not == (None if device_kind() == "cuda" else "CUDA graphs need a CUDA GPU"), why_not
             assert replays == min(STEPS) - 1, (rank, precision, replays)  # steps 2-20 replayed; 1, 21, 22 eager
@@ -79,14 +80,16 @@ def test_graph_step_trains_like_the_eager_step():
                 atol=atol,
                 msg=lambda m, case=case: f"{case}: {m}",
             )
-            if graph == "compiled":  # Adagrad turns a near-zero gradient's rounding into a step of about lr: per
-                # tensor, the distance to the eager weights, relative to their size (bf16 on 2 x H100: up to 5.3%)
-                bound = 0.05 if precision == "fp32" else 0.1
+            if graph == "compiled":  # Adagrad turns a near-zero gradient's rounding into a step of about lr, so
+                # elementwise bounds do not hold: per tensor, the distance to the eager weights, relative to how far
+                # the eager step moved them from the start (a missed update would be 1, a reversed one 2)
                 for part in ("dense", "tables"):
                     for name, t in state[part].items():
-                        ref = eager_state[part][name]
-                        rel = float((t - ref).norm() / ref.norm().clamp_min(1e-6))
-                        assert rel < bound, (case, part, name, rel)
+                        ref, start = eager_state[part][name], init[part][name]
+                        moved = float((ref - start).norm())
+                        off = float((t - ref).norm()) / max(moved, 1e-6 * float(ref.norm()), 1e-12)
+                        print(f"{case} {part} {name}: {off:.3f} of the eager update")  # shown if it fails
+                        assert off < 0.5, (case, part, name, f"{off:.3f} of the eager update {moved:.3g}")
             else:
                 torch.testing.assert_close(state["dense"], eager_state["dense"], rtol=rtol, atol=atol)
                 torch.testing.assert_close(state["tables"], eager_state["tables"], rtol=rtol, atol=atol)
