@@ -38,9 +38,17 @@ def init_distributed(collective_timeout_s: float | None = 600.0) -> torch.device
         )
         if cuda:  # the group's GPU, named: collectives without tensors (barrier, DCP's) use it instead of guessing
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        if os.environ.get(_HELD_STORE) == "1":  # spawn_local's parent holds the store: join it as a client
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            wait = timedelta(seconds=max(300.0, (collective_timeout_s or 0) + 60))
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, wait)
+            kwargs.update(store=store, rank=rank, world_size=world)
         dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
     comm.set_timeout(collective_timeout_s)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+_HELD_STORE = "EMBSHARD_HELD_STORE"  # set by spawn_local: MASTER_PORT is a store its parent holds
 
 
 def free_port() -> int:
@@ -58,16 +66,23 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
+        **{_HELD_STORE: "1"},
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     fn(*args)
 
 
 def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
-    """Run fn(*args) on `nproc` local processes with torchrun-style environment variables."""
+    """Run fn(*args) on `nproc` local processes with torchrun-style environment variables. This process holds the
+    group's store on a port the kernel picks as it binds it (no other process can take the port between a choice
+    and the bind, as with a port picked free first); the ranks join it as clients (`init_distributed`)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_entry, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True, start_method="spawn")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
+    try:
+        mp.start_processes(_entry, args=(nproc, store.port, fn, args), nprocs=nproc, join=True, start_method="spawn")
+    finally:
+        del store
 
 
 @dataclass(frozen=True)
