@@ -142,18 +142,43 @@ def _union(items) -> float:
     return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
 
-def busiest_stream(kernels: list) -> tuple[int, float]:
-    """(stream, share of the window its kernels keep it busy) of the stream with the most kernel time among
-    `gpu_kernels` (a device event's `thread` is its stream): the compute stream of a step."""
+def kernel_streams(prof) -> list:
+    """Each GPU kernel and copy of the profile with the stream it ran on (kineto's device resource id, which the
+    FunctionEvents of `gpu_kernels` do not carry): objects with name, stream, start and end (microseconds)."""
+    from types import SimpleNamespace
+
+    spans = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0 or e.is_user_annotation():
+            continue
+        if e.name().startswith("## "):
+            continue
+        start = e.start_ns() / 1e3
+        spans.append(
+            SimpleNamespace(
+                name=e.name(), stream=e.device_resource_id(), start=start, end=start + e.duration_ns() / 1e3
+            )
+        )
+    return spans
+
+
+def stream_shares(spans: list) -> tuple[int, float, list[tuple[int, float]]]:
+    """(compute stream, the share of the window its kernels keep it busy, every stream's share, busiest first) of
+    `kernel_streams`: the compute stream is the one with the most time in kernels other than NCCL's (a step's
+    graph or loop runs there; NCCL and copies run on streams of their own)."""
     per_stream: dict[int, list] = collections.defaultdict(list)
-    for e in kernels:
-        per_stream[getattr(e, "thread", 0)].append((e.time_range.start, e.time_range.end))
+    own: collections.Counter = collections.Counter()
+    for e in spans:
+        per_stream[e.stream].append((e.start, e.end))
+        if kernel_kind(e.name) != "nccl":
+            own[e.stream] += e.end - e.start
     if not per_stream:
-        return -1, float("nan")
-    lo = min(s for spans in per_stream.values() for s, _ in spans)
-    hi = max(e for spans in per_stream.values() for _, e in spans)
-    stream, spans = max(per_stream.items(), key=lambda kv: _union(kv[1]))
-    return stream, _union(spans) / (hi - lo)
+        return -1, float("nan"), []
+    lo = min(s for v in per_stream.values() for s, _ in v)
+    hi = max(e for v in per_stream.values() for _, e in v)
+    shares = sorted(((k, _union(v) / (hi - lo)) for k, v in per_stream.items()), key=lambda kv: -kv[1])
+    compute = max(own, key=own.get) if own else shares[0][0]
+    return compute, dict(shares)[compute], shares
 
 
 def busy_share(kernels: list, steps: int) -> tuple[float, float, dict[str, float]]:
@@ -268,7 +293,7 @@ def run(args: argparse.Namespace) -> None:
         m = evaluate(model, source, device, pipe.host_group)
         auc = m.get("auc", float("nan"))
         say(f"held-out after {warmup + steps} steps: loss {m['loss']:.5f} auc {auc:.5f} ({m['samples']} samples)")
-    busy = busy_compute = float("nan")
+    busy = busy_compute = busy_stream = float("nan")
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -285,16 +310,18 @@ def run(args: argparse.Namespace) -> None:
                 *busy_share(kernels, args.profile_steps),
                 len(kernels) / args.profile_steps,
                 top_kernels(kernels, args.profile_steps, args.profile_top),
-                busiest_stream(kernels),
+                stream_shares(kernel_streams(prof)),
             )
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)
-            busy, busy_compute = mine[0], mine[1]
-            for r, (r_busy, r_compute, kinds, launches, top, (stream, stream_busy)) in enumerate(everyone):
+            busy, busy_compute, busy_stream = mine[0], mine[1], mine[-1][1]
+            for r, (r_busy, r_compute, kinds, launches, top, (stream, share, shares)) in enumerate(everyone):
                 say(f"profile ({args.profile_steps} steps, rank {r}): GPU busy {r_busy:.1%} of the window "
-                    f"({r_compute:.1%} without NCCL kernels; the busiest stream, {stream}, {stream_busy:.1%}); "
+                    f"({r_compute:.1%} without NCCL kernels); the compute stream ({stream}) busy {share:.1%}; "
                     "kernel ms/step "
                     + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))  # fmt: skip
+                say(f"profile (rank {r}): each stream busy (share of the window) "
+                    + ", ".join(f"{k} {v:.1%}" for k, v in shares[:8]))  # fmt: skip
                 say(f"profile (rank {r}): {launches:.0f} kernels and copies a step; the top ones (ms/step, launches):")
                 for name, k_ms, k_calls in top:
                     say(f"  {k_ms:7.3f} {k_calls:6.1f}  {name[:110]}")
@@ -321,6 +348,7 @@ def run(args: argparse.Namespace) -> None:
         f"pooled={cfg.lookup.output_dtype.value} world={world} batch_per_rank={batch} scale={args.scale:g} "
         f"ms_per_step={ms:.3f} samples_per_s={sps:.0f} build_s={build_s:.2f} peak_gib={float(g[:, 1].max()):.2f} "
         f"data_wait_ms={float(g[:, 2].max()):.3f} gpu_busy={busy:.3f} gpu_busy_compute={busy_compute:.3f} "
+        f"compute_stream_busy={busy_stream:.3f} "
         f"auc={auc:.5f} auc_before={auc_before:.5f} loss_first={first:.4f} loss_last={last:.4f} {floor}"
     )
     model.release_graphs()  # before the process group goes: a live graph with an NCCL collective hangs its teardown

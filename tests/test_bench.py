@@ -384,16 +384,23 @@ def test_scaling_suite_pairs_torchrec_and_embshard_at_4_gpus_and_reads_the_per_g
 
 def test_profile_shares_of_the_window():
     """bench/train_e2e.py's profile summary: the share of the window any kernel runs, without NCCL kernels, and
-    the busiest stream's own share (the compute stream of a step), on hand-made kernel spans of two streams."""
+    the compute stream's own share (the stream with the most time in kernels other than NCCL's), on hand-made
+    kernel spans of three streams."""
     from types import SimpleNamespace
 
     import train_e2e
 
     def kernel(start, end, stream, name="gemm"):
-        return SimpleNamespace(name=name, thread=stream, time_range=SimpleNamespace(start=start, end=end))
+        return SimpleNamespace(
+            name=name, stream=stream, start=start, end=end, time_range=SimpleNamespace(start=start, end=end)
+        )
 
-    kernels = [kernel(0, 10, 7), kernel(12, 20, 7), kernel(5, 8, 21), kernel(18, 30, 21, "ncclDevKernel_SendRecv")]
+    nccl = "ncclDevKernel_SendRecv"
+    kernels = [kernel(0, 10, 7), kernel(12, 20, 7), kernel(5, 8, 21), kernel(18, 30, 21, nccl)]
+    kernels += [kernel(0, 26, 33, nccl)]  # the busiest stream, but NCCL's
     busy, busy_compute, _ = train_e2e.busy_share(kernels, 1)
-    assert busy == pytest.approx(28 / 30) and busy_compute == pytest.approx(18 / 30)
-    assert train_e2e.busiest_stream(kernels) == (7, pytest.approx(18 / 30))  # stream 21: 15 of 30
-    assert train_e2e.busiest_stream([])[0] == -1
+    assert busy == pytest.approx(1.0) and busy_compute == pytest.approx(18 / 30)
+    stream, share, shares = train_e2e.stream_shares(kernels)
+    assert (stream, share) == (7, pytest.approx(18 / 30))  # stream 21: 3 of its 15 outside NCCL
+    assert [k for k, _ in shares] == [33, 7, 21] and shares[0][1] == pytest.approx(26 / 30)
+    assert train_e2e.stream_shares([])[0] == -1
