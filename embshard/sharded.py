@@ -173,6 +173,9 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
         self.step = 0
         self._pending: deque[PrefetchHandle] = deque()  # prefetched batches not consumed yet, in order
         self._ahead: tuple | None = None  # (kjt, output, event): a forward run ahead (lookup_ahead)
+        # A list while a caller collects each forward's lookup outputs (before the pooled exchange), else None: the
+        # whole-step graph runs its backward in two parts (embshard/step_graph.py); kept only while it asks.
+        self.lookup_outputs: list[torch.Tensor] | None = None
 
     # ---- input handling ----------------------------------------------------------------------------------
     def _layout(self, kjt) -> dict[str, int]:
@@ -277,6 +280,8 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
                 lengths_FB, values, weights, index = self._local_input(kjt)
                 inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids, self.step)
             pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
+            if self.lookup_outputs is not None:
+                self.lookup_outputs.extend(pooled)
             handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
             blocks = [b for h in handles for b in h.wait()]
         if torch.is_grad_enabled():

@@ -160,6 +160,7 @@ class StepGraph:
         self._captured_lrs: list[float] = []
         self._stream: torch.cuda.Stream | None = None
         self._fill: tuple | None = None  # padded mode: (key, filler ids, zero weights, weighted features)
+        self.backward_parts = 0  # the last step's embedding backward: in 2 parts (the exchange's, the lookups') or 1
 
     # ---- when ------------------------------------------------------------------------------------------------
     def ready(self, counts: BatchCounts) -> bool:
@@ -234,19 +235,41 @@ class StepGraph:
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         model, ebc = self.model, self.model.ebc
         ebc.prefetch(self._batch.sparse, counts=self._counts)  # the id exchange, sized from the counts
-        sparse_BS = model.kind.sparse_input(model, self._batch)  # lookups, pooled exchange, regroup
+        ebc.lookup_outputs = []  # the lookups' outputs, where the backward's second part starts
+        try:
+            sparse_BS = model.kind.sparse_input(model, self._batch)  # lookups, pooled exchange, regroup
+            looked_up = [t for t in ebc.lookup_outputs if t.requires_grad]
+        finally:
+            ebc.lookup_outputs = None
         loss, logits_B, grad_BS = self.dense_step.forward_backward(self._dense_BN, sparse_BS, self._labels_B)
-        # the exchanges' backward and the fused sparse update, through to the graph's leaves without running their
-        # AccumulateGrad nodes: a node made by an earlier eager step (kept alive by that step's loss, which the
-        # caller may hold) belongs to that step's stream, and the engine would make the capture wait on it
-        leaves = _leaves_of(sparse_BS)
+        # The embeddings' backward in two parts, the dense update issued between them: (1) the regroup's and the
+        # pooled exchange's backward, to the lookups' outputs (the pooled gradients' all-to-all); (2) the lookups'
+        # backward with the fused sparse update. Issued in this order, the dense gradients' all-reduce follows the
+        # all-to-all rather than coming before it (NCCL may order captured collectives of different communicators
+        # as the host issued them), and runs beside the lookups' backward. Both parts end at tensors of this step
+        # (the lookups' outputs, then the graph's leaves), without running the leaves' AccumulateGrad nodes: a node
+        # made by an earlier eager step (kept alive by that step's loss, which the caller may hold) belongs to that
+        # step's stream, and the engine would make the capture wait on it.
         side = self._side
-        if side is not None:  # the dense update beside the embeddings' backward (a fork and a join in the graph)
+        if side is not None:  # the dense update needs only the dense backward: it may start before part (1)
             current = torch.cuda.current_stream(side.device)
-            side.wait_stream(current)
+            dense_done = current.record_event()
+        leaves = _leaves_of(sparse_BS)
+        if {id(t) for t in _leaves_of(*looked_up)} != {id(t) for t in leaves}:
+            looked_up = []  # a leaf the lookups' outputs do not reach: the backward in one part
+        pooled_grads: list = []
+        if looked_up and leaves:
+            grads = torch.autograd.grad(sparse_BS, looked_up, grad_BS, allow_unused=True)
+            pooled_grads = [(t, g) for t, g in zip(looked_up, grads) if g is not None]
+        if side is not None:  # the dense update beside the lookups' backward (a fork and a join in the graph)
+            side.wait_event(dense_done)
             with torch.cuda.stream(side):
                 self.dense_step.reduce_and_update()
-        if leaves:
+        self.backward_parts = 2 if looked_up and leaves else 1
+        if pooled_grads:
+            outs, grads = zip(*pooled_grads)
+            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        elif leaves and not looked_up:  # no lookup outputs to stop at (or a leaf they do not reach): in one part
             torch.autograd.grad(sparse_BS, leaves, grad_BS, allow_unused=True)
         if side is not None:
             current.wait_stream(side)
@@ -369,10 +392,10 @@ class StepGraph:
         self.reset()
 
 
-def _leaves_of(t: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors (AccumulateGrad nodes) that `t`'s autograd graph reaches: the lookups' placeholders and
+def _leaves_of(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (AccumulateGrad nodes) that the autograd graphs of `ts` reach: the lookups' placeholders and
     replicas."""
-    leaves, seen, stack = [], set(), [t.grad_fn]
+    leaves, seen, stack = [], set(), [t.grad_fn for t in ts]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:

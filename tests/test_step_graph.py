@@ -60,7 +60,11 @@ def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed"
         whole_steps += int(done.output.updated)
     pipe.close()
     graph = model.step_graph
-    info = (whole_steps, graph.replays, graph.captures, graph.given_up) if graph is not None else None
+    info = (
+        (whole_steps, graph.replays, graph.captures, graph.given_up, graph.backward_parts)
+        if graph is not None
+        else None
+    )
     model.release_graphs()
     return losses, _state(model), info
 
@@ -88,8 +92,9 @@ def test_whole_step_graph_trains_like_the_eager_step():
         fp32 = (1e-5, 1e-6) if not cuda else (1e-4, 1e-5)
         for precision, (rtol, atol) in (("fp32", fp32), ("bf16", (2e-2, 2e-3))):
             eager_losses, eager_state, _ = res[(False, precision)]
-            losses, state, (whole_steps, replays, captures, given_up) = res[(True, precision)]
+            losses, state, (whole_steps, replays, captures, given_up, parts) = res[(True, precision)]
             assert len(losses) == max(STEPS), (rank, precision, losses)
+            assert parts == 2  # the pooled exchange's backward, then the lookups' (the dense update issued between)
             # step 1 eager (its counts are new), steps 2-20 the whole step (2 warms up and captures), 21-22 eager
             assert whole_steps == min(STEPS) - 1 and given_up is None, (rank, precision, whole_steps, given_up)
             assert (replays, captures) == ((min(STEPS) - 2, 1) if cuda else (0, 0)), (replays, captures)
@@ -100,7 +105,7 @@ def test_whole_step_graph_trains_like_the_eager_step():
         # ragged bags: counts change every step. Padded to a capacity (step 1 eager, step 2 sets the capacity, then
         # the padded whole step; a batch over the capacity grows it and runs eagerly): the eager step's training
         eager_losses, eager_state, _ = res["ragged"]
-        losses, state, (whole_steps, replays, captures, given_up) = res["ragged whole"]
+        losses, state, (whole_steps, replays, captures, given_up, _) = res["ragged whole"]
         assert given_up is None and whole_steps >= min(STEPS) - 6, (whole_steps, given_up)
         assert (replays > 0 and captures >= 1) if cuda else (replays, captures) == (0, 0), (replays, captures)
         _close(torch.tensor(losses), torch.tensor(eager_losses), *fp32)
@@ -108,7 +113,7 @@ def test_whole_step_graph_trains_like_the_eager_step():
         _close(state["tables"], eager_state["tables"], *fp32)
         # mean pooling cannot be padded: the graph is given up after 4 changes, and the losses are the eager ones
         eager_losses, eager_state, _ = res["mean ragged"]
-        losses, state, (whole_steps, replays, _, given_up) = res["mean ragged whole"]
+        losses, state, (whole_steps, replays, _, given_up, _) = res["mean ragged whole"]
         assert whole_steps == 0 and replays == 0 and "ragged bags" in given_up and "mean" in given_up, given_up
         _close(torch.tensor(losses), torch.tensor(eager_losses), *fp32)
         _close(state["tables"], eager_state["tables"], *fp32)
