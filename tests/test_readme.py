@@ -48,7 +48,7 @@ def test_readme_examples_run(tmp_path):
 def test_custom_model_example_trains_on_two_processes():
     """Two ranks started the way torchrun starts them (RANK, WORLD_SIZE, ... in the environment; the example's own
     `--nproc` start goes through embshard.distributed.spawn_local, which `embshard train --nproc` tests use)."""
-    from embshard.distributed import free_port
+    from dist_harness import _free_port  # below the kernel's ephemeral range: no other socket takes it meanwhile
 
     cmd = [sys.executable, "examples/custom_model.py", "--steps", "3"]
     procs = []
@@ -57,7 +57,7 @@ def test_custom_model_example_trains_on_two_processes():
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
         env.update(LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
         procs.append(env)
-    port = str(free_port())
+    port = str(_free_port())
     running = [
         subprocess.Popen(
             cmd, cwd=ROOT, env={**e, "MASTER_PORT": port}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
