@@ -51,16 +51,46 @@ class GraphOptimizer:
     """Host work after each replay: the step counters torch keeps on the host."""
     lr_in_graph: bool = False
     """The captured step holds the learning rates as constants: a changed rate needs a new capture."""
+    warm_up: Callable[[], None] | None = None
+    """Compiles the step (where it is compiled) on copies of the tensors it updates: a step's first call, outside a
+    capture, without updating anything."""
 
 
-def graph_optimizer_step(optimizer: torch.optim.Optimizer) -> GraphOptimizer | str:
+def _adagrad_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    sums: list[torch.Tensor],
+    minus_lr: torch.Tensor,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One group's Adagrad arithmetic, written out as torch's foreach Adagrad does it (in place on `params` and
+    `sums`; `grads` unchanged)."""
+    if weight_decay:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_addcmul_(sums, grads, grads, value=1)
+    std = torch._foreach_sqrt(sums)
+    torch._foreach_add_(std, eps)
+    numerator = torch._foreach_mul(grads, minus_lr)
+    torch._foreach_addcdiv_(params, numerator, std)
+
+
+def _copy_as(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x` that a compiled function's guards take for `x`: same type, shape, strides, dtype, device and
+    requires_grad."""
+    c = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x.detach())
+    return nn.Parameter(c, requires_grad=x.requires_grad) if isinstance(x, nn.Parameter) else c
+
+
+def graph_optimizer_step(optimizer: torch.optim.Optimizer, compile: str | None = None) -> GraphOptimizer | str:
     """The step of `optimizer` that a graph can capture, or a string saying why there is none. torch's fused
     optimizers keep their step counters on the device: their own step is captured (with its learning rates as
     constants). Adagrad without a fused kernel in this torch (and without lr_decay, whose rate depends on the step
     count on the host): its foreach arithmetic, written out as torch's Adagrad does it, on its own state tensors,
     with each group's learning rate in a device tensor (`before` refreshes it from the param group, so a changed
     rate applies at the next replay), and its step counters (host tensors) advanced by one foreach add after each
-    replay."""
+    replay. `compile` (a torch.compile mode, as the dense step's): the arithmetic compiled, which fuses its five
+    passes over every parameter into one kernel per group of tensors (`warm_up` compiles it on copies)."""
     groups = optimizer.param_groups
     if all(g.get("fused") for g in groups):
         return GraphOptimizer(optimizer.step, lr_in_graph=True)
@@ -71,28 +101,28 @@ def graph_optimizer_step(optimizer: torch.optim.Optimizer) -> GraphOptimizer | s
     device = groups[0]["params"][0].device
     minus_lr = [torch.tensor(-float(g["lr"]), device=device) for g in groups]  # what the graph reads
     lrs = [float(g["lr"]) for g in groups]  # the rates in `minus_lr` now
+    update = torch.compile(_adagrad_update, mode=compile, dynamic=False) if compile else _adagrad_update
     # The groups and the state are looked up at each call: a checkpoint's load replaces both (load_state_dict),
     # and a graph captured after it holds the loaded state tensors.
 
+    def lists(g: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        params = list(g["params"])
+        return params, [p.grad for p in params], [optimizer.state[p]["sum"] for p in params]
+
     @torch.no_grad()
     def step() -> None:
-        state = optimizer.state
         for g, m_lr in zip(optimizer.param_groups, minus_lr):
-            params = list(g["params"])
-            grads = [p.grad for p in params]
-            sums = [state[p]["sum"] for p in params]
-            wd = g["weight_decay"]
-            if wd:
-                grads = torch._foreach_add(grads, params, alpha=wd)
-            torch._foreach_addcmul_(sums, grads, grads, value=1)
-            std = torch._foreach_sqrt(sums)
-            torch._foreach_add_(std, g["eps"])
-            if wd:
-                torch._foreach_mul_(grads, m_lr)
-                numerator = grads
-            else:
-                numerator = torch._foreach_mul(grads, m_lr)
-            torch._foreach_addcdiv_(params, numerator, std)
+            update(*lists(g), m_lr, g["eps"], g["weight_decay"])
+
+    @torch.no_grad()
+    def warm_up() -> None:  # the compiled update's first call, on copies (nothing is updated)
+        for g, m_lr in zip(optimizer.param_groups, minus_lr):
+            params, grads, sums = lists(g)
+            if any(x is None for x in grads):
+                continue  # no gradients yet: compiled at the step's first call
+            # the copies as dynamo's guards see the tensors: the same types (parameters), requires_grad and strides
+            copies = [[_copy_as(x) for x in xs] for xs in (params, grads, sums)]
+            update(*copies, m_lr.clone(), g["eps"], g["weight_decay"])
 
     def before() -> None:  # a copy only when a rate changed
         for i, g in enumerate(optimizer.param_groups):
@@ -104,7 +134,7 @@ def graph_optimizer_step(optimizer: torch.optim.Optimizer) -> GraphOptimizer | s
         state = optimizer.state
         torch._foreach_add_([state[p]["step"] for g in optimizer.param_groups for p in g["params"]], 1)
 
-    return GraphOptimizer(step, before, after)
+    return GraphOptimizer(step, before, after, warm_up=warm_up if compile else None)
 
 
 class _CapturedLoss(torch.autograd.Function):
@@ -162,7 +192,7 @@ class DenseGraphStep:
         self.autocast_bf16, self.group = autocast_bf16, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.names, self.params = zip(*[(n, p) for n, p in dense.named_parameters() if p.requires_grad])
-        opt = graph_optimizer_step(optimizer)
+        opt = graph_optimizer_step(optimizer, compile)
         if isinstance(opt, str):
             raise ValueError(opt)
         self._opt = opt
@@ -300,6 +330,8 @@ class DenseGraphStep:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisations), no update
             self.forward_backward(self._dense_BN, self._sparse_BS, self._labels_B)
+            if self._opt.warm_up is not None:
+                self._opt.warm_up()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         try:
