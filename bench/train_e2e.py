@@ -149,9 +149,8 @@ def kernel_streams(prof) -> list:
 
     spans = []
     for e in prof.profiler.kineto_results.events():
-        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0 or e.is_user_annotation():
-            continue
-        if e.name().startswith("## "):
+        cuda = e.device_type() == torch.autograd.DeviceType.CUDA
+        if not cuda or e.duration_ns() <= 0 or e.is_user_annotation() or e.name().startswith("## "):
             continue
         start = e.start_ns() / 1e3
         spans.append(
@@ -334,9 +333,8 @@ def run(args: argparse.Namespace) -> None:
         say(f"training.cuda_graph: {graph.replays if graph is not None else 0} replays of the dense step's graph")
         if whole is not None:
             why = f" (given up: {whole.given_up})" if whole.given_up else ""
-            say(
-                f"training.cuda_graph: {whole.replays} replays of the whole step's graph, {whole.captures} captures{why}"
-            )
+            replays = f"{whole.replays} replays of the whole step's graph, {whole.captures} captures"
+            say(f"training.cuda_graph: {replays}{why}")
     weights = sum(p.numel() for p in model.dense_parameters() if p.dim() >= 2)
     floor = floors.e2e_fields(
         tables, plan, batch, source.num_dense, weights, 4 if cfg.lookup.output_dtype.value == "fp32" else 2

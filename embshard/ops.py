@@ -76,7 +76,7 @@ def weights_forced() -> bool:
 def weights_or_ones(values: torch.Tensor, weights: torch.Tensor | None, weighted: bool) -> torch.Tensor | None:
     """The per-id weights to send for a scheme: None if none of its tables is weighted (and `every_id_weighted` is
     not active), else the batch's weights (fp32 ones where the batch has none)."""
-    if not (weighted or _WEIGHTS_FORCED[0]):
+    if not (weighted or weights_forced()):
         return None
     return weights if weights is not None else torch.ones_like(values, dtype=torch.float32)
 

@@ -57,7 +57,6 @@ from embshard.tables import Pooling, feature_columns
 
 __all__ = ["StepGraph", "refusal"]
 
-SUPPORTED = GRAPH_SHARDING_TYPES
 FILLER_ROWS = 1024  # padded mode: the filler ids of a feature cycle over this many rows of its table (fewer if smaller)
 
 
@@ -68,7 +67,7 @@ def refusal(model) -> str | None:
         return "a retrieval catalog runs its own exchange"
     if model.kind.sparse_input is None:
         return f"model kind {model.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
-    other = sorted({tp.sharding_type.value for tp in ebc.plan.tables} - {t.value for t in SUPPORTED})
+    other = sorted({tp.sharding_type.value for tp in ebc.plan.tables} - {t.value for t in GRAPH_SHARDING_TYPES})
     if other:
         return (
             f"the plan has {other} tables, whose exchanges are sized on the device (table_wise and data_parallel only)"

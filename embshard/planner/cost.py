@@ -108,8 +108,8 @@ fused step); RAW_ID_BYTES (2531) is FITTED to the measured raw-id step of unifor
 with NVLink, 2026-11-26 (`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py
 --workload uniform26 --ids both --id-space 1 --batches 8 --rounds 3 --steps 20`, counts from the host: 7.71 ms a
 step, 13 table-wise raw-id tables a rank; the case in tests/planner/data/measured_steps.json,
-`bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the reset's 0.39 ms matches the profiled 0.41 ms
-of the earlier map). The same constants put a 1-GPU raw step 3.36 ms above a static one where one process measured
+`bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the
+reset's 0.39 ms matches the profiled 0.41 ms of the earlier map). The same constants put a 1-GPU raw step 3.36 ms above a static one where one process measured
 2.62 ms (docs/planner.md).
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step

@@ -149,8 +149,8 @@ def is_training_config(data: Any) -> bool:
 
 def training_planner_input(path: str | Path, overrides: Sequence[str] = ()) -> tuple[PlannerInput, PlannerConfig]:
     """The planner input of a training config: the model's tables, schedule.batch_size (per rank), the sparse
-    optimizer, planner.constraints and planner.settings (pooled_bytes, batch_counts and whole_step_graph as the job runs, where unset);
-    and the config's planner section."""
+    optimizer, planner.constraints and planner.settings (pooled_bytes, batch_counts and whole_step_graph as the job
+    runs, where unset); and the config's planner section."""
     cfg = load_config(path, overrides)
     p = cfg.planner
     settings = settings_for_counts(settings_for_lookup(p.settings, cfg.lookup), cfg.batch_counts)  # as the job runs
