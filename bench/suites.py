@@ -233,7 +233,7 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
                 "--out",
                 f"{args.out}/timeline_{p}.png",
             ]
-            out.append(Step(f"timeline {p}", argv + ["--steps", "2"], timeout=90))
+            out.append(Step(f"timeline {p}", argv + ["--steps", "2", "--gaps", "8"], timeout=90))
     if args.variants:  # embshard's other settings, each once
         out.append(
             embshard("semi_sync_bf16", "--precision", "bf16", "--pipeline", "semi_sync", "lookup.output_dtype=bf16")

@@ -5,7 +5,10 @@ training steps.
     python bench/timeline.py trace_bf16.json --out timeline_bf16.png [--steps 2]
 
 The trace comes from `bench/train_e2e.py --profile-steps K --trace FILE` (its steps are annotated
-"## train step ##"). Prints, per stream, the kernel time and the share of the drawn window it is busy.
+"## train step ##"). Prints, per stream, the kernel time and the share of the drawn window it is busy; with
+--gaps US, every idle stretch of the busiest stream of at least US microseconds in the window: the kernels before
+and after it and what the other streams run meanwhile (where the compute stream waits, and on what); with
+--listing FILE, every kernel of the window in start order (start ms, duration ms, stream, name).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--out", required=True, help="PNG file")
     ap.add_argument("--steps", type=int, default=2, help="draw the last N annotated steps")
+    ap.add_argument("--gaps", type=float, default=0, help="print the busiest stream's idle stretches of >= US us")
+    ap.add_argument("--listing", help="write every kernel of the window, in start order, to this text file")
     args = ap.parse_args()
 
     import matplotlib
@@ -100,6 +105,33 @@ def main() -> None:
     for (p, s), i in lane_of.items():
         print(f"GPU {p} stream {s}: kernels {busy[i]:.2f} ms of {window:.2f} ms ({busy[i] / window:.0%})")
     print(f"timeline: {args.out}")
+    stream_of = {i: k for k, i in lane_of.items()}
+    if args.listing:
+        with open(args.listing, "w") as f:
+            for e in sorted(kernels, key=lambda e: e["ts"]):
+                lane = stream_of[lane_of[(e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))]]
+                f.write(f"{(e['ts'] - lo) / 1e3:9.3f} {e['dur'] / 1e3:7.3f} s{lane[1]} {e['name'][:110]}\n")
+    if args.gaps:
+        print_gaps(kernels, lane_of, max(busy, key=busy.get), lo, args.gaps)
+
+
+def print_gaps(kernels: list[dict], lane_of: dict, lane: int, lo: float, min_us: float) -> None:
+    """The idle stretches of `lane` of at least `min_us`, with their neighbours and the other lanes' kernels."""
+    key = {id(e): lane_of[(e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))] for e in kernels}
+    mine = sorted((e for e in kernels if key[id(e)] == lane), key=lambda e: e["ts"])
+    total = 0.0
+    for before, after in zip(mine, mine[1:]):
+        a, b = before["ts"] + before["dur"], after["ts"]
+        if b - a < min_us:
+            continue
+        total += b - a
+        print(
+            f"idle {(b - a):7.1f} us at {(a - lo) / 1e3:8.3f} ms: after {before['name'][:60]!r}, before {after['name'][:60]!r}"
+        )
+        for e in kernels:
+            if key[id(e)] != lane and e["ts"] < b and e["ts"] + e["dur"] > a:
+                print(f"    other stream {key[id(e)]}: {(e['ts'] - lo) / 1e3:8.3f} +{e['dur']:.1f} us {e['name'][:70]}")
+    print(f"idle stretches of >= {min_us:g} us: {total / 1e3:.3f} ms in all")
 
 
 if __name__ == "__main__":

@@ -204,15 +204,17 @@ def run(args: argparse.Namespace) -> None:
     from embshard.pipeline import TrainPipeline
     from embshard.train import build_model, evaluate, plan_job
 
-    device = init_distributed()
-    cuda = device.type == "cuda"
+    cuda = torch.cuda.is_available()
+    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, overrides_for(args, cfg, cuda))
+    device = init_distributed(whole_step_graph=cfg.whole_step_graph)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     say = print if rank == 0 else (lambda *a, **k: None)
+    if cuda:
+        say(f"NCCL_GRAPH_MIXING_SUPPORT={os.environ.get('NCCL_GRAPH_MIXING_SUPPORT', 'unset (on)')}")
     steps = args.steps or (60 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
-    cfg = load_config(args.config, args.overrides)
-    cfg = load_config(args.config, overrides_for(args, cfg, cuda))
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (imports outside the build time)
 

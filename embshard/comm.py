@@ -9,10 +9,18 @@ wait that blocks the host (every wait on the CPU; on the GPU the waits whose res
 `CollectiveTimeout` after `s` seconds, naming the exchange, the step and the collectives this rank issued before
 it that have not completed, instead of hanging. On the GPU most waits only order streams: a hang there shows at
 the step's next host wait, whose error lists the collective still pending.
+
+CUDA graphs that hold collectives. With NCCL's graph mixing support off (`NCCL_GRAPH_MIXING_SUPPORT=0`, which
+`distributed.init_distributed` sets for a whole-step graph: captured collectives of different communicators then
+run as their streams allow instead of in the order the host issued them), NCCL requires that no collective outside
+a graph is issued on a communicator while a launch of a graph that uses it is outstanding. Each replay of such a
+graph calls `graph_launched`, and every NCCL collective started here first waits for the latest replay to finish
+(`wait_for_graphs`: one host wait, paid only by the first uncaptured collective after a replay).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -25,6 +33,7 @@ _TIMEOUT_S: float | None = None
 _SCOPE: list[str] = [""]
 _ISSUED: deque = deque(maxlen=32)  # (label, work) of the latest collectives this rank started
 _TRACE: list[list[str]] = []  # open `trace()` recorders: every collective's label, in the order started
+_GRAPH_LAUNCHES: list[torch.cuda.Event] = []  # the latest replay of a graph holding collectives, not yet waited for
 
 
 class CollectiveTimeout(RuntimeError):
@@ -74,6 +83,24 @@ def first_divergence(traces: Sequence[Sequence[str]]) -> str | None:
         if len(set(at)) > 1:
             return f"collective #{i} differs between ranks: " + "; ".join(f"rank {r}: {a}" for r, a in enumerate(at))
     return None
+
+
+def graph_launched() -> None:
+    """Note a replay of a CUDA graph holding NCCL collectives, just launched on the current stream, where graph mixing
+    support is off (otherwise NCCL orders graph and uncaptured collectives itself and nothing is noted)."""
+    if os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
+        _GRAPH_LAUNCHES[:] = [torch.cuda.current_stream().record_event()]  # replays complete in stream order
+
+
+def wait_for_graphs(group: dist.ProcessGroup | None = None) -> None:
+    """Before a collective outside a graph on `group`: wait until the latest graph replay noted by `graph_launched`
+    has finished, when `group` is an NCCL group (gloo's collectives never meet a graph) and no capture is under way
+    (a captured collective is part of the graph being made)."""
+    if not _GRAPH_LAUNCHES or torch.cuda.is_current_stream_capturing():
+        return
+    if group is not None and "nccl" not in str(dist.get_backend(group)):
+        return
+    _GRAPH_LAUNCHES.pop().synchronize()
 
 
 def _issued(label: str, work: dist.Work | None) -> dist.Work | None:
@@ -186,6 +213,7 @@ def start_all_to_all(
         received.copy_(send)
         work = None
     else:
+        wait_for_graphs(group)
         work = dist.all_to_all_single(
             received,
             send,
@@ -223,6 +251,7 @@ def start_all_reduce(
     if _world(group) == 1:
         return CollectiveHandle(tensor, None)
     label = scoped_label(what) if scoped else what
+    wait_for_graphs(group)
     return CollectiveHandle(tensor, _issued(label, dist.all_reduce(tensor, group=group, async_op=True)), label)
 
 
@@ -236,6 +265,7 @@ def start_all_gather(
     if W == 1:
         flat.copy_(tensor.reshape(-1))
         return CollectiveHandle(flat.view(W, *tensor.shape), None)
+    wait_for_graphs(group)
     work = _all_gather_single(flat, tensor.contiguous().reshape(-1), group=group, async_op=True)
     name = scoped_label(what)
     return CollectiveHandle(flat.view(W, *tensor.shape), _issued(name, work), name)
@@ -245,6 +275,7 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Every rank of `group` reaches this point before any leaves it, on the group's own device: NCCL on the current
     GPU (torch's `barrier()` otherwise guesses the device and warns), gloo as a one-element CPU all-reduce."""
     if "nccl" in str(dist.get_backend(group)):  # "nccl", or a group of several backends ("cpu:gloo,cuda:nccl")
+        wait_for_graphs(group)
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     else:
         dist.all_reduce(torch.zeros(1), group=group)

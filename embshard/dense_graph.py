@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from embshard import comm
+
 __all__ = ["DenseGraphStep", "GraphOptimizer", "graph_optimizer_step"]
 
 
@@ -244,6 +246,7 @@ class DenseGraphStep:
             self._opt.before()
         if self.capture:
             self.graph.replay()
+            comm.graph_launched()
         else:  # the eager steps between may have dropped the gradients (zero_grad): the optimizer reads these
             for p, grad in zip(self.params, self._grad_views):
                 p.grad = grad
@@ -287,10 +290,19 @@ class DenseGraphStep:
         return loss, logits_B
 
     def reduce_and_update(self) -> None:
-        """The gradients' average over the ranks (one all-reduce of the flat buffer) and the optimizer's step."""
+        """The gradients' average over the ranks (`reduce`) and the optimizer's step (`update`)."""
+        self.reduce()
+        self.update()
+
+    def reduce(self) -> None:
+        """The gradients' average over the ranks: one all-reduce of the flat buffer (under a capture, the graph's)."""
         if self.world > 1:
+            comm.wait_for_graphs(self.group)  # no-op under a capture
             dist.all_reduce(self._grads, group=self.group)
             self._grads.div_(self.world)
+
+    def update(self) -> None:
+        """The dense optimizer's step on the averaged gradients."""
         self._opt.step()
 
     def _body(self) -> None:

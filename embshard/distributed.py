@@ -17,19 +17,26 @@ from embshard import comm
 from embshard.tables import ConfigError
 
 
-def init_distributed(collective_timeout_s: float | None = 600.0) -> torch.device:
+def init_distributed(collective_timeout_s: float | None = 600.0, whole_step_graph: bool = False) -> torch.device:
     """Join the process group described by torchrun's environment (NCCL on GPUs, gloo on CPU); returns the
     device this rank computes on. Without torchrun's variables, a single-process group is created.
 
     `collective_timeout_s`: embshard's collectives raise `comm.CollectiveTimeout` (naming the step and the
-    exchange) after this long; the process group's own timeout, for every other collective, is 60 s longer."""
+    exchange) after this long; the process group's own timeout, for every other collective, is 60 s longer.
+    `whole_step_graph`: the job replays its whole step as a CUDA graph holding the collectives of two communicators
+    (the exchanges', the dense gradients'). NCCL's graph mixing support is then turned off (NCCL_GRAPH_MIXING_SUPPORT=0,
+    unless the environment sets it): with it on, the captured dense all-reduce and pooled gradients' all-to-all
+    waited on each other in the profiled step and the compute stream idled (2 x H100: busy 67% of the step with it,
+    86% without).
+    `comm.wait_for_graphs` keeps the rule that comes with it (no uncaptured collective beside a graph's launch)."""
+    cuda = torch.cuda.is_available()
+    nccl_settings(whole_step_graph, cuda)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
-    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
@@ -46,6 +53,13 @@ def init_distributed(collective_timeout_s: float | None = 600.0) -> torch.device
         dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
     comm.set_timeout(collective_timeout_s)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def nccl_settings(whole_step_graph: bool, cuda: bool) -> None:
+    """NCCL's environment for the job, before its first communicator: graph mixing support off for a whole-step
+    graph on GPUs (`init_distributed`), unless the environment sets it."""
+    if whole_step_graph and cuda:
+        os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
 
 
 _HELD_STORE = "EMBSHARD_HELD_STORE"  # set by spawn_local: MASTER_PORT is a store its parent holds

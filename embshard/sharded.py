@@ -279,10 +279,15 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
             else:
                 lengths_FB, values, weights, index = self._local_input(kjt)
                 inputs, lengths_FB = self._input_dist(lengths_FB, values, weights, index, check_ids, self.step)
-            pooled = [s.lookup(inp) for s, inp in zip(self.schemes, inputs)]
-            if self.lookup_outputs is not None:
-                self.lookup_outputs.extend(pooled)
-            handles = [s.start_output_dist(p, inp.batch_sizes) for s, p, inp in zip(self.schemes, pooled, inputs)]
+            # Each scheme's pooled exchange starts right after its lookup, and the schemes whose rows stay here
+            # (data-parallel) look up last, beside the exchanges in flight; the blocks keep the schemes' order.
+            order = sorted(range(len(self.schemes)), key=lambda i: self.schemes[i].local_output)
+            handles: list = [None] * len(self.schemes)
+            for i in order:
+                pooled = self.schemes[i].lookup(inputs[i])
+                if self.lookup_outputs is not None:
+                    self.lookup_outputs.append(pooled)
+                handles[i] = self.schemes[i].start_output_dist(pooled, inputs[i].batch_sizes)
             blocks = [b for h in handles for b in h.wait()]
         if torch.is_grad_enabled():
             self.step += 1

@@ -46,6 +46,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from embshard import comm
 from embshard.dense_graph import DenseGraphStep
 from embshard.models.registry import StepOutput
 from embshard.ops import complete_cumsum, every_id_weighted, small_to_device
@@ -125,9 +126,9 @@ class StepGraph:
         max_changes: eligible steps whose counts differ from the step before's, with no graph captured yet, after
             which the graph is given up (the bags are ragged and cannot be padded); also the most captures.
         pad: capture ragged batches padded to a capacity (where `padding_refusal` allows).
-        overlap: on CUDA, the dense gradients' all-reduce and the dense optimizer's step run on a stream of their
-            own, beside the embeddings' backward (the dense step's process group must then be a communicator of its
-            own: two NCCL collectives of one communicator at once may wait on each other).
+        overlap: on CUDA, the dense gradients' all-reduce runs on a stream of its own, beside the embeddings'
+            backward (the dense step's process group must then be a communicator of its own: two NCCL collectives of
+            one communicator at once may wait on each other); the dense optimizer's step follows on the step's stream.
     """
 
     def __init__(
@@ -216,6 +217,7 @@ class StepGraph:
             opt.before()
         if self.capture and self.graph is not None:
             self.graph.replay()
+            comm.graph_launched()
             self.replays += 1
             loss, logits_B = self._graph_outputs
         elif self.capture:
@@ -241,18 +243,14 @@ class StepGraph:
         finally:
             ebc.lookup_outputs = None
         loss, logits_B, grad_BS = self.dense_step.forward_backward(self._dense_BN, sparse_BS, self._labels_B)
-        # The embeddings' backward in two parts, the dense update issued between them: (1) the regroup's and the
-        # pooled exchange's backward, to the lookups' outputs (the pooled gradients' all-to-all); (2) the lookups'
-        # backward with the fused sparse update. Issued in this order, the dense gradients' all-reduce follows the
-        # all-to-all rather than coming before it (NCCL may order captured collectives of different communicators
-        # as the host issued them), and runs beside the lookups' backward. Both parts end at tensors of this step
-        # (the lookups' outputs, then the graph's leaves), without running the leaves' AccumulateGrad nodes: a node
-        # made by an earlier eager step (kept alive by that step's loss, which the caller may hold) belongs to that
-        # step's stream, and the engine would make the capture wait on it.
-        side = self._side
-        if side is not None:  # the dense update needs only the dense backward: it may start before part (1)
-            current = torch.cuda.current_stream(side.device)
-            dense_done = current.record_event()
+        # The embeddings' backward in two parts: (1) the regroup's and the pooled exchange's backward, to the lookups'
+        # outputs (the pooled gradients' all-to-all); (2) the lookups' backward with the fused sparse update. With a
+        # side stream, the dense gradients' all-reduce starts there after part (1), so that it shares the link with
+        # nothing and runs beside the lookups' backward, and the dense optimizer's step follows part (2) on the compute
+        # stream (beside the backward's kernels it would hold the SMs they wait for). Both parts end at tensors of
+        # this step (the lookups' outputs, then the graph's leaves), without running the leaves' AccumulateGrad nodes:
+        # a node made by an earlier eager step (kept alive by that step's loss, which the caller may hold) belongs to
+        # that step's stream, and the engine would make the capture wait on it.
         leaves = _leaves_of(sparse_BS)
         if {id(t) for t in _leaves_of(*looked_up)} != {id(t) for t in leaves}:
             looked_up = []  # a leaf the lookups' outputs do not reach: the backward in one part
@@ -260,10 +258,12 @@ class StepGraph:
         if looked_up and leaves:
             grads = torch.autograd.grad(sparse_BS, looked_up, grad_BS, allow_unused=True)
             pooled_grads = [(t, g) for t, g in zip(looked_up, grads) if g is not None]
-        if side is not None:  # the dense update beside the lookups' backward (a fork and a join in the graph)
-            side.wait_event(dense_done)
+        side = self._side
+        if side is not None:  # a fork here and a join before the optimizer's step, in the graph
+            current = torch.cuda.current_stream(side.device)
+            side.wait_stream(current)
             with torch.cuda.stream(side):
-                self.dense_step.reduce_and_update()
+                self.dense_step.reduce()
         self.backward_parts = 2 if looked_up and leaves else 1
         if pooled_grads:
             outs, grads = zip(*pooled_grads)
@@ -272,6 +272,7 @@ class StepGraph:
             torch.autograd.grad(sparse_BS, leaves, grad_BS, allow_unused=True)
         if side is not None:
             current.wait_stream(side)
+            self.dense_step.update()
         else:
             self.dense_step.reduce_and_update()
         return loss, logits_B

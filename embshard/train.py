@@ -147,6 +147,7 @@ def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, 
 
     from embshard.pipeline import empty_batch, even_batches
 
+    comm.wait_for_graphs()  # torchmetrics' gather and the sums below are collectives outside any graph
     model.eval()
     auroc = BinaryAUROC().to(device)
     scored = False
@@ -208,7 +209,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from embshard.pipeline import TrainPipeline
 
     cfg: TrainConfig = load_config(config_path, overrides)
-    device = init_distributed(cfg.runtime.collective_timeout_s)
+    device = init_distributed(cfg.runtime.collective_timeout_s, whole_step_graph=cfg.whole_step_graph)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     report = Reporter(cfg.logging, rank)
@@ -274,6 +275,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
             window += torch.stack([done.output.loss.detach().double(), torch.ones_like(window[0])])
         bar.update(samples_per_step)
         if step % cfg.logging.log_every == 0 or step == total:
+            comm.wait_for_graphs()
             dist.all_reduce(window)
             loss = float(window[0] / window[1].clamp(min=1))
             rate = (step - start) * samples_per_step / (time.time() - t0)
@@ -285,8 +287,10 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         if sched.eval_every and step % sched.eval_every == 0 and step != total:
             do_eval(step)
         if ck.dir and ck.every and step % ck.every == 0 and step != total:
+            comm.wait_for_graphs()
             ckpt.save(step, position)
     pipeline.close()
+    comm.wait_for_graphs()
     bar.close()
     do_eval(step)
     if ck.dir and step > start:

@@ -100,7 +100,7 @@ def test_e2e_suite_interleaves_pairs_of_both_precisions():
     assert got[3].argv[got[3].argv.index("--precision") + 1] == "bf16"
     timeline = steps("e2e", "--pairs", "1", "--timeline", "--precisions", "fp32", "--no-bandwidth")
     assert "--trace" in timeline[1].argv and timeline[-1].argv[1] == "bench/timeline.py"
-    assert timeline[-1].argv[-3] == "/tmp/bench-out/timeline_fp32.png"
+    assert timeline[-1].argv[-5] == "/tmp/bench-out/timeline_fp32.png" and timeline[-1].argv[-2:] == ["--gaps", "8"]
 
 
 def test_emb_suite_workloads_card_memory_and_pair_order():
@@ -404,3 +404,19 @@ def test_profile_shares_of_the_window():
     assert (stream, share) == (7, pytest.approx(18 / 30))  # stream 21: 3 of its 15 outside NCCL
     assert [k for k, _ in shares] == [33, 7, 21] and shares[0][1] == pytest.approx(26 / 30)
     assert train_e2e.stream_shares([])[0] == -1
+
+
+def test_timeline_gaps_name_the_idle_stretches_of_the_busiest_stream(capsys):
+    import timeline
+
+    def k(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "args": {"stream": stream}}
+
+    kernels = [k("gemm_a", 0, 100, 7), k("ncclDevKernel_SendRecv", 105, 60, 9), k("tbe_bwd", 180, 50, 7),
+               k("add", 232, 3, 7)]  # fmt: skip
+    lane_of = {(0, 7): 0, (0, 9): 1}
+    timeline.print_gaps(kernels, lane_of, 0, 0.0, 8)
+    out = capsys.readouterr().out
+    assert "idle    80.0 us at    0.100 ms: after 'gemm_a', before 'tbe_bwd'" in out  # the 2 us gap is below 8
+    assert "other stream 1:    0.105 +60.0 us ncclDevKernel_SendRecv" in out
+    assert out.strip().endswith("idle stretches of >= 8 us: 0.080 ms in all")

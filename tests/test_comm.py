@@ -3,6 +3,8 @@ several gloo processes (NCCL with EMBSHARD_TEST_DEVICE=cuda), against values com
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +142,63 @@ def test_route_matrix_counts_keys_per_feature_and_rank():
 
     m = route_matrix([["a", "b"], ["a", "a", "c"], []], {"a": 0, "b": 1, "c": 2})
     assert m.tolist() == [[1, 2, 0], [1, 0, 0], [0, 1, 0]]
+
+
+class _Launch:
+    """Stands in for the CUDA event recorded after a graph replay: counts the host waits on it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def test_uncaptured_collectives_wait_for_the_latest_graph_launch_once(monkeypatch):
+    """With NCCL graph mixing off, a collective outside a graph waits (on the host) for the latest replay of a graph
+    holding collectives, once; gloo groups and captures do not wait; with mixing on, replays are not noted."""
+    from embshard import comm
+
+    streams = []
+
+    class _Stream:
+        def record_event(self):
+            streams.append(_Launch())
+            return streams[-1]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(comm, "_GRAPH_LAUNCHES", [])
+    monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT", raising=False)
+    comm.graph_launched()
+    assert streams == [] and comm._GRAPH_LAUNCHES == []  # mixing on (NCCL's default): nothing to keep
+    monkeypatch.setenv("NCCL_GRAPH_MIXING_SUPPORT", "0")
+    comm.graph_launched()
+    comm.graph_launched()  # replays complete in stream order: the latest one is the one to wait for
+    first, latest = streams
+    assert comm._GRAPH_LAUNCHES == [latest]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    comm.wait_for_graphs()  # under a capture: a collective of the graph being made, no wait
+    assert latest.waits == 0
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group: "gloo")
+    comm.wait_for_graphs(group=object())  # a gloo group never meets a graph
+    assert latest.waits == 0
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group: "nccl")
+    comm.wait_for_graphs(group=object())
+    comm.wait_for_graphs()
+    assert (first.waits, latest.waits) == (0, 1) and comm._GRAPH_LAUNCHES == []
+
+
+def test_whole_step_graph_turns_nccl_graph_mixing_off_on_gpus_only(monkeypatch):
+    from embshard.distributed import nccl_settings
+
+    monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT", raising=False)
+    nccl_settings(whole_step_graph=True, cuda=False)
+    nccl_settings(whole_step_graph=False, cuda=True)
+    assert "NCCL_GRAPH_MIXING_SUPPORT" not in os.environ
+    nccl_settings(whole_step_graph=True, cuda=True)
+    assert os.environ["NCCL_GRAPH_MIXING_SUPPORT"] == "0"
+    monkeypatch.setenv("NCCL_GRAPH_MIXING_SUPPORT", "1")  # the environment's own setting wins
+    nccl_settings(whole_step_graph=True, cuda=True)
+    assert os.environ["NCCL_GRAPH_MIXING_SUPPORT"] == "1"

@@ -104,6 +104,7 @@ class Scheme(nn.Module):
 
     layout: OutputLayout
     lookups: nn.ModuleList
+    local_output = False  # True where start_output_dist sends nothing (the pooled rows are already home)
 
     def local_ids(self, batch: LocalBatch) -> LocalIds:
         """Lay out the local batch's ids for this scheme's input dist. `batch.lengths_FB` is the local batch's

@@ -47,6 +47,8 @@ from embshard.tables import TableConfig
 class DataParallelSharding(Scheme):
     """The data-parallel tables of the collection: local lookups, gradients all-reduced in backward."""
 
+    local_output = True
+
     def __init__(self, shards: Sequence[LocalShard], ctx: ShardingContext) -> None:
         super().__init__()
         cls = KernelDataParallelLookup if shards[0].kernel is LookupKernel.SMALL else DataParallelLookup

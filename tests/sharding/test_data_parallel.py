@@ -100,3 +100,39 @@ def _without_zero_gradient_ids(batch):
     out["z_a"] = (torch.bincount(bag[keep], minlength=B), ids[keep], w[keep])
     out["z_b"] = (torch.zeros(B, dtype=torch.int64), ids[:0], w[:0])
     return out
+
+
+def test_exchanges_start_before_the_data_parallel_lookups():
+    """In the forward, each scheme's pooled exchange starts right after its own lookup and the data-parallel lookups
+    come last (they run beside the exchanges in flight); the outputs keep the features' order and values."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    device = torch.device(device_kind())
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    types = {"d_a": ShardingType.DATA_PARALLEL, "d_b": ShardingType.TABLE_WISE, "d_c": ShardingType.DATA_PARALLEL}
+    plan = simple_plan(TABLES, 1, sharding_types=types, tier=tier)
+    cfg = OPTIMIZERS["rowwise_adagrad"]
+    ebc = ShardedEmbeddingBagCollection(TABLES, plan, cfg, device=device, seed=5)
+    ref = ReferenceEBC(TABLES, cfg, seed=5)
+    calls: list[str] = []
+    for scheme in ebc.schemes:
+        name = type(scheme).__name__
+        for method in ("lookup", "start_output_dist"):
+            inner = getattr(scheme, method)
+            setattr(scheme, method, lambda *a, _f=inner, _n=f"{name}.{method}": (calls.append(_n), _f(*a))[1])
+    assert sorted(s.local_output for s in ebc.schemes) == [False, True]
+    batch, upstream = _batches(seed=23)[0]
+    keys = ["z_d", "z_b", "z_c", "z_a"]
+    kjt = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([batch[k][1] for k in keys]).to(device),
+        lengths=torch.cat([batch[k][0] for k in keys]).int().to(device),
+        weights=torch.cat([batch[k][2] for k in keys]).to(device),
+    )
+    got = ebc(kjt).to_dict()
+    dp, tw = (type(s).__name__ for s in sorted(ebc.schemes, key=lambda s: not s.local_output))
+    assert calls == [f"{tw}.lookup", f"{tw}.start_output_dist", f"{dp}.lookup", f"{dp}.start_output_dist"]
+    sum((got[f] * upstream[f].to(device)).sum() for f in keys).backward()
+    want = ref.step(batch, upstream)
+    for f in keys:
+        torch.testing.assert_close(got[f].cpu().double(), want[f], atol=2e-5, rtol=1e-4, msg=f)
