@@ -211,8 +211,6 @@ def run(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     say = print if rank == 0 else (lambda *a, **k: None)
-    if cuda:
-        say(f"NCCL_GRAPH_MIXING_SUPPORT={os.environ.get('NCCL_GRAPH_MIXING_SUPPORT', 'unset (on)')}")
     steps = args.steps or (60 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
@@ -233,6 +231,8 @@ def run(args: argparse.Namespace) -> None:
     predicted = next((ln.strip() for text in lines for ln in text.splitlines() if "predicted step time" in ln), "")
     say(plan_summary(plan, predicted))
     say(f"plan+build {build_s:.1f} s (plan {plan_s:.1f} s); {sum(t.num_embeddings for t in tables):,} rows")
+    if cuda:
+        say(f"NCCL_GRAPH_MIXING_SUPPORT={os.environ.get('NCCL_GRAPH_MIXING_SUPPORT', 'unset (on)')}")
 
     tr = cfg.training
     pipe = TrainPipeline(
