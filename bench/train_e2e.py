@@ -161,23 +161,27 @@ def kernel_streams(prof) -> list:
     return spans
 
 
-def stream_shares(spans: list) -> tuple[int, float, list[tuple[int, float]]]:
-    """(compute stream, the share of the window its kernels keep it busy, every stream's share, busiest first) of
-    `kernel_streams`: the compute stream is the one with the most time in kernels other than NCCL's (a step's
-    graph or loop runs there; NCCL and copies run on streams of their own)."""
+def stream_shares(spans: list) -> tuple[list[int], float, list[tuple[int, float]]]:
+    """(the compute streams, the share of the window in which a kernel of theirs other than NCCL's runs, every
+    stream's share, busiest first) of `kernel_streams`. The compute streams are those that run a kernel other than
+    NCCL's and the copies: a step's loop, or a graph's replay, which spreads its chain of kernels over the stream it
+    is launched on and the streams the driver gives its branches; NCCL and the batch's copies run on their own."""
     per_stream: dict[int, list] = collections.defaultdict(list)
-    own: collections.Counter = collections.Counter()
+    computing: dict[int, list] = collections.defaultdict(list)
     for e in spans:
         per_stream[e.stream].append((e.start, e.end))
-        if kernel_kind(e.name) != "nccl":
-            own[e.stream] += e.end - e.start
+        if kernel_kind(e.name) not in ("nccl", "copy"):
+            computing[e.stream].append((e.start, e.end))
     if not per_stream:
-        return -1, float("nan"), []
+        return [], float("nan"), []
     lo = min(s for v in per_stream.values() for s, _ in v)
     hi = max(e for v in per_stream.values() for _, e in v)
     shares = sorted(((k, _union(v) / (hi - lo)) for k, v in per_stream.items()), key=lambda kv: -kv[1])
-    compute = max(own, key=own.get) if own else shares[0][0]
-    return compute, dict(shares)[compute], shares
+    compute = sorted(computing, key=lambda k: -_union(computing[k]))
+    own = [
+        (e.start, e.end) for e in spans if e.stream in computing and kernel_kind(e.name) != "nccl"
+    ]  # their copies (the dtype casts of a step) count; NCCL kernels, which wait as often as they move, do not
+    return compute, _union(own) / (hi - lo), shares
 
 
 def busy_share(kernels: list, steps: int) -> tuple[float, float, dict[str, float]]:
@@ -318,7 +322,8 @@ def run(args: argparse.Namespace) -> None:
             busy, busy_compute, busy_stream = mine[0], mine[1], mine[-1][1]
             for r, (r_busy, r_compute, kinds, launches, top, (stream, share, shares)) in enumerate(everyone):
                 say(f"profile ({args.profile_steps} steps, rank {r}): GPU busy {r_busy:.1%} of the window "
-                    f"({r_compute:.1%} without NCCL kernels); the compute stream ({stream}) busy {share:.1%}; "
+                    f"({r_compute:.1%} without NCCL kernels); the compute streams ({', '.join(map(str, stream))}) busy "
+                    f"{share:.1%}; "
                     "kernel ms/step "
                     + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))  # fmt: skip
                 say(f"profile (rank {r}): each stream busy (share of the window) "

@@ -384,8 +384,8 @@ def test_scaling_suite_pairs_torchrec_and_embshard_at_4_gpus_and_reads_the_per_g
 
 def test_profile_shares_of_the_window():
     """bench/train_e2e.py's profile summary: the share of the window any kernel runs, without NCCL kernels, and
-    the compute stream's own share (the stream with the most time in kernels other than NCCL's), on hand-made
-    kernel spans of three streams."""
+    the compute streams' share (every stream running a kernel other than NCCL's and the copies: a graph's replay
+    spreads its chain over several; their kernels other than NCCL's), on hand-made kernel spans of five streams."""
     from types import SimpleNamespace
 
     import train_e2e
@@ -398,12 +398,14 @@ def test_profile_shares_of_the_window():
     nccl = "ncclDevKernel_SendRecv"
     kernels = [kernel(0, 10, 7), kernel(12, 20, 7), kernel(5, 8, 21), kernel(18, 30, 21, nccl)]
     kernels += [kernel(0, 26, 33, nccl)]  # the busiest stream, but NCCL's
+    kernels += [kernel(20, 25, 29, "Memcpy HtoD (Pinned -> Device)")]  # the batch's copy stream: not computing
+    kernels += [kernel(22, 24, 40), kernel(24, 25, 40, "Memset (Device)")]  # a graph's branch: its memset counts
     busy, busy_compute, _ = train_e2e.busy_share(kernels, 1)
-    assert busy == pytest.approx(1.0) and busy_compute == pytest.approx(18 / 30)
-    stream, share, shares = train_e2e.stream_shares(kernels)
-    assert (stream, share) == (7, pytest.approx(18 / 30))  # stream 21: 3 of its 15 outside NCCL
-    assert [k for k, _ in shares] == [33, 7, 21] and shares[0][1] == pytest.approx(26 / 30)
-    assert train_e2e.stream_shares([])[0] == -1
+    assert busy == pytest.approx(1.0) and busy_compute == pytest.approx(23 / 30)
+    streams, share, shares = train_e2e.stream_shares(kernels)
+    assert streams == [7, 21, 40] and share == pytest.approx(21 / 30)  # [0, 10] [12, 20] [22, 25]
+    assert [k for k, _ in shares][:2] == [33, 7] and shares[0][1] == pytest.approx(26 / 30)
+    assert train_e2e.stream_shares([])[0] == []
 
 
 def test_timeline_gaps_name_the_idle_stretches_of_the_busiest_stream(capsys):

@@ -69,10 +69,12 @@ class TrainingConfig:
     """What training.cuda_graph captures: step, the whole step (id exchange, lookups, pooled exchange, dense step,
     embedding backward with the fused update) where the plan is table-wise and data-parallel in HBM/UVM, for fixed
     bags as they are and for ragged bags padded to a capacity (sum pooling, sgd/adagrad/rowwise_adagrad without
-    weight decay; embshard/step_graph.py), else the dense step alone; dense, the dense step alone."""
+    weight decay; embshard/step_graph.py), else the dense step alone; dense, the dense step alone. The step scope on
+    GPUs sets NCCL_GRAPH_MIXING_SUPPORT=0 (unless the environment sets it): its two communicators' captured
+    collectives then do not wait on each other."""
     graph_overlap: bool = True
-    """With the whole step as one CUDA graph: the dense gradients' all-reduce (on an NCCL communicator of its own) and
-    the dense optimizer's step run beside the embeddings' backward; false: after it."""
+    """With the whole step as one CUDA graph: the dense gradients' all-reduce (on an NCCL communicator of its own) runs
+    beside the lookups' backward, the dense optimizer's step after it; false: both after the embeddings' backward."""
     prefetch_batches: int = 2
     """Batches the training process prepares ahead in a background thread (count): taken from the data source,
     counted on the host and pinned, ready for their copy to the device."""
