@@ -11,11 +11,12 @@ it that have not completed, instead of hanging. On the GPU most waits only order
 the step's next host wait, whose error lists the collective still pending.
 
 CUDA graphs that hold collectives. With NCCL's graph mixing support off (`NCCL_GRAPH_MIXING_SUPPORT=0`, which
-`distributed.init_distributed` sets for a whole-step graph: captured collectives of different communicators then
-run as their streams allow instead of in the order the host issued them), NCCL requires that no collective outside
-a graph is issued on a communicator while a launch of a graph that uses it is outstanding. Each replay of such a
-graph calls `graph_launched`, and every NCCL collective started here first waits for the latest replay to finish
-(`wait_for_graphs`: one host wait, paid only by the first uncaptured collective after a replay).
+`distributed.init_distributed` sets for a whole-step graph: the captured collectives of its two communicators then
+do not wait on each other, as they did with it on), NCCL requires that no collective outside a graph is issued on a
+communicator while a launch of a graph that uses it is outstanding. Each replay of such a graph calls
+`graph_launched` with the groups it holds collectives of, and every NCCL collective started here first waits for
+the latest replay holding its group's to finish (`wait_for_graphs`: one host wait, paid only by the first
+uncaptured collective after a replay).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _TIMEOUT_S: float | None = None
 _SCOPE: list[str] = [""]
 _ISSUED: deque = deque(maxlen=32)  # (label, work) of the latest collectives this rank started
 _TRACE: list[list[str]] = []  # open `trace()` recorders: every collective's label, in the order started
-_GRAPH_LAUNCHES: list[torch.cuda.Event] = []  # the latest replay of a graph holding collectives, not yet waited for
+_GRAPH_LAUNCHES: dict[int, tuple] = {}  # id(group) -> (group, event of the latest replay holding its collectives)
 
 
 class CollectiveTimeout(RuntimeError):
@@ -85,22 +86,29 @@ def first_divergence(traces: Sequence[Sequence[str]]) -> str | None:
     return None
 
 
-def graph_launched() -> None:
-    """Note a replay of a CUDA graph holding NCCL collectives, just launched on the current stream, where graph mixing
-    support is off (otherwise NCCL orders graph and uncaptured collectives itself and nothing is noted)."""
+def graph_launched(groups: Sequence[dist.ProcessGroup | None] | None = None) -> None:
+    """Note a replay of a CUDA graph holding NCCL collectives of `groups` (None: of any group), just launched on the
+    current stream, where graph mixing support is off (otherwise NCCL orders graph and uncaptured collectives itself
+    and nothing is noted)."""
     if os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
-        _GRAPH_LAUNCHES[:] = [torch.cuda.current_stream().record_event()]  # replays complete in stream order
+        event = torch.cuda.current_stream().record_event()  # replays complete in stream order: the latest suffices
+        for group in groups if groups is not None else [None]:
+            _GRAPH_LAUNCHES[id(group)] = (group, event)
 
 
 def wait_for_graphs(group: dist.ProcessGroup | None = None) -> None:
-    """Before a collective outside a graph on `group`: wait until the latest graph replay noted by `graph_launched`
-    has finished, when `group` is an NCCL group (gloo's collectives never meet a graph) and no capture is under way
-    (a captured collective is part of the graph being made)."""
+    """Before a collective outside a graph on `group` (None: the default group, or any): wait until the latest graph
+    replay noted by `graph_launched` that holds collectives of `group` has finished, when `group` is an NCCL group
+    (gloo's collectives never meet a graph) and no capture is under way (a captured collective is part of the graph
+    being made)."""
     if not _GRAPH_LAUNCHES or torch.cuda.is_current_stream_capturing():
         return
     if group is not None and "nccl" not in str(dist.get_backend(group)):
         return
-    _GRAPH_LAUNCHES.pop().synchronize()
+    for key, (held, event) in list(_GRAPH_LAUNCHES.items()):
+        if held is None or group is None or held is group:
+            event.synchronize()
+            del _GRAPH_LAUNCHES[key]
 
 
 def _issued(label: str, work: dist.Work | None) -> dist.Work | None:

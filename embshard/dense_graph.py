@@ -246,7 +246,7 @@ class DenseGraphStep:
             self._opt.before()
         if self.capture:
             self.graph.replay()
-            comm.graph_launched()
+            comm.graph_launched([self.group])
         else:  # the eager steps between may have dropped the gradients (zero_grad): the optimizer reads these
             for p, grad in zip(self.params, self._grad_views):
                 p.grad = grad

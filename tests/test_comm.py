@@ -156,38 +156,43 @@ class _Launch:
 
 def test_uncaptured_collectives_wait_for_the_latest_graph_launch_once(monkeypatch):
     """With NCCL graph mixing off, a collective outside a graph waits (on the host) for the latest replay of a graph
-    holding collectives, once; gloo groups and captures do not wait; with mixing on, replays are not noted."""
+    holding collectives of its group, once; collectives of other groups, gloo groups and captures do not wait; with
+    mixing on, replays are not noted."""
+    import torch.distributed as dist
+
     from embshard import comm
 
-    streams = []
+    events = []
 
     class _Stream:
         def record_event(self):
-            streams.append(_Launch())
-            return streams[-1]
+            events.append(_Launch())
+            return events[-1]
 
+    dense, main = object(), object()  # two NCCL groups
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(comm, "_GRAPH_LAUNCHES", [])
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo" if group == "cpu group" else "nccl")
+    monkeypatch.setattr(comm, "_GRAPH_LAUNCHES", {})
     monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT", raising=False)
     comm.graph_launched()
-    assert streams == [] and comm._GRAPH_LAUNCHES == []  # mixing on (NCCL's default): nothing to keep
+    assert events == [] and comm._GRAPH_LAUNCHES == {}  # mixing on (NCCL's default): nothing to keep
     monkeypatch.setenv("NCCL_GRAPH_MIXING_SUPPORT", "0")
-    comm.graph_launched()
-    comm.graph_launched()  # replays complete in stream order: the latest one is the one to wait for
-    first, latest = streams
-    assert comm._GRAPH_LAUNCHES == [latest]
+    comm.graph_launched([dense])  # a dense step's graph: the dense group's all-reduce only
+    comm.wait_for_graphs(main)  # another communicator: no wait
+    comm.wait_for_graphs("cpu group")  # a gloo group never meets a graph
+    assert events[0].waits == 0
+    comm.graph_launched([dense])  # replays complete in stream order: the latest one is the one to wait for
+    comm.wait_for_graphs(dense)
+    assert [e.waits for e in events] == [0, 1] and comm._GRAPH_LAUNCHES == {}
+    comm.graph_launched()  # a whole step's graph: every group's collectives
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    comm.wait_for_graphs()  # under a capture: a collective of the graph being made, no wait
-    assert latest.waits == 0
+    comm.wait_for_graphs(main)  # under a capture: a collective of the graph being made, no wait
+    assert events[2].waits == 0
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group: "gloo")
-    comm.wait_for_graphs(group=object())  # a gloo group never meets a graph
-    assert latest.waits == 0
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group: "nccl")
-    comm.wait_for_graphs(group=object())
-    comm.wait_for_graphs()
-    assert (first.waits, latest.waits) == (0, 1) and comm._GRAPH_LAUNCHES == []
+    comm.wait_for_graphs(main)
+    comm.wait_for_graphs()  # waited for already: once
+    assert [e.waits for e in events] == [0, 1, 1] and comm._GRAPH_LAUNCHES == {}
 
 
 def test_whole_step_graph_turns_nccl_graph_mixing_off_on_gpus_only(monkeypatch):
