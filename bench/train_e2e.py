@@ -202,6 +202,7 @@ def busy_share(kernels: list, steps: int) -> tuple[float, float, dict[str, float
 
 
 def run(args: argparse.Namespace) -> None:
+    from embshard import comm
     from embshard.config import load_config
     from embshard.data import build_source
     from embshard.distributed import init_distributed
@@ -304,6 +305,7 @@ def run(args: argparse.Namespace) -> None:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         sync()
+        comm.barrier()  # the ranks' windows start together: a rank that starts first would profile its wait
         with profile(activities=acts) as prof:
             for _ in range(args.profile_steps):
                 with torch.profiler.record_function("## train step ##"):
