@@ -5,7 +5,8 @@ profiler slows the step; use it to find host syncs, copies and idle GPU time, th
     torchrun --nproc-per-node=2 bench/profile_step.py --trace-dir DIR bench/baselines/torchrec_dmp.py --steps 10
 
 Prints, for rank 0: the top operators by self CUDA time and by self CPU time, and the count of device-to-host
-syncs; with --trace-dir DIR (before the script) writes a Chrome trace to DIR/trace_<script>[_<workload>].json.gz.
+syncs; with --trace-dir DIR (before the script) writes each rank's Chrome trace to
+DIR/trace_<script>[_<workload>][_rank<r>].json.gz (rank 0's without the suffix).
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         runpy.run_path(script, run_name="__main__")
+    if out:  # every rank's trace: a rank that waits in the exchanges shows where the other spent the time
+        name = os.path.splitext(os.path.basename(script))[0]
+        if "--workload" in args:
+            name += "_" + args[args.index("--workload") + 1]
+        path = os.path.join(out, f"trace_{name}" + (f"_rank{rank}" if rank else "") + ".json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(path)
     if rank != 0:
         return
     ev = prof.key_averages()
@@ -40,15 +50,6 @@ def main() -> None:
     print(ev.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
     syncs = {e.key: e.count for e in ev if any(s in e.key for s in ("Synchronize", "item", "tolist", "_local_scalar"))}
     print("syncs:", syncs)
-    if out:
-        name = os.path.splitext(os.path.basename(script))[0]
-        if "--workload" in args:
-            name += "_" + args[args.index("--workload") + 1]
-        path = os.path.join(out, f"trace_{name}.json")
-        prof.export_chrome_trace(path)
-        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        os.remove(path)
 
 
 if __name__ == "__main__":
