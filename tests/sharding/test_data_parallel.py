@@ -55,10 +55,20 @@ def _batches(seed: int):
     return out
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-def test_zero_gradient_touched_rows_follow_the_reference(opt):
+def _kjt(batch, keys, device):
+    """The KJT of one of `_batches`' batches, features in the order `keys`."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([batch[k][1] for k in keys]).to(device),
+        lengths=torch.cat([batch[k][0] for k in keys]).int().to(device),
+        weights=torch.cat([batch[k][2] for k in keys]).to(device),
+    )
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_zero_gradient_touched_rows_follow_the_reference(opt):
     device = torch.device(device_kind())
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     types = dict.fromkeys([t.name for t in TABLES], ShardingType.DATA_PARALLEL)
@@ -68,13 +78,7 @@ def test_zero_gradient_touched_rows_follow_the_reference(opt):
     ref = ReferenceEBC(TABLES, cfg, seed=5)
     keys = ["z_d", "z_b", "z_c", "z_a"]
     for step, (batch, upstream) in enumerate(_batches(seed=17)):
-        kjt = KeyedJaggedTensor(
-            keys=keys,
-            values=torch.cat([batch[k][1] for k in keys]).to(device),
-            lengths=torch.cat([batch[k][0] for k in keys]).int().to(device),
-            weights=torch.cat([batch[k][2] for k in keys]).to(device),
-        )
-        got = ebc(kjt).to_dict()
+        got = ebc(_kjt(batch, keys, device)).to_dict()
         sum((got[f] * upstream[f].to(device)).sum() for f in keys).backward()
         want = ref.step(batch, upstream)
         for f in keys:
@@ -105,8 +109,6 @@ def _without_zero_gradient_ids(batch):
 def test_exchanges_start_before_the_data_parallel_lookups():
     """In the forward, each scheme's pooled exchange starts right after its own lookup and the data-parallel lookups
     come last (they run beside the exchanges in flight); the outputs keep the features' order and values."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     device = torch.device(device_kind())
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     types = {"d_a": ShardingType.DATA_PARALLEL, "d_b": ShardingType.TABLE_WISE, "d_c": ShardingType.DATA_PARALLEL}
@@ -123,13 +125,7 @@ def test_exchanges_start_before_the_data_parallel_lookups():
     assert sorted(s.local_output for s in ebc.schemes) == [False, True]
     batch, upstream = _batches(seed=23)[0]
     keys = ["z_d", "z_b", "z_c", "z_a"]
-    kjt = KeyedJaggedTensor(
-        keys=keys,
-        values=torch.cat([batch[k][1] for k in keys]).to(device),
-        lengths=torch.cat([batch[k][0] for k in keys]).int().to(device),
-        weights=torch.cat([batch[k][2] for k in keys]).to(device),
-    )
-    got = ebc(kjt).to_dict()
+    got = ebc(_kjt(batch, keys, device)).to_dict()
     dp, tw = (type(s).__name__ for s in sorted(ebc.schemes, key=lambda s: not s.local_output))
     assert calls == [f"{tw}.lookup", f"{tw}.start_output_dist", f"{dp}.lookup", f"{dp}.start_output_dist"]
     sum((got[f] * upstream[f].to(device)).sum() for f in keys).backward()
