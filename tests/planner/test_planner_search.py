@@ -286,6 +286,13 @@ def test_calibrate_fit_recovers_known_constants():
     got = fit_lookup(topo, CPU_CASES, measured)
     for k, v in true.items():
         assert got[k] == pytest.approx(v, rel=1e-6), k
+    # A backward measured as 0 (the step's time less the forward's, under a noisy clock) is left out, not divided by:
+    # the other cases still give the forward's constants, and no backward time leaves its constants at 0.
+    zero_bwd = fit_lookup(topo, CPU_CASES, [(f, 0.0) for f, _ in measured])
+    assert [zero_bwd[k] for k in ("bwd_id_s", "bwd_byte_s", "bwd_row_s")] == [0.0, 0.0, 0.0]
+    assert zero_bwd["fwd_id_s"] == pytest.approx(true["fwd_id_s"], rel=1e-6)
+    one_zero = fit_lookup(topo, CPU_CASES, [measured[0], (measured[1][0], 0.0), measured[2]])
+    assert all(np.isfinite(v) and v >= 0 for v in one_zero.values())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

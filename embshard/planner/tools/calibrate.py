@@ -186,16 +186,22 @@ def fit_lookup(topo: Topology, cases: Sequence[CalibrationCase], measured: Seque
     """The per-id constants that best explain the measured (forward, backward) seconds of the cases on top of the
     cost model's bytes: forward n*(fwd_id_s + rb*fwd_byte_s), backward n*(bwd_id_s + rb*bwd_byte_s) +
     u*bwd_row_s (n ids, u touched rows, rb row bytes); least squares on relative errors, each constant >= 0.
-    The cases must vary the row width and the share of repeated ids (GPU_CASES, CPU_CASES)."""
+    The cases must vary the row width and the share of repeated ids (GPU_CASES, CPU_CASES). A time of 0 (the
+    backward is the step's time less the forward's, which a noisy clock can make 0) tells nothing and is left out;
+    with no time left, that direction's constants are 0."""
     rows_f, rhs_f, rows_b, rhs_b = [], [], [], []
     for case, (fwd, bwd) in zip(cases, measured):
         f0, b0, n, u, rb = _bytes_model(topo, case)
-        rows_f.append([n / fwd, n * rb / fwd])
-        rhs_f.append((fwd - f0) / fwd)
-        rows_b.append([n / bwd, n * rb / bwd, u / bwd])
-        rhs_b.append((bwd - b0) / bwd)
-    fwd_id, fwd_byte = nonneg_lstsq(np.array(rows_f), np.array(rhs_f))
-    bwd_id, bwd_byte, bwd_row = nonneg_lstsq(np.array(rows_b), np.array(rhs_b))
+        if fwd > 0:
+            rows_f.append([n / fwd, n * rb / fwd])
+            rhs_f.append((fwd - f0) / fwd)
+        if bwd > 0:
+            rows_b.append([n / bwd, n * rb / bwd, u / bwd])
+            rhs_b.append((bwd - b0) / bwd)
+    fwd_id, fwd_byte = nonneg_lstsq(np.array(rows_f).reshape(-1, 2), np.array(rhs_f)) if rows_f else (0.0, 0.0)
+    bwd_id, bwd_byte, bwd_row = (
+        nonneg_lstsq(np.array(rows_b).reshape(-1, 3), np.array(rhs_b)) if rows_b else (0.0, 0.0, 0.0)
+    )
     return {
         "fwd_id_s": float(fwd_id),
         "fwd_byte_s": float(fwd_byte),
