@@ -61,11 +61,11 @@ def every_id_weighted() -> Iterator[None]:
     """While active, every scheme sends and every lookup pools with the batch's per-id weights, also for tables
     without weights (the batch then gives their ids weight 1): a padded batch's filler ids carry weight 0, so they
     add nothing to a bag and get no gradient (embshard/step_graph.py)."""
-    _WEIGHTS_FORCED[0] = True
+    before, _WEIGHTS_FORCED[0] = _WEIGHTS_FORCED[0], True
     try:
         yield
     finally:
-        _WEIGHTS_FORCED[0] = False
+        _WEIGHTS_FORCED[0] = before
 
 
 def weights_forced() -> bool:

@@ -254,8 +254,9 @@ class StepGraph:
         leaves = _leaves_of(sparse_BS)
         if {id(t) for t in _leaves_of(*looked_up)} != {id(t) for t in leaves}:
             looked_up = []  # a leaf the lookups' outputs do not reach: the backward in one part
+        two_parts = bool(looked_up and leaves)
         pooled_grads: list = []
-        if looked_up and leaves:
+        if two_parts:
             grads = torch.autograd.grad(sparse_BS, looked_up, grad_BS, allow_unused=True)
             pooled_grads = [(t, g) for t, g in zip(looked_up, grads) if g is not None]
         side = self._side
@@ -264,11 +265,11 @@ class StepGraph:
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 self.dense_step.reduce()
-        self.backward_parts = 2 if looked_up and leaves else 1
+        self.backward_parts = 2 if two_parts else 1
         if pooled_grads:
             outs, grads = zip(*pooled_grads)
             torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-        elif leaves and not looked_up:  # no lookup outputs to stop at (or a leaf they do not reach): in one part
+        elif leaves and not two_parts:  # no lookup outputs to stop at (or a leaf they do not reach): in one part
             torch.autograd.grad(sparse_BS, leaves, grad_BS, allow_unused=True)
         if side is not None:
             current.wait_stream(side)

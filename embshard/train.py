@@ -275,8 +275,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
             window += torch.stack([done.output.loss.detach().double(), torch.ones_like(window[0])])
         bar.update(samples_per_step)
         if step % cfg.logging.log_every == 0 or step == total:
-            comm.wait_for_graphs()
-            dist.all_reduce(window)
+            comm.start_all_reduce(window, what="training loss sum").wait(host=True)
             loss = float(window[0] / window[1].clamp(min=1))
             rate = (step - start) * samples_per_step / (time.time() - t0)
             bar.set_postfix(loss=f"{loss:.4f}")
@@ -290,7 +289,6 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
             comm.wait_for_graphs()
             ckpt.save(step, position)
     pipeline.close()
-    comm.wait_for_graphs()
     bar.close()
     do_eval(step)
     if ck.dir and step > start:

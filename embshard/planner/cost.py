@@ -109,8 +109,8 @@ with NVLink, 2026-11-26 (`python -m torch.distributed.run --standalone --nproc-p
 --workload uniform26 --ids both --id-space 1 --batches 8 --rounds 3 --steps 20`, counts from the host: 7.71 ms a
 step, 13 table-wise raw-id tables a rank; the case in tests/planner/data/measured_steps.json,
 `bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the
-reset's 0.39 ms matches the profiled 0.41 ms of the earlier map). The same constants put a 1-GPU raw step 3.36 ms above a static one where one process measured
-2.62 ms (docs/planner.md).
+reset's 0.39 ms matches the profiled 0.41 ms of the earlier map). The same constants put a 1-GPU raw step 3.36 ms
+above a static one where one process measured 2.62 ms (docs/planner.md).
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
 (GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
