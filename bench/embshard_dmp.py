@@ -101,6 +101,22 @@ def timed_ms(step: Callable[[int], None], steps: int, sync: Callable[[], None]) 
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def host_bound(step: Callable[[int], None], n: int, sync: Callable[[], None]) -> tuple[float, float] | None:
+    """(median ms the host takes to launch one step, median ms until it has run), over `n` steps each started
+    on an idle GPU (synchronized before); None when n is 0."""
+    if n <= 0:
+        return None
+    launch, whole = [], []
+    for i in range(n):
+        sync()
+        t0 = time.perf_counter()
+        step(i)
+        launch.append((time.perf_counter() - t0) * 1e3)
+        sync()
+        whole.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(launch), statistics.median(whole)
+
+
 def interleaved_ms(
     kinds: Iterable[str],
     rounds: int,
@@ -185,6 +201,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
     ap.add_argument("--rounds", type=int, default=3, help="--ids both: interleaved rounds of --steps steps each")
     ap.add_argument("--numa-bind", action="store_true", help="run each rank on its GPU's NUMA node's CPUs")
+    ap.add_argument(
+        "--host-time",
+        type=int,
+        default=0,
+        help="after the timed steps, N steps each alone (synchronized before): the host's time to launch one and "
+        "its whole time (medians, rank 0): a launch time near the step's means the step waits for the host",
+    )
     ap.add_argument(
         "--counts",
         choices=("host", "device", "both"),
@@ -299,6 +322,12 @@ def main() -> None:
     labels = list(ebcs) + ([f"{k}@device" for k in ebcs] if args.counts == "both" else [])
 
     def step(label: str, i: int) -> None:
+        if torch._C._autograd._profiler_enabled():  # bench/timeline.py finds the steps by this annotation
+            with torch.profiler.record_function("## train step ##"):
+                return _step(label, i)
+        return _step(label, i)
+
+    def _step(label: str, i: int) -> None:
         kind, _, mode = label.partition("@")
         kjt = batches[i % len(batches)][kind == "raw"]
         ebc = ebcs[kind]
@@ -348,6 +377,8 @@ def main() -> None:
 
     rounds = args.rounds if len(labels) > 1 else 1
     times = interleaved_ms(labels, rounds, args.steps, step_and_record, sync, before=comm.barrier)
+    alone = {label: host_bound(lambda i, label=label: step(label, i), args.host_time, sync) for label in labels}
+    alone = {k: v for k, v in alone.items() if v is not None}
     mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(ws)]
     dist.all_gather_object(everyone, mine)
@@ -386,6 +417,10 @@ def main() -> None:
                     f"; predicted {report.step_time_s * 1e3:.2f} ms/step ({report.step_time_s * 1e3 / ms:.2f}x "
                     f"measured), predicted peak {report.peak_hbm / 2**30:.2f} GiB"
                 )
+            if label in alone:
+                launch, whole = alone[label]
+                print(f"{label} step alone (median of {args.host_time}, rank 0): host launches it in {launch:.2f} ms, "
+                      f"it ends after {whole:.2f} ms", flush=True)  # fmt: skip
             ids = "" if args.ids == "static" else f" ids={kind}"
             rounds = f" (rounds: {', '.join(f'{t:.2f}' for t in times[kind])})" if len(times[kind]) > 1 else ""
             ids += f" counts={primary}"

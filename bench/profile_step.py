@@ -6,7 +6,9 @@ profiler slows the step; use it to find host syncs, copies and idle GPU time, th
 
 Prints, for rank 0: the top operators by self CUDA time and by self CPU time, and the count of device-to-host
 syncs; with --trace-dir DIR (before the script) writes each rank's Chrome trace to
-DIR/trace_<script>[_<workload>][_rank<r>].json.gz (rank 0's without the suffix).
+DIR/trace_<script>[_<workload>][_rank<r>].json.gz (rank 0's without the suffix). --cuda-only (before the script)
+records GPU activity only, so the host runs at its own speed: its trace shows where the GPU idles in a step
+(bench/timeline.py --tail-ms, as it has no step annotations).
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ from torch.profiler import ProfilerActivity, profile
 
 def main() -> None:
     argv = sys.argv[1:]
-    out = None
-    if argv[:1] == ["--trace-dir"]:
-        out, argv = argv[1], argv[2:]
+    out, cuda_only = None, False
+    while argv[:1] in (["--trace-dir"], ["--cuda-only"]):
+        if argv[0] == "--cuda-only":  # GPU activity only: the host runs at its own speed (no operator records)
+            cuda_only, argv = True, argv[1:]
+        else:
+            out, argv = argv[1], argv[2:]
     script, args = argv[0], argv[1:]
     sys.argv = [script, *args]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     rank = int(os.environ.get("RANK", "0"))
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    acts = [] if cuda_only and torch.cuda.is_available() else [ProfilerActivity.CPU]
+    acts += [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     with profile(activities=acts) as prof:
         runpy.run_path(script, run_name="__main__")
     if out:  # every rank's trace: a rank that waits in the exchanges shows where the other spent the time

@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="draw the last N annotated steps")
     ap.add_argument("--gaps", type=float, default=0, help="print the busiest stream's idle stretches of >= US us")
     ap.add_argument("--listing", help="write every kernel of the window, in start order, to this text file")
+    ap.add_argument("--tail-ms", type=float, default=0, help="draw the last MS of GPU activity (traces without steps)")
     args = ap.parse_args()
 
     import matplotlib
@@ -70,7 +71,10 @@ def main() -> None:
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:
         raise SystemExit(f"{args.trace}: no GPU kernels in the trace (a CPU run?)")
-    if steps:
+    if args.tail_ms:
+        hi = max(e["ts"] + e["dur"] for e in kernels)
+        lo = hi - args.tail_ms * 1e3
+    elif steps:
         lo = steps[-args.steps]["ts"] if len(steps) >= args.steps else steps[0]["ts"]
         hi = max(e["ts"] + e["dur"] for e in kernels)
     else:
