@@ -160,14 +160,17 @@ def make_plan(args, tables, world: int, tier, batch: int, opt):
         types = {t.name: ShardingType.DATA_PARALLEL for t in tables if t.num_embeddings <= 10_000}
         return simple_plan(tables, world, sharding_types=types, tier=tier), None
     if args.plan == "planner":
-        from embshard.planner import PlannerSettings, Topology, plan_with_report
+        from embshard.planner import PlannerSettings, Topology
+        from embshard.planner.policy import search_plan
 
-        settings = PlannerSettings(batch_counts="device" if args.counts == "device" else "host")
+        # --graph: first among the options the captured step holds (table-wise and data-parallel, no UVM caching)
+        counts = "device" if args.counts == "device" else "host"
+        settings = PlannerSettings(batch_counts=counts, whole_step_graph=args.graph)
         if args.topology:  # measured by `embshard calibrate` on this machine
             topo = Topology.load(args.topology).with_sizes(world_size=world, hbm_gib=args.hbm_gib or None)
         else:
             topo = Topology.detect(world_size=world).with_sizes(hbm_gib=args.hbm_gib or None)
-        return plan_with_report(tables, topo, batch_size=batch, optimizer=opt, settings=settings)
+        return search_plan(tables, topo, batch, opt, None, settings, say=print)
     return ShardingPlan.load(args.plan), None
 
 
@@ -201,6 +204,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
     ap.add_argument("--rounds", type=int, default=3, help="--ids both: interleaved rounds of --steps steps each")
     ap.add_argument("--numa-bind", action="store_true", help="run each rank on its GPU's NUMA node's CPUs")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="run each step as one CUDA graph replay (embshard/emb_graph.py: batches padded to a capacity per "
+        "feature; host counts only)",
+    )
     ap.add_argument(
         "--host-time",
         type=int,
@@ -319,6 +328,13 @@ def main() -> None:
                 cpu = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().cpu(), lengths=kjt.lengths().cpu())
                 rows[kind].append(ebc.host_counts(cpu, check=not args.no_check_ids))
     primary = "device" if args.counts == "device" else "host"
+    graphs = {}
+    if args.graph:
+        from embshard.emb_graph import EmbeddingStepGraph
+
+        if args.counts != "host":
+            raise SystemExit("--graph sizes each step from the host's counts: use --counts host")
+        graphs = {k: EmbeddingStepGraph(ebc, lambda out: out.values().sum(), capture=cuda) for k, ebc in ebcs.items()}
     labels = list(ebcs) + ([f"{k}@device" for k in ebcs] if args.counts == "both" else [])
 
     def step(label: str, i: int) -> None:
@@ -336,6 +352,9 @@ def main() -> None:
             row = rows[kind][i % len(batches)].clone()
             row[2] = ebc.next_prefetch_step
             table = comm.start_all_gather(row, host_group, "bench counts all-gather").wait(host=True).numpy()
+            if kind in graphs:
+                graphs[kind].step(kjt, parse_counts(table))
+                return
             handle = ebc.prefetch(kjt, counts=parse_counts(table))
             ebc(kjt, prefetched=handle).values().sum().backward()
         else:
@@ -429,6 +448,10 @@ def main() -> None:
                 f"{ms:.2f} ms/step{rounds}, {ws * batch / ms * 1e3:,.0f} samples/s{mem}{pred}",
                 flush=True,
             )
+            if kind in graphs:
+                g = graphs[kind]
+                print(f"{kind}: one CUDA graph a step ({g.captures} captures, {g.replays} replays, capacity "
+                      f"{int(g.capacity.sum()):,} ids)", flush=True)  # fmt: skip
             fields = [
                 f"framework=embshard bench={args.bench} workload={args.workload} world={ws} batch_per_rank={batch}",
                 f"plan={os.path.basename(args.plan)} hbm_gib={args.hbm_gib:g} steps={args.steps} ms_per_step={ms:.3f}",
@@ -448,8 +471,12 @@ def main() -> None:
                 )
             for j, k in enumerate(mem_at):  # max over ranks
                 fields.append(f"allocated_gib_step{k}={max(float(e[j]) for e in everyone):.4f}")
+            if kind in graphs:
+                fields.append("graph=1")
             fields.append(floors.fields(floors.embedding_bytes(tables, plan, batch)))
             print("RESULT " + " ".join(fields), flush=True)
+    for g in graphs.values():
+        g.close()
     dist.destroy_process_group()
 
 

@@ -138,7 +138,9 @@ def setting_of(r: dict[str, str]) -> str:
         compiled = r.get("compile", "none")
         graph = graph_label(r)
         return f"pooled {r.get('pooled', 'fp32')}" + ("" if compiled == "none" else f", compile {compiled}") + graph
-    return f"plan {r.get('plan', 'planner')}" + (f", {r['hbm_gib']} GiB budget" if r.get("hbm_gib", "0") != "0" else "")
+    graph = ", one CUDA graph a step" if r.get("graph") == "1" else ""
+    budget = f", {r['hbm_gib']} GiB budget" if r.get("hbm_gib", "0") != "0" else ""
+    return f"plan {r.get('plan', 'planner')}{budget}{graph}"
 
 
 @dataclass
@@ -381,7 +383,8 @@ def case_title(row: Row) -> str:
         graph = graph_label(r)
         return f"end to end, {precision} dense, pooled {pooled}, {pipeline}{compiled}{graph}{law_label(r)}{scaled}"
     extra = f" ({r['hbm_gib']} GiB budget)" if r.get("hbm_gib", "0") not in ("0", "") else ""
-    return f"embedding step, {r.get('workload')}{extra}"
+    graph = ", one CUDA graph a step" if r.get("graph") == "1" else ""
+    return f"embedding step, {r.get('workload')}{extra}{graph}"
 
 
 def baseline_setting(row: Row) -> str:

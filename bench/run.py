@@ -279,6 +279,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="emb, profile: workloads (also: mlperf, the end-to-end model's 26 tables)",
     )
     g.add_argument("--torchrec-hbm-gib", type=float, default=0, help="emb: TorchRec's HBM for hetero124 (the card's)")
+    g.add_argument(
+        "--emb-graph", action="store_true",
+        help="emb: embshard's step as one CUDA graph replay (embshard_dmp.py --graph, host counts), and eager as well",
+    )  # fmt: skip
     g.add_argument("--no-bandwidth", action="store_true", help="e2e, emb: skip the bandwidth measurement")
     g = p.add_argument_group("other suites")
     g.add_argument("--pytest-args", default="", help="tests: instead of `tests` (e.g. 'tests/sharding -x')")

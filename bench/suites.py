@@ -393,6 +393,17 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
                     needs_gpus=gpus,
                 )
             )
+            if getattr(args, "emb_graph", False):  # the same plan, each step one replay (host counts)
+                graphed = [a for a in mine if a != "both"]
+                graphed[graphed.index("--counts") + 1 : graphed.index("--counts") + 1] = ["host"]
+                out.append(
+                    Step(
+                        f"embshard {w} graph (pair {i + 1})",
+                        torchrun(n) + graphed + ["--graph", "--steps", steps_],
+                        timeout=300,
+                        needs_gpus=gpus,
+                    )
+                )
     return out
 
 

@@ -46,71 +46,30 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from embshard import comm
+from embshard import comm, padding
 from embshard.dense_graph import DenseGraphStep
+from embshard.emb_graph import collection_refusal, leaves_of, small_kernel_refusal
 from embshard.models.registry import StepOutput
-from embshard.ops import complete_cumsum, every_id_weighted, small_to_device
-from embshard.optim import OptimizerKind
-from embshard.options import BoundsCheck
-from embshard.plan import GRAPH_SHARDING_TYPES, LookupKernel, MemoryTier
+from embshard.ops import every_id_weighted
+from embshard.padding import capacity
 from embshard.sharding.exchange import BatchCounts
-from embshard.tables import Pooling, feature_columns
 
-__all__ = ["StepGraph", "refusal"]
-
-FILLER_ROWS = 1024  # padded mode: the filler ids of a feature cycle over this many rows of its table (fewer if smaller)
+__all__ = ["StepGraph", "capacity", "refusal"]
 
 
 def refusal(model) -> str | None:
     """Why `model` (a RecModel) cannot run its whole step as one graph, or None if it can."""
-    ebc = model.ebc
     if model.catalog is not None:
         return "a retrieval catalog runs its own exchange"
     if model.kind.sparse_input is None:
         return f"model kind {model.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
-    other = sorted({tp.sharding_type.value for tp in ebc.plan.tables} - {t.value for t in GRAPH_SHARDING_TYPES})
-    if other:
-        return (
-            f"the plan has {other} tables, whose exchanges are sized on the device (table_wise and data_parallel only)"
-        )
-    cached = [t.name for t in ebc.tables if ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
-    if cached:
-        return f"UVM-caching tables {cached[:3]} prefetch their rows on the host's schedule"
-    raw = [t.name for t in ebc.tables if t.raw_ids]
-    if raw:
-        return f"raw-id tables {raw[:3]} admit ids with host-side bookkeeping"
-    if ebc.options.bounds_check is BoundsCheck.DROP:
-        return "lookup.bounds_check drop removes ids on the device (the exchange's sizes change)"
-    return None
+    return collection_refusal(model.ebc)
 
 
 def padding_refusal(model) -> str | None:
-    """Why `model`'s whole step cannot be captured for ragged bags by padding them (`StepGraph`, padded mode), or
-    None if it can. A padded batch carries filler ids (weight 0) spread over the bags of each feature, up to a
-    capacity per feature: they add nothing to their bags and get a zero gradient, which leaves their rows as they are
-    only under an update rule that ignores a zero gradient."""
-    ebc = model.ebc
-    mean = [f for f in ebc.features if ebc._table_of[f].pooling is Pooling.MEAN]
-    if mean:
-        return f"mean-pooled features {mean[:3]} divide by their bag lengths, which the filler ids change"
-    opt = ebc.optimizer
-    if opt.kind is OptimizerKind.ADAM or opt.weight_decay:
-        return (
-            f"the sparse optimizer ({opt.kind.value}, weight decay {opt.weight_decay:g}) changes rows with a zero "
-            "gradient"
-        )
-    small = [
-        s.table.name for sc in ebc.schemes for lk in sc.lookups for s in lk.shards if s.kernel is LookupKernel.SMALL
-    ]
-    if small:
-        return f"tables {small[:3]} on the small-table kernels take per-id weights only where the table has them"
-    return None
-
-
-def capacity(ids_F: np.ndarray) -> np.ndarray:
-    """Padded ids per feature for a run of ragged batches whose largest counts are `ids_F`: 10% above, rounded up
-    to a multiple of 64 ids."""
-    return (np.ceil(ids_F.astype(np.float64) * 1.1 / 64) * 64).astype(np.int64)
+    """Why `model`'s whole step cannot be captured for ragged bags by padding them (`StepGraph`, padded mode;
+    embshard/padding.py), or None if it can."""
+    return padding.refusal(model.ebc) or small_kernel_refusal(model.ebc)
 
 
 class StepGraph:
@@ -148,8 +107,7 @@ class StepGraph:
         self._side = torch.cuda.Stream(model.ebc.device) if overlap and cuda else None  # the dense update's
         self.padding_refused = padding_refusal(model) if pad else "padding is off"
         self.capacity: np.ndarray | None = None  # padded mode: ids per feature (canonical columns) of every rank
-        cols = feature_columns(model.ebc.tables)
-        self._column = {f: cols[f] for f in model.ebc.features}
+        self._padder = padding.BatchPadder(model.ebc)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.given_up: str | None = None  # why the graph was given up
         self.replays = 0  # steps the captured graph ran
@@ -159,7 +117,6 @@ class StepGraph:
         self._counts: BatchCounts | None = None  # the counts the static buffers (and the graph) are sized for
         self._captured_lrs: list[float] = []
         self._stream: torch.cuda.Stream | None = None
-        self._fill: tuple | None = None  # padded mode: (key, filler ids, zero weights, weighted features)
         self.backward_parts = 0  # the last step's embedding backward: in 2 parts (the exchange's, the lookups') or 1
 
     # ---- when ------------------------------------------------------------------------------------------------
@@ -251,8 +208,8 @@ class StepGraph:
         # this step (the lookups' outputs, then the graph's leaves), without running the leaves' AccumulateGrad nodes:
         # a node made by an earlier eager step (kept alive by that step's loss, which the caller may hold) belongs to
         # that step's stream, and the engine would make the capture wait on it.
-        leaves = _leaves_of(sparse_BS)
-        if {id(t) for t in _leaves_of(*looked_up)} != {id(t) for t in leaves}:
+        leaves = leaves_of(sparse_BS)
+        if {id(t) for t in leaves_of(*looked_up)} != {id(t) for t in leaves}:
             looked_up = []  # a leaf the lookups' outputs do not reach: the backward in one part
         two_parts = bool(looked_up and leaves)
         pooled_grads: list = []
@@ -305,59 +262,12 @@ class StepGraph:
         return outputs
 
     def _padded(self, batch, counts: BatchCounts):
-        """`batch` padded to the capacity: each feature's bags keep their ids and gain filler ids (weight 0, on rows
-        of the feature's table) spread evenly over them, up to the feature's capacity; every id weighted (1 for
-        tables without weights). Spread, the fillers make no bag long (one bag holding them all would hold up its
-        lookup) and no row hot. And the counts of such a batch on every rank (the capacity), which size the captured
-        exchanges. Device work only: the host knows every size."""
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
+        """`batch` padded to the capacity (embshard/padding.py), and the counts of such a batch on every rank, which
+        size the captured exchanges."""
         from embshard.data.common import Batch
 
-        ebc, kjt = self.model.ebc, batch.sparse
-        keys, B = list(kjt.keys()), kjt.stride()
-        F = len(keys)
-        cols = [self._column[k] for k in keys]
-        have = [int(counts.ids[ebc.rank, c]) for c in cols]
-        cap = [int(self.capacity[c]) for c in cols]
-        values, weights = kjt.values(), kjt.weights_or_none()
-        dev, N = values.device, sum(have)
-        filler_ids, filler_w, weighted_F = self._fillers(keys, cap, values.dtype, dev)
-        lengths_FB = kjt.lengths().view(F, B)
-        sizes = small_to_device([c - n for c, n in zip(cap, have)] + have, dev)  # one copy: padding, own ids
-        pad_F1, have_F = sizes[:F].view(F, 1), sizes[F:]
-        bags_1B = torch.arange(B, device=dev).view(1, B)
-        extra_FB = pad_F1 // max(B, 1) + (bags_1B < pad_F1 % max(B, 1)).to(torch.int64)  # pad // B, +1 in the first
-        new_lengths = (lengths_FB.to(torch.int64) + extra_FB).reshape(-1)
-        old_lengths = lengths_FB.reshape(-1).to(torch.int64)
-        bag_of = torch.repeat_interleave(torch.arange(F * B, device=dev), old_lengths, output_size=N)
-        shift = complete_cumsum(new_lengths)[:-1] - complete_cumsum(old_lengths)[:-1]  # per bag: where its ids move
-        where = torch.arange(N, device=dev) + shift[bag_of]
-        if weights is None:
-            own_w = torch.ones(N, dtype=torch.float32, device=dev)
-        else:  # a table without weights pools with 1
-            own_w = torch.where(torch.repeat_interleave(weighted_F, have_F, output_size=N), weights.float(), 1.0)
-        values_out = filler_ids.clone().index_copy_(0, where, values)
-        weights_out = filler_w.clone().index_copy_(0, where, own_w)
-        lengths_out = new_lengths.to(kjt.lengths().dtype)
-        padded = KeyedJaggedTensor(keys=keys, values=values_out, lengths=lengths_out, weights=weights_out, stride=B)
-        W = len(counts.batch_sizes)
-        full = BatchCounts(list(counts.batch_sizes), np.tile(self.capacity, (W, 1)), [])
-        return Batch(batch.dense, padded, batch.labels, batch.position), full
-
-    def _fillers(self, keys: list[str], cap: list[int], dtype: torch.dtype, device: torch.device):
-        """The padded batch's values and weights before its own ids are put in: per feature, `cap` filler ids on
-        rows 0, 1, ..., up to 1024 rows of its table (again and again), each of weight 0; and per feature whether
-        its table has weights. Made once per capacity."""
-        key = (tuple(keys), tuple(cap), dtype)
-        if self._fill is None or self._fill[0] != key:
-            tables = [self.model.ebc._table_of[k] for k in keys]
-            rows = [min(t.num_embeddings, FILLER_ROWS) for t in tables]
-            ids = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(cap, rows)] or [np.zeros(0)])
-            ids_t = torch.from_numpy(ids.astype(np.int64)).to(device=device, dtype=dtype)
-            weighted_F = torch.tensor([t.weighted for t in tables], device=device)
-            self._fill = (key, ids_t, torch.zeros(ids_t.numel(), dtype=torch.float32, device=device), weighted_F)
-        return self._fill[1:]
+        sparse, full = self._padder.pad(batch.sparse, counts, self.capacity)
+        return Batch(batch.dense, sparse, batch.labels, batch.position), full
 
     def _make_static(self, batch) -> None:
         """Device buffers the graph reads its batch from, and a batch made of them."""
@@ -391,22 +301,6 @@ class StepGraph:
         if self.graph is not None:
             torch.cuda.synchronize(self._labels_B.device)
         self.reset()
-
-
-def _leaves_of(*ts: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors (AccumulateGrad nodes) that the autograd graphs of `ts` reach: the lookups' placeholders and
-    replicas."""
-    leaves, seen, stack = [], set(), [t.grad_fn for t in ts]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if hasattr(fn, "variable"):  # an AccumulateGrad node
-            leaves.append(fn.variable)
-        else:
-            stack.extend(f for f, _ in fn.next_functions)
-    return leaves
 
 
 def _inputs_of(batch) -> list[torch.Tensor]:

@@ -148,8 +148,9 @@ def test_padding_spreads_the_fillers_and_keeps_every_bag():
     import numpy as np
 
     from embshard.dense_graph import DenseGraphStep
+    from embshard.padding import FILLER_ROWS
     from embshard.sharding.exchange import parse_counts
-    from embshard.step_graph import FILLER_ROWS, StepGraph
+    from embshard.step_graph import StepGraph
 
     device = torch.device("cpu")
     model, opt = build_model(0, 1, device, TABLES, TYPES)
@@ -166,7 +167,7 @@ def test_padding_spreads_the_fillers_and_keeps_every_bag():
     weighted = {f for t in TABLES if t.weighted for f in t.feature_names}
     for f in kjt.keys():
         got, own = out[f], kjt[f]
-        cap, n = int(graph.capacity[graph._column[f]]), int(own.lengths().sum())
+        cap, n = int(graph.capacity[graph._padder._column[f]]), int(own.lengths().sum())
         assert int(got.lengths().sum()) == cap, f
         extra = got.lengths() - own.lengths()
         assert (extra >= 0).all() and int(extra.max()) <= -(-(cap - n) // BATCH), (f, extra)

@@ -1,0 +1,145 @@
+"""The sharded collection's step as one CUDA graph (embshard/emb_graph.py) trains like its eager step: table-wise
+and data-parallel tables (one weighted), row-wise Adagrad, ragged bags drawn fresh every step, 1 and 2 processes.
+Losses and every table's weights after each step match the eager collection's; the capacity grows when a batch
+exceeds it. On the CPU, where CUDA graphs do not exist, the padded step runs without capture
+(`EmbeddingStepGraph(capture=False)`: the same padded batch, exchanges sized from the padded counts, lookups with
+per-id weights, backward with the fused update). A filler given weight 1 changes the result (the check can fail).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dist_harness import device_kind, run_distributed
+
+from embshard import TableConfig
+from embshard.plan import MemoryTier, ShardingType
+
+TABLES = (
+    TableConfig("g_tw", 300, 8, ("g_a",), ids_per_bag=3),
+    TableConfig("g_tw2", 500, 4, ("g_b", "g_c"), ids_per_bag=2),
+    TableConfig("g_w", 211, 8, ("g_d",), weighted=True, ids_per_bag=4),
+    TableConfig("g_dp", 12, 8, ("g_e",), ids_per_bag=2),
+)
+TYPES = {"g_dp": ShardingType.DATA_PARALLEL}
+BATCH, STEPS = 16, 7
+
+
+def _collection(world, device, tables=TABLES, types=TYPES):
+    from embshard.optim import FusedOptimizerConfig
+    from embshard.planner import simple_plan
+    from embshard.sharded import ShardedEmbeddingBagCollection
+
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    plan = simple_plan(list(tables), world, world, types, tier=tier)
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    return ShardedEmbeddingBagCollection(list(tables), plan, opt, device=device, seed=5)
+
+
+def _batch(gen, device, step):
+    """Ragged bags (lengths 0..2L, more in later steps so the capacity grows), ids and weights drawn fresh."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys, lengths, values = [], [], []
+    for t in TABLES:
+        for f in t.feature_names:
+            top = 2 * t.ids_per_bag + (step >= 4)
+            le = torch.randint(0, top + 1, (BATCH,), generator=gen)
+            keys.append(f)
+            lengths.append(le)
+            values.append(torch.randint(0, t.num_embeddings, (int(le.sum()),), generator=gen))
+    v = torch.cat(values)
+    w = torch.rand(v.numel(), generator=gen) + 0.5
+    return KeyedJaggedTensor(
+        keys=keys, values=v.to(device), lengths=torch.cat(lengths).to(device), weights=w.to(device)
+    )
+
+
+def _counts(ebc, kjt):
+    import torch.distributed as dist
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from embshard.sharding.exchange import parse_counts
+
+    cpu = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().cpu(), lengths=kjt.lengths().cpu(),
+                            weights=kjt.weights().cpu())  # fmt: skip
+    row = ebc.host_counts(cpu)
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row.to(ebc.device) if dist.get_backend() == "nccl" else row)
+    return parse_counts(torch.stack(rows).cpu().numpy())
+
+
+def _worker(rank, world, device, wrong_filler=False):
+    from embshard.emb_graph import EmbeddingStepGraph
+
+    eager, graphed = _collection(world, device), _collection(world, device)
+    graph = EmbeddingStepGraph(graphed, lambda out: (out.values() ** 2).sum(), capture=device.type == "cuda")
+    if wrong_filler:  # fillers weighing 1: they now add their rows to the bags
+        pad = graph._padder.pad
+
+        def bad_pad(kjt, counts, cap):
+            padded, full = pad(kjt, counts, cap)
+            padded._weights = torch.where(padded.weights() == 0, 1.0, padded.weights())
+            return padded, full
+
+        graph._padder.pad = bad_pad
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for step in range(STEPS):
+        kjt = _batch(gen, device, step)
+        counts = _counts(eager, kjt)
+        loss_e = (eager(kjt).values() ** 2).sum()
+        loss_e.backward()
+        loss_g = graph.step(kjt, counts)
+        out.append((float(loss_e), float(loss_g), eager.full_weights(), graphed.full_weights()))
+    info = (graph.captures, graph.replays, graph.capacity.tolist())
+    graph.close()
+    return out, info
+
+
+def _compare(results, rtol, atol):
+    for rank, (steps, _) in enumerate(results):
+        for i, (le, lg, we, wg) in enumerate(steps):
+            torch.testing.assert_close(torch.tensor(lg), torch.tensor(le), rtol=rtol, atol=atol, msg=f"rank {rank} {i}")
+            for name in we:
+                torch.testing.assert_close(wg[name], we[name], rtol=rtol, atol=atol, msg=f"rank {rank} {i} {name}")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_graphed_step_trains_like_the_eager_step(world):
+    results = run_distributed(_worker, world)
+    cuda = device_kind() == "cuda"
+    _compare(results, *((1e-4, 1e-5) if cuda else (1e-5, 1e-6)))
+    captures, replays, cap = results[0][1]
+    assert captures >= 2 if cuda else (captures, replays) == (0, 0)  # the capacity grew at step 4
+    assert replays >= STEPS - 2 * captures if cuda else True
+    assert all(c % 64 == 0 for c in cap) and all(r[1][2] == cap for r in results)  # every rank: one capacity
+
+
+def test_fillers_weighing_one_change_the_step():
+    results = run_distributed(_worker, 2, True)
+    with pytest.raises(AssertionError):
+        _compare(results, 1e-5, 1e-6)
+
+
+def _refusal_worker(rank, world, device):
+    from embshard.emb_graph import EmbeddingStepGraph, refusal
+
+    row_wise = _collection(world, device, types={**TYPES, "g_tw2": ShardingType.ROW_WISE})
+    with pytest.raises(ValueError, match="row_wise"):
+        EmbeddingStepGraph(row_wise, lambda out: out.values().sum(), capture=False)
+    mean = [TableConfig(t.name, t.num_embeddings, t.embedding_dim, t.feature_names, pooling="mean") for t in TABLES[:2]]
+    return refusal(_collection(world, device, tables=mean, types={}))
+
+
+def test_graphed_step_refuses_what_it_cannot_capture():
+    why, _ = run_distributed(_refusal_worker, 2)
+    assert "mean-pooled features" in why, why
+
+
+def test_capacity_is_ten_percent_over_in_multiples_of_64():
+    from embshard.padding import capacity
+
+    got = capacity(np.array([0, 1, 64, 100, 1000]))
+    assert got.tolist() == [0, 64, 128, 128, 1152]
