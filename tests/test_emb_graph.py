@@ -65,8 +65,10 @@ def _counts(ebc, kjt):
     cpu = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().cpu(), lengths=kjt.lengths().cpu(),
                             weights=kjt.weights().cpu())  # fmt: skip
     row = ebc.host_counts(cpu)
+    if dist.get_backend() == "nccl":  # NCCL gathers device tensors
+        row = row.to(ebc.device)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row.to(ebc.device) if dist.get_backend() == "nccl" else row)
+    dist.all_gather(rows, row)
     return parse_counts(torch.stack(rows).cpu().numpy())
 
 
