@@ -27,8 +27,10 @@ next replay overwrites the buffer).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -155,8 +157,8 @@ class MapGraph:
             if self._keys is None:
                 self._keys = m.stream_keys(m.seed)
             keys = self._keys
-        host = torch.tensor(step_values(m, counts, keys), dtype=torch.int64).pin_memory()
-        self._vals.copy_(host, non_blocking=True)
+        host = torch.tensor(step_values(m, counts, keys), dtype=torch.int64)
+        self._vals.copy_(host.pin_memory() if dev.type == "cuda" else host, non_blocking=True)
         self._ids[:n].copy_(ids)
         p = 1 if m.order is self.orders[1] else 0
         if m.order is not self.orders[p]:  # an order from elsewhere (the eager step, a rebuild)
@@ -177,25 +179,12 @@ class MapGraph:
         return padded_step(m, self._ids, self._vals, W, self.orders[1 - p], stores)[0]
 
     def _warm_up_and_capture(self, stores: tuple, p: int, n: int) -> torch.Tensor:
-        """This step, eagerly, on the capture stream (the kernels compile for the capacity's shapes), then the
-        capture of both directions' graphs (which computes nothing). Returns this step's rows."""
-        dev = self._ids.device
-        current = torch.cuda.current_stream(dev)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(dev)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            rows = self._body(stores, p)[:n].clone()
-        current.wait_stream(self._stream)
-        rows.record_stream(current)
+        """This step eagerly on the capture stream (the kernels compile for the capacity's shapes), then the capture
+        of both directions' graphs (which computes nothing). Returns this step's rows."""
+        bodies = [functools.partial(self._body, stores, q) for q in (0, 1)]
+        rows = self._eagerly(lambda: bodies[p]()[:n].clone())
         try:
-            pool = torch.cuda.graph_pool_handle()
-            graphs, outs = [], []
-            for q in (0, 1):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"):
-                    outs.append(self._body(stores, q))
-                graphs.append(graph)
+            self.graphs, self.outs = self._capture(bodies)
         except Exception as e:  # the eager step from now on; this step's work is done
             self.refused = f"capturing its step failed ({type(e).__name__}: {e})"
             warnings.warn(
@@ -205,5 +194,31 @@ class MapGraph:
                 stacklevel=4,
             )
             return rows
-        self.graphs, self.outs, self.captures = graphs, outs, self.captures + 1
+        self.captures += 1
         return rows
+
+    def _eagerly(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """fn() on the capture stream, ordered after and before the current stream's work."""
+        current = torch.cuda.current_stream(self._ids.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._ids.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            out = fn()
+        current.wait_stream(self._stream)
+        out.record_stream(current)
+        return out
+
+    def _capture(
+        self, bodies: list[Callable[[], torch.Tensor]]
+    ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor]]:
+        """The graphs of `bodies` (one private pool: they never run at once, and each output is copied out right
+        after its replay) and their outputs."""
+        pool = torch.cuda.graph_pool_handle()
+        graphs, outs = [], []
+        for body in bodies:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"):
+                outs.append(body())
+            graphs.append(graph)
+        return graphs, outs

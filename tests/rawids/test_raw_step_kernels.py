@@ -6,6 +6,8 @@ counting holds back, empty shards, and the reset list's compact form."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -187,3 +189,79 @@ def test_device_clock_follows_the_host_clock(device):
         m.row_last[3] = 40
         m.rebuild()
         assert m.clock == int(m.clock_t) == 41
+
+
+class _Replay:
+    """A captured graph's stand-in on the CPU: a replay runs the captured body again, into the captured output."""
+
+    def __init__(self, body, out):
+        self.body, self.out, self.replays = body, out, 0
+
+    def replay(self):
+        self.out.copy_(self.body())
+        self.replays += 1
+
+
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_graph_steps_match_eager_steps_with_the_capture_stood_in_for(capture_fails, device, monkeypatch):
+    """`MapGraph`'s host side (embshard/rawids/graph.py: static inputs, capacities, the two LRU order buffers by
+    turns, an order from a rebuild copied in, the clocks, the rows copied out) through `IdMap.forward`, the capture
+    stood in for by `_Replay`: the torch path's rows, state and resets over steps of changing sizes (one over the
+    capacity: captured again), a step of no ids and an evaluation between them, with the stream keys drawn per step
+    (seed None). A capture that fails warns once and leaves the map on the eager step."""
+    from embshard.rawids import graph as g
+
+    if device.type == "cuda":
+        pytest.skip("the real capture: tests/rawids/test_raw_ids_gpu.py")
+
+    def capture(self, bodies):
+        if capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        outs = [torch.full((self.N,), -7) for _ in bodies]
+        return [_Replay(b, o) for b, o in zip(bodies, outs)], outs
+
+    monkeypatch.setattr(g.MapGraph, "_eagerly", lambda self, fn: fn())
+    monkeypatch.setattr(g.MapGraph, "_capture", capture)
+    monkeypatch.setattr("embshard.rawids.idmap.graph_refusal", lambda m, ids: m._graph and m._graph.refused)
+    tables = [TableConfig("a", 50, 4, ("fa",), ids="raw"), TableConfig("b", 30, 4, ("fb",), ids="raw")]
+    shards = [LocalShard(t, i, Shard(0, 0, t.num_embeddings, 0, 4), t.feature_names, "hbm")
+              for i, t in enumerate(tables)]  # fmt: skip
+    fast, ref = IdMap(shards, device, seed=None), IdMap(shards, device, seed=None)
+    fast.map_kernel = fast.reset_kernel = "triton"
+    ref.map_kernel, ref.reset_kernel, ref.graphed = "torch", "torch", False
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))  # fresh ids every run
+    lk_fast = _Weights(tables, gen)
+    lk_ref = _Weights(tables, gen)
+    lk_ref.w, lk_ref.st = [w.clone() for w in lk_fast.w], [{"m": s["m"].clone()} for s in lk_fast.st]
+    pool = torch.randint(-(2**62), 2**62, (200,), generator=gen)
+    kept = None
+    with pytest.warns(RuntimeWarning, match="capturing its step failed") if capture_fails else nullcontext():
+        for step, n in enumerate([60, 30, 0, 50, 140, 20, 100, 70, 5, 90]):
+            a = int(torch.randint(0, n + 1, (1,), generator=gen))
+            ids = pool[torch.randint(0, 200, (n,), generator=gen)]
+            if step == 6:  # a load: the order comes from the rebuild
+                assert fast.rebuild() == ref.rebuild() == 0
+            with torch.no_grad():  # evaluation only looks up
+                assert torch.equal(fast(ids, [a, n - a], lk_fast), ref(ids, [a, n - a], lk_ref)), step
+            got, want = [], []
+            for m, lk, out in ((fast, lk_fast, got), (ref, lk_ref, want)):
+                torch.manual_seed(step)  # the same stream keys
+                out.append(m(ids, [a, n - a], lk))
+            assert torch.equal(got[0], want[0]), step
+            assert kept is None or torch.equal(*kept), step  # the last step's rows: kept, not overwritten
+            kept = (got[0], want[0])
+            for b in STATE:
+                assert torch.equal(getattr(fast, b)[:-1], getattr(ref, b)[:-1]), (step, b)
+            assert torch.equal(fast.order, ref.order) and fast.stats() == ref.stats(), step
+            assert fast.clock == ref.clock == int(fast.clock_t) == int(ref.clock_t), step
+            for a_, b_ in zip(lk_fast.w + [s["m"] for s in lk_fast.st], lk_ref.w + [s["m"] for s in lk_ref.st]):
+                assert torch.equal(a_, b_), step
+            lk_fast.train()
+            lk_ref.train()
+    graph = fast._graph
+    assert sum(s["evicted"] for s in ref.stats()) > 10
+    if capture_fails:
+        assert graph.refused and graph.graphs is None and graph.captures == 0
+    else:
+        assert graph.refused is None and graph.captures == 2 and graph.N == 192  # 140 ids + 10%, 64s
+        assert sum(r.replays for r in graph.graphs) == 5 and any(fast.order is o for o in graph.orders)
