@@ -1,9 +1,12 @@
 """The Triton kernels of an `IdMap` training step on CUDA (embshard/rawids/step.py drives them): the steps after
 the sort of the ids, fused, with the torch path's results (IdMap._train, index.py, eviction.py).
 
-Every kernel takes BLOCK entries per program. Unique ids live in slots u < n_unique, a device scalar (the last
-element of the inclusive cumsum of the run starts) that the kernels read: programs past it return at once, so the
-work follows the unique ids. Every kernel of the miss path (victims, eviction, the index inserts, the rows' new
+Every kernel takes BLOCK entries per program. Unique ids live in slots u < n_unique, a device scalar (the inclusive
+cumsum of the run starts at sorted position n - 1, n = bounds[T] the step's real ids: a padded step's pads, key
+INT64_MAX and shard T, sort past every real id and form the last runs) that the kernels read: programs past it
+return at once, so the work follows the unique ids, and pads are never looked up, admitted or counted. The map's
+clock is read from the device (`CLOCK`, int64 `[1]`), never passed as a value, so a captured graph replays any
+step. Every kernel of the miss path (victims, eviction, the index inserts, the rows' new
 state) reads the step's admitted count, also a device scalar, and returns at once when it is 0: a step whose ids
 are all resident costs the sort, the lookups and writing the rows.
 
@@ -11,7 +14,8 @@ Inserts rank the keys wanting one bucket without a sort: every active key pushes
 (`atomic_xchg` of a list head; keys of one bucket only meet there, at most a few under the hash), then walks the
 list counting the keys before it in key order: its rank q, that of the torch path's stable sort. A head holds
 (generation << 32 | key), the generation 2 x clock + round, so heads of earlier rounds read as empty and are never
-cleared. The rows given to new ids are listed for the reset (per program one atomic reservation of its entries).
+cleared. The rows given to new ids are listed for the reset (per program one atomic reservation of its entries);
+a pad's row is 0 and its reset entry -1.
 """
 
 from __future__ import annotations

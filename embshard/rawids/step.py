@@ -9,6 +9,10 @@ statistics) reads the admitted count on the device and returns at once when it i
 id's row, the reset list and a compact list of the positions given a row (`Resets.listed`), which the reset
 kernels walk instead of the whole list. Left as they are: the LRU order's partition (two passes over the order),
 LFU's sort of the rows, and admission counting's sketch (torch ops).
+
+The kernels read the map's clock from the device (`IdMap.clock_t`) and, in a padded step (`padded`, the graphed
+step's: embshard/rawids/graph.py), every count from the device: ids padded to a fixed N (`pad_ids`) give the same
+rows, reset list and state as the step's ids alone.
 """
 
 from __future__ import annotations
