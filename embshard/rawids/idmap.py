@@ -21,7 +21,6 @@ from embshard.geometry import offsets
 from embshard.lookup.shards import LocalShard, _signed
 from embshard.ops import small_to_device
 from embshard.rawids.eviction import SKETCH_DEPTH, EvictionOps, bounded_prefix
-from embshard.rawids.graph import MapGraph, graph_choice, graph_refusal
 from embshard.rawids.hashing import BUCKET_SALTS, SKETCH_SALTS
 from embshard.rawids.index import IndexOps, P
 from embshard.rawids.reset import ResetOps, Resets
@@ -102,9 +101,11 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         self.clock = 0
         """The map's clock (steps so far, a host int); `clock_t` holds the same on the device (the Triton kernels
         read it), equal at every step boundary: the Triton step advances it on the device, in its stream."""
+        from embshard.rawids.graph import graph_choice  # graph.py names IdMap: imported here, not at the top
+
         self.graphed = graph_choice()
-        """Training steps replay a CUDA graph where `graph_refusal` allows (EMBSHARD_RAWID_GRAPH)."""
-        self._graph: MapGraph | None = None
+        """Training steps replay a CUDA graph where `graph.graph_refusal` allows (EMBSHARD_RAWID_GRAPH)."""
+        self._graph = None  # its graph.MapGraph, made at the first graphed step
 
         def buf(name: str, t: torch.Tensor) -> None:
             self.register_buffer(name, t.to(device), persistent=False)
@@ -145,13 +146,16 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
     def forward(self, ids: torch.Tensor, counts: Sequence[int], lookup: nn.Module) -> torch.Tensor:
         """Local rows of `ids` (`counts[s]` ids of shard s, shard after shard), after admitting new ids when
         training (grad enabled); resets the rows given to new ids and the zero rows in `lookup`. A training step
-        on CUDA replays the map's CUDA graph where `graph_refusal` allows (embshard/rawids/graph.py)."""
-        if self.graphed and ids.numel() and torch.is_grad_enabled() and graph_refusal(self, ids) is None:
-            if self._graph is None:
-                self._graph = MapGraph(self)
-            rows = self._graph.step(ids, counts, lookup)
-            if rows is not None:
-                return rows
+        on CUDA replays the map's CUDA graph where `graph.graph_refusal` allows (embshard/rawids/graph.py)."""
+        if self.graphed and ids.numel() and torch.is_grad_enabled():
+            from embshard.rawids import graph
+
+            if graph.graph_refusal(self, ids) is None:
+                if self._graph is None:
+                    self._graph = graph.MapGraph(self)
+                rows = self._graph.step(ids, counts, lookup)
+                if rows is not None:
+                    return rows
         rows, resets = self.remap(ids, counts, torch.is_grad_enabled())
         self.reset(lookup, resets)
         return rows

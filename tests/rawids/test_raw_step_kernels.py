@@ -222,7 +222,7 @@ def test_graph_steps_match_eager_steps_with_the_capture_stood_in_for(capture_fai
 
     monkeypatch.setattr(g.MapGraph, "_eagerly", lambda self, fn: fn())
     monkeypatch.setattr(g.MapGraph, "_capture", capture)
-    monkeypatch.setattr("embshard.rawids.idmap.graph_refusal", lambda m, ids: m._graph and m._graph.refused)
+    monkeypatch.setattr(g, "graph_refusal", lambda m, ids: m._graph and m._graph.refused)
     tables = [TableConfig("a", 50, 4, ("fa",), ids="raw"), TableConfig("b", 30, 4, ("fb",), ids="raw")]
     shards = [LocalShard(t, i, Shard(0, 0, t.num_embeddings, 0, 4), t.feature_names, "hbm")
               for i, t in enumerate(tables)]  # fmt: skip
