@@ -20,7 +20,7 @@ e.g. a rebuild, is first copied into buffer 0). The device clock (`IdMap.clock_t
 host clock after the replay.
 
 The first step at a capacity runs the graph's body eagerly on a side stream (it compiles the kernels for these
-shapes: a capture cannot), then captures both graphs in a private pool; a failed capture warns once and leaves the
+shapes before any capture), then captures both graphs in a private pool; a failed capture warns once and leaves the
 map on the eager step. The output rows are copied out of the static buffer (the lookup's backward keeps them; the
 next replay overwrites the buffer).
 """
@@ -60,8 +60,8 @@ def graph_choice() -> bool:
 
 def graph_refusal(m: IdMap, ids: torch.Tensor) -> str | None:
     """Why `m`'s training step on `ids` runs eagerly, or None: the graph takes CUDA tensors, the map's step and reset
-    on their Triton kernels, LRU eviction only, no admission counting (admit_min_count 1 for every table), fp32 or
-    fp16 weights of the table's type, and a capture that worked."""
+    on their Triton kernels, LRU eviction only, no admission counting (admit_min_count 1 for every table), weights
+    in the table's own type, no capture under way, and a capture of its own that worked."""
     if ids.device.type != "cuda":
         return "not on CUDA"
     if not (triton_for(m.map_kernel, ids.device) and triton_for(m.reset_kernel, ids.device)):
@@ -70,6 +70,8 @@ def graph_refusal(m: IdMap, ids: torch.Tensor) -> str | None:
         return "LFU eviction (its victims: a sort of the rows)"
     if m.sketching:
         return "admission counting (admit_min_count > 1: the sketch's torch ops)"
+    if torch.cuda.is_current_stream_capturing():
+        return "inside another graph's capture (the eager step is captured with it)"
     return m._graph.refused if m._graph is not None else None
 
 
