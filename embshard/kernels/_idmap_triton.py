@@ -167,14 +167,14 @@ REORDER_BLOCK = 1024
 
 
 @triton.jit
-def _used_kernel(ORDER, ROW_LAST, ROW_USED, USED, COUNTS, n, clock, MARKED: tl.constexpr, BLOCK: tl.constexpr):
+def _used_kernel(ORDER, ROW_LAST, ROW_USED, USED, COUNTS, n, CLOCK, MARKED: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     o = tl.load(ORDER + i, mask=live, other=0)
     if MARKED:  # a byte per row (in cache), not the row's last use
         used = (tl.load(ROW_USED + o, mask=live, other=0) != 0) & live
     else:
-        used = (tl.load(ROW_LAST + o, mask=live, other=-1) == clock) & live
+        used = (tl.load(ROW_LAST + o, mask=live, other=-1) == tl.load(CLOCK)) & live
     tl.store(USED + i, used.to(tl.int8), mask=live)
     tl.store(COUNTS + tl.program_id(0), tl.sum(used.to(tl.int64), 0))
 
@@ -197,11 +197,17 @@ def _reorder_kernel(ORDER, USED, ROW_USED, PREFIX, BEFORE, BOUNDS, OUT, n, T, MA
 
 
 def reorder_(
-    order: torch.Tensor, row_last: torch.Tensor, bounds: torch.Tensor, clock: int, row_used: torch.Tensor | None = None
+    order: torch.Tensor,
+    row_last: torch.Tensor,
+    bounds: torch.Tensor,
+    clock: torch.Tensor,
+    row_used: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The new LRU order (int64 `[n]`): within each segment (`bounds` int64 `[T + 1]`: their first positions and n)
-    the rows of `order` whose `row_last` is `clock` (`row_used`: whose mark is set; the marks are cleared) move to
-    the segment's end, both parts keeping their order. A row used at position i of segment s goes to
+    """The new LRU order (int64 `[n]`, written into `out` where given, else a new tensor): within each segment
+    (`bounds` int64 `[T + 1]`: their first positions and n) the rows of `order` whose `row_last` is the map's clock
+    (`clock` int64 `[1]` on the device; `row_used`: whose mark is set; the marks are cleared) move to the segment's
+    end, both parts keeping their order. A row used at position i of segment s goes to
     bounds[s + 1] - used(segments <= s) + used(positions <= i) - 1, an unused one to i - used(positions <= i) +
     used(segments < s)."""
     n = order.numel()
@@ -209,7 +215,7 @@ def reorder_(
     blocks = triton.cdiv(n, REORDER_BLOCK)
     used = torch.empty(n, dtype=torch.int8, device=dev)
     counts = torch.zeros(blocks + 1, dtype=torch.int64, device=dev)  # counts[k + 1]: used positions of block k
-    out = torch.empty_like(order)
+    out = torch.empty_like(order) if out is None else out
     if n == 0:
         return out
     marked = row_used is not None

@@ -1,9 +1,12 @@
 """The Triton kernels of an `IdMap` training step on CUDA (embshard/rawids/step.py drives them): the steps after
 the sort of the ids, fused, with the torch path's results (IdMap._train, index.py, eviction.py).
 
-Every kernel takes BLOCK entries per program. Unique ids live in slots u < n_unique, a device scalar (the last
-element of the inclusive cumsum of the run starts) that the kernels read: programs past it return at once, so the
-work follows the unique ids. Every kernel of the miss path (victims, eviction, the index inserts, the rows' new
+Every kernel takes BLOCK entries per program. Unique ids live in slots u < n_unique, a device scalar (the inclusive
+cumsum of the run starts at sorted position n - 1, n = bounds[T] the step's real ids: a padded step's pads, key
+INT64_MAX and shard T, sort past every real id and form the last runs) that the kernels read: programs past it
+return at once, so the work follows the unique ids, and pads are never looked up, admitted or counted. The map's
+clock is read from the device (`CLOCK`, int64 `[1]`), never passed as a value, so a captured graph replays any
+step. Every kernel of the miss path (victims, eviction, the index inserts, the rows' new
 state) reads the step's admitted count, also a device scalar, and returns at once when it is 0: a step whose ids
 are all resident costs the sort, the lookups and writing the rows.
 
@@ -11,7 +14,8 @@ Inserts rank the keys wanting one bucket without a sort: every active key pushes
 (`atomic_xchg` of a list head; keys of one bucket only meet there, at most a few under the hash), then walks the
 list counting the keys before it in key order: its rank q, that of the torch path's stable sort. A head holds
 (generation << 32 | key), the generation 2 x clock + round, so heads of earlier rounds read as empty and are never
-cleared. The rows given to new ids are listed for the reset (per program one atomic reservation of its entries).
+cleared. The rows given to new ids are listed for the reset (per program one atomic reservation of its entries);
+a pad's row is 0 and its reset entry -1.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ from embshard.lookup.shards import _GOLDEN, _MIX1, _MIX2
 
 BLOCK = 128
 """Entries (sorted positions, unique ids or window positions) per program."""
+
+
+@triton.jit
+def _real_unique(CSU, BOUNDS, T):
+    """The unique ids among the step's real ids: the cumsum of run starts at sorted position nv - 1, nv = bounds[T]
+    the real ids (the pads, past every real id after the sort, form the last runs)."""
+    nv = tl.load(BOUNDS + T)
+    return tl.where(nv > 0, tl.load(CSU + tl.maximum(nv - 1, 0)), 0)
 
 
 @triton.jit
@@ -56,11 +68,11 @@ def _uniq_kernel(SID, PERM, SHARD, FIRST, CSU, UKEY, USHARD, UPOS, RUN0, n, BLOC
 
 @triton.jit
 def _find_step_kernel(
-    UKEY, USHARD, RUN0, CSU, UPOS, BTAB, SLOT_KEY, SLOT_ROW, ROW_LAST, ROW_FREQ, ROW_USED, UROW, CAND, UCNT, FLAG,
-    n, clock, salt0, salt1, golden, mix1, mix2, WRITE_FLAG: tl.constexpr, MARK: tl.constexpr, P: tl.constexpr,
+    UKEY, USHARD, RUN0, CSU, BOUNDS, UPOS, BTAB, SLOT_KEY, SLOT_ROW, ROW_LAST, ROW_FREQ, ROW_USED, UROW, CAND, UCNT,
+    FLAG, T, CLOCK, salt0, salt1, golden, mix1, mix2, WRITE_FLAG: tl.constexpr, MARK: tl.constexpr, P: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    nu = tl.load(CSU + n - 1)
+    nu = _real_unique(CSU, BOUNDS, T)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if start < nu:
         u = start + tl.arange(0, BLOCK)
@@ -76,7 +88,7 @@ def _find_step_kernel(
         row = _probe(SLOT_KEY, SLOT_ROW, c0, j, key, live, P)
         row = tl.maximum(row, _probe(SLOT_KEY, SLOT_ROW, c1, j, key, live & (row < 0), P))  # the other if not found
         hit = live & (row >= 0)
-        tl.store(ROW_LAST + row, tl.zeros_like(row) + clock, mask=hit)
+        tl.store(ROW_LAST + row, tl.zeros_like(row) + tl.load(CLOCK), mask=hit)
         tl.store(ROW_FREQ + row, tl.load(ROW_FREQ + row, mask=hit, other=0) + cnt, mask=hit)  # one id per row
         if MARK:  # used now: the LRU order's partition reads (and clears) the mark
             tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=hit)
@@ -90,13 +102,14 @@ def _find_step_kernel(
 
 @triton.jit
 def _window_kernel(
-    ORDER, ROW_LAST, WB, OBASE, TOT, EV, ROWS, SEG, COUNTS, BSTART, W, T, last_before,
+    ORDER, ROW_LAST, WB, OBASE, TOT, EV, ROWS, SEG, COUNTS, BSTART, W, T, CLOCK,
     LOGT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     if tl.load(TOT) > 0:
         pid = tl.program_id(0)
         w = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = w < W
+        live = (w < W) & (w < tl.load(WB + T))  # positions past wb[T] (a padded step's capacity): absent
+        last_before = tl.maximum(tl.load(CLOCK) - 1, 0)
         s = _segment_of(WB, w, live, T, LOGT)
         pos = w + tl.load(OBASE + s, mask=live, other=0) - tl.load(WB + s, mask=live, other=0)
         row = tl.load(ORDER + pos, mask=live, other=0)
@@ -111,11 +124,11 @@ def _window_kernel(
 
 
 @triton.jit
-def _compact_kernel(EV, ROWS, SEG, WB, PREFIX, BSTART, TOT, OUT, NEV, W, BLOCK: tl.constexpr):
+def _compact_kernel(EV, ROWS, SEG, WB, PREFIX, BSTART, TOT, OUT, NEV, W, T, BLOCK: tl.constexpr):
     if tl.load(TOT) > 0:
         pid = tl.program_id(0)
         w = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = w < W
+        live = (w < W) & (w < tl.load(WB + T))
         e = tl.load(EV + w, mask=live, other=0).to(tl.int64)
         s = tl.load(SEG + w, mask=live, other=0)
         b = tl.load(WB + s, mask=live, other=0)
@@ -127,11 +140,13 @@ def _compact_kernel(EV, ROWS, SEG, WB, PREFIX, BSTART, TOT, OUT, NEV, W, BLOCK: 
 
 def lru_window_victims_(
     order: torch.Tensor, row_last: torch.Tensor, wb: torch.Tensor, ord_base: torch.Tensor, W: int,
-    last_before: int, total: torch.Tensor,
+    clock: torch.Tensor, total: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`EvictionOps._lru_victims` for a step that admits `total` ids (a device scalar): (`[W + 1]` per shard s at
-    wb[s].. the evictable rows of its LRU window in order (entries past them unspecified), `[T]` how many). Nothing
-    runs but two small fills when `total` is 0 (then every count is 0)."""
+    """`EvictionOps._lru_victims` at the map's clock `clock` (int64 `[1]` on the device: rows last used before
+    max(clock - 1, 0) are evictable) for a step that admits `total` ids (a device scalar): (`[W + 1]` per shard s at
+    wb[s].. the evictable rows of its LRU window in order (entries past them unspecified), `[T]` how many). The
+    window's positions are those below wb[T] (device) and W (host: wb[T] itself, or a padded step's fixed bound
+    over it). Nothing runs but two small fills when `total` is 0 (then every count is 0)."""
     T = wb.numel() - 1
     dev = wb.device
     blocks = max(triton.cdiv(W, BLOCK), 1)
@@ -146,19 +161,19 @@ def lru_window_victims_(
     bstart = torch.zeros(T, dtype=torch.int64, device=dev)
     logt = (T + 1).bit_length() + 1
     _window_kernel[(blocks,)](
-        order, row_last, wb, ord_base, total, ev, rows, seg, counts, bstart, W, T, last_before, LOGT=logt, BLOCK=BLOCK
+        order, row_last, wb, ord_base, total, ev, rows, seg, counts, bstart, W, T, clock, LOGT=logt, BLOCK=BLOCK
     )
     prefix = torch.cumsum(counts, 0)
-    _compact_kernel[(blocks,)](ev, rows, seg, wb, prefix, bstart, total, out, nev, W, BLOCK=BLOCK)
+    _compact_kernel[(blocks,)](ev, rows, seg, wb, prefix, bstart, total, out, nev, W, T, BLOCK=BLOCK)
     return out, nev
 
 
 @triton.jit
 def _assign_kernel(
-    UPOS, USHARD, FLAG, CS, CSU, BOUNDS, NEV, VBASE, VICT, ROW_LAST, ROW_SLOT, SLOT_ROW, NEWROW, OK, n, R,
+    UPOS, USHARD, FLAG, CS, CSU, BOUNDS, NEV, VBASE, VICT, ROW_LAST, ROW_SLOT, SLOT_ROW, NEWROW, OK, n, T, R,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    nu = tl.load(CSU + n - 1)
+    nu = _real_unique(CSU, BOUNDS, T)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if (tl.load(CS + n - 1) > 0) & (start < nu):
         u = start + tl.arange(0, BLOCK)
@@ -204,8 +219,16 @@ def _pick(HEAD, NXT, SLOT_ROW, bucket, u, act, gen, P: tl.constexpr):
 
 
 @triton.jit
-def _link_kernel(SLOT_ROW, CAND, OK, CSU, CS, HEAD, NXT, BK, n, gen, P: tl.constexpr, BLOCK: tl.constexpr):
-    nu = tl.load(CSU + n - 1)
+def _generation(CLOCK, ROUND: tl.constexpr):
+    """The list heads' generation of insert round ROUND (0, 1) at the map's clock: (2 x clock + 1 + ROUND) << 32."""
+    return (2 * tl.load(CLOCK) + 1 + ROUND) << 32
+
+
+@triton.jit
+def _link_kernel(
+    SLOT_ROW, CAND, OK, CSU, CS, BOUNDS, HEAD, NXT, BK, n, T, CLOCK, P: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    nu = _real_unique(CSU, BOUNDS, T)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if (tl.load(CS + n - 1) > 0) & (start < nu):
         u = start + tl.arange(0, BLOCK)
@@ -224,13 +247,13 @@ def _link_kernel(SLOT_ROW, CAND, OK, CSU, CS, HEAD, NXT, BK, n, gen, P: tl.const
             b1 = tl.where(swap, c1, c0)
             tl.store(BK + 2 * u, b1, mask=act)
             tl.store(BK + 2 * u + 1, tl.where(swap, c0, c1), mask=act)
-            _push(HEAD, NXT, b1, u, act, gen)
+            _push(HEAD, NXT, b1, u, act, _generation(CLOCK, 0))
 
 
 @triton.jit
-def _pick_kernel(SLOT_ROW, OK, CSU, CS, HEAD, NXT, BK, SLOT, n, gen, ROUND: tl.constexpr, P: tl.constexpr,
-                 BLOCK: tl.constexpr):  # fmt: skip
-    nu = tl.load(CSU + n - 1)
+def _pick_kernel(SLOT_ROW, OK, CSU, CS, BOUNDS, HEAD, NXT, BK, SLOT, n, T, CLOCK, ROUND: tl.constexpr,
+                 P: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    nu = _real_unique(CSU, BOUNDS, T)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if (tl.load(CS + n - 1) > 0) & (start < nu):
         u = start + tl.arange(0, BLOCK)
@@ -240,13 +263,16 @@ def _pick_kernel(SLOT_ROW, OK, CSU, CS, HEAD, NXT, BK, SLOT, n, gen, ROUND: tl.c
             act = act & ((okb & 4) != 0)
         if tl.max(act.to(tl.int32), 0) > 0:
             bucket = tl.load(BK + 2 * u + ROUND, mask=act, other=0)
+            gen = _generation(CLOCK, ROUND)
             tl.store(SLOT + u, _pick(HEAD, NXT, SLOT_ROW, bucket, u, act, gen, P), mask=act)
 
 
 @triton.jit
-def _place_kernel(UKEY, NEWROW, OK, CSU, CS, HEAD, NXT, BK, SLOT, SLOT_KEY, SLOT_ROW, n, gen2, BLOCK: tl.constexpr):
+def _place_kernel(
+    UKEY, NEWROW, OK, CSU, CS, BOUNDS, HEAD, NXT, BK, SLOT, SLOT_KEY, SLOT_ROW, n, T, CLOCK, BLOCK: tl.constexpr
+):  # fmt: skip
     """Round 1's keys into their slots; keys that found none go on their other bucket's list (round 2)."""
-    nu = tl.load(CSU + n - 1)
+    nu = _real_unique(CSU, BOUNDS, T)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if (tl.load(CS + n - 1) > 0) & (start < nu):
         u = start + tl.arange(0, BLOCK)
@@ -260,15 +286,15 @@ def _place_kernel(UKEY, NEWROW, OK, CSU, CS, HEAD, NXT, BK, SLOT, SLOT_KEY, SLOT
             tl.store(SLOT_ROW + slot, row.to(SLOT_ROW.dtype.element_ty), mask=put)
             retry = act & (slot < 0)
             tl.store(OK + u, okb | 4, mask=retry)
-            _push(HEAD, NXT, tl.load(BK + 2 * u + 1, mask=retry, other=0), u, retry, gen2)
+            _push(HEAD, NXT, tl.load(BK + 2 * u + 1, mask=retry, other=0), u, retry, _generation(CLOCK, 1))
 
 
 @triton.jit
 def _finish_kernel(
-    UKEY, USHARD, UCNT, NEWROW, OK, SLOT, CSU, CS, SLOT_KEY, SLOT_ROW, ROW_KEY, ROW_LAST, ROW_FREQ, ROW_SLOT,
-    ROW_USED, EVICTED, ADMITTED, n, T, clock, MARK: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
+    UKEY, USHARD, UCNT, NEWROW, OK, SLOT, CSU, CS, BOUNDS, SLOT_KEY, SLOT_ROW, ROW_KEY, ROW_LAST, ROW_FREQ, ROW_SLOT,
+    ROW_USED, EVICTED, ADMITTED, n, T, CLOCK, MARK: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    nu = tl.load(CSU + n - 1)
+    nu = _real_unique(CSU, BOUNDS, T)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if (tl.load(CS + n - 1) > 0) & (start < nu):
         u = start + tl.arange(0, BLOCK)
@@ -283,7 +309,7 @@ def _finish_kernel(
             tl.store(SLOT_KEY + slot, key, mask=put2)
             tl.store(SLOT_ROW + slot, row.to(SLOT_ROW.dtype.element_ty), mask=put2)
             tl.store(ROW_KEY + row, key, mask=ok)
-            tl.store(ROW_LAST + row, tl.where(ins, clock, -1), mask=ok)
+            tl.store(ROW_LAST + row, tl.where(ins, tl.load(CLOCK), -1), mask=ok)
             tl.store(ROW_FREQ + row, tl.where(ins, tl.load(UCNT + u, mask=ok, other=0), 0), mask=ok)
             tl.store(ROW_SLOT + row, slot.to(ROW_SLOT.dtype.element_ty), mask=ok)
             if MARK:
@@ -300,13 +326,15 @@ def _finish_kernel(
 
 @triton.jit
 def _out_kernel(
-    PERM, SHARD, FIRST, CSU, CS, UROW, OK, NEWROW, SLOT, ROW_TAB, ROWS, GIVEN, LIST, LCOUNT, n, BLOCK: tl.constexpr,
+    PERM, SHARD, FIRST, CSU, CS, BOUNDS, UROW, OK, NEWROW, SLOT, ROW_TAB, ROWS, GIVEN, LIST, LCOUNT, n, T,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
+    inside = i < n
+    live = inside & (i < tl.load(BOUNDS + T))  # sorted positions past the real ids: a padded step's pads
     tot = tl.load(CS + n - 1)
     u = tl.load(CSU + i, mask=live, other=1) - 1
-    p = tl.load(PERM + i, mask=live, other=0)
+    p = tl.load(PERM + i, mask=inside, other=0)
     s = tl.load(SHARD + p, mask=live, other=0)
     r0 = tl.load(ROW_TAB + 2 * s, mask=live, other=0)
     row = tl.load(UROW + u, mask=live, other=-1)
@@ -316,9 +344,9 @@ def _out_kernel(
     ins = ok & (tl.load(SLOT + u, mask=ok, other=-1) >= 0)
     row = tl.where(ins, nr, row)
     row = tl.where(row >= 0, row, tl.load(ROW_TAB + 2 * s + 1, mask=live, other=0))
-    tl.store(ROWS + p, row - r0, mask=live)
+    tl.store(ROWS + p, tl.where(live, row - r0, 0), mask=inside)  # pads: row 0, given nothing
     given = ok & (tl.load(FIRST + i, mask=ok, other=0) != 0)
-    tl.store(GIVEN + p, tl.where(given, nr - r0, -1), mask=live)
+    tl.store(GIVEN + p, tl.where(given, nr - r0, -1), mask=inside)
     k = tl.sum(given.to(tl.int32), 0)
     if k > 0:  # list the positions given a row (one reservation per program; order is free)
         base = tl.atomic_add(LCOUNT, k)

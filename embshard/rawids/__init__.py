@@ -23,6 +23,10 @@ Where the remapping runs
     every earlier batch's backward has updated its rows before a row changes hands under the sparse-dist
     pipeline; under semi-sync (this batch's lookup before the previous batch's backward) rows used in the
     previous step are never evicted (below), so a late gradient never lands on a row given to a new id.
+    On CUDA a training step of a group replays a CUDA graph of the whole map step (remap, LRU order, reset: graph.py)
+    where it applies: the map's step and reset on their Triton kernels, LRU eviction only, no admission counting
+    (admit_min_count 1 for every table of the group), weights in the table's own type. Other groups, evaluation,
+    steps of no ids and EMBSHARD_RAWID_GRAPH=0 run the eager step.
 
 The map of one lookup group (`IdMap`, idmap.py; index.py, eviction.py, reset.py), T shards, tensors on the device
     rows        the shards' rows concatenated (R = sum of rows); per row: `row_key` (its id), `row_last` (the
@@ -77,10 +81,22 @@ itself on its bucket's list, then counts the keys before it: the sort's rank). T
 a row compactly (count on the device), and the reset kernels walk that list. The LRU order's partition runs on two
 Triton passes (embshard/kernels/_idmap_triton.py) reading the step's marks of its used rows (a byte per row). The
 only host values are sizes the host already knows (the ids per shard from the step's counts, hence the windows) and
-the map's clock (a Python int). Two GPU rules: masked-off entries write to a trash slot only with plain stores,
-never atomic adds (atomics on one address serialise: per-shard sums go through a cumsum over batch positions, the
-hits' use counts through a scatter, one id per row; the Triton step adds a program's per-shard sums once); and no
-cummax or cummin (CUDA scans a 1-d tensor with them in a single thread block). Evaluation (no grad) only looks up.
+the map's clock (a Python int `clock`, mirrored on the device in `clock_t`: the kernels read it through a pointer
+and the Triton step advances it in its stream, so no clock is baked into a launch). Two GPU rules: masked-off
+entries write to a trash slot only with plain stores, never atomic adds (atomics on one address serialise:
+per-shard sums go through a cumsum over batch positions, the hits' use counts through a scatter, one id per row;
+the Triton step adds a program's per-shard sums once); and no cummax or cummin (CUDA scans a 1-d tensor with them
+in a single thread block). Evaluation (no grad) only looks up.
+
+The graphed step (graph.py): ~56 launches a step cost far more host time than their GPU work, so a qualifying
+training step replays a graph captured for a capacity of N >= n ids (10% over the step's, a multiple of 64;
+captured again for a step over it). The ids are padded to N (key INT64_MAX, shard T: after the stable sort the pads
+are the last runs, past every real id) and every count the kernels follow is read on the device: n = bounds[T],
+the unique ids as the run starts' cumsum at sorted position n - 1, the admitted ids from their cumsum, the LRU
+window's end wb[T] under the fixed bound min(N, usable rows); pads are never looked up, admitted, counted or reset
+(their rows are 0). The LRU partition writes a new order, so the map keeps two order buffers and one graph per
+direction. The host copies the ids and one pinned tensor of host values (bounds, window bounds, stream keys) in,
+replays, and copies the rows out.
 
 Cost per step and group (Triton): a sort of the n ids, one read of a 16-slot bucket per unique id (the second
 bucket for misses), writing every id's row, and one O(rows) pass pair for the LRU order (LFU: a sort of the rows,

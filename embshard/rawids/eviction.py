@@ -30,6 +30,7 @@ class EvictionOps:
     Ord: int
     lru: bool
     lfu: bool
+    clock_t: torch.Tensor
 
     def _victims(
         self, last_before: int, wb: torch.Tensor, W: int, total: torch.Tensor | None = None
@@ -39,12 +40,14 @@ class EvictionOps:
         last use -1). LRU shards: only the first min(ids of s, usable rows of s) positions of s's order are read
         (the window, `wb`: its start per shard and the end, W in all), which hold every victim the step can take
         (package docstring); LFU shards: every row, sorted. `total` (a device scalar: the ids the step admits): the
-        LRU window is read on the Triton kernels, not at all when it is 0 (entries past the victims unspecified)."""
+        LRU window is read on the Triton kernels at the device clock (`clock_t`, where `last_before` is max(clock -
+        1, 0) too), not at all when it is 0 (entries past the victims unspecified); W may then exceed wb[T] (a padded
+        step's fixed bound: positions past wb[T] are left out)."""
         lru_v = lfu_v = None
         if self.lru and total is not None:
             from embshard.kernels._step_triton import lru_window_victims_
 
-            lru_v, lru_n = lru_window_victims_(self.order, self.row_last, wb, self.ord_base, W, last_before, total)
+            lru_v, lru_n = lru_window_victims_(self.order, self.row_last, wb, self.ord_base, W, self.clock_t, total)
         elif self.lru:
             lru_v, lru_n = self._lru_victims(last_before, wb, W)
         if self.lfu:
@@ -101,14 +104,16 @@ class EvictionOps:
         out = torch.full((self.Ord + 1,), -1, dtype=torch.int64, device=rows.device)
         return out.scatter_(0, pos, rows), before[1:] - before[:-1]
 
-    def _reorder(self, clock: int, row_used: torch.Tensor | None = None) -> None:
+    def _reorder(self, clock: int, row_used: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:
         """LRU order: within every segment, the rows used at `clock` move to the end, in their order (a stable
         partition: one gather of the rows' last use, one cumsum, one scatter over the usable rows; on CUDA two
-        Triton passes, embshard/kernels/_idmap_triton.py; `row_used`: the Triton step's marks of the used rows)."""
+        Triton passes, embshard/kernels/_idmap_triton.py, reading the device clock `clock_t`, equal to `clock`;
+        `row_used`: the Triton step's marks of the used rows). `self.order` becomes the new order: `out` where
+        given (a buffer of its size), else a new tensor."""
         if self._kernels(self.order):
             from embshard.kernels._idmap_triton import reorder_
 
-            self.order = reorder_(self.order, self.row_last, self.ord_bounds, clock, row_used)
+            self.order = reorder_(self.order, self.row_last, self.ord_bounds, self.clock_t, row_used, out)
             return
         o = self.order
         used = self.row_last[o] == clock
@@ -119,7 +124,7 @@ class EvictionOps:
             to_used, to_unused = to_used[self.seg], to_unused[self.seg]
         ar = torch.arange(self.Ord, device=o.device)
         pos = torch.where(used, ar - cs + to_used, cs + to_unused)
-        self.order = torch.empty_like(o).scatter_(0, pos, o)
+        self.order = (torch.empty_like(o) if out is None else out).scatter_(0, pos, o)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def _count(

@@ -99,6 +99,13 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         self.lfu = any(s.table.eviction is Eviction.LFU for s in self.shards)
         self.sketching = any(s.table.admit_min_count > 1 for s in self.shards)
         self.clock = 0
+        """The map's clock (steps so far, a host int); `clock_t` holds the same on the device (the Triton kernels
+        read it), equal at every step boundary: the Triton step advances it on the device, in its stream."""
+        from embshard.rawids.graph import graph_choice  # graph.py names IdMap: imported here, not at the top
+
+        self.graphed = graph_choice()
+        """Training steps replay a CUDA graph where `graph.graph_refusal` allows (EMBSHARD_RAWID_GRAPH)."""
+        self._graph = None  # its graph.MapGraph, made at the first graphed step
 
         def buf(name: str, t: torch.Tensor) -> None:
             self.register_buffer(name, t.to(device), persistent=False)
@@ -124,6 +131,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         buf("slot_row", torch.full((self.S + 1,), -1, dtype=idx))
         buf("list_head", torch.full((self.NB,), -1, dtype=i64))  # the Triton step's inserts (rawids/step.py)
         buf("row_used", torch.zeros(self.R + 1 if self.lru else 1, dtype=torch.int8))  # its marks of used rows
+        buf("clock_t", torch.zeros(1, dtype=i64))
         buf("admitted", torch.zeros(T, dtype=i64))
         buf("evicted", torch.zeros(T, dtype=i64))
         if self.sketching:
@@ -137,7 +145,17 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
     # ---- the step ----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, counts: Sequence[int], lookup: nn.Module) -> torch.Tensor:
         """Local rows of `ids` (`counts[s]` ids of shard s, shard after shard), after admitting new ids when
-        training (grad enabled); resets the rows given to new ids and the zero rows in `lookup`."""
+        training (grad enabled); resets the rows given to new ids and the zero rows in `lookup`. A training step
+        on CUDA replays the map's CUDA graph where `graph.graph_refusal` allows (embshard/rawids/graph.py)."""
+        if self.graphed and ids.numel() and torch.is_grad_enabled():
+            from embshard.rawids import graph
+
+            if graph.graph_refusal(self, ids) is None:
+                if self._graph is None:
+                    self._graph = graph.MapGraph(self)
+                rows = self._graph.step(ids, counts, lookup)
+                if rows is not None:
+                    return rows
         rows, resets = self.remap(ids, counts, torch.is_grad_enabled())
         self.reset(lookup, resets)
         return rows
@@ -153,7 +171,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         ids = ids.to(torch.int64)
         if n == 0:
             if train:
-                self.clock += 1
+                self.tick()
             return ids, Resets(None, ids, counts)
         host = offsets(counts) + [n]
         if train and self.lru:  # the LRU window: per shard min(its ids, its usable rows) positions of its order
@@ -174,7 +192,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
             rows, given, listed = self._train_triton(ids, shard_of, bounds, wb, W)
             if self.lru:
                 self._reorder(self.clock, self.row_used)
-            self.clock += 1
+            self.tick()
             return rows, Resets(given, shard_of, counts, listed)
         rows, given = self._train(ids, shard_of, bounds, wb, W)
         return rows, Resets(given, shard_of, counts)
@@ -236,7 +254,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         rows = torch.empty_like(final).scatter_(0, perm, final[uid])
         if self.lru:
             self._reorder(clock)
-        self.clock += 1
+        self.tick()
         given = torch.full((n + 1,), -1, dtype=i64, device=dev)
         given.scatter_(0, torch.where(ok, u_pos, n), new_row - tab[:, 3])
         return rows, given[:n]
@@ -274,8 +292,14 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         return sums
 
     def tick(self) -> None:
-        """A training step without a lookup on this rank (empty global batch): the clock still advances."""
+        """A training step without a lookup on this rank (empty global batch): the clock still advances (on the
+        host and, in its stream, on the device)."""
         self.clock += 1
+        self.clock_t.add_(1)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202  (nn.Module's: .to(), .cuda(), ...)
+        self._graph = None  # the captured graphs hold the buffers' old addresses
+        return super()._apply(fn, recurse)
 
     # ---- state -------------------------------------------------------------------------------------------
     def shard_state(self, s: int) -> dict[str, torch.Tensor]:
@@ -311,6 +335,7 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
                 idx = idx[torch.sort(self.seg[idx], stable=True).indices]
             self.order = u[idx]
         self.clock = max(self.clock, int(self.row_last[:R].max()) + 1)
+        self.clock_t.fill_(self.clock)
         return int(lost.sum())
 
     def stats(self) -> list[dict[str, int]]:

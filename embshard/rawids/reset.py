@@ -144,9 +144,9 @@ class ResetOps:
     reset_kernel: str = "auto"
     """'auto': the Triton kernels on CUDA, torch ops elsewhere; 'triton' or 'torch' (tests)."""
 
-    def reset(self, lookup: nn.Module, resets: Resets) -> None:
-        """Re-initialise the rows of the reset list in `lookup`'s weights and zero their optimizer state; zero every
-        shard's zero row. The lookup's shard tensors are taken once (updated in place, never replaced)."""
+    def storages(self, lookup: nn.Module) -> tuple[list[_Storage], list[_Storage]]:
+        """(weights, optimizer states) of `lookup` as storages. Its shard tensors are taken once (updated in place,
+        never replaced)."""
         if getattr(self, "_stores_of", None) != id(lookup):
             weights = [w.data for w in lookup.shard_weights()]
             states = [{k: v.data for k, v in st.items()} for st in lookup.shard_optimizer_states()]
@@ -156,22 +156,31 @@ class ResetOps:
                 [s for k in names for s in _storages([st[k] for st in states], self.shards)],
             )
             self._stores_of, self._keys_seed = id(lookup), None
-        w_stores, st_stores = self._stores
+        return self._stores
+
+    def stream_keys(self, seed: int | None) -> list[int]:
+        """The shards' stream keys (signed int64) of the rows' initial values: of `seed`, or (None: not
+        reproducible) of a seed drawn on the host (no device sync), a fresh one per call."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        return [_signed(table_key(seed, s.table_index)) for s in self.shards]
+
+    def reset(self, lookup: nn.Module, resets: Resets) -> None:
+        """Re-initialise the rows of the reset list in `lookup`'s weights and zero their optimizer state; zero every
+        shard's zero row. The lookup's shard tensors are taken once (updated in place, never replaced)."""
+        w_stores, st_stores = self.storages(lookup)
         with torch.no_grad():
             for st in (*w_stores, *st_stores):
                 st.flat.index_fill_(0, st.zero_elems, 0)
             if resets.rows is None:
                 return
             dev = resets.rows.device
-            seed = self.seed
-            if seed is None:  # not reproducible: a fresh stream per step, drawn on the host (no device sync)
-                seed = int(torch.randint(0, 2**62, ()))
-            if seed != self._keys_seed:
-                self._keys = small_to_device([[_signed(table_key(seed, s.table_index)) for s in self.shards]], dev)[0]
-                self._keys_seed = seed
+            if self.seed is None or self.seed != self._keys_seed:  # seed None: a fresh stream per step
+                self._keys = small_to_device([self.stream_keys(self.seed)], dev)[0]
+                self._keys_seed = self.seed
             triton = triton_for(self.reset_kernel, dev) and not any(st.round_fp16 for st in w_stores)
             if triton and resets.listed is not None:  # the Triton map step's compact list
-                self._reset_listed(w_stores, st_stores, resets)
+                self._reset_listed(w_stores, st_stores, resets, self._keys)
                 return
             compact = not triton and dev.type == "cpu"
             for st in w_stores:
@@ -195,17 +204,20 @@ class ResetOps:
                 else:
                     st.write(rows, shard, None)
 
-    def _reset_listed(self, w_stores: list[_Storage], st_stores: list[_Storage], resets: Resets) -> None:
+    def _reset_listed(
+        self, w_stores: list[_Storage], st_stores: list[_Storage], resets: Resets, stream_keys: torch.Tensor
+    ) -> None:
         """The reset on the Triton kernels that walk the list of positions given a row (`Resets.listed`): one
-        launch per storage, whose programs return at once when the step gave no row."""
+        launch per storage, whose programs return at once when the step gave no row. A storage's entries are those
+        of its shards (read from `resets.shard` on the device: no host count, so a padded step's graph can replay
+        it); `stream_keys` `[T]` the shards' stream keys."""
         from embshard.kernels._reset_triton import reset_listed_
 
         n = resets.rows.numel()
         for st in (*w_stores, *st_stores):
-            one = st.span(resets)
-            span = (0, n, st.ids[0], len(st.ids)) if one is None else (*one, st.ids[0], 1)
+            span = (0, n, st.ids[0], len(st.ids))
             if st in w_stores:
-                keys = self._keys[st.ids[0] : st.ids[-1] + 1]
+                keys = stream_keys[st.ids[0] : st.ids[-1] + 1]
                 ints, floats = st.kernel_ints, st.scale
             else:
                 keys, ints, floats = None, st.ints[:3], None

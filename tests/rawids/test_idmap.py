@@ -244,3 +244,19 @@ def test_kernel_choice_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("EMBSHARD_RAWID_KERNELS", "cuda")
     with pytest.raises(ValueError, match="EMBSHARD_RAWID_KERNELS='cuda' is invalid: choose auto"):
         IdMap([_shard(t)], torch.device("cpu"), seed=0)
+
+
+def test_graph_choice_comes_from_the_environment(monkeypatch):
+    """EMBSHARD_RAWID_GRAPH: 1 (the default) lets CUDA training steps replay a graph, 0 keeps them eager; the map
+    on the CPU never replays one (it says why)."""
+    from embshard.rawids.graph import graph_refusal, step_capacity
+
+    t = TableConfig("t", 64, 4, ("f",), ids="raw")
+    m = IdMap([_shard(t)], torch.device("cpu"), seed=0)
+    assert m.graphed and graph_refusal(m, torch.zeros(3, dtype=torch.int64)) == "not on CUDA"
+    monkeypatch.setenv("EMBSHARD_RAWID_GRAPH", "0")
+    assert not IdMap([_shard(t)], torch.device("cpu"), seed=0).graphed
+    monkeypatch.setenv("EMBSHARD_RAWID_GRAPH", "yes")
+    with pytest.raises(ValueError, match="EMBSHARD_RAWID_GRAPH='yes' is invalid: set 1"):
+        IdMap([_shard(t)], torch.device("cpu"), seed=0)
+    assert [step_capacity(n) for n in (1, 58, 59, 300)] == [64, 64, 128, 384]  # 10% over, a multiple of 64

@@ -110,6 +110,11 @@ def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(a[t][i][0], b[t][i][0]) and a[t][i][1:] == b[t][i][1:] for t in a for i in a[t])
 
 
+def _clocks(ebc) -> list[tuple[int, int]]:
+    """(host clock, device clock) of every id map of this rank (equal at every step boundary)."""
+    return [(m.clock, int(m.clock_t)) for m, i in ebc._id_maps() if i == 0]
+
+
 def _save_worker(rank, world, device, folder):
     from embshard.sharded import ShardedEmbeddingBagCollection
 
@@ -125,6 +130,7 @@ def _save_worker(rank, world, device, folder):
     out["same_blocks"] = (
         _same(_per_id(again), out["per_id"]) and _held_out(again, rank, world, device) == out["held_out"]
     )
+    out["clocks"] = _clocks(ebc) + _clocks(again)
     _train(ebc, rank, world, device, _global_batches(1, 8))  # ids all resident (a new id's first row differs)
     out["after_step"] = _held_out(ebc, rank, world, device)
     out["stats"] = ebc.raw_id_stats(gather=True)
@@ -136,9 +142,10 @@ def _load_worker(rank, world, device, folder):
 
     ebc = ShardedEmbeddingBagCollection(TABLES, _plan(world, device), OPT, device=device, seed=5)
     load_checkpoint(latest(folder), TrainState({"ebc": ebc}), chunk_bytes=600)
-    out = {"held_out": _held_out(ebc, rank, world, device), "per_id": _per_id(ebc)}
+    out = {"held_out": _held_out(ebc, rank, world, device), "per_id": _per_id(ebc), "clocks": _clocks(ebc)}
     _train(ebc, rank, world, device, _global_batches(1, 8))
     out["after_step"] = _held_out(ebc, rank, world, device)
+    out["clocks"] += _clocks(ebc)
     return out
 
 
@@ -146,8 +153,11 @@ def test_raw_id_checkpoint_reshards_from_2_to_3_ranks(run, tmp_path):
     folder = str(tmp_path / "ckpt")
     saved = run(_save_worker, 2, folder)[0]
     assert saved["same_blocks"]
+    # the device clock follows the host clock through training and a load (the load's rebuild sets both)
+    assert saved["clocks"] and all(h == d > 0 for h, d in saved["clocks"]), saved["clocks"]
     assert saved["stats"]["rw"]["evicted"] == 0 and saved["stats"]["rw"]["resident"] > 10
     loaded = run(_load_worker, 3, folder)[0]
+    assert loaded["clocks"] and all(h == d > 0 for h, d in loaded["clocks"]), loaded["clocks"]
     assert abs(loaded["held_out"] - saved["held_out"]) <= 1e-5 * abs(saved["held_out"])
     assert _same(loaded["per_id"], saved["per_id"])
     assert abs(loaded["after_step"] - saved["after_step"]) <= 1e-5 * abs(saved["after_step"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from conftest import cuda_only
 
@@ -116,3 +117,56 @@ def test_lookup_stage_of_raw_tables_adds_no_host_sync(run):
     for res in run(_lookup_stage_syncs, min(2, torch.cuda.device_count())):
         # from the second step on (the first compiles the remap kernels and uploads their constants, once)
         assert all(r <= s for r, s in zip(res["raw"][1:], res["static"][1:])), res  # raw-id tables add none
+
+
+@cuda_only
+@pytest.mark.parametrize("seed", [3, None])
+def test_graphed_steps_match_eager_steps(seed, monkeypatch):
+    """A map's training steps replayed from its CUDA graph (remap, LRU order, reset; ids padded to the capacity)
+    give the eager steps' rows, map state, statistics, clocks, and reset weights and optimizer state, over steps
+    of changing sizes (a step of no ids, one over the capacity: captured again), with no host sync outside the
+    captures. seed None: the stream keys drawn per step reach the graph (both maps draw the same under one seed)."""
+    from embshard.lookup import TBELookup
+    from embshard.rawids.graph import step_capacity
+
+    monkeypatch.setattr("embshard.kernels._idmap_triton.REORDER_BLOCK", 64)  # the LRU order: blocks straddle shards
+    dev = torch.device("cuda", 0)
+    tables = [TableConfig("a", 300, 16, ("fa",), ids="raw"), TableConfig("b", 200, 8, ("fb", "fc"), ids="raw")]
+    shards = [LocalShard(t, i, Shard(0, 0, t.num_embeddings, 0, t.embedding_dim), t.feature_names, "hbm")
+              for i, t in enumerate(tables)]  # fmt: skip
+    maps = [IdMap(shards, dev, seed=seed) for _ in range(2)]
+    maps[1].graphed = False
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    lookups = [TBELookup(shards, opt, dev, seed=3) for _ in range(2)]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))  # fresh ids every run
+    pool = torch.randint(-(2**62), 2**62, (1500,), generator=gen)
+    sizes = [300, 120, 290, 0, 40, 333, 500, 100, 480, 7, 250, 500, 60, 300, 200, 450, 90, 10, 380, 500]
+    capacity = 0
+    for step, n in enumerate(sizes):
+        a = int(torch.randint(0, n + 1, (1,), generator=gen))
+        counts = [a, n - a]
+        ids = pool[(torch.rand(n, generator=gen) ** 2 * len(pool)).long()].to(dev)
+        captures = n > capacity
+        capacity = step_capacity(n) if captures else capacity
+        torch.manual_seed(step)
+        torch.cuda.set_sync_debug_mode(0 if captures else "error")
+        try:
+            got = maps[0](ids, counts, lookups[0])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.manual_seed(step)
+        want = maps[1](ids, counts, lookups[1])
+        assert torch.equal(got, want), step
+        for b in ("row_key", "row_last", "row_freq", "row_slot", "slot_key", "slot_row"):  # the trash slot aside
+            assert torch.equal(getattr(maps[0], b)[:-1], getattr(maps[1], b)[:-1]), (step, b)
+        assert torch.equal(maps[0].order, maps[1].order) and torch.equal(maps[0].clock_t, maps[1].clock_t), step
+        assert maps[0].clock == maps[1].clock == int(maps[0].clock_t) and maps[0].stats() == maps[1].stats(), step
+        weights = [[w.data for w in lk.shard_weights()] for lk in lookups]
+        states = [[v.data for st in lk.shard_optimizer_states() for v in st.values()] for lk in lookups]
+        for t0, t1 in [*zip(*weights), *zip(*states)]:
+            assert torch.equal(t0, t1), step
+            t0.add_(0.5)  # training moves the rows and the state (a reset shows)
+            t1.add_(0.5)
+    graph = maps[0]._graph
+    assert graph.refused is None and graph.captures == 2 and graph.N == step_capacity(500), graph.refused
+    assert sum(s["evicted"] for s in maps[0].stats()) > 50
