@@ -211,6 +211,9 @@ def main() -> None:
         "feature; host counts only)",
     )
     ap.add_argument(
+        "--cprofile", type=int, default=0, help="after the timed steps, a cProfile of N steps on rank 0 (host time)"
+    )
+    ap.add_argument(
         "--host-time",
         type=int,
         default=0,
@@ -396,6 +399,22 @@ def main() -> None:
 
     rounds = args.rounds if len(labels) > 1 else 1
     times = interleaved_ms(labels, rounds, args.steps, step_and_record, sync, before=comm.barrier)
+    if args.cprofile:  # where the host's time goes in a step (each rank runs the steps; rank 0 records them)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        sync()
+        if rank == 0:
+            prof.enable()
+        for i in range(args.cprofile):
+            step(labels[0], i)
+        sync()
+        if rank == 0:
+            prof.disable()
+            print(f"host profile of {args.cprofile} {labels[0]} steps, rank 0:")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     alone = {label: host_bound(lambda i, label=label: step(label, i), args.host_time, sync) for label in labels}
     alone = {k: v for k, v in alone.items() if v is not None}
     mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
