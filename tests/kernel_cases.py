@@ -61,6 +61,75 @@ def random_step(tables: Sequence[TableConfig], B: int, gen: torch.Generator, alp
     return torch.cat(ids_all), offsets, torch.cat(w_all), batch, upstream
 
 
+def padded_step(idx, off, psw, tables: Sequence[TableConfig], B: int, gen: torch.Generator, max_fill: int = 3):
+    """`random_step`'s batch (feature-major `idx`, `off`, `psw`) padded as the whole-step graph pads a ragged batch
+    (embshard/step_graph.py): every bag keeps its ids and gains 0..max_fill filler ids after them (fresh Zipf ids of
+    its table: they share rows with the bag's own ids), each of weight 0; an own id weighs its `psw` where its table
+    is weighted, 1 elsewhere. Returns (indices, offsets, weights, positions of the fillers)."""
+    features = [t for t in tables for _ in t.feature_names]
+    ids_out, w_out, lengths, fillers, pos = [], [], [], [], 0
+    for k, t in enumerate(features):
+        for b in range(B):
+            lo, hi = int(off[k * B + b]), int(off[k * B + b + 1])
+            n = int(torch.randint(0, max_fill + 1, (1,), generator=gen))
+            ids_out += [idx[lo:hi], zipf_ids(n, t.num_embeddings, 1.2, gen)]
+            w_out += [psw[lo:hi] if t.weighted else torch.ones(hi - lo), torch.zeros(n)]
+            fillers += range(pos + hi - lo, pos + hi - lo + n)
+            lengths.append(hi - lo + n)
+            pos += hi - lo + n
+    assert fillers, "no filler drawn"
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(lengths).cumsum(0)])
+    return torch.cat(ids_out), offsets, torch.cat(w_out), fillers
+
+
+def check_padded_like_unpadded(
+    make_lookup, tables: Sequence[TableConfig], device: torch.device, exact: bool, steps: int = 2, B: int = 5
+):
+    """`make_lookup()` trained on `random_step` batches and a second one on the same batches padded (`padded_step`)
+    under `ops.every_id_weighted`, its backward after the context has closed (it must weigh the ids as its forward
+    did): the same pooled sums every step, the same weights and optimizer states after it, bit for bit if `exact`
+    (a filler adds an exact zero; the torch path, and the atomic kernels where they add in a fixed order: the
+    interpreter), else within 1e-6 (atomics on a GPU; the sorted backward, whose tiles the fillers shift). A third
+    one, whose batch gives one filler weight 1, must differ (pooled sums, weights or state), so that the check can
+    fail."""
+    from embshard.ops import every_id_weighted
+
+    tol = 0.0 if exact else 1e-6
+
+    def same(got, want, what):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+    plain, padded, wrong = make_lookup(), make_lookup(), make_lookup()
+    gen = torch.Generator().manual_seed(31)
+    for step in range(steps):
+        idx, off, psw, _, upstream = random_step(tables, B, gen)
+        up = torch.cat(list(upstream.values()), dim=1).to(device)
+        pidx, poff, pw, fillers = padded_step(idx, off, psw, tables, B, gen)
+        want = plain(idx.to(device), off.to(device), psw.to(device))
+        (want * up).sum().backward()
+        with every_id_weighted():
+            got = padded(pidx.to(device), poff.to(device), pw.to(device))
+        (got * up).sum().backward()
+        same(got, want, f"step {step} pooled")
+        for t, a, b in zip(tables, padded.shard_weights(), plain.shard_weights()):
+            same(a, b, f"step {step} {t.name}")
+        for t, sa, sb in zip(tables, padded.shard_optimizer_states(), plain.shard_optimizer_states()):
+            for k in sb:
+                same(sa[k], sb[k], f"step {step} {t.name} {k}")
+        if step == 0:
+            bad = pw.clone()
+            bad[fillers[0]] = 1.0
+            with every_id_weighted():
+                out = wrong(pidx.to(device), poff.to(device), bad.to(device))
+            (out * up).sum().backward()
+            assert (out - want).abs().max() > 1e-3, "a filler of weight 1 must add its row"
+            # weights or optimizer state: adagrad's first step moves a row by about lr whatever its gradient's size
+            moved = list(zip(wrong.shard_weights(), plain.shard_weights()))
+            for sa, sb in zip(wrong.shard_optimizer_states(), plain.shard_optimizer_states()):
+                moved += [(sa[k], sb[k]) for k in sb]
+            assert max(float((a - b).abs().max()) for a, b in moved) > 1e-4, "a filler of weight 1 gets a gradient"
+
+
 def train_against_reference(
     make_lookup,
     tables: Sequence[TableConfig],

@@ -4,7 +4,8 @@ imported, so tests/kernels/test_kernels_interpret.py runs this file in its own p
 against the plain-PyTorch reference (atomic backward with and without the per-bag dedup, interleaved features,
 sorted backward, every update rule), heavily skewed ids (one row takes most ids: repeats within a bag chunk, runs
 across chunks and across dozens of sorted tiles), int64 sort keys, the sorted mode bitwise reproducible, the dense
-gradient against the torch path, the regroup against torch.cat. Tiles are small (4-8 ids a chunk, 2-4 sorted
+gradient against the torch path, a padded batch under `ops.every_id_weighted` (filler ids of weight 0) like the
+unpadded one (table-wise and data-parallel), the regroup against torch.cat. Tiles are small (4-8 ids a chunk, 2-4 sorted
 positions a tile): hot rows cross chunks and tiles, and the interpreter's sorts stay cheap."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kernel_cases import (
     OPTIMIZERS,
     TABLES,
     check_against_reference,
+    check_padded_like_unpadded,
     full_shards,
     random_regroup_case,
     random_step,
@@ -232,6 +234,31 @@ def test_data_parallel_lookup_on_the_kernels(deterministic):
     make = lambda: KernelDataParallelLookup(full_shards(tables, CPU), cfg, CPU, None, seed=7, kernel=kernel)
     lookup, ref, outs = train_against_reference(make, tables, cfg, CPU, steps=2, B=4)
     check_against_reference(lookup, ref, outs, cfg, tables, with_state=False)
+
+
+@pytest.mark.parametrize(
+    "scheme,opt,kernel",
+    [("table_wise", "rowwise_adagrad", dict(tiles=SMALL_TILES)),
+     ("table_wise", "adagrad", dict(tiles=Tiles(bags=2, block_n=4, dedup=False))),
+     ("table_wise", "sgd", dict(deterministic=True, tiles=SMALL_TILES)),
+     ("table_wise", "sgd", dict(direct_sgd=True, tiles=SMALL_TILES)),
+     ("data_parallel", "rowwise_adagrad", dict(tiles=SMALL_TILES))],
+    ids=["rowwise_adagrad", "adagrad-no-dedup", "sgd-sorted", "direct_sgd", "data_parallel-rowwise_adagrad"],
+)  # fmt: skip
+def test_padded_batch_under_every_id_weighted_trains_like_the_unpadded_one(scheme, opt, kernel):
+    # every feature pooled with the batch's weights (all-ones per-feature flags), forward and backward
+    from embshard.kernels.data_parallel import KernelDataParallelLookup
+
+    cfg, k = OPTIMIZERS[opt], SmallTableOptions(impl="triton", **kernel)
+    if scheme == "table_wise":
+        tables = TABLES
+        make = lambda: SmallTableLookup(full_shards(tables, CPU), cfg, CPU, seed=7, kernel=k)
+    else:
+        tables = sorted(TABLES, key=lambda t: t.embedding_dim)
+        make = lambda: KernelDataParallelLookup(full_shards(tables, CPU), cfg, CPU, None, seed=7, kernel=k)
+    # the interpreter runs the programs one after another: atomics add in a fixed order, and exact zeros change no
+    # sum; the sorted backward's tiles shift with the fillers (the same sums in other trees)
+    check_padded_like_unpadded(make, tables, CPU, exact=not k.deterministic, steps=2, B=3)
 
 
 def test_triton_regroup_with_an_empty_block():

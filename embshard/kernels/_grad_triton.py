@@ -1,7 +1,9 @@
 """Triton kernels of the small-table backward: the gradient of the pooled sums with respect to the rows, by atomics
 (fast, robust to skewed ids) or by a sort (bitwise reproducible). Imported only when a Triton path runs (GPU, or
 CPU tensors under TRITON_INTERPRET=1). Both work on one width group (`layout.WidthGroup`, D a compile-time
-constant: 16-byte vector loads and atomics, `red.global.add.v4.f32` on sm_90) and cover all its features.
+constant: 16-byte vector loads and atomics, `red.global.add.v4.f32` on sm_90) and cover all its features. Both
+weigh an id by PSW where its feature's flag (WGT / WGT_F) is set, as the forward did (every feature's for a padded
+batch: `PoolLayout.on` / `feature_tables` with `all_weighted`), by 1 elsewhere.
 
 - `_bwd_atomic`: a program takes BAGS bags of one feature and walks them in chunks of BLOCK_N ids. Per chunk it
   sorts each bag's ids in registers (`tl.sort` of `id * BLOCK_N + slot`), finds the runs of equal ids (`tl.gather`

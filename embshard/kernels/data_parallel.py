@@ -3,11 +3,13 @@ dense backward replaced by `pool` and `dense_gradients` (the small-table lookup'
 chunk's repeated rows are summed, no global sort), on the same flat weights.
 
 Data flow of one step (as DataParallelLookup otherwise): forward pools the local batch from the flat replica
-(`group_views`: one `[rows, D]` view per (width, data type) block); backward forms the flat gradient of the
-local batch with atomics into a zeroed buffer (`deterministic=True`: the sorted backward), then
-`DataParallelLookup.apply_gradient` all-reduces it and applies the same update on every rank. The replicas still
-agree bitwise across ranks (every rank updates with the same all-reduced bits); with atomics two runs may differ
-in the last bits of fp32, as FBGEMM's dense backward on CUDA may.
+(`group_views`: one `[rows, D]` view per (width, data type) block), the per-sample weights multiplying the ids of
+weighted tables, or every id while `ops.every_id_weighted` is active (a padded batch, whose filler ids weigh 0;
+`all_weighted`, which the backward keeps); backward forms the flat gradient of the local batch with atomics into
+a zeroed buffer (`deterministic=True`: the sorted backward), then `DataParallelLookup.apply_gradient` all-reduces
+it and applies the same update on every rank. The replicas still agree bitwise across ranks (every rank updates
+with the same all-reduced bits); with atomics two runs may differ in the last bits of fp32, as FBGEMM's dense
+backward on CUDA may.
 
 To use it, the data-parallel builder constructs `KernelDataParallelLookup` instead of `DataParallelLookup` (same
 arguments, plus `kernel`).
@@ -24,6 +26,7 @@ from embshard.comm import scoped_label
 from embshard.kernels.small_tables import SmallTableOptions, dense_gradients, group_views, pool, shards_layout
 from embshard.lookup import LocalShard
 from embshard.lookup.replicas import DataParallelLookup
+from embshard.ops import weights_forced
 from embshard.optim import FusedOptimizerConfig
 from embshard.options import LookupOptions
 
@@ -32,26 +35,29 @@ class _KernelReplicaBags(torch.autograd.Function):
     """Pooled sums over the replicas; backward forms the flat gradient and hands it to apply_gradient."""
 
     @staticmethod
-    def forward(ctx, lookup, indices, offsets, psw, weights):  # type: ignore[override]
-        ctx.lookup, ctx.inputs = lookup, (indices, offsets, psw)
+    def forward(ctx, lookup, indices, offsets, psw, all_weighted, weights):  # type: ignore[override]
+        ctx.lookup, ctx.inputs = lookup, (indices, offsets, psw, all_weighted)
         ctx.label = scoped_label("data_parallel gradient all-reduce (backward)")
         if offsets.numel() == 1:  # an empty local batch: no kernel, but backward still joins the all-reduce
             return weights.new_zeros(0, sum(lookup.dims))
-        return lookup.pooled(indices, offsets, psw)
+        return lookup.pooled(indices, offsets, psw, all_weighted)
 
     @staticmethod
     def backward(ctx, grad_BD):  # type: ignore[override]
         lookup = ctx.lookup
-        indices, offsets, psw = ctx.inputs
+        indices, offsets, psw, all_weighted = ctx.inputs
         ctx.inputs = None
         k = lookup.kernel
         grad = torch.zeros_like(lookup.tbe.weights, memory_format=torch.contiguous_format).detach()
         if offsets.numel() > 1:
             views = group_views(grad, lookup.kernel_layout)
             layout = lookup.kernel_layout
-            dense_gradients(layout, views, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles)
+            dense_gradients(
+                layout, views, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles,
+                all_weighted=all_weighted,
+            )  # fmt: skip
         lookup.apply_gradient(grad, indices, offsets, label=ctx.label)
-        return (None,) * 5
+        return (None,) * 6
 
 
 class KernelDataParallelLookup(DataParallelLookup):
@@ -72,22 +78,24 @@ class KernelDataParallelLookup(DataParallelLookup):
         self.kernel_layout, _ = shards_layout(self.shards, by_dtype=True)
         group_views(self.tbe.weights.detach(), self.kernel_layout)  # the flat weights hold exactly these blocks
 
-    def pooled(self, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
-        """Forward without autograd (fp32)."""
+    def pooled(
+        self, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, all_weighted: bool = False
+    ) -> torch.Tensor:
+        """Forward without autograd (fp32; `all_weighted`: `psw` weighs every feature's ids, as `pool`)."""
         views = group_views(self.tbe.weights.detach(), self.kernel_layout)
-        return pool(
-            self.kernel_layout, views, indices, offsets, psw, torch.float32, self.kernel.impl, self.kernel.tiles
-        )
+        k = self.kernel
+        return pool(self.kernel_layout, views, indices, offsets, psw, torch.float32, k.impl, k.tiles, all_weighted)
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Pooled sums `[B, sum(dims)]` (same contract as TBELookup); the update happens in backward."""
-        psw = weights.float() if weights is not None and self._weighted != "none" else None
+        forced = weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        psw = weights.float() if weights is not None and (self._weighted != "none" or forced) else None
         if torch.is_grad_enabled():
-            pooled = _KernelReplicaBags.apply(self, indices, offsets, psw, self.tbe.weights)
+            pooled = _KernelReplicaBags.apply(self, indices, offsets, psw, forced, self.tbe.weights)
         elif offsets.numel() == 1:  # an empty local batch
             pooled = self.tbe.weights.new_zeros(0, sum(self.dims))
         else:
-            pooled = self.pooled(indices, offsets, psw)
+            pooled = self.pooled(indices, offsets, psw, forced)
         return pooled.to(self._out_dtype)

@@ -7,7 +7,9 @@ feature-major: offsets of length F*B+1, feature `f`'s bags are offsets[f*B : (f+
 
 The same layout describes FBGEMM's dense TBE (data-parallel tables ordered by width: one flat weight tensor whose
 width blocks are these groups), so the data-parallel scheme can hand its flat weights to the kernels as views.
-Device copies of the per-feature tables are made once per device (`on`).
+Device copies of the per-feature tables are made once per device (`on`, `feature_tables`); with `all_weighted` they
+mark every feature weighted (a padded batch's lookups pool every id with its weight: `ops.every_id_weighted`), made
+once per device as well, so the kernels see the same flags either way, only their values differ.
 """
 
 from __future__ import annotations
@@ -82,8 +84,9 @@ class PoolLayout:
     out_cols: int
     _device: dict[str, list] = field(default_factory=dict, repr=False)
 
-    def on(self, device: torch.device) -> list[DeviceGroup]:
-        """Device copies of the groups' tables, made once per device."""
+    def on(self, device: torch.device, all_weighted: bool = False) -> list[DeviceGroup]:
+        """Device copies of the groups' tables, made once per device. `all_weighted`: every feature marked
+        weighted (`DeviceGroup.weighted` all ones, `any_weighted` True), whatever its table says."""
         key = str(device)
         if key not in self._device:
             self._device[key] = [
@@ -97,11 +100,21 @@ class PoolLayout:
                 )
                 for g in self.groups
             ]
-        return self._device[key]
+        if not all_weighted:
+            return self._device[key]
+        key_all = f"all_weighted:{device}"
+        if key_all not in self._device:
+            self._device[key_all] = [
+                DeviceGroup(dg.group, dg.features, dg.row0, dg.cols, torch.ones_like(dg.weighted), True)
+                for dg in self._device[key]
+            ]
+        return self._device[key_all]
 
-    def feature_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def feature_tables(
+        self, device: torch.device, all_weighted: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per lookup feature, on `device` (made once): first row of its table counted over all groups in order
-        (int64), first output column (int64), weighted (int32)."""
+        (int64), first output column (int64), weighted (int32; all ones with `all_weighted`)."""
         key = f"features:{device}"
         if key not in self._device:
             key0, cols, weighted = [0] * self.num_features, [0] * self.num_features, [0] * self.num_features
@@ -115,7 +128,13 @@ class PoolLayout:
                 torch.tensor(cols, dtype=torch.int64, device=device),
                 torch.tensor(weighted, dtype=torch.int32, device=device),
             ]
-        return tuple(self._device[key])  # type: ignore[return-value]
+        key0_F, cols_F, weighted_F = self._device[key]
+        if not all_weighted:
+            return key0_F, cols_F, weighted_F
+        key_all = f"features_all_weighted:{device}"
+        if key_all not in self._device:
+            self._device[key_all] = [torch.ones_like(weighted_F)]
+        return key0_F, cols_F, self._device[key_all][0]
 
 
 def build_layout(

@@ -24,6 +24,12 @@ deterministic; `impl="triton"` with CPU tensors runs the Triton kernels under TR
 
 For the data-parallel scheme, `pool` and `dense_gradients` are the forward and the backward without an optimizer:
 the gradient of every row of a flat `[rows, D]` block (FBGEMM's dense TBE layout), which the caller all-reduces.
+
+Per-sample weights multiply the ids of weighted tables only (the layout's per-feature `weighted` flags), except
+while `ops.every_id_weighted` is active (a padded batch: filler ids of weight 0, embshard/step_graph.py): then the
+lookup pools every feature with the batch's weights (`all_weighted=True`: the kernels get all-ones flags, made
+once per layout and device, and the torch path weighs every feature), and its backward, which may run after the
+context has closed, weighs every id the same way. A filler then adds nothing to its bag and no gradient to its row.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch import nn
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
 from embshard.lookup.base import CountedSteps, NoCache
+from embshard.ops import weights_forced
 from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
 from embshard.options import LookupOptions
 from embshard.plan import MemoryTier
@@ -96,18 +103,21 @@ def pool(
     out_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
     tiles: Tiles | None = None,
+    all_weighted: bool = False,
 ) -> torch.Tensor:
     """Pooled sums `[B, layout.out_cols]` of feature-major bags (offsets of length F*B+1) over the groups' blocks
-    `weights[g]` `[rows, D]` (fp32, row-major). No autograd."""
+    `weights[g]` `[rows, D]` (fp32, row-major). No autograd. `psw` weighs the ids of weighted tables, or with
+    `all_weighted` every id (`ops.every_id_weighted`)."""
     B = (offsets.numel() - 1) // max(layout.num_features, 1)
     if not use_triton(impl, indices.device):
-        return _pool_torch(layout, weights, indices, offsets, psw, B).to(out_dtype)
+        return _pool_torch(layout, weights, indices, offsets, psw, B, all_weighted).to(out_dtype)
     if not (B and indices.numel()):
         return torch.zeros(B, layout.out_cols, dtype=out_dtype, device=indices.device)
     indices, offsets = indices.contiguous(), offsets.contiguous()
     psw = psw.contiguous() if psw is not None else None
     out = torch.empty(B, layout.out_cols, dtype=out_dtype, device=indices.device)  # every column is written
-    _kernels().forward(list(weights), layout.on(indices.device), indices, offsets, psw, out, tiles or Tiles())
+    dgroups = layout.on(indices.device, all_weighted)
+    _kernels().forward(list(weights), dgroups, indices, offsets, psw, out, tiles or Tiles())
     return out
 
 
@@ -122,23 +132,25 @@ def dense_gradients(
     impl: str = "auto",
     tiles: Tiles | None = None,
     touched: Sequence[torch.Tensor] | None = None,
+    all_weighted: bool = False,
 ) -> None:
     """The gradient of the pooled sums with respect to every row of the groups' blocks, given the output's
     gradient `grad_out` `[B, layout.out_cols]`, into `grads[g]` `[rows, D]` fp32, which the caller zeroes first:
     atomic mode adds every id's contribution, deterministic mode writes each row that has ids once (summed in a
-    fixed order). `touched[g]` (int8 `[rows]`, optional): rows read by an id are set to 1."""
+    fixed order). `touched[g]` (int8 `[rows]`, optional): rows read by an id are set to 1. `psw` and
+    `all_weighted` as in `pool` (the forward's)."""
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     if not use_triton(impl, indices.device):
-        _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched)
+        _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched, all_weighted)
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
     psw = psw.contiguous() if psw is not None else None
     k = _grad_kernels()
-    dgroups = layout.on(indices.device)
+    dgroups = layout.on(indices.device, all_weighted)
     tiles = tiles or Tiles()
     if deterministic:
-        key0_F, cols_F, weighted_F = layout.feature_tables(indices.device)
+        key0_F, cols_F, weighted_F = layout.feature_tables(indices.device, all_weighted)
         k.backward_sorted(
             list(grads), list(touched) if touched else None, dgroups, key0_F, cols_F, weighted_F,
             indices, offsets, psw, grad_out, tiles,
@@ -149,20 +161,21 @@ def dense_gradients(
         )
 
 
-def _bags(layout: PoolLayout, offsets: torch.Tensor, B: int):
-    """Per feature of each group: (group index, feature, row0, col, weighted, id range start, end, bag offsets)."""
+def _bags(layout: PoolLayout, offsets: torch.Tensor, B: int, all_weighted: bool = False):
+    """Per feature of each group: (group index, group, row0, col, weighted (True for every feature with
+    `all_weighted`), id range start, end, bag offsets)."""
     for gi, g in enumerate(layout.groups):
         for f, r0, c, w in zip(g.features, g.row0, g.cols, g.weighted):
             off = offsets[f * B : (f + 1) * B + 1].long()
             lo, hi = int(off[0]), int(off[-1])
-            yield gi, g, r0, c, w, lo, hi, off - lo
+            yield gi, g, r0, c, w or all_weighted, lo, hi, off - lo
 
 
-def _pool_torch(layout, weights, indices, offsets, psw, B) -> torch.Tensor:
+def _pool_torch(layout, weights, indices, offsets, psw, B, all_weighted=False) -> torch.Tensor:
     out = torch.zeros(B, layout.out_cols, dtype=torch.float32, device=indices.device)
     if B == 0:
         return out
-    for gi, g, r0, c, w, lo, hi, off in _bags(layout, offsets, B):
+    for gi, g, r0, c, w, lo, hi, off in _bags(layout, offsets, B, all_weighted):
         p = psw[lo:hi].float() if (w and psw is not None) else None
         ids = indices[lo:hi].long() + r0
         out[:, c : c + g.dim] = F.embedding_bag(
@@ -171,11 +184,11 @@ def _pool_torch(layout, weights, indices, offsets, psw, B) -> torch.Tensor:
     return out
 
 
-def _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched) -> None:
+def _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched, all_weighted=False) -> None:
     B = grad_out.shape[0]
     if B == 0:
         return
-    for gi, g, r0, c, w, lo, hi, off in _bags(layout, offsets, B):
+    for gi, g, r0, c, w, lo, hi, off in _bags(layout, offsets, B, all_weighted):
         ids = indices[lo:hi].long() + r0
         bag = torch.repeat_interleave(torch.arange(B, device=ids.device), off.diff(), output_size=hi - lo)
         rows = grad_out[bag, c : c + g.dim].float()
@@ -216,18 +229,19 @@ def group_views(flat: torch.Tensor, layout: PoolLayout) -> list[torch.Tensor]:
 
 # ---- the lookup module ----------------------------------------------------------------------------------------
 class _Pool(torch.autograd.Function):
-    """Pooled sums; backward applies the fused optimizer (the weights get no .grad)."""
+    """Pooled sums; backward applies the fused optimizer (the weights get no .grad), weighing the ids as the
+    forward did (`all_weighted`)."""
 
     @staticmethod
-    def forward(ctx, lookup, indices, offsets, psw, *weights):  # type: ignore[override]
-        ctx.lookup, ctx.inputs, ctx.n = lookup, (indices, offsets, psw), len(weights)
-        return lookup.pooled(indices, offsets, psw)
+    def forward(ctx, lookup, indices, offsets, psw, all_weighted, *weights):  # type: ignore[override]
+        ctx.lookup, ctx.inputs, ctx.n = lookup, (indices, offsets, psw, all_weighted), len(weights)
+        return lookup.pooled(indices, offsets, psw, all_weighted)
 
     @staticmethod
     def backward(ctx, grad_BD):  # type: ignore[override]
         ctx.lookup.apply_gradient(grad_BD, *ctx.inputs)
         ctx.inputs = None
-        return (None,) * (4 + ctx.n)
+        return (None,) * (5 + ctx.n)
 
 
 class SmallTableLookup(NoCache, CountedSteps, nn.Module):
@@ -314,20 +328,31 @@ class SmallTableLookup(NoCache, CountedSteps, nn.Module):
                 f"SmallTableLookup over features {self.features}: offsets has {offsets.numel()} entries, not "
                 f"F*B+1 with F={len(self.features)}; pass one bag per feature and sample, feature-major"
             )
-        psw = weights if weights is not None and any(s.table.weighted for s in self.shards) else None
+        forced = weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        weighted = any(s.table.weighted for s in self.shards)
+        psw = weights if weights is not None and (weighted or forced) else None
         if torch.is_grad_enabled():
-            return _Pool.apply(self, indices, offsets, psw, *self.weights)
-        return self.pooled(indices, offsets, psw)
+            return _Pool.apply(self, indices, offsets, psw, forced, *self.weights)
+        return self.pooled(indices, offsets, psw, forced)
 
-    def pooled(self, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
-        """Forward without autograd."""
+    def pooled(
+        self, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, all_weighted: bool = False
+    ) -> torch.Tensor:
+        """Forward without autograd (`all_weighted`: `psw` weighs every feature's ids, as `pool`)."""
         w = [p.detach() for p in self.weights]
-        return pool(self.layout, w, indices, offsets, psw, self._out_dtype, self.kernel.impl, self.kernel.tiles)
+        k = self.kernel
+        return pool(self.layout, w, indices, offsets, psw, self._out_dtype, k.impl, k.tiles, all_weighted)
 
     def apply_gradient(
-        self, grad_BD: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None
+        self,
+        grad_BD: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        psw: torch.Tensor | None,
+        all_weighted: bool = False,
     ) -> None:
-        """Backward: the rows' gradients, then the update rule on the touched rows."""
+        """Backward: the rows' gradients, then the update rule on the touched rows (`psw` and `all_weighted`: the
+        forward's)."""
         self._step += 1
         o, k = self.opt, self.kernel
         weights = [p.detach() for p in self.weights]
@@ -339,18 +364,22 @@ class SmallTableLookup(NoCache, CountedSteps, nn.Module):
                 psw = psw.contiguous() if psw is not None else None
                 if grad_BD.shape[0] and indices.numel():
                     _grad_kernels().backward_atomic(
-                        weights, None, self.layout.on(indices.device), indices, offsets, psw, grad_BD, k.tiles, -o.lr
-                    )
+                        weights, None, self.layout.on(indices.device, all_weighted), indices, offsets, psw, grad_BD,
+                        k.tiles, -o.lr,
+                    )  # fmt: skip
                 return
             grads = [torch.zeros_like(w) for w in weights]
-            dense_gradients(self.layout, grads, grad_BD, indices, offsets, psw, True, k.impl, k.tiles)
+            dense_gradients(
+                self.layout, grads, grad_BD, indices, offsets, psw, True, k.impl, k.tiles, all_weighted=all_weighted
+            )
             for w, g in zip(weights, grads):
                 w.sub_(g * o.lr)
             return
         touched = self._touched
         dense_gradients(
-            self.layout, self._grads, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles, touched
-        )
+            self.layout, self._grads, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles, touched,
+            all_weighted,
+        )  # fmt: skip
         for i, (w, g) in enumerate(zip(weights, self._grads)):
             t = touched[i] if touched is not None else None
             if triton_path:

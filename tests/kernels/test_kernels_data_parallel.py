@@ -1,15 +1,25 @@
 """KernelDataParallelLookup (data-parallel tables on the small-table kernels' forward and dense gradient) against
 the plain-PyTorch reference and FBGEMM's DataParallelLookup: one rank for every update rule, two ranks (gloo or
-NCCL) for the all-reduced gradient and bitwise identical replicas."""
+NCCL) for the all-reduced gradient and bitwise identical replicas; a padded batch under `ops.every_id_weighted`
+(filler ids of weight 0) trains as the unpadded one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from dist_harness import device_kind, run_distributed
-from kernel_cases import OPTIMIZERS, TABLES, check_against_reference, full_shards, random_step, train_against_reference
+from kernel_cases import (
+    OPTIMIZERS,
+    TABLES,
+    check_against_reference,
+    check_padded_like_unpadded,
+    full_shards,
+    random_step,
+    train_against_reference,
+)
 
 from embshard.kernels.data_parallel import KernelDataParallelLookup
+from embshard.kernels.small_tables import SmallTableOptions
 from embshard.lookup.replicas import DataParallelLookup
 from embshard.tables import TableConfig
 
@@ -24,6 +34,14 @@ def test_trains_like_the_reference(opt):
     make = lambda: KernelDataParallelLookup(full_shards(DP_TABLES, DEVICE), cfg, DEVICE, None, seed=7)
     lookup, ref, outs = train_against_reference(make, DP_TABLES, cfg, DEVICE, steps=3, B=6)
     check_against_reference(lookup, ref, outs, cfg, DP_TABLES, with_state=False)
+
+
+@pytest.mark.parametrize("opt,deterministic", [("sgd", False), ("adagrad", True), ("rowwise_adagrad", False)])
+def test_padded_batch_under_every_id_weighted_trains_like_the_unpadded_one(opt, deterministic):
+    # the whole-step graph's padded batches (embshard/step_graph.py): filler ids of weight 0, unweighted tables too
+    cfg, kernel = OPTIMIZERS[opt], SmallTableOptions(deterministic=deterministic)
+    make = lambda: KernelDataParallelLookup(full_shards(DP_TABLES, DEVICE), cfg, DEVICE, None, seed=7, kernel=kernel)
+    check_padded_like_unpadded(make, DP_TABLES, DEVICE, exact=DEVICE.type == "cpu")  # the torch path: exact
 
 
 def test_same_as_fbgemm_data_parallel_with_fp16_tables():

@@ -14,6 +14,7 @@ from kernel_cases import (
     OPTIMIZERS,
     TABLES,
     check_against_reference,
+    check_padded_like_unpadded,
     full_shards,
     random_step,
     train_against_reference,
@@ -90,6 +91,20 @@ def test_direct_sgd_trains_like_the_reference():
     )
     lookup, ref, outs = train_against_reference(make, TABLES, cfg, DEVICE, steps=3, B=6)
     check_against_reference(lookup, ref, outs, cfg, TABLES)
+
+
+@pytest.mark.parametrize(
+    "opt,kernel",
+    [("sgd", SmallTableOptions()), ("adagrad", SmallTableOptions(deterministic=True)),
+     ("rowwise_adagrad", SmallTableOptions()), ("rowwise_adagrad", SmallTableOptions(deterministic=True)),
+     ("sgd", SmallTableOptions(direct_sgd=True))],
+    ids=["sgd", "adagrad-sorted", "rowwise_adagrad", "rowwise_adagrad-sorted", "direct_sgd"],
+)  # fmt: skip
+def test_padded_batch_under_every_id_weighted_trains_like_the_unpadded_one(opt, kernel):
+    # the whole-step graph's padded batches (embshard/step_graph.py): filler ids of weight 0, unweighted tables too
+    cfg = OPTIMIZERS[opt]
+    make = lambda: SmallTableLookup(full_shards(TABLES, DEVICE), cfg, DEVICE, seed=7, kernel=kernel)
+    check_padded_like_unpadded(make, TABLES, DEVICE, exact=DEVICE.type == "cpu")  # the torch path: exact
 
 
 @pytest.mark.parametrize("weighted", [True, False])
