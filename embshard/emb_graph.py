@@ -38,7 +38,7 @@ import torch
 from embshard import comm, padding
 from embshard.ops import every_id_weighted
 from embshard.options import BoundsCheck
-from embshard.plan import GRAPH_SHARDING_TYPES, LookupKernel, MemoryTier
+from embshard.plan import GRAPH_SHARDING_TYPES, MemoryTier
 from embshard.sharding.exchange import BatchCounts
 
 __all__ = ["EmbeddingStepGraph", "collection_refusal", "leaves_of", "refusal"]
@@ -63,19 +63,9 @@ def collection_refusal(ebc) -> str | None:
     return None
 
 
-def small_kernel_refusal(ebc) -> str | None:
-    """Why padded batches cannot run on `ebc`'s small-table kernels, or None."""
-    small = [
-        s.table.name for sc in ebc.schemes for lk in sc.lookups for s in lk.shards if s.kernel is LookupKernel.SMALL
-    ]
-    if small:
-        return f"tables {small[:3]} on the small-table kernels take per-id weights only where the table has them"
-    return None
-
-
 def refusal(ebc) -> str | None:
     """Why `EmbeddingStepGraph` cannot run the step of `ebc`, or None if it can."""
-    return collection_refusal(ebc) or padding.refusal(ebc) or small_kernel_refusal(ebc)
+    return collection_refusal(ebc) or padding.refusal(ebc)
 
 
 def leaves_of(*ts: torch.Tensor) -> list[torch.Tensor]:

@@ -27,8 +27,8 @@ first 1,024 rows of the feature's table, so that no bag is long and no row hot),
 batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup pools with the weights
 (`ops.every_id_weighted`). A filler adds nothing to its bag and gets a zero gradient, which leaves its row as it is
 under sgd, adagrad and row-wise adagrad without weight decay. A batch over the capacity grows it (eager step, then
-a new capture). Where padding does not apply (`padding_refusal`: mean pooling, adam or weight decay, the
-small-table kernels), counts that keep changing are noticed after `max_changes` eligible steps and the graph is
+a new capture). Where padding does not apply (`padding_refusal`: mean pooling, adam or weight
+decay), counts that keep changing are noticed after `max_changes` eligible steps and the graph is
 given up (`given_up` says why): the pipeline then runs the id exchange ahead again.
 
 What it takes (`refusal` says what is missing): table-wise and data-parallel tables only (their exchanges are
@@ -48,7 +48,7 @@ import torch
 
 from embshard import comm, padding
 from embshard.dense_graph import DenseGraphStep
-from embshard.emb_graph import collection_refusal, leaves_of, small_kernel_refusal
+from embshard.emb_graph import collection_refusal, leaves_of
 from embshard.models.registry import StepOutput
 from embshard.ops import every_id_weighted
 from embshard.padding import capacity
@@ -69,7 +69,7 @@ def refusal(model) -> str | None:
 def padding_refusal(model) -> str | None:
     """Why `model`'s whole step cannot be captured for ragged bags by padding them (`StepGraph`, padded mode;
     embshard/padding.py), or None if it can."""
-    return padding.refusal(model.ebc) or small_kernel_refusal(model.ebc)
+    return padding.refusal(model.ebc)
 
 
 class StepGraph:

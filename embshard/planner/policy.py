@@ -108,8 +108,8 @@ def settings_for_graph(settings: PlannerSettings, whole_step_graph: bool) -> Pla
 
 
 def graph_settings(settings: PlannerSettings) -> PlannerSettings | str:
-    """`settings` narrowed to the options a whole-step CUDA graph can hold (`GRAPH_SHARDING_TYPES`, no UVM caching,
-    FBGEMM's kernels), within what `settings` already allows; a string saying why when it allows none of them."""
+    """`settings` narrowed to the options a whole-step CUDA graph can hold (`GRAPH_SHARDING_TYPES`, no UVM caching),
+    within what `settings` already allows; a string saying why when it allows none of them."""
     types = tuple(t for t in (settings.sharding_types or tuple(ShardingType)) if t in GRAPH_SHARDING_TYPES)
     tiers = tuple(t for t in (settings.tiers or tuple(MemoryTier)) if t is not MemoryTier.UVM_CACHING)
     if not types or not tiers:  # an empty tuple would mean "every option"
@@ -117,7 +117,7 @@ def graph_settings(settings: PlannerSettings) -> PlannerSettings | str:
             f"planner.settings allow sharding types {[t.value for t in settings.sharding_types]} and tiers "
             f"{[t.value for t in settings.tiers]}, none of which the graph holds"
         )
-    return replace(settings, sharding_types=types, tiers=tiers, small_table_kernel=False)
+    return replace(settings, sharding_types=types, tiers=tiers)
 
 
 def search_plan(
@@ -141,7 +141,7 @@ def search_plan(
                 why = str(e).strip().splitlines()[0]
         (say or (lambda _text: None))(
             "planner: no plan that the whole-step CUDA graph can hold fits (table_wise and data_parallel tables, "
-            f"no uvm_caching, FBGEMM's kernels): {why}; planning with every option, so the step runs without "
+            f"no uvm_caching): {why}; planning with every option, so the step runs without "
             "the whole-step graph"
         )
     return plan_with_report(tables, topo, batch_size, optimizer, constraints, settings)

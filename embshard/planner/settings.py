@@ -55,7 +55,7 @@ class PlannerSettings:
     job runs (host unless training.pipeline is none, lookup.bounds_check drop or a retrieval catalog), else host."""
     whole_step_graph: bool | None = None
     """Look first for a plan whose whole training step can be one CUDA graph (table-wise and data-parallel tables,
-    no UVM caching, FBGEMM's kernels); if none fits, plan without those limits (the log says why); unset: as the
+    no UVM caching); if none fits, plan without those limits (the log says why); unset: as the
     training job runs (training.cuda_graph with graph_scope step on CUDA GPUs), else false."""
 
     def __post_init__(self) -> None:

@@ -449,7 +449,7 @@ def test_the_plan_prices_the_batch_counts_the_job_uses(tmp_path):
 
 def test_whole_step_graph_plan_first_then_every_option():
     """A job that captures its whole step asks the planner first for a plan the graph can hold (table-wise and
-    data-parallel, no UVM caching, FBGEMM's kernels); where none fits it plans with every option and says why."""
+    data-parallel, no UVM caching); where none fits it plans with every option and says why."""
     from embshard.planner import Topology
     from embshard.planner.policy import search_plan
     from embshard.planner.tools.inputs import training_planner_input
