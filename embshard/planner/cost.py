@@ -96,7 +96,7 @@ data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp
 table.
 
 Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
-shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-92 B), and
+shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-100 B), and
 n*RAW_ID_STEP_BYTES of step memory. Its step, in the forward phase, remaps the shard's n ids (`raw_terms`):
 n*RAW_ID_BYTES / bw (the time per id as bytes at the copy bandwidth, so it scales with the GPU as the per-id
 constants do) plus writing one row and its state per id (the reset list: rows given to new ids, padded; over the

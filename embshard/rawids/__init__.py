@@ -101,7 +101,7 @@ replays, and copies the rows out.
 Cost per step and group (Triton): a sort of the n ids, one read of a 16-slot bucket per unique id (the second
 bucket for misses), writing every id's row, and one O(rows) pass pair for the LRU order (LFU: a sort of the rows,
 torch ops); per new id its victim, two bucket reads, its row and state. Memory per row: `map_bytes_per_row` (about
-70 bytes, 94 with admission counting); the planner counts it.
+78 bytes under LRU with its two order buffers, 61 under LFU, 102 with admission counting); the planner counts it.
 
 Checkpoints (checkpoint/raw_ids.py): per table the logical tensors `ids`, `id_last`, `id_count` `[rows]` ride
 with `weight` and the optimizer state; a load under the same row blocks reads them straight into place and

@@ -62,7 +62,7 @@ def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_
     idx = _index_dtype(rows, slots).itemsize
     total = slots * (8 + idx) + rows * (24 + idx) + usable * 8 + slots // P * 8  # the last: the buckets' list heads
     if Eviction(eviction) is Eviction.LRU:
-        total += usable * 8 + rows  # the order, the Triton step's marks of used rows
+        total += 2 * usable * 8 + rows  # the order and the one a step writes (rawids/graph.py keeps both), used marks
     if admit_min_count > 1:
         total += (SKETCH_DEPTH + 1) * max(usable, 16) * 8  # the counters and each column's shard
     return total / rows

@@ -136,6 +136,6 @@ def test_sharding_types_of_raw_tables():
 
 
 def test_map_bytes_per_row():
-    assert 60 < map_bytes_per_row(1_000_000) < 80
+    assert 60 < map_bytes_per_row(1_000_000) < 85
     assert map_bytes_per_row(1_000_000, "lfu") < map_bytes_per_row(1_000_000, "lru")
     assert map_bytes_per_row(1_000_000, "lru", 3) > map_bytes_per_row(1_000_000, "lru", 1) + 15
