@@ -481,6 +481,10 @@ def main() -> None:
                 fields.append(
                     f"ids={kind} id_space={args.id_space:g} eviction={args.eviction} rounds={len(times[kind])}"
                 )
+            if args.ids != "static":  # EMBSHARD_RAWID_GRAPH: whether the raw-id map's step replays a graph
+                from embshard.rawids.graph import graph_choice
+
+                fields.append(f"map_graph={int(graph_choice())}")
             if kind == "raw":
                 tot = {k: sum(v[k] for v in raw_stats.values()) for k in ("admitted", "evicted", "resident")}
                 fields.append(" ".join(f"{k}={v}" for k, v in tot.items()))

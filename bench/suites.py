@@ -451,6 +451,9 @@ def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
         argv = torchrun(n) + ["bench/embshard_dmp.py", "--workload", workload, "--ids", "both", "--id-space", space]
         out.append(Step(f"{workload} static vs raw, id space {space} x rows", argv + timed, timeout=400,
                         needs_gpus=n))  # fmt: skip
+    argv = torchrun(n) + ["bench/embshard_dmp.py", "--workload", workload, "--ids", "both", "--id-space", "1"]
+    out.append(Step(f"{workload} static vs raw, the map's step eager (EMBSHARD_RAWID_GRAPH=0)", argv + timed,
+                    {"EMBSHARD_RAWID_GRAPH": "0"}, timeout=400, needs_gpus=n))  # fmt: skip
     for space in ("1", "10"):
         argv = torchrun(n) + ["bench/torchrec_mc.py", "--workload", workload, "--id-space", space]
         out.append(Step(f"{workload} TorchRec static vs managed collisions, id space {space} x rows", argv + timed,
@@ -463,6 +466,8 @@ def rawids_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows = [("tests/rawids", last_match(log, PYTEST_LINE) or "no pytest summary line")]
     runs = [r for r in results(log) if r.get("bench") == "rawids"]
     theirs = [r for r in results(log) if r.get("bench") == "torchrec_mc"]
+    eager = [r for r in runs if r.get("map_graph") == "0"]
+    runs = [r for r in runs if r.get("map_graph") != "0"]
     for space in dict.fromkeys(r.get("id_space") for r in runs + theirs):
         ms = {r["ids"]: float(r["ms_per_step"]) for r in runs if r.get("id_space") == space}
         tr = {r["ids"]: float(r["ms_per_step"]) for r in theirs if r.get("id_space") == space}
@@ -477,6 +482,11 @@ def rawids_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
                          f"({tr['mc'] / tr['static']:.2f}x)")  # fmt: skip
         if parts:
             rows.append((f"{first['workload']} world {first['world']}, id space {space} x rows", "; ".join(parts)))
+    ms = {r["ids"]: float(r["ms_per_step"]) for r in eager}
+    if {"static", "raw"} <= ms.keys():
+        rows.append(("the map's step eager (EMBSHARD_RAWID_GRAPH=0), id space 1 x rows",
+                     f"embshard static {ms['static']:.2f} ms, raw {ms['raw']:.2f} ms "
+                     f"({ms['raw'] / ms['static']:.2f}x)"))  # fmt: skip
     return rows
 
 
