@@ -162,11 +162,19 @@ class EmbeddingStepGraph:
         with torch.cuda.stream(self._stream):
             loss = self._body()
         current.wait_stream(self._stream)
+        loss.record_stream(current)  # made on the capture stream, read on the caller's
         graph = torch.cuda.CUDAGraph()
         step = self.ebc.step
-        with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-            self._loss = self._body()
-        self.ebc.step = step  # the capture ran no step
+        try:
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._loss = self._body()
+        except Exception as e:
+            raise RuntimeError(
+                f"EmbeddingStepGraph: capturing the step failed ({type(e).__name__}: {e}); this step's updates are "
+                "done (its eager run): train on with the eager step, `ebc(kjt)` and its backward"
+            ) from e
+        finally:
+            self.ebc.step = step  # the capture ran no step
         self.graph, self.captures = graph, self.captures + 1
         return loss
 
