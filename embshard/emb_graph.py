@@ -164,11 +164,12 @@ class EmbeddingStepGraph:
         current.wait_stream(self._stream)
         loss.record_stream(current)  # made on the capture stream, read on the caller's
         graph = torch.cuda.CUDAGraph()
-        step = self.ebc.step
+        step, pending = self.ebc.step, len(self.ebc._pending)
         try:
             with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 self._loss = self._body()
         except Exception as e:
+            del self.ebc._pending[pending:]  # a prefetch the failed capture left unconsumed
             raise RuntimeError(
                 f"EmbeddingStepGraph: capturing the step failed ({type(e).__name__}: {e}); this step's updates are "
                 "done (its eager run): train on with the eager step, `ebc(kjt)` and its backward"
