@@ -127,9 +127,11 @@ def _plan_with_report(
             state, p.chosen, p.notes, notes = first
         else:
             state = second
-            for i in cached:
-                p.note(p.items[i], "second start: the tables over the budget moved to host memory whole (uvm), not "
-                       "cached, which let more of them stay in GPU memory: a faster predicted step")  # fmt: skip
+            for i, (was, now) in enumerate(zip(first[1], p.chosen)):
+                if was != now:
+                    p.note(p.items[i], f"second start: as {p.items[i].options[now].label} (the tables over the budget "
+                           "moved to host memory whole, not cached, so fewer of them left GPU memory: a faster "
+                           "predicted step)")  # fmt: skip
     split = _split_start(p)
     if split is not None:  # the tables too large to balance, started on a host's ranks: keep the faster plan
         first = (state, p.chosen, p.notes)
