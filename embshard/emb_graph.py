@@ -41,7 +41,7 @@ from embshard.options import BoundsCheck
 from embshard.plan import GRAPH_SHARDING_TYPES, MemoryTier
 from embshard.sharding.exchange import BatchCounts
 
-__all__ = ["EmbeddingStepGraph", "collection_refusal", "leaves_of", "refusal"]
+__all__ = ["EmbeddingStepGraph", "collection_refusal", "leaves_of", "refusal", "static_kjt"]
 
 
 def collection_refusal(ebc) -> str | None:
@@ -82,6 +82,21 @@ def leaves_of(*ts: torch.Tensor) -> list[torch.Tensor]:
         else:
             stack.extend(f for f, _ in fn.next_functions)
     return leaves
+
+
+def static_kjt(kjt):
+    """A copy of `kjt` in tensors of its own: the device buffers a captured graph reads its batch from (each step's
+    batch is copied in)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values().clone(),
+        lengths=kjt.lengths().clone(),
+        weights=weights.clone() if weights is not None else None,
+        stride=kjt.stride(),
+    )
 
 
 class EmbeddingStepGraph:
@@ -180,13 +195,8 @@ class EmbeddingStepGraph:
         return loss
 
     def _make_static(self, padded) -> None:
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        tensors = [padded.values().clone(), padded.lengths().clone(), padded.weights().clone()]
-        static = KeyedJaggedTensor(
-            keys=padded.keys(), values=tensors[0], lengths=tensors[1], weights=tensors[2], stride=padded.stride()
-        )
-        self._static, self.graph = (static, tensors), None
+        static = static_kjt(padded)
+        self._static, self.graph = (static, [static.values(), static.lengths(), static.weights()]), None
 
     def close(self) -> None:
         """Release the captured graph after the device finished its work; call it before

@@ -48,7 +48,7 @@ import torch
 
 from embshard import comm, padding
 from embshard.dense_graph import DenseGraphStep
-from embshard.emb_graph import collection_refusal, leaves_of
+from embshard.emb_graph import collection_refusal, leaves_of, static_kjt
 from embshard.models.registry import StepOutput
 from embshard.ops import every_id_weighted
 from embshard.padding import capacity
@@ -271,22 +271,10 @@ class StepGraph:
 
     def _make_static(self, batch) -> None:
         """Device buffers the graph reads its batch from, and a batch made of them."""
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         from embshard.data.common import Batch
 
-        kjt = batch.sparse
-        weights = kjt.weights_or_none()
         self._dense_BN, self._labels_B = batch.dense.clone(), batch.labels.clone()
-        values, lengths = kjt.values().clone(), kjt.lengths().clone()
-        static = KeyedJaggedTensor(
-            keys=kjt.keys(),
-            values=values,
-            lengths=lengths,
-            weights=weights.clone() if weights is not None else None,
-            stride=kjt.stride(),
-        )
-        self._batch = Batch(self._dense_BN, static, self._labels_B)
+        self._batch = Batch(self._dense_BN, static_kjt(batch.sparse), self._labels_B)
         self._inputs = _inputs_of(self._batch)
         self.graph = None
 

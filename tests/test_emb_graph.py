@@ -145,3 +145,4 @@ def test_capacity_is_ten_percent_over_in_multiples_of_64():
 
     got = capacity(np.array([0, 1, 64, 100, 1000]))
     assert got.tolist() == [0, 64, 128, 128, 1152]
+    assert int(capacity(3200)) == 3520  # exact: through floats, 3200 x 1.1 rounds above 3520

@@ -7,7 +7,7 @@ holding all of it, and the host pays the replay and three copies: the ids into a
 values into another (one pinned copy), the rows out.
 
 Fixed shapes: the graph is captured for a capacity of N ids (10% over the step's ids, a multiple of 64: the
-whole-step graph's rule, embshard/step_graph.py), the step's n <= N ids at positions 0..n-1 of the static ids and
+padded batches' rule, embshard/padding.py), the step's n <= N ids at positions 0..n-1 of the static ids and
 pads past them (`step.pad_ids`: key INT64_MAX, shard T; never looked up, admitted or counted, rows 0, no reset).
 Every count the kernels follow is read on the device: n = bounds[T], the unique and the admitted ids from their
 cumsums, the LRU window's end wb[T] under the fixed bound min(N, usable rows). The static host values: the shards'
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from embshard.geometry import offsets
+from embshard.padding import capacity
 from embshard.rawids.index import triton_for
 from embshard.rawids.reset import Resets
 
@@ -76,8 +77,8 @@ def graph_refusal(m: IdMap, ids: torch.Tensor) -> str | None:
 
 
 def step_capacity(n: int) -> int:
-    """The ids a graph is captured for when a step has n: 10% above, rounded up to a multiple of 64."""
-    return -(-(n * 11) // 640) * 64
+    """The ids a graph is captured for when a step has n: the padded batches' rule (`padding.capacity`)."""
+    return int(capacity(n))
 
 
 def padded_step(
