@@ -394,8 +394,7 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
                 )
             )
             if getattr(args, "emb_graph", False):  # the same plan, each step one replay (host counts)
-                graphed = [a for a in mine if a != "both"]
-                graphed[graphed.index("--counts") + 1 : graphed.index("--counts") + 1] = ["host"]
+                graphed = ["host" if a == "both" else a for a in mine]
                 out.append(
                     Step(
                         f"embshard {w} graph (pair {i + 1})",

@@ -43,6 +43,11 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def lane_key(e: dict) -> tuple:
+    """(process, stream) of a trace event: its lane in the timeline."""
+    return e.get("pid"), e.get("args", {}).get("stream", e.get("tid"))
+
+
 def load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -81,12 +86,12 @@ def main() -> None:
         lo, hi = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
     kernels = [e for e in kernels if e["ts"] + e["dur"] >= lo and e["ts"] <= hi]
     # one lane per (device, stream)
-    lanes = sorted({(e.get("pid"), e.get("args", {}).get("stream", e.get("tid"))) for e in kernels}, key=str)
+    lanes = sorted({lane_key(e) for e in kernels}, key=str)
     lane_of = {k: i for i, k in enumerate(lanes)}
     fig, ax = plt.subplots(figsize=(16, 1.0 + 0.6 * (len(lanes) + 1)))
     busy = collections.Counter()
     for e in kernels:
-        lane = lane_of[(e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))]
+        lane = lane_of[lane_key(e)]
         start, dur = (e["ts"] - lo) / 1e3, e["dur"] / 1e3
         ax.broken_barh([(start, dur)], (lane + 0.1, 0.8), color=KINDS[kind_of(e["name"])], linewidth=0)
         busy[lane] += dur
@@ -109,19 +114,17 @@ def main() -> None:
     for (p, s), i in lane_of.items():
         print(f"GPU {p} stream {s}: kernels {busy[i]:.2f} ms of {window:.2f} ms ({busy[i] / window:.0%})")
     print(f"timeline: {args.out}")
-    stream_of = {i: k for k, i in lane_of.items()}
     if args.listing:
         with open(args.listing, "w") as f:
             for e in sorted(kernels, key=lambda e: e["ts"]):
-                lane = stream_of[lane_of[(e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))]]
-                f.write(f"{(e['ts'] - lo) / 1e3:9.3f} {e['dur'] / 1e3:7.3f} s{lane[1]} {e['name'][:110]}\n")
+                f.write(f"{(e['ts'] - lo) / 1e3:9.3f} {e['dur'] / 1e3:7.3f} s{lane_key(e)[1]} {e['name'][:110]}\n")
     if args.gaps:
         print_gaps(kernels, lane_of, max(busy, key=busy.get), lo, args.gaps)
 
 
 def print_gaps(kernels: list[dict], lane_of: dict, lane: int, lo: float, min_us: float) -> None:
     """The idle stretches of `lane` of at least `min_us`, with their neighbours and the other lanes' kernels."""
-    key = {id(e): lane_of[(e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))] for e in kernels}
+    key = {id(e): lane_of[lane_key(e)] for e in kernels}
     mine = sorted((e for e in kernels if key[id(e)] == lane), key=lambda e: e["ts"])
     total = 0.0
     for before, after in zip(mine, mine[1:]):
