@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from embshard.geometry import offsets
-from embshard.padding import capacity
 from embshard.rawids.index import triton_for
 from embshard.rawids.reset import Resets
 
@@ -78,6 +77,8 @@ def graph_refusal(m: IdMap, ids: torch.Tensor) -> str | None:
 
 def step_capacity(n: int) -> int:
     """The ids a graph is captured for when a step has n: the padded batches' rule (`padding.capacity`)."""
+    from embshard.padding import capacity  # here: padding -> sharding -> rawids at the top would be a cycle
+
     return int(capacity(n))
 
 
