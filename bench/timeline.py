@@ -8,7 +8,8 @@ The trace comes from `bench/train_e2e.py --profile-steps K --trace FILE` (its st
 "## train step ##"). Prints, per stream, the kernel time and the share of the drawn window it is busy; with
 --gaps US, every idle stretch of the busiest stream of at least US microseconds in the window: the kernels before
 and after it and what the other streams run meanwhile (where the compute stream waits, and on what); with
---listing FILE, every kernel of the window in start order (start ms, duration ms, stream, name).
+--listing FILE, every kernel of the window in start order (start ms, duration ms, stream, name); with --top N, the
+N kernel names with the most time in the window.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--gaps", type=float, default=0, help="print the busiest stream's idle stretches of >= US us")
     ap.add_argument("--listing", help="write every kernel of the window, in start order, to this text file")
     ap.add_argument("--tail-ms", type=float, default=0, help="draw the last MS of GPU activity (traces without steps)")
+    ap.add_argument("--top", type=int, default=0, help="print the N kernels (by name) with the most time in the window")
     args = ap.parse_args()
 
     import matplotlib
@@ -118,8 +120,21 @@ def main() -> None:
         with open(args.listing, "w") as f:
             for e in sorted(kernels, key=lambda e: e["ts"]):
                 f.write(f"{(e['ts'] - lo) / 1e3:9.3f} {e['dur'] / 1e3:7.3f} s{lane_key(e)[1]} {e['name'][:110]}\n")
+    if args.top:
+        print_top(kernels, args.top)
     if args.gaps:
         print_gaps(kernels, lane_of, max(busy, key=busy.get), lo, args.gaps)
+
+
+def print_top(kernels: list[dict], n: int) -> None:
+    """The `n` kernel names with the most GPU time in the window: total ms, launches, mean us."""
+    total, count = collections.Counter(), collections.Counter()
+    for e in kernels:
+        total[e["name"][:90]] += e["dur"] / 1e3
+        count[e["name"][:90]] += 1
+    print(f"top kernels by time (all lanes, {sum(total.values()):.2f} ms, {sum(count.values())} launches):")
+    for name, ms in total.most_common(n):
+        print(f"  {ms:8.3f} ms {count[name]:6d} x {ms / count[name] * 1e3:8.1f} us  {name}")
 
 
 def print_gaps(kernels: list[dict], lane_of: dict, lane: int, lo: float, min_us: float) -> None:
