@@ -4,7 +4,11 @@
 A padded batch keeps every bag's ids and gives each feature filler ids up to its capacity, spread evenly over its
 bags (the first `pad % B` bags one more), on the first FILLER_ROWS rows of the feature's table (again and again,
 so that no bag is long and no row hot). Every id carries a weight: the batch's own for weighted tables, 1 for the
-others, 0 for the fillers, and every lookup pools with the weights (`ops.every_id_weighted`). A filler adds
+others, 0 for the fillers, and every lookup that meets fillers pools with the weights (`ops.every_id_weighted`).
+A lookup that reads its ids through the bags' offsets alone, whatever the length of the values (the data-parallel
+tables on the small-table kernels: a scheme's `pads_free`), needs no fillers: its features keep their bags, and
+the ids their capacity leaves unused sit at the batch's end, in no bag (most of a step's ids, where many small
+tables are data-parallel: no filler lookups, no weights, less to copy). A filler adds
 nothing to its bag and gets a zero gradient, which leaves its row as it is under sgd, adagrad and row-wise adagrad
 without weight decay (`refusal` lists what else it rules out). Every rank pads to the same capacity, so the counts
 of a padded batch are the capacity on every rank, and the exchanges sized from them fit.
@@ -48,13 +52,17 @@ def refusal(ebc) -> str | None:
 
 class BatchPadder:
     """Pads the KJTs of one sharded collection (`ebc`) to a capacity per feature (canonical columns,
-    `feature_columns`); the filler ids of a capacity are made once."""
+    `feature_columns`). Features whose every lookup reads its ids through the bags' offsets alone (a scheme with
+    `pads_free`: the data-parallel tables on the small-table kernels) get no fillers: their bags stay as they are,
+    and the ids their capacity leaves unused sit at the end of the batch's values, in no bag. The filler ids of a
+    capacity are made once."""
 
     def __init__(self, ebc) -> None:
         self.ebc = ebc
         cols = feature_columns(ebc.tables)
         self._column = {f: cols[f] for f in ebc.features}
-        self._fill: tuple | None = None  # (key, filler ids, zero weights, weighted features)
+        self._free = {f for s in ebc.schemes if getattr(s, "pads_free", False) for f in s.layout.keys}
+        self._fill: dict = {}  # (keys, capacities, dtype, device) of a run of padded features -> filler ids
 
     def pad(self, kjt, counts: BatchCounts, cap_C: np.ndarray):
         """(`kjt` padded to the capacity `cap_C` (ids per canonical column; at least this rank's counts), the counts
@@ -62,19 +70,60 @@ class BatchPadder:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         keys, B = list(kjt.keys()), kjt.stride()
-        F = len(keys)
         cols = [self._column[k] for k in keys]
         have = [int(counts.ids[self.ebc.rank, c]) for c in cols]
         cap = [int(cap_C[c]) for c in cols]
         if any(c < n for c, n in zip(cap, have)):
             over = [(k, n, c) for k, n, c in zip(keys, have, cap) if c < n][:3]
             raise ValueError(f"BatchPadder.pad: features (name, ids, capacity) {over} hold more ids than the capacity")
-        values, weights = kjt.values(), kjt.weights_or_none()
-        dev, N = values.device, sum(have)
-        filler_ids, filler_w, weighted_F = self._fillers(keys, cap, values.dtype, dev)
-        lengths_FB = kjt.lengths().view(F, B)
-        sizes = small_to_device([c - n for c, n in zip(cap, have)] + have, dev)  # one copy: padding, own ids
-        pad_F1, have_F = sizes[:F].view(F, 1), sizes[F:]
+        values, weights, lengths = kjt.values(), kjt.weights_or_none(), kjt.lengths()
+        dev = values.device
+        values_out = torch.empty(sum(cap), dtype=values.dtype, device=dev)
+        weights_out = torch.empty(sum(cap), dtype=torch.float32, device=dev)
+        lengths_out = torch.empty(lengths.numel(), dtype=lengths.dtype, device=dev)
+        old = np.concatenate([[0], np.cumsum(have)]).astype(np.int64)  # where each feature's ids are now
+        new, at = [0], 0  # and where they go: a padded feature holds its capacity, a free one its own ids
+        for k, n, c in zip(keys, have, cap):
+            at += n if k in self._free else c
+            new.append(at)
+        for f0, f1, free in _runs([k in self._free for k in keys]):
+            o0, o1, n0, n1 = int(old[f0]), int(old[f1]), new[f0], new[f1]
+            if free:  # no fillers: the ids, their weights and their bags as they are
+                values_out[n0:n1].copy_(values[o0:o1])
+                self._own_weights(keys[f0:f1], have[f0:f1], weights, o0, o1, weights_out[n0:n1])
+                lengths_out[f0 * B : f1 * B].copy_(lengths[f0 * B : f1 * B])
+                continue
+            self._pad_run(keys[f0:f1], have[f0:f1], cap[f0:f1], B, lengths[f0 * B : f1 * B], values[o0:o1],
+                          weights, (o0, o1), (values_out[n0:n1], weights_out[n0:n1], lengths_out[f0 * B : f1 * B]))  # fmt: skip
+        if new[-1] < values_out.numel():  # the free features' unused capacity: in no bag, read by no lookup
+            values_out[new[-1] :].zero_()
+            weights_out[new[-1] :].zero_()
+        padded = KeyedJaggedTensor(keys=keys, values=values_out, lengths=lengths_out, weights=weights_out, stride=B)
+        W = len(counts.batch_sizes)
+        return padded, BatchCounts(list(counts.batch_sizes), np.tile(np.asarray(cap_C), (W, 1)), [])
+
+    def _own_weights(self, keys, have, weights, o0: int, o1: int, out: torch.Tensor) -> None:
+        """The weights the ids `o0:o1` of features `keys` pool with, into `out`: the batch's for weighted tables,
+        1 for the others."""
+        flags = [self.ebc._table_of[k].weighted for k in keys]
+        if weights is None or not any(flags):
+            out.fill_(1.0)
+        elif all(flags):
+            out.copy_(weights[o0:o1])
+        else:
+            weighted = torch.tensor(flags, device=out.device)
+            per_id = torch.repeat_interleave(weighted, small_to_device(have, out.device), output_size=o1 - o0)
+            out.copy_(torch.where(per_id, weights[o0:o1].float(), 1.0))
+
+    def _pad_run(self, keys, have, cap, B: int, lengths, values, weights, span, out) -> None:
+        """Pad consecutive features `keys` (their `lengths` `[F*B]`, `values`, the batch's `weights` over `span`)
+        into `out` (values, weights, lengths): each feature to its capacity, its fillers spread over its bags."""
+        values_out, weights_out, lengths_out = out
+        F, dev, N = len(keys), values.device, sum(have)
+        filler_ids = self._fillers(keys, cap, values.dtype, dev)
+        lengths_FB = lengths.view(F, B)
+        sizes = small_to_device([c - n for c, n in zip(cap, have)], dev)  # one copy: the padding per feature
+        pad_F1 = sizes.view(F, 1)
         bags_1B = torch.arange(B, device=dev).view(1, B)
         extra_FB = pad_F1 // max(B, 1) + (bags_1B < pad_F1 % max(B, 1)).to(torch.int64)  # pad // B, +1 in the first
         new_lengths = (lengths_FB.to(torch.int64) + extra_FB).reshape(-1)
@@ -82,27 +131,31 @@ class BatchPadder:
         bag_of = torch.repeat_interleave(torch.arange(F * B, device=dev), old_lengths, output_size=N)
         shift = complete_cumsum(new_lengths)[:-1] - complete_cumsum(old_lengths)[:-1]  # per bag: where its ids move
         where = torch.arange(N, device=dev) + shift[bag_of]
-        if weights is None:
-            own_w = torch.ones(N, dtype=torch.float32, device=dev)
-        else:  # a table without weights pools with 1
-            own_w = torch.where(torch.repeat_interleave(weighted_F, have_F, output_size=N), weights.float(), 1.0)
-        values_out = filler_ids.clone().index_copy_(0, where, values)
-        weights_out = filler_w.clone().index_copy_(0, where, own_w)
-        lengths_out = new_lengths.to(kjt.lengths().dtype)
-        padded = KeyedJaggedTensor(keys=keys, values=values_out, lengths=lengths_out, weights=weights_out, stride=B)
-        W = len(counts.batch_sizes)
-        return padded, BatchCounts(list(counts.batch_sizes), np.tile(np.asarray(cap_C), (W, 1)), [])
+        own_w = torch.empty(N, dtype=torch.float32, device=dev)
+        self._own_weights(keys, have, weights, span[0], span[1], own_w)
+        values_out.copy_(filler_ids).index_copy_(0, where, values)
+        weights_out.zero_().index_copy_(0, where, own_w)
+        lengths_out.copy_(new_lengths)
 
-    def _fillers(self, keys: list[str], cap: list[int], dtype: torch.dtype, device: torch.device):
-        """The padded batch's values and weights before its own ids are put in: per feature, `cap` filler ids on
-        rows 0, 1, ..., up to FILLER_ROWS rows of its table (again and again), each of weight 0; and per feature
-        whether its table has weights. Made once per capacity."""
-        key = (tuple(keys), tuple(cap), dtype)
-        if self._fill is None or self._fill[0] != key:
-            tables = [self.ebc._table_of[k] for k in keys]
-            rows = [min(t.num_embeddings, FILLER_ROWS) for t in tables]
+    def _fillers(self, keys: list[str], cap: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A run of padded features' values before their own ids are put in: per feature, `cap` filler ids on rows
+        0, 1, ..., up to FILLER_ROWS rows of its table (again and again). Made once per capacity."""
+        key = (tuple(keys), tuple(cap), dtype, str(device))
+        if key not in self._fill:
+            if len(self._fill) > 16:  # capacities of the past
+                self._fill.clear()
+            rows = [min(self.ebc._table_of[k].num_embeddings, FILLER_ROWS) for k in keys]
             ids = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(cap, rows)] or [np.zeros(0)])
-            ids_t = torch.from_numpy(ids.astype(np.int64)).to(device=device, dtype=dtype)
-            weighted_F = torch.tensor([t.weighted for t in tables], device=device)
-            self._fill = (key, ids_t, torch.zeros(ids_t.numel(), dtype=torch.float32, device=device), weighted_F)
-        return self._fill[1:]
+            self._fill[key] = torch.from_numpy(ids.astype(np.int64)).to(device=device, dtype=dtype)
+        return self._fill[key]
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int, bool]]:
+    """Maximal runs of equal flags: (start, end, flag)."""
+    out: list[tuple[int, int, bool]] = []
+    for i, f in enumerate(flags):
+        if out and out[-1][2] == f:
+            out[-1] = (out[-1][0], i + 1, f)
+        else:
+            out.append((i, i + 1, f))
+    return out

@@ -23,26 +23,45 @@ TABLES = (
     TableConfig("g_dp", 12, 8, ("g_e",), ids_per_bag=2),
 )
 TYPES = {"g_dp": ShardingType.DATA_PARALLEL}
+# data-parallel tables on the small-table kernels (one weighted), between and after table-wise ones: their
+# features get no fillers in a padded batch (runs of padded and unpadded features alternate)
+SMALL_TABLES = (
+    TABLES[0],
+    TableConfig("g_dp", 12, 8, ("g_e",), ids_per_bag=2),
+    TableConfig("g_dpw", 9, 4, ("g_f",), weighted=True, ids_per_bag=3),
+    *TABLES[1:3],
+    TableConfig("g_dp2", 20, 4, ("g_g",), ids_per_bag=5),
+)
+SMALL_TYPES = {
+    "g_dp": ShardingType.DATA_PARALLEL,
+    "g_dpw": ShardingType.DATA_PARALLEL,
+    "g_dp2": ShardingType.DATA_PARALLEL,
+}
 BATCH, STEPS = 16, 7
 
 
-def _collection(world, device, tables=TABLES, types=TYPES):
+def _collection(world, device, tables=TABLES, types=TYPES, small=False):
+    from dataclasses import replace
+
     from embshard.optim import FusedOptimizerConfig
     from embshard.planner import simple_plan
     from embshard.sharded import ShardedEmbeddingBagCollection
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     plan = simple_plan(list(tables), world, world, types, tier=tier)
+    if small:  # the data-parallel tables on the small-table kernels
+        dp = {t for t, k in types.items() if k is ShardingType.DATA_PARALLEL}
+        plan = replace(plan, tables=tuple(replace(t, kernel="small") if t.table in dp else t for t in plan.tables))
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
     return ShardedEmbeddingBagCollection(list(tables), plan, opt, device=device, seed=5)
 
 
-def _batch(gen, device, step):
+def _batch(gen, device, step, tables=TABLES):
     """Ragged bags (lengths 0..2L, more in later steps so the capacity grows), ids and weights drawn fresh."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     keys, lengths, values = [], [], []
-    for t in TABLES:
+    for t in tables:
         for f in t.feature_names:
             top = 2 * t.ids_per_bag + (step >= 4)
             le = torch.randint(0, top + 1, (BATCH,), generator=gen)
@@ -72,10 +91,13 @@ def _counts(ebc, kjt):
     return parse_counts(torch.stack(rows).cpu().numpy())
 
 
-def _worker(rank, world, device, wrong_filler=False):
+def _worker(rank, world, device, wrong_filler=False, small=False):
     from embshard.emb_graph import EmbeddingStepGraph
 
-    eager, graphed = _collection(world, device), _collection(world, device)
+    tables, types = (SMALL_TABLES, SMALL_TYPES) if small else (TABLES, TYPES)
+    eager, graphed = (_collection(world, device, tables, types, small) for _ in range(2))
+    if small:  # the scheme reads its ids through the offsets alone: no fillers for its features
+        assert graphed.schemes[-1].pads_free and len(EmbeddingStepGraph(graphed, sum, False)._padder._free) == 3
     graph = EmbeddingStepGraph(graphed, lambda out: (out.values() ** 2).sum(), capture=device.type == "cuda")
     if wrong_filler:  # fillers weighing 1: they now add their rows to the bags
         pad = graph._padder.pad
@@ -89,7 +111,7 @@ def _worker(rank, world, device, wrong_filler=False):
     gen = torch.Generator().manual_seed(100 + rank)
     out = []
     for step in range(STEPS):
-        kjt = _batch(gen, device, step)
+        kjt = _batch(gen, device, step, tables)
         counts = _counts(eager, kjt)
         loss_e = (eager(kjt).values() ** 2).sum()
         loss_e.backward()
@@ -117,6 +139,50 @@ def test_graphed_step_trains_like_the_eager_step(world):
     assert captures >= 2 if cuda else (captures, replays) == (0, 0)  # the capacity grew at step 4
     assert replays >= STEPS - 2 * captures if cuda else True
     assert all(c % 64 == 0 for c in cap) and all(r[1][2] == cap for r in results)  # every rank: one capacity
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_graphed_step_with_unpadded_small_kernel_tables_trains_like_the_eager_step(world):
+    results = run_distributed(_worker, world, False, True)
+    cuda = device_kind() == "cuda"
+    _compare(results, *((1e-4, 1e-5) if cuda else (1e-5, 1e-6)))
+    assert results[0][1][0] >= 2 if cuda else True
+
+
+def test_padding_leaves_the_small_kernel_tables_bags_alone():
+    """Padded features hold their capacity (own ids in order, fillers of weight 0); the small-kernel data-parallel
+    features keep their own bags, ids and weights; the capacity they leave unused is at the end, in no bag."""
+    import torch.distributed as dist
+
+    from embshard.padding import BatchPadder
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29591", rank=0, world_size=1)
+    try:
+        ebc = _collection(1, torch.device("cpu"), SMALL_TABLES, SMALL_TYPES, small=True)
+        kjt = _batch(torch.Generator().manual_seed(3), torch.device("cpu"), 0, SMALL_TABLES)
+        counts = _counts(ebc, kjt)
+        padder = BatchPadder(ebc)
+        have = np.asarray(counts.ids[0])
+        cap = have + np.arange(1, len(have) + 1) * 7
+        padded, full = padder.pad(kjt, counts, cap)
+    finally:
+        dist.destroy_process_group()
+    assert (full.ids == cap).all() and padded.values().numel() == cap.sum()
+    free = {"g_e", "g_f", "g_g"}
+    used = 0
+    for f in kjt.keys():
+        got, own = padded[f], kjt[f]
+        n, c = int(own.lengths().sum()), int(cap[padder._column[f]])
+        used += n if f in free else c
+        if f in free:
+            assert torch.equal(got.lengths(), own.lengths()) and torch.equal(got.values(), own.values()), f
+            if f == "g_f":  # weighted
+                assert torch.equal(got.weights(), own.weights()), f
+            continue
+        assert int(got.lengths().sum()) == c and torch.equal(
+            got.weights().sum(), own.weights().sum() * 0 + (own.weights().sum() if f == "g_d" else float(n))
+        ), f
+    assert int(padded.offsets()[-1]) == used < padded.values().numel()
 
 
 def test_fillers_weighing_one_change_the_step():

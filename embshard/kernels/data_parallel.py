@@ -75,6 +75,7 @@ class KernelDataParallelLookup(DataParallelLookup):
     ) -> None:
         super().__init__(shards, optimizer, device, group, seed, options)
         self.kernel = kernel or SmallTableOptions()
+        self.pads_free = False  # set by a scheme whose padded batches give this lookup no fillers
         self.kernel_layout, _ = shards_layout(self.shards, by_dtype=True)
         group_views(self.tbe.weights.detach(), self.kernel_layout)  # the flat weights hold exactly these blocks
 
@@ -90,7 +91,10 @@ class KernelDataParallelLookup(DataParallelLookup):
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Pooled sums `[B, sum(dims)]` (same contract as TBELookup); the update happens in backward."""
-        forced = weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        # A padded batch gives these features no fillers (the kernels read ids through the offsets alone:
+        # DataParallelSharding.pads_free), so the weights weigh the weighted tables' ids only, as in any batch;
+        # `ops.every_id_weighted` still applies to a lookup called directly with every id weighted.
+        forced = weights_forced() and not self.pads_free
         psw = weights.float() if weights is not None and (self._weighted != "none" or forced) else None
         if torch.is_grad_enabled():
             pooled = _KernelReplicaBags.apply(self, indices, offsets, psw, forced, self.tbe.weights)

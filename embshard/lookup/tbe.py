@@ -19,7 +19,7 @@ from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
 from embshard.lookup.uvm_fill import HostFirstTouch, concurrent_managed_access, uvm_first_touch
-from embshard.ops import weights_forced
+from embshard.ops import cached_tensor, weights_forced
 from embshard.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.options import LookupOptions, OutputDtype
 from embshard.tables import ConfigError
@@ -100,7 +100,13 @@ class TBELookup(nn.Module):
             bounds = offsets[torch.arange(F + 1, device=offsets.device) * ((offsets.numel() - 1) // F)]
             self._requested_F += bounds[1:] - bounds[:-1]
         weighted = self.weighted or weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
-        out = self.tbe(indices.long(), offsets, per_sample_weights=weights if weighted else None)
+        psw = weights if weighted else None
+        # FBGEMM's backward forms the weights' gradient unless told no feature needs it: all zero, it only writes
+        # zeros (the weights of a batch are data; a padded batch's weigh every id of these tables)
+        grad_flags = None
+        if psw is not None and not psw.requires_grad:
+            grad_flags = cached_tensor([0] * len(self.features), psw.device, torch.int32)
+        out = self.tbe(indices.long(), offsets, per_sample_weights=psw, feature_requires_grad=grad_flags)
         return out.to(self._cast) if self._cast is not None else out
 
     def prefetch(

@@ -59,13 +59,22 @@ class DataParallelSharding(Scheme):
         self.rank = ctx.rank
         self._cols = np.array([ctx.columns[f] for f in keys], dtype=np.int64)  # in BatchCounts.ids
         self.weighted = any(s.table.weighted for s in shards)
+        # The small-table kernels read each bag's ids through its offsets alone, whatever the length of the values:
+        # a padded batch (embshard/padding.py) gives these features no fillers and their lookup no weights to add
+        self.pads_free = isinstance(lookup, KernelDataParallelLookup) and not lookup._needs_touched
+        if self.pads_free:
+            lookup.pads_free = True
 
     def local_ids(self, batch: LocalBatch) -> LocalIds:
         """Select this scheme's features from the local batch (sized from `batch.counts`: no host sync)."""
         n = int(batch.counts.ids[self.rank, self._cols].sum())
         values = batch.values
         select = cached_tensor([batch.feature_index[f] for f in self.layout.keys], values.device, torch.int32)
-        weights = weights_or_ones(values, batch.weights, self.weighted)
+        if self.pads_free:  # its features hold no fillers: weights only for weighted tables
+            weights = weights_or_ones(values, batch.weights, True) if self.weighted else None
+        else:
+            weights = weights_or_ones(values, batch.weights, self.weighted)
+        # n: the ids of these features (a padded batch: their capacity, of which the bags hold the first ones)
         lengths, ids, w = permute_2d(select, batch.lengths_FB, values, weights, n)
         return LocalIds(lengths.reshape(-1), ids, w, [n], [n])
 
