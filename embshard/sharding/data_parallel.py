@@ -59,9 +59,11 @@ class DataParallelSharding(Scheme):
         self.rank = ctx.rank
         self._cols = np.array([ctx.columns[f] for f in keys], dtype=np.int64)  # in BatchCounts.ids
         self.weighted = any(s.table.weighted for s in shards)
-        # The small-table kernels read each bag's ids through its offsets alone, whatever the length of the values:
-        # a padded batch (embshard/padding.py) gives these features no fillers and their lookup no weights to add
-        self.pads_free = isinstance(lookup, KernelDataParallelLookup) and not lookup._needs_touched
+        # The small-table kernels (atomic backward) read each bag's ids through its offsets alone, whatever the
+        # length of the values: a padded batch (embshard/padding.py) gives these features no fillers and their
+        # lookup no weights to add. Not so the sorted (deterministic) backward or the touched-row marks (every id).
+        small = isinstance(lookup, KernelDataParallelLookup)
+        self.pads_free = small and not lookup._needs_touched and not lookup.kernel.deterministic
         if self.pads_free:
             lookup.pads_free = True
 
