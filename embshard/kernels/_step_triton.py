@@ -1,21 +1,31 @@
-"""The Triton kernels of an `IdMap` training step on CUDA (embshard/rawids/step.py drives them): the steps after
-the sort of the ids, fused, with the torch path's results (IdMap._train, index.py, eviction.py).
+"""The Triton kernels of an `IdMap` training step on CUDA (embshard/rawids/step.py drives them), with the torch
+path's results (IdMap._train, index.py, eviction.py), without sorting the ids.
 
-Every kernel takes BLOCK entries per program. Unique ids live in slots u < n_unique, a device scalar (the inclusive
-cumsum of the run starts at sorted position n - 1, n = bounds[T] the step's real ids: a padded step's pads, key
-INT64_MAX and shard T, sort past every real id and form the last runs) that the kernels read: programs past it
-return at once, so the work follows the unique ids, and pads are never looked up, admitted or counted. The map's
-clock is read from the device (`CLOCK`, int64 `[1]`), never passed as a value, so a captured graph replays any
-step. Every kernel of the miss path (victims, eviction, the index inserts, the rows' new
-state) reads the step's admitted count, also a device scalar, and returns at once when it is 0: a step whose ids
-are all resident costs the sort, the lookups and writing the rows.
+Every kernel takes BLOCK batch positions per program. `_probe_kernel` reads every id's first candidate bucket
+straight from the index (the second only in programs holding a miss) and, for a hit, writes its row, the row's last
+use (the same clock from every copy of an id), its mark for the LRU order and its use count (one atomic add per
+copy: an id's copies alone share the address); a miss gets the zero row for now, and its position, candidate
+buckets and the step's miss count (a device scalar) are recorded. Pads (positions from n = bounds[T] on, key
+INT64_MAX and shard T in a padded step) are never looked up, admitted or counted: row 0, reset entry -1.
 
-Inserts rank the keys wanting one bucket without a sort: every active key pushes itself on its bucket's list
-(`atomic_xchg` of a list head; keys of one bucket only meet there, at most a few under the hash), then walks the
-list counting the keys before it in key order: its rank q, that of the torch path's stable sort. A head holds
-(generation << 32 | key), the generation 2 x clock + round, so heads of earlier rounds read as empty and are never
-cleared. The rows given to new ids are listed for the reset (per program one atomic reservation of its entries);
-a pad's row is 0 and its reset entry -1.
+The misses' unique (shard, id) pairs come from a claim table of 2n entries (owner, smallest position, count; int32),
+cleared only in a step with misses: each miss hashes its two buckets to an entry, claims it with a compare-and-swap
+where free (a plain read first: an entry's owner never changes within the step) or moves to the next while it
+holds another pair (linear probing), then takes the entry's minimum position and adds one use. The pair's
+representative is its first batch position (the torch path's `u_pos`), which carries its state from then on
+(uses, new row, slot, list links): the miss path runs over batch positions and acts at the positions flagged
+admitted. With no miss, the claim kernels return at once; every kernel after the admitted ids' cumsum (the LRU
+window's victims, eviction, the index inserts, the rows' new state, the misses' rows) reads the admitted count on
+the device and returns at once when it is 0: a step whose ids are all resident costs the probe and a cumsum. The
+map's clock is read from the device (`CLOCK`, int64 `[1]`), never passed as a value, so a captured graph replays
+any step.
+
+Inserts rank the ids wanting one bucket without a sort: every active id pushes its position on its bucket's list
+(`atomic_xchg` of a list head; ids of one bucket only meet there, at most a few under the hash), then walks the
+list counting the ids of smaller key (a bucket's ids are of one shard, each once): its rank q, that of the torch
+path's stable sort of the unique ids. A head holds (generation << 32 | position), the generation 2 x clock + round,
+so heads of earlier rounds read as empty and are never cleared. The rows given to new ids are listed for the reset
+(per program one atomic reservation of its entries).
 """
 
 from __future__ import annotations

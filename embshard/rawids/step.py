@@ -1,14 +1,15 @@
 """An `IdMap` training step on its Triton kernels (embshard/kernels/_step_triton.py): `IdMap._train`'s results
 (rows, reset list, the map's new state) with per-step work that follows the step's ids, not the map's rows, and
-~30 launches.
+~25 launches.
 
-After torch's stable sort of the ids: run starts and one cumsum give the unique ids (slots below a device count);
-one kernel looks them up and marks the hits used; a cumsum over batch positions ranks the new ids. Everything that
-places new ids (the LRU window's victims, eviction, the index inserts without a sort, the rows' new state and the
-statistics) reads the admitted count on the device and returns at once when it is 0. The last kernel writes every
-id's row, the reset list and a compact list of the positions given a row (`Resets.listed`), which the reset
-kernels walk instead of the whole list. Left as they are: the LRU order's partition (two passes over the order),
-LFU's sort of the rows, and admission counting's sketch (torch ops).
+No sort of the ids: one kernel probes every id in the index, writes the hits' rows and marks and counts their rows
+used; the misses (a device count) find their unique (shard, id) pairs through a claim table (their first
+positions and uses) and a cumsum over batch positions ranks the new ids. Everything that places new ids (the LRU
+window's victims, eviction, the index inserts without a sort, the rows' new state and the statistics) and writes
+their rows, the reset list and a compact list of the positions given a row (`Resets.listed`, which the reset
+kernels walk instead of the whole list) reads the admitted count on the device and returns at once when it is 0.
+Left as they are: the LRU order's partition (two passes over the order), LFU's sort of the rows, and admission
+counting's sketch (torch ops).
 
 The kernels read the map's clock from the device (`IdMap.clock_t`) and, in a padded step (`padded`, the graphed
 step's: embshard/rawids/graph.py), every count from the device: ids padded to a fixed N (`pad_ids`) give the same
@@ -97,7 +98,7 @@ def train_triton(
 
 
 INT64_MAX = (1 << 63) - 1
-"""A pad's key: after the stable sort the pads (shard T) follow every real id, an id INT64_MAX's run included."""
+"""A pad's key (shard T; the kernels leave out every position from bounds[T] on, whatever its key)."""
 
 
 def pad_ids(ids: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
