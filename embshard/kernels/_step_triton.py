@@ -1,21 +1,31 @@
-"""The Triton kernels of an `IdMap` training step on CUDA (embshard/rawids/step.py drives them): the steps after
-the sort of the ids, fused, with the torch path's results (IdMap._train, index.py, eviction.py).
+"""The Triton kernels of an `IdMap` training step on CUDA (embshard/rawids/step.py drives them), with the torch
+path's results (IdMap._train, index.py, eviction.py), without sorting the ids.
 
-Every kernel takes BLOCK entries per program. Unique ids live in slots u < n_unique, a device scalar (the inclusive
-cumsum of the run starts at sorted position n - 1, n = bounds[T] the step's real ids: a padded step's pads, key
-INT64_MAX and shard T, sort past every real id and form the last runs) that the kernels read: programs past it
-return at once, so the work follows the unique ids, and pads are never looked up, admitted or counted. The map's
-clock is read from the device (`CLOCK`, int64 `[1]`), never passed as a value, so a captured graph replays any
-step. Every kernel of the miss path (victims, eviction, the index inserts, the rows' new
-state) reads the step's admitted count, also a device scalar, and returns at once when it is 0: a step whose ids
-are all resident costs the sort, the lookups and writing the rows.
+Every kernel takes BLOCK batch positions per program. `_probe_kernel` reads every id's first candidate bucket
+straight from the index (the second only in programs holding a miss) and, for a hit, writes its row, the row's last
+use (the same clock from every copy of an id), its mark for the LRU order and its use count (one atomic add per
+copy: an id's copies alone share the address); a miss gets the zero row for now, and its position, candidate
+buckets and the step's miss count (a device scalar) are recorded. Pads (positions from n = bounds[T] on, key
+INT64_MAX and shard T in a padded step) are never looked up, admitted or counted: row 0, reset entry -1.
 
-Inserts rank the keys wanting one bucket without a sort: every active key pushes itself on its bucket's list
-(`atomic_xchg` of a list head; keys of one bucket only meet there, at most a few under the hash), then walks the
-list counting the keys before it in key order: its rank q, that of the torch path's stable sort. A head holds
-(generation << 32 | key), the generation 2 x clock + round, so heads of earlier rounds read as empty and are never
-cleared. The rows given to new ids are listed for the reset (per program one atomic reservation of its entries);
-a pad's row is 0 and its reset entry -1.
+The misses' unique (shard, id) pairs come from a claim table of 2n entries (owner, smallest position, count; int32),
+cleared only in a step with misses: each miss hashes its two buckets to an entry, claims it with a compare-and-swap
+where free (a plain read first: an entry's owner never changes within the step) or moves to the next while it
+holds another pair (linear probing), then takes the entry's minimum position and adds one use. The pair's
+representative is its first batch position (the torch path's `u_pos`), which carries its state from then on
+(uses, new row, slot, list links): the miss path runs over batch positions and acts at the positions flagged
+admitted. With no miss, the claim kernels return at once; every kernel after the admitted ids' cumsum (the LRU
+window's victims, eviction, the index inserts, the rows' new state, the misses' rows) reads the admitted count on
+the device and returns at once when it is 0: a step whose ids are all resident costs the probe and a cumsum. The
+map's clock is read from the device (`CLOCK`, int64 `[1]`), never passed as a value, so a captured graph replays
+any step.
+
+Inserts rank the ids wanting one bucket without a sort: every active id pushes its position on its bucket's list
+(`atomic_xchg` of a list head; ids of one bucket only meet there, at most a few under the hash), then walks the
+list counting the ids of smaller key (a bucket's ids are of one shard, each once): its rank q, that of the torch
+path's stable sort of the unique ids. A head holds (generation << 32 | position), the generation 2 x clock + round,
+so heads of earlier rounds read as empty and are never cleared. The rows given to new ids are listed for the reset
+(per program one atomic reservation of its entries).
 """
 
 from __future__ import annotations
@@ -28,76 +38,104 @@ from embshard.kernels._idmap_triton import _bucket, _probe, _segment_of
 from embshard.lookup.shards import _GOLDEN, _MIX1, _MIX2
 
 BLOCK = 128
-"""Entries (sorted positions, unique ids or window positions) per program."""
+"""Entries (batch positions or window positions) per program."""
+CLEAR_BLOCK = 1024
+"""Entries of the misses' claim table per program of its clearing."""
 
 
 @triton.jit
-def _real_unique(CSU, BOUNDS, T):
-    """The unique ids among the step's real ids: the cumsum of run starts at sorted position nv - 1, nv = bounds[T]
-    the real ids (the pads, past every real id after the sort, form the last runs)."""
-    nv = tl.load(BOUNDS + T)
-    return tl.where(nv > 0, tl.load(CSU + tl.maximum(nv - 1, 0)), 0)
-
-
-@triton.jit
-def _runs_kernel(SID, PERM, SHARD, FIRST, n, MULTI: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    prev = live & (i > 0)
-    first = tl.load(SID + i, mask=live, other=0) != tl.load(SID + i - 1, mask=prev, other=0)
-    if MULTI:
-        s = tl.load(SHARD + tl.load(PERM + i, mask=live, other=0), mask=live, other=0)
-        sp = tl.load(SHARD + tl.load(PERM + i - 1, mask=prev, other=0), mask=prev, other=0)
-        first = first | (s != sp)
-    tl.store(FIRST + i, (first | (i == 0)).to(tl.int8), mask=live)
-
-
-@triton.jit
-def _uniq_kernel(SID, PERM, SHARD, FIRST, CSU, UKEY, USHARD, UPOS, RUN0, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    at = live & (tl.load(FIRST + i, mask=live, other=0) != 0)
-    u = tl.load(CSU + i, mask=live, other=1) - 1
-    p = tl.load(PERM + i, mask=at, other=0)
-    tl.store(UKEY + u, tl.load(SID + i, mask=at, other=0), mask=at)
-    tl.store(USHARD + u, tl.load(SHARD + p, mask=at, other=0), mask=at)
-    tl.store(UPOS + u, p, mask=at)
-    tl.store(RUN0 + u, i, mask=at)
-    tl.store(RUN0 + u + 1, i + 1, mask=live & (i == n - 1))  # run0[n_unique] = n
-
-
-@triton.jit
-def _find_step_kernel(
-    UKEY, USHARD, RUN0, CSU, BOUNDS, UPOS, BTAB, SLOT_KEY, SLOT_ROW, ROW_LAST, ROW_FREQ, ROW_USED, UROW, CAND, UCNT,
-    FLAG, T, CLOCK, salt0, salt1, golden, mix1, mix2, WRITE_FLAG: tl.constexpr, MARK: tl.constexpr, P: tl.constexpr,
-    BLOCK: tl.constexpr,
+def _probe_kernel(
+    IDS, SHARD, BOUNDS, BTAB, ROW_TAB, SLOT_KEY, SLOT_ROW, ROW_LAST, ROW_FREQ, ROW_USED, ROWS, GIVEN, REP, CAND,
+    NMISS, n, T, CLOCK, salt0, salt1, golden, mix1, mix2, MARK: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    nu = _real_unique(CSU, BOUNDS, T)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if start < nu:
-        u = start + tl.arange(0, BLOCK)
-        live = u < nu
-        key = tl.load(UKEY + u, mask=live, other=0)
-        s = tl.load(USHARD + u, mask=live, other=0)
-        cnt = tl.load(RUN0 + u + 1, mask=live, other=0) - tl.load(RUN0 + u, mask=live, other=0)
-        first = tl.load(BTAB + 2 * s, mask=live, other=0)
-        nb = tl.load(BTAB + 2 * s + 1, mask=live, other=1)
-        c0 = _bucket(key, salt0, first, nb, golden, mix1, mix2)
-        c1 = _bucket(key, salt1, first, nb, golden, mix1, mix2)
-        j = tl.arange(0, P).to(tl.int64)
-        row = _probe(SLOT_KEY, SLOT_ROW, c0, j, key, live, P)
-        row = tl.maximum(row, _probe(SLOT_KEY, SLOT_ROW, c1, j, key, live & (row < 0), P))  # the other if not found
-        hit = live & (row >= 0)
-        tl.store(ROW_LAST + row, tl.zeros_like(row) + tl.load(CLOCK), mask=hit)
-        tl.store(ROW_FREQ + row, tl.load(ROW_FREQ + row, mask=hit, other=0) + cnt, mask=hit)  # one id per row
-        if MARK:  # used now: the LRU order's partition reads (and clears) the mark
-            tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=hit)
-        tl.store(UROW + u, row, mask=live)
-        tl.store(CAND + 2 * u, c0, mask=live)
-        tl.store(CAND + 2 * u + 1, c1, mask=live)
-        tl.store(UCNT + u, cnt, mask=live)
-        if WRITE_FLAG:
-            tl.store(FLAG + tl.load(UPOS + u, mask=live, other=0), (row < 0).to(tl.int64), mask=live)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    live = inside & (i < tl.load(BOUNDS + T))  # positions past the real ids: a padded step's pads
+    key = tl.load(IDS + i, mask=live, other=0)
+    s = tl.load(SHARD + i, mask=live, other=0)
+    first = tl.load(BTAB + 2 * s, mask=live, other=0)
+    nb = tl.load(BTAB + 2 * s + 1, mask=live, other=1)
+    c0 = _bucket(key, salt0, first, nb, golden, mix1, mix2)
+    c1 = _bucket(key, salt1, first, nb, golden, mix1, mix2)
+    j = tl.arange(0, P).to(tl.int64)
+    row = _probe(SLOT_KEY, SLOT_ROW, c0, j, key, live, P)
+    again = live & (row < 0)
+    if tl.max(again.to(tl.int32), 0) > 0:  # the second bucket only for ids not in the first: none, mostly
+        row = tl.maximum(row, _probe(SLOT_KEY, SLOT_ROW, c1, j, key, again, P))
+    hit = live & (row >= 0)
+    miss = live & (row < 0)
+    tl.store(ROW_LAST + row, tl.zeros_like(row) + tl.load(CLOCK), mask=hit)  # the same clock from every copy
+    tl.atomic_add(ROW_FREQ + row, tl.full([BLOCK], 1, tl.int64), mask=hit, sem="relaxed")  # an id's copies: one each
+    if MARK:  # used now: the LRU order's partition reads (and clears) the mark
+        tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=hit)
+    r0 = tl.load(ROW_TAB + 2 * s, mask=live, other=0)
+    final = tl.where(hit, row, tl.load(ROW_TAB + 2 * s + 1, mask=live, other=0))  # a miss: the zero row, for now
+    tl.store(ROWS + i, tl.where(live, final - r0, 0), mask=inside)  # pads: row 0
+    tl.store(GIVEN + i, tl.full([BLOCK], -1, tl.int64), mask=inside)
+    tl.store(REP + i, tl.where(miss, i, -1), mask=inside)
+    tl.store(CAND + 2 * i, c0, mask=miss)
+    tl.store(CAND + 2 * i + 1, c1, mask=miss)
+    k = tl.sum(miss.to(tl.int64), 0)
+    if k > 0:
+        tl.atomic_add(NMISS, k)
+
+
+@triton.jit
+def _claim_clear_kernel(OWN, MINP, CNT, NMISS, H, BLOCK: tl.constexpr):
+    if tl.load(NMISS) > 0:
+        h = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = h < H
+        tl.store(OWN + h, tl.full([BLOCK], -1, tl.int32), mask=live)
+        tl.store(MINP + h, tl.full([BLOCK], 2147483647, tl.int32), mask=live)
+        tl.store(CNT + h, tl.zeros([BLOCK], tl.int32), mask=live)
+
+
+@triton.jit
+def _claim_kernel(IDS, SHARD, REP, CAND, NMISS, OWN, MINP, CNT, HSLOT, n, H, BLOCK: tl.constexpr):
+    if tl.load(NMISS) > 0:
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        act = inside & (tl.load(REP + i, mask=inside, other=-1) >= 0)
+        if tl.max(act.to(tl.int32), 0) > 0:
+            key = tl.load(IDS + i, mask=act, other=0)
+            s = tl.load(SHARD + i, mask=act, other=0)
+            h = (tl.load(CAND + 2 * i, mask=act, other=0) * 1000003 + tl.load(CAND + 2 * i + 1, mask=act, other=0)) % H
+            me = i.to(tl.int32)
+            slot = tl.zeros_like(i) - 1
+            pending = act
+            while tl.max(pending.to(tl.int32), 0) > 0:
+                cur = tl.load(OWN + h, mask=pending, other=0)
+                try_ = pending & (cur < 0)  # free: claim it (a compare-and-swap; others read it first)
+                ptr = tl.where(try_, OWN + h, HSLOT + i)  # the rest swap their own entry with itself: no change
+                old = tl.atomic_cas(ptr, tl.where(try_, -1, 0).to(tl.int32), tl.where(try_, me, 0))
+                won = try_ & (old < 0)
+                owner = tl.where(try_, old, cur).to(tl.int64)
+                look = pending & ~won & (owner >= 0)
+                okey = tl.load(IDS + owner, mask=look, other=0)
+                osh = tl.load(SHARD + owner, mask=look, other=-1)
+                mine = pending & (won | (look & (okey == key) & (osh == s)))
+                slot = tl.where(mine, h, slot)
+                pending = pending & ~mine
+                h = tl.where(pending, (h + 1) % H, h)  # taken by another id: the next entry
+            tl.atomic_min(MINP + slot, me, mask=act)
+            tl.atomic_add(CNT + slot, tl.full([BLOCK], 1, tl.int32), mask=act, sem="relaxed")
+            tl.store(HSLOT + i, slot.to(tl.int32), mask=act)
+
+
+@triton.jit
+def _rep_kernel(REP, HSLOT, MINP, CNT, UCNT, FLAG, NMISS, n, WRITE_FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    if tl.load(NMISS) > 0:
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        act = inside & (tl.load(REP + i, mask=inside, other=-1) >= 0)
+        if tl.max(act.to(tl.int32), 0) > 0:
+            slot = tl.load(HSLOT + i, mask=act, other=0).to(tl.int64)
+            rep = tl.load(MINP + slot, mask=act, other=0).to(tl.int64)
+            tl.store(REP + i, rep, mask=act)
+            at = act & (rep == i)
+            tl.store(UCNT + i, tl.load(CNT + slot, mask=at, other=0).to(tl.int64), mask=at)
+            if WRITE_FLAG:
+                tl.store(FLAG + i, tl.full([BLOCK], 1, tl.int64), mask=at)
 
 
 @triton.jit
@@ -170,46 +208,43 @@ def lru_window_victims_(
 
 @triton.jit
 def _assign_kernel(
-    UPOS, USHARD, FLAG, CS, CSU, BOUNDS, NEV, VBASE, VICT, ROW_LAST, ROW_SLOT, SLOT_ROW, NEWROW, OK, n, T, R,
-    BLOCK: tl.constexpr,
+    SHARD, FLAG, CS, BOUNDS, NEV, VBASE, VICT, ROW_LAST, ROW_SLOT, SLOT_ROW, NEWROW, OK, n, T, R, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    nu = _real_unique(CSU, BOUNDS, T)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if (tl.load(CS + n - 1) > 0) & (start < nu):
-        u = start + tl.arange(0, BLOCK)
-        live = u < nu
-        p = tl.load(UPOS + u, mask=live, other=0)
-        admit = live & (tl.load(FLAG + p, mask=live, other=0) != 0)
-        s = tl.load(USHARD + u, mask=live, other=0)
-        b = tl.load(BOUNDS + s, mask=live, other=0)
-        before = tl.load(CS + b - 1, mask=live & (b > 0), other=0)  # admitted before the shard
+    if tl.load(CS + n - 1) > 0:
+        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = p < n
+        admit = inside & (tl.load(FLAG + p, mask=inside, other=0) != 0)
+        s = tl.load(SHARD + p, mask=admit, other=0)
+        b = tl.load(BOUNDS + s, mask=admit, other=0)
+        before = tl.load(CS + b - 1, mask=admit & (b > 0), other=0)  # admitted before the shard
         rank = tl.load(CS + p, mask=admit, other=0) - 1 - before
         ok = admit & (rank < tl.load(NEV + s, mask=admit, other=0))
         row = tl.load(VICT + tl.load(VBASE + s, mask=ok, other=0) + rank, mask=ok, other=R)
         old = ok & (tl.load(ROW_LAST + row, mask=ok, other=-1) >= 0)
         slot = tl.load(ROW_SLOT + row, mask=old, other=-1).to(tl.int64)
         tl.store(SLOT_ROW + slot, tl.full([BLOCK], -1, SLOT_ROW.dtype.element_ty), mask=old & (slot >= 0))
-        tl.store(NEWROW + u, tl.where(ok, row, R), mask=live)
-        tl.store(OK + u, (ok.to(tl.int8) | (old.to(tl.int8) << 1)), mask=live)
+        tl.store(NEWROW + p, tl.where(ok, row, R), mask=admit)
+        tl.store(OK + p, (ok.to(tl.int8) | (old.to(tl.int8) << 1)), mask=inside)  # every position: 0 if not given
 
 
 @triton.jit
 def _push(HEAD, NXT, bucket, u, act, gen):
-    """Push every active key u on its bucket's list: its next is the head's key if of this generation, else -1."""
+    """Push every active id u (a batch position) on its bucket's list: its next is the head's if of this
+    generation, else -1."""
     old = tl.atomic_xchg(HEAD + bucket, gen + u, mask=act)
     nxt = tl.where(old - (old & 0x7FFFFFFF) == gen, old & 0x7FFFFFFF, -1)
     tl.store(NXT + u, nxt, mask=act)
 
 
 @triton.jit
-def _pick(HEAD, NXT, SLOT_ROW, bucket, u, act, gen, P: tl.constexpr):
-    """The slot an active key takes in its bucket: the q-th free one (slot order), q the keys before it in its
-    bucket's list; -1 when there are not enough."""
+def _pick(IDS, HEAD, NXT, SLOT_ROW, bucket, key, act, gen, P: tl.constexpr):
+    """The slot an active id takes in its bucket: the q-th free one (slot order), q the ids of its bucket's list
+    with a smaller key (a bucket's ids are of one shard, each once); -1 when there are not enough."""
     h = tl.load(HEAD + bucket, mask=act, other=-1)
     cur = tl.where(act & (h - (h & 0x7FFFFFFF) == gen), h & 0x7FFFFFFF, -1)
-    q = tl.zeros_like(u)
+    q = tl.zeros_like(key)
     while tl.max(cur, 0) >= 0:
-        q += ((cur >= 0) & (cur < u)).to(tl.int64)
+        q += ((cur >= 0) & (tl.load(IDS + cur, mask=cur >= 0, other=0) < key)).to(tl.int64)
         cur = tl.load(NXT + cur, mask=cur >= 0, other=-1)
     j = tl.arange(0, P).to(tl.int64)
     free = tl.load(SLOT_ROW + bucket[:, None] * P + j[None, :], mask=act[:, None], other=0) < 0
@@ -225,18 +260,22 @@ def _generation(CLOCK, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _link_kernel(
-    SLOT_ROW, CAND, OK, CSU, CS, BOUNDS, HEAD, NXT, BK, n, T, CLOCK, P: tl.constexpr, BLOCK: tl.constexpr
-):  # fmt: skip
-    nu = _real_unique(CSU, BOUNDS, T)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if (tl.load(CS + n - 1) > 0) & (start < nu):
-        u = start + tl.arange(0, BLOCK)
-        act = (u < nu) & ((tl.load(OK + u, mask=u < nu, other=0) & 1) != 0)
-        if tl.max(act.to(tl.int32), 0) > 0:
+def _given(OK, n, BLOCK: tl.constexpr):
+    """(this program's batch positions, which of them were given a row, whether any was)."""
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    okb = tl.load(OK + p, mask=p < n, other=0)
+    act = (p < n) & ((okb & 1) != 0)
+    return p, okb, act, tl.max(act.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def _link_kernel(SLOT_ROW, CAND, OK, CS, HEAD, NXT, BK, n, CLOCK, P: tl.constexpr, BLOCK: tl.constexpr):
+    if tl.load(CS + n - 1) > 0:
+        p, okb, act, some = _given(OK, n, BLOCK)
+        if some:
             j = tl.arange(0, P).to(tl.int64)
-            c0 = tl.load(CAND + 2 * u, mask=act, other=0)
-            c1 = tl.load(CAND + 2 * u + 1, mask=act, other=0)
+            c0 = tl.load(CAND + 2 * p, mask=act, other=0)
+            c1 = tl.load(CAND + 2 * p + 1, mask=act, other=0)
             f0 = tl.sum(
                 (tl.load(SLOT_ROW + c0[:, None] * P + j[None, :], mask=act[:, None], other=0) < 0).to(tl.int32), 1
             )
@@ -245,77 +284,64 @@ def _link_kernel(
             )
             swap = f1 > f0  # the emptier first, the first candidate on ties
             b1 = tl.where(swap, c1, c0)
-            tl.store(BK + 2 * u, b1, mask=act)
-            tl.store(BK + 2 * u + 1, tl.where(swap, c0, c1), mask=act)
-            _push(HEAD, NXT, b1, u, act, _generation(CLOCK, 0))
+            tl.store(BK + 2 * p, b1, mask=act)
+            tl.store(BK + 2 * p + 1, tl.where(swap, c0, c1), mask=act)
+            _push(HEAD, NXT, b1, p, act, _generation(CLOCK, 0))
 
 
 @triton.jit
-def _pick_kernel(SLOT_ROW, OK, CSU, CS, BOUNDS, HEAD, NXT, BK, SLOT, n, T, CLOCK, ROUND: tl.constexpr,
-                 P: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    nu = _real_unique(CSU, BOUNDS, T)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if (tl.load(CS + n - 1) > 0) & (start < nu):
-        u = start + tl.arange(0, BLOCK)
-        okb = tl.load(OK + u, mask=u < nu, other=0)
-        act = (u < nu) & ((okb & 1) != 0)
+def _pick_kernel(IDS, SLOT_ROW, OK, CS, HEAD, NXT, BK, SLOT, n, CLOCK, ROUND: tl.constexpr, P: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    if tl.load(CS + n - 1) > 0:
+        p, okb, act, some = _given(OK, n, BLOCK)
         if ROUND == 1:
             act = act & ((okb & 4) != 0)
-        if tl.max(act.to(tl.int32), 0) > 0:
-            bucket = tl.load(BK + 2 * u + ROUND, mask=act, other=0)
+        if some:
+            bucket = tl.load(BK + 2 * p + ROUND, mask=act, other=0)
+            key = tl.load(IDS + p, mask=act, other=0)
             gen = _generation(CLOCK, ROUND)
-            tl.store(SLOT + u, _pick(HEAD, NXT, SLOT_ROW, bucket, u, act, gen, P), mask=act)
+            tl.store(SLOT + p, _pick(IDS, HEAD, NXT, SLOT_ROW, bucket, key, act, gen, P), mask=act)
 
 
 @triton.jit
-def _place_kernel(
-    UKEY, NEWROW, OK, CSU, CS, BOUNDS, HEAD, NXT, BK, SLOT, SLOT_KEY, SLOT_ROW, n, T, CLOCK, BLOCK: tl.constexpr
-):  # fmt: skip
-    """Round 1's keys into their slots; keys that found none go on their other bucket's list (round 2)."""
-    nu = _real_unique(CSU, BOUNDS, T)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if (tl.load(CS + n - 1) > 0) & (start < nu):
-        u = start + tl.arange(0, BLOCK)
-        okb = tl.load(OK + u, mask=u < nu, other=0)
-        act = (u < nu) & ((okb & 1) != 0)
-        if tl.max(act.to(tl.int32), 0) > 0:
-            slot = tl.load(SLOT + u, mask=act, other=-1)
+def _place_kernel(IDS, NEWROW, OK, CS, HEAD, NXT, BK, SLOT, SLOT_KEY, SLOT_ROW, n, CLOCK, BLOCK: tl.constexpr):
+    """Round 1's ids into their slots; ids that found none go on their other bucket's list (round 2)."""
+    if tl.load(CS + n - 1) > 0:
+        p, okb, act, some = _given(OK, n, BLOCK)
+        if some:
+            slot = tl.load(SLOT + p, mask=act, other=-1)
             put = act & (slot >= 0)
-            tl.store(SLOT_KEY + slot, tl.load(UKEY + u, mask=put, other=0), mask=put)
-            row = tl.load(NEWROW + u, mask=put, other=0)
+            tl.store(SLOT_KEY + slot, tl.load(IDS + p, mask=put, other=0), mask=put)
+            row = tl.load(NEWROW + p, mask=put, other=0)
             tl.store(SLOT_ROW + slot, row.to(SLOT_ROW.dtype.element_ty), mask=put)
             retry = act & (slot < 0)
-            tl.store(OK + u, okb | 4, mask=retry)
-            _push(HEAD, NXT, tl.load(BK + 2 * u + 1, mask=retry, other=0), u, retry, _generation(CLOCK, 1))
+            tl.store(OK + p, okb | 4, mask=retry)
+            _push(HEAD, NXT, tl.load(BK + 2 * p + 1, mask=retry, other=0), p, retry, _generation(CLOCK, 1))
 
 
 @triton.jit
 def _finish_kernel(
-    UKEY, USHARD, UCNT, NEWROW, OK, SLOT, CSU, CS, BOUNDS, SLOT_KEY, SLOT_ROW, ROW_KEY, ROW_LAST, ROW_FREQ, ROW_SLOT,
-    ROW_USED, EVICTED, ADMITTED, n, T, CLOCK, MARK: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
+    IDS, SHARD, UCNT, NEWROW, OK, SLOT, CS, SLOT_KEY, SLOT_ROW, ROW_KEY, ROW_LAST, ROW_FREQ, ROW_SLOT, ROW_USED,
+    EVICTED, ADMITTED, n, T, CLOCK, MARK: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    nu = _real_unique(CSU, BOUNDS, T)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if (tl.load(CS + n - 1) > 0) & (start < nu):
-        u = start + tl.arange(0, BLOCK)
-        okb = tl.load(OK + u, mask=u < nu, other=0)
-        ok = (u < nu) & ((okb & 1) != 0)
-        if tl.max(ok.to(tl.int32), 0) > 0:
-            slot = tl.load(SLOT + u, mask=ok, other=-1)
-            row = tl.load(NEWROW + u, mask=ok, other=0)
-            key = tl.load(UKEY + u, mask=ok, other=0)
+    if tl.load(CS + n - 1) > 0:
+        p, okb, ok, some = _given(OK, n, BLOCK)
+        if some:
+            slot = tl.load(SLOT + p, mask=ok, other=-1)
+            row = tl.load(NEWROW + p, mask=ok, other=0)
+            key = tl.load(IDS + p, mask=ok, other=0)
             ins = ok & (slot >= 0)
             put2 = ins & ((okb & 4) != 0)  # placed in round 2
             tl.store(SLOT_KEY + slot, key, mask=put2)
             tl.store(SLOT_ROW + slot, row.to(SLOT_ROW.dtype.element_ty), mask=put2)
             tl.store(ROW_KEY + row, key, mask=ok)
             tl.store(ROW_LAST + row, tl.where(ins, tl.load(CLOCK), -1), mask=ok)
-            tl.store(ROW_FREQ + row, tl.where(ins, tl.load(UCNT + u, mask=ok, other=0), 0), mask=ok)
+            tl.store(ROW_FREQ + row, tl.where(ins, tl.load(UCNT + p, mask=ok, other=0), 0), mask=ok)
             tl.store(ROW_SLOT + row, slot.to(ROW_SLOT.dtype.element_ty), mask=ok)
             if MARK:
                 tl.store(ROW_USED + row, tl.full([BLOCK], 1, tl.int8), mask=ins)
             # per shard: evicted (old rows) and admitted (inserted) ids, summed in the block, then one add each
-            s = tl.load(USHARD + u, mask=ok, other=-1)
+            s = tl.load(SHARD + p, mask=ok, other=-1)
             t = tl.arange(0, TP)
             at = s[:, None] == t[None, :]
             ev = tl.sum(tl.where(at & ((okb & 2) != 0)[:, None], 1, 0), 0).to(tl.int64)
@@ -325,39 +351,31 @@ def _finish_kernel(
 
 
 @triton.jit
-def _out_kernel(
-    PERM, SHARD, FIRST, CSU, CS, BOUNDS, UROW, OK, NEWROW, SLOT, ROW_TAB, ROWS, GIVEN, LIST, LCOUNT, n, T,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = i < n
-    live = inside & (i < tl.load(BOUNDS + T))  # sorted positions past the real ids: a padded step's pads
-    tot = tl.load(CS + n - 1)
-    u = tl.load(CSU + i, mask=live, other=1) - 1
-    p = tl.load(PERM + i, mask=inside, other=0)
-    s = tl.load(SHARD + p, mask=live, other=0)
-    r0 = tl.load(ROW_TAB + 2 * s, mask=live, other=0)
-    row = tl.load(UROW + u, mask=live, other=-1)
-    miss = live & (row < 0) & (tl.zeros_like(row) + tot > 0)
-    ok = (tl.load(OK + u, mask=miss, other=0) & 1) != 0
-    nr = tl.load(NEWROW + u, mask=ok, other=0)
-    ins = ok & (tl.load(SLOT + u, mask=ok, other=-1) >= 0)
-    row = tl.where(ins, nr, row)
-    row = tl.where(row >= 0, row, tl.load(ROW_TAB + 2 * s + 1, mask=live, other=0))
-    tl.store(ROWS + p, tl.where(live, row - r0, 0), mask=inside)  # pads: row 0, given nothing
-    given = ok & (tl.load(FIRST + i, mask=ok, other=0) != 0)
-    tl.store(GIVEN + p, tl.where(given, nr - r0, -1), mask=inside)
-    k = tl.sum(given.to(tl.int32), 0)
-    if k > 0:  # list the positions given a row (one reservation per program; order is free)
-        base = tl.atomic_add(LCOUNT, k)
-        at = base + tl.cumsum(given.to(tl.int32), 0) - 1
-        tl.store(LIST + at, p, mask=given)
+def _out_kernel(SHARD, REP, CS, OK, NEWROW, SLOT, ROW_TAB, ROWS, GIVEN, LIST, LCOUNT, n, BLOCK: tl.constexpr):
+    if tl.load(CS + n - 1) > 0:
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        rep = tl.load(REP + i, mask=inside, other=-1)  # a miss's first position (the probe wrote the rest)
+        miss = inside & (rep >= 0)
+        if tl.max(miss.to(tl.int32), 0) > 0:
+            ok = miss & ((tl.load(OK + rep, mask=miss, other=0) & 1) != 0)
+            nr = tl.load(NEWROW + rep, mask=ok, other=0)
+            ins = ok & (tl.load(SLOT + rep, mask=ok, other=-1) >= 0)
+            r0 = tl.load(ROW_TAB + 2 * tl.load(SHARD + i, mask=ok, other=0), mask=ok, other=0)
+            tl.store(ROWS + i, nr - r0, mask=ins)
+            given = ok & (rep == i)
+            tl.store(GIVEN + i, nr - r0, mask=given)
+            k = tl.sum(given.to(tl.int32), 0)
+            if k > 0:  # list the positions given a row (one reservation per program; order is free)
+                base = tl.atomic_add(LCOUNT, k)
+                at = base + tl.cumsum(given.to(tl.int32), 0) - 1
+                tl.store(LIST + at, i, mask=given)
 
 
 def step_kernels() -> dict:
     """The kernels and constants (for embshard/rawids/step.py)."""
     return {
-        "runs": _runs_kernel, "uniq": _uniq_kernel, "find": _find_step_kernel, "assign": _assign_kernel,
-        "link": _link_kernel, "pick": _pick_kernel, "place": _place_kernel, "finish": _finish_kernel,
-        "out": _out_kernel, "golden": _GOLDEN, "mix1": _MIX1, "mix2": _MIX2,
+        "probe": _probe_kernel, "clear": _claim_clear_kernel, "claim": _claim_kernel, "rep": _rep_kernel,
+        "assign": _assign_kernel, "link": _link_kernel, "pick": _pick_kernel, "place": _place_kernel,
+        "finish": _finish_kernel, "out": _out_kernel, "golden": _GOLDEN, "mix1": _MIX1, "mix2": _MIX2,
     }  # fmt: skip

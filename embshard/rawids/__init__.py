@@ -72,36 +72,37 @@ One training step of a group (`IdMap.remap`), fixed-size outputs throughout (n =
 All of it is torch ops that run on the CPU and CUDA without a host sync: sort, cumsum, gather, index_select,
 scatter, index_fill, where, searchsorted, remainder and integer hashing; no `.item()`, `.tolist()`, `nonzero`,
 `unique` or boolean-mask indexing (`IdMap._train`, ~220 ops). On CUDA the step runs on fused Triton kernels instead
-(rawids/step.py, embshard/kernels/_step_triton.py; ~30 launches), with the torch ops' results: after the sort, the
-unique ids by run starts and one cumsum, their lookup and the hits' updates in one kernel; the number of unique ids
-and of admitted ids stay on the device, and every kernel of the miss path (the LRU window's victims, eviction, the
-inserts, the rows' new state, the statistics) reads the admitted count and returns at once when it is 0, so a step
-whose ids are all resident does no work for misses. Inserts rank the keys of a bucket without a sort (each pushes
-itself on its bucket's list, then counts the keys before it: the sort's rank). The step lists the positions given
-a row compactly (count on the device), and the reset kernels walk that list. The LRU order's partition runs on two
-Triton passes (embshard/kernels/_idmap_triton.py) reading the step's marks of its used rows (a byte per row). The
-only host values are sizes the host already knows (the ids per shard from the step's counts, hence the windows) and
-the map's clock (a Python int `clock`, mirrored on the device in `clock_t`: the kernels read it through a pointer
-and the Triton step advances it in its stream, so no clock is baked into a launch). Two GPU rules: masked-off
-entries write to a trash slot only with plain stores, never atomic adds (atomics on one address serialise:
-per-shard sums go through a cumsum over batch positions, the hits' use counts through a scatter, one id per row;
-the Triton step adds a program's per-shard sums once); and no cummax or cummin (CUDA scans a 1-d tensor with them
-in a single thread block). Evaluation (no grad) only looks up.
+(rawids/step.py, embshard/kernels/_step_triton.py; ~25 launches), with the torch ops' results and no sort of the
+ids: one kernel probes every id in the index and updates the hits (their rows, last use, mark, one use per copy);
+the misses find their unique pairs and first positions through a claim table of 2n entries; the number of misses and
+of admitted ids stay on the device, and every kernel of the miss path (the claims, the LRU window's victims,
+eviction, the inserts, the rows' new state, the statistics) reads its count and returns at once when it is 0, so a
+step whose ids are all resident does no work for misses. Inserts rank the ids of a bucket without a sort (each
+pushes itself on its bucket's list, then counts the ids of smaller key: the sort's rank). The step lists the
+positions given a row compactly (count on the device), and the reset kernels walk that list. The LRU order's
+partition runs on two Triton passes (embshard/kernels/_idmap_triton.py) reading the step's marks of its used rows (a
+byte per row). The only host values are sizes the host already knows (the ids per shard from the step's counts,
+hence the windows) and the map's clock (a Python int `clock`, mirrored on the device in `clock_t`: the kernels read
+it through a pointer and the Triton step advances it in its stream, so no clock is baked into a launch). Two GPU
+rules: masked-off entries write to a trash slot only with plain stores, never atomic adds (atomics on one address
+serialise: per-shard sums go through a cumsum over batch positions, the hits' use counts through a scatter, one id
+per row; the Triton step adds a program's per-shard sums once, and its atomics on per-row or per-claim addresses
+meet only copies of one id); and no cummax or cummin (CUDA scans a 1-d tensor with them in a single thread block).
+Evaluation (no grad) only looks up.
 
-The graphed step (graph.py): ~56 launches a step cost far more host time than their GPU work, so a qualifying
-training step replays a graph captured for a capacity of N >= n ids (10% over the step's, a multiple of 64;
-captured again for a step over it). The ids are padded to N (key INT64_MAX, shard T: after the stable sort the pads
-are the last runs, past every real id) and every count the kernels follow is read on the device: n = bounds[T],
-the unique ids as the run starts' cumsum at sorted position n - 1, the admitted ids from their cumsum, the LRU
-window's end wb[T] under the fixed bound min(N, usable rows); pads are never looked up, admitted, counted or reset
-(their rows are 0). The LRU partition writes a new order, so the map keeps two order buffers and one graph per
-direction. The host copies the ids and one pinned tensor of host values (bounds, window bounds, stream keys) in,
-replays, and copies the rows out.
+The graphed step (graph.py): ~50 launches a step cost far more host time than their GPU work, so a qualifying
+training step replays a graph captured for a capacity of N >= n ids (10% over the step's, a multiple of 64; captured
+again for a step over it). The ids are padded to N (key INT64_MAX, shard T: the kernels leave out every position
+from n on) and every count the kernels follow is read on the device: n = bounds[T], the misses (a count the probe
+adds to), the admitted ids from their cumsum, the LRU window's end wb[T] under the fixed bound min(N, usable rows);
+pads are never looked up, admitted, counted or reset (their rows are 0). The LRU partition writes a new order, so
+the map keeps two order buffers and one graph per direction. The host copies the ids and one pinned tensor of host
+values (bounds, window bounds, stream keys) in, replays, and copies the rows out.
 
-Cost per step and group (Triton): a sort of the n ids, one read of a 16-slot bucket per unique id (the second
-bucket for misses), writing every id's row, and one O(rows) pass pair for the LRU order (LFU: a sort of the rows,
-torch ops); per new id its victim, two bucket reads, its row and state. Memory per row: `map_bytes_per_row` (about
-78 bytes under LRU with its two order buffers, 61 under LFU, 102 with admission counting); the planner counts it.
+Cost per step and group (Triton): one read of a 16-slot bucket per id (the second bucket for misses), writing every
+id's row, and one O(rows) pass pair for the LRU order (LFU: a sort of the rows, torch ops); per new id its victim,
+two bucket reads, its row and state. Memory per row: `map_bytes_per_row` (about 78 bytes under LRU with its two
+order buffers, 61 under LFU, 102 with admission counting); the planner counts it.
 
 Checkpoints (checkpoint/raw_ids.py): per table the logical tensors `ids`, `id_last`, `id_count` `[rows]` ride
 with `weight` and the optimizer state; a load under the same row blocks reads them straight into place and

@@ -1,6 +1,6 @@
 """An `IdMap`'s training step as a CUDA graph (idmap.py; the step itself: step.py and the package docstring).
 
-The Triton step is ~56 launches (the remap's kernels and torch sorts and cumsums, the LRU order's two passes, one
+The Triton step is ~50 launches (the remap's kernels and torch cumsums, the LRU order's two passes, one
 reset launch per storage and the zero rows' fills) around well under a millisecond of GPU work: the host's launch
 work, not the GPU, sets its time. So a training step of a map that qualifies (`graph_refusal`) replays one graph
 holding all of it, and the host pays the replay and three copies: the ids into a static buffer, the step's host
@@ -9,8 +9,8 @@ values into another (one pinned copy), the rows out.
 Fixed shapes: the graph is captured for a capacity of N ids (10% over the step's ids, a multiple of 64: the
 padded batches' rule, embshard/padding.py), the step's n <= N ids at positions 0..n-1 of the static ids and
 pads past them (`step.pad_ids`: key INT64_MAX, shard T; never looked up, admitted or counted, rows 0, no reset).
-Every count the kernels follow is read on the device: n = bounds[T], the unique and the admitted ids from their
-cumsums, the LRU window's end wb[T] under the fixed bound min(N, usable rows). The static host values: the shards'
+Every count the kernels follow is read on the device: n = bounds[T], the misses (counted by the probe), the
+admitted ids from their cumsum, the LRU window's end wb[T] under the fixed bound min(N, usable rows). The static host values: the shards'
 first positions and n, the LRU window's bounds, the rows' stream keys (a fresh draw per step where the map's seed is
 None). A step over the capacity captures again for its own (the old graphs are dropped).
 

@@ -92,6 +92,35 @@ def test_step_kernels_with_full_buckets(device, monkeypatch):
     assert (ref.row_last[:40] < 0).any() and (ref.slot_row[:-1] >= 0).all()
 
 
+def test_step_kernels_with_repeated_misses_and_hits(device):
+    """Misses repeated many times (one new id a third of the step, in every shard at once: one claim per shard and
+    id, entries of the claim table taken by other ids) beside resident ids repeated, in LRU shards and one that
+    counts admissions; then steps whose ids are all resident, each many times: per row one last use and its
+    copies' uses, as on the torch path."""
+    tables = [
+        TableConfig("a", 60, 4, ("fa",), ids="raw"),
+        TableConfig("b", 40, 4, ("fb",), ids="raw", admit_min_count=3),
+        TableConfig("c", 41, 4, ("fc",), ids="raw"),
+    ]
+    fast, ref = _maps(tables, device)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))  # fresh ids every run
+    pool = torch.randint(-(2**62), 2**62, (150,), generator=gen)
+    for step in range(6):
+        hot = pool[torch.randint(0, 150, (1,), generator=gen)]
+        counts = [int(torch.randint(60, 120, (1,), generator=gen)) for _ in tables]
+        parts = []
+        for c in counts:
+            part = pool[torch.randint(0, 150, (c,), generator=gen)]
+            part[torch.rand(c, generator=gen) < 0.35] = hot  # the same id, many times, in every shard
+            parts.append(part)
+        _check(fast, ref, torch.cat(parts), counts, step)
+    assert sum(s["evicted"] for s in ref.stats()) > 10 and ref.stats()[1]["admitted"] > 0
+    resident = [fast.shard_state(s)["ids"][fast.shard_state(s)["id_last"] >= 0].cpu() for s in range(len(tables))]
+    for step in range(2):
+        parts = [r[torch.randint(0, len(r), (90,), generator=gen)] for r in resident]
+        assert _check(fast, ref, torch.cat(parts), [90] * len(tables), f"resident {step}") == 0
+
+
 class _Weights:
     """A lookup of one weight tensor and one optimizer state per shard (separate storages: each shard's reset walks
     the group's list and keeps its own entries)."""
