@@ -280,8 +280,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--torchrec-hbm-gib", type=float, default=0, help="emb: TorchRec's HBM for hetero124 (the card's)")
     g.add_argument(
-        "--emb-graph", action="store_true",
-        help="emb: embshard's step as one CUDA graph replay (embshard_dmp.py --graph, host counts), and eager as well",
+        "--emb-graph", nargs="?", const="also", choices=["also", "only"], default=None,
+        help="emb: embshard's step as one CUDA graph replay (embshard_dmp.py --graph, host counts), besides the eager "
+        "step (also, the default) or instead of it (only)",
     )  # fmt: skip
     g.add_argument("--no-bandwidth", action="store_true", help="e2e, emb: skip the bandwidth measurement")
     g = p.add_argument_group("other suites")

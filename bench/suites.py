@@ -385,15 +385,17 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
                     needs_gpus=gpus,
                 )
             )
-            out.append(
-                Step(
-                    f"embshard {w} (pair {i + 1})",
-                    torchrun(n) + mine + ["--steps", steps_],
-                    timeout=300,
-                    needs_gpus=gpus,
+            graph = getattr(args, "emb_graph", None)
+            if graph != "only":
+                out.append(
+                    Step(
+                        f"embshard {w} (pair {i + 1})",
+                        torchrun(n) + mine + ["--steps", steps_],
+                        timeout=300,
+                        needs_gpus=gpus,
+                    )
                 )
-            )
-            if getattr(args, "emb_graph", False):  # the same plan, each step one replay (host counts)
+            if graph:  # the same plan, each step one replay (host counts)
                 graphed = ["host" if a == "both" else a for a in mine]
                 out.append(
                     Step(
