@@ -6,9 +6,10 @@ bags (the first `pad % B` bags one more), on the first FILLER_ROWS rows of the f
 so that no bag is long and no row hot). Every id carries a weight: the batch's own for weighted tables, 1 for the
 others, 0 for the fillers, and every lookup that meets fillers pools with the weights (`ops.every_id_weighted`).
 A lookup that reads its ids through the bags' offsets alone, whatever the length of the values (the data-parallel
-tables on the small-table kernels: a scheme's `pads_free`), needs no fillers: its features keep their bags, and
-the ids their capacity leaves unused sit at the batch's end, in no bag (most of a step's ids, where many small
-tables are data-parallel: no filler lookups, no weights, less to copy). A filler adds
+tables on the small-table kernels: a scheme's `pads_free`), needs no fillers: its features keep their bags and
+follow the padded features (the padded KJT lists them last, so every buffer a lookup reads starts at the same place
+in every step), and the ids their capacity leaves unused sit at the batch's end, in no bag (most of a step's ids,
+where many small tables are data-parallel: no filler lookups, no weights, less to copy). A filler adds
 nothing to its bag and gets a zero gradient, which leaves its row as it is under sgd, adagrad and row-wise adagrad
 without weight decay (`refusal` lists what else it rules out). Every rank pads to the same capacity, so the counts
 of a padded batch are the capacity on every rank, and the exchanges sized from them fit.
@@ -54,19 +55,25 @@ class BatchPadder:
     """Pads the KJTs of one sharded collection (`ebc`) to a capacity per feature (canonical columns,
     `feature_columns`). Features whose every lookup reads its ids through the bags' offsets alone (a scheme with
     `pads_free`: the data-parallel tables on the small-table kernels) get no fillers: their bags stay as they are,
-    and the ids their capacity leaves unused sit at the end of the batch's values, in no bag. The filler ids of a
-    capacity are made once."""
+    they follow the padded features, and the ids their capacity leaves unused sit at the end of the batch's values,
+    in no bag. The filler ids of a capacity are made once."""
 
     def __init__(self, ebc) -> None:
         self.ebc = ebc
         cols = feature_columns(ebc.tables)
         self._column = {f: cols[f] for f in ebc.features}
-        self._free = {f for s in ebc.schemes if getattr(s, "pads_free", False) for f in s.layout.keys}
+        # the free features in their scheme's order: its lookup reads them as one run, without a permute
+        self._free_order = [f for s in ebc.schemes if getattr(s, "pads_free", False) for f in s.layout.keys]
+        self._free = set(self._free_order)
         self._fill: dict = {}  # (keys, capacities, dtype, device) of a run of padded features -> filler ids
 
     def pad(self, kjt, counts: BatchCounts, cap_C: np.ndarray):
         """(`kjt` padded to the capacity `cap_C` (ids per canonical column; at least this rank's counts), the counts
-        of such a batch on every rank). Device work only: the host knows every size."""
+        of such a batch on every rank). Device work only: the host knows every size.
+
+        The padded KJT lists the padded features first (each holding its capacity: every one at the same place in
+        every step), then the free ones (their own ids, from a fixed place), then the free features' unused
+        capacity (in no bag): a lookup sees the same buffers, at the same addresses, in every step."""
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         keys, B = list(kjt.keys()), kjt.stride()
@@ -81,24 +88,32 @@ class BatchPadder:
         values_out = torch.empty(sum(cap), dtype=values.dtype, device=dev)
         weights_out = torch.empty(sum(cap), dtype=torch.float32, device=dev)
         lengths_out = torch.empty(lengths.numel(), dtype=lengths.dtype, device=dev)
+        free = [k in self._free for k in keys]
+        where_in = {k: i for i, k in enumerate(keys)}
+        order = [i for i in range(len(keys)) if not free[i]] + [where_in[f] for f in self._free_order if f in where_in]
         old = np.concatenate([[0], np.cumsum(have)]).astype(np.int64)  # where each feature's ids are now
-        new, at = [0], 0  # and where they go: a padded feature holds its capacity, a free one its own ids
-        for k, n, c in zip(keys, have, cap):
-            at += n if k in self._free else c
-            new.append(at)
-        for f0, f1, free in _runs([k in self._free for k in keys]):
-            o0, o1, n0, n1 = int(old[f0]), int(old[f1]), new[f0], new[f1]
-            if free:  # no fillers: the ids, their weights and their bags as they are
+        at_ids = {i: 0 for i in order}  # and where they go: a padded feature holds its capacity, a free one its ids
+        at = 0
+        for i in order:
+            at_ids[i] = at
+            at += have[i] if free[i] else cap[i]
+        for r0, f0, f1 in _runs(order, free):
+            is_free = free[f0]
+            o0, o1, n0 = int(old[f0]), int(old[f1]), at_ids[f0]
+            n1 = n0 + (o1 - o0 if is_free else sum(cap[f0:f1]))
+            bags = slice(r0 * B, (r0 + f1 - f0) * B)
+            if is_free:  # no fillers: the ids, their weights and their bags as they are
                 values_out[n0:n1].copy_(values[o0:o1])
                 self._own_weights(keys[f0:f1], have[f0:f1], weights, o0, o1, weights_out[n0:n1])
-                lengths_out[f0 * B : f1 * B].copy_(lengths[f0 * B : f1 * B])
+                lengths_out[bags].copy_(lengths[f0 * B : f1 * B])
                 continue
             self._pad_run(keys[f0:f1], have[f0:f1], cap[f0:f1], B, lengths[f0 * B : f1 * B], values[o0:o1],
-                          weights, (o0, o1), (values_out[n0:n1], weights_out[n0:n1], lengths_out[f0 * B : f1 * B]))  # fmt: skip
-        if new[-1] < values_out.numel():  # the free features' unused capacity: in no bag, read by no lookup
-            values_out[new[-1] :].zero_()
-            weights_out[new[-1] :].zero_()
-        padded = KeyedJaggedTensor(keys=keys, values=values_out, lengths=lengths_out, weights=weights_out, stride=B)
+                          weights, (o0, o1), (values_out[n0:n1], weights_out[n0:n1], lengths_out[bags]))  # fmt: skip
+        if at < values_out.numel():  # the free features' unused capacity: in no bag, read by no lookup
+            values_out[at:].zero_()
+            weights_out[at:].zero_()
+        keys_out = [keys[i] for i in order]
+        padded = KeyedJaggedTensor(keys=keys_out, values=values_out, lengths=lengths_out, weights=weights_out, stride=B)
         W = len(counts.batch_sizes)
         return padded, BatchCounts(list(counts.batch_sizes), np.tile(np.asarray(cap_C), (W, 1)), [])
 
@@ -150,12 +165,13 @@ class BatchPadder:
         return self._fill[key]
 
 
-def _runs(flags: list[bool]) -> list[tuple[int, int, bool]]:
-    """Maximal runs of equal flags: (start, end, flag)."""
-    out: list[tuple[int, int, bool]] = []
-    for i, f in enumerate(flags):
-        if out and out[-1][2] == f:
-            out[-1] = (out[-1][0], i + 1, f)
+def _runs(order: list[int], free: list[bool]) -> list[tuple[int, int, int]]:
+    """The output `order` (input feature indices) cut into runs of one kind whose input features are consecutive:
+    (first output row, first input feature, end input feature)."""
+    out: list[list[int]] = []
+    for r, i in enumerate(order):
+        if out and free[i] == free[out[-1][1]] and i == out[-1][2]:
+            out[-1][2] = i + 1
         else:
-            out.append((i, i + 1, f))
-    return out
+            out.append([r, i, i + 1])
+    return [(r, f0, f1) for r, f0, f1 in out]

@@ -58,6 +58,8 @@ class DataParallelSharding(Scheme):
         self.layout = OutputLayout(list(keys), list(dims), [list(keys)], [list(dims)])  # one output block
         self.rank = ctx.rank
         self._cols = np.array([ctx.columns[f] for f in keys], dtype=np.int64)  # in BatchCounts.ids
+        self._columns = dict(ctx.columns)
+        self._runs: dict = {}  # a batch layout (feature -> row) -> None, or (first row, columns of the rows before)
         self.weighted = any(s.table.weighted for s in shards)
         # The small-table kernels (atomic backward) read each bag's ids through its offsets alone, whatever the
         # length of the values: a padded batch (embshard/padding.py) gives these features no fillers and their
@@ -68,17 +70,42 @@ class DataParallelSharding(Scheme):
             lookup.pads_free = True
 
     def local_ids(self, batch: LocalBatch) -> LocalIds:
-        """Select this scheme's features from the local batch (sized from `batch.counts`: no host sync)."""
+        """Select this scheme's features from the local batch (sized from `batch.counts`: no host sync): views of
+        the batch where its features are one run of the batch's, in this scheme's order (a padded batch's free
+        features always are), else FBGEMM's permute."""
         n = int(batch.counts.ids[self.rank, self._cols].sum())
         values = batch.values
-        select = cached_tensor([batch.feature_index[f] for f in self.layout.keys], values.device, torch.int32)
         if self.pads_free:  # its features hold no fillers: weights only for weighted tables
             weights = weights_or_ones(values, batch.weights, True) if self.weighted else None
         else:
             weights = weights_or_ones(values, batch.weights, self.weighted)
-        # n: the ids of these features (a padded batch: their capacity, of which the bags hold the first ones)
+        run = self._run_of(batch)
+        if run is not None:  # n: these features' ids (a padded batch: their capacity, the bags holding the first)
+            a, start = run
+            k = len(self.layout.keys)
+            w = weights[start : start + n] if weights is not None else None
+            return LocalIds(batch.lengths_FB[a : a + k].reshape(-1), values[start : start + n], w, [n], [n])
+        select = cached_tensor([batch.feature_index[f] for f in self.layout.keys], values.device, torch.int32)
         lengths, ids, w = permute_2d(select, batch.lengths_FB, values, weights, n)
         return LocalIds(lengths.reshape(-1), ids, w, [n], [n])
+
+    def _run_of(self, batch: LocalBatch) -> tuple[int, int] | None:
+        """(first row, first id) of this scheme's features in the batch when they are consecutive rows of it in
+        this scheme's order, else None; the first id counts the ids of the batch's rows before them."""
+        key = tuple(batch.feature_index.items())
+        if key not in self._runs:
+            rows = [batch.feature_index[f] for f in self.layout.keys]
+            a = rows[0] if rows else 0
+            if rows != list(range(a, a + len(rows))):
+                self._runs[key] = None
+            else:
+                before = [f for f, r in batch.feature_index.items() if r < a]
+                self._runs[key] = (a, np.array([self._columns[f] for f in before], dtype=np.int64))
+        found = self._runs[key]
+        if found is None:
+            return None
+        a, cols = found
+        return a, int(batch.counts.ids[self.rank, cols].sum())
 
     def start_input_dist(self, ids: LocalIds, batch_sizes: list[int]) -> Ready:
         """Nothing to send: the selected ids are this rank's lookup input."""
