@@ -9,7 +9,7 @@ data-parallel all-reduce and update); on GPUs the host takes longer to launch th
     padded batch    every batch is padded to a capacity per feature (embshard/padding.py: filler ids of weight 0,
                     every lookup pooling with per-id weights), 10% over the largest counts seen on any rank, so the
                     exchanges, sized from the counts, have the same sizes in every step
-    static inputs   the padded batch's values, lengths and weights, copied in each step
+    static inputs   the padded batch's values, lengths and weights, padded into them in each step
     graph           the id exchange, the lookups, the pooled exchange, the regroup, `loss_fn` of the pooled output,
                     and the backward: the pooled gradients' exchange, the lookups' backward with the fused sparse
                     update, the data-parallel tables' all-reduce and update
@@ -140,12 +140,18 @@ class EmbeddingStepGraph:
                 )
             grown = most if self.capacity is None else np.maximum(self.capacity, most)
             self.capacity, self.graph = padding.capacity(grown), None
-        padded, full = self._padder.pad(kjt, counts, self.capacity)
-        inputs = [padded.values(), padded.lengths(), padded.weights()]
-        if self._static is None or not all(a.shape == b.shape for a, b in zip(self._static[1], inputs)):
+        static = self._static
+        n_ids, n_bags = int(self.capacity.sum()), kjt.lengths().numel()
+        if static is not None and (static[1][0].numel(), static[1][1].numel()) == (n_ids, n_bags):
+            values, lengths, weights = static[1]  # padded straight into the graph's inputs
+            padded, full = self._padder.pad(kjt, counts, self.capacity, out=(values, weights, lengths))
+            if padded.keys() != static[0].keys():
+                raise RuntimeError(f"EmbeddingStepGraph: the padded batch's keys changed order: {padded.keys()[:4]}")
+        else:
+            padded, full = self._padder.pad(kjt, counts, self.capacity)
             self._make_static(padded)
+            torch._foreach_copy_(self._static[1], [padded.values(), padded.lengths(), padded.weights()])
         self._counts = full
-        torch._foreach_copy_(self._static[1], inputs)
         if self.graph is not None:
             self.graph.replay()
             comm.graph_launched()

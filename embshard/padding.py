@@ -67,13 +67,15 @@ class BatchPadder:
         self._free = set(self._free_order)
         self._fill: dict = {}  # (keys, capacities, dtype, device) of a run of padded features -> filler ids
 
-    def pad(self, kjt, counts: BatchCounts, cap_C: np.ndarray):
+    def pad(self, kjt, counts: BatchCounts, cap_C: np.ndarray, out: tuple | None = None):
         """(`kjt` padded to the capacity `cap_C` (ids per canonical column; at least this rank's counts), the counts
         of such a batch on every rank). Device work only: the host knows every size.
 
         The padded KJT lists the padded features first (each holding its capacity: every one at the same place in
         every step), then the free ones (their own ids, from a fixed place), then the free features' unused
-        capacity (in no bag): a lookup sees the same buffers, at the same addresses, in every step."""
+        capacity (in no bag): a lookup sees the same buffers, at the same addresses, in every step. `out`: the
+        (values, weights, lengths) tensors to write the padded batch into (a padded batch of the same capacity and
+        keys: a captured graph's static inputs), instead of new ones."""
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         keys, B = list(kjt.keys()), kjt.stride()
@@ -85,9 +87,17 @@ class BatchPadder:
             raise ValueError(f"BatchPadder.pad: features (name, ids, capacity) {over} hold more ids than the capacity")
         values, weights, lengths = kjt.values(), kjt.weights_or_none(), kjt.lengths()
         dev = values.device
-        values_out = torch.empty(sum(cap), dtype=values.dtype, device=dev)
-        weights_out = torch.empty(sum(cap), dtype=torch.float32, device=dev)
-        lengths_out = torch.empty(lengths.numel(), dtype=lengths.dtype, device=dev)
+        if out is None:
+            values_out = torch.empty(sum(cap), dtype=values.dtype, device=dev)
+            weights_out = torch.empty(sum(cap), dtype=torch.float32, device=dev)
+            lengths_out = torch.empty(lengths.numel(), dtype=lengths.dtype, device=dev)
+        else:
+            values_out, weights_out, lengths_out = out
+            if values_out.numel() != sum(cap) or lengths_out.numel() != lengths.numel():
+                raise ValueError(
+                    f"BatchPadder.pad: out holds {values_out.numel()} ids and {lengths_out.numel()} bags, the padded "
+                    f"batch {sum(cap)} and {lengths.numel()}: pass buffers of a batch of this capacity"
+                )
         free = [k in self._free for k in keys]
         where_in = {k: i for i, k in enumerate(keys)}
         order = [i for i in range(len(keys)) if not free[i]] + [where_in[f] for f in self._free_order if f in where_in]
@@ -102,16 +112,16 @@ class BatchPadder:
             o0, o1, n0 = int(old[f0]), int(old[f1]), at_ids[f0]
             n1 = n0 + (o1 - o0 if is_free else sum(cap[f0:f1]))
             bags = slice(r0 * B, (r0 + f1 - f0) * B)
-            if is_free:  # no fillers: the ids, their weights and their bags as they are
+            if is_free:  # no fillers: the ids, their weights (where a table has them) and their bags as they are
                 values_out[n0:n1].copy_(values[o0:o1])
-                self._own_weights(keys[f0:f1], have[f0:f1], weights, o0, o1, weights_out[n0:n1])
+                if any(self.ebc._table_of[k].weighted for k in keys[f0:f1]):
+                    self._own_weights(keys[f0:f1], have[f0:f1], weights, o0, o1, weights_out[n0:n1])
                 lengths_out[bags].copy_(lengths[f0 * B : f1 * B])
                 continue
             self._pad_run(keys[f0:f1], have[f0:f1], cap[f0:f1], B, lengths[f0 * B : f1 * B], values[o0:o1],
                           weights, (o0, o1), (values_out[n0:n1], weights_out[n0:n1], lengths_out[bags]))  # fmt: skip
         if at < values_out.numel():  # the free features' unused capacity: in no bag, read by no lookup
             values_out[at:].zero_()
-            weights_out[at:].zero_()
         keys_out = [keys[i] for i in order]
         padded = KeyedJaggedTensor(keys=keys_out, values=values_out, lengths=lengths_out, weights=weights_out, stride=B)
         W = len(counts.batch_sizes)

@@ -102,9 +102,10 @@ def _worker(rank, world, device, wrong_filler=False, small=False):
     if wrong_filler:  # fillers weighing 1: they now add their rows to the bags
         pad = graph._padder.pad
 
-        def bad_pad(kjt, counts, cap):
-            padded, full = pad(kjt, counts, cap)
-            padded._weights = torch.where(padded.weights() == 0, 1.0, padded.weights())
+        def bad_pad(kjt, counts, cap, out=None):
+            padded, full = pad(kjt, counts, cap, out=out)
+            w = padded.weights()  # in place: it may be the graph's input itself
+            w.copy_(torch.where(w == 0, 1.0, w))
             return padded, full
 
         graph._padder.pad = bad_pad
