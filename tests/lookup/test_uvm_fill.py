@@ -86,6 +86,7 @@ def test_same_buffers_as_fbgemm(monkeypatch, dtype, enforce_hbm):
 
 def test_applied_only_inside_the_context(monkeypatch):
     original = training.apply_split_helper
+    monkeypatch.delenv("EMBSHARD_UVM_FIRST_TOUCH", raising=False)  # a benchmark's setting in the environment
     with uvm_first_touch(threads=1) as touch:  # the default: FBGEMM's own fill
         assert touch is None and training.apply_split_helper is original
     monkeypatch.setenv("EMBSHARD_UVM_FIRST_TOUCH", "host")
