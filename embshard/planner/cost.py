@@ -71,7 +71,10 @@ phase), and the regroup of the pooled rows into the output and its gradient, max
 in the forward and again in the backward phase (on GPUs the Triton regroup's time, kernel_cost.py, + 2P/bw);
 and bags*batch_bag_s (first phase): the per-segment cost, beyond bytes, of all the kernels that walk the step's
 bags (lookups forward and backward, lengths and offsets of the exchange, permutes, id check, regroup), which
-the per-id and per-byte terms miss; fitted with host_sync_s to the measured steps of 2 x H100 and 2 x H200
+the per-id and per-byte terms miss (not charged to a step replayed as one CUDA graph, settings.whole_step_graph:
+2 x H100, graphed, uniform26 3.85 ms measured against 3.85 predicted without it, hetero124 4.95 against 5.15, 4.35
+and 7.52 with it: in the eager steps it was fitted on it stands for the host's work per feature and bag); fitted
+with host_sync_s to the measured steps of 2 x H100 and 2 x H200
 (tests/planner/data/measured_steps.json): 1.67 ns a bag on the H200, scaled by the copy bandwidth ratio on the
 H100 as the per-id constants are. Workloads with many features pay it most (hetero124: 124 features, 1.0 M
 bags a rank, 1.7 ms on an H200).
@@ -455,7 +458,10 @@ class CostModel:
             fwd, bwd = kernel_cost.regroup_s(self, B, pooled / (B * self.out_bytes))
             v[loads.FWD] = permute + fwd + 2 * pooled / bw
             v[loads.BWD] = bwd + 2 * pooled / bw
-        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s + bags * self.topo.batch_bag_s  # whatever the plan
+        # whatever the plan; a step replayed as one CUDA graph (settings.whole_step_graph, a plan it holds) does
+        # without the per-bag term: fitted on eager steps, it stands for work their host does per feature and bag
+        bag_term = 0.0 if self.settings.whole_step_graph else bags * self.topo.batch_bag_s
+        v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s + bag_term
         return v
 
     # ---- storage ------------------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ def search_plan(
             f"no uvm_caching): {why}; planning with every option, so the step runs without "
             "the whole-step graph"
         )
+        settings = replace(settings, whole_step_graph=False)  # the step runs eagerly: priced so
     return plan_with_report(tables, topo, batch_size, optimizer, constraints, settings)
 
 

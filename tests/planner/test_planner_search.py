@@ -463,3 +463,28 @@ def test_raw_id_tables_pay_the_remap_launches_once_per_group_and_rank():
         p, report = plan_with_report(tables, Topology.preset("h100", 8, 4), 512)
         assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
         assert_valid(p, report, tables)
+
+
+def test_a_graphed_step_is_priced_without_the_per_bag_term_and_a_fallback_as_eager():
+    """A plan the whole-step graph holds is predicted without the eager step's per-bag term (bags x batch_bag_s:
+    the host's work per feature and bag); where no graph-held plan fits, the search plans without the graph and
+    prices the step as eager."""
+    from embshard.planner.policy import search_plan
+
+    tables = hetero124()[4:30]  # 20 mid tables and 6 small ones
+    topo = Topology.preset("h100", world_size=2)
+    eager = plan_with_report(tables, topo, 8192, ROWWISE, None, PlannerSettings(whole_step_graph=False))
+    graphed = search_plan(tables, topo, 8192, ROWWISE, None, PlannerSettings(whole_step_graph=True))
+    bags = 8192 * sum(len(t.feature_names) for t in tables)
+    assert graphed[0] == eager[0]  # the same plan here (table-wise and data-parallel, all in HBM)
+    gap = eager[1].step_time_s - graphed[1].step_time_s
+    assert gap == pytest.approx(bags * topo.batch_bag_s, rel=1e-6) and gap > 0.1e-3, gap
+    again = predict(eager[0], tables, topo, 8192, ROWWISE, settings=PlannerSettings(whole_step_graph=True))
+    assert again.step_time_s == pytest.approx(graphed[1].step_time_s, rel=1e-9)
+    # only column-wise allowed: no plan the graph holds; planned and priced as the eager step
+    cw = PlannerSettings(whole_step_graph=True, sharding_types=(ShardingType.COLUMN_WISE,))
+    said = []
+    mid = tables[:20]
+    fallback = search_plan(mid, topo, 8192, ROWWISE, None, cw, say=said.append)
+    eager_cw = plan_with_report(mid, topo, 8192, ROWWISE, None, PlannerSettings(sharding_types=cw.sharding_types))
+    assert said and fallback[1].step_time_s == pytest.approx(eager_cw[1].step_time_s, rel=1e-9)
