@@ -71,10 +71,10 @@ phase), and the regroup of the pooled rows into the output and its gradient, max
 in the forward and again in the backward phase (on GPUs the Triton regroup's time, kernel_cost.py, + 2P/bw);
 and bags*batch_bag_s (first phase): the per-segment cost, beyond bytes, of all the kernels that walk the step's
 bags (lookups forward and backward, lengths and offsets of the exchange, permutes, id check, regroup), which
-the per-id and per-byte terms miss (not charged to a step replayed as one CUDA graph, settings.whole_step_graph:
-2 x H100, graphed, uniform26 3.85 ms measured against 3.85 predicted without it, hetero124 4.95 against 5.15, 4.35
-and 7.52 with it: in the eager steps it was fitted on it stands for the host's work per feature and bag); fitted
-with host_sync_s to the measured steps of 2 x H100 and 2 x H200
+the per-id and per-byte terms miss. In the eager steps it was fitted on it stands for the host's work per feature
+and bag, so a step replayed as one CUDA graph (settings.whole_step_graph) is not charged it: on 2 x H100, graphed,
+uniform26 measured 3.85 ms and hetero124 4.95 ms, predicted 3.85 and 5.15 without the term, 4.35 and 7.52 with it.
+Fitted with host_sync_s to the measured steps of 2 x H100 and 2 x H200
 (tests/planner/data/measured_steps.json): 1.67 ns a bag on the H200, scaled by the copy bandwidth ratio on the
 H100 as the per-id constants are. Workloads with many features pay it most (hetero124: 124 features, 1.0 M
 bags a rank, 1.7 ms on an H200).
