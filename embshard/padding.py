@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from embshard.ops import complete_cumsum, small_to_device
+from embshard.ops import cached_tensor, complete_cumsum, small_to_device
 from embshard.optim import OptimizerKind
 from embshard.sharding.exchange import BatchCounts
 from embshard.tables import Pooling, feature_columns
@@ -136,7 +136,7 @@ class BatchPadder:
         elif all(flags):
             out.copy_(weights[o0:o1])
         else:
-            weighted = torch.tensor(flags, device=out.device)
+            weighted = cached_tensor(flags, out.device, torch.bool)  # made once: no host-to-device copy a step
             per_id = torch.repeat_interleave(weighted, small_to_device(have, out.device), output_size=o1 - o0)
             out.copy_(torch.where(per_id, weights[o0:o1].float(), 1.0))
 

@@ -24,8 +24,9 @@ Ragged bags (counts that change from step to step): from the first change on, th
 per feature (10% over the largest counts seen, `capacity`), and every batch whose counts fit is padded to it before
 the replay: each feature's bags keep their ids and gain filler ids spread evenly over them up to the capacity (on the
 first 1,024 rows of the feature's table, so that no bag is long and no row hot), every id with a weight (the
-batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup pools with the weights
-(`ops.every_id_weighted`). A filler adds nothing to its bag and gets a zero gradient, which leaves its row as it is
+batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup that meets fillers pools
+with the weights (`ops.every_id_weighted`; the data-parallel tables on the small-table kernels get none:
+embshard/padding.py). A filler adds nothing to its bag and gets a zero gradient, which leaves its row as it is
 under sgd, adagrad and row-wise adagrad without weight decay. A batch over the capacity grows it (eager step, then
 a new capture). Where padding does not apply (`padding_refusal`: mean pooling, adam or weight
 decay), counts that keep changing are noticed after `max_changes` eligible steps and the graph is
