@@ -377,30 +377,17 @@ def emb_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
                 mine += ["--hbm-gib", "16"]
             elif w == "mlperf":  # the end-to-end model's tables (97 GiB): TorchRec planning for the whole card
                 base = ["bench/torchrec_more.py", "--workload", w, "--hbm-gib", f"{hbm:g}"]
-            out.append(
-                Step(
-                    f"TorchRec {w} (pair {i + 1})",
-                    torchrun(n) + base + ["--steps", steps_],
-                    timeout=300,
-                    needs_gpus=gpus,
-                )
-            )
+            runs = [(f"TorchRec {w}", base)]
             graph = getattr(args, "emb_graph", None)
             if graph != "only":
-                out.append(
-                    Step(
-                        f"embshard {w} (pair {i + 1})",
-                        torchrun(n) + mine + ["--steps", steps_],
-                        timeout=300,
-                        needs_gpus=gpus,
-                    )
-                )
+                runs.append((f"embshard {w}", mine))
             if graph:  # the same plan, each step one replay (host counts)
-                graphed = ["host" if a == "both" else a for a in mine]
+                runs.append((f"embshard {w} graph", ["host" if a == "both" else a for a in mine] + ["--graph"]))
+            for label, argv in runs:
                 out.append(
                     Step(
-                        f"embshard {w} graph (pair {i + 1})",
-                        torchrun(n) + graphed + ["--graph", "--steps", steps_],
+                        f"{label} (pair {i + 1})",
+                        torchrun(n) + argv + ["--steps", steps_],
                         timeout=300,
                         needs_gpus=gpus,
                     )
