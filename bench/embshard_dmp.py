@@ -420,13 +420,18 @@ def main() -> None:
     mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(ws)]
     dist.all_gather_object(everyone, mine)
-    peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else 0.0], device=dev)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # peak allocated, the caching allocator's retries (a retry frees cached blocks: a device sync) and its peak
+    # reserved memory, each the max over ranks
+    stats = torch.cuda.memory_stats() if cuda else {}
+    marks = [stats.get(k, 0) for k in ("allocated_bytes.all.peak", "num_alloc_retries", "reserved_bytes.all.peak")]
+    marks_t = torch.tensor([float(m) for m in marks], device=dev)
+    dist.all_reduce(marks_t, op=dist.ReduceOp.MAX)
+    peak, retries, reserved = marks_t[0], int(marks_t[1]), float(marks_t[2])
     raw_stats = ebcs["raw"].raw_id_stats(gather=True) if "raw" in ebcs else {}
     if rank == 0:
         mem = (
             f"; peak GPU memory {peak.item() / 2**30:.2f} GiB (max over ranks; rank 0: {built_gib:.2f} after build, "
-            f"{warm_gib:.2f} after warm-up)"
+            f"{warm_gib:.2f} after warm-up); reserved {reserved / 2**30:.2f} GiB, allocator retries {retries}"
             if cuda
             else ""
         )

@@ -90,7 +90,7 @@ passes, run-length encoding, the optimizer kernels); per sharding scheme in the 
 collectives (+1 for weights), output and gradient 1 collective each; once per step when any table is
 model-parallel and the step's batch counts are gathered on the GPUs (settings.batch_counts device: the forward's
 `gather_batch_counts`, one device sync; `step_fixed`): host_sync_s, the input exchange's host synchronisation and
-the launch-bound stretch around it while the GPU idles (a host cost, the same on every GPU model: 0.68 ms fitted
+the launch-bound stretch around it while the GPU idles (a host cost, the same on every GPU model: 0.63 ms fitted
 with batch_bag_s to the measured steps of both GPU models, all with device counts; 1.0 ms before, from the idle
 time of profiled 2 x H200 steps); nothing with host counts (batch_counts host, the default and the training
 pipeline's: each batch counted on the CPU and the rows gathered over a CPU group, no device sync; the 2 x H100

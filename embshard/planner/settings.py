@@ -51,7 +51,7 @@ class PlannerSettings:
     hierarchical (reduce inside each host, then one all-to-all between hosts), or auto (the one predicted faster)."""
     batch_counts: Literal["host", "device"] | None = None
     """Where each step's batch counts come from: host (counted on the CPU by the training pipeline: no device sync)
-    or device (gathered on the GPUs: the topology's host_sync_s, 0.68 ms a step, charged); unset: as the training
+    or device (gathered on the GPUs: the topology's host_sync_s, 0.63 ms a step, charged); unset: as the training
     job runs (host unless training.pipeline is none, lookup.bounds_check drop or a retrieval catalog), else host."""
     whole_step_graph: bool | None = None
     """Look first for a plan whose whole training step can be one CUDA graph (table-wise and data-parallel tables,

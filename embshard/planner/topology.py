@@ -66,7 +66,7 @@ class Topology:
     """Fixed cost of one collective spanning hosts (seconds)."""
     kernel_s: float = 10 * US
     """Fixed cost of one kernel launch in a lookup group (seconds); the cost model counts the kernels per group."""
-    host_sync_s: float = 680 * US
+    host_sync_s: float = 630 * US
     """Cost of the input exchange's device-to-host synchronisation, once per step with model-parallel tables when
     the batch counts come from the device (PlannerSettings.batch_counts device; none with host counts) (seconds):
     the wait itself plus the GPU idling while the host issues the step's small kernels around it (launch-bound); a
