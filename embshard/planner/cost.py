@@ -41,10 +41,12 @@ depends on the row width through the bytes (and through fwd_byte_s / bwd_byte_s,
   uvm:          row reads cross the host link: t_link = uvm_row_s + gather(rb, 64)/uvm_bw + p*uvm_page_s per row,
                 p = max(0, 1 - 2 GiB / (R*D*e)) the share of accesses beyond the reach of the GPU's translation of
                 host memory (whole tables: splitting one does not shrink the host memory a step touches; fitted to
-                the overflow workload, docs/planner.md). Forward reads the v rows that miss L2, backward reads the
-                u touched rows (write-backs are posted writes on the link's other direction and overlap):
+                the overflow workload, docs/planner.md). Forward reads the v rows that miss L2, backward reads,
+                updates and writes back the u touched rows, one dependent chain a row (uvm_bwd_row_s beyond the
+                read; on 2 x H100 the backward took 18 ns a row against the forward's 12 ns, docs/planner.md):
                 fwd = n*(fwd_id_s + rb*fwd_byte_s) + [n*i + b*c*4]/bw + v*t_link,
-                bwd = (per-id and per-row times as hbm) + [n*(96 + 4c) + b*c*4]/bw + u*t_link + u*2*sb/bw
+                bwd = (per-id and per-row times as hbm) + [n*(96 + 4c) + b*c*4]/bw + u*(t_link + uvm_bwd_row_s)
+                      + u*2*sb/bw
                 (row-wise state stays in HBM, as FBGEMM keeps it; per-element state goes over the link, /uvm_bw).
   uvm_caching:  hit rate h = H(k, a) / H(r, a) for a cache of k = ceil(clf*r) rows under Zipf(a) access, with
                 H(n, a) = integral of x^-a from 0.5 to n + 0.5 (a = 0: h = clf); m = missed distinct rows
@@ -107,12 +109,12 @@ host link for uvm) and r*RAW_ROW_BYTES / bw (LRU: the O(rows) passes over the or
 Raw-id shards form lookup groups of their own (the runtime's LocalShard.group_key), and a group's remap launches
 RAW_KERNELS kernels once for all its shards on a rank: RAW_KERNELS*kernel_s per group (`group_fixed`), not per
 shard. RAW_KERNELS (60) is counted (170 launches a raw step against 110 static, 1 x H100, 13 tables, the map's
-fused step); RAW_ID_BYTES (2531) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3
+fused step); RAW_ID_BYTES (2447) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3
 with NVLink, 2026-11-26 (`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py
 --workload uniform26 --ids both --id-space 1 --batches 8 --rounds 3 --steps 20`, counts from the host: 7.71 ms a
 step, 13 table-wise raw-id tables a rank; the case in tests/planner/data/measured_steps.json,
 `bench/planner_predict.py --measured --fit` refits it); RAW_ROW_BYTES and the reset's bytes are estimates (the
-reset's 0.39 ms matches the profiled 0.41 ms of the earlier map). The same constants put a 1-GPU raw step 3.36 ms
+reset's 0.39 ms matches the profiled 0.41 ms of the earlier map). The same constants put a 1-GPU raw step 3.29 ms
 above a static one where one process measured 2.62 ms (docs/planner.md).
 
 Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
@@ -177,8 +179,8 @@ DP_UPDATE_PASSES = 8
 EXACT_COLUMN_PASSES = 3
 EXACT_COLUMN_KERNELS = 14
 # Raw-id tables' id -> row map (embshard/rawids): fitted, counted and estimated as the module docstring says.
-RAW_ID_BYTES = 2531
-"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 0.90 ns an id on an H100): fitted, not the
+RAW_ID_BYTES = 2447
+"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 0.87 ns an id on an H100): fitted, not the
 bytes the ops move (~1 KB an id: sorts, the unique ids' arrays, two buckets of 16 slots read); the rest is the
 latency of its dependent gathers and scatters and, in a multi-GPU step, the launch-bound stretch it adds."""
 RAW_ROW_BYTES = 96
@@ -403,7 +405,7 @@ class CostModel:
             state = u * 2 * sb / (bw if self.state_in_hbm else topo.uvm_bw)
             if tier is MemoryTier.UVM:
                 fwd = per_id_f + fwd_lin / bw + reads * link
-                bwd = per_id_b + bwd_lin / bw + u * link + state
+                bwd = per_id_b + bwd_lin / bw + u * (link + topo.uvm_bwd_row_s) + state
             else:  # UVM caching: lookups hit the cache (HBM) after the prefetch loaded the misses
                 k = np.minimum(np.ceil(clf * rows), rows)
                 h = zipf_hit_rate(k, rows, alpha)

@@ -104,6 +104,10 @@ class Topology:
     uvm_page_s: float = 0.35e-9
     """Extra time per host-memory row access when the shard is much larger than the GPU's translation reach for
     host memory (seconds; scaled by the share of accesses that miss, see cost.py)."""
+    uvm_bwd_row_s: float = 0.0
+    """Backward time per row of a UVM shard beyond a forward read of it (seconds): the fused optimizer reads the row
+    over the host link, updates it and writes it back, one dependent chain per touched row (presets: fitted to the
+    UVM lookup kernels of a profiled step; `embshard calibrate` keeps the preset's)."""
     small_fwd_id_s: float = KernelConstants.fwd_id_s
     """Small-table kernel (embshard/kernels/cost.py): forward time per id beyond its bytes (seconds)."""
     small_atomic_sector_s: float = KernelConstants.atomic_sector_s
@@ -366,6 +370,7 @@ _PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
     "batch_bag_s",
     "uvm_row_s",
     "uvm_page_s",
+    "uvm_bwd_row_s",
     *KERNEL_FIELDS,
 )
 _NONNEGATIVE = (*_LATENCIES, "l2_bytes", *_PER_ITEM)
@@ -489,6 +494,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         bag_s=0.0,
         uvm_row_s=0.0,
         uvm_page_s=0.0,
+        uvm_bwd_row_s=0.0,
     ),
 }
 ALIASES = {"h100_sxm": "h100", "h100_80gb": "h100", "h200_141gb": "h200", "a100_80gb": "a100"}

@@ -4,7 +4,10 @@ each rebuilt as the plan it ran and predicted with the GPU model's preset. A cas
 workload's tables as raw-id tables (ids: raw, capacity = their rows, its "eviction", default lru). "counts" says where
 the steps' batch counts came from: "device" (gathered on the GPUs with one device sync a step; the default: every
 case measured before bench/embshard_dmp.py had --counts) or "host" (counted on the CPU and gathered over a CPU
-group, the training pipeline's way); each case is predicted with that PlannerSettings.batch_counts.
+group, the training pipeline's way); each case is predicted with that PlannerSettings.batch_counts. "step": "graph"
+says the step ran as one CUDA graph replay (bench/embshard_dmp.py --graph: host counts, the plan the planner makes
+for the graph; PlannerSettings.whole_step_graph), default "eager". A plan's tables are in HBM unless "uvm_caching" or
+"uvm" lists them.
 tests/planner/test_planner_measured.py pins the predictions within the table's tolerance of each case's median;
 `bench/planner_predict.py --measured` prints the table.
 """
@@ -48,13 +51,16 @@ class MeasuredCase:
     eviction: str = "lru"
     counts: str = "device"
     """Where the steps' batch counts came from: 'device' (one device sync a step) or 'host' (no device sync)."""
+    step: str = "eager"
+    """'eager', or 'graph': each step ran as one CUDA graph replay (PlannerSettings.whole_step_graph)."""
 
     @property
     def label(self) -> str:
         """The workload, for raw-id tables their ids and eviction, and host counts, e.g. 'uniform26 raw ids (lru)',
         'uniform26 host counts'."""
         raw = f" raw ids ({self.eviction})" if self.ids == "raw" else ""
-        return self.workload + raw + (" host counts" if self.counts == "host" else "")
+        graph = " graphed" if self.step == "graph" else ""
+        return self.workload + raw + (" host counts" if self.counts == "host" and not graph else "") + graph
 
     @property
     def median_ms(self) -> float:
@@ -67,7 +73,7 @@ class MeasuredCase:
         if overrides:
             topo = replace(topo, **overrides)
         opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
-        settings = PlannerSettings(batch_counts=self.counts)
+        settings = PlannerSettings(batch_counts=self.counts, whole_step_graph=self.step == "graph")
         return predict(self.plan, list(self.tables), topo, self.batch, opt, settings=settings)
 
 
@@ -82,11 +88,11 @@ def _plan(case: dict[str, Any], tables: list[TableConfig], where: str) -> Shardi
     ranks, world = case["plan"], int(case["world"])
     if len(ranks) != len(tables):
         raise ValueError(f"{where}: plan has {len(ranks)} characters for {len(tables)} tables (one per table)")
-    uvm = set(case.get("uvm_caching", []))
+    tiers = {i: "uvm_caching" for i in case.get("uvm_caching", [])} | {i: "uvm" for i in case.get("uvm", [])}
     dp_kernel = case.get("data_parallel_kernel", "fbgemm")
     entries = []
     for i, (t, r) in enumerate(zip(tables, ranks, strict=True)):
-        tier = "uvm_caching" if i in uvm else "hbm"
+        tier = tiers.get(i, "hbm")
         on = list(range(world)) if r == "d" else [int(r)]
         entries.append(
             {
@@ -130,6 +136,12 @@ def load_cases(path: str | Path) -> tuple[list[MeasuredCase], float]:
                 f"{where}: counts {counts!r}: it must be 'device' (batch counts gathered on the GPUs, one device sync "
                 "a step; the default) or 'host' (counted on the CPU: bench/embshard_dmp.py --counts host)"
             )
+        step = c.get("step", "eager")
+        if step not in ("eager", "graph") or (step == "graph" and counts != "host"):
+            raise ValueError(
+                f"{where}: step {step!r} with counts {counts!r}: step must be 'eager' (the default) or 'graph' (one "
+                "CUDA graph replay a step: bench/embshard_dmp.py --graph, which counts on the host)"
+            )
         if ids == "raw":
             tables = [replace(t, ids="raw", eviction=eviction) for t in tables]
         cases.append(
@@ -147,6 +159,7 @@ def load_cases(path: str | Path) -> tuple[list[MeasuredCase], float]:
                 ids=ids,
                 eviction=eviction,
                 counts=counts,
+                step=step,
             )
         )
     return cases, float(data.get("tolerance", 0.10))
