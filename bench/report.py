@@ -366,7 +366,7 @@ def short_name(row: Row) -> str:
         graph = graph_label(r, short=True)
         world = f", {r.get('world', '?')} GPU{'s' if r.get('world') != '1' else ''}"
         return f"end to end {r.get('precision', 'fp32')}{pooled}{compiled}{graph}{law_label(r)}{world}"
-    return str(r.get("workload"))
+    return f"{r.get('workload')}{', graphed' if r.get('graph') == '1' else ''}"
 
 
 def case_title(row: Row) -> str:
