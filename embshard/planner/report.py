@@ -141,6 +141,8 @@ class PlanReport:
             self._memory_line(),
             f"  topology: {self.topology.describe()}",
         ]
+        if self.topology.is_gpu:
+            lines.append(self.step_line())
         if self.exchange_step_s:
             lines.append(self.exchange_line())
         if self.over_budget:
@@ -151,6 +153,17 @@ class PlanReport:
         if self.planner_seconds is not None:
             lines.append(f"  planned in {self.planner_seconds:.3f} s")
         return "\n".join(lines)
+
+    def step_line(self) -> str:
+        """How the step is priced on GPUs: as one CUDA graph replay (settings.whole_step_graph), or eager, whose
+        time is the GPU's only while the host issues the step faster than the GPU runs it."""
+        if self.settings.whole_step_graph:
+            return "  step: one CUDA graph replay (the host's work per feature and bag not charged)"
+        return (
+            "  step: eager; priced as the GPU runs it: where the host issues a step slower (many small kernels, a "
+            "slow host), the step waits for the host, which is not priced; the whole-step CUDA graph "
+            "(training.cuda_graph with graph_scope step; planner.settings.whole_step_graph) takes the host away"
+        )
 
     def exchange_line(self) -> str:
         """The table-row-wise output exchange: the plan's, and both exchanges' predicted step times and bytes per

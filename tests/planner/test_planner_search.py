@@ -481,6 +481,11 @@ def test_a_graphed_step_is_priced_without_the_per_bag_term_and_a_fallback_as_eag
     assert gap == pytest.approx(bags * topo.batch_bag_s, rel=1e-6) and gap > 0.1e-3, gap
     again = predict(eager[0], tables, topo, 8192, ROWWISE, settings=PlannerSettings(whole_step_graph=True))
     assert again.step_time_s == pytest.approx(graphed[1].step_time_s, rel=1e-9)
+    # the summary says how the step is priced, and that an eager step's host time is not
+    assert "step: one CUDA graph replay" in graphed[1].summary()
+    assert "step: eager" in eager[1].summary() and "waits for the host, which is not priced" in eager[1].summary()
+    cpu = plan_with_report(tables[:3], Topology.preset("cpu", world_size=2), 64, ROWWISE)[1]
+    assert "step:" not in cpu.summary()
     # only column-wise allowed: no plan the graph holds; planned and priced as the eager step
     cw = PlannerSettings(whole_step_graph=True, sharding_types=(ShardingType.COLUMN_WISE,))
     said = []
