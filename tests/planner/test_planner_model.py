@@ -270,6 +270,28 @@ def test_uvm_terms_match_the_tier_benchmark():
     assert step(CACHE) - step(HBM) == pytest.approx(8.92e-3 - 3.11e-3, rel=0.15)
 
 
+def test_uvm_backward_pays_its_row_cost_per_touched_row():
+    """uvm_bwd_row_s (the backward's read-update-write of a UVM row beyond the read) adds u * uvm_bwd_row_s to a UVM
+    shard's backward, and nothing to its forward or to other tiers."""
+    from dataclasses import replace
+
+    from embshard.planner.access import distinct_rows
+
+    t = TableStats.one(TableConfig("t", 20_000_000, 128, ("f",), ids_per_bag=2))
+    base = Topology.preset("h100", 2)
+    zero, some = replace(base, uvm_bwd_row_s=0.0), replace(base, uvm_bwd_row_s=5e-9)
+    a, b = CostModel(zero, 8192, ROWWISE), CostModel(some, 8192, ROWWISE)
+    n, _ = a.volumes(t, TW, 2e7)
+    u = distinct_rows(n, 2e7, 0.0)
+    wa, wb = a.work(t, TW, UVM, 2e7, 128.0), b.work(t, TW, UVM, 2e7, 128.0)
+    assert float(wb.bwd_s - wa.bwd_s) == pytest.approx(float(u) * 5e-9, rel=1e-9) and u > 0.9 * n
+    assert float(wb.fwd_s) == pytest.approx(float(wa.fwd_s), rel=1e-12)
+    for tier in (HBM, CACHE):
+        assert float(b.work(t, TW, tier, 2e7, 128.0, clf=0.2).bwd_s) == pytest.approx(
+            float(a.work(t, TW, tier, 2e7, 128.0, clf=0.2).bwd_s), rel=1e-12
+        )
+
+
 def test_step_buffers_are_counted_per_shard():
     from embshard.planner.cost import CACHE_STEP_BYTES, ID_STEP_BYTES
 
@@ -302,14 +324,17 @@ def test_topology_file_round_trip_keeps_the_new_constants(tmp_path):
         bwd_byte_s=2e-12,
         uvm_row_s=1.7e-9,
         uvm_page_s=30e-9,
+        uvm_bwd_row_s=4.5e-9,
         l2_bytes=60 << 20,
         measured=("fwd_id_s", "bwd_row_s"),
     )
     topo.save(tmp_path / "t.yaml")
     text = (tmp_path / "t.yaml").read_text()
     assert "fwd_id_ns: 0.021" in text and "bwd_row_ns: 0.31" in text and "cost_model: 2" in text
+    assert "uvm_bwd_row_ns: 4.5" in text
     back = Topology.load(tmp_path / "t.yaml")
-    for f in ("fwd_id_s", "bwd_id_s", "bwd_row_s", "fwd_byte_s", "bwd_byte_s", "uvm_row_s", "uvm_page_s"):
+    fields = ("fwd_id_s", "bwd_id_s", "bwd_row_s", "fwd_byte_s", "bwd_byte_s", "uvm_row_s", "uvm_page_s")
+    for f in (*fields, "uvm_bwd_row_s"):
         assert getattr(back, f) == pytest.approx(getattr(topo, f), rel=1e-3), f
     assert back.l2_bytes == 60 << 20 and back.measured == ("fwd_id_s", "bwd_row_s")
 
