@@ -102,7 +102,7 @@ class BatchPadder:
         where_in = {k: i for i, k in enumerate(keys)}
         order = [i for i in range(len(keys)) if not free[i]] + [where_in[f] for f in self._free_order if f in where_in]
         old = np.concatenate([[0], np.cumsum(have)]).astype(np.int64)  # where each feature's ids are now
-        at_ids = {i: 0 for i in order}  # and where they go: a padded feature holds its capacity, a free one its ids
+        at_ids: dict[int, int] = {}  # and where they go: a padded feature holds its capacity, a free one its ids
         at = 0
         for i in order:
             at_ids[i] = at

@@ -198,10 +198,8 @@ def fit_lookup(topo: Topology, cases: Sequence[CalibrationCase], measured: Seque
         if bwd > 0:
             rows_b.append([n / bwd, n * rb / bwd, u / bwd])
             rhs_b.append((bwd - b0) / bwd)
-    fwd_id, fwd_byte = nonneg_lstsq(np.array(rows_f).reshape(-1, 2), np.array(rhs_f)) if rows_f else (0.0, 0.0)
-    bwd_id, bwd_byte, bwd_row = (
-        nonneg_lstsq(np.array(rows_b).reshape(-1, 3), np.array(rhs_b)) if rows_b else (0.0, 0.0, 0.0)
-    )
+    fwd_id, fwd_byte = nonneg_lstsq(np.array(rows_f), np.array(rhs_f)) if rows_f else (0.0, 0.0)
+    bwd_id, bwd_byte, bwd_row = nonneg_lstsq(np.array(rows_b), np.array(rhs_b)) if rows_b else (0.0, 0.0, 0.0)
     return {
         "fwd_id_s": float(fwd_id),
         "fwd_byte_s": float(fwd_byte),
