@@ -33,6 +33,7 @@ plan's prediction with device counts, which charges the step's host sync).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -115,6 +116,54 @@ def host_bound(step: Callable[[int], None], n: int, sync: Callable[[], None]) ->
         sync()
         whole.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(launch), statistics.median(whole)
+
+
+def trace_steps(step: Callable[[int], None], n: int, sync: Callable[[], None], rank: int, out: str, name: str):
+    """`n` steps under torch.profiler (host and GPU activity; every rank runs them, rank 0 records): prints the
+    operators by self host time per step and the host's waits on the GPU; writes a Chrome trace into `out`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    prof = profile(activities=acts)
+    with prof if rank == 0 else contextlib.nullcontext():
+        for i in range(n):
+            step(i)
+        sync()
+    if rank != 0:
+        return
+    ev = prof.key_averages()
+    print(f"trace of {n} steps, rank 0, operators by self host time (the profiler slows the host):")
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80))
+    waits = ("Synchronize", "item", "tolist", "_local_scalar", "cudaMemcpy", "EventSynchronize", "StreamWait")
+    per = {e.key: (e.count / n, e.self_cpu_time_total / n / 1e3) for e in ev if any(w in e.key for w in waits)}
+    print("host waits per step (count, self ms):", {k: (round(c, 1), round(t, 3)) for k, (c, t) in per.items()})
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    print(f"kernel launches per step: {launches / n:.0f}")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(out, f"trace_embshard_{name}.json"))
+
+
+def sync_debug(step: Callable[[int], None], sync: Callable[[], None], rank: int) -> None:
+    """2 steps with torch.cuda's sync debug mode on rank 0: prints every host sync with the Python line that made
+    it (the warning's frame)."""
+    import warnings
+
+    sync()
+    if rank == 0:
+        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(2):
+            step(i)
+    if rank != 0:
+        return
+    torch.cuda.set_sync_debug_mode(0)
+    sync()
+    print(f"host syncs in 2 steps, rank 0: {len(caught)}")
+    for w in caught:
+        print("  ", str(w.message).splitlines()[0][:160], f"({w.filename}:{w.lineno})")
 
 
 def interleaved_ms(
@@ -212,6 +261,20 @@ def main() -> None:
     )
     ap.add_argument(
         "--cprofile", type=int, default=0, help="after the timed steps, a cProfile of N steps on rank 0 (host time)"
+    )
+    ap.add_argument(
+        "--trace-steps",
+        type=int,
+        default=0,
+        help="after the timed steps, N steps under torch.profiler (host and GPU, rank 0): the host's time per "
+        "operator and its waits on the GPU (syncs), and with --trace-dir a Chrome trace",
+    )
+    ap.add_argument("--trace-dir", default="", help="--trace-steps: write rank 0's Chrome trace here")
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="after the timed steps, 2 steps with torch.cuda's sync debug mode (rank 0): prints every host sync "
+        "with the code that made it",
     )
     ap.add_argument(
         "--host-time",
@@ -415,6 +478,10 @@ def main() -> None:
             print(f"host profile of {args.cprofile} {labels[0]} steps, rank 0:")
             pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if args.trace_steps:
+        trace_steps(lambda i: step(labels[0], i), args.trace_steps, sync, rank, args.trace_dir, args.workload)
+    if args.sync_debug and cuda:
+        sync_debug(lambda i: step(labels[0], i), sync, rank)
     alone = {label: host_bound(lambda i, label=label: step(label, i), args.host_time, sync) for label in labels}
     alone = {k: v for k, v in alone.items() if v is not None}
     mine = torch.tensor([allocated.get(k, float("nan")) for k in mem_at], dtype=torch.float64)
