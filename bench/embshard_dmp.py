@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -271,6 +272,12 @@ def main() -> None:
     )
     ap.add_argument("--trace-dir", default="", help="--trace-steps: write rank 0's Chrome trace here")
     ap.add_argument(
+        "--no-gc",
+        action="store_true",
+        help="after the warm-up, freeze the objects alive then and turn Python's automatic garbage collection off "
+        "(a collection pauses the host for milliseconds in a process with many objects)",
+    )
+    ap.add_argument(
         "--sync-debug",
         action="store_true",
         help="after the timed steps, 2 steps with torch.cuda's sync debug mode (rank 0): prints every host sync "
@@ -447,6 +454,10 @@ def main() -> None:
                     f"memory probe ({kind}): forward +{fwd / 2**30:.2f} GiB, backward +{bwd / 2**30:.2f} GiB over "
                     f"{base / 2**30:.2f}"
                 )
+    if args.no_gc:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     comm.barrier()
     warm_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
