@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> None:
                 print("\n".join(ms.raw_breakdown(c)))
         if args.fit:
             print("\n".join(ms.fit_host_and_bag(cases)[2]))
+            for gpu in sorted({c.gpu for c in cases if c.step == "eager"}):
+                try:
+                    print("\n".join(ms.fit_host_floor(cases, gpu)[1]))
+                except ValueError as e:
+                    print(e)
             if any(c.ids == "raw" for c in cases):
                 print("\n".join(ms.fit_raw_id_bytes(cases)[1]))
         return

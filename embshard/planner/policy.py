@@ -145,7 +145,44 @@ def search_plan(
             "the whole-step graph"
         )
         settings = replace(settings, whole_step_graph=False)  # the step runs eagerly: priced so
-    return plan_with_report(tables, topo, batch_size, optimizer, constraints, settings)
+    plan, report = plan_with_report(tables, topo, batch_size, optimizer, constraints, settings)
+    return _without_replicas_if_faster(plan, report, tables, topo, batch_size, optimizer, constraints, settings, say)
+
+
+def _without_replicas_if_faster(
+    plan: ShardingPlan,
+    report,
+    tables: Sequence[TableConfig],
+    topo: Topology,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    constraints: dict[str, ParameterConstraints] | None,
+    settings: PlannerSettings,
+    say: Callable[[str], None] | None,
+):
+    """An eager step the host sets, whose plan has data-parallel tables: the search prices the GPUs' time alone,
+    where a data-parallel lookup group costs the host most (topology host_dp_group_s); the same search without
+    data-parallel tables, kept when its predicted step is shorter (`say` gets both)."""
+    has_dp = any(tp.sharding_type is ShardingType.DATA_PARALLEL for tp in plan.tables)
+    if not has_dp or report.host_step_time_s <= report.gpu_step_time_s:
+        return plan, report
+    types = tuple(t for t in (settings.sharding_types or tuple(ShardingType)) if t is not ShardingType.DATA_PARALLEL)
+    if not types:  # an empty tuple would mean "every type"
+        return plan, report
+    try:
+        alt = plan_with_report(
+            tables, topo, batch_size, optimizer, constraints, replace(settings, sharding_types=types)
+        )
+    except (PlanningError, ConfigError):
+        return plan, report
+    if alt[1].step_time_s >= report.step_time_s:
+        return plan, report
+    (say or (lambda _text: None))(
+        f"planner: the eager step's host sets it ({report.host_step_time_s * 1e3:.2f} ms against the GPUs' "
+        f"{report.gpu_step_time_s * 1e3:.2f} ms) and its data-parallel tables cost the host most: planned without "
+        f"them, predicted {alt[1].step_time_s * 1e3:.2f} ms a step against {report.step_time_s * 1e3:.2f}"
+    )
+    return alt
 
 
 def plan_for_job(

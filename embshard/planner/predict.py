@@ -184,6 +184,7 @@ def predict(
         )
         for r in range(W)
     ]
+    host = host_times(model, groups)
     exchange_step_s, exchange_level_bytes = {}, {}
     twrw_tables = any(tp.sharding_type is ShardingType.TABLE_ROW_WISE for tp in plan.tables)
     if compare_exchanges and twrw_tables and twrw.applies(topology):
@@ -191,7 +192,7 @@ def predict(
         other = Exchange.FLAT if mine is Exchange.HIERARCHICAL else Exchange.HIERARCHICAL
         alt = replace(plan, table_row_wise_exchange=other)
         alt_s = predict(alt, tables, topology, batch_size, optimizer, cons, settings, compare_exchanges=False)
-        exchange_step_s = {mine.value: loads.step_time(total), other.value: alt_s.step_time_s}
+        exchange_step_s = {mine.value: max(loads.step_time(total), float(host.max())), other.value: alt_s.step_time_s}
         level = twrw.exchange_bytes(plan, tables, [batch_size] * W, int(model.out_bytes))
         exchange_level_bytes = {e.value: v for e, v in level.items()}
     return PlanReport(
@@ -202,7 +203,9 @@ def predict(
         batch_size=batch_size,
         optimizer=optimizer,
         settings=settings,
-        step_time_s=loads.step_time(total),
+        step_time_s=max(loads.step_time(total), float(host.max())),
+        gpu_step_time_s=loads.step_time(total),
+        host_step_time_s=float(host.max()),
         phase_s=tuple(float(x) for x in phases.max(axis=1)),
         ranks=ranks,
         tables=table_reports,
@@ -210,3 +213,21 @@ def predict(
         table_configs=tuple(tables),
         constraints=cons,
     )
+
+
+def host_times(model: CostModel, groups: set[tuple]) -> np.ndarray:
+    """[W]: the host's time to issue an eager step on each rank (seconds): topology.host_step_s, plus
+    host_group_s per model-parallel and host_dp_group_s per data-parallel lookup group on the rank (`groups`:
+    (sharding, tier, kernel, raw, rank) of every group), plus host_sync_s with device batch counts (the host waits
+    for the device there, before it can issue the rest of the step). Zeros on CPUs (the host runs the lookups: priced as such)
+    and for a step replayed as one CUDA graph (the host launches the graph, not the operators)."""
+    topo = model.topo
+    W = topo.world_size
+    if not topo.is_gpu or model.settings.whole_step_graph or not (topo.host_step_s or topo.host_group_s):
+        return np.zeros(W)
+    out = np.full(W, topo.host_step_s)
+    for st, _tier, _kernel, _raw, r in groups:
+        out[r] += topo.host_dp_group_s if st is ShardingType.DATA_PARALLEL else topo.host_group_s
+    if any(g[0] is not ShardingType.DATA_PARALLEL for g in groups):
+        out += model.step_fixed().max()  # the device sync of device batch counts: the host waits it out too
+    return out

@@ -85,7 +85,8 @@ class PlanReport:
     optimizer: FusedOptimizerConfig
     settings: PlannerSettings
     step_time_s: float
-    """Predicted step time of the embedding part (s): sum over phases of the slowest rank."""
+    """Predicted step time of the embedding part (s): the GPUs' time (`gpu_step_time_s`), or the host's where it
+    issues an eager step slower (`host_step_time_s`)."""
     phase_s: tuple[float, ...]
     """Slowest rank's time per phase (s)."""
     ranks: list[RankReport]
@@ -94,8 +95,13 @@ class PlanReport:
     """[resource rows, ranks] (loads.py)."""
     planner_seconds: float | None = None
     """Time the planner took (s)."""
+    gpu_step_time_s: float = 0.0
+    """The step as the GPUs run it (s): sum over phases of the slowest rank (what the search minimises)."""
+    host_step_time_s: float = 0.0
+    """The slowest rank's host time to issue an eager step (s; topology host_step_s, host_group_s,
+    host_dp_group_s); 0 when not priced (a CUDA graph replay, CPUs, a topology without host constants)."""
     search_step_time_s: float | None = None
-    """Step time the search computed incrementally; equals step_time_s (a consistency check); None when the
+    """Step time the search computed incrementally; equals gpu_step_time_s (a consistency check); None when the
     planner switched the table-row-wise exchange after the search (the search priced the other one)."""
     table_configs: tuple = ()
     """The TableConfigs planned (for explain)."""
@@ -155,14 +161,23 @@ class PlanReport:
         return "\n".join(lines)
 
     def step_line(self) -> str:
-        """How the step is priced on GPUs: as one CUDA graph replay (settings.whole_step_graph), or eager, whose
-        time is the GPU's only while the host issues the step faster than the GPU runs it."""
+        """How the step is priced on GPUs: as one CUDA graph replay (settings.whole_step_graph), or eager: the
+        GPUs' time, or the host's where it issues the step slower (the topology's host constants)."""
         if self.settings.whole_step_graph:
-            return "  step: one CUDA graph replay (the host's work per feature and bag not charged)"
+            return "  step: one CUDA graph replay (the host's work per operator and bag not charged)"
+        graph = (
+            "the whole-step CUDA graph (training.cuda_graph with graph_scope step; planner.settings.whole_step_graph) "
+            "takes the host away"
+        )
+        if self.host_step_time_s <= 0:
+            return (
+                "  step: eager; priced as the GPU runs it: where the host issues a step slower (many small kernels, a "
+                f"slow host), the step waits for the host, which this topology does not price; {graph}"
+            )
+        bound = "the host's" if self.host_step_time_s > self.gpu_step_time_s else "the GPUs'"
         return (
-            "  step: eager; priced as the GPU runs it: where the host issues a step slower (many small kernels, a "
-            "slow host), the step waits for the host, which is not priced; the whole-step CUDA graph "
-            "(training.cuda_graph with graph_scope step; planner.settings.whole_step_graph) takes the host away"
+            f"  step: eager; the GPUs run it in {self.gpu_step_time_s * 1e3:.3f} ms, the host issues it in "
+            f"{self.host_step_time_s * 1e3:.3f} ms (slowest rank): {bound} time is the step's; {graph}"
         )
 
     def exchange_line(self) -> str:

@@ -74,6 +74,18 @@ class Topology:
     step_overhead_s: float = 0.0
     """Fixed cost of every training step whatever the plan beyond host_sync_s (seconds): a per-GPU-model
     correction `bench/planner_predict.py --refit --steps` fits to measured steps; 0 in the presets."""
+    host_step_s: float = 0.0
+    """The host's time to issue one eager training step on a rank beyond its lookup groups (seconds): the batch
+    agreement, the exchanges, the id check, the regroup and the autograd work of a step, in Python and the
+    framework's operators. An eager step lasts at least the host's time (`host_group_s`, `host_dp_group_s`); a step
+    replayed as one CUDA graph does not pay it; 0: not priced (presets: fitted to the eager steps of one machine
+    model's hosts, docs/planner.md "The host's floor")."""
+    host_group_s: float = 0.0
+    """The host's time per model-parallel lookup group on a rank in an eager step (seconds): the lookup's forward,
+    backward and fused update calls (a group: sharding type x tier x kernel, raw ids apart)."""
+    host_dp_group_s: float = 0.0
+    """The host's time per data-parallel lookup group on a rank in an eager step (seconds): the replicas' forward,
+    their dense backward, the gradient all-reduce and the optimizer update, each a few operators per call."""
     batch_bag_s: float = 0.0
     """Cost of every bag (sample x feature) of a rank's own batch per training step whatever the plan (seconds):
     the per-segment work beyond the bytes of the kernels that walk the step's bags (the lookups' forward and
@@ -358,6 +370,9 @@ _LATENCIES = (  # seconds; YAML: us (NAME_us)
     "kernel_s",
     "host_sync_s",
     "step_overhead_s",
+    "host_step_s",
+    "host_group_s",
+    "host_dp_group_s",
 )
 _PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
     "fwd_id_s",

@@ -29,8 +29,9 @@ def test_prediction_within_tolerance_of_the_measured_median(case):
 
 def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
     """Every bench/embshard_dmp.py workload is measured with static ids and device counts on every GPU model with a
-    preset file, once each; raw-id cases (ids: raw) and eager host-count cases (counts: host) are extra, each beside
-    the static device-count case of its GPU model and workload; the step as one CUDA graph replay (step: graph) is
+    preset file, once each; raw-id cases (ids: raw) and eager host-count cases (counts: host; the plans the planner
+    made for them, which may differ from the device-count case's) are extra, each beside the static device-count
+    case of its GPU model and workload (the MLPerf tables: host counts only); the step as one CUDA graph replay (step: graph) is
     measured on the H100 for the three workloads and the MLPerf tables, with the plans the planner makes for the
     graph; and each case's plan is the kind the logs describe (table-wise, data-parallel, UVM and UVM-caching
     tables as they ran)."""
@@ -48,10 +49,8 @@ def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
     host = [c for c in CASES if c.counts == "host" and c.step == "eager"]
     assert host, "the host-count step (the training pipeline's, no host_sync_s) is pinned by a measured case"
     assert all(c.counts in ("device", "host") for c in CASES)
-    for c in host:
-        assert (c.gpu, c.workload) in static, c
-        same = next(d for d in CASES if (d.gpu, d.workload, d.ids, d.counts) == (c.gpu, c.workload, "static", "device"))
-        assert c.plan == same.plan, "the host-count case ran the plan of its device-count case"
+    for c in host:  # the MLPerf tables are measured eager with host counts only (the training pipeline's way)
+        assert (c.gpu, c.workload) in static or c.workload == "mlperf", c
     raw = [c for c in CASES if c.ids != "static"]
     assert raw, "the raw-id tables' cost (cost.RAW_*) is pinned by at least one measured raw-id case"
     for c in raw:
@@ -62,8 +61,9 @@ def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
         assert all(not t.raw_ids for t in c.tables) or c.ids == "raw", c
         kinds = {(t.sharding_type.value, t.tier.value, t.kernel.value) for t in c.plan.tables}
         assert all(c.sources) and len(c.measured_ms) >= 1
-        if c.workload == "overflow" and c.step == "eager":
-            assert sum(t.tier.value == "uvm_caching" for t in c.plan.tables) == 5, c
+        if c.workload == "overflow" and c.step == "eager":  # the planner's eager plans: 5 UVM-caching, later 4 UVM
+            tiers = [t.tier.value for t in c.plan.tables]
+            assert tiers.count("uvm_caching") == 5 or tiers.count("uvm") == 4, c
         if c.workload == "hetero124":
             assert sum(t.sharding_type.value == "data_parallel" for t in c.plan.tables) == 100, kinds
 
@@ -108,7 +108,7 @@ def test_the_raw_id_constant_is_the_fit_of_the_raw_cases():
     assert len(lines) == sum(c.ids == "raw" for c in CASES) + 1
     for c in (c for c in CASES if c.ids == "raw"):
         static = replace(c, tables=tuple(replace(t, ids="index") for t in c.tables), ids="static")
-        predicted, plain = c.report().step_time_s, static.report().step_time_s
+        predicted, plain = c.report().step_time_s, static.report().gpu_step_time_s
         (line,) = raw_breakdown(c)
         assert f"predicted {predicted * 1e3:.2f} ms = static tables {plain * 1e3:.2f}" in line, line
         groups = {(tp.sharding_type, tp.tier, tp.kernel) for tp in c.plan.tables}
@@ -116,3 +116,27 @@ def test_the_raw_id_constant_is_the_fit_of_the_raw_cases():
         assert f"launches {launches * 1e3:.2f}" in line, line
         tables_per_rank = len(c.plan.tables) / c.world
         assert launches < tables_per_rank * cost.RAW_KERNELS * c.report().topology.kernel_s / 2
+
+
+def test_the_host_floor_is_the_fit_of_the_eager_steps():
+    """bench/planner_predict.py --measured --fit: refitting the host's time to issue an eager step (host_step_s,
+    host_group_s, host_dp_group_s) to the H100's eager cases gives back the preset's values; the H200's preset does
+    not price the host (its hosts not measured), and a graphed case's host time is 0."""
+    from embshard.planner.tools.measured import fit_host_floor
+    from embshard.planner.topology import Topology
+
+    fit, lines = fit_host_floor(CASES, "h100")
+    topo = Topology.preset("h100", 2)
+    for name, value in fit.items():
+        assert getattr(topo, name) == pytest.approx(value, abs=60e-6), name
+    assert len(lines) == 1 + sum(c.gpu == "h100" and c.ids == "static" and c.step == "eager" for c in CASES)
+    h200 = Topology.preset("h200", 2)
+    assert h200.host_step_s == h200.host_group_s == h200.host_dp_group_s == 0
+    for c in CASES:
+        r = c.report()
+        assert r.step_time_s == pytest.approx(max(r.gpu_step_time_s, r.host_step_time_s), rel=1e-12)
+        if c.step == "graph" or c.gpu == "h200":
+            assert r.host_step_time_s == 0, c.label
+    mlperf = next(c for c in CASES if c.workload == "mlperf" and c.step == "eager")
+    r = mlperf.report()
+    assert r.host_step_time_s > 1.5 * r.gpu_step_time_s  # its 11 data-parallel tables: the host sets this step

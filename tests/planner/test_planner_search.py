@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -56,7 +57,7 @@ def assert_valid(plan: ShardingPlan, report, tables) -> None:
         assert r.storage.hbm <= r.hbm_budget + 1 and r.storage.ddr <= r.ddr_budget + 1
     for t in plan.tables:
         assert all(s.num_cols % 4 == 0 for s in t.shards) or t.sharding_type is not ShardingType.COLUMN_WISE
-    assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
+    assert report.search_step_time_s == pytest.approx(report.gpu_step_time_s, rel=1e-9)
 
 
 def test_hetero124_makes_tiny_tables_data_parallel():
@@ -224,7 +225,7 @@ def test_loads_match_between_search_and_predict_on_multi_host():
     tables = random_tables(9, 30)
     plan, report = plan_with_report(tables, Topology.preset("h100", 16, 4), 512)
     assert np.all(report.loads >= 0)
-    assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
+    assert report.search_step_time_s == pytest.approx(report.gpu_step_time_s, rel=1e-9)
 
 
 def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
@@ -461,7 +462,7 @@ def test_raw_id_tables_pay_the_remap_launches_once_per_group_and_rank():
     assert extra[loads.BWD] == pytest.approx(group[loads.BWD], rel=1e-9)
     for tables in (raw, one, [*one, *random_tables(3, 8)]):
         p, report = plan_with_report(tables, Topology.preset("h100", 8, 4), 512)
-        assert report.search_step_time_s == pytest.approx(report.step_time_s, rel=1e-9)
+        assert report.search_step_time_s == pytest.approx(report.gpu_step_time_s, rel=1e-9)
         assert_valid(p, report, tables)
 
 
@@ -477,13 +478,17 @@ def test_a_graphed_step_is_priced_without_the_per_bag_term_and_a_fallback_as_eag
     graphed = search_plan(tables, topo, 8192, ROWWISE, None, PlannerSettings(whole_step_graph=True))
     bags = 8192 * sum(len(t.feature_names) for t in tables)
     assert graphed[0] == eager[0]  # the same plan here (table-wise and data-parallel, all in HBM)
-    gap = eager[1].step_time_s - graphed[1].step_time_s
+    gap = eager[1].gpu_step_time_s - graphed[1].step_time_s  # the GPUs' time: the host's is priced apart
     assert gap == pytest.approx(bags * topo.batch_bag_s, rel=1e-6) and gap > 0.1e-3, gap
     again = predict(eager[0], tables, topo, 8192, ROWWISE, settings=PlannerSettings(whole_step_graph=True))
     assert again.step_time_s == pytest.approx(graphed[1].step_time_s, rel=1e-9)
-    # the summary says how the step is priced, and that an eager step's host time is not
+    # the summary says how the step is priced: the graph's, or the eager step's GPU and host times
     assert "step: one CUDA graph replay" in graphed[1].summary()
-    assert "step: eager" in eager[1].summary() and "waits for the host, which is not priced" in eager[1].summary()
+    r = eager[1]
+    line = f"the GPUs run it in {r.gpu_step_time_s * 1e3:.3f} ms, the host issues it in {r.host_step_time_s * 1e3:.3f}"
+    assert "step: eager" in r.summary() and line in r.summary()
+    unpriced = predict(eager[0], tables, replace(topo, host_step_s=0.0, host_group_s=0.0), 8192, ROWWISE)
+    assert unpriced.host_step_time_s == 0 and "which this topology does not price" in unpriced.summary()
     cpu = plan_with_report(tables[:3], Topology.preset("cpu", world_size=2), 64, ROWWISE)[1]
     assert "step:" not in cpu.summary()
     # only column-wise allowed: no plan the graph holds; planned and priced as the eager step

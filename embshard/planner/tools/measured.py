@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan
+from embshard.plan import ShardingPlan, ShardingType
 from embshard.planner import cost
 from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
@@ -195,7 +195,7 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
     ref = Topology.preset("h200", 2).hbm_bw
     A, y, bare = [], [], []
     for c in cases:
-        b = c.report(host_sync_s=0.0, batch_bag_s=0.0).step_time_s
+        b = c.report(host_sync_s=0.0, batch_bag_s=0.0).gpu_step_time_s
         scale = ref / Topology.preset(c.gpu, c.world).hbm_bw
         m = c.median_ms * 1e-3
         A.append([1 / m, c.batch * sum(len(t.feature_names) for t in c.tables) * scale / m])
@@ -215,6 +215,55 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
             f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
         )
     return float(sync), bags, lines
+
+
+def _host_groups(case: MeasuredCase) -> tuple[list[int], list[int]]:
+    """Per rank: the model-parallel and the data-parallel lookup groups of the case's plan (predict.host_times'
+    count: sharding type x tier x kernel, raw ids apart)."""
+    groups: set[tuple] = set()
+    for t in case.tables:
+        tp = case.plan[t.name]
+        groups.update((tp.sharding_type, tp.tier, tp.kernel, t.ids == "raw", s.rank) for s in tp.shards)
+    mp, dp = [0] * case.world, [0] * case.world
+    for st, *_, r in groups:
+        (dp if st is ShardingType.DATA_PARALLEL else mp)[r] += 1
+    return mp, dp
+
+
+def fit_host_floor(cases: list[MeasuredCase], gpu: str) -> tuple[dict[str, float], list[str]]:
+    """Refit the host's time to issue an eager step (Topology host_step_s, host_group_s, host_dp_group_s) to the
+    eager cases of static tables on `gpu`: the prediction is max(the GPUs' step, the slowest rank's host time),
+    so the fit is a grid search (steps of 50 us): the least worst relative error (within half a percent), then
+    the least squared ones. Returns the fields and the
+    table before -> after."""
+    import numpy as np
+
+    cases = [c for c in cases if c.gpu == gpu and c.ids == "static" and c.step == "eager"]
+    if not cases:
+        raise ValueError(f"no eager case of static tables on {gpu} to fit the host's time to")
+    gpu_s = np.array([c.report().gpu_step_time_s for c in cases])
+    sync = np.array([c.report().topology.host_sync_s if c.counts == "device" else 0.0 for c in cases])
+    m = np.array([c.median_ms * 1e-3 for c in cases])
+    counts = [_host_groups(c) for c in cases]
+    grid = np.arange(0, 8e-3 + 1e-9, 50e-6)
+    S, G, D = np.meshgrid(grid, grid[:61], grid[:81], indexing="ij", sparse=True)  # G <= 3 ms, D <= 4 ms
+    worst, squares = 0.0, 0.0
+    for k, (mp, dp) in enumerate(counts):
+        host = np.max([S + G * a + D * b for a, b in zip(mp, dp, strict=True)], axis=0) + sync[k]
+        rel = (np.maximum(gpu_s[k], host) - m[k]) / m[k]
+        worst, squares = np.maximum(worst, np.abs(rel)), squares + rel**2
+    shape = np.broadcast_shapes(S.shape, G.shape, D.shape)
+    best = np.broadcast_to(worst, shape) <= np.min(worst) + 0.005  # within half a percent of the least worst error
+    i, j, k = np.unravel_index(np.argmin(np.where(best, np.broadcast_to(squares, shape), np.inf)), shape)
+    fit = {"host_step_s": float(grid[i]), "host_group_s": float(grid[j]), "host_dp_group_s": float(grid[k])}
+    lines = [f"{gpu}: " + ", ".join(f"{f.removesuffix('_s')} {v * 1e3:.2f} ms" for f, v in fit.items())]
+    for c in cases:
+        before, after = c.report().step_time_s * 1e3, c.report(**fit).step_time_s * 1e3
+        lines.append(
+            f"{c.world} x {c.gpu} {c.label:24s} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
+            f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
+        )
+    return fit, lines
 
 
 @contextmanager
@@ -255,7 +304,7 @@ def raw_breakdown(case: MeasuredCase) -> list[str]:
     for *_, r in groups:
         launches[r] += cost.RAW_KERNELS * topo.kernel_s
     r = max(range(case.world), key=lambda k: report.ranks[k].time_s)
-    s_ms = static.report().step_time_s * 1e3
+    s_ms = static.report().gpu_step_time_s * 1e3  # the GPUs' time: the static step's host floor is not a term
     ms = {k: v[r] * 1e3 for k, v in terms.items()}
     remap = sum(ms.values()) + launches[r] * 1e3
     return [
@@ -277,9 +326,9 @@ def fit_raw_id_bytes(cases: list[MeasuredCase]) -> tuple[float, list[str]]:
         raise ValueError('no raw-id case ("ids": "raw") to fit RAW_ID_BYTES to')
     probe = 1000.0
     with raw_id_bytes(0.0):
-        base = [c.report().step_time_s for c in raw]
+        base = [c.report().gpu_step_time_s for c in raw]
     with raw_id_bytes(probe):
-        slope = [(c.report().step_time_s - b) / probe for c, b in zip(raw, base, strict=True)]
+        slope = [(c.report().gpu_step_time_s - b) / probe for c, b in zip(raw, base, strict=True)]
     num = sum((c.median_ms * 1e-3 - b) * s / (c.median_ms * 1e-3) ** 2 for c, b, s in zip(raw, base, slope))
     den = sum(s * s / (c.median_ms * 1e-3) ** 2 for c, s in zip(raw, slope, strict=True))
     fitted = num / den
