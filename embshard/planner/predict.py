@@ -217,8 +217,9 @@ def predict(
 
 def host_times(model: CostModel, groups: set[tuple]) -> np.ndarray:
     """[W]: the host's time to issue an eager step on each rank (seconds): topology.host_step_s, plus
-    host_group_s per model-parallel and host_dp_group_s per data-parallel lookup group on the rank (`groups`:
-    (sharding, tier, kernel, raw, rank) of every group), plus host_sync_s with device batch counts (the host waits
+    host_group_s per lookup group on FBGEMM's TBE (model-parallel or data-parallel; embshard's small-table kernel
+    is a few Triton launches, no host cost measured) and host_dp_group_s per data-parallel group on the rank
+    (`groups`: (sharding, tier, kernel, raw, rank) of every group), plus host_sync_s with device batch counts (the host waits
     for the device there, before it can issue the rest of the step). Zeros on CPUs (the host runs the lookups: priced as such)
     and for a step replayed as one CUDA graph (the host launches the graph, not the operators)."""
     topo = model.topo
@@ -226,8 +227,10 @@ def host_times(model: CostModel, groups: set[tuple]) -> np.ndarray:
     if not topo.is_gpu or model.settings.whole_step_graph or not (topo.host_step_s or topo.host_group_s):
         return np.zeros(W)
     out = np.full(W, topo.host_step_s)
-    for st, _tier, _kernel, _raw, r in groups:
-        out[r] += topo.host_dp_group_s if st is ShardingType.DATA_PARALLEL else topo.host_group_s
+    for st, _tier, kernel, _raw, r in groups:
+        out[r] += (topo.host_group_s if kernel is not LookupKernel.SMALL else 0.0) + (
+            topo.host_dp_group_s if st is ShardingType.DATA_PARALLEL else 0.0
+        )
     if any(g[0] is not ShardingType.DATA_PARALLEL for g in groups):
         out += model.step_fixed().max()  # the device sync of device batch counts: the host waits it out too
     return out

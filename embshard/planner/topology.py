@@ -81,11 +81,12 @@ class Topology:
     replayed as one CUDA graph does not pay it; 0: not priced (presets: fitted to the eager steps of one machine
     model's hosts, docs/planner.md "The host's floor")."""
     host_group_s: float = 0.0
-    """The host's time per model-parallel lookup group on a rank in an eager step (seconds): the lookup's forward,
-    backward and fused update calls (a group: sharding type x tier x kernel, raw ids apart)."""
+    """The host's time per lookup group on FBGEMM's TBE on a rank in an eager step (seconds): the lookup's forward,
+    backward and fused update calls (a group: sharding type x tier x kernel, raw ids apart); groups on embshard's
+    small-table kernel (a few Triton launches) are not charged."""
     host_dp_group_s: float = 0.0
-    """The host's time per data-parallel lookup group on a rank in an eager step (seconds): the replicas' forward,
-    their dense backward, the gradient all-reduce and the optimizer update, each a few operators per call."""
+    """The host's time per data-parallel lookup group on a rank in an eager step beyond host_group_s (seconds): the
+    gradient all-reduce and the replicas' optimizer update, each a few operators."""
     batch_bag_s: float = 0.0
     """Cost of every bag (sample x feature) of a rank's own batch per training step whatever the plan (seconds):
     the per-segment work beyond the bytes of the kernels that walk the step's bags (the lookups' forward and

@@ -7,7 +7,8 @@ case measured before bench/embshard_dmp.py had --counts) or "host" (counted on t
 group, the training pipeline's way); each case is predicted with that PlannerSettings.batch_counts. "step": "graph"
 says the step ran as one CUDA graph replay (bench/embshard_dmp.py --graph: host counts, the plan the planner makes
 for the graph; PlannerSettings.whole_step_graph), default "eager". A plan's tables are in HBM unless "uvm_caching" or
-"uvm" lists them.
+"uvm" lists them, and on FBGEMM's kernel unless "small_kernel" lists them (table-wise tables) or "data_parallel_kernel"
+names the data-parallel tables' kernel.
 tests/planner/test_planner_measured.py pins the predictions within the table's tolerance of each case's median;
 `bench/planner_predict.py --measured` prints the table.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan, ShardingType
+from embshard.plan import LookupKernel, ShardingPlan, ShardingType
 from embshard.planner import cost
 from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
@@ -90,6 +91,7 @@ def _plan(case: dict[str, Any], tables: list[TableConfig], where: str) -> Shardi
         raise ValueError(f"{where}: plan has {len(ranks)} characters for {len(tables)} tables (one per table)")
     tiers = {i: "uvm_caching" for i in case.get("uvm_caching", [])} | {i: "uvm" for i in case.get("uvm", [])}
     dp_kernel = case.get("data_parallel_kernel", "fbgemm")
+    small = set(case.get("small_kernel", []))  # table-wise tables on embshard's small-table kernel
     entries = []
     for i, (t, r) in enumerate(zip(tables, ranks, strict=True)):
         tier = tiers.get(i, "hbm")
@@ -110,7 +112,7 @@ def _plan(case: dict[str, Any], tables: list[TableConfig], where: str) -> Shardi
                     for k in on
                 ],
                 "cache_load_factor": case.get("cache_load_factor") or 0.2,
-                "kernel": dp_kernel if r == "d" else "fbgemm",
+                "kernel": dp_kernel if r == "d" else "small" if i in small else "fbgemm",
             }
         )
     return ShardingPlan.from_dict({"world_size": world, "local_world_size": world, "tables": entries})
@@ -182,6 +184,12 @@ def table(cases: list[MeasuredCase], **overrides: float) -> list[str]:
     return rows
 
 
+def _prices_host(gpu: str) -> bool:
+    """Whether the GPU model's preset prices the host's time of an eager step (host_step_s): its batch_bag_s is 0,
+    the host floor carrying the host's per-step work, and its cases fit that floor (`fit_host_floor`)."""
+    return Topology.preset(gpu, 2).host_step_s > 0
+
+
 def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float], list[str]]:
     """Refit the step's shared host cost (host_sync_s, the same on every GPU model: a host's) and the per-bag cost
     of the own batch (batch_bag_s, GPU-side: one value at the H200's copy bandwidth, scaled on each GPU model by
@@ -191,7 +199,7 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
     {gpu: batch_bag_s} and the table before -> after."""
     import numpy as np
 
-    cases = [c for c in cases if c.ids == "static" and c.counts == "device"]
+    cases = [c for c in cases if c.ids == "static" and c.counts == "device" and not _prices_host(c.gpu)]
     ref = Topology.preset("h200", 2).hbm_bw
     A, y, bare = [], [], []
     for c in cases:
@@ -217,44 +225,44 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
     return float(sync), bags, lines
 
 
-def _host_groups(case: MeasuredCase) -> tuple[list[int], list[int]]:
-    """Per rank: the model-parallel and the data-parallel lookup groups of the case's plan (predict.host_times'
-    count: sharding type x tier x kernel, raw ids apart)."""
+def _host_groups(case: MeasuredCase) -> list[tuple[int, int]]:
+    """Per rank: its lookup groups on FBGEMM's TBE and its data-parallel groups (predict.host_times' counts; a
+    group: sharding type x tier x kernel, raw ids apart)."""
     groups: set[tuple] = set()
     for t in case.tables:
         tp = case.plan[t.name]
         groups.update((tp.sharding_type, tp.tier, tp.kernel, t.ids == "raw", s.rank) for s in tp.shards)
-    mp, dp = [0] * case.world, [0] * case.world
-    for st, *_, r in groups:
-        (dp if st is ShardingType.DATA_PARALLEL else mp)[r] += 1
-    return mp, dp
+    tbe, dp = [0] * case.world, [0] * case.world
+    for st, _tier, kernel, _raw, r in groups:
+        tbe[r] += kernel is not LookupKernel.SMALL
+        dp[r] += st is ShardingType.DATA_PARALLEL
+    return list(zip(tbe, dp, strict=True))
 
 
 def fit_host_floor(cases: list[MeasuredCase], gpu: str) -> tuple[dict[str, float], list[str]]:
     """Refit the host's time to issue an eager step (Topology host_step_s, host_group_s, host_dp_group_s) to the
-    eager cases of static tables on `gpu`: the prediction is max(the GPUs' step, the slowest rank's host time),
-    so the fit is a grid search (steps of 50 us): the least worst relative error (within half a percent), then
-    the least squared ones. Returns the fields and the
-    table before -> after."""
+    eager cases of static tables on `gpu`, with the GPUs' time as the preset prices it: the prediction is max(the
+    GPUs' step, the slowest rank's host time (+ host_sync_s with device counts)), so the fit is a grid search
+    (steps of 50 us): the least worst relative error (within half a percent), then the least squared ones. Returns
+    the fields and the table before -> after."""
     import numpy as np
 
     cases = [c for c in cases if c.gpu == gpu and c.ids == "static" and c.step == "eager"]
     if not cases:
         raise ValueError(f"no eager case of static tables on {gpu} to fit the host's time to")
-    gpu_s = np.array([c.report().gpu_step_time_s for c in cases])
+    off = {"host_step_s": 0.0, "host_group_s": 0.0, "host_dp_group_s": 0.0}
+    gpu_s = np.array([c.report(**off).gpu_step_time_s for c in cases])
     sync = np.array([c.report().topology.host_sync_s if c.counts == "device" else 0.0 for c in cases])
     m = np.array([c.median_ms * 1e-3 for c in cases])
-    counts = [_host_groups(c) for c in cases]
     grid = np.arange(0, 8e-3 + 1e-9, 50e-6)
-    S, G, D = np.meshgrid(grid, grid[:61], grid[:81], indexing="ij", sparse=True)  # G <= 3 ms, D <= 4 ms
+    S, G, D = np.meshgrid(grid, grid[:41], grid[:61], indexing="ij", sparse=True)  # G <= 2 ms, D <= 3 ms
     worst, squares = 0.0, 0.0
-    for k, (mp, dp) in enumerate(counts):
-        host = np.max([S + G * a + D * b for a, b in zip(mp, dp, strict=True)], axis=0) + sync[k]
+    for k, c in enumerate(cases):
+        host = np.max([S + G * a + D * b for a, b in _host_groups(c)], axis=0) + sync[k]
         rel = (np.maximum(gpu_s[k], host) - m[k]) / m[k]
         worst, squares = np.maximum(worst, np.abs(rel)), squares + rel**2
-    shape = np.broadcast_shapes(S.shape, G.shape, D.shape)
-    best = np.broadcast_to(worst, shape) <= np.min(worst) + 0.005  # within half a percent of the least worst error
-    i, j, k = np.unravel_index(np.argmin(np.where(best, np.broadcast_to(squares, shape), np.inf)), shape)
+    best = worst <= np.min(worst) + 0.005  # within half a percent of the least worst error
+    i, j, k = np.unravel_index(np.argmin(np.where(best, squares, np.inf)), worst.shape)
     fit = {"host_step_s": float(grid[i]), "host_group_s": float(grid[j]), "host_dp_group_s": float(grid[k])}
     lines = [f"{gpu}: " + ", ".join(f"{f.removesuffix('_s')} {v * 1e3:.2f} ms" for f, v in fit.items())]
     for c in cases:
