@@ -109,7 +109,7 @@ host link for uvm) and r*RAW_ROW_BYTES / bw (LRU: the O(rows) passes over the or
 Raw-id shards form lookup groups of their own (the runtime's LocalShard.group_key), and a group's remap launches
 RAW_KERNELS kernels once for all its shards on a rank: RAW_KERNELS*kernel_s per group (`group_fixed`), not per
 shard. RAW_KERNELS (60) is counted (170 launches a raw step against 110 static, 1 x H100, 13 tables, the map's
-fused step); RAW_ID_BYTES (2447) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3
+fused step); RAW_ID_BYTES (3101) is FITTED to the measured raw-id step of uniform26 on 2 x NVIDIA H100 80GB HBM3
 with NVLink, 2026-11-26 (`python -m torch.distributed.run --standalone --nproc-per-node=2 bench/embshard_dmp.py
 --workload uniform26 --ids both --id-space 1 --batches 8 --rounds 3 --steps 20`, counts from the host: 7.71 ms a
 step, 13 table-wise raw-id tables a rank; the case in tests/planner/data/measured_steps.json,
@@ -179,7 +179,7 @@ DP_UPDATE_PASSES = 8
 EXACT_COLUMN_PASSES = 3
 EXACT_COLUMN_KERNELS = 14
 # Raw-id tables' id -> row map (embshard/rawids): fitted, counted and estimated as the module docstring says.
-RAW_ID_BYTES = 2447
+RAW_ID_BYTES = 3101
 """Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 0.87 ns an id on an H100): fitted, not the
 bytes the ops move (~1 KB an id: sorts, the unique ids' arrays, two buckets of 16 slots read); the rest is the
 latency of its dependent gathers and scatters and, in a multi-GPU step, the launch-bound stretch it adds."""

@@ -464,7 +464,7 @@ def test_whole_step_graph_plan_first_then_every_option():
         return {(t.sharding_type, t.tier) for t in out.tables}, said
 
     free, said = plan("false")
-    assert not said
+    assert all("data-parallel tables cost the host most" in line for line in said)  # the eager host floor's choice
     assert (ShardingType.ROW_WISE, MemoryTier.HBM) in free and (ShardingType.TABLE_WISE, MemoryTier.UVM_CACHING) in free
     held, said = plan("true")
     assert not said

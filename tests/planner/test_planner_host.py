@@ -47,17 +47,21 @@ def _plan(tiny_dp: bool = True) -> ShardingPlan:
 
 @pytest.mark.parametrize("counts", ["host", "device"])
 def test_the_slowest_ranks_host_time_bounds_the_eager_step(counts):
-    """Rank 0 has two model-parallel groups (HBM and UVM) and the data-parallel one, rank 1 one and the
-    data-parallel one: the host floor is host_step + 2 host_group + host_dp_group (+ host_sync with device counts),
-    and the step the larger of it and the GPUs' time."""
+    """Rank 0 has two model-parallel groups (HBM and UVM) and the data-parallel one, all on FBGEMM's TBE, rank 1
+    one and the data-parallel one: the host floor is host_step + 3 host_group + host_dp_group (+ host_sync with
+    device counts), and the step the larger of it and the GPUs' time; a group on the small-table kernel is free."""
     topo = replace(Topology.preset("h100", 2), host_step_s=1 * MS, host_group_s=0.5 * MS, host_dp_group_s=2 * MS)
     settings = PlannerSettings(batch_counts=counts, whole_step_graph=False)
     r = predict(_plan(), _tables(), topo, 4096, ROWWISE, settings=settings)
     sync = topo.host_sync_s if counts == "device" else 0.0
-    assert r.host_step_time_s == pytest.approx(4 * MS + sync, rel=1e-12)
+    assert r.host_step_time_s == pytest.approx(4.5 * MS + sync, rel=1e-12)
     assert r.step_time_s == max(r.gpu_step_time_s, r.host_step_time_s)
     slow = predict(_plan(), _tables(), replace(topo, host_step_s=50 * MS), 4096, ROWWISE, settings=settings)
-    assert slow.step_time_s == pytest.approx(53 * MS + sync) and slow.gpu_step_time_s == r.gpu_step_time_s
+    assert slow.step_time_s == pytest.approx(53.5 * MS + sync) and slow.gpu_step_time_s == r.gpu_step_time_s
+    small = _plan().to_dict()
+    small["tables"][1]["kernel"] = "small"  # big1 on rank 1: no FBGEMM group left there but the replicas'
+    on_small = predict(ShardingPlan.from_dict(small), _tables(), topo, 4096, ROWWISE, settings=settings)
+    assert on_small.host_step_time_s == pytest.approx(4.5 * MS + sync, rel=1e-12)  # rank 0 still the slowest
     fast = predict(_plan(), _tables(), replace(topo, host_step_s=1e-6, host_group_s=0, host_dp_group_s=0), 4096)
     assert fast.step_time_s == fast.gpu_step_time_s > fast.host_step_time_s > 0
     graphed = predict(_plan(), _tables(), topo, 4096, ROWWISE, settings=replace(settings, whole_step_graph=True))
@@ -96,13 +100,14 @@ def test_an_eager_plan_the_host_sets_drops_its_data_parallel_tables_when_that_is
     assert report2.step_time_s < with_dp.step_time_s
     assert len(said) == 1 and "data-parallel tables cost the host most" in said[0] and "planned without them" in said[0]
     # the GPUs set the step (a fast host), or the step is one graph replay: the search's plan stands
-    for topo, settings in (
-        (replace(slow_dp, host_dp_group_s=0.0), eager),
-        (slow_dp, replace(eager, whole_step_graph=True)),
-    ):
-        said.clear()
-        plan3, _ = search_plan(tables, topo, 8192, ROWWISE, None, settings, say=said.append)
-        assert any(t.sharding_type.value == "data_parallel" for t in plan3.tables) and not said
+    fast = replace(slow_dp, host_group_s=0.0, host_dp_group_s=0.0)
+    said.clear()
+    plan3, _ = search_plan(tables, fast, 8192, ROWWISE, None, eager, say=said.append)
+    assert plan3 == plan_with_report(tables, fast, 8192, ROWWISE, None, eager)[0] and not said
+    assert any(t.sharding_type.value == "data_parallel" for t in plan3.tables)
+    graph = replace(eager, whole_step_graph=True)
+    plan5, _ = search_plan(tables, slow_dp, 8192, ROWWISE, None, graph, say=said.append)
+    assert plan5 == plan_with_report(tables, slow_dp, 8192, ROWWISE, None, graph)[0] and not said
     # data-parallel is the only type allowed: nothing to drop
     only_dp = replace(eager, sharding_types=("data_parallel",))
     small = tables[2:]

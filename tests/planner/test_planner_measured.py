@@ -64,21 +64,24 @@ def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
         if c.workload == "overflow" and c.step == "eager":  # the planner's eager plans: 5 UVM-caching, later 4 UVM
             tiers = [t.tier.value for t in c.plan.tables]
             assert tiers.count("uvm_caching") == 5 or tiers.count("uvm") == 4, c
-        if c.workload == "hetero124":
-            assert sum(t.sharding_type.value == "data_parallel" for t in c.plan.tables) == 100, kinds
+        if c.workload == "hetero124":  # the 100 tiny tables data-parallel, or table-wise on the small-table kernel
+            tiny = [t for t in c.plan.tables if t.table in {f"t{i}" for i in range(24, 124)}]
+            assert all(t.sharding_type.value == "data_parallel" or t.kernel.value == "small" for t in tiny), kinds
 
 
 def test_the_presets_are_the_fit_of_the_measured_steps():
-    """bench/planner_predict.py --measured --fit: refitting the shared host cost and the per-bag cost to the cases
-    gives back the presets' values (so the presets are that fit, not hand-tuned per workload)."""
+    """bench/planner_predict.py --measured --fit: refitting the per-bag cost of the GPU models without a host floor
+    (the H200) to their cases, the device sync's cost as the presets have it, gives back the preset's value (so the
+    presets are that fit, not hand-tuned per workload)."""
     from embshard.planner.tools.measured import fit_host_and_bag
     from embshard.planner.topology import Topology
 
     sync, bags, lines = fit_host_and_bag(CASES)
-    assert len(lines) == sum(c.ids == "static" and c.counts == "device" for c in CASES) + 1
+    assert sorted(bags) == ["h200"]  # the H100's preset prices its host's floor instead (batch_bag 0)
+    assert len(lines) == sum(c.gpu == "h200" and c.ids == "static" and c.counts == "device" for c in CASES) + 1
     for gpu, bag in bags.items():
         topo = Topology.preset(gpu, 2)
-        assert topo.host_sync_s == pytest.approx(sync, rel=0.02), gpu
+        assert topo.host_sync_s == sync
         assert topo.batch_bag_s == pytest.approx(bag, rel=0.02), gpu
 
 

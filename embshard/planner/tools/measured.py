@@ -191,37 +191,32 @@ def _prices_host(gpu: str) -> bool:
 
 
 def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float], list[str]]:
-    """Refit the step's shared host cost (host_sync_s, the same on every GPU model: a host's) and the per-bag cost
-    of the own batch (batch_bag_s, GPU-side: one value at the H200's copy bandwidth, scaled on each GPU model by
-    the ratio of the copy bandwidths, as the per-id constants are) to the cases, by least squares on the relative
-    errors. Only the cases of static tables with device counts: host_sync_s is the device sync's cost, which steps
-    with host counts do not pay, and raw-id cases are fitted after them (`fit_raw_id_bytes`). Returns host_sync_s,
+    """Refit the per-bag cost of the own batch (batch_bag_s) of the GPU models whose preset does not price the
+    host's floor (`_prices_host`: the H200), to their static device-count cases, by least squares on the relative
+    errors, with the device sync's cost (host_sync_s, a host's, the same on every GPU model) as the preset has it:
+    0.63 ms, fitted with batch_bag to both GPU models' device-count steps before the H100's eager steps were priced
+    by its host's floor, whose device-count cases it still fits (`fit_host_floor`). Returns host_sync_s,
     {gpu: batch_bag_s} and the table before -> after."""
     import numpy as np
 
     cases = [c for c in cases if c.ids == "static" and c.counts == "device" and not _prices_host(c.gpu)]
-    ref = Topology.preset("h200", 2).hbm_bw
-    A, y, bare = [], [], []
-    for c in cases:
-        b = c.report(host_sync_s=0.0, batch_bag_s=0.0).gpu_step_time_s
-        scale = ref / Topology.preset(c.gpu, c.world).hbm_bw
-        m = c.median_ms * 1e-3
-        A.append([1 / m, c.batch * sum(len(t.feature_names) for t in c.tables) * scale / m])
-        y.append((m - b) / m)
-        bare.append(b)
-    (sync, bag), *_ = np.linalg.lstsq(np.array(A), np.array(y), rcond=None)
-    bags = {c.gpu: float(bag * ref / Topology.preset(c.gpu, c.world).hbm_bw) for c in cases}
-    lines = [
-        f"host_sync {sync * 1e6:.0f} us (every GPU model); batch_bag "
-        + ", ".join(f"{g} {v * 1e9:.3f} ns" for g, v in sorted(bags.items()))
-    ]
-    for c, b, row in zip(cases, bare, A, strict=True):
-        before = c.report().step_time_s * 1e3
-        after = (b + sync * row[0] * c.median_ms * 1e-3 + bag * row[1] * c.median_ms * 1e-3) * 1e3
-        lines.append(
-            f"{c.world} x {c.gpu} {c.workload:9s} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
-            f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
-        )
+    if not cases:
+        raise ValueError("no static device-count case of a GPU model without a host floor to fit batch_bag to")
+    sync = Topology.preset(cases[0].gpu, cases[0].world).host_sync_s
+    bags, lines = {}, []
+    for gpu in sorted({c.gpu for c in cases}):
+        mine = [c for c in cases if c.gpu == gpu]
+        bare = np.array([c.report(batch_bag_s=0.0).gpu_step_time_s for c in mine])
+        n = np.array([c.batch * sum(len(t.feature_names) for t in c.tables) for c in mine], dtype=float)
+        m = np.array([c.median_ms * 1e-3 for c in mine])
+        bags[gpu] = float(np.sum((m - bare) * n / m**2) / np.sum(n * n / m**2))
+        lines.append(f"{gpu}: batch_bag {bags[gpu] * 1e9:.3f} ns (host_sync {sync * 1e6:.0f} us as the preset's)")
+        for c, b, k in zip(mine, bare, n, strict=True):
+            before, after = c.report().step_time_s * 1e3, (b + bags[gpu] * k) * 1e3
+            lines.append(
+                f"{c.world} x {c.gpu} {c.workload:9s} measured {c.median_ms:6.2f} ms  predicted {before:6.2f} "
+                f"({before / c.median_ms - 1:+.1%}) -> {after:6.2f} ({after / c.median_ms - 1:+.1%})"
+            )
     return float(sync), bags, lines
 
 
