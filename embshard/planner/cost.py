@@ -180,7 +180,7 @@ EXACT_COLUMN_PASSES = 3
 EXACT_COLUMN_KERNELS = 14
 # Raw-id tables' id -> row map (embshard/rawids): fitted, counted and estimated as the module docstring says.
 RAW_ID_BYTES = 3101
-"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 0.87 ns an id on an H100): fitted, not the
+"""Time per id of the remap as bytes at the copy bandwidth (hbm_bw; 1.11 ns an id on an H100): fitted, not the
 bytes the ops move (~1 KB an id: sorts, the unique ids' arrays, two buckets of 16 slots read); the rest is the
 latency of its dependent gathers and scatters and, in a multi-GPU step, the launch-bound stretch it adds."""
 RAW_ROW_BYTES = 96

@@ -17,6 +17,7 @@ from embshard.optim import FusedOptimizerConfig
 from embshard.plan import GRAPH_SHARDING_TYPES, MemoryTier, ShardingPlan, ShardingType
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.errors import PlanningError
+from embshard.planner.report import PlanReport
 from embshard.planner.search import plan_with_report
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.simple import simple_plan
@@ -130,7 +131,9 @@ def search_plan(
     say: Callable[[str], None] | None = None,
 ):
     """The search's (plan, report); with settings.whole_step_graph, first among the options a whole-step graph can
-    hold (`graph_settings`), then, if none of those fits, among all (`say` gets why)."""
+    hold (`graph_settings`), then, if none of those fits, among all (`say` gets why). An eager plan whose step the
+    host sets and whose data-parallel tables cost the host most is planned again without them, and the faster kept
+    (`_without_replicas_if_faster`)."""
     if settings.whole_step_graph:
         narrowed = graph_settings(settings)
         why = narrowed if isinstance(narrowed, str) else None
@@ -151,7 +154,7 @@ def search_plan(
 
 def _without_replicas_if_faster(
     plan: ShardingPlan,
-    report,
+    report: PlanReport,
     tables: Sequence[TableConfig],
     topo: Topology,
     batch_size: int,
@@ -159,7 +162,7 @@ def _without_replicas_if_faster(
     constraints: dict[str, ParameterConstraints] | None,
     settings: PlannerSettings,
     say: Callable[[str], None] | None,
-):
+) -> tuple[ShardingPlan, PlanReport]:
     """An eager step the host sets, whose plan has data-parallel tables: the search prices the GPUs' time alone,
     where a data-parallel lookup group costs the host most (topology host_dp_group_s); the same search without
     data-parallel tables, kept when its predicted step is shorter (`say` gets both)."""

@@ -217,11 +217,12 @@ def predict(
 
 def host_times(model: CostModel, groups: set[tuple]) -> np.ndarray:
     """[W]: the host's time to issue an eager step on each rank (seconds): topology.host_step_s, plus
-    host_group_s per lookup group on FBGEMM's TBE (model-parallel or data-parallel; embshard's small-table kernel
-    is a few Triton launches, no host cost measured) and host_dp_group_s per data-parallel group on the rank
-    (`groups`: (sharding, tier, kernel, raw, rank) of every group), plus host_sync_s with device batch counts (the host waits
-    for the device there, before it can issue the rest of the step). Zeros on CPUs (the host runs the lookups: priced as such)
-    and for a step replayed as one CUDA graph (the host launches the graph, not the operators)."""
+    host_group_s per lookup group on FBGEMM's TBE (model- or data-parallel; a group on embshard's small-table
+    kernel is a few Triton launches: no host cost measured) and host_dp_group_s per data-parallel group on the
+    rank (`groups`: (sharding, tier, kernel, raw, rank) of every group), plus host_sync_s with device batch counts
+    (the host waits for the device there before it issues the rest of the step). Zeros on CPUs (the host runs the
+    lookups, priced as such), for a step replayed as one CUDA graph (the host launches the graph, not the
+    operators) and for a topology without host constants."""
     topo = model.topo
     W = topo.world_size
     if not topo.is_gpu or model.settings.whole_step_graph or not (topo.host_step_s or topo.host_group_s):
