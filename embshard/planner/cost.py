@@ -74,12 +74,11 @@ in the forward and again in the backward phase (on GPUs the Triton regroup's tim
 and bags*batch_bag_s (first phase): the per-segment cost, beyond bytes, of all the kernels that walk the step's
 bags (lookups forward and backward, lengths and offsets of the exchange, permutes, id check, regroup), which
 the per-id and per-byte terms miss. In the eager steps it was fitted on it stands for the host's work per feature
-and bag, so a step replayed as one CUDA graph (settings.whole_step_graph) is not charged it: on 2 x H100, graphed,
-uniform26 measured 3.85 ms and hetero124 4.95 ms, predicted 3.85 and 5.15 without the term, 4.35 and 7.52 with it.
-Fitted with host_sync_s to the measured steps of 2 x H100 and 2 x H200
-(tests/planner/data/measured_steps.json): 1.67 ns a bag on the H200, scaled by the copy bandwidth ratio on the
-H100 as the per-id constants are. Workloads with many features pay it most (hetero124: 124 features, 1.0 M
-bags a rank, 1.7 ms on an H200).
+and bag, so a step replayed as one CUDA graph (settings.whole_step_graph) is not charged it, and a preset that
+prices the host's floor of the eager step (predict.host_times: host_step_s, host_group_s, host_dp_group_s; the
+H100's) has it at 0. The H200's, 1.40 ns a bag, is fitted to its device-count steps
+(tests/planner/data/measured_steps.json; `bench/planner_predict.py --measured --fit`): hetero124's 124 features,
+1.0 M bags a rank, pay 1.4 ms of it.
 
 Shards whose TablePlan.kernel is 'small' (embshard's small-table kernel, GPUs): kernel_cost.py's forward,
 backward, hot-row chain (ShardWork.hot_s, paid once per lookup group: its longest), step memory and launches.

@@ -129,17 +129,21 @@ def search_plan(
     constraints: dict[str, ParameterConstraints] | None,
     settings: PlannerSettings,
     say: Callable[[str], None] | None = None,
-):
+) -> tuple[ShardingPlan, PlanReport]:
     """The search's (plan, report); with settings.whole_step_graph, first among the options a whole-step graph can
     hold (`graph_settings`), then, if none of those fits, among all (`say` gets why). An eager plan whose step the
     host sets and whose data-parallel tables cost the host most is planned again without them, and the faster kept
     (`_without_replicas_if_faster`)."""
+
+    def search(s: PlannerSettings) -> tuple[ShardingPlan, PlanReport]:
+        return plan_with_report(tables, topo, batch_size, optimizer, constraints, s)
+
     if settings.whole_step_graph:
         narrowed = graph_settings(settings)
         why = narrowed if isinstance(narrowed, str) else None
         if why is None:
             try:
-                return plan_with_report(tables, topo, batch_size, optimizer, constraints, narrowed)
+                return search(narrowed)
             except (PlanningError, ConfigError) as e:
                 why = str(e).strip().splitlines()[0]
         (say or (lambda _text: None))(
@@ -148,38 +152,31 @@ def search_plan(
             "the whole-step graph"
         )
         settings = replace(settings, whole_step_graph=False)  # the step runs eagerly: priced so
-    plan, report = plan_with_report(tables, topo, batch_size, optimizer, constraints, settings)
-    return _without_replicas_if_faster(plan, report, tables, topo, batch_size, optimizer, constraints, settings, say)
+    return _without_replicas_if_faster(search(settings), settings, search, say)
 
 
 def _without_replicas_if_faster(
-    plan: ShardingPlan,
-    report: PlanReport,
-    tables: Sequence[TableConfig],
-    topo: Topology,
-    batch_size: int,
-    optimizer: FusedOptimizerConfig,
-    constraints: dict[str, ParameterConstraints] | None,
+    planned: tuple[ShardingPlan, PlanReport],
     settings: PlannerSettings,
+    search: Callable[[PlannerSettings], tuple[ShardingPlan, PlanReport]],
     say: Callable[[str], None] | None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """An eager step the host sets, whose plan has data-parallel tables: the search prices the GPUs' time alone,
     where a data-parallel lookup group costs the host most (topology host_dp_group_s); the same search without
-    data-parallel tables, kept when its predicted step is shorter (`say` gets both)."""
+    data-parallel tables (`search` with those settings), kept when its predicted step is shorter (`say` gets both)."""
+    plan, report = planned
     has_dp = any(tp.sharding_type is ShardingType.DATA_PARALLEL for tp in plan.tables)
     if not has_dp or report.host_step_time_s <= report.gpu_step_time_s:
-        return plan, report
+        return planned
     types = tuple(t for t in (settings.sharding_types or tuple(ShardingType)) if t is not ShardingType.DATA_PARALLEL)
     if not types:  # an empty tuple would mean "every type"
-        return plan, report
+        return planned
     try:
-        alt = plan_with_report(
-            tables, topo, batch_size, optimizer, constraints, replace(settings, sharding_types=types)
-        )
+        alt = search(replace(settings, sharding_types=types))
     except (PlanningError, ConfigError):
-        return plan, report
+        return planned
     if alt[1].step_time_s >= report.step_time_s:
-        return plan, report
+        return planned
     (say or (lambda _text: None))(
         f"planner: the eager step's host sets it ({report.host_step_time_s * 1e3:.2f} ms against the GPUs' "
         f"{report.gpu_step_time_s * 1e3:.2f} ms) and its data-parallel tables cost the host most: planned without "

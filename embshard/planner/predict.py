@@ -171,6 +171,7 @@ def predict(
     total += model.batch_loads(tables)[:, None]
     b = budgets(model, tables)
     phases = loads.phase_times(total)
+    host = host_times(model, groups)
     ranks = [
         RankReport(
             rank=r,
@@ -181,10 +182,10 @@ def predict(
             ddr_budget=b.ddr,
             batch_buffers=b.batch_buffers,
             hbm_reserve=b.hbm_reserve,
+            host_s=float(host[r]),
         )
         for r in range(W)
     ]
-    host = host_times(model, groups)
     exchange_step_s, exchange_level_bytes = {}, {}
     twrw_tables = any(tp.sharding_type is ShardingType.TABLE_ROW_WISE for tp in plan.tables)
     if compare_exchanges and twrw_tables and twrw.applies(topology):
@@ -225,7 +226,8 @@ def host_times(model: CostModel, groups: set[tuple]) -> np.ndarray:
     operators) and for a topology without host constants."""
     topo = model.topo
     W = topo.world_size
-    if not topo.is_gpu or model.settings.whole_step_graph or not (topo.host_step_s or topo.host_group_s):
+    priced = topo.host_step_s or topo.host_group_s or topo.host_dp_group_s
+    if not topo.is_gpu or model.settings.whole_step_graph or not priced:
         return np.zeros(W)
     out = np.full(W, topo.host_step_s)
     for st, _tier, kernel, _raw, r in groups:

@@ -61,6 +61,8 @@ class RankReport:
     """The rank's own batch buffers, any plan (bytes; GPU memory, host memory on CPU)."""
     hbm_reserve: float = 0.0
     """GPU memory kept for the dense model and activations (bytes)."""
+    host_s: float = 0.0
+    """The host's time to issue this rank's eager step (s; predict.host_times); 0 when not priced."""
 
     @property
     def peak_hbm(self) -> float:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from embshard.optim import FusedOptimizerConfig
-from embshard.plan import LookupKernel, ShardingPlan, ShardingType
+from embshard.plan import ShardingPlan
 from embshard.planner import cost
 from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
@@ -221,17 +221,12 @@ def fit_host_and_bag(cases: list[MeasuredCase]) -> tuple[float, dict[str, float]
 
 
 def _host_groups(case: MeasuredCase) -> list[tuple[int, int]]:
-    """Per rank: its lookup groups on FBGEMM's TBE and its data-parallel groups (predict.host_times' counts; a
-    group: sharding type x tier x kernel, raw ids apart)."""
-    groups: set[tuple] = set()
-    for t in case.tables:
-        tp = case.plan[t.name]
-        groups.update((tp.sharding_type, tp.tier, tp.kernel, t.ids == "raw", s.rank) for s in tp.shards)
-    tbe, dp = [0] * case.world, [0] * case.world
-    for st, _tier, kernel, _raw, r in groups:
-        tbe[r] += kernel is not LookupKernel.SMALL
-        dp[r] += st is ShardingType.DATA_PARALLEL
-    return list(zip(tbe, dp, strict=True))
+    """Per rank: its lookup groups on FBGEMM's TBE and its data-parallel groups, as predict.host_times counts them
+    (read off two predictions that charge 1 s a group of one kind and nothing else)."""
+    probe = {"host_step_s": 0.0, "host_sync_s": 0.0}
+    tbe = case.report(**probe, host_group_s=1.0, host_dp_group_s=0.0).ranks
+    dp = case.report(**probe, host_group_s=0.0, host_dp_group_s=1.0).ranks
+    return [(round(a.host_s), round(b.host_s)) for a, b in zip(tbe, dp, strict=True)]
 
 
 def fit_host_floor(cases: list[MeasuredCase], gpu: str) -> tuple[dict[str, float], list[str]]:
