@@ -87,12 +87,12 @@ def main() -> None:
     from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint
     from embshard.checkpoint.integrity import verify_folder
     from embshard.checkpoint.storage import checksums
-    from embshard.distributed import init_distributed
-    from embshard.optim import FusedOptimizerConfig
-    from embshard.plan import MemoryTier, ShardingType
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.planner import simple_plan
-    from embshard.sharded import ShardedEmbeddingBagCollection
-    from embshard.tables import TableConfig
+    from embshard.runtime.distributed import init_distributed
+    from embshard.spec.optim import FusedOptimizerConfig
+    from embshard.spec.plan import MemoryTier, ShardingType
+    from embshard.spec.tables import TableConfig
 
     dev = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -193,7 +193,7 @@ def workload_spec(name: str, rows_scale: float = 1.0) -> list[tuple[int, int, in
 
 def workload_tables(name: str, rows_scale: float = 1.0) -> list:
     """The workload's tables (t0, t1, ...; one feature each, f0, f1, ...)."""
-    from embshard.tables import TableConfig
+    from embshard.spec.tables import TableConfig
 
     spec = workload_spec(name, rows_scale)
     return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
@@ -202,8 +202,8 @@ def workload_tables(name: str, rows_scale: float = 1.0) -> list:
 def make_plan(args, tables, world: int, tier, batch: int, opt):
     """(plan, planner report or None); the planner plans and predicts with the run's primary batch counts
     (--counts; both: host)."""
-    from embshard.plan import ShardingPlan, ShardingType
     from embshard.planner import simple_plan
+    from embshard.spec.plan import ShardingPlan, ShardingType
 
     if args.plan == "simple":
         return simple_plan(tables, world, tier=tier), None
@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument(
         "--graph",
         action="store_true",
-        help="run each step as one CUDA graph replay (embshard/emb_graph.py: batches padded to a capacity per "
+        help="run each step as one CUDA graph replay (embshard/collection/emb_graph.py: batches padded to a capacity per "
         "feature; host counts only)",
     )
     ap.add_argument(
@@ -305,12 +305,12 @@ def main() -> None:
 
     from numa import numa_setup
 
-    from embshard import comm
-    from embshard.distributed import init_distributed
-    from embshard.optim import FusedOptimizerConfig
-    from embshard.plan import MemoryTier
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+    from embshard.runtime import comm
+    from embshard.runtime.distributed import init_distributed
     from embshard.sharding.exchange import parse_counts
+    from embshard.spec.optim import FusedOptimizerConfig
+    from embshard.spec.plan import MemoryTier
 
     numa_setup(bind=args.numa_bind)  # one line per rank: the GPU's node and where the process runs
     dev = init_distributed()
@@ -404,7 +404,7 @@ def main() -> None:
     primary = "device" if args.counts == "device" else "host"
     graphs = {}
     if args.graph:
-        from embshard.emb_graph import EmbeddingStepGraph
+        from embshard.collection.emb_graph import EmbeddingStepGraph
 
         if args.counts != "host":
             raise SystemExit("--graph sizes each step from the host's counts: use --counts host")

@@ -150,8 +150,8 @@ def _main(argv: list[str] | None = None) -> None:
     p.add_argument("--hbm-gib", type=float, default=0.0, help="GPU memory the planner may plan for (0: the preset's)")
     p.add_argument("--pooled-bytes", type=int, default=4, help="end to end: 2 with lookup.output_dtype=bf16")
     args = p.parse_args(argv)
-    from embshard.optim import FusedOptimizerConfig
     from embshard.planner import Topology, plan_with_report
+    from embshard.spec.optim import FusedOptimizerConfig
 
     topo = Topology.preset(args.device, args.world_size).with_sizes(hbm_gib=args.hbm_gib or None)
     if args.workload:

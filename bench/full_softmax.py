@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from embshard import simple_plan  # noqa: E402
-from embshard.optim import FusedOptimizerConfig  # noqa: E402
 from embshard.retrieval import Catalog, gather_rows, gather_sizes  # noqa: E402
-from embshard.tables import TableConfig  # noqa: E402
+from embshard.spec.optim import FusedOptimizerConfig  # noqa: E402
+from embshard.spec.tables import TableConfig  # noqa: E402
 
 GiB = float(1 << 30)
 

@@ -104,12 +104,12 @@ def _slowest_median(times: list[float], device: torch.device) -> float:
 
 def measure(rank: int, world: int, device: torch.device, cfg: dict, local_world_size: int = 2, topology=None) -> dict:
     """Run the benchmark on this rank (every rank of the default group calls it); every rank returns the result."""
-    from embshard.optim import FusedOptimizerConfig
-    from embshard.plan import MemoryTier, ShardingType
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.planner import Topology, predict, simple_plan
     from embshard.planner.exchange import exchange_bytes
-    from embshard.sharded import ShardedEmbeddingBagCollection
-    from embshard.tables import TableConfig
+    from embshard.spec.optim import FusedOptimizerConfig
+    from embshard.spec.plan import MemoryTier, ShardingType
+    from embshard.spec.tables import TableConfig
 
     L = local_world_size
     tables = [
@@ -245,8 +245,8 @@ def result_lines(result: dict) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from embshard.distributed import init_distributed
     from embshard.planner import Topology
+    from embshard.runtime.distributed import init_distributed
 
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -277,7 +277,7 @@ def main() -> None:
         ap.add_argument(f"--{key}", type=int, default=None, help=f"workload: {key} (default {FULL[key]})")
     args = ap.parse_args()
     if args.spawn:
-        from embshard.distributed import spawn_local
+        from embshard.runtime.distributed import spawn_local
 
         spawn_local(_run, args.spawn, args)
     else:

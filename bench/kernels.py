@@ -3,7 +3,7 @@
     python bench/kernels.py --check          # GPU parity of both kernels (FBGEMM, plain-PyTorch reference): PASS/FAIL
     python bench/kernels.py                  # timings, 1 GPU, about 2-3 minutes on an H200; summary table at the end
     python bench/kernels.py --sweep          # also a few tile sizes of both kernels
-    python bench/kernels.py --calibrate      # fit the kernels' cost-model constants (embshard/kernels/cost.py)
+    python bench/kernels.py --calibrate      # fit the kernels' cost-model constants (embshard/planner/kernel_model.py)
     python bench/kernels.py --cpu --small    # smoke test of the script on the CPU (times meaningless)
 
 Small tables: T tables x R rows x D fp32 (default 100 x 10k x 16), batch B, L ids per bag (fixed), ids uniform or
@@ -50,15 +50,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from embshard.collection.regroup import Regroup  # noqa: E402
+from embshard.collection.regroup_kernel import KernelRegroup  # noqa: E402
 from embshard.kernels.calibrate import calibrate_kernels, regroup_layout, zipf_ids  # noqa: E402
 from embshard.kernels.layout import Tiles  # noqa: E402
-from embshard.kernels.regroup import KernelRegroup  # noqa: E402
 from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions  # noqa: E402
 from embshard.lookup import LocalShard, TBELookup  # noqa: E402
-from embshard.optim import FusedOptimizerConfig  # noqa: E402
-from embshard.plan import MemoryTier, Shard  # noqa: E402
-from embshard.regroup import Regroup  # noqa: E402
-from embshard.tables import TableConfig  # noqa: E402
+from embshard.spec.optim import FusedOptimizerConfig  # noqa: E402
+from embshard.spec.plan import MemoryTier, Shard  # noqa: E402
+from embshard.spec.tables import TableConfig  # noqa: E402
 
 ROWS: list[dict] = []  # the summary table
 SMALL_VARIANTS = [
@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="run the GPU parity checks instead of the timings")
     p.add_argument(
-        "--calibrate", action="store_true", help="fit the kernels' cost constants (embshard/kernels/cost.py)"
+        "--calibrate", action="store_true", help="fit the kernels' cost constants (embshard/planner/kernel_model.py)"
     )
     p.add_argument("--only", choices=["small", "regroup"], help="run one of the two benchmarks")
     p.add_argument("--tables", type=int, default=100)

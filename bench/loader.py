@@ -172,7 +172,7 @@ class RssSampler:
 
 
 def tables_for(layout: str):
-    from embshard.tables import TableConfig
+    from embshard.spec.tables import TableConfig
 
     return [TableConfig(f"t_{c}", r, 16, (c,)) for c, r in zip(CAT, ROWS)]
 

@@ -40,8 +40,8 @@ def baseline_module():
 
 
 def embshard_losses(cfg, source, device, steps: int) -> list[torch.Tensor]:
-    from embshard.pipeline import TrainPipeline
-    from embshard.train import build_model, plan_job
+    from embshard.training.pipeline import TrainPipeline
+    from embshard.training.train import build_model, plan_job
 
     world = dist.get_world_size()
     plan = plan_job(cfg, device, world, world, lambda _line: None)
@@ -109,7 +109,7 @@ def torchrec_losses(cfg, source, device, steps: int, small: bool) -> list[torch.
 def run(args: argparse.Namespace) -> None:
     from embshard.config import load_config
     from embshard.data import build_source
-    from embshard.distributed import init_distributed
+    from embshard.runtime.distributed import init_distributed
 
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -178,7 +178,7 @@ def main() -> None:
     if "RANK" in os.environ or args.nproc <= 1:
         run(args)
         return
-    from embshard.distributed import spawn_local
+    from embshard.runtime.distributed import spawn_local
 
     spawn_local(run, args.nproc, args)
 

@@ -26,7 +26,7 @@ to the raw-id cases (host_sync and batch_bag to the static cases with device bat
 cost of the device sync that host counts, the training pipeline's, avoid; each case is predicted with its counts):
     python bench/planner_predict.py --measured [tests/planner/data/measured_steps.json] [--fit]
 --kernels refits the small-table kernel's constants (forward per id, backward and data-parallel dense gradient
-per atomic sector), --steps the fixed cost of a step (embshard/planner/tools/refit.py); it prints every measured
+per atomic sector), --steps the fixed cost of a step (embshard/planner/refit.py); it prints every measured
 step against the prediction before and after, and --write rewrites the preset file (or --out FILE).
 """
 
@@ -42,10 +42,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType  # noqa: E402
 from embshard.planner import PlannerSettings, PlanReport, Topology, plan_with_report, predict, simple_plan  # noqa: E402
-from embshard.planner.tools.inputs import PlannerInput, load_planner_input  # noqa: E402
 from embshard.planner.topology import GIB  # noqa: E402
+from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType  # noqa: E402
+from embshard.tools.plan_inputs import PlannerInput, load_planner_input  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = [("hetero124", None), ("uniform26", None), ("overflow", 16.0)]  # (config, --hbm-gib)
@@ -92,9 +92,10 @@ def dmp_workload(name: str) -> tuple[list, int]:
 
 def refit(args: argparse.Namespace) -> None:
     """--refit: fit the device's constants to the logs, print the fit, rewrite the preset file with --write."""
-    from embshard.optim import FusedOptimizerConfig
-    from embshard.planner.tools import refit as rf
+    from embshard.planner import refit as rf
+
     from embshard.planner.topology import preset_path
+    from embshard.spec.optim import FusedOptimizerConfig
 
     if not (args.kernels or args.steps):
         raise SystemExit(
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     if args.measured:
-        from embshard.planner.tools import measured as ms
+        from embshard.planner import measured as ms
 
         cases, _ = ms.load_cases(args.measured)
         print("\n".join(ms.table(cases)))

@@ -50,7 +50,7 @@ def mixed_tables(n: int, seed: int = 0, world_size: int = REFERENCE_WORLD):
     """n tables: ~5% huge (50-200M rows), ~30% large (1-20M), the rest small (100-200k), varied widths and ids. The
     huge and large tables' rows are scaled by row_scale(n, world_size) (1 for the reference case and smaller
     models), so the model fits the GPUs at any size."""
-    from embshard.tables import TableConfig
+    from embshard.spec.tables import TableConfig
 
     rng = random.Random(seed)
     scale = row_scale(n, world_size)

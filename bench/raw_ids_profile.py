@@ -159,12 +159,12 @@ def _init(device: str) -> torch.device:
     if device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is visible")
-        from embshard.distributed import init_distributed
+        from embshard.runtime.distributed import init_distributed
 
         return init_distributed()
     import torch.distributed as dist
 
-    from embshard.distributed import free_port
+    from embshard.runtime.distributed import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -318,10 +318,10 @@ def main() -> None:
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from embshard.optim import FusedOptimizerConfig
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.planner import simple_plan
-    from embshard.sharded import ShardedEmbeddingBagCollection
-    from embshard.tables import TableConfig
+    from embshard.spec.optim import FusedOptimizerConfig
+    from embshard.spec.tables import TableConfig
 
     dev = _init(args.device)
     cuda = dev.type == "cuda"

@@ -96,8 +96,8 @@ def zipf_run(variant: str, args, seed: int) -> dict:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.rawids.hashing import hash64
-    from embshard.sharded import ShardedEmbeddingBagCollection
 
     torch.manual_seed(seed)
     stream = ZipfStream(args.features, args.rows * args.vocab_factor, args.zipf, seed)

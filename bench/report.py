@@ -105,7 +105,7 @@ def dense_graph(r: dict[str, str]) -> bool:
 
 
 def whole_graph(r: dict[str, str]) -> bool:
-    """Whether an e2e run replayed its whole step as a CUDA graph (embshard/step_graph.py)."""
+    """Whether an e2e run replayed its whole step as a CUDA graph (embshard/training/step_graph.py)."""
     return r.get("whole_step", "0") == "1"
 
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from embshard import FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig, simple_plan
-from embshard.sharded import ShardedEmbeddingBagCollection
+from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -134,7 +134,7 @@ def main() -> None:
     if args.id_space < 1 or not 0 < args.scale <= 1:
         raise SystemExit(f"--id-space {args.id_space:g} must be >= 1 and --scale {args.scale:g} in (0, 1]")
 
-    from embshard.distributed import init_distributed
+    from embshard.runtime.distributed import init_distributed
 
     dev = init_distributed(collective_timeout_s=None)  # torchrun's group: NCCL on the rank's GPU, else gloo
     cuda = dev.type == "cuda"

@@ -12,8 +12,8 @@ import warnings
 from collections.abc import Sequence
 
 from embshard.interop import from_torchrec_plan
-from embshard.plan import ShardingPlan
-from embshard.tables import TableConfig
+from embshard.spec.plan import ShardingPlan
+from embshard.spec.tables import TableConfig
 
 
 def torchrec_inputs(tables: Sequence[TableConfig]) -> tuple:

@@ -4,7 +4,7 @@
 
 Starts --nproc local processes (one per GPU with CUDA, gloo on the CPU otherwise; under torchrun it joins
 torchrun's job instead). Each rank: plans (rank 0, broadcast) and builds the model (timed: plan+build), then trains
-through `embshard.pipeline.TrainPipeline` on the config's data source (synthetic: drawn by
+through `embshard.training.pipeline.TrainPipeline` on the config's data source (synthetic: drawn by
 data.synthetic.workers worker processes, or --workers; pinned): --warmup untimed steps, synchronize + barrier, --steps timed steps, synchronize. ms/step is the
 slowest rank's wall time / steps; samples/s = world x batch / that. Then, optionally, the held-out AUC (--eval) and a
 short torch.profiler window (--profile-steps K): the share of the window the GPU runs kernels (all kernels, and
@@ -202,12 +202,12 @@ def busy_share(kernels: list, steps: int) -> tuple[float, float, dict[str, float
 
 
 def run(args: argparse.Namespace) -> None:
-    from embshard import comm
     from embshard.config import load_config
     from embshard.data import build_source
-    from embshard.distributed import init_distributed
-    from embshard.pipeline import TrainPipeline
-    from embshard.train import build_model, evaluate, plan_job
+    from embshard.runtime import comm
+    from embshard.runtime.distributed import init_distributed
+    from embshard.training.pipeline import TrainPipeline
+    from embshard.training.train import build_model, evaluate, plan_job
 
     cuda = torch.cuda.is_available()
     cfg = load_config(args.config, args.overrides)
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         sys.exit(f"--nproc {args.nproc}: only {torch.cuda.device_count()} GPU(s) are visible")
-    from embshard.distributed import spawn_local
+    from embshard.runtime.distributed import spawn_local
 
     spawn_local(_rank_main, args.nproc, args)
 

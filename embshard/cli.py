@@ -6,11 +6,11 @@ import importlib
 import sys
 
 COMMANDS = {
-    "train": ("embshard.train", "train a YAML-configured model (torchrun, or --nproc N local processes)"),
-    "plan": ("embshard.planner.tools.cli", "plan a model's sharding without GPUs and print or save the plan"),
-    "calibrate": ("embshard.planner.tools.calibrate", "measure this machine's bandwidths into a topology file"),
+    "train": ("embshard.training.train", "train a YAML-configured model (torchrun, or --nproc N local processes)"),
+    "plan": ("embshard.tools.plan", "plan a model's sharding without GPUs and print or save the plan"),
+    "calibrate": ("embshard.tools.calibrate", "measure this machine's bandwidths into a topology file"),
     "preprocess": ("embshard.data.preprocess", "convert raw data files (Criteo TSV, CSV, Parquet) to training Parquet"),
-    "checkpoint": ("embshard.checkpoint.cli", "inspect a checkpoint, or export its tables as safetensors files"),
+    "checkpoint": ("embshard.tools.checkpoint", "inspect a checkpoint, or export its tables as safetensors files"),
 }
 
 

@@ -22,11 +22,11 @@ from torch import nn
 from embshard.config import load_config
 from embshard.config.model import ModelConfig
 from embshard.data import build_source
-from embshard.distributed import init_distributed, spawn_local
 from embshard.models import ModelKind, RecModel, StepOutput, bce_output, register_model
-from embshard.pipeline import TrainPipeline
 from embshard.planner.policy import plan_for_job
-from embshard.train import evaluate, format_eval
+from embshard.runtime.distributed import init_distributed, spawn_local
+from embshard.training.pipeline import TrainPipeline
+from embshard.training.train import evaluate, format_eval
 
 
 class WideMLP(nn.Module):

@@ -17,9 +17,9 @@ from torch import nn
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.checkpoint import Checkpointer, TrainState
-from embshard.options import LookupOptions
-from embshard.plan import MemoryTier, ShardingType
-from embshard.sharded import ShardedEmbeddingBagCollection
+from embshard.collection.sharded import ShardedEmbeddingBagCollection
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import MemoryTier, ShardingType
 
 CUDA = device_kind() == "cuda"
 TIER = MemoryTier.HBM if CUDA else MemoryTier.HOST
@@ -211,7 +211,7 @@ def catalog_model(world, device, seed, item_plan="row_wise", user_plan="table_wi
     from embshard.config import load_config
     from embshard.data import build_source
     from embshard.models.build import RecModel
-    from embshard.train import make_dense_optimizer
+    from embshard.training.train import make_dense_optimizer
 
     overrides = ["model.tables[0].num_embeddings=300", "model.tables[1].num_embeddings=1000"]
     overrides += ["model.two_tower.loss=sampled_softmax", "model.two_tower.sampled_softmax.num_negatives=64"]

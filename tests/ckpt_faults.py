@@ -33,7 +33,7 @@ def save_then_stop(folder: str, where: str) -> None:
     from ckpt_cases import build, full_state, plan_for, train
 
     from embshard.checkpoint import Checkpointer, TrainState, save, storage
-    from embshard.plan import MemoryTier
+    from embshard.spec.plan import MemoryTier
 
     ebc = build(torch.device("cpu"), "rowwise", plan_for(1, 0, tier=MemoryTier.HOST))
     ckpt = Checkpointer(TrainState({"ebc": ebc}), folder, async_save=where == "data", chunk_bytes=1024)
@@ -66,7 +66,7 @@ def save_then_stop(folder: str, where: str) -> None:
 
 def train_and_die(argv: list[str]) -> None:
     from embshard.models.build import RecModel
-    from embshard.train import main
+    from embshard.training.train import main
 
     kill_step, kill_rank = int(os.environ["KILL_STEP"]), int(os.environ["KILL_RANK"])
     committed = Path(os.environ["KILL_AFTER"], "COMMIT")

@@ -5,7 +5,7 @@ plus the process group's set-up, more than most tests' work. So on the CPU the p
 started once and serve every later call of that world size (`_Pool`): each call sends the function and its
 arguments to every rank, which runs it on the process group joined at start, with this process's environment
 variables, import path and working directory, and the torch RNG reset to a fresh process's seed; a call may end
-the process group (embshard.train.run does: the ranks then join a new one). A call that fails on some rank (an
+the process group (embshard.training.train.run does: the ranks then join a new one). A call that fails on some rank (an
 exception, a crash, a hang the process group's timeout ends) ends that pool; the next call starts a new one.
 Calls with another `pg_timeout_s` or `fresh=True` (a test that leaves a process in a state no other test should
 inherit: a watchdog timeout set, a collective left pending) get processes of their own (EMBSHARD_TEST_POOL=0: never
@@ -104,7 +104,7 @@ def _entry(
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
         raise
     finally:
-        if dist.is_initialized():  # fn may have ended it (embshard.train.run does)
+        if dist.is_initialized():  # fn may have ended it (embshard.training.train.run does)
             dist.destroy_process_group()
 
 
@@ -112,11 +112,11 @@ _FRESH_TF32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow
 
 
 def _reset_after_call(rank: int, world_size: int, port: int, pg_timeout_s: float) -> None:
-    """What a call may leave behind that the next must not inherit: an ended process group (embshard.train.run
+    """What a call may leave behind that the next must not inherit: an ended process group (embshard.training.train.run
     ends it: the ranks join a new one on `port`), embshard's watchdog timeout and its record of collectives."""
     if not dist.is_initialized():
         _join_group(rank, world_size, port, pg_timeout_s)
-    comm = sys.modules.get("embshard.comm")
+    comm = sys.modules.get("embshard.runtime.comm")
     if comm is not None:
         comm.set_timeout(None)
         comm._ISSUED.clear()
@@ -165,8 +165,14 @@ def _pool_entry(rank: int, world_size: int, port: int, conn, pg_timeout_s: float
 # Where the processes come from: on machines without CUDA, forks of a server process that imported torch, torchrec,
 # FBGEMM and embshard once (a rank then starts in a fraction of a second instead of seconds); elsewhere new
 # interpreters (CUDA does not survive a fork).
-_PRELOAD = ["torch", "torch.distributed", "torchrec", "fbgemm_gpu", "embshard.sharded", "dist_harness"]
-_PRELOAD += ["embshard.train", "embshard.checkpoint", "embshard.data", "embshard.models.build", "embshard.pipeline"]
+_PRELOAD = ["torch", "torch.distributed", "torchrec", "fbgemm_gpu", "embshard.collection.sharded", "dist_harness"]
+_PRELOAD += [
+    "embshard.training.train",
+    "embshard.checkpoint",
+    "embshard.data",
+    "embshard.models.build",
+    "embshard.training.pipeline",
+]
 
 
 def _start_method() -> str:

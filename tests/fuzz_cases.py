@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from embshard import FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig
-from embshard.plan import Shard, ShardingType, TablePlan, row_blocks
-from embshard.tables import DataType, Pooling
+from embshard.spec.plan import Shard, ShardingType, TablePlan, row_blocks
+from embshard.spec.tables import DataType, Pooling
 
 TW, RW, CW, TWRW, DP = (
     ShardingType.TABLE_WISE,

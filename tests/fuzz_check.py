@@ -33,7 +33,7 @@ from fuzz_cases import CW, Case, case_source, clean, column_wise_exact, feature_
 from parity import to_kjt
 from reference import ReferenceEBC
 
-from embshard.comm import first_divergence
+from embshard.runtime.comm import first_divergence
 
 FUZZ_TIMEOUT_S = float(os.environ.get("EMBSHARD_FUZZ_TIMEOUT", "30"))  # a collective waiting longer is a hang
 # fp32: GPU kernels sum in other orders (atomics) than the float64 reference. fp16 tables: every stored value is
@@ -52,7 +52,7 @@ TOL_LOW_OUTPUT_STATE = dict(rtol=5e-2, atol=2e-2)
 @contextmanager
 def _per_block_tiers(case: Case):
     """The case's extra per-block-state tiers (Case.per_block_tiers) in force in this process while it trains."""
-    from embshard.plan import MemoryTier
+    from embshard.spec.plan import MemoryTier
 
     column_wise = importlib.import_module(
         "embshard.sharding.column_wise"
@@ -67,7 +67,7 @@ def _per_block_tiers(case: Case):
 
 
 def _train(rank: int, device: torch.device, case: Case, group) -> dict:
-    from embshard import comm
+    from embshard.runtime import comm
 
     with _per_block_tiers(case), comm.trace() as labels:
         result = _train_case(rank, device, case, group)
@@ -81,8 +81,8 @@ def _unscoped(label: str) -> str:
 
 
 def _train_case(rank: int, device: torch.device, case: Case, group) -> dict:
-    from embshard.bounds import DroppedIdsWarning
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.bounds import DroppedIdsWarning
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     ebc = ShardedEmbeddingBagCollection(
         case.tables,

@@ -11,9 +11,9 @@ import torch
 from reference import ReferenceEBC
 
 from embshard.lookup import LocalShard
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import MemoryTier, Shard
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.plan import MemoryTier, Shard
+from embshard.spec.tables import TableConfig
 
 TABLES = [
     TableConfig("ta", 40, 8, ("a1", "a2"), weighted=True),  # two features share a table
@@ -63,7 +63,7 @@ def random_step(tables: Sequence[TableConfig], B: int, gen: torch.Generator, alp
 
 def padded_step(idx, off, psw, tables: Sequence[TableConfig], B: int, gen: torch.Generator, max_fill: int = 3):
     """`random_step`'s batch (feature-major `idx`, `off`, `psw`) padded as the whole-step graph pads a ragged batch
-    (embshard/step_graph.py): every bag keeps its ids and gains 0..max_fill filler ids after them (fresh Zipf ids of
+    (embshard/training/step_graph.py): every bag keeps its ids and gains 0..max_fill filler ids after them (fresh Zipf ids of
     its table: they share rows with the bag's own ids), each of weight 0; an own id weighs its `psw` where its table
     is weighted, 1 elsewhere. Returns (indices, offsets, weights, positions of the fillers)."""
     features = [t for t in tables for _ in t.feature_names]
@@ -92,7 +92,7 @@ def check_padded_like_unpadded(
     interpreter), else within 1e-6 (atomics on a GPU; the sorted backward, whose tiles the fillers shift). A third
     one, whose batch gives one filler weight 1, must differ (pooled sums, weights or state), so that the check can
     fail."""
-    from embshard.ops import every_id_weighted
+    from embshard.runtime.ops import every_id_weighted
 
     tol = 0.0 if exact else 1e-6
 
@@ -181,7 +181,7 @@ def reference_row_gradients(tables: Sequence[TableConfig], idx, off, psw, upstre
 
 
 def reference_state(ref: ReferenceEBC, opt: FusedOptimizerConfig, table: str) -> dict[str, torch.Tensor]:
-    """The reference's optimizer state under embshard.optim's names."""
+    """The reference's optimizer state under embshard.spec.optim's names."""
     st = ref.state[table]
     if opt.kind is OptimizerKind.ADAGRAD:
         return {"m": st["sum"]}

@@ -36,8 +36,8 @@ from embshard.kernels.small_tables import (
     pool,
     shards_layout,
 )
-from embshard.options import LookupOptions
-from embshard.tables import TableConfig
+from embshard.spec.options import LookupOptions
+from embshard.spec.tables import TableConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 CPU = torch.device("cpu")
@@ -202,7 +202,7 @@ def test_output_dtype_option():
 )
 def test_triton_regroup(dtype, seed, n_keys, widths, n_blocks):
     # 10 blocks: more tensors than kernel arguments, their addresses go in a table copied to the device
-    from embshard.kernels.regroup import KernelRegroup
+    from embshard.collection.regroup_kernel import KernelRegroup
 
     keys, dims, groups = random_regroup_case(seed, n_keys, widths, n_blocks)
     gen = torch.Generator().manual_seed(seed)
@@ -263,7 +263,7 @@ def test_padded_batch_under_every_id_weighted_trains_like_the_unpadded_one(schem
 
 def test_triton_regroup_with_an_empty_block():
     # a scheme with no shard on this rank sends a [B, 0] block: it must not cost the vector path or break anything
-    from embshard.kernels.regroup import KernelRegroup
+    from embshard.collection.regroup_kernel import KernelRegroup
 
     keys, dims = [["a", "b"], [], ["c"]], [[4, 8], [], [4]]
     groups = {"g": ["c", "a"], "h": ["b", "a"]}
@@ -282,7 +282,7 @@ def test_raw_id_row_reset_kernels_match_init_rows(dtype):
     an odd width), their state rows zeros; rows listed as -1 and rows not listed keep their values."""
     from embshard.kernels._reset_triton import reset_weights_, zero_rows_
     from embshard.lookup.shards import init_rows_at, table_key
-    from embshard.tables import TableConfig
+    from embshard.spec.tables import TableConfig
 
     cfg = TableConfig("t", 500, 24, ("f",))
     rows, row_offset, col_offset, num_cols = 40, 100, 5, 11
@@ -330,9 +330,9 @@ def test_raw_id_map_resets_through_the_batched_kernels_as_through_torch(optimize
     on its kernels, the reset kernels walk the step's list of positions given a row (`Resets.listed`)."""
     from embshard.lookup import TBELookup
     from embshard.lookup.shards import LocalShard
-    from embshard.optim import FusedOptimizerConfig
-    from embshard.plan import Shard
     from embshard.rawids import IdMap
+    from embshard.spec.optim import FusedOptimizerConfig
+    from embshard.spec.plan import Shard
 
     tables = [TableConfig("a", 60, 8, ("fa",), ids="raw"), TableConfig("b", 90, 16, ("fb",), ids="raw", eviction="lfu")]
     shards = [LocalShard(tables[0], 0, Shard(0, 0, 60, 0, 8), ("fa",), "host"),
@@ -375,8 +375,8 @@ def test_raw_id_map_runs_on_its_kernels_as_on_torch(monkeypatch):
     (two LRU shards and an LFU one of different sizes, int32 slot rows), evaluation (unknown ids) and a rebuild;
     crowded buckets fill as in torch."""
     from embshard.lookup.shards import LocalShard
-    from embshard.plan import Shard
     from embshard.rawids import IdMap
+    from embshard.spec.plan import Shard
 
     monkeypatch.setattr("embshard.kernels._idmap_triton.REORDER_BLOCK", 16)
     tables = [TableConfig("a", 70, 4, ("fa",), ids="raw"), TableConfig("b", 33, 4, ("fb",), ids="raw", eviction="lfu"),

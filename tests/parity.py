@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 from reference import ReferenceEBC
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan, ShardingType
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 Batch = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
@@ -88,8 +88,8 @@ def sharded_worker(
 
     Without `groups` the loss is sum(out[f] * upstream[f]) over features; with `groups` the module returns one
     tensor per group and the loss is sum(out[g] * group_upstream(g)) (see group_upstream)."""
-    from embshard import comm
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+    from embshard.runtime import comm
 
     torch.manual_seed(1234 + rank)  # must not matter: initialisation is seeded per table
     ebc = ShardedEmbeddingBagCollection(

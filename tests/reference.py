@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from embshard.lookup import init_rows
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.tables import Pooling, TableConfig
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.tables import Pooling, TableConfig
 
 # The fused optimizers the parity tests train with (a test file adds its own variants after these, in this order).
 OPTIMIZERS = {
@@ -77,7 +77,7 @@ class ReferenceEBC:
         num_cols: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Table `name`'s optimizer state for rows [row_offset, +num_rows) x columns [col_offset, +num_cols), named
-        as embshard.optim.optimizer_state: adagrad `m` `[rows, cols]`, rowwise_adagrad `m` `[rows]`, adam `m` and
+        as embshard.lookup.updates.optimizer_state: adagrad `m` `[rows, cols]`, rowwise_adagrad `m` `[rows]`, adam `m` and
         `v` `[rows, cols]`, sgd none. Row-wise Adagrad keeps one value per row of each column block: the columns
         must be one block (with one block, the full row, every column range reads the row's one value)."""
         w = self.weights[name]

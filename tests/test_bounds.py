@@ -13,8 +13,8 @@ from dist_harness import device_kind, run_distributed
 from parity import random_batches, to_kjt
 
 from embshard import simple_plan
-from embshard.optim import FusedOptimizerConfig
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.tables import TableConfig
 
 TABLES = [
     TableConfig("t_tw", 50, 8, ("f_tw",), ids_per_bag=2),
@@ -28,7 +28,7 @@ CASES = [("f_tw", -1), ("f_rw", 30), ("f_cw", -7), ("f_dp", 20), ("f_tw", 50 + 1
 
 
 def _worker(rank, world_size, device):
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.sharding.exchange import IdsOutOfRange
 
     tier = "host" if device.type == "cpu" else "hbm"
@@ -77,7 +77,7 @@ def test_one_bad_id_stops_every_rank_and_is_named(world_size):
 def test_bad_id_count_matches_a_direct_count(device):
     """`count_bad_ids` (the host's min/max per feature on the CPU, FBGEMM's check on the device) counts exactly the
     ids outside their feature's table, with empty features between and int32 or int64 ids."""
-    from embshard.bounds import count_bad_ids
+    from embshard.collection.bounds import count_bad_ids
 
     F = 7
     tables = {f"f{i}": TableConfig(f"t{i}", 3 + 41 * i, 4, (f"f{i}",)) for i in range(F)}

@@ -1,4 +1,4 @@
-"""Unit tests of the explicit collectives (embshard/comm.py) and the two exchanges (sharding/exchange.py) on
+"""Unit tests of the explicit collectives (embshard/runtime/comm.py) and the two exchanges (sharding/exchange.py) on
 several gloo processes (NCCL with EMBSHARD_TEST_DEVICE=cuda), against values computed independently here."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ WORLDS = [1, 2, 3]
 
 
 def _collectives(rank, world, device):
-    from embshard.comm import start_all_gather, start_all_reduce, start_all_to_all
+    from embshard.runtime.comm import start_all_gather, start_all_reduce, start_all_to_all
 
     gen = torch.Generator().manual_seed(rank)
     out = {}
@@ -160,7 +160,7 @@ def test_uncaptured_collectives_wait_for_the_latest_graph_launch_once(monkeypatc
     mixing on, replays are not noted."""
     import torch.distributed as dist
 
-    from embshard import comm
+    from embshard.runtime import comm
 
     events = []
 
@@ -196,7 +196,7 @@ def test_uncaptured_collectives_wait_for_the_latest_graph_launch_once(monkeypatc
 
 
 def test_whole_step_graph_turns_nccl_graph_mixing_off_on_gpus_only(monkeypatch):
-    from embshard.distributed import nccl_settings
+    from embshard.runtime.distributed import nccl_settings
 
     monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT", raising=False)
     nccl_settings(whole_step_graph=True, cuda=False)

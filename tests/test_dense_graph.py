@@ -1,4 +1,4 @@
-"""training.cuda_graph (embshard/dense_graph.py): the dense step replayed as one CUDA graph trains like the eager
+"""training.cuda_graph (embshard/training/dense_graph.py): the dense step replayed as one CUDA graph trains like the eager
 step, on 2 processes, through steps where every rank has a full batch (the first eager, the second captured, then
 replays) and steps where one rank's data has ended (eager again, DistributedDataParallel); fp32 and bf16. On the CPU,
 where CUDA graphs do not exist, the option falls back to the eager step and says why, and the graph's step run
@@ -17,15 +17,15 @@ from dist_harness import device_kind, run_distributed
 from test_pipeline import _batches, _build, _state
 
 from embshard.config.run import TrainingConfig
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 run eagerly (rank 1 feeds empty batches)
 
 
 def _train(rank, world, device, graph: bool | str, precision: str):
     """`graph`: False (eager), True (the graph) or "compiled" (the graph holding torch.compile's kernels, CUDA)."""
-    from embshard.dense_graph import DenseGraphStep
-    from embshard.pipeline import TrainPipeline
+    from embshard.training.dense_graph import DenseGraphStep
+    from embshard.training.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
     init = _state(model)
@@ -108,7 +108,7 @@ def test_cuda_graph_holds_compiled_kernels_not_compiled_graphs():
 def test_graph_adagrad_step_is_torchs_adagrad_step(weight_decay):
     """The Adagrad step the graph captures (where torch has no fused Adagrad) updates parameters, sums and step
     counters exactly as torch's Adagrad does, over several steps of fresh random gradients."""
-    from embshard.dense_graph import graph_optimizer_step
+    from embshard.training.dense_graph import graph_optimizer_step
 
     g = torch.Generator().manual_seed(5)
     shapes = [(7, 3), (3,), (4, 4, 2)]
@@ -145,7 +145,7 @@ def test_compiled_graph_adagrad_step_is_torchs_adagrad_step():
     on copies (nothing updated) so that the first real call, which a capture may hold, compiles nothing."""
     from torch._dynamo.utils import counters
 
-    from embshard.dense_graph import graph_optimizer_step
+    from embshard.training.dense_graph import graph_optimizer_step
 
     g = torch.Generator().manual_seed(11)
     device = torch.device(device_kind())  # on a GPU inductor's Triton kernels (its CPU code needs a C++ compiler)
@@ -180,7 +180,7 @@ def test_compiled_graph_adagrad_step_is_torchs_adagrad_step():
 
 
 def test_graph_step_refuses_what_it_cannot_capture():
-    from embshard.dense_graph import DenseGraphStep, graph_optimizer_step
+    from embshard.training.dense_graph import DenseGraphStep, graph_optimizer_step
 
     p = [torch.zeros(2, requires_grad=True)]
     assert "no fused implementation" in graph_optimizer_step(torch.optim.SGD(p, lr=0.1))
@@ -192,7 +192,7 @@ def test_graph_step_refuses_what_it_cannot_capture():
 def test_a_changed_rate_recaptures_a_fused_step_that_holds_it():
     """A fused optimizer's captured step holds its learning rates: after a change, the next eligible step runs
     eagerly (the graph is dropped) and the one after captures again; an unchanged rate keeps replaying."""
-    from embshard.dense_graph import DenseGraphStep
+    from embshard.training.dense_graph import DenseGraphStep
 
     dense = torch.nn.Linear(3, 1)
     opt = torch.optim.Adam(dense.parameters(), lr=0.1, fused=True)

@@ -1,4 +1,4 @@
-"""The sharded collection's step as one CUDA graph (embshard/emb_graph.py) trains like its eager step: table-wise
+"""The sharded collection's step as one CUDA graph (embshard/collection/emb_graph.py) trains like its eager step: table-wise
 and data-parallel tables (one weighted), row-wise Adagrad, ragged bags drawn fresh every step, 1 and 2 processes.
 Losses and every table's weights after each step match the eager collection's; the capacity grows when a batch
 exceeds it. On the CPU, where CUDA graphs do not exist, the padded step runs without capture
@@ -14,7 +14,7 @@ import torch
 from dist_harness import device_kind, run_distributed
 
 from embshard import TableConfig
-from embshard.plan import MemoryTier, ShardingType
+from embshard.spec.plan import MemoryTier, ShardingType
 
 TABLES = (
     TableConfig("g_tw", 300, 8, ("g_a",), ids_per_bag=3),
@@ -43,9 +43,9 @@ BATCH, STEPS = 16, 7
 def _collection(world, device, tables=TABLES, types=TYPES, small=False):
     from dataclasses import replace
 
-    from embshard.optim import FusedOptimizerConfig
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.planner import simple_plan
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.spec.optim import FusedOptimizerConfig
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     plan = simple_plan(list(tables), world, world, types, tier=tier)
@@ -92,7 +92,7 @@ def _counts(ebc, kjt):
 
 
 def _worker(rank, world, device, wrong_filler=False, small=False):
-    from embshard.emb_graph import EmbeddingStepGraph
+    from embshard.collection.emb_graph import EmbeddingStepGraph
 
     tables, types = (SMALL_TABLES, SMALL_TYPES) if small else (TABLES, TYPES)
     eager, graphed = (_collection(world, device, tables, types, small) for _ in range(2))
@@ -151,7 +151,7 @@ def test_graphed_step_with_unpadded_small_kernel_tables_trains_like_the_eager_st
 
 
 def _padding_worker(rank, world, device):
-    from embshard.padding import BatchPadder
+    from embshard.collection.padding import BatchPadder
 
     ebc = _collection(world, device, SMALL_TABLES, SMALL_TYPES, small=True)
     kjt = _batch(torch.Generator().manual_seed(3), device, 0, SMALL_TABLES)
@@ -190,7 +190,7 @@ def test_fillers_weighing_one_change_the_step():
 
 
 def _refusal_worker(rank, world, device):
-    from embshard.emb_graph import EmbeddingStepGraph, refusal
+    from embshard.collection.emb_graph import EmbeddingStepGraph, refusal
 
     row_wise = _collection(world, device, types={**TYPES, "g_tw2": ShardingType.ROW_WISE})
     with pytest.raises(ValueError, match="row_wise"):
@@ -205,7 +205,7 @@ def test_graphed_step_refuses_what_it_cannot_capture():
 
 
 def test_capacity_is_ten_percent_over_in_multiples_of_64():
-    from embshard.padding import capacity
+    from embshard.collection.padding import capacity
 
     got = capacity(np.array([0, 1, 64, 100, 1000]))
     assert got.tolist() == [0, 64, 128, 128, 1152]

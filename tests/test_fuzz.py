@@ -35,7 +35,7 @@ from fuzz_check import run_cases
 from parity import to_kjt
 
 from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig
-from embshard.plan import Shard, TablePlan
+from embshard.spec.plan import Shard, TablePlan
 
 # pytest-xdist (--dist loadgroup): the module's tests on one worker, which trains every case once (fuzz_run)
 pytestmark = pytest.mark.xdist_group("fuzz")
@@ -290,7 +290,7 @@ INVALID_SEEDS = range(7000, 7040)
 
 
 def test_invalid_setups_raise_config_error():
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind() == "cuda" else torch.device("cpu")
     seen = set()

@@ -15,7 +15,7 @@ from fuzz_cases import Case, has_exact_option
 from fuzz_check import run_cases
 
 from embshard import FusedOptimizerConfig, ShardingPlan, TableConfig
-from embshard.plan import Shard, TablePlan
+from embshard.spec.plan import Shard, TablePlan
 
 
 def on_device(case: Case) -> Case:

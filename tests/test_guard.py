@@ -1,4 +1,4 @@
-"""The numeric guard (embshard/guard.py): NaN/Inf in a pooled embedding or the loss stops every rank before the
+"""The numeric guard (embshard/runtime/guard.py): NaN/Inf in a pooled embedding or the loss stops every rank before the
 update, naming the step, the feature and its table; finite steps pass and train as usual."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ GROUPS = {"a": ["f_w", "f_rw"], "b": ["f_rw"]}
 
 
 def _worker(rank, world, device, poison_rank):
-    from embshard.guard import NonFiniteError, check_finite
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+    from embshard.runtime.guard import NonFiniteError, check_finite
 
     tier = "host" if device.type == "cpu" else "hbm"
     plan = simple_plan(TABLES, world, sharding_types={"t_rw": ShardingType.ROW_WISE}, tier=tier)
@@ -56,7 +56,7 @@ def test_nan_in_one_rank_stops_every_rank_before_the_update(run):
 
 
 def test_a_nan_loss_is_named():
-    from embshard.guard import NonFiniteError, check_finite
+    from embshard.runtime.guard import NonFiniteError, check_finite
 
     class FakeEBC:
         tables, groups, group = TABLES, {"a": ["f_w"]}, None

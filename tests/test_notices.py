@@ -1,10 +1,10 @@
-"""embshard drops the library notices of embshard/notices.py, by their exact source and text, and nothing else."""
+"""embshard drops the library notices of embshard/runtime/notices.py, by their exact source and text, and nothing else."""
 
 import logging
 import warnings
 
 import embshard  # noqa: F401  (installs the filters)
-from embshard import notices
+from embshard.runtime import notices
 
 
 def test_listed_warnings_are_dropped_and_others_kept():

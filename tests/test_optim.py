@@ -1,17 +1,18 @@
-"""Unit tests of the update rules (embshard/optim.py) against the formulas written out in float64."""
+"""Unit tests of the update rules (embshard/spec/optim.py) against the formulas written out in float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from embshard.optim import FusedOptimizerConfig, apply_update, optimizer_state, sparse_update
+from embshard.lookup.updates import apply_update, optimizer_state, sparse_update
+from embshard.spec.optim import FusedOptimizerConfig
 
 KINDS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
 
 
 def _formula(o: FusedOptimizerConfig, w, state, g, t):
-    """One step of the rule on every row, in float64 (the module docstring of embshard/optim.py)."""
+    """One step of the rule on every row, in float64 (the module docstring of embshard/spec/optim.py)."""
     w, g = w.double(), g.double()
     g = g + o.weight_decay * w
     st = {k: v.double().clone() for k, v in state.items()}

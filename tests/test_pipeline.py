@@ -1,4 +1,4 @@
-"""The training pipeline (embshard/pipeline.py) on 2 processes (gloo; NCCL with EMBSHARD_TEST_DEVICE=cuda), on a
+"""The training pipeline (embshard/training/pipeline.py) on 2 processes (gloo; NCCL with EMBSHARD_TEST_DEVICE=cuda), on a
 DLRM-DCNv2 over a mixed plan (table-wise, column-wise, row-wise, table-row-wise, data-parallel; weighted and
 mean-pooled features):
 
@@ -21,7 +21,7 @@ from dist_harness import device_kind, run_distributed
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.config.data import SyntheticConfig
 from embshard.config.model import DCNConfig, DLRMConfig, ModelConfig
-from embshard.plan import MemoryTier, ShardingType
+from embshard.spec.plan import MemoryTier, ShardingType
 
 TABLES = (
     TableConfig("m_tw", 300, 8, ("g_a",)),
@@ -47,7 +47,7 @@ def _build(rank, world, device, tables=TABLES, types=TYPES):
     """The DLRM-DCNv2 of `tables` (default: this file's mixed plan) planned with `types`, and its dense Adagrad."""
     from embshard.config.run import DenseOptimizerConfig
     from embshard.models.build import RecModel
-    from embshard.train import make_dense_optimizer
+    from embshard.training.train import make_dense_optimizer
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     plan = simple_plan(list(tables), world, world, types, tier=tier, column_shards=2)
@@ -67,7 +67,7 @@ def _batches(rank, n, tables=TABLES, bags=None):
 
 def _plain(rank, world, device, n):
     """The loop without a pipeline: each batch copied, stepped, backward, optimizer; empty batches at the end."""
-    from embshard.pipeline import empty_batch
+    from embshard.training.pipeline import empty_batch
 
     model, opt = _build(rank, world, device)
     batches = list(_batches(rank, n[rank])) + [empty_batch(model)] * (max(n) - n[rank])
@@ -83,7 +83,7 @@ def _plain(rank, world, device, n):
 
 
 def _piped(rank, world, device, mode, n, hook=None):
-    from embshard.pipeline import TrainPipeline
+    from embshard.training.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
     if hook is not None:
@@ -128,7 +128,7 @@ def _worker(rank, world, device):
     _, _, _ = _piped(rank, world, device, "semi_sync", [4, 4], hook=lambda _m, _i, out: seen.append(_pooled(out)))
     res["semi_seen"] = seen[1:3]
     # ... are those of the tables before step 1's update (batch 2) and after step 1's only (batch 3).
-    from embshard.pipeline import TrainPipeline
+    from embshard.training.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
     b = [x.to(device) for x in _batches(rank, 3)]
@@ -146,7 +146,7 @@ def _worker(rank, world, device):
     res["semi_losses"] = losses
 
     # evaluation with 3 held-out batches on rank 0 and 1 on rank 1
-    from embshard.train import evaluate
+    from embshard.training.train import evaluate
 
     class Held:
         def eval_batches(self):
@@ -199,7 +199,7 @@ def test_pipeline_modes_on_two_ranks():
 def _stopped_early(rank, world, device):
     """Train 3 of 6 batches (a schedule that ends before the data, as `embshard train` does), then close: the
     next batch's agreement, started on every rank with the last training batch, is waited for by close()."""
-    from embshard.pipeline import TrainPipeline
+    from embshard.training.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
     pipe = TrainPipeline(model, opt, "sparse_dist")

@@ -47,7 +47,7 @@ def test_readme_examples_run(tmp_path):
 
 def test_custom_model_example_trains_on_two_processes():
     """Two ranks started the way torchrun starts them (RANK, WORLD_SIZE, ... in the environment; the example's own
-    `--nproc` start goes through embshard.distributed.spawn_local, which `embshard train --nproc` tests use)."""
+    `--nproc` start goes through embshard.runtime.distributed.spawn_local, which `embshard train --nproc` tests use)."""
     from dist_harness import _free_port  # below the kernel's ephemeral range: no other socket takes it meanwhile
 
     cmd = [sys.executable, "examples/custom_model.py", "--steps", "3"]

@@ -18,7 +18,7 @@ from dist_harness import device_kind, run_distributed
 from parity import check_parity, random_batches, sharded_worker, to_kjt
 
 from embshard import FusedOptimizerConfig, ShardingType, TableConfig, simple_plan
-from embshard.plan import MemoryTier
+from embshard.spec.plan import MemoryTier
 
 RW, TW, DP = ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL
 # The hang's reproduction: one feature per table, row-wise Adagrad, simple_plan with these types.
@@ -60,7 +60,7 @@ def test_empty_local_batch_with_row_wise_tables(batch_sizes):
 
 def _out_of_step_worker(rank, world_size, device, tables, plan):
     """Rank 1 skips step 1 (its data loader moved on): at its next forward it is at step 2, rank 0 at step 1."""
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.sharding.exchange import RanksOutOfStep
 
     ebc = ShardedEmbeddingBagCollection(tables, plan, ROWWISE, device=device)
@@ -88,8 +88,8 @@ def test_a_rank_out_of_step_stops_every_rank():
 
 def _stall_worker(rank, world_size, device, tables, plan, timeout_s):
     """Rank 1 stalls for longer than the timeout before its second step; rank 0 waits for it."""
-    from embshard import comm
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+    from embshard.runtime import comm
 
     ebc = ShardedEmbeddingBagCollection(tables, plan, ROWWISE, device=device)
     batches = random_batches(tables, [3, 3], 3, seed=9)
@@ -129,7 +129,7 @@ def test_a_stalled_rank_makes_the_others_raise_within_the_timeout(monkeypatch):
 
 def test_collective_timeout_names_pending_collectives():
     """Unit: the watchdog's message lists the collectives issued earlier that are still pending."""
-    from embshard import comm
+    from embshard.runtime import comm
 
     class Never:
         def is_completed(self):
@@ -151,7 +151,7 @@ def test_collective_timeout_names_pending_collectives():
 
 
 def test_scope_labels_nest_and_unwind():
-    from embshard import comm
+    from embshard.runtime import comm
 
     assert comm.scoped_label("x") == "x"
     with comm.scope("step 7"):

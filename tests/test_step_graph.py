@@ -1,4 +1,4 @@
-"""The whole training step as one CUDA graph (embshard/step_graph.py, training.graph_scope step) trains like the
+"""The whole training step as one CUDA graph (embshard/training/step_graph.py, training.graph_scope step) trains like the
 eager step, on 2 processes, for 20 steps of fixed bags (the first eager, the second warms up on the capture stream
 and captures, then replays) and through the steps where one rank's data has ended (other counts: eager again);
 fp32 and bf16. With ragged bags the graph is given up after `max_changes` steps of changing counts and training
@@ -21,7 +21,7 @@ from test_pipeline import _batches as pipeline_batches
 from test_pipeline import _build as build_model
 
 from embshard import TableConfig
-from embshard.plan import ShardingType
+from embshard.spec.plan import ShardingType
 
 TABLES = (
     TableConfig("s_tw", 300, 8, ("h_a",), ids_per_bag=3),
@@ -37,9 +37,9 @@ MEAN_TABLES = tuple(replace(t, pooling="mean") if t.name == "s_tw2" else t for t
 
 
 def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed", tables=TABLES):
-    from embshard.dense_graph import DenseGraphStep
-    from embshard.pipeline import TrainPipeline
-    from embshard.step_graph import StepGraph
+    from embshard.training.dense_graph import DenseGraphStep
+    from embshard.training.pipeline import TrainPipeline
+    from embshard.training.step_graph import StepGraph
 
     model, opt = build_model(rank, world, device, tables, TYPES)
     if whole:
@@ -120,7 +120,7 @@ def test_whole_step_graph_trains_like_the_eager_step():
 
 
 def _refusal_worker(rank, world, device):
-    from embshard.step_graph import StepGraph, refusal
+    from embshard.training.step_graph import StepGraph, refusal
 
     model, opt = build_model(rank, world, device, TABLES, {**TYPES, "s_tw2": ShardingType.ROW_WISE})
     why = refusal(model)
@@ -147,10 +147,10 @@ def test_padding_spreads_the_fillers_and_keeps_every_bag():
     ceil(pad / B) in any one bag: one long bag of fillers would hold up its lookup."""
     import numpy as np
 
-    from embshard.dense_graph import DenseGraphStep
-    from embshard.padding import FILLER_ROWS
+    from embshard.collection.padding import FILLER_ROWS
     from embshard.sharding.exchange import parse_counts
-    from embshard.step_graph import StepGraph
+    from embshard.training.dense_graph import DenseGraphStep
+    from embshard.training.step_graph import StepGraph
 
     device = torch.device("cpu")
     model, opt = build_model(0, 1, device, TABLES, TYPES)

@@ -6,7 +6,7 @@ planning errors exit with a message and status 2; a plan saved by `embshard plan
 launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md).
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
-the saved plan) run embshard.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
+the saved plan) run embshard.training.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
 `embshard train --nproc 2` starts three Python processes, most of a short run's time); dlrm_criteo, the restart
 under torchrun, the errors, torchx, the two launchers and the benchmark go through the command line."""
 
@@ -277,8 +277,8 @@ def test_errors_exit_with_one_line(tmp_path):
 def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
     """`embshard plan TRAINING_CONFIG --out FILE` plans the config's tables (overrides too), and training loads the
     file with planner.plan_file: row-wise, column-wise and data-parallel tables train on 2 processes."""
-    from embshard.plan import ShardingPlan, ShardingType
-    from embshard.planner.tools.cli import main as plan_main
+    from embshard.spec.plan import ShardingPlan, ShardingType
+    from embshard.tools.plan import main as plan_main
 
     plan_file = tmp_path / "plan.yaml"
     cons = {"t_C1": "[row_wise]", "t_C2": "[column_wise]", "t_C3": "[data_parallel]"}

@@ -1,7 +1,7 @@
 """`embshard train` for tests that test training rather than the command line.
 
 A Python process importing torch, torchrec and embshard takes seconds of CPU, most of a short run's time, and
-`embshard train --nproc 2` starts three. On machines without CUDA, `embshard_train` runs `embshard.train`'s job
+`embshard train --nproc 2` starts three. On machines without CUDA, `embshard_train` runs `embshard.training.train`'s job
 (what each process of the command line runs) in processes forked for the run from the test harness's server,
 which imported those modules once (tests/dist_harness.py, `fresh=True`), from the repository root, with the
 command line's thread count, and returns what they wrote to their stdout and stderr (file descriptors 1 and 2:
@@ -34,11 +34,11 @@ class Ran:
 
 
 def _rank(rank: int, world_size: int, device: torch.device, args: list[str], nproc: int | None) -> tuple[str, str]:
-    from embshard.train import _run_or_exit
+    from embshard.training.train import _run_or_exit
 
     os.chdir(paths.ROOT)
     if nproc:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as embshard.distributed.spawn_local
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as embshard.runtime.distributed.spawn_local
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         saved = os.dup(1), os.dup(2)
         sys.stdout.flush()

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from embshard.checkpoint.unpickle import load_metadata
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 ALGORITHM = "crc32"
 METADATA = ".metadata"

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from embshard.optim import OptimizerKind
-from embshard.plan import Shard, ShardingType, TablePlan
 from embshard.sharding.column_wise import shares_row_state
+from embshard.spec.optim import OptimizerKind
+from embshard.spec.plan import Shard, ShardingType, TablePlan
 
 PER_ROW = "per_row"
 PER_BLOCK = "per_block"

@@ -20,8 +20,8 @@ from embshard.checkpoint.integrity import VerifyingReader
 from embshard.checkpoint.layout import Conversion, Piece, check_tables, load_targets, split_rows
 from embshard.checkpoint.state import TrainState, dense_state, set_dense_state, set_rng_states
 from embshard.checkpoint.storage import PieceLoadPlanner, read_manifest, reader
-from embshard.comm import world_and_rank
-from embshard.tables import ConfigError
+from embshard.runtime.comm import world_and_rank
+from embshard.spec.tables import ConfigError
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 

@@ -34,7 +34,7 @@ import torch
 from embshard.checkpoint.layout import Piece
 from embshard.lookup.shards import INIT_BLOCK_ELEMENTS, init_rows
 from embshard.rawids.hashing import owner_blocks
-from embshard.tables import ConfigError, DataType, Eviction
+from embshard.spec.tables import ConfigError, DataType, Eviction
 
 MAP_KEYS = ("ids", "id_last", "id_count")
 

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from embshard import comm
 from embshard.checkpoint import integrity, storage
 from embshard.checkpoint.layout import Piece, save_pieces, split_rows, table_entries
 from embshard.checkpoint.load import DEFAULT_CHUNK_BYTES, Resumed, load_checkpoint
 from embshard.checkpoint.state import TrainState, dense_state, host_copy, rng_states
-from embshard.comm import world_and_rank
-from embshard.tables import AllRanksError, ConfigError
+from embshard.runtime import comm
+from embshard.runtime.comm import world_and_rank
+from embshard.spec.tables import AllRanksError, ConfigError
 
 
 @dataclass

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from embshard.checkpoint import integrity
 from embshard.checkpoint.layout import Piece
 from embshard.checkpoint.unpickle import load_item
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 FORMAT = "embshard-checkpoint"
 VERSION = 1

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")

@@ -38,10 +38,10 @@ from embshard.config.run import (
 )
 from embshard.config.runtime import RuntimeConfig
 from embshard.config.schema import Source, build
-from embshard.optim import FusedOptimizerConfig
-from embshard.options import LookupOptions, counts_on_host
 from embshard.planner.policy import PlannerConfig
-from embshard.tables import ConfigError, FieldError
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import LookupOptions, counts_on_host
+from embshard.spec.tables import ConfigError, FieldError
 
 __all__ = [
     "CategoricalColumnConfig",
@@ -83,9 +83,9 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Training pipeline (overlap of consecutive batches) and dense precision."""
     sparse_optimizer: FusedOptimizerConfig = field(default_factory=FusedOptimizerConfig)
-    """The optimizer fused into the embedding backward (embshard.optim.FusedOptimizerConfig)."""
+    """The optimizer fused into the embedding backward (embshard.spec.optim.FusedOptimizerConfig)."""
     lookup: LookupOptions = field(default_factory=LookupOptions)
-    """Embedding lookup options (embshard.options.LookupOptions): pooled output dtype, fp16 rounding, out-of-range
+    """Embedding lookup options (embshard.spec.options.LookupOptions): pooled output dtype, fp16 rounding, out-of-range
     ids, UVM-cache prefetch and statistics, regroup kernel, column-wise Adagrad state."""
     dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     """The optimizer of the dense (data-parallel) parameters."""
@@ -137,7 +137,7 @@ class TrainConfig:
     def batch_counts(self) -> str:
         """Where this job's training steps take their batch counts from: 'host' (the training pipeline counts each
         batch on the CPU: no device sync) or 'device' (the forward gathers them on the GPUs and syncs once a step):
-        `embshard.options.counts_on_host` of training.pipeline, lookup.bounds_check and the retrieval catalog
+        `embshard.spec.options.counts_on_host` of training.pipeline, lookup.bounds_check and the retrieval catalog
         (two_tower with item_mlp: []). The planner prices the step so unless planner.settings.batch_counts is set."""
         tt = self.model.two_tower
         catalog = self.model.kind == "two_tower" and tt is not None and tt.catalog_mode

@@ -1,4 +1,4 @@
-"""The `model:` section: the embedding tables (embshard.tables.TableConfig) and the dense architecture."""
+"""The `model:` section: the embedding tables (embshard.spec.tables.TableConfig) and the dense architecture."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from embshard.config.schema import FieldError
-from embshard.tables import ConfigError, TableConfig, validate_tables
+from embshard.spec.tables import ConfigError, TableConfig, validate_tables
 
 
 def positive_ints(key: str, sizes: tuple[int, ...], allow_empty: bool = True) -> None:

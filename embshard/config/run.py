@@ -1,6 +1,6 @@
 """The run sections: schedule, training (pipeline and precision), dense optimizer, checkpoint and logging; the
 planner section is the planner's own (embshard.planner.policy.PlannerConfig), as its constraints and settings
-are, and the lookup section is embshard.options.LookupOptions."""
+are, and the lookup section is embshard.spec.options.LookupOptions."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class ScheduleConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     """How each training step runs: the pipeline that overlaps consecutive batches, and the dense model's precision
-    (embshard/pipeline.py, docs/architecture.md "Training pipeline")."""
+    (embshard/training/pipeline.py, docs/architecture.md "Training pipeline")."""
 
     pipeline: Literal["none", "sparse_dist", "semi_sync"] = "sparse_dist"
     """none: one batch at a time (copy, id exchange, lookup, dense model in sequence); sparse_dist: batch i+1's
@@ -61,7 +61,7 @@ class TrainingConfig:
     compiled kernels."""
     cuda_graph: bool = False
     """Replay the dense part's whole training step (forward, loss, backward, gradient all-reduce, optimizer) as one
-    CUDA graph, captured at the second step of the training batch size (embshard/dense_graph.py): DLRM kinds on CUDA
+    CUDA graph, captured at the second step of the training batch size (embshard/training/dense_graph.py): DLRM kinds on CUDA
     GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU
     always does. With training.compile default or max-autotune-no-cudagraphs, the graph holds the compiled
     forward's and backward's kernels."""
@@ -69,7 +69,7 @@ class TrainingConfig:
     """What training.cuda_graph captures: step, the whole step (id exchange, lookups, pooled exchange, dense step,
     embedding backward with the fused update) where the plan is table-wise and data-parallel in HBM/UVM, for fixed
     bags as they are and for ragged bags padded to a capacity (sum pooling, sgd/adagrad/rowwise_adagrad without
-    weight decay; embshard/step_graph.py), else the dense step alone; dense, the dense step alone. The step scope on
+    weight decay; embshard/training/step_graph.py), else the dense step alone; dense, the dense step alone. The step scope on
     GPUs sets NCCL_GRAPH_MIXING_SUPPORT=0 (unless the environment sets it): its two communicators' captured
     collectives then do not wait on each other."""
     graph_overlap: bool = True

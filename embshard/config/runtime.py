@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embshard.tables import FieldError
+from embshard.spec.tables import FieldError
 
 
 @dataclass(frozen=True)

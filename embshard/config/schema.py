@@ -22,7 +22,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-from embshard.tables import ConfigError, FieldError
+from embshard.spec.tables import ConfigError, FieldError
 
 T = TypeVar("T")
 MISSING = dataclasses.MISSING

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from embshard.config.data import DataConfig
 from embshard.data.common import Batch
 from embshard.data.hashing import hash_strings
-from embshard.tables import TableConfig
+from embshard.spec.tables import TableConfig
 
 __all__ = ["Batch", "build_source", "hash_strings"]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from embshard.config.data import CategoricalColumnConfig, CriteoConfig, DenseColumnConfig, TableSourceConfig
 from embshard.data.layout import resolve_files
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 DENSE = [f"I{i}" for i in range(1, 14)]
 CATEGORICAL = [f"C{i}" for i in range(1, 27)]

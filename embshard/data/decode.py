@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from embshard.config.data import DenseColumnConfig
 from embshard.data.hashing import as_text, hash_rows, hash_values
 from embshard.data.layout import Layout, Piece
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 MISSING_ROW = 0
 RAW_MISSING = -(1 << 63)

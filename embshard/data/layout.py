@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 PARQUET_EXT = (".parquet", ".pq")
 CSV_EXT = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from embshard.config.data import CategoricalColumnConfig, MovieLensConfig, TableSourceConfig
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 NOT_FEATURES = ("rating", "timestamp")
 

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from embshard.data.decode import PACKED_KEY, Chunk, Reader, ReadSpec
 from embshard.data.layout import Layout, Piece, detect_format, resolve_files, scan
 from embshard.data.vocab import Counter, write_vocab
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from embshard.data.layout import Layout, detect_format, resolve_files, scan
 from embshard.data.slots import Slots, SlotWriter, fresh_shared_arrays, load, take_arrays
 from embshard.data.stream import StreamPlan, eval_stream, train_stream
 from embshard.data.vocab import Counter, VocabLookup, read_vocab
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 POSITION_VERSION = 1
 

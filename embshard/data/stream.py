@@ -30,7 +30,7 @@ import numpy as np
 
 from embshard.data.decode import Chunk, Reader, ReadSpec, _same
 from embshard.data.layout import Layout, Piece
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 Cursor = tuple[int, int, int]  # (epoch, window, offset) of a stream's next row
 

@@ -32,7 +32,7 @@ from embshard.config.data import AffinityConfig, SyntheticConfig
 from embshard.data.common import Batch
 from embshard.data.slots import Slots, SlotWriter, fresh_shared_arrays, load, take_arrays
 from embshard.data.stream import local_arrays
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _EVAL_STREAM = 1 << 40

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from embshard.data.hashing import hash_values
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 OOV_ROW = 1
 FIRST_VOCAB_ROW = 2

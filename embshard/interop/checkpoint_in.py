@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from embshard.checkpoint.layout import PER_BLOCK, Piece, row_state_layout
 from embshard.interop.common import default_world_size, flatten, join, state_key, state_scale, weight_key
-from embshard.optim import OptimizerKind
-from embshard.plan import ShardingType
-from embshard.tables import ConfigError
+from embshard.spec.optim import OptimizerKind
+from embshard.spec.plan import ShardingType
+from embshard.spec.tables import ConfigError
 
 
 class _DCPSource:

@@ -34,9 +34,9 @@ from embshard.checkpoint.layout import PER_BLOCK, Piece, column_blocks, row_stat
 from embshard.checkpoint.storage import PieceSavePlanner, writer
 from embshard.interop.checkpoint_in import _targets
 from embshard.interop.common import default_world_size, join, state_key, state_scale, weight_key
-from embshard.optim import OptimizerKind
-from embshard.plan import ShardingType
-from embshard.tables import ConfigError
+from embshard.spec.optim import OptimizerKind
+from embshard.spec.plan import ShardingType
+from embshard.spec.tables import ConfigError
 
 
 def _torchrec_blocks(torchrec_plan: Any, ebc_path: str, table: str, default: list, dim: int) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 STATE_NAMES = {"m": "momentum1", "v": "exp_avg_sq"}
-"""embshard's optimizer-state names (embshard.optim.optimizer_state) -> TorchRec's (FBGEMM's) state keys."""
+"""embshard's optimizer-state names (embshard.lookup.updates.optimizer_state) -> TorchRec's (FBGEMM's) state keys."""
 
 GRADIENT_DIVISION = """TorchRec divides the embeddings' gradients by its world size W (torchrec.distributed.comm_ops
 gradient division, on by default, to match DDP's averaging of the dense gradients); embshard does not (a table's

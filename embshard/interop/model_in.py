@@ -26,10 +26,10 @@ from embshard.config.model import ModelConfig
 from embshard.interop.tables_in import optimizer_from_torchrec, tables_from_torchrec
 from embshard.models.build import RecModel
 from embshard.models.registry import ModelKind, StepOutput, bce_output, register_model
-from embshard.optim import FusedOptimizerConfig
-from embshard.options import LookupOptions
-from embshard.plan import ShardingPlan
-from embshard.tables import ConfigError
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import ShardingPlan
+from embshard.spec.tables import ConfigError
 
 KIND = "torchrec"
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from embshard.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
-from embshard.tables import ConfigError
+from embshard.spec.plan import CacheAlgorithm, MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import ConfigError
 
 _KERNEL_TIERS = {"fused_uvm": MemoryTier.UVM, "fused_uvm_caching": MemoryTier.UVM_CACHING}
 

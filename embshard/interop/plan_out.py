@@ -9,7 +9,7 @@ Per table, one `ParameterSharding`: the sharding type (the same names), the comp
 uvm: fused_uvm, uvm_caching: fused_uvm_caching with `CacheParams(algorithm, load_factor)`; data-parallel: dense),
 the ranks and an `EnumerableShardingSpec` of one `ShardMetadata` per shard (offsets, sizes, placement
 'rank:{r}/cuda:{r % local_world_size}', or 'rank:{r}/cpu' for a CPU job). TorchRec routes row-wise ids to rank
-`id // ceil(rows / ranks)`: row-wise and table-row-wise blocks are embshard's canonical ones (embshard.geometry),
+`id // ceil(rows / ranks)`: row-wise and table-row-wise blocks are embshard's canonical ones (embshard.spec.geometry),
 with TorchRec's empty shards added where a small table has fewer blocks than ranks.
 
 What TorchRec cannot express maps to its nearest equivalent, and each such choice is returned as a note: the
@@ -28,11 +28,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from embshard.geometry import row_blocks
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.options import LookupOptions
-from embshard.plan import LookupKernel, MemoryTier, ShardingPlan, ShardingType, TablePlan
-from embshard.tables import ConfigError
+from embshard.spec.geometry import row_blocks
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import LookupKernel, MemoryTier, ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import ConfigError
 
 FORMAT = "torchrec-sharding-plan"
 VERSION = 1
@@ -149,7 +149,7 @@ def _row_entries(tp: TablePlan, plan: ShardingPlan, entries: list[dict]) -> list
         raise ConfigError(
             f"plan for table {tp.table!r} ({tp.sharding_type.value}): TorchRec routes id i to the "
             f"(i // ceil(rows / {len(group)}))-th rank of {group}, so it needs the blocks (rank, rows) "
-            f"{list(zip(group, want))}, but this plan has {got}: cut the table with embshard.geometry.row_blocks on "
+            f"{list(zip(group, want))}, but this plan has {got}: cut the table with embshard.spec.geometry.row_blocks on "
             "the ranks in order (as embshard's planner does)"
         )
     return entries + [{"rank": r, "offsets": [rows, 0], "sizes": [0, dim]} for r in group[len(entries) :]]

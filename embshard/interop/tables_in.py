@@ -20,10 +20,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import MemoryTier
 from embshard.planner.constraints import ParameterConstraints
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.plan import MemoryTier
+from embshard.spec.tables import ConfigError, TableConfig
 
 _KERNEL_TIERS = {
     "fused": MemoryTier.HBM,

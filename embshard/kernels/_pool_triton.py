@@ -10,7 +10,7 @@ covers every feature of the group.
   Bags of one tile that are shorter than the longest are masked (masked lanes issue no memory traffic). The
   per-sample weights PSW multiply the rows of features whose flag WGT is set (`DeviceGroup.weighted`: the weighted
   tables', or every feature's for a padded batch, `PoolLayout.on(all_weighted=True)`).
-- `_update`: the fused optimizer rules of embshard.optim on the rows whose gradient is non-zero (or that were
+- `_update`: the fused optimizer rules of embshard.spec.optim on the rows whose gradient is non-zero (or that were
   marked touched, when the rule changes rows with a zero gradient: weight decay, adam); zeroes the gradient rows it
   consumed and their marks, so the gradient buffer is all zeros again for the next step without a memset.
 """

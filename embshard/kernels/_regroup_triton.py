@@ -1,4 +1,4 @@
-"""The Triton kernel of the regroup (embshard.kernels.regroup): a column gather between lists of `[B, width]`
+"""The Triton kernel of the regroup (embshard.collection.regroup_kernel): a column gather between lists of `[B, width]`
 tensors, used forward (input blocks -> output groups) and backward (output gradients -> input gradients).
 
 One launch moves every column. The grid tiles the destination columns (all destination tensors side by side) and

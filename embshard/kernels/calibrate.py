@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from embshard.kernels.cost import CALIBRATION_CASES, CalibrationCase, KernelConstants, fit, regroup_bytes
+from embshard.planner.kernel_model import CALIBRATION_CASES, CalibrationCase, KernelConstants, fit, regroup_bytes
 
 
 def zipf_ids(T: int, n: int, rows: int, alpha: float, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -62,9 +62,9 @@ def measure_small_table(
     from embshard.kernels.layout import Tiles
     from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions
     from embshard.lookup import LocalShard
-    from embshard.optim import FusedOptimizerConfig
-    from embshard.plan import MemoryTier, Shard
-    from embshard.tables import TableConfig
+    from embshard.spec.optim import FusedOptimizerConfig
+    from embshard.spec.plan import MemoryTier, Shard
+    from embshard.spec.tables import TableConfig
 
     dev = torch.device(device)
     T, R, D, L, B = case.tables, case.rows, case.dim, case.ids_per_bag, case.batch
@@ -110,7 +110,7 @@ def regroup_layout(n_keys: int, width: int, seed: int = 0):
 
 def measure_regroup(n_keys: int, width: int, batch: int, iters: int, device: str = "cuda") -> tuple[float, float]:
     """(seconds, bytes) of the regroup kernel's forward + backward (fp32) on `regroup_layout(n_keys, width)`."""
-    from embshard.kernels.regroup import KernelRegroup
+    from embshard.collection.regroup_kernel import KernelRegroup
 
     keys, dims, groups = regroup_layout(n_keys, width)
     used = groups["all"]

@@ -22,13 +22,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from embshard.comm import scoped_label
 from embshard.kernels.small_tables import SmallTableOptions, dense_gradients, group_views, pool, shards_layout
 from embshard.lookup import LocalShard
 from embshard.lookup.replicas import DataParallelLookup
-from embshard.ops import weights_forced
-from embshard.optim import FusedOptimizerConfig
-from embshard.options import LookupOptions
+from embshard.runtime.comm import scoped_label
+from embshard.runtime.ops import weights_forced
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import LookupOptions
 
 
 class _KernelReplicaBags(torch.autograd.Function):

@@ -10,7 +10,7 @@ sorting ids. Data flow of one step:
   backward  output gradient -> `_grad_triton._bwd_atomic`: each bag's chunk of ids is sorted in registers and
             every distinct row adds (count or weight sum) x its bag's gradient row into the group's gradient
             buffer (relaxed atomics, no global sort; the launch interleaves its tables so hot rows' chains of
-            adds overlap) -> `_update`: the rule of embshard.optim on every row whose gradient is non-zero (or
+            adds overlap) -> `_update`: the rule of embshard.spec.optim on every row whose gradient is non-zero (or
             that was marked touched: weight decay, adam), which also zeroes the buffer again
   deterministic mode: `_grad_triton._bwd_sorted` instead of the atomics (int32 row keys, a stable radix sort,
             fixed tiles of sorted ids summed by a segmented scan, rows across tiles fixed up in tile order),
@@ -19,14 +19,14 @@ sorting ids. Data flow of one step:
 Atomics are the default: they are the fast path this module exists for (no global sort, no segment reduction),
 and the update rule is the same; only the order in which one row's contributions are summed varies between runs
 (last bits of fp32). `deterministic=True` trades speed for bitwise reproducibility. On the CPU (`impl="auto"`) a plain
-torch path runs the same math (embedding_bag forward, index_add_ backward, embshard.optim.apply_update), which is
+torch path runs the same math (embedding_bag forward, index_add_ backward, embshard.lookup.updates.apply_update), which is
 deterministic; `impl="triton"` with CPU tensors runs the Triton kernels under TRITON_INTERPRET=1 (tests).
 
 For the data-parallel scheme, `pool` and `dense_gradients` are the forward and the backward without an optimizer:
 the gradient of every row of a flat `[rows, D]` block (FBGEMM's dense TBE layout), which the caller all-reduces.
 
 Per-sample weights multiply the ids of weighted tables only (the layout's per-feature `weighted` flags), except
-while `ops.every_id_weighted` is active (a padded batch: filler ids of weight 0, embshard/step_graph.py): then the
+while `ops.every_id_weighted` is active (a padded batch: filler ids of weight 0, embshard/training/step_graph.py): then the
 lookup pools every feature with the batch's weights (`all_weighted=True`: the kernels get all-ones flags, made
 once per layout and device, and the torch path weighs every feature), and its backward, which may run after the
 context has closed, weighs every id the same way. A filler then adds nothing to its bag and no gradient to its row.
@@ -45,11 +45,12 @@ from torch import nn
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
 from embshard.lookup.base import CountedSteps, NoCache
-from embshard.ops import weights_forced
-from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
-from embshard.options import LookupOptions
-from embshard.plan import MemoryTier
-from embshard.tables import ConfigError, DataType
+from embshard.lookup.updates import apply_update, optimizer_state
+from embshard.runtime.ops import weights_forced
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import MemoryTier
+from embshard.spec.tables import ConfigError, DataType
 
 _KIND = {OptimizerKind.SGD: 0, OptimizerKind.ADAGRAD: 1, OptimizerKind.ROWWISE_ADAGRAD: 2, OptimizerKind.ADAM: 3}
 
@@ -401,7 +402,7 @@ class SmallTableLookup(NoCache, CountedSteps, nn.Module):
         return out
 
     def shard_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
-        """Each shard's optimizer state (views; names as embshard.optim.optimizer_state: 'm' [, 'v'])."""
+        """Each shard's optimizer state (views; names as embshard.lookup.updates.optimizer_state: 'm' [, 'v'])."""
         out = []
         for s, (gi, r0) in zip(self.shards, self._place):
             out.append({k: v[r0 : r0 + s.shard.num_rows] for k, v in self._state[gi].items()})

@@ -11,10 +11,11 @@ from torch import nn
 from embshard.lookup.base import NoCache
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
-from embshard.ops import weights_forced
-from embshard.optim import FusedOptimizerConfig, optimizer_state, sparse_update
-from embshard.options import LookupOptions
-from embshard.tables import DataType
+from embshard.lookup.updates import optimizer_state, sparse_update
+from embshard.runtime.ops import weights_forced
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import LookupOptions
+from embshard.spec.tables import DataType
 
 
 class HostLookup(NoCache, nn.Module):

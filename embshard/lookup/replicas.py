@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.comm import scoped_label, start_all_reduce
 from embshard.lookup.base import CountedSteps, NoCache
 from embshard.lookup.shards import LocalShard, init_rows
-from embshard.ops import feature_of_ids, weights_forced
-from embshard.optim import FusedOptimizerConfig, OptimizerKind, apply_update, optimizer_state
-from embshard.options import LookupOptions
-from embshard.tables import ConfigError, DataType
+from embshard.lookup.updates import apply_update, optimizer_state
+from embshard.runtime.comm import scoped_label, start_all_reduce
+from embshard.runtime.ops import feature_of_ids, weights_forced
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.options import LookupOptions
+from embshard.spec.tables import ConfigError, DataType
 
 
 class _ReplicaBags(torch.autograd.Function):
@@ -41,7 +42,9 @@ class _ReplicaBags(torch.autograd.Function):
         if pooled is None:
             grad = torch.zeros_like(lookup.tbe.weights)
         else:
-            (grad,) = torch.autograd.grad(pooled, lookup.tbe.weights, grad_BD)  # its warning: embshard/notices.py
+            (grad,) = torch.autograd.grad(
+                pooled, lookup.tbe.weights, grad_BD
+            )  # its warning: embshard/runtime/notices.py
         lookup.apply_gradient(grad, *ctx.inputs, label=ctx.label)
         return (None,) * 5
 

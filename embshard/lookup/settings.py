@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from embshard.lookup.shards import LocalShard
-from embshard.options import LookupOptions
-from embshard.plan import MemoryTier
-from embshard.tables import ConfigError, DataType
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import MemoryTier
+from embshard.spec.tables import ConfigError, DataType
 
 _LOCATION = {
     MemoryTier.HBM: "DEVICE",
@@ -62,7 +62,7 @@ class TBESettings:
     """Stochastic rounding of fp16 weight updates and cache write-backs."""
     bounds_check_mode: str
     """FBGEMM BoundsCheckMode: NONE. Every id is checked once before any exchange, on the rank that owns the batch
-    (embshard/bounds.py: on the host in the training pipeline, on the device otherwise), so the error names the
+    (embshard/collection/bounds.py: on the host in the training pipeline, on the device otherwise), so the error names the
     feature; a second check inside the TBE would cost a kernel per lookup and find nothing."""
     cache_algorithm: str | None
     """UVM-caching: LRU or LFU; None otherwise."""

@@ -1,6 +1,6 @@
 """The shards a rank holds (`LocalShard`), how they are grouped into kernels, and their deterministic initial rows.
 
-A `LocalShard` is one block of a table (embshard.plan.Shard) on this rank plus the lookup keys that read it. Shards
+A `LocalShard` is one block of a table (embshard.spec.plan.Shard) on this rank plus the lookup keys that read it. Shards
 with equal `group_key` share one kernel (one FBGEMM TBE: one tier, weight type, weighted-ness and cache policy).
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from embshard.plan import CacheAlgorithm, LookupKernel, MemoryTier, Shard, TablePlan
-from embshard.tables import TableConfig
+from embshard.spec.plan import CacheAlgorithm, LookupKernel, MemoryTier, Shard, TablePlan
+from embshard.spec.tables import TableConfig
 
 INIT_BLOCK_ELEMENTS = 1 << 22  # elements hashed per pass (temporary int64 buffers of 32 MiB)
 

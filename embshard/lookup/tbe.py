@@ -19,10 +19,10 @@ from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
 from embshard.lookup.uvm_fill import HostFirstTouch, concurrent_managed_access, uvm_first_touch
-from embshard.ops import cached_tensor, weights_forced
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.options import LookupOptions, OutputDtype
-from embshard.tables import ConfigError
+from embshard.runtime.ops import cached_tensor, weights_forced
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.options import LookupOptions, OutputDtype
+from embshard.spec.tables import ConfigError
 
 INIT_BLOCK_BYTES = 64 << 20  # a TBE's weights are initialised in row blocks of about this size (temporary buffer)
 

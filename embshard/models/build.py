@@ -13,9 +13,9 @@ from torch import nn
 from embshard.config.model import ModelConfig
 from embshard.data.common import Batch
 from embshard.models.registry import StepOutput, model_kind
-from embshard.optim import FusedOptimizerConfig
-from embshard.options import LookupOptions
-from embshard.plan import ShardingPlan
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import ShardingPlan
 
 __all__ = ["RecModel", "StepOutput"]
 
@@ -40,7 +40,7 @@ class RecModel(nn.Module):
         dense: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        from embshard.sharded import ShardedEmbeddingBagCollection
+        from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
         self.cfg = cfg
         self.num_dense = num_dense
@@ -70,11 +70,11 @@ class RecModel(nn.Module):
 
     def capture_whole_step(self, overlap: bool = True) -> str | None:
         """Replay the whole training step as one CUDA graph where the batch counts repeat (training.graph_scope step,
-        embshard/step_graph.py), on top of `capture_dense_step` (which must have succeeded: the other steps replay
+        embshard/training/step_graph.py), on top of `capture_dense_step` (which must have succeeded: the other steps replay
         the dense step alone). `overlap` (training.graph_overlap): the dense gradients' all-reduce and optimizer
         step run beside the embeddings' backward, the all-reduce on a communicator of its own (made here,
         collectively: every rank calls this with the same plan). Returns None if it will, else why not."""
-        from embshard.step_graph import StepGraph, refusal
+        from embshard.training.step_graph import StepGraph, refusal
 
         if self.dense_graph is None:
             return "the dense step has no graph"
@@ -97,9 +97,9 @@ class RecModel(nn.Module):
         self, optimizer: torch.optim.Optimizer, batch_size: int, bf16: bool, compile: str | None = None
     ) -> str | None:
         """Replay the dense part's training step as one CUDA graph for batches of `batch_size` (training.cuda_graph,
-        embshard/dense_graph.py), its forward and loss compiled in mode `compile` if given (training.compile).
+        embshard/training/dense_graph.py), its forward and loss compiled in mode `compile` if given (training.compile).
         Returns None if it will, else why not (it then runs eagerly)."""
-        from embshard.dense_graph import DenseGraphStep
+        from embshard.training.dense_graph import DenseGraphStep
 
         if self.ebc.device.type != "cuda":
             return "CUDA graphs need a CUDA GPU"
@@ -149,7 +149,7 @@ class RecModel(nn.Module):
             return StepOutput(loss, logits, batch.labels, dense_updated=True)
         if not check_finite:
             return self.kind.step(self, batch)
-        from embshard.guard import check_finite as check
+        from embshard.runtime.guard import check_finite as check
 
         step, seen = self.ebc.step, []
         hook = self.ebc.register_forward_hook(lambda _m, _i, out: seen.append(out))

@@ -32,7 +32,7 @@ from torch import nn
 
 from embshard.config.model import BUILTIN_KINDS, ModelConfig, add_model_kind
 from embshard.data.common import Batch
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 
 @dataclass
@@ -47,7 +47,7 @@ class StepOutput:
     dense_updated: bool = False
     """The dense parameters are already updated (a replayed CUDA graph did the step): backward of `loss` only."""
     updated: bool = False
-    """Every parameter is already updated (the whole step ran as one graph, embshard/step_graph.py): no backward."""
+    """Every parameter is already updated (the whole step ran as one graph, embshard/training/step_graph.py): no backward."""
 
 
 @dataclass(frozen=True)

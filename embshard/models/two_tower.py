@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.comm import world_and_rank
 from embshard.config.model import ModelConfig
 from embshard.data.common import Batch
 from embshard.kernels import fused_cross_entropy
 from embshard.models.dlrm import mlp
 from embshard.models.registry import ModelKind, StepOutput, bce_output, feature_widths, register
 from embshard.retrieval.gather import gather_rows, gather_sizes
+from embshard.runtime.comm import world_and_rank
 
 
 class TwoTowerDense(nn.Module):

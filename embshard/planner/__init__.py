@@ -1,5 +1,5 @@
 """The planner: places embedding tables on ranks (sharding type x memory tier x ranks) to minimise the predicted
-step time within each rank's memory, and explains its choices. Output: an embshard.plan.ShardingPlan.
+step time within each rank's memory, and explains its choices. Output: an embshard.spec.plan.ShardingPlan.
 
     from embshard.planner import Topology, explain, plan_with_report
     topo = Topology.preset("h200", world_size=2)        # or Topology.detect() / Topology.load("topology.yaml")

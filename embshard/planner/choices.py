@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from embshard.plan import ShardingType
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, colocation_groups
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.options import Option, column_runs, small_forms, table_options
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.plan import ShardingType
+from embshard.spec.tables import ConfigError, TableConfig
 
 
 class _Blocks:

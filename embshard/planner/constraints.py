@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from embshard.plan import LookupKernel, MemoryTier, ShardingType
-from embshard.tables import ConfigError, TableConfig, check_known_keys
+from embshard.spec.plan import LookupKernel, MemoryTier, ShardingType
+from embshard.spec.tables import ConfigError, TableConfig, check_known_keys
 
 
 @dataclass(frozen=True)

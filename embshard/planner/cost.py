@@ -136,14 +136,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.plan import Exchange, LookupKernel, MemoryTier, ShardingType
 from embshard.planner import exchange as twrw
 from embshard.planner import kernel_cost, loads
 from embshard.planner.access import distinct_rows, gather, zipf_hit_rate
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.plan import Exchange, LookupKernel, MemoryTier, ShardingType
+from embshard.spec.tables import TableConfig
 
 ID_BYTES = 8
 WEIGHT_BYTES = 4

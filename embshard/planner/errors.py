@@ -10,7 +10,7 @@ import numpy as np
 from embshard.planner.choices import Choice, Item
 from embshard.planner.problem import Problem
 from embshard.planner.topology import GIB, Topology
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 
 class PlanningError(ConfigError):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import itertools
 import math
 
-from embshard.plan import ShardingType
 from embshard.planner.choices import Choice, Item
 from embshard.planner.state import State
+from embshard.spec.plan import ShardingType
 
 
 def placements(state: State, item: Item, ch: Choice) -> list[tuple[int, ...]]:

@@ -30,10 +30,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.plan import Exchange, ShardingPlan, ShardingType
 from embshard.planner import loads
 from embshard.planner.topology import Topology
-from embshard.tables import TableConfig
+from embshard.spec.plan import Exchange, ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 AUTO = "auto"
 

@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from embshard.plan import ShardingType, ranks_text
 from embshard.planner import loads
 from embshard.planner.choices import build_items
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.predict import budgets
 from embshard.planner.report import PlanReport, _b, _columns
+from embshard.spec.plan import ShardingType, ranks_text
 
 _TW = (ShardingType.TABLE_WISE,)
 

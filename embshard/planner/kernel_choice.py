@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from embshard.kernels.cost import choose_small_tables, faster_alone
-from embshard.plan import LookupKernel, ShardingType
 from embshard.planner.choices import Item
+from embshard.planner.kernel_model import choose_small_tables, faster_alone
 from embshard.planner.problem import Problem
 from embshard.planner.state import State
-from embshard.tables import ConfigError
+from embshard.spec.plan import LookupKernel, ShardingType
+from embshard.spec.tables import ConfigError
 
 SMALL, FBGEMM, DP = LookupKernel.SMALL, LookupKernel.FBGEMM, ShardingType.DATA_PARALLEL
 

@@ -1,4 +1,4 @@
-"""The small-table kernel's and the Triton regroup's terms of the cost model: embshard/kernels/cost.py's formulas
+"""The small-table kernel's and the Triton regroup's terms of the cost model: embshard/planner/kernel_model.py's formulas
 applied to the planner's shard volumes (cost.py's notation: n ids, b bags, u distinct rows of a shard of r rows x
 c columns, fp32 rows rb = 4c, state sb bytes per row, Zipf skew a). `CostModel.work(..., kernel=SMALL)` and
 `CostModel.storage` call these for shards whose TablePlan.kernel is 'small'; `CostModel.batch_loads` calls
@@ -26,8 +26,8 @@ buffer): the planner never chooses it there, and a plan that names it is predict
 
 from __future__ import annotations
 
-from embshard.kernels.cost import regroup_bytes, regroup_seconds, small_table_backward, small_table_forward
-from embshard.plan import ShardingType
+from embshard.planner.kernel_model import regroup_bytes, regroup_seconds, small_table_backward, small_table_forward
+from embshard.spec.plan import ShardingType
 
 SMALL_ID_STEP_BYTES = 16
 SMALL_DP_ID_STEP_BYTES = 16

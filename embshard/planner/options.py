@@ -10,14 +10,14 @@ from functools import cache, lru_cache
 
 import numpy as np
 
-from embshard.geometry import column_blocks, offsets, row_blocks, row_runs, runs
-from embshard.kernels.cost import eligible
-from embshard.plan import LookupKernel, MemoryTier, Shard, ShardingType
 from embshard.planner.constraints import ParameterConstraints
+from embshard.planner.kernel_model import eligible
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
-from embshard.rawids.rules import RAW_SHARDING_TYPES, RAW_TIERS, sharding_refused
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.geometry import column_blocks, offsets, row_blocks, row_runs, runs
+from embshard.spec.plan import LookupKernel, MemoryTier, Shard, ShardingType
+from embshard.spec.raw_ids import RAW_SHARDING_TYPES, RAW_TIERS, sharding_refused
+from embshard.spec.tables import ConfigError, TableConfig
 
 MIN_COLUMN_BLOCK = 16  # narrowest column block the planner proposes on its own (columns)
 MAX_COLUMN_SHARDS = 8  # most column blocks it proposes on its own (row-wise spreads wider tables further)

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import GRAPH_SHARDING_TYPES, MemoryTier, ShardingPlan, ShardingType
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.errors import PlanningError
 from embshard.planner.report import PlanReport
@@ -22,7 +20,9 @@ from embshard.planner.search import plan_with_report
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.simple import simple_plan
 from embshard.planner.topology import Topology
-from embshard.tables import ConfigError, FieldError, TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier, ShardingPlan, ShardingType
+from embshard.spec.tables import ConfigError, FieldError, TableConfig
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import Exchange, LookupKernel, MemoryTier, ShardingPlan, ShardingType
 from embshard.planner import exchange as twrw
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
@@ -17,7 +15,9 @@ from embshard.planner.cost import CostModel, Storage, TableStats
 from embshard.planner.report import PlanReport, RankReport, TableReport
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
-from embshard.tables import TableConfig, validate_tables
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import Exchange, LookupKernel, MemoryTier, ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig, validate_tables
 
 
 @dataclass(frozen=True)

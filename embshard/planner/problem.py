@@ -14,7 +14,7 @@ from embshard.planner.cost import CostModel
 from embshard.planner.predict import Budgets
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
-from embshard.tables import TableConfig
+from embshard.spec.tables import TableConfig
 
 
 @dataclass

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan, ranks_text
 from embshard.planner.cost import Storage
 from embshard.planner.loads import PHASES
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import ShardingPlan, ranks_text
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import Exchange, MemoryTier, ShardingPlan, ShardingType, TablePlan
 from embshard.planner import errors, exact, kernel_choice, loads
 from embshard.planner import exchange as twrw_exchange
 from embshard.planner.choices import build_choices, is_dense
@@ -48,7 +46,9 @@ from embshard.planner.report import PlanReport
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.state import State
 from embshard.planner.topology import Topology
-from embshard.tables import ConfigError, TableConfig, validate_tables
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import Exchange, MemoryTier, ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import ConfigError, TableConfig, validate_tables
 
 
 def plan_sharding(*args: Any, **kwargs: Any) -> ShardingPlan:

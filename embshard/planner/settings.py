@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from embshard.plan import MemoryTier, ShardingType
-from embshard.tables import ConfigError, check_known_keys
+from embshard.spec.plan import MemoryTier, ShardingType
+from embshard.spec.tables import ConfigError, check_known_keys
 
 
 @dataclass(frozen=True)

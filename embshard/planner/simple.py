@@ -1,6 +1,6 @@
 """The simple placement: tables by size, largest first, each onto the least-loaded rank(s) by bytes. No cost model
 and no memory budget: for tests, debugging and as a baseline for the search (search.py). Blocks are cut by
-embshard.geometry's rules, as every placement's are (options.make_shards).
+embshard.spec.geometry's rules, as every placement's are (options.make_shards).
 
     plan = simple_plan(tables, world_size=2)                                   # table-wise, host tier
     plan = simple_plan(tables, 8, 4, {"big": "row_wise"}, tier="hbm")          # a type per table
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from embshard.geometry import column_blocks, row_blocks
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType, TablePlan
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.options import Option, make_shards
-from embshard.tables import ConfigError, TableConfig, validate_tables
+from embshard.spec.geometry import column_blocks, row_blocks
+from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import ConfigError, TableConfig, validate_tables
 
 
 def simple_plan(

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.plan import LookupKernel, ShardingType
 from embshard.planner import loads
 from embshard.planner.choices import Choice, Item
 from embshard.planner.cost import CostModel
+from embshard.spec.plan import LookupKernel, ShardingType
 
 
 class State:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from embshard.kernels.cost import KernelConstants
-from embshard.tables import ConfigError
+from embshard.planner.kernel_model import KernelConstants
+from embshard.spec.tables import ConfigError
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -122,7 +122,7 @@ class Topology:
     over the host link, updates it and writes it back, one dependent chain per touched row (presets: fitted to the
     UVM lookup kernels of a profiled step; `embshard calibrate` keeps the preset's)."""
     small_fwd_id_s: float = KernelConstants.fwd_id_s
-    """Small-table kernel (embshard/kernels/cost.py): forward time per id beyond its bytes (seconds)."""
+    """Small-table kernel (embshard/planner/kernel_model.py): forward time per id beyond its bytes (seconds)."""
     small_atomic_sector_s: float = KernelConstants.atomic_sector_s
     """Small-table kernel: backward time per 32-byte sector of an id's atomic adds into L2 (seconds)."""
     small_same_row_s: float = KernelConstants.same_row_s
@@ -180,7 +180,7 @@ class Topology:
 
     @property
     def kernel_constants(self) -> KernelConstants:
-        """The small-table kernel's and the regroup's constants, as embshard/kernels/cost.py takes them."""
+        """The small-table kernel's and the regroup's constants, as embshard/planner/kernel_model.py takes them."""
         return KernelConstants(
             self.small_fwd_id_s,
             self.small_atomic_sector_s,

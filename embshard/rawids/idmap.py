@@ -17,14 +17,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from embshard.geometry import offsets
 from embshard.lookup.shards import LocalShard, _signed
-from embshard.ops import small_to_device
 from embshard.rawids.eviction import SKETCH_DEPTH, EvictionOps, bounded_prefix
 from embshard.rawids.hashing import BUCKET_SALTS, SKETCH_SALTS
 from embshard.rawids.index import IndexOps, P
 from embshard.rawids.reset import ResetOps, Resets
-from embshard.tables import ConfigError, Eviction
+from embshard.runtime.ops import small_to_device
+from embshard.spec.geometry import offsets
+from embshard.spec.tables import ConfigError, Eviction
 
 __all__ = ["P", "IdMap", "Resets", "map_bytes_per_row"]
 

@@ -20,11 +20,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from embshard.geometry import offsets
 from embshard.lookup.shards import LocalShard, _signed, _uniform_of_index_, fp32, table_key
-from embshard.ops import small_to_device
 from embshard.rawids.index import triton_for
-from embshard.tables import DataType
+from embshard.runtime.ops import small_to_device
+from embshard.spec.geometry import offsets
+from embshard.spec.tables import DataType
 
 RESET_BLOCK_ELEMENTS = 1 << 20
 """Torch path: elements whose initial values are drawn per pass (int64 temporaries of 8 MiB)."""

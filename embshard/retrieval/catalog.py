@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.comm import world_and_rank
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan
 from embshard.retrieval.gather import gather_rows, gather_sizes
 from embshard.retrieval.sampler import BlockSampler, negatives_per_rank
 from embshard.retrieval.softmax import Candidates, block_targets, sharded_softmax_loss
 from embshard.retrieval.topk import recall_hits
-from embshard.tables import ConfigError, TableConfig
+from embshard.runtime.comm import world_and_rank
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import ShardingPlan
+from embshard.spec.tables import ConfigError, TableConfig
 
 ROW_BLOCK_TYPES = ("row_wise", "table_wise", "table_row_wise")
 
@@ -60,7 +60,7 @@ class Catalog(nn.Module):
         smoothing: float = 1.0,
     ) -> None:
         super().__init__()
-        from embshard.sharded import ShardedEmbeddingBagCollection
+        from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
         if len(table.feature_names) != 1:
             raise ConfigError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from embshard.comm import start_all_gather, start_all_to_all, world_and_rank
+from embshard.runtime.comm import start_all_gather, start_all_to_all, world_and_rank
 
 
 def gather_sizes(n: int, device: torch.device, group: dist.ProcessGroup | None = None) -> list[int]:

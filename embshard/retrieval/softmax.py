@@ -37,9 +37,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from embshard.comm import start_all_gather, world_and_rank
 from embshard.kernels.cross_entropy import logsumexp_rows, softmax_grad_
 from embshard.retrieval.gather import gather_rows
+from embshard.runtime.comm import start_all_gather, world_and_rank
 
 NEG_INF = float("-inf")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from embshard.comm import start_all_gather, world_and_rank
 from embshard.retrieval.gather import gather_rows, gather_sizes
 from embshard.retrieval.softmax import chunk_rows
+from embshard.runtime.comm import start_all_gather, world_and_rank
 
 
 @torch.no_grad()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.base import Scheme, ShardingContext
 from embshard.sharding.column_wise import column_wise
 from embshard.sharding.data_parallel import data_parallel
@@ -15,7 +14,8 @@ from embshard.sharding.raw_row_wise import raw_row_wise
 from embshard.sharding.row_wise import row_wise
 from embshard.sharding.table_row_wise import table_row_wise
 from embshard.sharding.table_wise import table_wise
-from embshard.tables import TableConfig
+from embshard.spec.plan import ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 # The scheme builders, in the order every rank applies them.
 BUILDERS = {

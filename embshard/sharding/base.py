@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.options import LookupOptions
-from embshard.plan import ShardingPlan, ShardingType, TablePlan
 from embshard.sharding.exchange import LocalBatch, LocalIds, LookupInput
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import TableConfig
 
 COLUMN_SEPARATOR = "#c"
 

@@ -25,15 +25,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from embshard.comm import scoped_label, start_all_to_all
 from embshard.lookup import LocalShard
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.options import LookupOptions
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType
+from embshard.runtime.comm import scoped_label, start_all_to_all
 from embshard.sharding.base import ShardingContext, column_key, planned_as
 from embshard.sharding.exchange import LookupInput
 from embshard.sharding.routed import RoutedSharding
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 
 def column_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RoutedSharding | None:

@@ -7,7 +7,7 @@ The replicas and their update live in embshard/lookup/replicas.py. Here:
    batch; no output dist either;
 3. backward: FBGEMM's dense backward forms the gradient of all the replicas (one flat tensor) from the local
    batch; one all-reduce sums it over ranks (the gradient of the global-batch loss is the sum of the ranks' local
-   losses' gradients). Every rank then applies the same update (`embshard.optim.apply_update`, the fused
+   losses' gradients). Every rank then applies the same update (`embshard.lookup.updates.apply_update`, the fused
    optimizers' rule) to the same summed bits, so the replicas stay bitwise identical.
 
 Touched rows. The rule updates only rows the global batch touched. For sgd, adagrad and rowwise_adagrad without
@@ -37,11 +37,11 @@ from torch import nn
 from embshard.kernels.data_parallel import KernelDataParallelLookup
 from embshard.lookup import LocalShard
 from embshard.lookup.replicas import DataParallelLookup
-from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
-from embshard.plan import LookupKernel, ShardingPlan, ShardingType
+from embshard.runtime.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
 from embshard.sharding.base import OutputLayout, Ready, Scheme, ShardingContext, planned_as
 from embshard.sharding.exchange import LocalBatch, LocalIds, LookupInput
-from embshard.tables import TableConfig
+from embshard.spec.plan import LookupKernel, ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 
 class DataParallelSharding(Scheme):
@@ -62,7 +62,7 @@ class DataParallelSharding(Scheme):
         self._runs: dict = {}  # a batch layout (feature -> row) -> None, or (first row, columns of the rows before)
         self.weighted = any(s.table.weighted for s in shards)
         # The small-table kernels (atomic backward) read each bag's ids through its offsets alone, whatever the
-        # length of the values: a padded batch (embshard/padding.py) gives these features no fillers and their
+        # length of the values: a padded batch (embshard/collection/padding.py) gives these features no fillers and their
         # lookup no weights to add. Not so the sorted (deterministic) backward or the touched-row marks (every id).
         small = isinstance(lookup, KernelDataParallelLookup)
         self.pads_free = small and not lookup._needs_touched and not lookup.kernel.deterministic

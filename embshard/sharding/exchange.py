@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from embshard.comm import AllToAllHandle, start_all_gather, start_all_to_all
-from embshard.ops import cached_tensor, permute_1d, permute_2d, segment_sums
+from embshard.runtime.comm import AllToAllHandle, start_all_gather, start_all_to_all
+from embshard.runtime.ops import cached_tensor, permute_1d, permute_2d, segment_sums
 
 
 @dataclass

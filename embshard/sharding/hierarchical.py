@@ -33,13 +33,13 @@ from itertools import accumulate
 
 import torch
 
-from embshard.comm import start_all_to_all
-from embshard.distributed import host_groups
-from embshard.plan import TablePlan
+from embshard.runtime.comm import start_all_to_all
+from embshard.runtime.distributed import host_groups
 from embshard.sharding.base import OutputLayout, ShardingContext
 from embshard.sharding.exchange import LocalIds, PooledExchangeHandle, SparseExchangeHandle, start_sparse_exchange
 from embshard.sharding.row_blocks import RowBlockSharding
-from embshard.tables import TableConfig
+from embshard.spec.plan import TablePlan
+from embshard.spec.tables import TableConfig
 
 
 class HierarchicalRowBlockSharding(RowBlockSharding):

@@ -12,9 +12,9 @@ from embshard.kernels.small_tables import SmallTableLookup
 from embshard.lookup.host import HostLookup
 from embshard.lookup.shards import LocalShard, group_shards
 from embshard.lookup.tbe import TBELookup
-from embshard.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.options import LookupOptions
-from embshard.plan import LookupKernel
+from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import LookupKernel
 
 
 def build_lookups(

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from embshard.ops import cached_tensor, feature_of_ids, permute_2d, segment_sums, weights_or_ones
-from embshard.plan import ShardingPlan, ShardingType, TablePlan
 from embshard.rawids.hashing import route_rows
+from embshard.runtime.ops import cached_tensor, feature_of_ids, permute_2d, segment_sums, weights_or_ones
 from embshard.sharding.base import ShardingContext, planned_as
 from embshard.sharding.exchange import LocalBatch, LocalIds, SparseExchangeHandle
 from embshard.sharding.row_blocks import RowBlockSharding
-from embshard.tables import TableConfig
+from embshard.spec.plan import ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import TableConfig
 
 
 class RawRowBlockSharding(RowBlockSharding):

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from embshard.lookup import LocalShard, group_shards
-from embshard.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
 from embshard.rawids.idmap import IdMap
+from embshard.runtime.ops import cached_tensor, complete_cumsum, permute_2d, weights_or_ones
 from embshard.sharding.base import OutputLayout, Scheme, ShardingContext
 from embshard.sharding.exchange import (
     LocalBatch,

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from embshard.lookup import LocalShard
-from embshard.ops import cached_tensor, permute_2d, segment_sums, weights_or_ones
-from embshard.plan import TablePlan
+from embshard.runtime.ops import cached_tensor, permute_2d, segment_sums, weights_or_ones
 from embshard.sharding.base import OutputLayout, ShardingContext
 from embshard.sharding.exchange import LocalBatch, LocalIds, PooledExchangeHandle
 from embshard.sharding.routed import RoutedSharding
-from embshard.tables import TableConfig
+from embshard.spec.plan import TablePlan
+from embshard.spec.tables import TableConfig
 
 
 class SummedPooledHandle:

@@ -1,5 +1,5 @@
 """Row-wise sharding: a table's rows cut into contiguous blocks of one size `bs` (the last may be shorter) over all
-ranks (`embshard.geometry.row_blocks` gives the canonical split), block i on its planned rank.
+ranks (`embshard.spec.geometry.row_blocks` gives the canonical split), block i on its planned rank.
 
 Data flow: the row-block engine (row_blocks.py): ids bucketed by block and sent to the blocks' ranks, partial
 sums pooled there and added up, per feature, on the ranks owning the samples.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.base import ShardingContext, planned_as
 from embshard.sharding.row_blocks import RowBlockSharding
-from embshard.tables import TableConfig
+from embshard.spec.plan import ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 
 def row_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RowBlockSharding | None:

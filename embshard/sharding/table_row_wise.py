@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from embshard.plan import Exchange, ShardingPlan, ShardingType
 from embshard.sharding.base import ShardingContext, planned_as
 from embshard.sharding.hierarchical import HierarchicalRowBlockSharding
 from embshard.sharding.row_blocks import RowBlockSharding
-from embshard.tables import TableConfig
+from embshard.spec.plan import Exchange, ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 
 def table_row_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RowBlockSharding | None:

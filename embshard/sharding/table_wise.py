@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from embshard.lookup import LocalShard
-from embshard.plan import ShardingPlan, ShardingType
 from embshard.sharding.base import ShardingContext, planned_as
 from embshard.sharding.routed import RoutedSharding
-from embshard.tables import TableConfig
+from embshard.spec.plan import ShardingPlan, ShardingType
+from embshard.spec.tables import TableConfig
 
 
 def table_wise(tables: Sequence[TableConfig], plan: ShardingPlan, ctx: ShardingContext) -> RoutedSharding | None:

@@ -103,7 +103,7 @@ def quiet() -> None:
 
 def run_as_script(main: Callable, doc: str, out_help: str) -> None:
     """A step run by torchrun: `--out FOLDER`, the process group joined, main(out, device), the group ended."""
-    from embshard.distributed import init_distributed
+    from embshard.runtime.distributed import init_distributed
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help=out_help)

@@ -17,8 +17,8 @@ from common import LR, batches, quiet, run_as_script, torchrec_dlrm
 
 from embshard.checkpoint import Checkpointer, TrainState
 from embshard.interop import load_torchrec_checkpoint, rec_model_from_torchrec, tables_from_torchrec
-from embshard.pipeline import TrainPipeline
 from embshard.planner import Topology, plan_with_report
+from embshard.training.pipeline import TrainPipeline
 
 
 def main(out: str, device: torch.device) -> dict:

@@ -32,8 +32,8 @@ from ckpt_cases import (
 from dist_harness import device_kind, run_distributed
 
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint
-from embshard.checkpoint.cli import main as checkpoint_cli
-from embshard.plan import ShardingType
+from embshard.spec.plan import ShardingType
+from embshard.tools.checkpoint import main as checkpoint_cli
 
 SAVE_WORLD = 2
 ALL_ROTATIONS = ("rowwise", "adam")  # the other optimizers' states follow the weights (or they have none)
@@ -357,7 +357,7 @@ def _uvm_worker(rank, world, device, folder, opt):
     from ckpt_cases import TABLES, build, random_batches, to_kjt
 
     from embshard import simple_plan
-    from embshard.plan import MemoryTier
+    from embshard.spec.plan import MemoryTier
 
     types = {t.name: "table_wise" for t in TABLES}
 

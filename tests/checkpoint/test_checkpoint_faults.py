@@ -18,8 +18,8 @@ from ckpt_cases import build, full_state, plan_for
 from paths import TESTS, cpu_subprocess_env
 
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint, read_manifest
-from embshard.plan import MemoryTier
-from embshard.tables import ConfigError
+from embshard.spec.plan import MemoryTier
+from embshard.spec.tables import ConfigError
 
 
 def _start(folder: Path, where: str) -> subprocess.Popen:

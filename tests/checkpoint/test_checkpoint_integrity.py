@@ -28,10 +28,10 @@ from ckpt_cases import CHUNK_BYTES, CUDA, build, full_state, plan_for, train
 from torch import nn
 
 from embshard.checkpoint import Checkpointer, TrainState, load_checkpoint, storage
-from embshard.checkpoint.cli import main as checkpoint_cli
 from embshard.checkpoint.integrity import CheckpointDamaged, crc_file, entry
 from embshard.checkpoint.unpickle import ALLOWED_GLOBALS, UnsafeCheckpoint, _is_dtype, load_metadata
-from embshard.tables import AllRanksError, ConfigError
+from embshard.spec.tables import AllRanksError, ConfigError
+from embshard.tools.checkpoint import main as checkpoint_cli
 
 
 def _model(device, world, seed):

@@ -16,9 +16,9 @@ from embshard import simple_plan
 from embshard.config import TrainConfig, load_config
 from embshard.config.doc import _dataclass_in, generate, rows
 from embshard.config.schema import field_docs
-from embshard.plan import MemoryTier, ShardingType
 from embshard.planner.policy import plan_for_job
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.plan import MemoryTier, ShardingType
+from embshard.spec.tables import ConfigError, TableConfig
 
 ROOT = paths.ROOT
 EXAMPLES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -187,9 +187,9 @@ def test_impossible_values(tmp_path):
 
 
 def test_training_and_lookup_sections(tmp_path):
-    """training: pipeline and precision (default sparse_dist, fp32); lookup: embshard.options.LookupOptions, the
+    """training: pipeline and precision (default sparse_dist, fp32); lookup: embshard.spec.options.LookupOptions, the
     collection's options (`RecModel(..., options=cfg.lookup)`); each wrong value names its key."""
-    from embshard.options import BoundsCheck, LookupOptions, OutputDtype
+    from embshard.spec.options import BoundsCheck, LookupOptions, OutputDtype
 
     cfg = load_config(write(tmp_path, base()))
     assert (cfg.training.pipeline, cfg.training.precision, cfg.training.prefetch_batches) == ("sparse_dist", "fp32", 2)
@@ -416,7 +416,7 @@ def test_plan_for_job_auto_uses_the_planner(tmp_path):
 
 def test_the_plan_prices_the_batch_counts_the_job_uses(tmp_path):
     """TrainConfig.batch_counts is where the training pipeline takes each step's batch counts from (host unless
-    training.pipeline is none, lookup.bounds_check drop or a retrieval catalog: embshard/pipeline.py), and
+    training.pipeline is none, lookup.bounds_check drop or a retrieval catalog: embshard/training/pipeline.py), and
     plan_for_job prices the step with it unless planner.settings.batch_counts is set: device counts carry the
     topology's host sync, host counts do not."""
     from embshard.planner import Topology
@@ -452,7 +452,7 @@ def test_whole_step_graph_plan_first_then_every_option():
     data-parallel, no UVM caching); where none fits it plans with every option and says why."""
     from embshard.planner import Topology
     from embshard.planner.policy import search_plan
-    from embshard.planner.tools.inputs import training_planner_input
+    from embshard.tools.plan_inputs import training_planner_input
 
     config = str(ROOT / "configs" / "dlrm_dcnv2_mlperf.yaml")
     topo = Topology.preset("h100", 2, 2).with_sizes(hbm_gib=40)

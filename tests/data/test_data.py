@@ -19,7 +19,7 @@ from embshard.config.data import CriteoConfig, DataConfig, MovieLensConfig, Synt
 from embshard.data import build_source
 from embshard.data.hashing import hash_strings, hash_values
 from embshard.data.synthetic import SyntheticSource, zipf_ranks
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 DATA = paths.DATA
 CRITEO = DATA / "criteo_sample.txt"

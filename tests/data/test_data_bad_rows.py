@@ -15,7 +15,7 @@ import pytest
 
 from embshard.config.data import CategoricalColumnConfig, DataConfig, DenseColumnConfig, TableSourceConfig
 from embshard.data.source import TableSource
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 HEADER = "label,x,cat,tags,tw"
 TABLES = [TableConfig("t_cat", 100, 4, ("cat",)), TableConfig("t_tag", 100, 4, ("tags",), weighted=True)]

@@ -20,7 +20,7 @@ from embshard.config.data import CategoricalColumnConfig, DataConfig, DenseColum
 from embshard.data.decode import Chunk
 from embshard.data.source import TableSource, _Train
 from embshard.data.stream import Part, assemble
-from embshard.tables import TableConfig
+from embshard.spec.tables import TableConfig
 
 
 def random_chunk(rng: np.random.Generator, n: int, sizes: list[int | None], weighted: bool, nd: int = 3) -> Chunk:

@@ -21,7 +21,7 @@ from embshard.config.data import DataConfig
 from embshard.config.schema import Source, build
 from embshard.data import build_source
 from embshard.data.preprocess import main as preprocess_main
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 ROOT = paths.ROOT
 DENSE = [f"I{i}" for i in range(1, 14)]

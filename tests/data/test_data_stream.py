@@ -20,7 +20,7 @@ import torch
 from embshard.config.data import CategoricalColumnConfig, DataConfig, DenseColumnConfig, TableSourceConfig
 from embshard.data.source import TableSource, _Train
 from embshard.data.stream import train_stream
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, TableConfig
 
 ROOT = paths.ROOT
 

@@ -22,7 +22,7 @@ from train_job import embshard_train
 from embshard.config import load_config
 from embshard.data import build_source
 from embshard.data.preprocess import main as preprocess_main
-from embshard.tables import ConfigError
+from embshard.spec.tables import ConfigError
 
 ROOT = paths.ROOT
 

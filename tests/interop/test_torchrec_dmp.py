@@ -121,7 +121,7 @@ def _plans_out(rank: int, world: int) -> dict:
     """The embshard plan in TorchRec's DMP: outputs and weights against embshard; the DMP state into another plan."""
     from torchrec import EmbeddingBagCollection
 
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     configs = _ebc_configs()
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ def _models_and_checkpoints(rank: int, world: int, folder: str) -> dict:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from embshard.data.common import Batch
-    from embshard.pipeline import TrainPipeline
+    from embshard.training.pipeline import TrainPipeline
 
     tables = tables_from_torchrec(_dlrm("meta").model.sparse_arch.embedding_bag_collection)
     plan = simple_plan(tables, world, sharding_types={"t_cw": "column_wise", "t_rw": "row_wise"})

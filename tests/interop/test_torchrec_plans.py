@@ -23,9 +23,9 @@ from embshard.interop import (
     to_torchrec_plan,
     with_pooling_factors,
 )
-from embshard.plan import Shard, ShardingPlan, TablePlan
 from embshard.planner import Topology, plan_with_report
-from embshard.tables import ConfigError
+from embshard.spec.plan import Shard, ShardingPlan, TablePlan
+from embshard.spec.tables import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = [
@@ -80,7 +80,7 @@ def test_plan_round_trip_and_torchrec_fields():
 def test_planner_plans_round_trip():
     for name, kw in (("overflow", dict(hbm_gib=16)), ("hetero124", {})):
         data = __import__("yaml").safe_load((ROOT / "configs" / "planner" / f"{name}.yaml").read_text())
-        from embshard.planner.tools.inputs import planner_input_from_dict
+        from embshard.tools.plan_inputs import planner_input_from_dict
 
         inp = planner_input_from_dict(data, name)
         topo = Topology.preset("h200", 2, 2).with_sizes(**kw)
@@ -188,7 +188,7 @@ def test_torchrec_planner_plan_into_embshard():
 
 
 def test_cli_format_torchrec(tmp_path, capsys):
-    from embshard.planner.tools.cli import main
+    from embshard.tools.plan import main
 
     out = tmp_path / "plan.torchrec.json"
     args = [
@@ -350,8 +350,8 @@ def test_materialized_torchrec_dlrm_as_rec_model():
 def test_raw_id_tables_do_not_cross_to_or_from_torchrec_checkpoints(tmp_path):
     """A raw-id table's rows mean something only with its id -> row map: loading TorchRec's rows into one (the map
     would be empty, every row re-initialised at its first id) and exporting one are both refused, naming it."""
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.interop import load_torchrec_state_dict, save_torchrec_checkpoint
-    from embshard.sharded import ShardedEmbeddingBagCollection
 
     tables = [TableConfig("plain", 40, 8, ("f",)), TableConfig("rawt", 40, 8, ("g",), ids="raw")]
     ebc = ShardedEmbeddingBagCollection(tables, simple_plan(tables, 1, tier="host"), device="cpu")

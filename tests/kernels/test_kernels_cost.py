@@ -1,4 +1,4 @@
-"""The kernels' cost model (embshard/kernels/cost.py): byte counts by hand, the Zipf top share against the exact
+"""The kernels' cost model (embshard/planner/kernel_model.py): byte counts by hand, the Zipf top share against the exact
 discrete sum, the calibration fit recovering known constants, and which tables the choice gives the kernel."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embshard.kernels.cost import (
+from embshard.planner.kernel_model import (
     CALIBRATION_CASES,
     KernelConstants,
     atomic_adds,
@@ -144,7 +144,7 @@ def test_regroup_bytes_and_time():
 def test_calibration_measurements_run():
     # The timing helpers of embshard calibrate, on tiny shapes on the CPU (torch paths): they return sane numbers.
     from embshard.kernels.calibrate import measure_regroup, measure_small_table
-    from embshard.kernels.cost import CalibrationCase
+    from embshard.planner.kernel_model import CalibrationCase
 
     case = CalibrationCase("tiny", 3, 50, 8, 4, 16, 1.2)
     fwd, bwd, srt, distinct, v1 = measure_small_table(case, iters=1, device="cpu")

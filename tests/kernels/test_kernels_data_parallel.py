@@ -21,7 +21,7 @@ from kernel_cases import (
 from embshard.kernels.data_parallel import KernelDataParallelLookup
 from embshard.kernels.small_tables import SmallTableOptions
 from embshard.lookup.replicas import DataParallelLookup
-from embshard.tables import TableConfig
+from embshard.spec.tables import TableConfig
 
 DEVICE = torch.device(device_kind())
 pytestmark = pytest.mark.usefixtures("torch_kernels_on_cpu")  # CPU: the torch path, as CPU training runs
@@ -38,7 +38,7 @@ def test_trains_like_the_reference(opt):
 
 @pytest.mark.parametrize("opt,deterministic", [("sgd", False), ("adagrad", True), ("rowwise_adagrad", False)])
 def test_padded_batch_under_every_id_weighted_trains_like_the_unpadded_one(opt, deterministic):
-    # the whole-step graph's padded batches (embshard/step_graph.py): filler ids of weight 0, unweighted tables too
+    # the whole-step graph's padded batches (embshard/training/step_graph.py): filler ids of weight 0, unweighted tables too
     cfg, kernel = OPTIMIZERS[opt], SmallTableOptions(deterministic=deterministic)
     make = lambda: KernelDataParallelLookup(full_shards(DP_TABLES, DEVICE), cfg, DEVICE, None, seed=7, kernel=kernel)
     check_padded_like_unpadded(make, DP_TABLES, DEVICE, exact=DEVICE.type == "cpu")  # the torch path: exact

@@ -10,8 +10,8 @@ import torch
 from dist_harness import device_kind
 from kernel_cases import random_regroup_case, regroup_grad_reference, regroup_reference
 
-from embshard.kernels.regroup import KernelRegroup
-from embshard.regroup import Regroup
+from embshard.collection.regroup import Regroup
+from embshard.collection.regroup_kernel import KernelRegroup
 
 DEVICE = torch.device(device_kind())
 pytestmark = pytest.mark.usefixtures("torch_kernels_on_cpu")  # CPU: the torch path, as CPU training runs

@@ -23,9 +23,9 @@ from kernel_cases import (
 from embshard.kernels.layout import Tiles, build_layout
 from embshard.kernels.small_tables import SmallTableLookup, SmallTableOptions, dense_gradients, pool
 from embshard.lookup import LocalShard, TBELookup
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, Shard
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import MemoryTier, Shard
+from embshard.spec.tables import ConfigError, TableConfig
 
 DEVICE = torch.device(device_kind())
 pytestmark = pytest.mark.usefixtures("torch_kernels_on_cpu")  # CPU: the torch path, as CPU training runs
@@ -101,7 +101,7 @@ def test_direct_sgd_trains_like_the_reference():
     ids=["sgd", "adagrad-sorted", "rowwise_adagrad", "rowwise_adagrad-sorted", "direct_sgd"],
 )  # fmt: skip
 def test_padded_batch_under_every_id_weighted_trains_like_the_unpadded_one(opt, kernel):
-    # the whole-step graph's padded batches (embshard/step_graph.py): filler ids of weight 0, unweighted tables too
+    # the whole-step graph's padded batches (embshard/training/step_graph.py): filler ids of weight 0, unweighted tables too
     cfg = OPTIMIZERS[opt]
     make = lambda: SmallTableLookup(full_shards(TABLES, DEVICE), cfg, DEVICE, seed=7, kernel=kernel)
     check_padded_like_unpadded(make, TABLES, DEVICE, exact=DEVICE.type == "cpu")  # the torch path: exact

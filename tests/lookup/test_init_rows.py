@@ -10,7 +10,7 @@ import random
 import torch
 
 from embshard.lookup import init_rows
-from embshard.tables import TableConfig
+from embshard.spec.tables import TableConfig
 
 M64 = (1 << 64) - 1
 

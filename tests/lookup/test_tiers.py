@@ -16,7 +16,7 @@ from reference import ReferenceEBC
 from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig, simple_plan
 from embshard.lookup import LocalShard, group_shards
 from embshard.lookup.settings import TBESettings, tbe_settings
-from embshard.plan import CacheAlgorithm, MemoryTier, Shard, TablePlan
+from embshard.spec.plan import CacheAlgorithm, MemoryTier, Shard, TablePlan
 
 # ---- plan: cache fields ----------------------------------------------------------------------------------------
 SMALL = [TableConfig("a", 1000, 16, ("fa",)), TableConfig("b", 64, 8, ("fb",))]
@@ -141,7 +141,7 @@ def test_settings_on_cpu_and_tier_errors():
 
 
 def test_uvm_tier_on_cpu_module_is_a_clear_error():
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     for tier in ("uvm", "uvm_caching"):
         with pytest.raises(ConfigError, match=rf"memory tier '{tier}' needs a GPU, but this process computes on the"):
@@ -230,8 +230,8 @@ def clean(batch, tables):
 def _options_worker(rank, world_size, device, batch_sizes):
     import warnings
 
-    from embshard.bounds import DroppedIdsWarning
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.bounds import DroppedIdsWarning
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tier = "host" if device.type == "cpu" else "hbm"  # EMBSHARD_TEST_DEVICE=cuda runs the same cases on GPU
     results = {}
@@ -347,7 +347,7 @@ def test_prefetch_runs_the_input_dist_early_for_every_tier():
     """Without LookupOptions(prefetch_pipeline) prefetch still runs the input dist early (no cache to load); the
     forward of the same kjt picks the pending handle up, once; counts gathered on the host (host_counts) give the
     same result as the device's all-gather; a handle made for another batch is refused."""
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.sharding.exchange import parse_counts
 
     plan = simple_plan(FP32_TABLES, 1, tier="host")

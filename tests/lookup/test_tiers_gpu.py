@@ -99,7 +99,7 @@ def _options(spec) -> LookupOptions:
 
 
 def _train(rank, world_size, device, name, batch_sizes):
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tables, opt, tiers, options, driver, _ = CASES[name]
     plan = tiered_plan(tables, world_size, tiers)
@@ -127,7 +127,7 @@ def _train(rank, world_size, device, name, batch_sizes):
 
 
 def _main_worker(rank, world_size, device, batch_sizes):
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     results = {name: _train(rank, world_size, device, name, batch_sizes) for name in CASES}
     # Out-of-range ids: the same error as on CPU (every rank has one, so every rank raises before any exchange).
@@ -208,7 +208,7 @@ def test_cache_stats(trained):
 
 
 def _budget_worker(rank, world_size, device, budget_bytes, rows, dim, steps):
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.get_device_properties(device).total_memory)
     tables = [TableConfig(f"big{i}", rows, dim, (f"f{i}",), ids_per_bag=8) for i in range(2)]

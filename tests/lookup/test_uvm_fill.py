@@ -117,7 +117,7 @@ def test_uvm_tbe_same_as_fbgemm_fill(monkeypatch, tier):
     weights bit for bit `init_rows` and the same as with FBGEMM's own fill, and zero per-element optimizer state."""
     from embshard import FusedOptimizerConfig, TableConfig
     from embshard.lookup import LocalShard, TBELookup, init_rows
-    from embshard.plan import Shard
+    from embshard.spec.plan import Shard
 
     monkeypatch.setattr(uvm_fill, "PIECE_BYTES", 1 << 16)  # many pieces
     monkeypatch.setattr("embshard.lookup.tbe.INIT_BLOCK_BYTES", 1 << 15)  # many blocks, waited piece by piece

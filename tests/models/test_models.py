@@ -44,7 +44,7 @@ def test_every_config_kind_has_a_registered_model():
 
     from embshard.config.model import BUILTIN_KINDS
     from embshard.models.registry import model_kind
-    from embshard.tables import ConfigError
+    from embshard.spec.tables import ConfigError
 
     for kind in BUILTIN_KINDS:
         assert callable(model_kind(kind).build_dense) and callable(model_kind(kind).step), kind
@@ -61,7 +61,7 @@ def test_register_model_from_user_code():
     from embshard.config import load_config
     from embshard.config.model import ModelConfig
     from embshard.models import ModelKind, bce_output, model_kind, register_model
-    from embshard.tables import ConfigError, TableConfig
+    from embshard.spec.tables import ConfigError, TableConfig
 
     tables = (TableConfig("t", 10, 4, ("f",)),)
     with pytest.raises(ConfigError, match=r"kind='test_mlp' is invalid: choose one of \['dlrm', 'dlrm_dcnv2', 'two_"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from embshard import ConfigError, MemoryTier, ShardingPlan, ShardingType, TableConfig, simple_plan
-from embshard.plan import Shard, TablePlan
+from embshard.spec.plan import Shard, TablePlan
 
 TABLES = [
     TableConfig("a", 1000, 16, ("fa",)),
@@ -92,7 +92,7 @@ def test_plan_checks_name_the_table_and_rule():
 def test_gpu_tier_on_cpu_is_a_clear_error():
     import torch
 
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     plan = simple_plan(TABLES, 1, tier=MemoryTier.HBM)
     with pytest.raises(ConfigError, match=r"memory tier 'hbm' needs a GPU.*plan with tier 'host'"):
@@ -103,7 +103,7 @@ def test_out_of_range_id_names_feature_table_and_value():
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tables = [TableConfig("a", 10, 4, ("fa",)), TableConfig("b", 5, 4, ("fb",))]
     ebc = ShardedEmbeddingBagCollection(tables, simple_plan(tables, 1), device="cpu")
@@ -126,7 +126,7 @@ def test_lookup_kernel_in_the_plan(tmp_path):
     import pytest
 
     from embshard import simple_plan
-    from embshard.plan import LookupKernel, ShardingPlan
+    from embshard.spec.plan import LookupKernel, ShardingPlan
 
     tables = [
         TableConfig("a", 50, 8, ("fa",)),

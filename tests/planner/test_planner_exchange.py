@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from embshard import FusedOptimizerConfig, TableConfig
-from embshard.plan import Exchange, Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.planner import PlannerSettings, Topology, loads, plan_with_report, predict
 from embshard.planner import exchange as twrw
 from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.options import table_options
-from embshard.tables import ConfigError
+from embshard.spec.plan import Exchange, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import ConfigError
 
 TWRW = ShardingType.TABLE_ROW_WISE
 HIER, FLAT = Exchange.HIERARCHICAL, Exchange.FLAT

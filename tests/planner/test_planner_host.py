@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import ShardingPlan
 from embshard.planner import PlannerSettings, Topology, plan_with_report, predict
 from embshard.planner.policy import search_plan
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import ShardingPlan
+from embshard.spec.tables import TableConfig
 
 MS = 1e-3
 ROWWISE = FusedOptimizerConfig("rowwise_adagrad")

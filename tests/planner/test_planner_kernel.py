@@ -10,13 +10,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import LookupKernel, MemoryTier, ShardingPlan, ShardingType
 from embshard.planner import ParameterConstraints, PlannerSettings, Topology, plan_with_report, predict
 from embshard.planner.cost import CostModel, TableStats
 from embshard.planner.explain import explain
 from embshard.planner.topology import GIB
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import LookupKernel, MemoryTier, ShardingPlan, ShardingType
+from embshard.spec.tables import ConfigError, TableConfig
 
 SMALL, FBGEMM = LookupKernel.SMALL, LookupKernel.FBGEMM
 DP, TW, RW = ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.ROW_WISE
@@ -130,7 +130,7 @@ def test_data_parallel_tables_get_one_kernel():
 # ---- the hot-row chain: once per group, and the group check -----------------------------------------------------
 def test_hot_tables_take_the_kernel_alone_and_together():
     """Zipf 1.2 ids: the hottest row of a 10k-row table takes ~20% of its ids. The skew-robust backward adds the hot
-    row once per bag chunk holding it (embshard/kernels/cost.py), so its chain stays shorter than FBGEMM's step for
+    row once per bag chunk holding it (embshard/planner/kernel_model.py), so its chain stays shorter than FBGEMM's step for
     the table: alone and in a group of 40 sharing one launch per rank, the tables take the kernel."""
     topo = Topology.preset("h200", 2)
     tw = {"kernels": [], "sharding_types": ["table_wise"], "zipf_alpha": 1.2}
@@ -171,7 +171,7 @@ def test_the_search_state_pays_the_longest_chain_of_a_group_once():
 
 
 def _tw(t, kernel, rank=0):
-    from embshard.plan import Shard, TablePlan
+    from embshard.spec.plan import Shard, TablePlan
 
     return TablePlan(t.name, TW, HBM, (Shard(rank, 0, t.num_embeddings, 0, t.embedding_dim),), kernel=kernel)
 
@@ -228,8 +228,8 @@ def test_memory_of_small_kernel_shards():
 
 
 def test_own_batch_regroup_is_the_triton_kernel_on_gpus():
-    from embshard.kernels.cost import regroup_seconds
     from embshard.planner import loads
+    from embshard.planner.kernel_model import regroup_seconds
 
     topo = Topology.preset("h200", 2)
     m = CostModel(topo, 8192, ROWWISE)
@@ -247,7 +247,7 @@ def test_own_batch_regroup_is_the_triton_kernel_on_gpus():
 # ---- topology files ------------------------------------------------------------------------------------------------
 def test_topology_files_carry_the_kernel_constants(tmp_path):
     h200 = Topology.preset("h200", 2)
-    from embshard.kernels.cost import KernelConstants
+    from embshard.planner.kernel_model import KernelConstants
 
     h100 = Topology.preset("h100", 2)
     assert h200.kernel_constants != KernelConstants()  # measured (bench/results/2026-11-23-h200), not the estimates

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from embshard.planner.tools.measured import load_cases
+from embshard.planner.measured import load_cases
 
 DATA = Path(__file__).parent / "data" / "measured_steps.json"
 CASES, TOLERANCE = load_cases(DATA)
@@ -73,7 +73,7 @@ def test_the_presets_are_the_fit_of_the_measured_steps():
     """bench/planner_predict.py --measured --fit: refitting the per-bag cost of the GPU models without a host floor
     (the H200) to their cases, the device sync's cost as the presets have it, gives back the preset's value (so the
     presets are that fit, not hand-tuned per workload)."""
-    from embshard.planner.tools.measured import fit_host_and_bag
+    from embshard.planner.measured import fit_host_and_bag
     from embshard.planner.topology import Topology
 
     sync, bags, lines = fit_host_and_bag(CASES)
@@ -104,7 +104,7 @@ def test_the_raw_id_constant_is_the_fit_of_the_raw_cases():
     from dataclasses import replace
 
     from embshard.planner import cost
-    from embshard.planner.tools.measured import fit_raw_id_bytes, raw_breakdown
+    from embshard.planner.measured import fit_raw_id_bytes, raw_breakdown
 
     fitted, lines = fit_raw_id_bytes(CASES)
     assert cost.RAW_ID_BYTES == pytest.approx(fitted, rel=0.02)
@@ -125,7 +125,7 @@ def test_the_host_floor_is_the_fit_of_the_eager_steps():
     """bench/planner_predict.py --measured --fit: refitting the host's time to issue an eager step (host_step_s,
     host_group_s, host_dp_group_s) to the H100's eager cases gives back the preset's values; the H200's preset does
     not price the host (its hosts not measured), and a graphed case's host time is 0."""
-    from embshard.planner.tools.measured import fit_host_floor
+    from embshard.planner.measured import fit_host_floor
     from embshard.planner.topology import Topology
 
     fit, lines = fit_host_floor(CASES, "h100")

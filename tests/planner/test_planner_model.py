@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embshard.geometry import column_blocks, row_blocks
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingType
 from embshard.planner import ParameterConstraints, PlannerSettings, Topology
 from embshard.planner.constraints import resolve_constraints
 from embshard.planner.cost import CostModel, TableStats, zipf_hit_rate
 from embshard.planner.options import Option, make_shards, table_options
-from embshard.planner.tools.inputs import planner_input_from_dict
 from embshard.planner.topology import GIB
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.geometry import column_blocks, row_blocks
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import MemoryTier, ShardingType
+from embshard.spec.tables import ConfigError, TableConfig
+from embshard.tools.plan_inputs import planner_input_from_dict
 
 HBM, UVM, CACHE = MemoryTier.HBM, MemoryTier.UVM, MemoryTier.UVM_CACHING
 TW = ShardingType.TABLE_WISE
@@ -379,8 +379,8 @@ def test_the_repository_calibrated_file_loads_and_predicts_the_table_wise_worklo
     which is why the presets keep step-fitted per-id constants."""
     import warnings
 
-    from embshard.plan import MemoryTier as T
     from embshard.planner import plan_with_report, predict, simple_plan
+    from embshard.spec.plan import MemoryTier as T
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -400,7 +400,7 @@ def test_the_repository_calibrated_file_loads_and_predicts_the_table_wise_worklo
 def test_calibration_fit_recovers_the_constants_it_measures():
     from dataclasses import replace
 
-    from embshard.planner.tools.calibrate import CPU_CASES, GPU_CASES, _bytes_model, fit_lookup, fit_uvm
+    from embshard.tools.calibrate import CPU_CASES, GPU_CASES, _bytes_model, fit_lookup, fit_uvm
 
     for base, cases in ((Topology.preset("h200", 1), GPU_CASES), (Topology.preset("cpu", 1), CPU_CASES)):
         truth = replace(
@@ -444,8 +444,8 @@ def test_gpu_presets_come_from_complete_files_and_constants_are_checked():
 def test_exact_column_wise_adagrad_costs_its_backward():
     """Column-wise under rowwise_adagrad: the exact update's backward is counted unless turned off; other
     sharding types and optimizers are unaffected."""
-    from embshard.plan import MemoryTier, ShardingType
     from embshard.planner.settings import PlannerSettings
+    from embshard.spec.plan import MemoryTier, ShardingType
 
     t = TableStats.one(TableConfig("t", 100_000, 128, ("f",), ids_per_bag=8))
     topo = Topology.preset("h100", 2)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from embshard.planner import PlannerSettings, Topology, plan_with_report
-from embshard.planner.tools.inputs import load_planner_input
+from embshard.tools.plan_inputs import load_planner_input
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -88,13 +88,13 @@ def test_generated_models_fit(tables, world):
     """The memory the generated model needs at least (every table in its least-GPU-memory option, with the step's
     buffers) is within what the GPUs offer, the check the planner makes before placing (the full plan takes a few
     seconds: bench/planner_scale.py)."""
-    from embshard.optim import FusedOptimizerConfig
     from embshard.planner.choices import build_choices
     from embshard.planner.constraints import resolve_constraints
     from embshard.planner.cost import CostModel
     from embshard.planner.predict import budgets
     from embshard.planner.problem import Problem
     from embshard.planner.search import _cheapest, _fit_totals
+    from embshard.spec.optim import FusedOptimizerConfig
 
     bench = planner_scale()
     model_tables = bench.mixed_tables(tables, world_size=world)

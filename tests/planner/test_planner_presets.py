@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from embshard.planner import refit as rf
 from paths import ROOT, cpu_subprocess_env
 
-from embshard.optim import FusedOptimizerConfig
 from embshard.planner import Topology, plan_with_report
-from embshard.planner.tools import refit as rf
-from embshard.planner.tools.inputs import load_planner_input
 from embshard.planner.topology import GIB, load_preset_file, preset_path
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.tools.plan_inputs import load_planner_input
 
 H200_KERNELS_LOG = ROOT / "bench" / "results" / "2026-11-23-h200" / "kernels.log"
 
@@ -93,7 +93,7 @@ def test_h100_preset_has_h100_numbers():
 def test_refit_recovers_the_kernel_constants_of_its_log():
     """The H200 preset's small-table kernel constants are the fit to the stored H200 log; with them the model gives
     the log's uniform-id times back."""
-    from embshard.kernels import cost as kcost
+    from embshard.planner import kernel_model as kcost
 
     h200 = Topology.preset("h200", 2)
     log = rf.parse_kernel_log(H200_KERNELS_LOG.read_text(), str(H200_KERNELS_LOG))

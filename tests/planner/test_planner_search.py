@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import MemoryTier, ShardingPlan, ShardingType
 from embshard.planner import PlannerSettings, PlanningError, Topology, plan_with_report, predict
 from embshard.planner.explain import explain
-from embshard.planner.tools.cli import main as plan_main
 from embshard.planner.topology import GIB
-from embshard.tables import ConfigError, TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType
+from embshard.spec.tables import ConfigError, TableConfig
+from embshard.tools.plan import main as plan_main
 
 DP, TW, RW = ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.ROW_WISE
 ROWWISE = FusedOptimizerConfig("rowwise_adagrad")
@@ -77,7 +77,7 @@ def test_hetero124_makes_tiny_tables_data_parallel():
 
 
 def _as_tw(tp, rank):
-    from embshard.plan import Shard, TablePlan
+    from embshard.spec.plan import Shard, TablePlan
 
     s = tp.shards[0]
     return TablePlan(tp.table, TW, MemoryTier.HBM, (Shard(rank, 0, s.num_rows, 0, s.num_cols),))
@@ -213,7 +213,7 @@ def test_cli(tmp_path, capsys):
 
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    from embshard.planner.tools.plot import plot_report
+    from embshard.tools.plan_plot import plot_report
 
     report = plan_with_report(random_tables(2, 10), Topology.preset("h100", 4), 256)[1]
     path = plot_report(report, tmp_path / "plan.png")
@@ -252,7 +252,7 @@ def test_alone_times_and_explain_of_a_loaded_plan(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="calibrate measures the GPUs on a machine that has them")
 def test_calibrate_on_cpu(tmp_path):
-    from embshard.planner.tools.calibrate import main as calibrate_main
+    from embshard.tools.calibrate import main as calibrate_main
 
     out = tmp_path / "topo.yaml"
     calibrate_main(["--out", str(out), "--size-mib", "8", "--iters", "2", "--no-collectives"])
@@ -273,7 +273,7 @@ def test_calibrate_on_cpu(tmp_path):
 
 def test_calibrate_fit_recovers_known_constants():
     """The lookup fit on synthetic timings made from known constants gives those constants back (no clock)."""
-    from embshard.planner.tools.calibrate import CPU_CASES, _bytes_model, fit_lookup
+    from embshard.tools.calibrate import CPU_CASES, _bytes_model, fit_lookup
 
     topo = Topology.preset("cpu", 2)
     true = {"fwd_id_s": 2e-9, "fwd_byte_s": 3e-12, "bwd_id_s": 4e-9, "bwd_byte_s": 1e-12, "bwd_row_s": 5e-9}
@@ -309,7 +309,7 @@ def test_greedy_is_close_to_the_exact_optimum_on_small_models(seed):
 
 # ---- memory of the step, and the measured workloads ---------------------------------------------------------
 def _tw(t, rank, tier=MemoryTier.HBM):
-    from embshard.plan import Shard, TablePlan
+    from embshard.spec.plan import Shard, TablePlan
 
     kw = {"cache_load_factor": 0.2} if tier is MemoryTier.UVM_CACHING else {}
     return TablePlan(t.name, TW, tier, (Shard(rank, 0, t.num_embeddings, 0, t.embedding_dim),), **kw)

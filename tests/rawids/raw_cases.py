@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from embshard.tables import TableConfig
+from embshard.spec.tables import TableConfig
 
 Batch = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 

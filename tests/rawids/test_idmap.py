@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from embshard.lookup.shards import LocalShard, init_rows, init_rows_at
-from embshard.plan import Shard
 from embshard.rawids import IdMap
 from embshard.rawids.hashing import SKETCH_SALTS, hash64
-from embshard.tables import TableConfig
+from embshard.spec.plan import Shard
+from embshard.spec.tables import TableConfig
 
 
 def _shard(t: TableConfig, index: int = 0, rows: int | None = None, row_offset: int = 0) -> LocalShard:

@@ -17,8 +17,8 @@ from raw_cases import gathered_vocab, id_pools, pool_batches
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint
-from embshard.checkpoint.cli import main as checkpoint_cli
-from embshard.plan import MemoryTier
+from embshard.spec.plan import MemoryTier
+from embshard.tools.checkpoint import main as checkpoint_cli
 
 TABLES = [
     TableConfig("tw", 60, 8, ("fa", "fb"), ids="raw", ids_per_bag=2),
@@ -116,7 +116,7 @@ def _clocks(ebc) -> list[tuple[int, int]]:
 
 
 def _save_worker(rank, world, device, folder):
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     ebc = ShardedEmbeddingBagCollection(TABLES, _plan(world, device), OPT, device=device, seed=1)
     _train(ebc, rank, world, device, _global_batches(4, 8))
@@ -138,7 +138,7 @@ def _save_worker(rank, world, device, folder):
 
 
 def _load_worker(rank, world, device, folder):
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     ebc = ShardedEmbeddingBagCollection(TABLES, _plan(world, device), OPT, device=device, seed=5)
     load_checkpoint(latest(folder), TrainState({"ebc": ebc}), chunk_bytes=600)

@@ -13,16 +13,16 @@ import torch
 import yaml
 
 from embshard import TableConfig, simple_plan
-from embshard.bounds import check_ids, count_bad_ids
+from embshard.collection.bounds import check_ids, count_bad_ids
 from embshard.config import load_config
 from embshard.data import build_source
 from embshard.data.decode import RAW_MISSING
 from embshard.data.hashing import hash_strings
-from embshard.optim import FusedOptimizerConfig
-from embshard.options import BoundsCheck
 from embshard.planner import Topology, plan_with_report
 from embshard.rawids import map_bytes_per_row
-from embshard.tables import ConfigError
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import BoundsCheck
+from embshard.spec.tables import ConfigError
 
 
 def _config(tmp, tables, data) -> str:
@@ -103,7 +103,7 @@ def test_id_check_lets_raw_ids_through():
 
 
 def test_sharding_types_of_raw_tables():
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tables = [TableConfig(f"t{i}", 100_000, 64, (f"f{i}",), ids_per_bag=4, ids="raw") for i in range(4)]
     opt = FusedOptimizerConfig("rowwise_adagrad")

@@ -12,10 +12,10 @@ import torch
 from conftest import cuda_only
 
 from embshard.lookup.shards import LocalShard
-from embshard.optim import FusedOptimizerConfig
-from embshard.plan import Shard
 from embshard.rawids import IdMap
-from embshard.tables import TableConfig
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import Shard
+from embshard.spec.tables import TableConfig
 
 TABLES = [
     TableConfig("a", 300, 16, ("fa",), ids="raw"),
@@ -86,7 +86,7 @@ def _lookup_stage_syncs(rank, world_size, device):
     from raw_cases import id_pools, pool_batches, static_twin
 
     from embshard import simple_plan
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tables = [TableConfig("tw", 500, 16, ("f0", "f1"), ids="raw"), TableConfig("rw", 400, 8, ("f2",), ids="raw")]
     plan = simple_plan(tables, world_size, sharding_types={"rw": "row_wise"}, tier="hbm")

@@ -12,7 +12,7 @@ from parity import to_kjt
 from raw_cases import gathered_vocab, id_pools, pool_batches, static_twin, through_vocab, zero_rows
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.plan import MemoryTier
+from embshard.spec.plan import MemoryTier
 
 TABLES = [
     TableConfig("r_tw", 64, 8, ("fa", "fb"), ids="raw", ids_per_bag=2),  # shared by two features
@@ -50,7 +50,7 @@ def _states(ebc) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
 
 
 def _worker(rank, world_size, device, batch_sizes):
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     plan = simple_plan(TABLES, world_size, sharding_types=TYPES, tier=tier)

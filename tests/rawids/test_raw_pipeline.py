@@ -1,4 +1,4 @@
-"""Raw-id tables in the training pipeline (embshard/pipeline.py) on 2 processes: a DLRM whose raw-id tables hold
+"""Raw-id tables in the training pipeline (embshard/training/pipeline.py) on 2 processes: a DLRM whose raw-id tables hold
 fewer ids than the data has (table-wise LRU, row-wise LFU: admitting and evicting every step) trains the same under
 mode sparse_dist (the next batch's input exchange before this batch's backward) as without a pipeline: the same
 losses, tables and maps, bit for bit on the CPU; semi_sync (the next batch's lookup before this batch's backward)
@@ -14,7 +14,7 @@ from dist_harness import device_kind
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.config.data import SyntheticConfig
 from embshard.config.model import DLRMConfig, ModelConfig
-from embshard.plan import MemoryTier
+from embshard.spec.plan import MemoryTier
 
 MODEL_TABLES = (
     TableConfig("a", 40, 8, ("fa",), ids="raw", ids_per_bag=2),
@@ -35,7 +35,7 @@ STEPS = 8
 def _build(world, device):
     from embshard.config.run import DenseOptimizerConfig
     from embshard.models.build import RecModel
-    from embshard.train import make_dense_optimizer
+    from embshard.training.train import make_dense_optimizer
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     plan = simple_plan(list(MODEL_TABLES), world, sharding_types={"b": "row_wise"}, tier=tier)
@@ -55,7 +55,7 @@ def _state(model):
 
 
 def _worker(rank, world, device):
-    from embshard.pipeline import TrainPipeline
+    from embshard.training.pipeline import TrainPipeline
 
     out = {}
     model, opt = _build(world, device)  # no pipeline

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from embshard.lookup.shards import LocalShard
-from embshard.plan import Shard
 from embshard.rawids import IdMap
-from embshard.tables import TableConfig
+from embshard.spec.plan import Shard
+from embshard.spec.tables import TableConfig
 
 pytest.importorskip("triton")
 

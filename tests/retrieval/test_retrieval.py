@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from dist_harness import device_kind, run_distributed
 
 from embshard import simple_plan
-from embshard.geometry import row_blocks
 from embshard.lookup import init_rows
-from embshard.optim import FusedOptimizerConfig
-from embshard.tables import TableConfig
+from embshard.spec.geometry import row_blocks
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.tables import TableConfig
 
 CATALOG = TableConfig("t_item", num_embeddings=23, embedding_dim=8, feature_names=("item",))
 LR = 0.5
@@ -206,7 +206,7 @@ def test_global_in_batch_negatives(ranks):
 
 def local_rows_worker(rank, world, device):
     """Two row-wise tables in one TBE, one read by two features: local_rows of each, then an SGD step on them."""
-    from embshard.sharded import ShardedEmbeddingBagCollection
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tables = [
         TableConfig("a", num_embeddings=10, embedding_dim=4, feature_names=("a1", "a2")),
@@ -281,7 +281,7 @@ def test_synthetic_affinity_items_come_from_the_users_group():
 
     from embshard.config.data import AffinityConfig, SyntheticConfig
     from embshard.data.synthetic import _GOLDEN, SyntheticSource, scramble_multiplier
-    from embshard.tables import ConfigError
+    from embshard.spec.tables import ConfigError
 
     tables = [TableConfig("u", 500, 4, ("user",)), TableConfig("i", 1000, 4, ("item",))]
     cfg = SyntheticConfig(num_dense=0, affinity=AffinityConfig("user", "item", clusters=50, strength=0.7))

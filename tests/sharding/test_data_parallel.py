@@ -16,8 +16,8 @@ from dist_harness import device_kind
 from reference import ReferenceEBC
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.plan import MemoryTier, ShardingType
-from embshard.sharded import ShardedEmbeddingBagCollection
+from embshard.collection.sharded import ShardedEmbeddingBagCollection
+from embshard.spec.plan import MemoryTier, ShardingType
 
 TABLES = [
     TableConfig("d_a", 40, 8, ("z_a", "z_b"), weighted=True),  # z_b: upstream gradient 0

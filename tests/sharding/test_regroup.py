@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_cases import regroup_reference
 
-from embshard.regroup import Regroup
+from embshard.collection.regroup import Regroup
 
 KEYS = [["f1", "f2", "f3"], ["f4", "f5"], ["f6"]]
 DIMS = [[4, 8, 3], [5, 2], [7]]
@@ -63,7 +63,7 @@ def test_regroup_errors_name_the_problem():
 def test_coalesced_runs_give_the_same_groups(seed):
     # Random blocks and groups (runs kept whole, runs broken, duplicates, unused keys): merging runs must not change
     # any output or gradient, and a group that takes a whole block in order makes it one key.
-    from embshard.regroup import coalesce
+    from embshard.collection.regroup import coalesce
 
     gen = torch.Generator().manual_seed(seed)
     names = [f"k{i}" for i in range(12)]

@@ -20,12 +20,12 @@ from parity import column_blocks as column_blocks_of
 from paths import ROOT
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.comm import first_divergence
-from embshard.geometry import column_blocks, row_blocks
-from embshard.options import LookupOptions
-from embshard.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
-from embshard.sharded import ShardedEmbeddingBagCollection
-from embshard.tables import ConfigError
+from embshard.collection.sharded import ShardedEmbeddingBagCollection
+from embshard.runtime.comm import first_divergence
+from embshard.spec.geometry import column_blocks, row_blocks
+from embshard.spec.options import LookupOptions
+from embshard.spec.plan import MemoryTier, Shard, ShardingPlan, ShardingType, TablePlan
+from embshard.spec.tables import ConfigError
 
 RW, CW, TWRW, DP, TW = (
     ShardingType.ROW_WISE,

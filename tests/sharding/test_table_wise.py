@@ -10,7 +10,7 @@ from dist_harness import device_kind, run_distributed
 from parity import check_parity, sharded_worker
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.plan import MemoryTier
+from embshard.spec.plan import MemoryTier
 
 TABLES = [
     TableConfig("t_big", 97, 16, ("f_a", "f_b"), ids_per_bag=2),  # shared by two features

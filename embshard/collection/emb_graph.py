@@ -1,0 +1,213 @@
+"""The sharded collection's training step as one CUDA graph, for a training loop of its own around
+`ShardedEmbeddingBagCollection` (a model's whole training step, dense part included, is embshard/training/step_graph.py's).
+
+An eager step of the collection is a few hundred launches of Python and dispatcher work (the id exchange per
+sharding scheme, the lookups, the pooled exchange, the regroup, their backward with the fused sparse update, the
+data-parallel all-reduce and update); on GPUs the host takes longer to launch them than the GPU to run them.
+`EmbeddingStepGraph.step(kjt, counts)` runs the same step from one replay:
+
+    padded batch    every batch is padded to a capacity per feature (embshard/collection/padding.py: filler ids of weight 0,
+                    every lookup pooling with per-id weights), 10% over the largest counts seen on any rank, so the
+                    exchanges, sized from the counts, have the same sizes in every step
+    static inputs   the padded batch's values, lengths and weights, padded into them in each step
+    graph           the id exchange, the lookups, the pooled exchange, the regroup, `loss_fn` of the pooled output,
+                    and the backward: the pooled gradients' exchange, the lookups' backward with the fused sparse
+                    update, the data-parallel tables' all-reduce and update
+    output          the loss (copied out); every update is done
+
+The first step of a capacity runs the body eagerly on the capture stream (the lazy initialisations happen there),
+then captures it; the later steps replay. A batch over the capacity grows it (an eager step, then a new capture),
+at most `max_captures` times. Every rank must call `step` with the same counts (the `host_counts` rows of every
+rank, gathered on the host: `parse_counts`), so every rank replays, and runs the same collectives, together.
+
+What it takes (`refusal`): table-wise and data-parallel tables (their exchanges are sized from the host's counts),
+HBM or UVM tiers (not UVM-caching, whose prefetch runs on the host's schedule), static ids, out-of-range ids as an
+error (drop mode drops on the device), and an update rule that leaves a row with a zero gradient as it is (the
+fillers: sgd, adagrad, row-wise adagrad without weight decay; sum pooling). The sparse learning rate is a constant
+of the captured launches. `capture=False` runs the padded step eagerly each call (any device: the step's
+arithmetic checked against the eager step where CUDA graphs do not exist).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from embshard.collection import padding
+from embshard.runtime import comm
+from embshard.runtime.ops import every_id_weighted
+from embshard.sharding.exchange import BatchCounts
+from embshard.spec.options import BoundsCheck
+from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier
+
+__all__ = ["EmbeddingStepGraph", "collection_refusal", "leaves_of", "refusal", "static_kjt"]
+
+
+def collection_refusal(ebc) -> str | None:
+    """Why the step of the sharded collection `ebc` cannot be captured with exchanges sized from the host's counts,
+    or None if it can."""
+    other = sorted({tp.sharding_type.value for tp in ebc.plan.tables} - {t.value for t in GRAPH_SHARDING_TYPES})
+    if other:
+        return (
+            f"the plan has {other} tables, whose exchanges are sized on the device (table_wise and data_parallel only)"
+        )
+    cached = [t.name for t in ebc.tables if ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
+    if cached:
+        return f"UVM-caching tables {cached[:3]} prefetch their rows on the host's schedule"
+    raw = [t.name for t in ebc.tables if t.raw_ids]
+    if raw:
+        return f"raw-id tables {raw[:3]} admit ids with host-side bookkeeping"
+    if ebc.options.bounds_check is BoundsCheck.DROP:
+        return "lookup.bounds_check drop removes ids on the device (the exchange's sizes change)"
+    return None
+
+
+def refusal(ebc) -> str | None:
+    """Why `EmbeddingStepGraph` cannot run the step of `ebc`, or None if it can."""
+    return collection_refusal(ebc) or padding.refusal(ebc)
+
+
+def leaves_of(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (AccumulateGrad nodes) that the autograd graphs of `ts` reach: the lookups' placeholders and
+    replicas."""
+    leaves, seen, stack = [], set(), [t.grad_fn for t in ts]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # an AccumulateGrad node
+            leaves.append(fn.variable)
+        else:
+            stack.extend(f for f, _ in fn.next_functions)
+    return leaves
+
+
+def static_kjt(kjt):
+    """A copy of `kjt` in tensors of its own: the device buffers a captured graph reads its batch from (each step's
+    batch is copied in)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values().clone(),
+        lengths=kjt.lengths().clone(),
+        weights=weights.clone() if weights is not None else None,
+        stride=kjt.stride(),
+    )
+
+
+class EmbeddingStepGraph:
+    """The training step of the sharded collection `ebc`, with the loss `loss_fn(output)` of its forward's output
+    (a KeyedTensor, or the groups' dict), as one CUDA graph for ragged batches padded to a capacity (module
+    docstring). `capture=False`: the same padded step eagerly, each call."""
+
+    def __init__(
+        self,
+        ebc,
+        loss_fn: Callable[[object], torch.Tensor],
+        capture: bool = True,
+        max_captures: int = 8,
+    ) -> None:
+        why = refusal(ebc)
+        if why is not None:
+            raise ValueError(f"EmbeddingStepGraph: {why}")
+        if capture and ebc.device.type != "cuda":
+            raise ValueError(f"EmbeddingStepGraph(capture=True) needs a CUDA collection; this one is on {ebc.device}")
+        self.ebc, self.loss_fn, self.capture, self.max_captures = ebc, loss_fn, capture, max_captures
+        self._padder = padding.BatchPadder(ebc)
+        self.capacity: np.ndarray | None = None  # ids per canonical column, every rank's
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0
+        self.replays = 0
+        self._static: tuple | None = None  # (padded kjt of static tensors, its tensors)
+        self._counts: BatchCounts | None = None
+        self._loss: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def step(self, kjt, counts: BatchCounts) -> torch.Tensor:
+        """One training step on this rank's batch `kjt` (on the collection's device) with every rank's agreed
+        `counts`; returns the loss (a tensor of its own), every update done."""
+        most = np.asarray(counts.ids, dtype=np.int64).max(0)
+        if self.capacity is None or (most > self.capacity).any():
+            if self.captures >= self.max_captures:
+                raise RuntimeError(
+                    f"EmbeddingStepGraph: the capacity grew {self.captures} times (max_captures) and batch counts "
+                    f"{most.tolist()} exceed it again: the batches' sizes do not settle; raise max_captures or run "
+                    "the eager step"
+                )
+            grown = most if self.capacity is None else np.maximum(self.capacity, most)
+            self.capacity, self.graph = padding.capacity(grown), None
+        static = self._static
+        n_ids, n_bags = int(self.capacity.sum()), kjt.lengths().numel()
+        if static is not None and (static[1][0].numel(), static[1][1].numel()) == (n_ids, n_bags):
+            values, lengths, weights = static[1]  # padded straight into the graph's inputs
+            padded, full = self._padder.pad(kjt, counts, self.capacity, out=(values, weights, lengths))
+            if padded.keys() != static[0].keys():
+                raise RuntimeError(f"EmbeddingStepGraph: the padded batch's keys changed order: {padded.keys()[:4]}")
+        else:
+            padded, full = self._padder.pad(kjt, counts, self.capacity)
+            self._make_static(padded)
+            torch._foreach_copy_(self._static[1], [padded.values(), padded.lengths(), padded.weights()])
+        self._counts = full
+        if self.graph is not None:
+            self.graph.replay()
+            comm.graph_launched()
+            self.replays += 1
+            self.ebc.step += 1  # as the eager forward counts it
+            return self._loss.clone()
+        if not self.capture:
+            return self._body()
+        return self._warm_up_and_capture()
+
+    def _body(self) -> torch.Tensor:
+        ebc, kjt = self.ebc, self._static[0]
+        with every_id_weighted():
+            handle = ebc.prefetch(kjt, counts=self._counts)  # the id exchange, sized from the padded counts
+            loss = self.loss_fn(ebc(kjt, prefetched=handle))
+            # to the leaves, without running their AccumulateGrad nodes (a node an earlier eager step made belongs
+            # to that step's stream, and the engine would make the capture wait on it)
+            leaves = leaves_of(loss)
+            if leaves:
+                torch.autograd.grad(loss, leaves, allow_unused=True)
+        return loss.detach()
+
+    def _warm_up_and_capture(self) -> torch.Tensor:
+        device = self.ebc.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            loss = self._body()
+        current.wait_stream(self._stream)
+        loss.record_stream(current)  # made on the capture stream, read on the caller's
+        graph = torch.cuda.CUDAGraph()
+        step, pending = self.ebc.step, len(self.ebc._pending)
+        try:
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._loss = self._body()
+        except Exception as e:
+            del self.ebc._pending[pending:]  # a prefetch the failed capture left unconsumed
+            raise RuntimeError(
+                f"EmbeddingStepGraph: capturing the step failed ({type(e).__name__}: {e}); this step's updates are "
+                "done (its eager run): train on with the eager step, `ebc(kjt)` and its backward"
+            ) from e
+        finally:
+            self.ebc.step = step  # the capture ran no step
+        self.graph, self.captures = graph, self.captures + 1
+        return loss
+
+    def _make_static(self, padded) -> None:
+        static = static_kjt(padded)
+        self._static, self.graph = (static, [static.values(), static.lengths(), static.weights()]), None
+
+    def close(self) -> None:
+        """Release the captured graph after the device finished its work; call it before
+        `dist.destroy_process_group()` (a live graph holding NCCL collectives hangs the teardown)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.ebc.device)
+        self.graph = None

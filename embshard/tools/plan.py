@@ -1,0 +1,170 @@
+"""`embshard plan CONFIG.yaml --world-size N ...`: plan without GPUs; print the plan, per-table and per-rank
+predictions, and save the plan (the file training loads instead of planning again), the report and a plot.
+
+CONFIG is a planner input (configs/planner/*.yaml) or a training config (configs/*.yaml: its tables,
+schedule.batch_size, sparse_optimizer and planner section; key=value overrides as for `embshard train`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from embshard.planner.explain import explain
+from embshard.planner.policy import search_plan, topology_for
+from embshard.planner.topology import Topology
+from embshard.spec.tables import ConfigError
+from embshard.tools.plan_inputs import (
+    PlannerInput,
+    is_training_config,
+    planner_input_from_dict,
+    training_planner_input,
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embshard plan", description=__doc__)
+    p.add_argument("config", help="planner-input YAML (configs/planner/*.yaml) or training config (configs/*.yaml)")
+    p.add_argument(
+        "overrides", nargs="*", help="training configs only: key.sub=value overrides, e.g. planner.hbm_gib=8"
+    )
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs)")
+    p.add_argument("--local-world-size", type=int, help="ranks per host (default: min(world size, 8))")
+    p.add_argument(
+        "--device",
+        help="GPU preset for dry runs: h100, h200, a100, cpu (default: the planner input's device, else h100; "
+        "for a training config: its planner.topology_file, else this machine)",
+    )
+    p.add_argument("--topology", help="topology YAML from `embshard calibrate` (overrides --device)")
+    p.add_argument("--detect", action="store_true", help="read this machine's GPUs instead of a preset")
+    p.add_argument("--hbm-gib", type=float, help="GPU memory per rank (GiB), e.g. to plan for a smaller share")
+    p.add_argument("--ddr-gib", type=float, help="host memory per rank (GiB)")
+    p.add_argument("--hbm-reserve-gib", type=float, help="GPU memory per rank kept for the dense model (GiB)")
+    p.add_argument("--batch-size", type=int, help="samples per rank per step (overrides the config)")
+    p.add_argument(
+        "--format",
+        choices=["table", "yaml", "json", "torchrec"],
+        default="table",
+        help="what to print; torchrec: the plan as TorchRec's (JSON; embshard.interop.load_torchrec_plan reads it)",
+    )
+    p.add_argument("--out", help="save the ShardingPlan (.yaml or .json); with --format torchrec, TorchRec's (JSON)")
+    p.add_argument(
+        "--torchrec-module-path",
+        default="",
+        help="--format torchrec: path of the EmbeddingBagCollection in the module DMP wraps, e.g. "
+        "model.sparse_arch.embedding_bag_collection (default: '', the collection itself)",
+    )
+    p.add_argument(
+        "--torchrec-device", choices=["cuda", "cpu"], default="cuda", help="--format torchrec: TorchRec's device type"
+    )
+    p.add_argument("--report", help="save the PlanReport with predictions (.json or .yaml)")
+    p.add_argument("--plot", help="save a PNG of memory and predicted time per rank")
+    p.add_argument("--explain", action="append", default=[], metavar="TABLE", help="explain a table's placement")
+    return p
+
+
+def resolve_topology(args: argparse.Namespace, device: str | None) -> Topology:
+    """The topology from --topology, --detect or a preset, resized by --world-size / memory flags."""
+    if args.topology:
+        topo = Topology.load(args.topology).with_sizes(args.world_size, args.local_world_size)
+    elif args.detect:
+        topo = Topology.detect(args.world_size, args.local_world_size)
+    else:
+        name = args.device or device
+        if name is None:
+            print("note: no --device, --topology or config device: assuming the h100 preset", file=sys.stderr)
+            name = "h100"
+        topo = Topology.preset(name, args.world_size, args.local_world_size)
+    return topo.with_sizes(hbm_gib=args.hbm_gib, ddr_gib=args.ddr_gib)
+
+
+def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
+    """The planner input and topology of a planner-input YAML or a training config, with the flags applied."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(args.config).read_text())
+    except OSError as e:
+        raise ConfigError(f"{args.config}: cannot read the file ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{args.config}: not valid YAML: {e}") from None
+    if is_training_config(data):
+        inp, planner_cfg = training_planner_input(args.config, args.overrides)
+        if args.topology or args.detect or args.device:
+            topo = resolve_topology(args, None).with_sizes(hbm_gib=planner_cfg.hbm_gib, ddr_gib=planner_cfg.ddr_gib)
+        else:  # what `embshard train` plans for: planner.topology_file, else this machine
+            topo = topology_for(planner_cfg, args.world_size, args.local_world_size)
+            if not planner_cfg.topology_file:
+                print(
+                    "note: planning for this machine's devices (as `embshard train` does); pass --device or "
+                    "--topology to plan for others",
+                    file=sys.stderr,
+                )
+        topo = topo.with_sizes(hbm_gib=args.hbm_gib, ddr_gib=args.ddr_gib)
+    else:
+        if args.overrides:
+            raise ConfigError(
+                f"{args.config} is a planner input: key=value overrides {args.overrides} apply to training configs"
+            )
+        inp = planner_input_from_dict(data, args.config)
+        topo = resolve_topology(args, inp.device)
+    if args.hbm_reserve_gib is not None:
+        inp = replace(inp, settings=replace(inp.settings, hbm_reserve_gib=args.hbm_reserve_gib))
+    if args.batch_size:
+        inp = replace(inp, batch_size=args.batch_size)
+    return inp, topo
+
+
+def torchrec_out(plan, args: argparse.Namespace, optimizer) -> None:
+    """--format torchrec: print TorchRec's plan (JSON) or save it to --out; the notes go to stderr."""
+    import json
+
+    from embshard.interop.plan_out import plan_dict
+
+    data = plan_dict(plan, args.torchrec_module_path, args.torchrec_device, optimizer)
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"TorchRec plan saved to {args.out} (embshard.interop.load_torchrec_plan reads it)", file=sys.stderr)
+    else:
+        print(json.dumps(data, indent=1))
+    for note in data["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_intermixed_args(argv)
+    try:
+        inp, topo = load_input(args)
+        plan, report = search_plan(
+            inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, print
+        )
+        if args.format == "table":
+            print(report)
+        elif args.format == "yaml":
+            print(plan.to_yaml(), end="")
+        elif args.format == "json":
+            print(plan.to_json())
+        else:
+            torchrec_out(plan, args, inp.optimizer)
+        for name in args.explain:
+            print()
+            print(explain(report, name))
+        if args.out and args.format != "torchrec":
+            plan.save(args.out)
+            print(f"plan saved to {args.out}", file=sys.stderr)
+        if args.report:
+            report.save(args.report)
+            print(f"report saved to {args.report}", file=sys.stderr)
+        if args.plot:
+            from embshard.tools.plan_plot import plot_report
+
+            plot_report(report, args.plot)
+            print(f"plot saved to {args.plot}", file=sys.stderr)
+    except (ConfigError, KeyError) as e:
+        print(f"embshard plan: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""`embshard train CONFIG [key.sub=value ...] [--nproc N]`: train a YAML-configured model.
+
+Under torchrun (one process per GPU, any number of hosts) each process joins the job from torchrun's
+environment; with `--nproc N` (and no torchrun) N local processes are started here. Rank 0 makes the sharding
+plan (by default with the planner, embshard.planner: docs/planner.md) and broadcasts it; it prints the plan with
+the predicted memory and time per rank, a progress bar with samples/s, the training loss every
+logging.log_every steps, and the held-out loss and AUC (torchmetrics BinaryAUROC, synced over ranks) at every
+evaluation (raw-id tables: ids admitted, evicted and resident, every logging.log_every steps); it also writes
+TensorBoard event files and an optional JSON-lines metrics file. Each step runs through
+the training pipeline (embshard/training/pipeline.py, `training.pipeline`): the next batch's copy and id exchange overlap
+the current step by default. See docs/config.md for the configuration and docs/launch.md for launching."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from embshard.config import DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TrainConfig, load_config
+from embshard.planner.policy import plan_for_job
+from embshard.runtime import comm
+from embshard.spec.plan import ShardingPlan
+from embshard.spec.tables import AllRanksError, ConfigError
+
+
+def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: int, log: Callable[[str], None]):
+    """The job's sharding plan (planner.*, priced for schedule.batch_size per rank, the lookups' output dtype and
+    where the pipeline takes each step's batch counts from: cfg.batch_counts, host unless training.pipeline is none,
+    lookup.bounds_check drop or a retrieval catalog; a plan the whole-step CUDA graph can hold first where the job
+    captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`)."""
+    tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
+    counts = cfg.batch_counts
+    return plan_on_rank0(
+        lambda: plan_for_job(
+            tables,
+            cfg.planner,
+            world,
+            local_world,
+            device.type,
+            batch,
+            cfg.sparse_optimizer,
+            log,
+            cfg.lookup,
+            counts,
+            whole_step_graph=cfg.whole_step_graph and device.type == "cuda",
+        )
+    )
+
+
+def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: torch.device, world: int, log):
+    """(RecModel, dense optimizer) of the job on `plan`, with training.compile applied (on CUDA; `log` says when
+    it falls back to eager on the CPU)."""
+    from embshard.models.build import RecModel
+
+    model = RecModel(cfg.model, num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
+    dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    mode = cfg.training.compile
+    graphed = False  # the dense step has a graph (with training.compile, holding the compiled kernels)
+    if cfg.training.cuda_graph:
+        bf16, compiled = cfg.training.precision == "bf16", None if mode == "none" else mode
+        why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
+        graphed = why_not is None
+        if not graphed:
+            log(f"training.cuda_graph: {why_not}; the dense step runs without a graph")
+        elif cfg.training.graph_scope == "step":
+            if cfg.training.pipeline == "semi_sync":
+                why_not = "training.pipeline semi_sync looks up the next batch before this one's backward"
+            else:
+                why_not = model.capture_whole_step(cfg.training.graph_overlap)
+            if why_not is not None:
+                log(f"training.cuda_graph: the whole step is not captured ({why_not}); the dense step is")
+    if mode != "none" and not graphed and not model.compile_dense(mode, cfg.schedule.batch_size):
+        log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
+    return model, dense_opt
+
+
+def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
+    """Run `make` on rank 0 and broadcast its plan (or its ConfigError) to every rank, so all ranks train with
+    the same plan even when they would detect slightly different free memory; every rank raises on an error."""
+    payload: list = [None, None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = make()
+        except ConfigError as e:
+            payload[1] = str(e)
+        except Exception as e:  # a bug: let the other ranks stop too instead of waiting in the broadcast
+            failure, payload[1] = e, f"rank 0 failed while planning: {type(e).__name__}: {e}"
+    dist.broadcast_object_list(payload, src=0)
+    if failure is not None:
+        raise failure
+    if payload[1] is not None:
+        raise AllRanksError(payload[1])
+    return payload[0]
+
+
+class Reporter:
+    """Rank 0's console lines, TensorBoard scalars and metrics file (gets only the logging section)."""
+
+    def __init__(self, cfg: LoggingConfig, rank: int) -> None:
+        self.active = rank == 0
+        self.writer = None
+        self.metrics_file = cfg.metrics_file if self.active else None
+        if self.active and cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(cfg.tensorboard_dir)
+            except ImportError:
+                print("warning: the tensorboard package is not installed; TensorBoard logging is skipped", flush=True)
+
+    def line(self, text: str) -> None:
+        if self.active:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
+
+    def scalars(self, step: int, values: dict[str, float], kind: str) -> None:
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(f"{kind}/{k}", v, step)
+            self.writer.flush()
+        if self.metrics_file and kind == "eval":
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True)
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+@torch.no_grad()
+def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, float]:
+    """Mean loss (weighted by samples), AUC (for models that score pairs) and recall@K (two-tower catalog mode)
+    over every rank's held-out batches. Collective: a rank with fewer batches feeds empty ones until every rank's
+    have ended (`pipeline.even_batches`, over `host_group` if given, else the default group)."""
+    from torchmetrics.classification import BinaryAUROC
+
+    from embshard.training.pipeline import empty_batch, even_batches
+
+    comm.wait_for_graphs()  # torchmetrics' gather and the sums below are collectives outside any graph
+    model.eval()
+    auroc = BinaryAUROC().to(device)
+    scored = False
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+    hits: dict[int, torch.Tensor] = {}
+    for batch in even_batches(source.eval_batches(), empty_batch(model), host_group, device):
+        out = model.step(batch.to(device))  # every rank steps, an empty batch too (the exchanges are collective)
+        if batch.size:  # ranks whose held-out data ended first (or had bad rows skipped) step on empty batches
+            totals[0] += out.loss.double() * batch.size
+        totals[1] += batch.size
+        if out.scores is not None:  # also an empty batch: every rank then joins AUROC's gather in compute()
+            auroc.update(torch.sigmoid(out.scores.float()), out.labels.long())
+            scored = True
+        for k, h in out.hits.items():
+            hits[k] = hits.get(k, 0) + h.double()
+    ks = sorted(hits)
+    summed = torch.cat([totals, torch.stack([hits[k] for k in ks]).to(totals)]) if ks else totals
+    if dist.is_initialized():
+        dist.all_reduce(summed)
+    result = {"loss": float(summed[0] / summed[1])}
+    if scored:
+        result["auc"] = float(auroc.compute())  # torchmetrics gathers every rank's scores
+    result.update({f"recall@{k}": float(summed[2 + i] / summed[1]) for i, k in enumerate(ks)})
+    result["samples"] = int(summed[1])
+    model.train()
+    return result
+
+
+def log_raw_ids(ebc, report: Reporter, step: int) -> None:
+    """Raw-id tables: ids admitted and evicted since the last call and ids resident now, per table (TensorBoard
+    `raw_ids/<table>/<admitted|evicted|resident>`) and in total (one console line). Collective."""
+    if not any(t.raw_ids for t in ebc.tables):
+        return
+    stats = ebc.raw_id_stats(gather=True)
+    ebc.reset_raw_id_stats()
+    total = {k: sum(st[k] for st in stats.values()) for k in ("admitted", "evicted", "resident", "capacity")}
+    report.line(
+        f"raw ids step {step:6d}  {len(stats)} tables: admitted {total['admitted']:,}  evicted {total['evicted']:,}  "
+        f"resident {total['resident']:,} of {total['capacity']:,}"
+    )
+    scalars = {f"{name}/{k}": float(st[k]) for name, st in stats.items() for k in ("admitted", "evicted", "resident")}
+    scalars.update({f"all/{k}": float(v) for k, v in total.items() if k != "capacity"})
+    report.scalars(step, scalars, "raw_ids")
+
+
+def format_eval(step: int, m: dict[str, float]) -> str:
+    """One console line of an evaluation's metrics."""
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in m.items() if k != "samples")
+    return f"eval  step {step:6d}  {metrics}  ({m['samples']} samples)"
+
+
+def run(config_path: str, overrides: Sequence[str]) -> None:
+    """One rank's training job."""
+    from tqdm import tqdm
+
+    from embshard.checkpoint import checkpointer
+    from embshard.data import build_source
+    from embshard.runtime.distributed import init_distributed
+    from embshard.training.pipeline import TrainPipeline
+
+    cfg: TrainConfig = load_config(config_path, overrides)
+    device = init_distributed(cfg.runtime.collective_timeout_s, whole_step_graph=cfg.whole_step_graph)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    report = Reporter(cfg.logging, rank)
+    tables = list(cfg.model.tables)
+    sched = cfg.schedule
+    report.line(f"embshard train {config_path}: {cfg.model.kind}, {len(tables)} tables, {world} ranks on {device.type}")
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (torchrec's import: not start-up time)
+
+    t_build = time.time()
+    plan = plan_job(cfg, device, world, local_world, report.line)
+    source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
+    total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
+    model, dense_opt = build_model(cfg, plan, source.num_dense, device, world, report.line)
+    report.line(f"plan and model built in {time.time() - t_build:.1f} s")
+    ck = cfg.checkpoint
+    ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
+    start, position = ckpt.resume(ck.resume_from)  # position: after the last trained batch (or the step count)
+    past = past_schedule(start, total, sched, source.steps_per_epoch, world, ckpt.resumed)
+    if past is not None:
+        if start > total:
+            raise AllRanksError(past)  # every rank computes the same
+        report.line(past)
+    tr = cfg.training
+    pipeline = TrainPipeline(
+        model,
+        dense_opt,
+        tr.pipeline,
+        check_finite=cfg.runtime.nan_check,
+        precision=tr.precision,
+        prefetch_batches=tr.prefetch_batches,
+        ids_checked=getattr(source, "ids_in_range", False),
+        start_step=start,
+    )
+
+    def do_eval(step: int) -> None:
+        m = evaluate(model, source, device, pipeline.host_group)
+        report.line(format_eval(step, m))
+        report.scalars(step, m, "eval")
+
+    if sched.eval_at_start and start == 0:
+        do_eval(0)
+    samples_per_step = sched.batch_size * world
+    bar = tqdm(
+        total=total * samples_per_step,
+        initial=start * samples_per_step,
+        unit="samples",
+        unit_scale=True,
+        disable=rank != 0 or not cfg.logging.progress_bar,
+        file=sys.stdout,
+        mininterval=1.0,
+        dynamic_ncols=True,
+    )
+    window = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps
+    t0, batches = time.time(), source.train_batches(position if position is not None else start)
+    step = start
+    while step < total:
+        # model.ebc.step is set to each batch's step before its training forward (inside the pipeline).
+        done = pipeline.progress(batches)
+        if done is None:  # every rank's data has ended
+            break
+        step, position = done.step, done.position  # position: the data position after the last TRAINED batch
+        if done.size:  # an empty batch (this rank's data ended first) adds no loss
+            window += torch.stack([done.output.loss.detach().double(), torch.ones_like(window[0])])
+        bar.update(samples_per_step)
+        if step % cfg.logging.log_every == 0 or step == total:
+            comm.start_all_reduce(window, what="training loss sum").wait(host=True)
+            loss = float(window[0] / window[1].clamp(min=1))
+            rate = (step - start) * samples_per_step / (time.time() - t0)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            report.line(f"train step {step:6d}  loss {loss:.4f}  {rate:,.0f} samples/s")
+            report.scalars(step, {"loss": loss, "samples_per_s": rate}, "train")
+            window.zero_()
+            log_raw_ids(model.ebc, report, step)
+        if sched.eval_every and step % sched.eval_every == 0 and step != total:
+            do_eval(step)
+        if ck.dir and ck.every and step % ck.every == 0 and step != total:
+            comm.wait_for_graphs()
+            ckpt.save(step, position)
+    pipeline.close()
+    bar.close()
+    do_eval(step)
+    if ck.dir and step > start:
+        ckpt.save(step, position)
+    ckpt.close()
+    if ck.dir and step > start:
+        report.line(f"saved checkpoint {ckpt.history[-1].path}")
+    report.close()
+    model.release_graphs()  # before the process group goes: a live graph with NCCL in it hangs the teardown
+    dist.destroy_process_group()
+
+
+def past_schedule(
+    start: int, total: int, sched: ScheduleConfig, steps_per_epoch: int | None, world: int, resumed: Any
+) -> str | None:
+    """What to say when a resumed run's schedule ends at or before its checkpoint's step (None: it does not):
+    an error when it ends before (the run would train nothing and end on an earlier step than it started), a
+    notice when it ends at that step (nothing left to train: the run only evaluates)."""
+    if start == 0 or start < total:
+        return None
+    where = (
+        f"checkpoint {resumed.path!r} was saved after step {start}" if resumed else f"the checkpoint is at step {start}"
+    )
+    if sched.steps is not None:
+        ends = f"schedule.steps={sched.steps}"
+        fix = f"schedule.steps={start + max(start // 2, 1)}"
+    else:
+        ends = f"schedule.epochs={sched.epochs} x {steps_per_epoch} steps per epoch on {world} ranks"
+        more = -(-(start + 1) // max(1, steps_per_epoch or 1))
+        fix = f"schedule.epochs={more} or more (or schedule.epochs=null schedule.steps=N with N > {start})"
+    if start == total:
+        return (
+            f"checkpoint.resume_from: {where}, the last step of this run's schedule ({ends}): nothing left to train, "
+            f"the run only evaluates. To train further: {fix}"
+        )
+    return (
+        f"checkpoint.resume_from: {where}, but this run's schedule ends at step {total} ({ends}): it would train no "
+        f"step. Fix: a schedule past step {start}, e.g. {fix}; or resume from an earlier checkpoint, or start "
+        "afresh (checkpoint.resume_from=null or another checkpoint.dir)"
+    )
+
+
+def make_dense_optimizer(o: DenseOptimizerConfig, params: list) -> torch.optim.Optimizer:
+    """torch.optim optimizer of the dense parameters (gets only the dense_optimizer section). On a GPU, torch's fused
+    implementation (one kernel launch for every parameter, and little host work) where this torch has it for the
+    kind; elsewhere torch's default (foreach)."""
+    own = {
+        "adam": {"betas": (o.beta1, o.beta2), "eps": o.eps},
+        "adagrad": {"eps": o.eps},
+        "sgd": {"momentum": o.momentum},
+    }
+    fused = {"fused": True} if _fused_available(o.kind, params) else {}
+    return _OPTIMIZERS[o.kind](params, lr=o.lr, weight_decay=o.weight_decay, **own[o.kind], **fused)
+
+
+_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+_FUSED: dict[tuple[str, str], bool] = {}
+
+
+def _fused_available(kind: str, params: list) -> bool:
+    """Whether torch's fused `kind` runs on the parameters' device (CUDA only: the CPU keeps the foreach path the
+    tests compare with): one step of a one-element parameter, once per process."""
+    devices = {p.device for p in params}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return False
+    device = next(iter(devices))
+    key = (kind, str(device))
+    if key not in _FUSED:
+        try:
+            probe = torch.zeros(1, device=device, requires_grad=True)
+            probe.grad = torch.ones(1, device=device)
+            _OPTIMIZERS[kind]([probe], lr=0.1, fused=True).step()
+            _FUSED[key] = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FUSED[key] = False
+    return _FUSED[key]
+
+
+def _run_or_exit(config_path: str, overrides: Sequence[str]) -> None:
+    try:
+        run(config_path, overrides)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, AllRanksError) and dist.is_initialized():
+            comm.barrier()  # no rank exits (and gets the others killed) before rank 0 has printed the message
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="embshard train", description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="YAML config file (see docs/config.md and configs/)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. schedule.steps=100")
+    ap.add_argument("--nproc", type=int, default=None, help="start N local processes (ignored under torchrun)")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        load_config(args.config, args.overrides)  # fail fast, before any process starts
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if "RANK" in os.environ or not args.nproc:
+        _run_or_exit(args.config, args.overrides)
+        return
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        print(
+            f"error: --nproc {args.nproc} starts one process per GPU, but {torch.cuda.device_count()} GPU(s) are "
+            "visible: lower --nproc, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    from torch.multiprocessing import ProcessExitedException
+
+    from embshard.runtime.distributed import spawn_local
+
+    try:
+        spawn_local(_run_or_exit, args.nproc, args.config, args.overrides)
+    except ProcessExitedException as e:
+        sys.exit(e.exit_code or 1)
+
+
+if __name__ == "__main__":
+    main()
