@@ -100,7 +100,7 @@ data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp
 table.
 
 Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
-shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-100 B), and
+shard computes (HBM for GPU tiers, host memory for host; m = spec.raw_ids.map_bytes_per_row, ~60-100 B), and
 n*RAW_ID_STEP_BYTES of step memory. Its step, in the forward phase, remaps the shard's n ids (`raw_terms`):
 n*RAW_ID_BYTES / bw (the time per id as bytes at the copy bandwidth, so it scales with the GPU as the per-id
 constants do) plus writing one row and its state per id (the reset list: rows given to new ids, padded; over the
@@ -143,6 +143,7 @@ from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.plan import Exchange, LookupKernel, MemoryTier, ShardingType
+from embshard.spec.raw_ids import map_bytes_per_row
 from embshard.spec.tables import TableConfig
 
 ID_BYTES = 8
@@ -209,7 +210,7 @@ class TableStats:
     raw: np.ndarray | float = 0.0
     """1 for raw-id tables (ids: raw), else 0."""
     map_row: np.ndarray | float = 0.0
-    """Bytes of the id -> row map per row (raw-id tables; `rawids.map_bytes_per_row`), else 0."""
+    """Bytes of the id -> row map per row (raw-id tables; `spec.raw_ids.map_bytes_per_row`), else 0."""
     lfu: np.ndarray | float = 0.0
     """1 for raw-id tables evicting by LFU."""
 
@@ -248,8 +249,6 @@ def _map_row(t: TableConfig) -> float:
     """Bytes per row of a raw-id table's map (priced for one table-wise shard of all its rows), else 0."""
     if not t.raw_ids:
         return 0.0
-    from embshard.rawids.idmap import map_bytes_per_row
-
     return float(map_bytes_per_row(t.num_embeddings, t.eviction, t.admit_min_count))
 
 

@@ -240,8 +240,17 @@ class Topology:
         """Read the local machine: GPU model, memory and L2 size (torch.cuda), host memory (/proc/meminfo). Speeds
         come from the matching preset. Rank counts default to torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else one rank
         per local GPU (on CPUs: all ranks on this host). `device_type` ('cuda' or 'cpu'): where the ranks compute
-        (default: the GPUs if there are any); 'cpu' reads the host even on a machine with GPUs."""
-        import torch
+        (default: the GPUs if there are any); 'cpu' reads the host even on a machine with GPUs. Needs torch: without
+        it, ConfigError saying how to plan with a preset or a topology file instead."""
+        try:
+            import torch
+        except ImportError:
+            raise ConfigError(
+                "reading this machine's devices (Topology.detect: `embshard plan` of a training config without "
+                "--device or --topology, or with --detect) needs torch, which is not installed: plan with a preset "
+                "(--device h100, h200, a100 or cpu) or a topology file (--topology FILE from `embshard calibrate`), "
+                "or install the GPU packages (pip install 'embshard[gpu]')"
+            ) from None
 
         env_ws, env_lws = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
         l2 = 0
