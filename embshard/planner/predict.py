@@ -11,7 +11,8 @@ import numpy as np
 from embshard.planner import exchange as twrw
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
-from embshard.planner.cost import CostModel, Storage, TableStats
+from embshard.planner.cost import CostModel
+from embshard.planner.memory import Storage, TableStats
 from embshard.planner.report import PlanReport, RankReport, TableReport
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
