@@ -213,7 +213,7 @@ class ModelConfig:
                     )
                 owner[f] = t.name
         try:
-            validate_tables(self.tables)
+            object.__setattr__(self, "tables", validate_tables(self.tables))  # Tables: the planner checks them no more
         except ConfigError as e:
             raise FieldError("tables", [t.name for t in self.tables], str(e)) from None
         if self.kind in ("dlrm", "dlrm_dcnv2") and self.dlrm is None:

@@ -1,4 +1,5 @@
-"""The cost and storage model of one shard: bytes it stores per tier, bytes it moves per step, seconds it takes.
+"""The time model of one shard: bytes it moves per step and seconds it takes (what it stores: memory.py, whose
+`MemoryModel` CostModel extends).
 
 Notation (per step): B local batch per rank, W ranks, G = W // local ranks per host hosts, and for the table:
 R rows, D columns, F features reading it, L ids per bag (hint), w = 1 if weighted, e weight bytes (4 fp32, 2 fp16),
@@ -99,9 +100,7 @@ uniform26 step measured both ways, medians of 6 rounds: 4.34 ms host, 5.38 ms de
 data-parallel: one all-reduce latency and 4*kernel_s of update, plus settings.dp_kernels_per_table kernels per
 table.
 
-Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
-shard computes (HBM for GPU tiers, host memory for host; m = rawids.map_bytes_per_row, ~60-100 B), and
-n*RAW_ID_STEP_BYTES of step memory. Its step, in the forward phase, remaps the shard's n ids (`raw_terms`):
+Raw-id tables (ids: raw, embshard/rawids; their maps' memory: memory.py). Their step, in the forward phase, remaps the shard's n ids (`raw_terms`):
 n*RAW_ID_BYTES / bw (the time per id as bytes at the copy bandwidth, so it scales with the GPU as the per-id
 constants do) plus writing one row and its state per id (the reset list: rows given to new ids, padded; over the
 host link for uvm) and r*RAW_ROW_BYTES / bw (LRU: the O(rows) passes over the order; LFU sorts the rows: 4x that).
@@ -116,17 +115,7 @@ step, 13 table-wise raw-id tables a rank; the case in tests/planner/data/measure
 reset's 0.39 ms matches the profiled 0.41 ms of the earlier map). The same constants put a 1-GPU raw step 3.29 ms
 above a static one where one process measured 2.62 ms (docs/planner.md).
 
-Storage per shard: weights r*c*e and state r*sb in their tier (data-parallel: fp32 replica). Memory of one step
-(GPU memory; host memory for tier host), model-parallel shards: n*(80 + 12w) for the ids (80 B/id: the received
-id, its permuted copy kept for backward and the TBE backward's workspace: linearised, sorted, run-length-encoded
-ids and their positions, radix sort scratch; 32 B/id on CPUs) + b*c*4*2 (the pooled rows it sends and their
-gradient it receives); UVM-caching adds k*(rb + 16) (cache rows and their LRU state) + r*4 (row -> table map) +
-n*48 (the prefetch's linearised ids, the cache locations kept for backward, its sort); data-parallel:
-n*(68 + 4w) (its ids and the dense backward's workspace) + b*c*4*2 + 2*r*(c+1)*4 (the dense gradient and the
-flat all-reduce buffer with counts). Every rank also holds its own batch (`batch_bytes`): its ids and the
-permuted copy it sends, 2*B*F*(L*i + 4), and the pooled rows it receives, their regrouped output and that
-output's gradient, 3*B*F*D*4. The planner's budget for the sum per rank is capacity - reserve, so the predicted
-peak includes every buffer the step allocates.
+Storage per shard and the memory of one step: memory.py.
 """
 
 from __future__ import annotations
@@ -139,27 +128,17 @@ import numpy as np
 from embshard.planner import exchange as twrw
 from embshard.planner import kernel_cost, loads
 from embshard.planner.access import distinct_rows, gather, zipf_hit_rate
+from embshard.planner.memory import ID_BYTES, LENGTH_BYTES, WEIGHT_BYTES, MemoryModel, TableStats
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.plan import Exchange, LookupKernel, MemoryTier, ShardingType
 from embshard.spec.tables import TableConfig
 
-ID_BYTES = 8
-WEIGHT_BYTES = 4
-LENGTH_BYTES = 4
 SORT_BYTES_PER_ID = 96
 CACHE_PROBE_BYTES = 16
 HBM_SECTOR = 32
 LINK_SECTOR = 64
-# GPU memory per step (bytes per id / per row); see the module docstring.
-ID_STEP_BYTES = 80
-HOST_ID_STEP_BYTES = 32
-DP_ID_STEP_BYTES = 68
-CACHE_STEP_BYTES = 48
-CACHE_SLOT_BYTES = 16
-CACHE_MAP_BYTES = 4
-OWN_POOLED_COPIES = 3
 # Fitted constants of the time model (docs/planner.md "Constants").
 CACHE_MISS_LINKS = 1.35
 """A UVM-cache miss costs this many row reads over the link (the read, and the evicted row written back)."""
@@ -189,68 +168,7 @@ RAW_KERNELS = 60
 """Kernel launches of one remap, paid once per lookup group of raw-id tables on a rank (its shards share them):
 170 launches a raw step against 110 static, counted on an H100 with the map's fused step (13 tables,
 bench/raw_ids_profile.py, bench/results/2026-11-26-h100-1gpu-run3)."""
-RAW_ID_STEP_BYTES = 512
-"""Step memory per id of the remap (its int64 working arrays, a bucket's slots at a time)."""
 FWD_KERNELS, CACHE_KERNELS, BWD_KERNELS, DP_UPDATE_KERNELS = 1, 8, 12, 4
-
-ROW_KINDS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-
-
-@dataclass(frozen=True)
-class TableStats:
-    """The numbers of tables the model needs (scalars, or numpy arrays for many tables at once)."""
-
-    rows: np.ndarray | float
-    dim: np.ndarray | float
-    elem: np.ndarray | float
-    features: np.ndarray | float
-    ids_per_bag: np.ndarray | float
-    weighted: np.ndarray | float
-    raw: np.ndarray | float = 0.0
-    """1 for raw-id tables (ids: raw), else 0."""
-    map_row: np.ndarray | float = 0.0
-    """Bytes of the id -> row map per row (raw-id tables; `rawids.map_bytes_per_row`), else 0."""
-    lfu: np.ndarray | float = 0.0
-    """1 for raw-id tables evicting by LFU."""
-
-    @classmethod
-    def of(cls, tables: Sequence[TableConfig]) -> TableStats:
-        """Arrays over `tables`."""
-        return cls(
-            rows=np.array([t.num_embeddings for t in tables], dtype=float),
-            dim=np.array([t.embedding_dim for t in tables], dtype=float),
-            elem=np.array([t.data_type.bytes for t in tables], dtype=float),
-            features=np.array([len(t.feature_names) for t in tables], dtype=float),
-            ids_per_bag=np.array([t.ids_per_bag for t in tables], dtype=float),
-            weighted=np.array([float(t.weighted) for t in tables]),
-            raw=np.array([float(t.raw_ids) for t in tables]),
-            map_row=np.array([_map_row(t) for t in tables]),
-            lfu=np.array([float(t.raw_ids and t.eviction.value == "lfu") for t in tables]),
-        )
-
-    @classmethod
-    def one(cls, t: TableConfig) -> TableStats:
-        """Scalars of one table."""
-        return cls(
-            float(t.num_embeddings),
-            float(t.embedding_dim),
-            float(t.data_type.bytes),
-            float(len(t.feature_names)),
-            float(t.ids_per_bag),
-            float(t.weighted),
-            float(t.raw_ids),
-            _map_row(t),
-            float(t.raw_ids and t.eviction.value == "lfu"),
-        )
-
-
-def _map_row(t: TableConfig) -> float:
-    """Bytes per row of a raw-id table's map (priced for one table-wise shard of all its rows), else 0."""
-    if not t.raw_ids:
-        return 0.0
-    from embshard.rawids.idmap import map_bytes_per_row
-
-    return float(map_bytes_per_row(t.num_embeddings, t.eviction, t.admit_min_count))
 
 
 @dataclass(frozen=True)
@@ -275,31 +193,8 @@ class ShardWork:
     """Part of fwd_s that does not depend on the kernel: the receiver's permute of the ids (s)."""
 
 
-@dataclass(frozen=True)
-class Storage:
-    """Bytes a shard (or a rank) keeps, by tier and kind."""
-
-    hbm_weights: np.ndarray | float = 0.0
-    hbm_state: np.ndarray | float = 0.0
-    hbm_cache: np.ndarray | float = 0.0
-    hbm_buffers: np.ndarray | float = 0.0
-    ddr_weights: np.ndarray | float = 0.0
-    ddr_state: np.ndarray | float = 0.0
-    ddr_buffers: np.ndarray | float = 0.0
-
-    @property
-    def hbm(self) -> np.ndarray | float:
-        """Total GPU memory."""
-        return self.hbm_weights + self.hbm_state + self.hbm_cache + self.hbm_buffers
-
-    @property
-    def ddr(self) -> np.ndarray | float:
-        """Total host memory."""
-        return self.ddr_weights + self.ddr_state + self.ddr_buffers
-
-
-class CostModel:
-    """Per-shard work and storage for one topology, batch size and optimizer."""
+class CostModel(MemoryModel):
+    """Per-shard work and storage (MemoryModel: memory.py) for one topology, batch size and optimizer."""
 
     def __init__(
         self,
@@ -334,19 +229,6 @@ class CostModel:
         self.device_counts = self.settings.batch_counts == "device"
         """The step's batch counts are gathered on the GPUs (one device sync a step: host_sync_s), not counted on
         the host by the training pipeline (settings.batch_counts; unset: host)."""
-
-    # ---- volumes ------------------------------------------------------------------------------------------
-    def volumes(self, t: TableStats, sharding: ShardingType, rows):
-        """(ids looked up, bags pooled) per step by one shard of `rows` rows."""
-        B, W = self.batch, self.topo.world_size
-        if sharding is ShardingType.DATA_PARALLEL:
-            return B * t.features * t.ids_per_bag, B * t.features
-        frac = rows / t.rows if sharding in ROW_KINDS else 1.0
-        return W * B * t.features * t.ids_per_bag * frac, W * B * t.features
-
-    def state_bytes(self, cols):
-        """Optimizer state bytes per row of a shard `cols` wide."""
-        return self.state_fixed + self.state_per_col * cols
 
     def row_reads(self, n, u, row_bytes):
         """Row reads that miss the GPU's L2 among n lookups of u distinct rows: a repeated row is an L2 hit while
@@ -464,54 +346,6 @@ class CostModel:
         bag_term = 0.0 if self.settings.whole_step_graph else bags * self.topo.batch_bag_s
         v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s + bag_term
         return v
-
-    # ---- storage ------------------------------------------------------------------------------------------
-    def storage(
-        self, t: TableStats, sharding: ShardingType, tier: MemoryTier, rows, cols, clf=0.0, kernel=None
-    ) -> Storage:
-        """Bytes one shard keeps, and the GPU memory its step allocates (formulas in the module docstring)."""
-        n, bags = self.volumes(t, sharding, rows)
-        pooled = bags * cols * self.out_bytes * 2
-        state = rows * self.state_bytes(cols)
-        id_map = rows * t.map_row  # raw-id tables: the id -> row map, where the shard computes
-        if kernel is LookupKernel.SMALL:  # fp32 weights in the compute device's memory (kernel_cost.py)
-            weights = rows * cols * 4.0
-            buffers = kernel_cost.small_step_bytes(sharding, rows, cols, n, WEIGHT_BYTES * t.weighted) + pooled
-        elif sharding is ShardingType.DATA_PARALLEL:
-            weights = rows * cols * 4.0
-            buffers = n * (DP_ID_STEP_BYTES + WEIGHT_BYTES * t.weighted) + pooled + 2 * rows * (cols + 1) * 4.0
-        else:
-            weights = rows * cols * t.elem
-            per_id = HOST_ID_STEP_BYTES if tier is MemoryTier.HOST else ID_STEP_BYTES
-            buffers = n * (per_id + 3 * WEIGHT_BYTES * t.weighted + RAW_ID_STEP_BYTES * t.raw) + pooled
-        if sharding is ShardingType.TABLE_ROW_WISE and self.hierarchical:  # whatever the kernel
-            buffers = buffers + pooled  # the host's partials it receives to add up, and their gradient
-        if tier is MemoryTier.HBM:
-            return Storage(hbm_weights=weights, hbm_state=state + id_map, hbm_buffers=buffers)
-        if tier is MemoryTier.HOST:
-            return Storage(ddr_weights=weights, ddr_state=state + id_map, ddr_buffers=buffers)
-        hbm_state = (state if self.state_in_hbm else 0.0) + id_map
-        ddr_state = 0.0 if self.state_in_hbm else state
-        cache = 0.0
-        if tier is MemoryTier.UVM_CACHING:
-            k = np.minimum(np.ceil(clf * rows), rows)
-            cache = k * (cols * t.elem + CACHE_SLOT_BYTES) + rows * CACHE_MAP_BYTES
-            buffers = buffers + n * CACHE_STEP_BYTES
-        return Storage(
-            hbm_state=hbm_state, hbm_cache=cache, hbm_buffers=buffers, ddr_weights=weights, ddr_state=ddr_state
-        )
-
-    def batch_bytes(self, tables: Sequence[TableConfig]) -> float:
-        """Bytes every rank needs for its own batch whatever the plan: its ids and the permuted copy it sends,
-        the pooled rows it receives, their regrouped output and that output's gradient."""
-        B = self.batch
-        total = 0.0
-        for t in tables:
-            idb = ID_BYTES + WEIGHT_BYTES * t.weighted
-            f = len(t.feature_names)
-            total += 2 * B * f * (t.ids_per_bag * idb + LENGTH_BYTES)
-            total += OWN_POOLED_COPIES * B * f * t.embedding_dim * self.out_bytes
-        return total
 
     # ---- load vectors -------------------------------------------------------------------------------------
     def owner_vec(self, wk: ShardWork) -> np.ndarray:

@@ -22,7 +22,7 @@ from embshard.planner.simple import simple_plan
 from embshard.planner.topology import Topology
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier, ShardingPlan, ShardingType
-from embshard.spec.tables import ConfigError, FieldError, TableConfig
+from embshard.spec.tables import ConfigError, FieldError, TableConfig, validate_tables
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,7 @@ def search_plan(
     hold (`graph_settings`), then, if none of those fits, among all (`say` gets why). An eager plan whose step the
     host sets and whose data-parallel tables cost the host most is planned again without them, and the faster kept
     (`_without_replicas_if_faster`)."""
+    tables = validate_tables(tables)  # once for every search below
 
     def search(s: PlannerSettings) -> tuple[ShardingPlan, PlanReport]:
         return plan_with_report(tables, topo, batch_size, optimizer, constraints, s)
@@ -211,6 +212,7 @@ def plan_for_job(
     planner.settings.whole_step_graph is set (`settings_for_graph`). Deterministic; a training job still makes it on
     rank 0 only and broadcasts it (train.plan_on_rank0)."""
     say = log or (lambda _text: None)
+    tables = validate_tables(tables)  # once: the planner and the plan's checks take these Tables as they are
     if planner_cfg.plan_file:
         plan = ShardingPlan.load(planner_cfg.plan_file)
         if (plan.world_size, plan.local_world_size) != (world_size, local_world_size):

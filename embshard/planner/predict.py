@@ -11,7 +11,8 @@ import numpy as np
 from embshard.planner import exchange as twrw
 from embshard.planner import loads
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
-from embshard.planner.cost import CostModel, Storage, TableStats
+from embshard.planner.cost import CostModel
+from embshard.planner.memory import Storage, TableStats
 from embshard.planner.report import PlanReport, RankReport, TableReport
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
@@ -77,7 +78,7 @@ def predict(
     table-row-wise tables on several hosts of several ranks is also predicted under the other output exchange
     (`PlanReport.exchange_step_s`, with the bytes of each level: `exchange_bytes`), unless `compare_exchanges`
     is false."""
-    validate_tables(tables)
+    tables = validate_tables(tables)
     plan.check(tables)
     if plan.world_size != topology.world_size or plan.local_world_size != topology.local_world_size:
         topology = topology.with_sizes(plan.world_size, plan.local_world_size)

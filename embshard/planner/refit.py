@@ -197,13 +197,14 @@ def read_preset_text(path) -> tuple[str, dict[str, str]]:
 def rewrite_preset(path, updates: dict[str, float], why: dict[str, str], out=None) -> None:
     """Rewrite a preset file with new values for some fields (Topology fields in code units) and their notes,
     keeping every other value, note and the header."""
-    from embshard.planner.topology import _UNITS, load_preset_file, write_preset_file
+    from embshard.planner.presets import load_preset_file, write_preset_file
+    from embshard.planner.units import UNITS
 
     values = load_preset_file(path)
     header, notes_by_key = read_preset_text(path)
     notes = {}
     for name in values:
-        key = _UNITS[name][0] if name in _UNITS else name
+        key = UNITS[name][0] if name in UNITS else name
         notes[name] = notes_by_key.get(key, "")
     for name, value in updates.items():
         values[name] = value

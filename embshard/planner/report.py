@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from embshard.planner.cost import Storage
 from embshard.planner.loads import PHASES
+from embshard.planner.memory import Storage
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
 from embshard.spec.optim import FusedOptimizerConfig

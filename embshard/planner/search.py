@@ -92,7 +92,7 @@ def _plan_with_report(
     settings: PlannerSettings | None,
 ) -> tuple[ShardingPlan, PlanReport]:
     start = time.perf_counter()
-    validate_tables(tables)
+    tables = validate_tables(tables)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} is invalid: give the samples per rank per step (>= 1)")
     optimizer = optimizer or FusedOptimizerConfig()

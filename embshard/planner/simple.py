@@ -36,7 +36,7 @@ def simple_plan(
     table-row-wise tables are split by `geometry.row_blocks`. No memory budget is checked here: that is the
     planner's job.
     """
-    validate_tables(tables)
+    tables = validate_tables(tables)
     local_world_size = local_world_size or world_size
     chosen = {name: ShardingType(st) for name, st in (sharding_types or {}).items()}
     unknown = set(chosen) - {t.name for t in tables}

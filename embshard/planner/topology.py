@@ -5,7 +5,8 @@ trust: `embshard calibrate` (measured on the machine, saved as YAML and loaded w
 themselves (`Topology.detect`: memory sizes read from torch, speeds from the preset of the detected GPU model,
 chosen by the name torch reports), or a named preset (`Topology.preset`, for planning on a machine without the
 GPUs: "dry runs"). The H100 and H200 presets are files (presets/h100.yaml, presets/h200.yaml) written from
-measurements: `bench/planner_predict.py --refit` refits them from benchmark logs.
+measurements: `bench/planner_predict.py --refit` refits them from benchmark logs. presets.py holds the presets
+and reads their files; units.py the units of topology and preset files.
 
 Units in code: bytes, bytes/s and seconds. Units in YAML: GiB, GB/s (1e9 bytes/s) and microseconds.
 Bandwidths count the bytes a kernel moves (a copy of N bytes moves 2N: read + write), so `hbm_bw` is what a
@@ -22,14 +23,32 @@ from pathlib import Path
 from typing import Any
 
 from embshard.planner.kernel_model import KernelConstants
+from embshard.planner.presets import (  # noqa: F401  (callers import the presets' names from here too)
+    ALIASES,
+    GPU_FILES,
+    PRESETS,
+    host_memory_bytes,
+    load_preset_file,
+    preset_for_gpu,
+    preset_path,
+    write_preset_file,
+)
+from embshard.planner.units import (  # noqa: F401  (GB, KERNEL_FIELDS: callers import them from here)
+    BANDWIDTHS,
+    BY_YAML_KEY,
+    COST_MODEL,
+    GB,
+    GIB,
+    KERNEL_FIELDS,
+    MIB,
+    NONNEGATIVE,
+    PLAIN_FIELDS,
+    UNITS,
+    US,
+    from_yaml_units,
+    plain_value,
+)
 from embshard.spec.tables import ConfigError
-
-GIB = 1 << 30
-MIB = 1 << 20
-GB = 1e9
-US = 1e-6
-COST_MODEL = 2
-"""Version of the per-id constants (cost.py's formulas) written to topology files."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +172,10 @@ class Topology:
             raise ConfigError(f"topology: compute_device={self.compute_device!r} is invalid: use 'cuda' or 'cpu'")
         if self.compute_device == "cuda" and self.hbm_bytes <= 0:
             raise ConfigError("topology: a cuda topology needs hbm_bytes > 0 (GPU memory per rank)")
-        for f in _BANDWIDTHS:
+        for f in BANDWIDTHS:
             if not getattr(self, f) > 0:
                 raise ConfigError(f"topology: {f}={getattr(self, f)!r} is invalid: bandwidths must be > 0")
-        for f in _NONNEGATIVE:
+        for f in NONNEGATIVE:
             if not getattr(self, f) >= 0:
                 raise ConfigError(f"topology: {f}={getattr(self, f)!r} is invalid: it must be >= 0")
         if not 0 < self.regroup_efficiency <= 1:
@@ -240,8 +259,17 @@ class Topology:
         """Read the local machine: GPU model, memory and L2 size (torch.cuda), host memory (/proc/meminfo). Speeds
         come from the matching preset. Rank counts default to torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else one rank
         per local GPU (on CPUs: all ranks on this host). `device_type` ('cuda' or 'cpu'): where the ranks compute
-        (default: the GPUs if there are any); 'cpu' reads the host even on a machine with GPUs."""
-        import torch
+        (default: the GPUs if there are any); 'cpu' reads the host even on a machine with GPUs. Needs torch: without
+        it, ConfigError saying how to plan with a preset or a topology file instead."""
+        try:
+            import torch
+        except ImportError:
+            raise ConfigError(
+                "reading this machine's devices (Topology.detect: `embshard plan` of a training config without "
+                "--device or --topology, or with --detect) needs torch, which is not installed: plan with a preset "
+                "(--device h100, h200, a100 or cpu) or a topology file (--topology FILE from `embshard calibrate`), "
+                "or install the GPU packages (pip install 'embshard[gpu]')"
+            ) from None
 
         env_ws, env_lws = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
         l2 = 0
@@ -273,7 +301,7 @@ class Topology:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            unit = _UNITS.get(f.name)
+            unit = UNITS.get(f.name)
             if unit is not None:
                 out[unit[0]] = round(value / unit[1], 4)
             else:
@@ -289,8 +317,6 @@ class Topology:
         `lookup_id_ns`) load with a warning: their measured bandwidths are kept, but their per-id constants
         (`lookup_id_ns`, `routed_id_ns`, `host_sync_us`: fitted to older formulas) are replaced by the preset's
         and their 128-byte-row `uvm_gbps` becomes uvm_row_s + 128 B / uvm_bw with the preset's uvm_row_s."""
-        by_yaml = {unit[0]: (name, unit[1]) for name, unit in _UNITS.items()}
-        plain = {f.name for f in fields(cls)} - set(_UNITS)
         version = data.get("cost_model", 1 if "lookup_id_ns" in data else COST_MODEL)
         if version not in (1, COST_MODEL):
             raise ConfigError(f"{where}: cost_model={version!r} is not known: this embshard reads 1 and {COST_MODEL}")
@@ -299,15 +325,15 @@ class Topology:
         for key, value in data.items():
             if key in old:
                 continue
-            if key in by_yaml:
-                name, scale = by_yaml[key]
+            if key in BY_YAML_KEY:
+                name, scale = BY_YAML_KEY[key]
                 if not isinstance(value, int | float) or isinstance(value, bool):
                     raise ConfigError(f"{where}: {key}={value!r} is invalid: expected a number")
-                kw[name] = int(value * scale) if name.endswith("_bytes") else float(value * scale)
-            elif key in plain:
-                kw[key] = tuple(value) if key == "measured" else value
+                kw[name] = from_yaml_units(name, value, scale)
+            elif key in PLAIN_FIELDS:
+                kw[key] = plain_value(key, value)
             else:
-                raise ConfigError(f"{where}: unknown key {key!r}; known keys: {sorted(set(by_yaml) | plain)}")
+                raise ConfigError(f"{where}: unknown key {key!r}; known keys: {sorted({*BY_YAML_KEY, *PLAIN_FIELDS})}")
         missing = {"world_size", "local_world_size"} - set(kw)
         if missing:
             raise ConfigError(f"{where}: missing {sorted(missing)}")
@@ -354,193 +380,3 @@ class Topology:
             f"{self.world_size} x {self.device_name} ({self.num_hosts} host(s) x {self.local_world_size}), "
             f"{mem}{self.ddr_bytes / GIB:.1f} GiB host memory per rank; source: {self.source}"
         )
-
-
-KERNEL_FIELDS = (
-    "small_fwd_id_s",
-    "small_atomic_sector_s",
-    "small_same_row_s",
-    "small_sorted_id_s",
-    "small_dense_sector_s",
-)
-"""The small-table kernel's constants (`embshard calibrate` measures them on GPUs; presets: estimates)."""
-_BANDWIDTHS = ("hbm_bw", "uvm_bw", "ddr_bw", "intra_host_bw", "inter_host_bw")  # bytes/s; YAML: GB/s (NAME_gbps)
-_LATENCIES = (  # seconds; YAML: us (NAME_us)
-    "collective_latency_s",
-    "inter_collective_latency_s",
-    "kernel_s",
-    "host_sync_s",
-    "step_overhead_s",
-    "host_step_s",
-    "host_group_s",
-    "host_dp_group_s",
-)
-_PER_ITEM = (  # seconds per id, row, byte or bag; YAML: ns (NAME_ns)
-    "fwd_id_s",
-    "fwd_byte_s",
-    "bwd_id_s",
-    "bwd_byte_s",
-    "bwd_row_s",
-    "routed_id_s",
-    "bag_s",
-    "batch_bag_s",
-    "uvm_row_s",
-    "uvm_page_s",
-    "uvm_bwd_row_s",
-    *KERNEL_FIELDS,
-)
-_NONNEGATIVE = (*_LATENCIES, "l2_bytes", *_PER_ITEM)
-_UNITS: dict[str, tuple[str, float]] = {  # field -> (YAML key, its unit in code units)
-    "hbm_bytes": ("hbm_gib", GIB),
-    "ddr_bytes": ("ddr_gib", GIB),
-    "l2_bytes": ("l2_mib", MIB),
-    **{f: (f.removesuffix("_bw") + "_gbps", GB) for f in _BANDWIDTHS},
-    **{f: (f.removesuffix("_s") + "_us", US) for f in _LATENCIES},
-    **{f: (f.removesuffix("_s") + "_ns", 1e-9) for f in _PER_ITEM},
-}
-
-# Per-GPU-model speeds live in presets/NAME.yaml (package data), one file per GPU model, in the units of topology
-# files, each number with where it comes from; `bench/planner_predict.py --refit` rewrites a model's file from
-# benchmark logs (docs/planner.md "Constants per GPU model"). HBM sizes are what torch reports as total_memory;
-# ddr_bytes: 2 TiB hosts with 8 GPUs. A100 has no file: its per-id, per-row and per-bag constants are the H200's
-# scaled by 1.7 (108 SMs at 1.41 GHz against 132 at 1.98 GHz), its links by the H200's measured-to-nominal ratios.
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
-GPU_FILES = ("h100", "h200")
-"""GPU models with a preset file."""
-_A100_SCALE = 1.7
-_A100_SCALED = ("fwd_id_s", "bwd_id_s", "bwd_row_s", "routed_id_s", "bag_s", "uvm_row_s")
-_A100_SCALED += ("small_fwd_id_s", "small_atomic_sector_s", "small_same_row_s", "small_sorted_id_s")
-_A100_SCALED += ("small_dense_sector_s", "batch_bag_s")
-
-
-def preset_path(name: str) -> Path:
-    """The preset file of a GPU model (presets/NAME.yaml)."""
-    return PRESET_DIR / f"{name}.yaml"
-
-
-def load_preset_file(path: str | Path) -> dict[str, Any]:
-    """A preset file's values as Topology fields (code units). Unknown keys are an error naming the file."""
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text())
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of topology fields")
-    by_yaml = {unit[0]: (name, unit[1]) for name, unit in _UNITS.items()}
-    plain = {f.name for f in fields(Topology)} - set(_UNITS) - {"world_size", "local_world_size"}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in by_yaml:
-            name, scale = by_yaml[key]
-            out[name] = int(value * scale) if name.endswith("_bytes") else float(value * scale)
-        elif key in plain:
-            out[key] = tuple(value) if key == "measured" else value
-        else:
-            raise ConfigError(f"{path}: unknown key {key!r}; known keys: {sorted(set(by_yaml) | plain)}")
-    return out
-
-
-def write_preset_file(path: str | Path, values: Mapping[str, Any], notes: Mapping[str, str], header: str) -> None:
-    """Write a preset file: `header` (comment lines), then one `key: value  # note` line per field of `values`
-    (Topology fields in code units; written in the units of topology files)."""
-    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
-    for name, value in values.items():
-        unit = _UNITS.get(name)
-        key = unit[0] if unit else name
-        if unit:
-            text = repr(round(value / unit[1], 6))
-        elif isinstance(value, tuple | list):
-            text = "[" + ", ".join(str(v) for v in value) + "]"
-        else:
-            text = str(value)
-        note = notes.get(name)
-        lines.append(f"{key}: {text}" + (f"  # {note}" if note else ""))
-    Path(path).write_text("\n".join(lines) + "\n")
-
-
-def _gpu_preset(name: str) -> dict[str, Any]:
-    values = load_preset_file(preset_path(name))
-    values.pop("source", None)
-    return values
-
-
-def _a100() -> dict[str, Any]:
-    h200 = _gpu_preset("h200")
-    out = {**h200, **{k: h200[k] * _A100_SCALE for k in _A100_SCALED}}
-    out.update(
-        device_name="a100",
-        hbm_bytes=int(79.2 * GIB),
-        hbm_bw=1.7e12,
-        l2_bytes=40 * MIB,
-        uvm_bw=25e9,
-        ddr_bw=40e9,
-        intra_host_bw=200e9,
-        inter_host_bw=22e9,
-        measured=(),
-    )
-    return out
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    **{name: _gpu_preset(name) for name in GPU_FILES},
-    "a100": _a100(),
-    # CPU training: one process per rank on one host; gloo over shared memory / loopback TCP. Lookups are bound by
-    # arithmetic: per id 7 ns + 0.17 ns per row byte forward, 13 ns + 0.25 ns per row byte backward (FBGEMM's CPU
-    # kernels, `embshard calibrate` on a 2-core CI machine: 16-wide rows ~18 / ~29 ns, 128-wide ~94 / ~144 ns).
-    "cpu": dict(
-        device_name="cpu",
-        compute_device="cpu",
-        hbm_bytes=0,
-        ddr_bytes=16 * GIB,
-        hbm_bw=20e9,
-        uvm_bw=20e9,
-        ddr_bw=10e9,
-        intra_host_bw=2e9,
-        inter_host_bw=1e9,
-        collective_latency_s=100 * US,
-        inter_collective_latency_s=200 * US,
-        kernel_s=20 * US,
-        host_sync_s=0.0,
-        l2_bytes=0,
-        fwd_id_s=7e-9,
-        fwd_byte_s=0.17e-9,
-        bwd_id_s=13e-9,
-        bwd_byte_s=0.25e-9,
-        bwd_row_s=0.0,
-        routed_id_s=5e-9,
-        bag_s=0.0,
-        uvm_row_s=0.0,
-        uvm_page_s=0.0,
-        uvm_bwd_row_s=0.0,
-    ),
-}
-ALIASES = {"h100_sxm": "h100", "h100_80gb": "h100", "h200_141gb": "h200", "a100_80gb": "a100"}
-
-
-def preset_for_gpu(device_name: str, total_memory: int) -> str:
-    """The preset whose speeds best match a GPU torch reports, by its name ('NVIDIA H100 80GB HBM3' -> h100,
-    'NVIDIA H200' and 'NVIDIA GH200 480GB' -> h200); other GPUs get h100's speeds, with a warning."""
-    name = device_name.upper()
-    for key in ("H200", "H100", "A100"):
-        if key in name:
-            return key.lower()
-    warnings.warn(
-        f"GPU {device_name!r} has no planner preset: planning with the h100 preset's speeds; measure this machine "
-        "with `embshard calibrate --out topology.yaml` and plan with --topology topology.yaml",
-        stacklevel=2,
-    )
-    return "h100"
-
-
-def host_memory_bytes() -> int:
-    """Total host memory (bytes), or 0 if it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0

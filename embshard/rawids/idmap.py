@@ -24,13 +24,10 @@ from embshard.rawids.index import IndexOps, P
 from embshard.rawids.reset import ResetOps, Resets
 from embshard.runtime.ops import small_to_device
 from embshard.spec.geometry import offsets
+from embshard.spec.raw_ids import index_buckets, index_itemsize, map_bytes_per_row
 from embshard.spec.tables import ConfigError, Eviction
 
 __all__ = ["P", "IdMap", "Resets", "map_bytes_per_row"]
-
-SLOTS_PER_ROW = 2
-"""Index slots per usable row (load factor 1/2)."""
-
 
 KERNELS_ENV = "EMBSHARD_RAWID_KERNELS"
 
@@ -45,27 +42,13 @@ def kernel_choice() -> str:
 
 
 def _buckets(usable: int) -> int:
-    return max(1, -(-usable * SLOTS_PER_ROW // P))
+    """Buckets of the index of a shard with `usable` rows for ids (embshard.spec.raw_ids.index_buckets)."""
+    return index_buckets(usable)
 
 
 def _index_dtype(rows: int, slots: int) -> torch.dtype:
     """The dtype of slot -> row and row -> slot: int32 while both fit."""
-    return torch.int32 if max(rows, slots) + 1 < 2**31 else torch.int64
-
-
-def map_bytes_per_row(rows: int, eviction: Eviction | str = Eviction.LRU, admit_min_count: int = 1) -> float:
-    """Bytes the id -> row map keeps per row of a raw-id shard of `rows` rows (the planner's price of the map):
-    index slots (id and row, 2 per row), the row's id, last use, use count and slot, its segment and (LRU) its
-    place in the LRU order, and (admit_min_count > 1) the sketch's counters."""
-    usable = max(rows - 1, 1)
-    slots = _buckets(usable) * P
-    idx = _index_dtype(rows, slots).itemsize
-    total = slots * (8 + idx) + rows * (24 + idx) + usable * 8 + slots // P * 8  # the last: the buckets' list heads
-    if Eviction(eviction) is Eviction.LRU:
-        total += 2 * usable * 8 + rows  # the order and the one a step writes (rawids/graph.py keeps both), used marks
-    if admit_min_count > 1:
-        total += (SKETCH_DEPTH + 1) * max(usable, 16) * 8  # the counters and each column's shard
-    return total / rows
+    return torch.int32 if index_itemsize(rows, slots) == 4 else torch.int64
 
 
 class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):

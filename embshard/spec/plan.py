@@ -158,7 +158,7 @@ class ShardingPlan:
 
     def check(self, tables: Sequence[TableConfig]) -> None:
         """Raise ConfigError unless the plan covers exactly these tables, each completely and once."""
-        validate_tables(tables)
+        tables = validate_tables(tables)
         planned = {t.table for t in self.tables}
         given = {t.name for t in tables}
         if planned != given:

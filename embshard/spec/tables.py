@@ -154,8 +154,38 @@ class TableConfig:
         return self.num_embeddings * self.embedding_dim * self.data_type.bytes
 
 
-def validate_tables(tables: Sequence[TableConfig]) -> None:
-    """Check a collection of tables: unique table names, and each feature looks up exactly one table."""
+_VALIDATED = object()  # the key only validate_tables passes to Tables
+
+
+class Tables(tuple):
+    """Tables that `validate_tables` checked: an immutable sequence of TableConfig (a tuple) with unique names, each
+    feature looking up one table. Only `validate_tables` makes one, so a function given Tables skips the checks;
+    functions that take tables accept a plain sequence too and call `validate_tables`, which returns Tables as
+    they are. `Tables(items)` itself gives a plain tuple (as `dataclasses.asdict` rebuilds one of converted items):
+    call `validate_tables`."""
+
+    __slots__ = ()
+
+    def __new__(cls, items: Iterable[Any], key: object = None) -> Tables | tuple:
+        if key is not _VALIDATED:  # what rebuilds a tuple's items (dataclasses.asdict): a plain tuple, unchecked
+            return tuple(items)
+        return super().__new__(cls, items)
+
+    def __reduce__(self) -> tuple[Any, tuple[tuple[TableConfig, ...]]]:
+        return validate_tables, (tuple(self),)  # a copy or an unpickled one is checked again
+
+
+def validate_tables(tables: Sequence[TableConfig]) -> Tables:
+    """The tables as Tables, checked by `check_tables` (given Tables: returned as they are, checked when made)."""
+    if isinstance(tables, Tables):
+        return tables
+    check_tables(tables)
+    return Tables(tables, _VALIDATED)
+
+
+def check_tables(tables: Sequence[TableConfig]) -> None:
+    """Raise ConfigError unless these are TableConfigs with unique names, each feature looking up one table, and at
+    least one table."""
     seen_tables: set[str] = set()
     owner: dict[str, str] = {}
     for t in tables:

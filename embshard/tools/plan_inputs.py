@@ -30,7 +30,7 @@ from embshard.planner.constraints import ParameterConstraints
 from embshard.planner.policy import settings_for_counts, settings_for_graph, settings_for_lookup
 from embshard.planner.settings import PlannerSettings
 from embshard.spec.optim import FusedOptimizerConfig
-from embshard.spec.tables import ConfigError, TableConfig, check_known_keys, validate_tables
+from embshard.spec.tables import ConfigError, TableConfig, Tables, check_known_keys, validate_tables
 
 TOP_KEYS = ("batch_size", "device", "optimizer", "tables", "constraints", "settings")
 TABLE_KEYS = {f.name for f in fields(TableConfig)} - {"extra", "init_std"} | {"count"}
@@ -42,8 +42,8 @@ TRAINING_KEYS = ("model", "data", "schedule")
 class PlannerInput:
     """Everything the planner needs besides the topology."""
 
-    tables: tuple[TableConfig, ...]
-    """The embedding tables."""
+    tables: Tables
+    """The embedding tables (checked: `validate_tables`)."""
     batch_size: int
     """Samples per rank per step."""
     optimizer: FusedOptimizerConfig = field(default_factory=FusedOptimizerConfig)
@@ -101,10 +101,10 @@ def planner_input_from_dict(data: Any, where: str = "planner input") -> PlannerI
     device = data.get("device")
     if device is not None and not isinstance(device, str):
         raise ConfigError(f"{where}: device={device!r} must be a preset name such as h200")
-    return PlannerInput(tuple(tables), batch, optimizer, cons, settings, device)
+    return PlannerInput(tables, batch, optimizer, cons, settings, device)
 
 
-def parse_tables(entries: Any, where: str) -> list[TableConfig]:
+def parse_tables(entries: Any, where: str) -> Tables:
     """Table entries (list of mappings, `count` expands one entry into many) -> TableConfigs."""
     if not isinstance(entries, Sequence) or isinstance(entries, str) or not entries:
         raise ConfigError(f"{where}: expected a non-empty list of table mappings")
@@ -136,10 +136,9 @@ def parse_tables(entries: Any, where: str) -> list[TableConfig]:
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"{here}: {e}") from None
     try:
-        validate_tables(out)
+        return validate_tables(out)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    return out
 
 
 def is_training_config(data: Any) -> bool:
@@ -156,7 +155,7 @@ def training_planner_input(path: str | Path, overrides: Sequence[str] = ()) -> t
     settings = settings_for_counts(settings_for_lookup(p.settings, cfg.lookup), cfg.batch_counts)  # as the job runs
     settings = settings_for_graph(settings, cfg.whole_step_graph)
     inp = PlannerInput(
-        tables=tuple(cfg.model.tables),
+        tables=cfg.model.tables,
         batch_size=cfg.schedule.batch_size,
         optimizer=cfg.sparse_optimizer,
         constraints=dict(p.constraints or {}),

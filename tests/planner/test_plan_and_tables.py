@@ -150,3 +150,38 @@ def test_lookup_kernel_in_the_plan(tmp_path):
         mixed.check(tables)
     with pytest.raises(ConfigError, match="kernel='cuda' is invalid"):
         replace(plan.tables[0], kernel="cuda")
+
+
+def test_tables_are_checked_once_per_planning_trip(monkeypatch, capsys):
+    """validate_tables returns Tables, which the planner, the plan's checks and the config take as they are: one
+    `embshard plan` of a planner input or a training config, and one plan_for_job, check the tables once."""
+    import copy
+    import pickle
+
+    import paths
+
+    from embshard.config import PlannerConfig
+    from embshard.planner.policy import plan_for_job
+    from embshard.spec import tables as spec_tables
+    from embshard.spec.optim import FusedOptimizerConfig
+    from embshard.tools.plan import main
+
+    checked: list[int] = []
+    check = spec_tables.check_tables
+    monkeypatch.setattr(spec_tables, "check_tables", lambda tables: checked.append(len(tables)) or check(tables))
+    for config, n in (("configs/planner/uniform26.yaml", 26), ("configs/dlrm_criteo.yaml", 26)):
+        main([str(paths.ROOT / config), "--world-size", "4", "--local-world-size", "2", "--device", "h100"])
+        assert "predicted step time" in capsys.readouterr().out
+        assert checked == [n], config
+        checked.clear()
+    plan = plan_for_job(TABLES, PlannerConfig(), 2, 2, "cpu", 64, FusedOptimizerConfig())
+    assert {t.table for t in plan.tables} == {t.name for t in TABLES}
+    assert checked == [len(TABLES)]
+    # Tables: only validate_tables makes them; copies and pickles are checked again, Tables(items) is a plain tuple
+    tables = spec_tables.validate_tables(TABLES)
+    assert isinstance(tables, spec_tables.Tables) and list(tables) == TABLES
+    assert spec_tables.validate_tables(tables) is tables
+    assert isinstance(copy.deepcopy(tables), spec_tables.Tables) and pickle.loads(pickle.dumps(tables)) == tables
+    assert type(spec_tables.Tables(TABLES)) is tuple
+    with pytest.raises(ConfigError, match="table name 'a' appears twice"):
+        spec_tables.validate_tables([*TABLES, TABLES[0]])

@@ -293,7 +293,7 @@ def test_uvm_backward_pays_its_row_cost_per_touched_row():
 
 
 def test_step_buffers_are_counted_per_shard():
-    from embshard.planner.cost import CACHE_STEP_BYTES, ID_STEP_BYTES
+    from embshard.planner.memory import CACHE_STEP_BYTES, ID_STEP_BYTES
 
     m = model("rowwise_adagrad", batch=8192)
     t = TableStats.one(TableConfig("t", 1_000_000, 128, ("f",), ids_per_bag=10))

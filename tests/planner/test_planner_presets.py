@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from embshard.planner import refit as rf
 from paths import ROOT, cpu_subprocess_env
 
 from embshard.planner import Topology, plan_with_report
+from embshard.planner import refit as rf
 from embshard.planner.topology import GIB, load_preset_file, preset_path
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.tools.plan_inputs import load_planner_input
@@ -186,3 +186,18 @@ def test_refit_command_rewrites_the_preset(tmp_path):
         capture_output=True, text=True, env=cpu_subprocess_env(), cwd=ROOT,
     )  # fmt: skip
     assert wrong.returncode != 0 and "not on a h200" in wrong.stderr
+
+
+def test_every_topology_field_has_one_file_form():
+    """Topology and preset files write each field once: with a unit (units.UNITS) or as it is (PLAIN_FIELDS)."""
+    from dataclasses import fields
+
+    from embshard.planner.topology import Topology
+    from embshard.planner.units import BY_YAML_KEY, PLAIN_FIELDS, UNITS
+
+    names = {f.name for f in fields(Topology)}
+    assert not set(UNITS) & set(PLAIN_FIELDS)
+    assert names == set(UNITS) | set(PLAIN_FIELDS)
+    written = Topology.preset("h200", 16, 8).to_dict()
+    assert set(written) == set(BY_YAML_KEY) | set(PLAIN_FIELDS)
+    assert Topology.from_dict(written).to_dict() == written
