@@ -7,7 +7,7 @@ holding all of it, and the host pays the replay and three copies: the ids into a
 values into another (one pinned copy), the rows out.
 
 Fixed shapes: the graph is captured for a capacity of N ids (10% over the step's ids, a multiple of 64: the
-padded batches' rule, embshard/collection/padding.py), the step's n <= N ids at positions 0..n-1 of the static ids and
+padded batches' rule, embshard/spec/geometry.py), the step's n <= N ids at positions 0..n-1 of the static ids and
 pads past them (`step.pad_ids`: key INT64_MAX, shard T; never looked up, admitted or counted, rows 0, no reset).
 Every count the kernels follow is read on the device: n = bounds[T], the misses (counted by the probe), the
 admitted ids from their cumsum, the LRU window's end wb[T] under the fixed bound min(N, usable rows). The static host values: the shards'
@@ -37,7 +37,7 @@ import torch
 
 from embshard.rawids.index import triton_for
 from embshard.rawids.reset import Resets
-from embshard.spec.geometry import offsets
+from embshard.spec.geometry import capacity, offsets
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -76,9 +76,7 @@ def graph_refusal(m: IdMap, ids: torch.Tensor) -> str | None:
 
 
 def step_capacity(n: int) -> int:
-    """The ids a graph is captured for when a step has n: the padded batches' rule (`padding.capacity`)."""
-    from embshard.collection.padding import capacity  # here: padding -> sharding -> rawids at the top would be a cycle
-
+    """The ids a graph is captured for when a step has n: the padded batches' rule (`geometry.capacity`)."""
     return int(capacity(n))
 
 
