@@ -141,6 +141,7 @@ from embshard.planner import kernel_cost, loads
 from embshard.planner.access import distinct_rows, gather, zipf_hit_rate
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
+from embshard.spec.id_map import map_bytes_per_row
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.plan import Exchange, LookupKernel, MemoryTier, ShardingType
 from embshard.spec.tables import TableConfig
@@ -248,8 +249,6 @@ def _map_row(t: TableConfig) -> float:
     """Bytes per row of a raw-id table's map (priced for one table-wise shard of all its rows), else 0."""
     if not t.raw_ids:
         return 0.0
-    from embshard.rawids.idmap import map_bytes_per_row
-
     return float(map_bytes_per_row(t.num_embeddings, t.eviction, t.admit_min_count))
 
 

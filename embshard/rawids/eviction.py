@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 
 from embshard.lookup.shards import _GOLDEN, _mix_
+from embshard.spec.id_map import SKETCH_DEPTH
 
-SKETCH_DEPTH = 2
-"""Counters per id in the count-min sketch of admission counting."""
 SKETCH_DECAY = 10
 """A shard's sketch is halved once it has counted this many times its width (recent counts weigh more)."""
 _FREQ_CAP = (1 << 30) - 1
