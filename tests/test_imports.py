@@ -5,7 +5,9 @@ Edges: every `import a.b` / `from a import b` of embshard's modules: at module l
 `if TYPE_CHECKING:` (a cycle for the reader and the type checker even if not at run time) and inside functions
 (lazy: a cycle all the same, only deferred). Importing a module also imports its packages (`from
 embshard.spec.plan import X` runs `embshard/spec/__init__.py` first), so those count too, except the importer's own
-packages (already being imported).
+packages (already being imported) where it only passes through them; a module that reads a name off its own
+package (`from embshard.kernels import fused_cross_entropy` inside embshard/kernels/) depends on that package's
+__init__ having run, which is a cycle if the __init__ imports it.
 
 Cycles are checked at two levels: modules (`embshard.planner.search`), and packages, where every module of a
 sub-package counts as the package (`embshard.collection`) and the modules of embshard/ stand for themselves;
@@ -186,7 +188,7 @@ class Graph:
             own = {".".join(i.source.split(".")[:k]) for k in range(1, i.source.count(".") + 2)}
             parts = i.target.split(".")
             for dep in (".".join(parts[:k]) for k in range(1, len(parts) + 1)):
-                if dep in known and dep not in own:
+                if dep in known and (dep not in own or dep == i.target != i.source):
                     self.edges[i.source].add(dep)
                     self.at.setdefault((i.source, dep), []).append(i)
 
@@ -305,6 +307,9 @@ def test_graph_is_read():
         ("embshard.b", False, True, False),
         ("embshard.b", True, False, True),
     ]
+    own = read_imports("embshard.a", Path("a.py"), known, "from embshard import b, X\nimport embshard.b\n")
+    assert Graph(own, known).edges["embshard.a"] == {"embshard", "embshard.b"}  # X: a name off the package root
+    assert Graph(own[1:], known).edges["embshard.a"] == {"embshard.b"}  # passing through the root only
     sibling = read_imports("bench.x", Path("x.py"), {"bench.y": Path("y.py")}, "import y\nfrom y import z\n")
     assert [i.target for i in sibling] == ["bench.y", "bench.y"]
     edges = graph().edges
