@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import ast
 import functools
-import io
 import re
 import sys
-import tokenize
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,23 +148,30 @@ def statements(
             yield from statements(child, inner, type_only)
 
 
-def comments(source: str) -> dict[int, str]:
-    """Line number -> the comment on it."""
-    out = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            out[tok.start[0]] = tok.string
-    return out
+def comments_of(lines: list[str], node: ast.stmt) -> str:
+    """The comments on an import statement's lines (an import holds no string, so every `#` in it starts one)."""
+    found = []
+    for k in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+        text = lines[k - 1][node.col_offset :] if k == node.lineno else lines[k - 1]
+        found += re.findall(r"#.*", text)
+    return " ".join(found)
+
+
+@functools.cache
+def parsed(path: Path) -> tuple[str, ast.Module]:
+    """A file's source and syntax tree (read once for every check)."""
+    source = path.read_text()
+    return source, ast.parse(source, str(path))
 
 
 def read_imports(name: str, path: Path, known: dict[str, Path], source: str | None = None) -> list[Import]:
     """The imports of module `name` (file `path`, or `source`) of modules in `known`."""
-    source = path.read_text() if source is None else source
-    notes = comments(source)
+    source, tree = parsed(path) if source is None else (source, ast.parse(source, str(path)))
+    lines = source.splitlines()
     siblings = name.split(".")[0] != "embshard"
     out = []
-    for node, lazy, type_only in statements(ast.parse(source, str(path))):
-        note = " ".join(notes.get(i, "") for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)).strip()
+    for node, lazy, type_only in statements(tree):
+        note = comments_of(lines, node)
         for target in targets(node, name, path.name == "__init__.py", known, siblings):
             out.append(Import(name, target, path, node.lineno, lazy, type_only, note))
     return out
@@ -307,9 +312,10 @@ def test_graph_is_read():
         ("embshard.b", False, True, False),
         ("embshard.b", True, False, True),
     ]
-    own = read_imports("embshard.a", Path("a.py"), known, "from embshard import b, X\nimport embshard.b\n")
-    assert Graph(own, known).edges["embshard.a"] == {"embshard", "embshard.b"}  # X: a name off the package root
-    assert Graph(own[1:], known).edges["embshard.a"] == {"embshard.b"}  # passing through the root only
+    reads = read_imports("embshard.a", Path("a.py"), known, "from embshard import b, X\n")
+    assert Graph(reads, known).edges["embshard.a"] == {"embshard", "embshard.b"}  # X: a name off the package root
+    passes = read_imports("embshard.a", Path("a.py"), known, "import embshard.b\n")
+    assert Graph(passes, known).edges["embshard.a"] == {"embshard.b"}  # through the root only
     sibling = read_imports("bench.x", Path("x.py"), {"bench.y": Path("y.py")}, "import y\nfrom y import z\n")
     assert [i.target for i in sibling] == ["bench.y", "bench.y"]
     edges = graph().edges
@@ -364,9 +370,14 @@ def test_the_planner_library_imports_neither_the_app_nor_the_runtime():
     heavy = []
     for name, path in modules().items():
         if layer_of(name) is not None and LAYERS[layer_of(name)] in TORCH_FREE:
-            for node, lazy, type_only in statements(ast.parse(path.read_text(), str(path))):
+            for node, lazy, type_only in statements(parsed(path)[1]):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if not lazy and not type_only and not node.level and {n.split(".")[0] for n in names} & TORCH_STACK:
+                if (
+                    not lazy
+                    and not type_only
+                    and not getattr(node, "level", 0)
+                    and {n.split(".")[0] for n in names} & TORCH_STACK
+                ):
                     heavy.append(f"    {path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not heavy, f"{'/'.join(TORCH_FREE)} import the GPU stack at module level:\n" + "\n".join(heavy)
 
@@ -403,7 +414,7 @@ def third_party_imports(folder: Path) -> dict[str, set[str]]:
     }
     out: dict[str, set[str]] = {}
     for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)[1]):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
