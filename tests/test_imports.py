@@ -316,8 +316,9 @@ def test_graph_is_read():
     assert Graph(reads, known).edges["embshard.a"] == {"embshard", "embshard.b"}  # X: a name off the package root
     passes = read_imports("embshard.a", Path("a.py"), known, "import embshard.b\n")
     assert Graph(passes, known).edges["embshard.a"] == {"embshard.b"}  # through the root only
-    sibling = read_imports("bench.x", Path("x.py"), {"bench.y": Path("y.py")}, "import y\nfrom y import z\n")
-    assert [i.target for i in sibling] == ["bench.y", "bench.y"]
+    source = "import y\nfrom y import z\nfrom bench.y import z\nfrom . import y\nimport torch, numpy\n"
+    sibling = read_imports("bench.x", Path("x.py"), {"bench": Path("__init__.py"), "bench.y": Path("y.py")}, source)
+    assert [i.target for i in sibling] == ["bench.y"] * 4  # torch, numpy: no sibling, no module of bench
     edges = graph().edges
     assert "embshard.spec.plan" in edges["embshard.collection.sharded"]
     assert "embshard.spec.tables" in edges["embshard.spec.plan"]
