@@ -205,7 +205,7 @@ def test_graphed_step_refuses_what_it_cannot_capture():
 
 
 def test_capacity_is_ten_percent_over_in_multiples_of_64():
-    from embshard.collection.padding import capacity
+    from embshard.spec.geometry import capacity
 
     got = capacity(np.array([0, 1, 64, 100, 1000]))
     assert got.tolist() == [0, 64, 128, 128, 1152]

@@ -22,17 +22,12 @@ import torch
 
 from embshard.runtime.ops import cached_tensor, complete_cumsum, small_to_device
 from embshard.sharding.exchange import BatchCounts
+from embshard.spec.geometry import capacity  # noqa: F401  (collection/emb_graph.py calls padding.capacity)
 from embshard.spec.optim import OptimizerKind
 from embshard.spec.tables import Pooling, feature_columns
 
 FILLER_ROWS = 1024
 """A feature's filler ids cycle over this many rows of its table (fewer if the table is smaller)."""
-
-
-def capacity(ids_F: np.ndarray | int) -> np.ndarray:
-    """Padded ids per feature for a run of ragged batches whose largest counts are `ids_F`: 10% above, rounded up
-    to a multiple of 64 ids, in integers (3,200 ids give 3,520: through floats, 3,200 x 1.1 rounds above 3,520)."""
-    return (np.asarray(ids_F, dtype=np.int64) * 11 + 639) // 640 * 64
 
 
 def refusal(ebc) -> str | None:

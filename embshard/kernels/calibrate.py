@@ -110,7 +110,7 @@ def regroup_layout(n_keys: int, width: int, seed: int = 0):
 
 def measure_regroup(n_keys: int, width: int, batch: int, iters: int, device: str = "cuda") -> tuple[float, float]:
     """(seconds, bytes) of the regroup kernel's forward + backward (fp32) on `regroup_layout(n_keys, width)`."""
-    from embshard.collection.regroup_kernel import KernelRegroup
+    from embshard.collection.regroup_kernel import KernelRegroup  # upward: times the regroup the collection runs
 
     keys, dims, groups = regroup_layout(n_keys, width)
     used = groups["all"]

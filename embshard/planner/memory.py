@@ -15,7 +15,7 @@ output's gradient, 3*B*F*D*4. The planner's budget for the sum per rank is capac
 peak includes every buffer the step allocates.
 
 Raw-id tables (ids: raw, embshard/rawids): the shard's id -> row map costs r*m bytes more state, kept where the
-shard computes (HBM for GPU tiers, host memory for host; m = spec.raw_ids.map_bytes_per_row, ~60-100 B), and
+shard computes (HBM for GPU tiers, host memory for host; m = spec.id_map.map_bytes_per_row, ~60-100 B), and
 n*RAW_ID_STEP_BYTES of step memory.
 """
 
@@ -28,8 +28,8 @@ import numpy as np
 
 from embshard.planner import kernel_cost
 from embshard.planner.topology import Topology
+from embshard.spec.id_map import map_bytes_per_row
 from embshard.spec.plan import LookupKernel, MemoryTier, ShardingType
-from embshard.spec.raw_ids import map_bytes_per_row
 from embshard.spec.tables import Eviction, TableConfig
 
 ID_BYTES = 8
@@ -62,7 +62,7 @@ class TableStats:
     raw: np.ndarray | float = 0.0
     """1 for raw-id tables (ids: raw), else 0."""
     map_row: np.ndarray | float = 0.0
-    """Bytes of the id -> row map per row (raw-id tables; `spec.raw_ids.map_bytes_per_row`), else 0."""
+    """Bytes of the id -> row map per row (raw-id tables; `spec.id_map.map_bytes_per_row`), else 0."""
     lfu: np.ndarray | float = 0.0
     """1 for raw-id tables evicting by LFU."""
 

@@ -28,7 +28,7 @@ Where the remapping runs
     (admit_min_count 1 for every table of the group), weights in the table's own type. Other groups, evaluation,
     steps of no ids and EMBSHARD_RAWID_GRAPH=0 run the eager step.
 
-The map of one lookup group (`IdMap`, idmap.py; index.py, eviction.py, reset.py), T shards, tensors on the device
+The map of one lookup group (`IdMap`, idmap.py; state.py, index.py, eviction.py, reset.py), T shards, on the device
     rows        the shards' rows concatenated (R = sum of rows); per row: `row_key` (its id), `row_last` (the
                 map's clock when last used; -1: holds no id), `row_freq` (times used), `row_slot` (its index slot).
                 The LAST row of every shard is its zero row: never given to an id, reset to zeros before every

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from embshard.lookup.shards import _GOLDEN, _mix_
-from embshard.spec.raw_ids import SKETCH_DEPTH  # counters per id in the count-min sketch of admission counting
+from embshard.spec.id_map import SKETCH_DEPTH
 
 SKETCH_DECAY = 10
 """A shard's sketch is halved once it has counted this many times its width (recent counts weigh more)."""

@@ -7,7 +7,7 @@ holding all of it, and the host pays the replay and three copies: the ids into a
 values into another (one pinned copy), the rows out.
 
 Fixed shapes: the graph is captured for a capacity of N ids (10% over the step's ids, a multiple of 64: the
-padded batches' rule, embshard/collection/padding.py), the step's n <= N ids at positions 0..n-1 of the static ids and
+padded batches' rule, embshard/spec/geometry.py), the step's n <= N ids at positions 0..n-1 of the static ids and
 pads past them (`step.pad_ids`: key INT64_MAX, shard T; never looked up, admitted or counted, rows 0, no reset).
 Every count the kernels follow is read on the device: n = bounds[T], the misses (counted by the probe), the
 admitted ids from their cumsum, the LRU window's end wb[T] under the fixed bound min(N, usable rows). The static host values: the shards'
@@ -37,14 +37,14 @@ import torch
 
 from embshard.rawids.index import triton_for
 from embshard.rawids.reset import Resets
-from embshard.spec.geometry import offsets
+from embshard.spec.geometry import capacity, offsets
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torch import nn
 
-    from embshard.rawids.idmap import IdMap
+    from embshard.rawids.state import MapState
 
 GRAPH_ENV = "EMBSHARD_RAWID_GRAPH"
 
@@ -58,10 +58,10 @@ def graph_choice() -> bool:
     return choice == "1"
 
 
-def graph_refusal(m: IdMap, ids: torch.Tensor) -> str | None:
+def graph_refusal(m: MapState, ids: torch.Tensor) -> str | None:
     """Why `m`'s training step on `ids` runs eagerly, or None: the graph takes CUDA tensors, the map's step and reset
     on their Triton kernels, LRU eviction only, no admission counting (admit_min_count 1 for every table), weights
-    in the table's own type, no capture under way, and a capture of its own that worked."""
+    in the table's own type and no capture under way (a map whose own capture failed: its `MapGraph.refused`)."""
     if ids.device.type != "cuda":
         return "not on CUDA"
     if not (triton_for(m.map_kernel, ids.device) and triton_for(m.reset_kernel, ids.device)):
@@ -72,18 +72,16 @@ def graph_refusal(m: IdMap, ids: torch.Tensor) -> str | None:
         return "admission counting (admit_min_count > 1: the sketch's torch ops)"
     if torch.cuda.is_current_stream_capturing():
         return "inside another graph's capture (the eager step is captured with it)"
-    return m._graph.refused if m._graph is not None else None
+    return None
 
 
 def step_capacity(n: int) -> int:
-    """The ids a graph is captured for when a step has n: the padded batches' rule (`padding.capacity`)."""
-    from embshard.collection.padding import capacity  # here: padding -> sharding -> rawids at the top would be a cycle
-
+    """The ids a graph is captured for when a step has n: the padded batches' rule (`geometry.capacity`)."""
     return int(capacity(n))
 
 
 def padded_step(
-    m: IdMap, ids: torch.Tensor, vals: torch.Tensor, W: int, order_out: torch.Tensor | None, stores: tuple | None
+    m: MapState, ids: torch.Tensor, vals: torch.Tensor, W: int, order_out: torch.Tensor | None, stores: tuple | None
 ) -> tuple[torch.Tensor, Resets]:
     """One training step of `m` on padded inputs, the graph's body (it runs eagerly too): `ids` `[N]` the step's ids
     at 0..n-1 (the rest anything), `vals` int64 on the device: bounds `[T + 1]` (the shards' first positions, n),
@@ -92,7 +90,7 @@ def padded_step(
     clock's advance, and with `stores` (`m.storages(lookup)`) the reset: the zero rows and the rows given to new ids.
     The host clock is the caller's to advance. Returns (rows `[N]`: the first n the step's, pads 0; the reset list:
     -1 at the pads)."""
-    from embshard.rawids.step import pad_ids, train_triton
+    from embshard.rawids.step import pad_ids, train_triton  # here: it imports triton, which a CPU run never needs
 
     T = m.T
     bounds, wb, keys = vals[: T + 1], vals[T + 1 : 2 * T + 2], vals[2 * T + 2 :]
@@ -110,7 +108,7 @@ def padded_step(
     return rows, resets
 
 
-def step_values(m: IdMap, counts: Sequence[int], keys: Sequence[int]) -> list[int]:
+def step_values(m: MapState, counts: Sequence[int], keys: Sequence[int]) -> list[int]:
     """A padded step's host values (`padded_step`'s `vals`): the shards' first positions and n, the LRU window's
     bounds (per shard min(its ids, its usable rows)), the stream keys."""
     n = sum(counts)
@@ -122,7 +120,7 @@ class MapGraph:
     """The graphed training steps of one `IdMap` (the module docstring): two graphs (one per order buffer) for the
     capacity `N`, their static inputs and outputs."""
 
-    def __init__(self, m: IdMap) -> None:
+    def __init__(self, m: MapState) -> None:
         self.m = m
         self.refused: str | None = None  # set when a capture failed: the map stays on the eager step
         self.N = 0

@@ -1,57 +1,30 @@
 """`IdMap`: the id -> row maps of one lookup group's raw-id shards, and the step that remaps their ids (the design
-and the algorithm are in the package docstring, embshard/rawids/__init__.py). The index is in index.py, eviction
-and admission in eviction.py, the rows' reset in reset.py.
-
-Conventions: rows are numbered in the group's concatenated row space (shard s owns rows `row_base[s] ..
-row_base[s] + rows_s - 1`, its last row the zero row); per-row and per-slot buffers have one extra trailing
-element, a trash slot that masked-off writes go to (fixed-size scatters instead of boolean-mask indexing; only
-plain stores go there, never atomic adds: a GPU serialises atomics on one address). Per-shard sums of per-id values
-are taken by a scatter into batch positions (shard after shard) and a cumsum, not by atomic adds into T counters.
+and the algorithm are in the package docstring, embshard/rawids/__init__.py). The map's tensors, their conventions
+and the parts of the step every way of running it shares are in state.py (`MapState`), the index in index.py,
+eviction and admission in eviction.py, the rows' reset in reset.py. The step runs on torch ops (`_train`), on its
+Triton kernels (step.py) or, for a training step on CUDA, as a CUDA graph (graph.py).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from embshard.lookup.shards import LocalShard, _signed
-from embshard.rawids.eviction import SKETCH_DEPTH, EvictionOps, bounded_prefix
-from embshard.rawids.hashing import BUCKET_SALTS, SKETCH_SALTS
-from embshard.rawids.index import IndexOps, P
-from embshard.rawids.reset import ResetOps, Resets
+from embshard.lookup.shards import LocalShard
+from embshard.rawids import graph
+from embshard.rawids.eviction import bounded_prefix
+from embshard.rawids.reset import Resets
+from embshard.rawids.state import MapState
 from embshard.runtime.ops import small_to_device
 from embshard.spec.geometry import offsets
-from embshard.spec.raw_ids import index_buckets, index_itemsize, map_bytes_per_row
-from embshard.spec.tables import ConfigError, Eviction
+from embshard.spec.id_map import P, map_bytes_per_row
 
 __all__ = ["P", "IdMap", "Resets", "map_bytes_per_row"]
 
-KERNELS_ENV = "EMBSHARD_RAWID_KERNELS"
 
-
-def kernel_choice() -> str:
-    """Where the map's steps run: EMBSHARD_RAWID_KERNELS, 'auto' (the default: Triton kernels on CUDA, torch ops
-    elsewhere), 'torch' (torch ops everywhere: a fallback to compare with) or 'triton'."""
-    choice = os.environ.get(KERNELS_ENV, "auto")
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"{KERNELS_ENV}={choice!r} is invalid: choose auto (the default), torch or triton")
-    return choice
-
-
-def _buckets(usable: int) -> int:
-    """Buckets of the index of a shard with `usable` rows for ids (embshard.spec.raw_ids.index_buckets)."""
-    return index_buckets(usable)
-
-
-def _index_dtype(rows: int, slots: int) -> torch.dtype:
-    """The dtype of slot -> row and row -> slot: int32 while both fit."""
-    return torch.int32 if index_itemsize(rows, slots) == 4 else torch.int64
-
-
-class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
+class IdMap(MapState):
     """The id -> row maps of the raw-id shards `shards` of one lookup group (one per shard), on `device`.
 
     `remap(ids, counts)` maps a step's ids (shard after shard, `counts[s]` ids of shard s) to the shards' local
@@ -59,83 +32,20 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
     lookup's weights and optimizer state. `forward` does both."""
 
     def __init__(self, shards: Sequence[LocalShard], device: torch.device, seed: int | None) -> None:
-        super().__init__()
-        self.shards = list(shards)
-        self.seed = seed
-        self.map_kernel = self.reset_kernel = kernel_choice()
-        for s in self.shards:
-            if s.shard.num_rows < 2:
-                raise ConfigError(
-                    f"table {s.table.name!r} (ids: raw): its block at row {s.shard.row_offset} on rank "
-                    f"{s.shard.rank} has {s.shard.num_rows} row; a raw-id block needs >= 2 (a zero row and a row "
-                    "for ids): give the table more rows or plan it on fewer ranks (table_wise)"
-                )
-        rows = [s.shard.num_rows for s in self.shards]
-        usable = [r - 1 for r in rows]
-        buckets = [_buckets(u) for u in usable]
-        widths = [max(u, 16) for u in usable]
-        T = len(rows)
-        self.T, self.R, self.Ord = T, sum(rows), sum(usable)
-        self.NB, self.S, self.W = sum(buckets), sum(buckets) * P, sum(widths)
-        self.rows_host, self.row_base_host, self.usable_host = rows, offsets(rows), usable
-        self.lru = any(s.table.eviction is Eviction.LRU for s in self.shards)
-        self.lfu = any(s.table.eviction is Eviction.LFU for s in self.shards)
-        self.sketching = any(s.table.admit_min_count > 1 for s in self.shards)
-        self.clock = 0
-        """The map's clock (steps so far, a host int); `clock_t` holds the same on the device (the Triton kernels
-        read it), equal at every step boundary: the Triton step advances it on the device, in its stream."""
-        from embshard.rawids.graph import graph_choice  # graph.py names IdMap: imported here, not at the top
-
-        self.graphed = graph_choice()
+        super().__init__(shards, device, seed)
+        self.graphed = graph.graph_choice()
         """Training steps replay a CUDA graph where `graph.graph_refusal` allows (EMBSHARD_RAWID_GRAPH)."""
-        self._graph = None  # its graph.MapGraph, made at the first graphed step
-
-        def buf(name: str, t: torch.Tensor) -> None:
-            self.register_buffer(name, t.to(device), persistent=False)
-
-        i64 = torch.int64
-        idx = _index_dtype(self.R, self.S)
-        row_base = torch.tensor(offsets(rows), dtype=i64)
-        buf("row_tab", torch.stack([row_base, row_base + torch.tensor(rows) - 1], 1))  # [T, 2]: first row, zero row
-        buf("ord_base", torch.tensor(offsets(usable), dtype=i64))
-        buf("ord_bounds", torch.tensor(offsets(usable) + [self.Ord], dtype=i64))
-        buf("bucket_tab", torch.tensor([offsets(buckets), buckets], dtype=i64).T.contiguous())  # first, buckets
-        buf("bucket_salts", torch.tensor([_signed(s) for s in BUCKET_SALTS], dtype=i64))
-        buf("min_count", torch.tensor([s.table.admit_min_count for s in self.shards], dtype=i64))
-        buf("is_lfu", torch.tensor([s.table.eviction is Eviction.LFU for s in self.shards]))
-        buf("seg", torch.repeat_interleave(torch.arange(T, dtype=i64), torch.tensor(usable)))
-        if self.lru:
-            buf("order", torch.cat([b + torch.arange(u, dtype=i64) for b, u in zip(offsets(rows), usable)]))
-        buf("row_key", torch.zeros(self.R + 1, dtype=i64))
-        buf("row_last", torch.full((self.R + 1,), -1, dtype=i64))
-        buf("row_freq", torch.zeros(self.R + 1, dtype=i64))
-        buf("row_slot", torch.full((self.R + 1,), -1, dtype=idx))
-        buf("slot_key", torch.zeros(self.S + 1, dtype=i64))
-        buf("slot_row", torch.full((self.S + 1,), -1, dtype=idx))
-        buf("list_head", torch.full((self.NB,), -1, dtype=i64))  # the Triton step's inserts (rawids/step.py)
-        buf("row_used", torch.zeros(self.R + 1 if self.lru else 1, dtype=torch.int8))  # its marks of used rows
-        buf("clock_t", torch.zeros(1, dtype=i64))
-        buf("admitted", torch.zeros(T, dtype=i64))
-        buf("evicted", torch.zeros(T, dtype=i64))
-        if self.sketching:
-            buf("sk_base", torch.tensor(offsets(widths), dtype=i64))
-            buf("sk_width", torch.tensor(widths, dtype=i64))
-            buf("sk_seg", torch.repeat_interleave(torch.arange(T, dtype=i64), torch.tensor(widths)))
-            buf("sketch_salts", torch.tensor([_signed(s) for s in SKETCH_SALTS], dtype=i64))
-            buf("sketch", torch.zeros(SKETCH_DEPTH, self.W, dtype=i64))
-            buf("sketch_adds", torch.zeros(T, dtype=i64))
+        self._graph: graph.MapGraph | None = None  # made at the first graphed step
 
     # ---- the step ----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, counts: Sequence[int], lookup: nn.Module) -> torch.Tensor:
         """Local rows of `ids` (`counts[s]` ids of shard s, shard after shard), after admitting new ids when
         training (grad enabled); resets the rows given to new ids and the zero rows in `lookup`. A training step
         on CUDA replays the map's CUDA graph where `graph.graph_refusal` allows (embshard/rawids/graph.py)."""
-        if self.graphed and ids.numel() and torch.is_grad_enabled():
-            from embshard.rawids import graph
-
-            if graph.graph_refusal(self, ids) is None:
-                if self._graph is None:
-                    self._graph = graph.MapGraph(self)
+        if self.graphed and ids.numel() and torch.is_grad_enabled() and graph.graph_refusal(self, ids) is None:
+            if self._graph is None:
+                self._graph = graph.MapGraph(self)
+            if self._graph.refused is None:  # its capture worked (or comes now)
                 rows = self._graph.step(ids, counts, lookup)
                 if rows is not None:
                     return rows
@@ -246,39 +156,9 @@ class IdMap(IndexOps, EvictionOps, ResetOps, nn.Module):
         self, ids: torch.Tensor, shard_of: torch.Tensor, bounds: torch.Tensor, wb: torch.Tensor, W: int
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """`_train` on the Triton kernels (rawids/step.py), and the compact list of positions given a row."""
-        from embshard.rawids.step import train_triton
+        from embshard.rawids.step import train_triton  # here: it imports triton, which a CPU run never needs
 
         return train_triton(self, ids, shard_of, bounds, wb, W)
-
-    def _admitted(
-        self, key: torch.Tensor, shard: torch.Tensor, cnt: torch.Tensor, new: torch.Tensor, pos: torch.Tensor,
-        bounds: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """The new ids admission counting lets in: their uses added to the sketch (`_count`), the ids whose
-        estimate reaches their shard's min_count (per unique id: key, shard, uses, new, batch position)."""
-        est = self._count(key, shard, cnt, new, self._sums_per_shard(pos, new, bounds))
-        return new & (est >= self.min_count[shard])
-
-    def _sums_per_shard(
-        self, u_pos: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A function of per-id values (`[n]`, one per unique id) giving `[T]` the sums per shard over the ids in
-        `mask`: the values scattered to the ids' batch positions (shard after shard), a cumsum, its differences."""
-        n = u_pos.numel()
-        pos = torch.where(mask, u_pos, n)
-
-        def sums(values: torch.Tensor) -> torch.Tensor:
-            at = torch.zeros(n + 1, dtype=values.dtype, device=values.device).scatter_(0, pos, values)
-            before = bounded_prefix(torch.cumsum(at[:n], 0), bounds)
-            return before[1:] - before[:-1]
-
-        return sums
-
-    def tick(self) -> None:
-        """A training step without a lookup on this rank (empty global batch): the clock still advances (on the
-        host and, in its stream, on the device)."""
-        self.clock += 1
-        self.clock_t.add_(1)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202  (nn.Module's: .to(), .cuda(), ...)
         self._graph = None  # the captured graphs hold the buffers' old addresses

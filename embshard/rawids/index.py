@@ -16,7 +16,7 @@ import torch
 
 from embshard.lookup.shards import _GOLDEN, _mix_, _signed
 from embshard.rawids.hashing import BUCKET_SALTS
-from embshard.spec.raw_ids import P  # slots per bucket of the index (an id is looked up in 2 buckets: 2P slots)
+from embshard.spec.id_map import P
 
 _SALTS = (_signed(BUCKET_SALTS[0]), _signed(BUCKET_SALTS[1]))
 """The two candidate buckets' salts as signed 64-bit ints (the Triton lookup's arguments)."""

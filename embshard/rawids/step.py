@@ -26,11 +26,11 @@ import triton
 from embshard.rawids.index import _SALTS, P
 
 if TYPE_CHECKING:
-    from embshard.rawids.idmap import IdMap
+    from embshard.rawids.state import MapState
 
 
 def train_triton(
-    m: IdMap, ids: torch.Tensor, shard_of: torch.Tensor, bounds: torch.Tensor, wb: torch.Tensor, W: int,
+    m: MapState, ids: torch.Tensor, shard_of: torch.Tensor, bounds: torch.Tensor, wb: torch.Tensor, W: int,
     padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """`IdMap._train` on the Triton kernels at the map's device clock `m.clock_t` (left as it is): (local rows, the

@@ -7,6 +7,8 @@
 - Column blocks (column-wise): FBGEMM's TBE needs every block a multiple of 4 columns wide; `column_blocks(dim, n)`
   cuts the width into up to n blocks of whole units of 4, as even as possible (dim=24, n=4: 8, 8, 4, 4; dim=8,
   n=3: 4, 4).
+- Capacities: `capacity(ids)` is the padded batches' size for a run of ragged batches (10% above, a multiple of
+  64 ids): what a captured CUDA graph is sized for (embshard/collection/padding.py, embshard/rawids/graph.py).
 
 Sizes are plain integers here; embshard.spec.plan turns them into Shards.
 """
@@ -14,6 +16,8 @@ Sizes are plain integers here; embshard.spec.plan turns them into Shards.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from embshard.spec.tables import ConfigError
 
@@ -78,3 +82,9 @@ def runs(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
         else:
             out.append((x, 1))
     return tuple(out)
+
+
+def capacity(ids_F: np.ndarray | int) -> np.ndarray:
+    """Padded ids per feature for a run of ragged batches whose largest counts are `ids_F`: 10% above, rounded up
+    to a multiple of 64 ids, in integers (3,200 ids give 3,520: through floats, 3,200 x 1.1 rounds above 3,520)."""
+    return (np.asarray(ids_F, dtype=np.int64) * 11 + 639) // 640 * 64

@@ -49,11 +49,11 @@ import torch
 
 from embshard.collection import padding
 from embshard.collection.emb_graph import collection_refusal, leaves_of, static_kjt
-from embshard.collection.padding import capacity
 from embshard.models.registry import StepOutput
 from embshard.runtime import comm
 from embshard.runtime.ops import every_id_weighted
 from embshard.sharding.exchange import BatchCounts
+from embshard.spec.geometry import capacity
 from embshard.training.dense_graph import DenseGraphStep
 
 __all__ = ["StepGraph", "capacity", "refusal"]

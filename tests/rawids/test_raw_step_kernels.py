@@ -83,7 +83,7 @@ def test_step_kernels_match_torch(device):
 def test_step_kernels_with_full_buckets(device, monkeypatch):
     """One shard whose index has two buckets (32 slots for 40 rows): new ids fill the emptier bucket, then the other,
     and the last find no slot (their rows are given but left unused), as on the torch path."""
-    monkeypatch.setattr("embshard.rawids.idmap._buckets", lambda usable: 2)
+    monkeypatch.setattr("embshard.rawids.state.map_buckets", lambda usable: 2)
     fast, ref = _maps([TableConfig("a", 41, 4, ("fa",), ids="raw")], device)
     gen = torch.Generator().manual_seed(3)
     for step in range(4):
