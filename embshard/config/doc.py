@@ -1,15 +1,18 @@
-"""Generate docs/config.md from the config dataclasses' field docstrings: `python -m embshard.config.doc [OUT]`.
+"""Generate docs/config.md from the config dataclasses' field docstrings: `python -m embshard.config.doc [OUT]`
+(standard output without OUT; `--check OUT`: exit 1 if OUT is out of date; `--help`: usage).
 
 tests/config/test_config.py checks that docs/config.md equals this output, so the reference cannot drift."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import sys
 import types
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
 from embshard.config.schema import field_docs, type_name
@@ -113,15 +116,34 @@ def generate() -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str] | None = None) -> int:
+    """Command line: write the reference to OUT (default: standard output), or with `--check` compare OUT with it.
+    Returns the exit status (1: `--check` found OUT missing or out of date)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m embshard.config.doc",
+        description="Generate the configuration reference (docs/config.md) from the config dataclasses' field "
+        "docstrings.",
+    )
+    parser.add_argument("out", nargs="?", help="file to write (default: standard output), e.g. docs/config.md")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing: exit 1 if OUT is missing or differs from the output"
+    )
+    args = parser.parse_args(argv)
     text = generate()
-    if argv:
-        with open(argv[0], "w") as fh:
-            fh.write(text)
-    else:
+    if args.check:
+        if args.out is None:
+            parser.error("--check needs OUT, the file to compare (e.g. docs/config.md)")
+        path = Path(args.out)
+        if not path.is_file() or path.read_text() != text:
+            print(f"{path} is out of date: run `python -m embshard.config.doc {path}` (make docs)", file=sys.stderr)
+            return 1
+        return 0
+    if args.out is None:
         sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -14,195 +14,27 @@ id of row 0 (raw: the id RAW_MISSING). Identity: nulls are dropped and a bag may
 does not parse, a missing or out-of-range label, an infinite dense value, an id out of range, weights that do not
 match the ids) raises a ConfigError naming file, line or row, column, value and the rule (on_bad_row: error) or
 is dropped and counted (on_bad_row: skip).
+
+The specs and the chunk are in chunk.py, bad rows and number parsing in parse.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from embshard.config.data import DenseColumnConfig
+from embshard.data.chunk import Chunk, FeatureSpec, ReadSpec
 from embshard.data.hashing import as_text, hash_rows, hash_values
 from embshard.data.layout import Layout, Piece
+from embshard.data.parse import BadRows, column_array, numbers, to_float
 from embshard.spec.tables import ConfigError
 
 MISSING_ROW = 0
 RAW_MISSING = -(1 << 63)
 """mapping raw: the id of a missing value (a null or empty value; a bag left empty gets one)."""
 RAW_INT_RE = r"^-?[0-9]{1,18}$"
-FLOAT_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf|infinity)$"
-INT_RE = r"^[+-]?\d+$"
 PACKED_KEY = b"embshard.packed"  # field metadata of a fixed_size_binary column of packed little-endian ids
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """One sparse feature: its column, its table's rows, how multi-valued text is split, its weight column."""
-
-    name: str
-    column: str
-    rows: int
-    table: str
-    separator: str | None = None
-    weights: str | None = None
-
-
-@dataclass(frozen=True)
-class ReadSpec:
-    """Everything a reader needs (plain data: it is sent to worker processes)."""
-
-    where: str  # config key for messages, e.g. data.table
-    fmt: str
-    header: bool
-    column_names: tuple[str, ...] | None
-    delimiter: str
-    label: str
-    label_threshold: float | None
-    dense: tuple[DenseColumnConfig, ...]
-    features: tuple[FeatureSpec, ...]
-    mapping: str
-    weighted: bool
-    on_bad_row: str
-    chunk_rows: int = 65536
-
-    def columns(self) -> list[str]:
-        """The columns read, each once."""
-        names = [self.label, *(d.column for d in self.dense)]
-        for f in self.features:
-            names += [f.column] + ([f.weights] if f.weights else [])
-        return list(dict.fromkeys(names))
-
-
-@dataclass
-class Chunk:
-    """Rows of one piece (or a window of pieces): labels [n], dense [n, D], and per feature lengths [n] int32,
-    ids int64 and per-id weights float32 (None when no table is weighted)."""
-
-    labels: np.ndarray
-    dense: np.ndarray
-    lengths: list[np.ndarray]
-    values: list[np.ndarray]
-    weights: list[np.ndarray] | None
-    fixed: list[int | None] | None = None  # per feature: the size of every bag, when known to be one size
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    @staticmethod
-    def concat(chunks: list[Chunk]) -> Chunk:
-        if len(chunks) == 1:
-            return chunks[0]
-        nf = len(chunks[0].lengths)
-        return Chunk(
-            np.concatenate([c.labels for c in chunks]),
-            np.concatenate([c.dense for c in chunks]),
-            [np.concatenate([c.lengths[f] for c in chunks]) for f in range(nf)],
-            [np.concatenate([c.values[f] for c in chunks]) for f in range(nf)],
-            None if chunks[0].weights is None else [np.concatenate([c.weights[f] for c in chunks]) for f in range(nf)],
-            [_same([c.fixed[f] if c.fixed else None for c in chunks]) for f in range(nf)],
-        )
-
-    def keep(self, mask: np.ndarray) -> Chunk:
-        """The rows where mask is true."""
-        per_value = [np.repeat(mask, lens) for lens in self.lengths]
-        return Chunk(
-            self.labels[mask],
-            self.dense[mask],
-            [lens[mask] for lens in self.lengths],
-            [v[m] for v, m in zip(self.values, per_value)],
-            None if self.weights is None else [w[m] for w, m in zip(self.weights, per_value)],
-            self.fixed,
-        )
-
-
-def _same(sizes: list[int | None]) -> int | None:
-    return sizes[0] if sizes[0] is not None and all(k == sizes[0] for k in sizes) else None
-
-
-class BadRows:
-    """Bad rows of one table read from a piece: a mask, and the first one's description."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self._mask: np.ndarray | None = None  # made at the first bad row (most pieces have none)
-        self.first: tuple[int, str] | None = None  # (row index, "column ...: rule")
-
-    @property
-    def mask(self) -> np.ndarray:
-        if self._mask is None:
-            self._mask = np.zeros(self.n, dtype=bool)
-        return self._mask
-
-    @property
-    def count(self) -> int:
-        return 0 if self._mask is None else int(self._mask.sum())
-
-    def add(self, mask: np.ndarray, column: str, values: pa.Array | np.ndarray | None, rule: str) -> None:
-        if not mask.any():
-            return
-        i = int(np.argmax(mask))
-        self.mask[:] |= mask
-        if self.first is None or i < self.first[0]:
-            shown = "" if values is None else f"={_show(values[i])}"
-            self.first = (i, f"column {column!r}{shown}: {rule}")
-
-
-def _show(v: object) -> str:
-    if isinstance(v, pa.Scalar):
-        v = v.as_py()
-    if isinstance(v, np.generic):
-        v = v.item()
-    return repr(v)
-
-
-def text_to_numbers(arr: pa.Array, integer: bool) -> tuple[pa.Array, np.ndarray]:
-    """Parse text values as numbers: (float64 or int64 array with nulls where missing or bad, bad mask)."""
-    ok = pc.match_substring_regex(arr, INT_RE if integer else FLOAT_RE, ignore_case=True)
-    bad = np.asarray(pc.fill_null(pc.invert(ok), False))
-    kept = pc.if_else(pc.fill_null(ok, False), arr, pa.nulls(len(arr), arr.type))
-    try:
-        return pc.cast(kept, pa.int64() if integer else pa.float64()), bad
-    except pa.ArrowInvalid:  # the regex let through something the cast refuses: find it value by value
-        parse = int if integer else float
-        out, bad = [], bad.copy()
-        for i, v in enumerate(kept.to_pylist()):
-            try:
-                out.append(None if v is None else parse(v))
-            except ValueError:
-                out.append(None)
-                bad[i] = True
-        return pa.array(out, pa.int64() if integer else pa.float64()), bad
-
-
-def numbers(arr: pa.Array, column: str, where: str, bad: BadRows, integer: bool = False) -> pa.Array:
-    """A numeric or text column as float64 (int64 if integer), nulls kept; unparsable text marks bad rows."""
-    t = arr.type
-    if pa.types.is_dictionary(t):
-        arr, t = arr.dictionary_decode(), t.value_type
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        parsed, is_bad = text_to_numbers(arr, integer)
-        bad.add(is_bad, column, arr, "not an integer" if integer else "not a number")
-        return parsed
-    if integer and pa.types.is_integer(t):
-        return arr.cast(pa.int64())
-    if not integer and (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-        return arr.cast(pa.float64())
-    raise ConfigError(
-        f"{where}: column {column!r} has type {t}; expected {'integers' if integer else 'numbers'} (or text of them)"
-    )
-
-
-def _array(table: pa.Table, name: str) -> pa.Array:
-    """One column as a single array (without a copy when it is one chunk, as a row group read gives it)."""
-    col = table.column(name)
-    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-
-
-def to_float(arr: pa.Array) -> np.ndarray:
-    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
 class Reader:
@@ -356,7 +188,7 @@ class Reader:
     def convert(self, table: pa.Table, bad: BadRows) -> Chunk:
         spec = self.spec
         n = table.num_rows
-        label = to_float(numbers(_array(table, spec.label), spec.label, spec.where, bad))
+        label = to_float(numbers(column_array(table, spec.label), spec.label, spec.where, bad))
         if spec.label_threshold is not None:
             bad.add(np.isnan(label), spec.label, None, "the label is missing")
             label = (label >= spec.label_threshold).astype(np.float32)
@@ -367,7 +199,7 @@ class Reader:
             bad.add(out, spec.label, label, "a label must be in [0, 1] (set label_threshold to binarize)")
         dense = np.empty((n, len(spec.dense)), dtype=np.float32)
         for j, d in enumerate(spec.dense):
-            x = to_float(numbers(_array(table, d.column), d.column, spec.where, bad))
+            x = to_float(numbers(column_array(table, d.column), d.column, spec.where, bad))
             if not np.isfinite(x).all():
                 bad.add(np.isinf(x), d.column, x, "a dense value must be finite")
                 x = np.where(np.isfinite(x), x, d.fill)
@@ -392,7 +224,7 @@ class Reader:
     def split(self, table: pa.Table, column: str, separator: str | None) -> tuple[np.ndarray, pa.Array, int | None]:
         """A column as bags: lengths [n] (int32), the flat values (nulls kept) and the size of every bag when it
         is one size by construction; for lists, separator text, packed fixed-width ids or single values."""
-        col = _array(table, column)
+        col = column_array(table, column)
         t = col.type
         n = len(col)
         if separator is not None:

@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embshard.data.decode import PACKED_KEY, Chunk, Reader, ReadSpec
+from embshard.data.chunk import Chunk, ReadSpec
+from embshard.data.decode import PACKED_KEY, Reader
 from embshard.data.layout import Layout, Piece, detect_format, resolve_files, scan
 from embshard.data.vocab import Counter, write_vocab
 from embshard.spec.tables import ConfigError

@@ -20,8 +20,9 @@ import torch
 
 from embshard.config.data import DataConfig, TableSourceConfig, check_table_features
 from embshard.config.schema import FieldError
+from embshard.data.chunk import FeatureSpec, ReadSpec
 from embshard.data.common import Batch
-from embshard.data.decode import FeatureSpec, Reader, ReadSpec
+from embshard.data.decode import Reader
 from embshard.data.layout import Layout, detect_format, resolve_files, scan
 from embshard.data.slots import Slots, SlotWriter, fresh_shared_arrays, load, take_arrays
 from embshard.data.stream import StreamPlan, eval_stream, train_stream

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embshard.data.decode import Chunk, Reader, ReadSpec, _same
+from embshard.data.chunk import Chunk, ReadSpec, same_size
+from embshard.data.decode import Reader
 from embshard.data.layout import Layout, Piece
 from embshard.spec.tables import ConfigError
 
@@ -192,7 +193,7 @@ def _plan(signatures: tuple) -> tuple[tuple[int | None, ...], dict[int, int]]:
     somewhere, or sizes differ), and the runs {first feature: count >= 2} of one-id features that every part holds in
     consecutive columns of its matrix (copied together, transposed)."""
     nf = len(signatures[0][0]) if signatures else 0
-    same = tuple(_same([fixed[f] for fixed, _ in signatures]) if signatures else None for f in range(nf))
+    same = tuple(same_size([fixed[f] for fixed, _ in signatures]) if signatures else None for f in range(nf))
     runs, f = {}, 0
     while f < nf:
         run = 0

@@ -16,13 +16,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from embshard.kernels._common_triton import block_range
+
 
 @triton.jit
 def _cross_forward(
     X, X0, Y, OUT, OUT_LO, n, BLOCK: tl.constexpr, FIRST: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    offs, mask = block_range(n, BLOCK)
     x0 = tl.load(X0 + offs, mask=mask).to(tl.float32)
     y = tl.load(Y + offs, mask=mask).to(tl.float32)
     if FIRST:
@@ -50,8 +51,7 @@ def _cross_backward(
     HAS_LO: tl.constexpr,
     FIRST: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    offs, mask = block_range(n, BLOCK)
     g = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_G:
         g += tl.load(G + offs, mask=mask)

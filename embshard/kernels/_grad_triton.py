@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from embshard.kernels._pool_triton import bags_of, feature_lanes
 from embshard.kernels.layout import DeviceGroup, Tiles, WidthGroup
 
 INT32_MAX = 2**31 - 1
@@ -80,17 +81,8 @@ def _bwd_atomic(
 ):
     j, tile = _program_tile(tl.program_id(0), F, NT, GI)
     f = tl.load(FEATS + j).to(tl.int64)
-    bag = tile * BAGS + tl.arange(0, BAGS)
-    bag_ok = bag < B
-    first = f * B + bag
-    start = tl.load(OFF + first, mask=bag_ok, other=0).to(tl.int64)
-    length = tl.load(OFF + first + 1, mask=bag_ok, other=0).to(tl.int64) - start
-    row0 = tl.load(ROW0 + j)
-    col = tl.load(COLS + j)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    n = tl.arange(0, BLOCK_N)
-    weighted = tl.load(WGT + j) != 0
+    bag, bag_ok, _, start, length = bags_of(OFF, f, tile, B, BAGS)
+    row0, col, d, d_ok, n, weighted = feature_lanes(ROW0, COLS, WGT, j, D, BLOCK_D, BLOCK_N)
     gptr = GOUT + bag[:, None].to(tl.int64) * gout_stride + col + d[None, :]
     go = tl.load(gptr, mask=bag_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale
     nxt_n = tl.broadcast_to(tl.minimum(n + 1, BLOCK_N - 1)[None, :], [BAGS, BLOCK_N])
@@ -134,11 +126,7 @@ def _sort_keys(KEY, BAG, IDX, OFF, KEY0, B, F, NT, BAGS: tl.constexpr, BLOCK_N: 
     """Every id's key (its row counted over all groups: KEY0[feature] + id) and its bag (feature * B + b)."""
     j, tile = _program_tile(tl.program_id(0), F, NT, 1)
     f = j.to(tl.int64)
-    bag = tile * BAGS + tl.arange(0, BAGS)
-    bag_ok = bag < B
-    first = f * B + bag
-    start = tl.load(OFF + first, mask=bag_ok, other=0).to(tl.int64)
-    length = tl.load(OFF + first + 1, mask=bag_ok, other=0).to(tl.int64) - start
+    _, _, first, start, length = bags_of(OFF, f, tile, B, BAGS)
     key0 = tl.load(KEY0 + f)
     n = tl.arange(0, BLOCK_N)
     for s in range(0, tl.max(length, axis=0), BLOCK_N):

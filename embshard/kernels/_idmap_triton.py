@@ -48,6 +48,19 @@ def _bucket(key, salt, first, nb, golden, mix1, mix2):
 
 
 @triton.jit
+def candidate_buckets(KEYS, SHARD, BTAB, i, live, salt0, salt1, golden, mix1, mix2):
+    """The keys at positions `i` (read where `live`), their shards and their two candidate buckets (one per salt,
+    each in its shard's range of `BTAB`: first bucket, buckets)."""
+    key = tl.load(KEYS + i, mask=live, other=0)
+    s = tl.load(SHARD + i, mask=live, other=0)
+    first = tl.load(BTAB + 2 * s, mask=live, other=0)
+    nb = tl.load(BTAB + 2 * s + 1, mask=live, other=1)
+    c0 = _bucket(key, salt0, first, nb, golden, mix1, mix2)
+    c1 = _bucket(key, salt1, first, nb, golden, mix1, mix2)
+    return key, s, c0, c1
+
+
+@triton.jit
 def _probe(SLOT_KEY, SLOT_ROW, bucket, j, key, live, P: tl.constexpr):
     """Per key the row of the slot of `bucket` holding it, else -1."""
     slot = bucket[:, None] * P + j[None, :]
@@ -63,12 +76,7 @@ def _find_kernel(
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < m
-    key = tl.load(KEYS + i, mask=live, other=0)
-    s = tl.load(SHARD + i, mask=live, other=0)
-    first = tl.load(BTAB + 2 * s, mask=live, other=0)
-    nb = tl.load(BTAB + 2 * s + 1, mask=live, other=1)
-    c0 = _bucket(key, salt0, first, nb, golden, mix1, mix2)
-    c1 = _bucket(key, salt1, first, nb, golden, mix1, mix2)
+    key, _, c0, c1 = candidate_buckets(KEYS, SHARD, BTAB, i, live, salt0, salt1, golden, mix1, mix2)
     tl.store(CAND + 2 * i, c0, mask=live)
     tl.store(CAND + 2 * i + 1, c1, mask=live)
     j = tl.arange(0, P).to(tl.int64)

@@ -21,21 +21,42 @@ import torch
 import triton
 import triton.language as tl
 
+from embshard.kernels._common_triton import block_range
 from embshard.kernels.layout import DeviceGroup, Tiles
 
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3
 
 
 @triton.jit
-def _bag_setup(OFF, FEATS, B, BAGS: tl.constexpr):
-    j = tl.program_id(1)
-    f = tl.load(FEATS + j).to(tl.int64)
-    bag = tl.program_id(0) * BAGS + tl.arange(0, BAGS)
+def bags_of(OFF, f, tile, B, BAGS: tl.constexpr):
+    """Bags `tile * BAGS + [0, BAGS)` of feature `f` (int64) in feature-major offsets `OFF` of B bags a feature:
+    (bag, bag < B, the bag's index in the offsets, its first id, its length)."""
+    bag = tile * BAGS + tl.arange(0, BAGS)
     bag_ok = bag < B
     first = f * B + bag
     start = tl.load(OFF + first, mask=bag_ok, other=0).to(tl.int64)
     end = tl.load(OFF + first + 1, mask=bag_ok, other=0).to(tl.int64)
-    return j, bag, bag_ok, start, end - start
+    return bag, bag_ok, first, start, end - start
+
+
+@triton.jit
+def feature_lanes(ROW0, COLS, WGT, j, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Feature j of a group: its first row in the group's block, its first output column, whether its ids are
+    weighted; and a program's lanes: columns d (valid where d < D) and ids n of a chunk."""
+    row0 = tl.load(ROW0 + j)
+    col = tl.load(COLS + j)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    weighted = tl.load(WGT + j) != 0
+    return row0, col, d, d < D, n, weighted
+
+
+@triton.jit
+def _bag_setup(OFF, FEATS, B, BAGS: tl.constexpr):
+    j = tl.program_id(1)
+    f = tl.load(FEATS + j).to(tl.int64)
+    bag, bag_ok, _, start, length = bags_of(OFF, f, tl.program_id(0), B, BAGS)
+    return j, bag, bag_ok, start, length
 
 
 @triton.jit
@@ -58,12 +79,7 @@ def _fwd(
     HAS_PSW: tl.constexpr,
 ):
     j, bag, bag_ok, start, length = _bag_setup(OFF, FEATS, B, BAGS)
-    row0 = tl.load(ROW0 + j)
-    col = tl.load(COLS + j)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    n = tl.arange(0, BLOCK_N)
-    weighted = tl.load(WGT + j) != 0
+    row0, col, d, d_ok, n, weighted = feature_lanes(ROW0, COLS, WGT, j, D, BLOCK_D, BLOCK_N)
     acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
     for s in range(0, tl.max(length, axis=0), BLOCK_N):
         ok = (s + n)[None, :] < length[:, None]
@@ -102,8 +118,7 @@ def _update(
     HAS_WD: tl.constexpr,
     ZERO_G: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < R
+    r, r_ok = block_range(R, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     m2 = r_ok[:, None] & (d < D)[None, :]
     e = (r * D)[:, None] + d[None, :]

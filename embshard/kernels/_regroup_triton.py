@@ -58,6 +58,25 @@ def _ptrs(addr, stride, col, row, ELEM, V: tl.constexpr, VB: tl.constexpr):
     return ptr
 
 
+@triton.jit
+def _column_ptrs(
+    meta, row, ADDRS, STRIDES, x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7,
+    ELEM, V: tl.constexpr, VB: tl.constexpr, FROM_ARGS: tl.constexpr,
+):  # fmt: skip
+    """Pointers `[rows, columns]` to the columns `meta` (`pack`ed tensor << COL_BITS | column) of their tensors:
+    addresses and row strides picked from x0..x7 and y0..y7 (FROM_ARGS), else read from the tables ADDRS and
+    STRIDES (each indexed by tensor)."""
+    ref = meta >> _COL_BITS
+    col = meta & _COL_MASK
+    if FROM_ARGS:
+        addr = _pick(ref, x0, x1, x2, x3, x4, x5, x6, x7)
+        stride = _pick(ref, y0, y1, y2, y3, y4, y5, y6, y7)
+    else:
+        addr = tl.load(ADDRS + ref)
+        stride = tl.load(STRIDES + ref)
+    return _ptrs(addr, stride, col, row, ELEM, V, VB)
+
+
 @triton.jit(do_not_specialize=[f"{p}{i}" for p in "astb" for i in range(8)])
 def _gather_cols(
     TAB,
@@ -86,27 +105,18 @@ def _gather_cols(
     mask = (row < B)[:, None] & c_ok[None, :]
     ncols = ncols_v * V
     dmeta = tl.load(DST + c, mask=c_ok, other=0)
-    dref = dmeta >> _COL_BITS
-    dcol = dmeta & _COL_MASK
-    if FROM_ARGS:
-        daddr = _pick(dref, b0, b1, b2, b3, b4, b5, b6, b7)
-        dstride = _pick(dref, t0, t1, t2, t3, t4, t5, t6, t7)
-    else:
-        daddr = tl.load(TAB + 2 * n_src + dref)
-        dstride = tl.load(TAB + 2 * n_src + n_dst + dref)
-    dptr = _ptrs(daddr, dstride, dcol, row, ELEM, V, VB)
+    dptr = _column_ptrs(
+        dmeta, row, TAB + 2 * n_src, TAB + 2 * n_src + n_dst, b0, b1, b2, b3, b4, b5, b6, b7,
+        t0, t1, t2, t3, t4, t5, t6, t7, ELEM, V, VB, FROM_ARGS,
+    )  # fmt: skip
     acc = tl.zeros([BLOCK_B, BLOCK_W], dtype=tl.float32)
     for k in tl.static_range(K):
         smeta = tl.load(SRC + k * ncols + c, mask=c_ok, other=0)
-        sref = smeta >> _COL_BITS
-        scol = smeta & _COL_MASK
-        if FROM_ARGS:
-            saddr = _pick(sref, a0, a1, a2, a3, a4, a5, a6, a7)
-            sstride = _pick(sref, s0, s1, s2, s3, s4, s5, s6, s7)
-        else:
-            saddr = tl.load(TAB + sref)
-            sstride = tl.load(TAB + n_src + sref)
-        x = tl.load(_ptrs(saddr, sstride, scol, row, ELEM, V, VB), mask=mask)
+        sptr = _column_ptrs(
+            smeta, row, TAB, TAB + n_src, a0, a1, a2, a3, a4, a5, a6, a7,
+            s0, s1, s2, s3, s4, s5, s6, s7, ELEM, V, VB, FROM_ARGS,
+        )  # fmt: skip
+        x = tl.load(sptr, mask=mask)
         if K == 1:
             tl.store(dptr, x, mask=mask)  # a pure copy: no conversion
         else:

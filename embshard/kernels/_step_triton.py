@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from embshard.kernels._idmap_triton import _bucket, _probe, _segment_of
+from embshard.kernels._idmap_triton import _probe, _segment_of, candidate_buckets
 from embshard.lookup.shards import _GOLDEN, _MIX1, _MIX2
 
 BLOCK = 128
@@ -51,12 +51,7 @@ def _probe_kernel(
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     live = inside & (i < tl.load(BOUNDS + T))  # positions past the real ids: a padded step's pads
-    key = tl.load(IDS + i, mask=live, other=0)
-    s = tl.load(SHARD + i, mask=live, other=0)
-    first = tl.load(BTAB + 2 * s, mask=live, other=0)
-    nb = tl.load(BTAB + 2 * s + 1, mask=live, other=1)
-    c0 = _bucket(key, salt0, first, nb, golden, mix1, mix2)
-    c1 = _bucket(key, salt1, first, nb, golden, mix1, mix2)
+    key, s, c0, c1 = candidate_buckets(IDS, SHARD, BTAB, i, live, salt0, salt1, golden, mix1, mix2)
     j = tl.arange(0, P).to(tl.int64)
     row = _probe(SLOT_KEY, SLOT_ROW, c0, j, key, live, P)
     again = live & (row < 0)

@@ -77,6 +77,18 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 # ---- the two passes, Triton or torch ------------------------------------------------------------------------
 
 
+def _row_options(x: torch.Tensor, target, smoothing: float, launch: LaunchConfig | None) -> dict:
+    """The compile-time options and launch width both kernels take for logits `x`: with targets or not, with label
+    smoothing (only with targets), the block of columns and the warps (`launch`, else `default_launch`)."""
+    cfg = launch or default_launch(x.shape[1], x.dtype)
+    return {
+        "HAS_TARGET": target is not None,
+        "SMOOTH": smoothing > 0 and target is not None,
+        "BLOCK": cfg.block,
+        "num_warps": cfg.num_warps,
+    }
+
+
 def _forward_pass(x, target, ignore_index: int, smoothing: float, impl: Impl, launch: LaunchConfig | None):
     """(lse [N] fp32, loss [N] fp32 or None). `target` None: logsumexp only."""
     N, C = x.shape
@@ -88,7 +100,6 @@ def _forward_pass(x, target, ignore_index: int, smoothing: float, impl: Impl, la
     if _use_triton(x, impl):
         from embshard.kernels._cross_entropy_triton import _forward_kernel
 
-        cfg = launch or default_launch(C, x.dtype)
         _forward_kernel[(N,)](
             x,
             x.stride(0),
@@ -98,10 +109,7 @@ def _forward_pass(x, target, ignore_index: int, smoothing: float, impl: Impl, la
             C,
             ignore_index,
             float(smoothing),
-            HAS_TARGET=target is not None,
-            SMOOTH=smoothing > 0 and target is not None,
-            BLOCK=cfg.block,
-            num_warps=cfg.num_warps,
+            **_row_options(x, target, smoothing, launch),
         )
         return lse, loss
     step = max(1, TORCH_CHUNK_ELEMENTS // max(C, 1))
@@ -129,7 +137,6 @@ def _backward_pass(x, out, target, lse, grad, scale, ignore_index: int, smoothin
     if _use_triton(x, impl):
         from embshard.kernels._cross_entropy_triton import _backward_kernel
 
-        cfg = launch or default_launch(C, x.dtype)
         _backward_kernel[(N,)](
             x,
             x.stride(0),
@@ -143,10 +150,7 @@ def _backward_pass(x, out, target, lse, grad, scale, ignore_index: int, smoothin
             C,
             ignore_index,
             float(smoothing),
-            HAS_TARGET=target is not None,
-            SMOOTH=smoothing > 0 and target is not None,
-            BLOCK=cfg.block,
-            num_warps=cfg.num_warps,
+            **_row_options(x, target, smoothing, launch),
         )
         return
     acc = lse.dtype

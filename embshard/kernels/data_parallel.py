@@ -12,23 +12,19 @@ with the same all-reduced bits); with atomics two runs may differ in the last bi
 backward on CUDA may.
 
 To use it, the data-parallel builder constructs `KernelDataParallelLookup` instead of `DataParallelLookup` (same
-arguments, plus `kernel`).
+arguments, plus the keyword `kernel`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from embshard.kernels.small_tables import SmallTableOptions, dense_gradients, group_views, pool, shards_layout
-from embshard.lookup import LocalShard
 from embshard.lookup.replicas import DataParallelLookup
 from embshard.runtime.comm import scoped_label
 from embshard.runtime.ops import weights_forced
-from embshard.spec.optim import FusedOptimizerConfig
-from embshard.spec.options import LookupOptions
 
 
 class _KernelReplicaBags(torch.autograd.Function):
@@ -63,17 +59,10 @@ class _KernelReplicaBags(torch.autograd.Function):
 class KernelDataParallelLookup(DataParallelLookup):
     """DataParallelLookup whose lookup and dense gradient run on the small-table kernels."""
 
-    def __init__(
-        self,
-        shards: Sequence[LocalShard],
-        optimizer: FusedOptimizerConfig,
-        device: torch.device,
-        group: dist.ProcessGroup | None,
-        seed: int | None,
-        options: LookupOptions | None = None,
-        kernel: SmallTableOptions | None = None,
-    ) -> None:
-        super().__init__(shards, optimizer, device, group, seed, options)
+    def __init__(self, *args: Any, kernel: SmallTableOptions | None = None, **kwargs: Any) -> None:
+        """DataParallelLookup's arguments (shards, optimizer, device, group, seed, options), and the kernels'
+        options `kernel` (keyword only; default SmallTableOptions())."""
+        super().__init__(*args, **kwargs)
         self.kernel = kernel or SmallTableOptions()
         self.pads_free = False  # set by a scheme whose padded batches give this lookup no fillers
         self.kernel_layout, _ = shards_layout(self.shards, by_dtype=True)
