@@ -168,9 +168,7 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
             [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool, device=self.device
         )
         self._kjt_layout: tuple | None = None
-        # Training forwards so far (forwards with grad enabled): every rank must agree on it at each forward (the
-        # watchdog's messages name it); a training loop that resumes sets it to the resumed step.
-        self.step = 0
+        self._step = 0  # training forwards so far (`step`): written by this class alone (`set_step`, `advance_step`)
         self._pending: deque[PrefetchHandle] = deque()  # prefetched batches not consumed yet, in order
         self._ahead: tuple | None = None  # (kjt, output, event): a forward run ahead (lookup_ahead)
         # A list while a caller collects each forward's lookup outputs (before the pooled exchange), else None: the
@@ -290,7 +288,7 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
                 handles[i] = self.schemes[i].start_output_dist(pooled, inputs[i].batch_sizes)
             blocks = [b for h in handles for b in h.wait()]
         if torch.is_grad_enabled():
-            self.step += 1
+            self.advance_step()
         if self._mean_features:
             blocks = self._apply_mean(blocks, lengths_FB, index)
         out = self.regroup(blocks)
@@ -300,11 +298,43 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
 
         return KeyedTensor(keys=self.features, length_per_key=self._feature_dims, values=out["all"], key_dim=1)
 
+    # ---- the step count ------------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Training forwards so far (forwards with grad enabled): every rank must agree on it at each forward (the
+        watchdog's messages and the errors name it; a prefetch is labelled with the step that will consume it).
+        Read-only: the collection alone writes it, each training forward advancing it by one; a training loop
+        labels its batches with `set_step` (a resumed run, a pipeline that runs batches ahead), and a step trained
+        without the forward (a CUDA graph's replay) counts itself with `advance_step`."""
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        """Set the step count to `step` (the step the next training forward runs: `step` + 1 after it)."""
+        if int(step) != step or step < 0:
+            raise ValueError(f"ShardedEmbeddingBagCollection.set_step({step!r}): the step must be a whole number >= 0")
+        self._step = int(step)
+
+    def advance_step(self) -> None:
+        """Count one training step run without the forward (as the forward counts its own)."""
+        self._step += 1
+
     # ---- pipelining: early input dist (and UVM-cache prefetch), early lookup -------------------------------
     @property
     def next_prefetch_step(self) -> int:
         """The step the next `prefetch` labels its batch with: the training forward that will consume it."""
         return self.step + len(self._pending)
+
+    @property
+    def pending_prefetches(self) -> int:
+        """Prefetched batches (`prefetch`) that no forward has consumed yet."""
+        return len(self._pending)
+
+    def drop_prefetches(self, keep: int = 0) -> None:
+        """Forget the prefetched batches not consumed yet but the `keep` oldest (a failed capture's, say)."""
+        if keep < 0:
+            raise ValueError(f"ShardedEmbeddingBagCollection.drop_prefetches(keep={keep}): keep must be >= 0")
+        while len(self._pending) > keep:
+            self._pending.pop()
 
     def prefetch(
         self,

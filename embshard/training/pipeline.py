@@ -377,10 +377,10 @@ class TrainPipeline:
                 return None
             return self._train(item, None)
         if self._cur is None and not self._ended:  # fill the pipeline
-            self.ebc.step = self.step + 1  # the step of the first batch (its prefetch is labelled with it)
+            self.ebc.set_step(self.step + 1)  # the step of the first batch (its prefetch is labelled with it)
             self._cur = self._fetch_and_dist()
             if self.mode == "semi_sync" and self._cur is not None:
-                self.ebc.step = self._fetched
+                self.ebc.set_step(self._fetched)
                 self.ebc.lookup_ahead(self._cur.batch.sparse, stream=self.emb_stream)
                 self._nxt = self._fetch_and_dist()
         cur = self._cur
@@ -395,7 +395,7 @@ class TrainPipeline:
             return
         nxt = self._nxt
         if nxt is not None:  # batch i+1: its lookup, before batch i's backward updates the tables
-            self.ebc.step = self._training + 1
+            self.ebc.set_step(self._training + 1)
             self.ebc.lookup_ahead(nxt.batch.sparse, stream=self.emb_stream)
         self._nxt = self._fetch_and_dist()  # batch i+2: copy and input dist
         self._cur = nxt
@@ -404,7 +404,7 @@ class TrainPipeline:
         step = self._training = self.step + 1
         self._use(item)
         if self.mode != "semi_sync":
-            self.ebc.step = step  # every rank agrees on it (checked), and errors name it
+            self.ebc.set_step(step)  # every rank agrees on it (checked), and errors name it
         out = self._forward(item)
         if advance is not None:
             advance()

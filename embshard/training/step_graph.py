@@ -42,7 +42,8 @@ that a fused optimizer holds as a constant drops the graph when it changes (capt
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ from embshard.collection.emb_graph import collection_refusal, leaves_of, static_
 from embshard.collection.padding import capacity
 from embshard.models.registry import StepOutput
 from embshard.runtime import comm
+from embshard.runtime.graphs import warm_up_and_capture
 from embshard.runtime.ops import every_id_weighted
 from embshard.sharding.exchange import BatchCounts
 from embshard.training.dense_graph import DenseGraphStep
@@ -171,9 +173,7 @@ class StepGraph:
             self._make_static(batch)
         self._counts = counts
         torch._foreach_copy_(self._inputs, inputs)
-        opt = self.dense_step._opt
-        if opt.before is not None:
-            opt.before()
+        self.dense_step.before_update()
         if self.capture and self.graph is not None:
             self.graph.replay()
             comm.graph_launched()
@@ -184,8 +184,7 @@ class StepGraph:
         else:  # the eager steps between may have dropped the dense gradients (zero_grad): the optimizer reads these
             self.dense_step.make_grads(self._labels_B.device)
             loss, logits_B = self._body()
-        if opt.after is not None:
-            opt.after()
+        self.dense_step.after_update()
         return StepOutput(loss.clone(), logits_B.clone(), batch.labels, updated=True)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,24 +243,25 @@ class StepGraph:
         device = self._labels_B.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
-        self._stream.wait_stream(current)
         self.dense_step.make_grads(device)
-        with torch.cuda.stream(self._stream):
-            outputs = self._body()
-        current.wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
+        outputs, graph, self._graph_outputs = warm_up_and_capture(
+            self._body, device, stream=self._stream, around=self._capturing
+        )
+        self.graph, self.captures = graph, self.captures + 1
+        return outputs
+
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Around the capture: the dense optimizer's step capturable (whose learning rates the graph then holds); a
+        failure gives the graph up and raises naming the settings that avoid it."""
         try:
             with self.dense_step.optimizer_captured() as self._captured_lrs:
-                with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                    self._graph_outputs = self._body()
+                yield
         except Exception as e:
             self.given_up = f"capturing the whole step failed ({type(e).__name__}: {e})"
             raise RuntimeError(
                 f"training.cuda_graph: {self.given_up}; set training.graph_scope dense (or cuda_graph false)"
             ) from e
-        self.graph, self.captures = graph, self.captures + 1
-        return outputs
 
     def _padded(self, batch, counts: BatchCounts):
         """`batch` padded to the capacity (embshard/collection/padding.py), and the counts of such a batch on every rank, which
