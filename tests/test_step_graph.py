@@ -38,34 +38,34 @@ MEAN_TABLES = tuple(replace(t, pooling="mean") if t.name == "s_tw2" else t for t
 
 def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed", tables=TABLES):
     from embshard.training.dense_graph import DenseGraphStep
+    from embshard.training.model_graphs import ModelGraphs
     from embshard.training.pipeline import TrainPipeline
     from embshard.training.step_graph import StepGraph
 
     model, opt = build_model(rank, world, device, tables, TYPES)
+    graphs = ModelGraphs(model)
     if whole:
-        if (
-            device.type == "cuda"
-        ):  # as `embshard train` sets it up: the dense update overlapped (training.graph_overlap)
-            assert model.capture_dense_step(opt, BATCH, precision == "bf16") is None
-            assert model.capture_whole_step(overlap=True) is None
-            model.step_graph.max_changes = 4
+        if device.type == "cuda":  # as `embshard train` sets it up: the dense update overlapped (graph_overlap)
+            assert graphs.capture_dense_step(opt, BATCH, precision == "bf16") is None
+            assert graphs.capture_whole_step(overlap=True) is None
+            graphs.whole.max_changes = 4
         else:  # the graphs' steps without capture
-            model.dense_graph = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
-            model.step_graph = StepGraph(model, model.dense_graph, capture=False, max_changes=4)
-    pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
+            graphs.dense = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
+            graphs.whole = StepGraph(model, graphs.dense, capture=False, max_changes=4)
+    pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision, graphs=graphs)
     batches = pipeline_batches(rank, STEPS[rank], tables, bags)
     losses, whole_steps = [], 0
     while (done := pipe.progress(batches)) is not None:
         losses.append(float(done.output.loss.detach()))
         whole_steps += int(done.output.updated)
     pipe.close()
-    graph = model.step_graph
+    graph = graphs.whole
     info = (
         (whole_steps, graph.replays, graph.captures, graph.given_up, graph.backward_parts)
         if graph is not None
         else None
     )
-    model.release_graphs()
+    graphs.release()
     return losses, _state(model), info
 
 

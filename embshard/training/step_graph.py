@@ -14,7 +14,8 @@ captured once and each later step with those counts replays it with one launch:
                     gradients' all-reduce and the dense optimizer's step (`DenseGraphStep.reduce_and_update`)
     outputs         the loss and the logits (copied out), every update done
 
-Which steps replay: the pipeline asks `ready(counts)` with the ranks' agreed counts of the batch (gathered on the
+Which steps replay: the pipeline asks `ready(counts)` (a query; a step it turns down goes to `prepare(counts)`,
+which sizes the graph for the steps to come) with the ranks' agreed counts of the batch (gathered on the
 host a step ahead, the same on every rank), so every rank replays, and runs the same collectives, together. A step
 whose counts differ from the step before's runs the other way (the dense graph or the eager step); the first step
 whose counts repeat runs the graph's step eagerly on the capture stream (the lazy initialisations happen there),
@@ -125,32 +126,39 @@ class StepGraph:
 
     # ---- when ------------------------------------------------------------------------------------------------
     def ready(self, counts: BatchCounts) -> bool:
-        """Whether this step (its ranks' agreed `counts`) runs the whole-step graph: its counts equal the last
-        eligible step's (the first of a run of equal counts returns False and remembers them), or, once the counts
-        have changed (padded mode), they fit the capacity (a batch over it returns False and grows the capacity)."""
-        if self.given_up is not None or not torch.is_grad_enabled() or counts.bad_ranks:
+        """Whether the step with the ranks' agreed `counts` runs the whole-step graph (`run`): it is eligible (the
+        graph is not given up, gradients are on, no rank has out-of-range ids, every rank's batch has the training
+        batch size) and the graph is sized for its counts: equal to the last eligible step's, or (padded mode)
+        within the capacity. A query: it changes nothing. A step it turns down goes to `prepare`."""
+        if not self._eligible(counts):
             return False
-        if len(set(counts.batch_sizes)) != 1 or counts.batch_sizes[0] != self.dense_step.batch_size:
-            return False
-        if self.graph is not None and self.dense_step.rates_changed(self._captured_lrs):
-            self.graph = None  # a changed rate the captured step holds: warm up and capture again
         ids = np.asarray(counts.ids, dtype=np.int64)
         if self.capacity is not None:  # padded mode: any counts that fit
-            if (ids <= self.capacity).all():
-                return True
-            self.capacity, self.graph = capacity(np.maximum(self.capacity, ids.max(0))), None  # grow: capture again
+            return bool((ids <= self.capacity).all())
+        return (tuple(counts.batch_sizes), ids.tobytes()) == self._key
+
+    def prepare(self, counts: BatchCounts) -> None:
+        """After `ready(counts)` turned an eligible step down (the step then runs another way): size the graph for
+        the steps to come. The first of a run of equal counts is remembered (the next step with them captures);
+        once the counts have changed (padded mode, where `padding_refusal` allows), the capacity covers them (grown
+        for a batch over it: captured again). Counts that keep changing without padding, or a capacity that keeps
+        growing, give the graph up (`given_up` says why). Nothing for a step `ready` accepts or that is not
+        eligible."""
+        if not self._eligible(counts) or self.ready(counts):
+            return
+        ids = np.asarray(counts.ids, dtype=np.int64)
+        if self.capacity is not None:  # padded mode: a batch over the capacity grows it
+            self.capacity, self.graph = capacity(np.maximum(self.capacity, ids.max(0))), None  # capture again
             self.changes += 1
             if self.captures >= self.max_changes:
                 self.given_up = f"captured {self.captures} times for a growing capacity: the counts do not settle"
-            return False
+            return
         key = (tuple(counts.batch_sizes), ids.tobytes())
-        if key == self._key:
-            return True
         if self._key is not None and self.padding_refused is None:  # counts changed: pad from now on
             previous = np.frombuffer(self._key[1], dtype=np.int64).reshape(ids.shape)
             self.capacity, self.graph = capacity(np.maximum(previous, ids).max(0)), None
             self.changes += 1
-            return False
+            return
         self._key, self.graph = key, None  # other counts: the graph's sizes no longer apply
         self.changes += 1
         if self.changes > self.max_changes and self.captures == 0:
@@ -160,12 +168,20 @@ class StepGraph:
             )
         elif self.captures >= self.max_changes:
             self.given_up = f"captured {self.captures} times for changing counts: the counts do not settle"
-        return False
+
+    def _eligible(self, counts: BatchCounts) -> bool:
+        """Whether a step with `counts` may run the graph at all (`ready`'s first conditions)."""
+        if self.given_up is not None or not torch.is_grad_enabled() or counts.bad_ranks:
+            return False
+        return len(set(counts.batch_sizes)) == 1 and counts.batch_sizes[0] == self.dense_step.batch_size
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def run(self, batch, counts: BatchCounts) -> StepOutput:
         """The step on `batch` (this rank's, on the device) with every update done; `counts` are the ones `ready`
-        accepted. Replays the graph, or (first call for these counts) runs the step eagerly and captures it."""
+        accepted. Replays the graph, or (first call for these counts, or a dense learning rate that the captured
+        step holds has changed since) runs the step eagerly and captures it."""
+        if self.graph is not None and self.dense_step.rates_changed(self._captured_lrs):
+            self.graph = None  # a changed rate the captured step holds: warm up and capture again
         if self.capacity is not None:
             batch, counts = self._padded(batch, counts)
         inputs = _inputs_of(batch)
