@@ -39,7 +39,6 @@ import torch
 from embshard.collection import padding
 from embshard.runtime import comm
 from embshard.runtime.graphs import warm_up_and_capture
-from embshard.runtime.ops import every_id_weighted
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.options import BoundsCheck
 from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier
@@ -167,7 +166,7 @@ class EmbeddingStepGraph:
 
     def _body(self) -> torch.Tensor:
         ebc, kjt = self.ebc, self._static[0]
-        with every_id_weighted():
+        with ebc.weighing_every_id():
             handle = ebc.prefetch(kjt, counts=self._counts)  # the id exchange, sized from the padded counts
             loss = self.loss_fn(ebc(kjt, prefetched=handle))
             # to the leaves, without running their AccumulateGrad nodes (a node an earlier eager step made belongs

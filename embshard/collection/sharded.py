@@ -33,6 +33,7 @@ from embshard.collection.bounds import check_ids, count_bad_ids
 from embshard.collection.regroup import Regroup
 from embshard.collection.regroup_kernel import KernelRegroup
 from embshard.collection.shard_state import ShardState
+from embshard.collection.step_state import StepState
 from embshard.lookup.stats import format_cache_stats
 from embshard.runtime import comm
 from embshard.runtime.comm import world_and_rank
@@ -75,7 +76,7 @@ class PrefetchHandle:
     """Set once forward consumed it."""
 
 
-class ShardedEmbeddingBagCollection(ShardState, nn.Module):
+class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
     """Embedding-bag tables sharded by `plan`, trained with a fused sparse optimizer.
 
     Args:
@@ -168,7 +169,7 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
             [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool, device=self.device
         )
         self._kjt_layout: tuple | None = None
-        self._step = 0  # training forwards so far (`step`): written by this class alone (`set_step`, `advance_step`)
+        self._step = 0  # training forwards so far (`step`), written through StepState's methods alone
         self._pending: deque[PrefetchHandle] = deque()  # prefetched batches not consumed yet, in order
         self._ahead: tuple | None = None  # (kjt, output, event): a forward run ahead (lookup_ahead)
         # A list while a caller collects each forward's lookup outputs (before the pooled exchange), else None: the
@@ -297,26 +298,6 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
         from torchrec.sparse.jagged_tensor import KeyedTensor
 
         return KeyedTensor(keys=self.features, length_per_key=self._feature_dims, values=out["all"], key_dim=1)
-
-    # ---- the step count ------------------------------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        """Training forwards so far (forwards with grad enabled): every rank must agree on it at each forward (the
-        watchdog's messages and the errors name it; a prefetch is labelled with the step that will consume it).
-        Read-only: the collection alone writes it, each training forward advancing it by one; a training loop
-        labels its batches with `set_step` (a resumed run, a pipeline that runs batches ahead), and a step trained
-        without the forward (a CUDA graph's replay) counts itself with `advance_step`."""
-        return self._step
-
-    def set_step(self, step: int) -> None:
-        """Set the step count to `step` (the step the next training forward runs: `step` + 1 after it)."""
-        if int(step) != step or step < 0:
-            raise ValueError(f"ShardedEmbeddingBagCollection.set_step({step!r}): the step must be a whole number >= 0")
-        self._step = int(step)
-
-    def advance_step(self) -> None:
-        """Count one training step run without the forward (as the forward counts its own)."""
-        self._step += 1
 
     # ---- pipelining: early input dist (and UVM-cache prefetch), early lookup -------------------------------
     @property

@@ -26,7 +26,7 @@ per feature (10% over the largest counts seen, `capacity`), and every batch whos
 the replay: each feature's bags keep their ids and gain filler ids spread evenly over them up to the capacity (on the
 first 1,024 rows of the feature's table, so that no bag is long and no row hot), every id with a weight (the
 batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup that meets fillers pools
-with the weights (`ops.every_id_weighted`; the data-parallel tables on the small-table kernels get none:
+with the weights (`ebc.weighing_every_id`; the data-parallel tables on the small-table kernels get none:
 embshard/collection/padding.py). A filler adds nothing to its bag and gets a zero gradient, which leaves its row as it is
 under sgd, adagrad and row-wise adagrad without weight decay. A batch over the capacity grows it (eager step, then
 a new capture). Where padding does not apply (`padding_refusal`: mean pooling, adam or weight
@@ -55,7 +55,6 @@ from embshard.collection.padding import capacity
 from embshard.models.registry import StepOutput
 from embshard.runtime import comm
 from embshard.runtime.graphs import warm_up_and_capture
-from embshard.runtime.ops import every_id_weighted
 from embshard.sharding.exchange import BatchCounts
 from embshard.training.dense_graph import DenseGraphStep
 
@@ -204,7 +203,7 @@ class StepGraph:
         return StepOutput(loss.clone(), logits_B.clone(), batch.labels, updated=True)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
-        with every_id_weighted() if self.capacity is not None else nullcontext():
+        with self.model.ebc.weighing_every_id() if self.capacity is not None else nullcontext():
             return self._step()
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:

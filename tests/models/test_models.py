@@ -199,3 +199,21 @@ def test_fused_cross_sum_is_the_torch_arithmetic():
                 torch.testing.assert_close(grads[-1], (total * x0.detach().float()).to(lo))
                 if not first:
                     torch.testing.assert_close(grads[0], total)
+
+
+def test_models_import_nothing_from_the_training_loop():
+    """The model is built and steps without the training loop: the step's CUDA graphs and the compiled dense
+    forward are the loop's (embshard/training/model_graphs.py); no module of embshard/models imports embshard.training,
+    at the top or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import embshard.models
+
+    found = []
+    for path in sorted(Path(embshard.models.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith("embshard.training")]
+    assert found == [], found
