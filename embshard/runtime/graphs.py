@@ -7,7 +7,8 @@ work, so the caller's stream never waits on a capture:
 
     warm_up(fn, device)           fn() on the side stream (`iterations` times), the caller's stream waiting for it
     capture(body)                 body() captured into a new graph (in `pool` if given), thread-local capture mode
-    warm_up_and_capture(...)      both, one after the other: (the warm-up's output, the graph, the capture's output)
+    warm_up_and_capture(...)      both, one after the other, the capture inside the caller's `around()` context
+                                  (what the capture needs set; what a failed capture restores, or raises instead)
 
 `stream`: the side stream, kept by the caller from one capture to the next (the warm-up and the capture then run on
 the same stream), or None: a fresh stream for the warm-up and torch's own capture stream for the capture.
