@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     plan = plan_job(cfg, device, world, local_world, lines.append)
     plan_s = time.perf_counter() - t0
-    model, dense_opt = build_model(cfg, plan, source.num_dense, device, world, lines.append)
+    model, dense_opt, graphs = build_model(cfg, plan, source.num_dense, device, world, lines.append)
     sync()
     dist.barrier()
     build_s = time.perf_counter() - t0
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> None:
     tr = cfg.training
     pipe = TrainPipeline(
         model, dense_opt, tr.pipeline, precision=tr.precision, prefetch_batches=max(2, tr.prefetch_batches),
-        ids_checked=getattr(source, "ids_in_range", False),
+        ids_checked=getattr(source, "ids_in_range", False), graphs=graphs,
     )  # fmt: skip
     auc = auc_before = float("nan")
     if args.eval:
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> None:
             prof.export_chrome_trace(args.trace)
             say(f"trace: {args.trace}")
     pipe.close()
-    graph, whole = model.dense_graph, model.step_graph
+    graph, whole = graphs.dense, graphs.whole
     if tr.cuda_graph:
         say(f"training.cuda_graph: {graph.replays if graph is not None else 0} replays of the dense step's graph")
         if whole is not None:
@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> None:
         f"compute_stream_busy={busy_stream:.3f} "
         f"auc={auc:.5f} auc_before={auc_before:.5f} loss_first={first:.4f} loss_last={last:.4f} {floor}"
     )
-    model.release_graphs()  # before the process group goes: a live graph with an NCCL collective hangs its teardown
+    graphs.release()  # before the process group goes: a live graph with an NCCL collective hangs its teardown
     dist.barrier()
     dist.destroy_process_group()
     say(f"samples_per_s={sps:.0f}")

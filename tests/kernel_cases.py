@@ -5,6 +5,7 @@ sharing a table, and the plain-PyTorch reference they are trained against."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import reference
 import torch
@@ -82,18 +83,26 @@ def padded_step(idx, off, psw, tables: Sequence[TableConfig], B: int, gen: torch
     return torch.cat(ids_out), offsets, torch.cat(w_out), fillers
 
 
+@contextmanager
+def _every_id_weighted(lookup):
+    """`lookup` pools every id with its weight while active (as a padded step's scheme sets it)."""
+    lookup.every_id_weighted = True
+    try:
+        yield
+    finally:
+        lookup.every_id_weighted = False
+
+
 def check_padded_like_unpadded(
     make_lookup, tables: Sequence[TableConfig], device: torch.device, exact: bool, steps: int = 2, B: int = 5
 ):
     """`make_lookup()` trained on `random_step` batches and a second one on the same batches padded (`padded_step`)
-    under `ops.every_id_weighted`, its backward after the context has closed (it must weigh the ids as its forward
+    with its `every_id_weighted` set, its backward after the flag is cleared (it must weigh the ids as its forward
     did): the same pooled sums every step, the same weights and optimizer states after it, bit for bit if `exact`
     (a filler adds an exact zero; the torch path, and the atomic kernels where they add in a fixed order: the
     interpreter), else within 1e-6 (atomics on a GPU; the sorted backward, whose tiles the fillers shift). A third
     one, whose batch gives one filler weight 1, must differ (pooled sums, weights or state), so that the check can
     fail."""
-    from embshard.runtime.ops import every_id_weighted
-
     tol = 0.0 if exact else 1e-6
 
     def same(got, want, what):
@@ -107,7 +116,7 @@ def check_padded_like_unpadded(
         pidx, poff, pw, fillers = padded_step(idx, off, psw, tables, B, gen)
         want = plain(idx.to(device), off.to(device), psw.to(device))
         (want * up).sum().backward()
-        with every_id_weighted():
+        with _every_id_weighted(padded):
             got = padded(pidx.to(device), poff.to(device), pw.to(device))
         (got * up).sum().backward()
         same(got, want, f"step {step} pooled")
@@ -119,7 +128,7 @@ def check_padded_like_unpadded(
         if step == 0:
             bad = pw.clone()
             bad[fillers[0]] = 1.0
-            with every_id_weighted():
+            with _every_id_weighted(wrong):
                 out = wrong(pidx.to(device), poff.to(device), bad.to(device))
             (out * up).sum().backward()
             assert (out - want).abs().max() > 1e-3, "a filler of weight 1 must add its row"

@@ -25,24 +25,26 @@ STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 run eagerly (r
 def _train(rank, world, device, graph: bool | str, precision: str):
     """`graph`: False (eager), True (the graph) or "compiled" (the graph holding torch.compile's kernels, CUDA)."""
     from embshard.training.dense_graph import DenseGraphStep
+    from embshard.training.model_graphs import ModelGraphs
     from embshard.training.pipeline import TrainPipeline
 
     model, opt = _build(rank, world, device)
     init = _state(model)
     compiled = "default" if graph == "compiled" else None
-    why_not = model.capture_dense_step(opt, 32, precision == "bf16", compiled) if graph else "off"
+    graphs = ModelGraphs(model)
+    why_not = graphs.capture_dense_step(opt, 32, precision == "bf16", compiled) if graph else "off"
     if graph and device.type == "cpu":  # the graph's step without capture
-        model.dense_graph = DenseGraphStep(model.dense_module(), opt, 32, precision == "bf16", capture=False)
-    pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
+        graphs.dense = DenseGraphStep(model.dense_module(), opt, 32, precision == "bf16", capture=False)
+    pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision, graphs=graphs)
     batches = _batches(rank, STEPS[rank])
     losses = []
     while (done := pipe.progress(batches)) is not None:
         losses.append(float(done.output.loss.detach()))
     pipe.close()
-    replays = model.dense_graph.replays if model.dense_graph is not None else 0
-    if model.dense_graph is not None:  # the graph holds an NCCL collective: released before the group may go
-        model.dense_graph.close()
-        assert model.dense_graph.graph is None
+    replays = graphs.dense.replays if graphs.dense is not None else 0
+    if graphs.dense is not None:  # the graph holds an NCCL collective: released before the group may go
+        graphs.release()
+        assert graphs.dense.graph is None
     return losses, _state(model), why_not, replays, init
 
 

@@ -210,3 +210,63 @@ def test_capacity_is_ten_percent_over_in_multiples_of_64():
     got = capacity(np.array([0, 1, 64, 100, 1000]))
     assert got.tolist() == [0, 64, 128, 128, 1152]
     assert int(capacity(3200)) == 3520  # exact: through floats, 3200 x 1.1 rounds above 3520
+
+
+def _ownership_worker(rank, world, device):
+    from embshard.collection.emb_graph import EmbeddingStepGraph
+
+    ebc = _collection(world, device)
+    gen = torch.Generator().manual_seed(7)
+    kjt, other = _batch(gen, device, 0), _batch(gen, device, 1)
+    with pytest.raises(AttributeError):
+        ebc.step = 3  # read-only: the collection writes it (set_step, advance_step, its forward)
+    with pytest.raises(ValueError, match=r"set_step\(-1\)"):
+        ebc.set_step(-1)
+    with pytest.raises(ValueError, match=r"keep=-1"):
+        ebc.drop_prefetches(keep=-1)
+    ebc.set_step(3)
+    ebc.prefetch(kjt, counts=_counts(ebc, kjt))
+    ebc.prefetch(other, counts=_counts(ebc, other))
+    assert (ebc.pending_prefetches, ebc.next_prefetch_step) == (2, 5)
+    ebc.drop_prefetches(keep=1)
+    assert (ebc.pending_prefetches, ebc.next_prefetch_step) == (1, 4)
+    ebc(kjt)  # consumes its prefetch; a training forward counts itself
+    assert (ebc.pending_prefetches, ebc.step) == (0, 4)
+    # a failed capture counts no step and leaves no prefetch; its error says how to train on
+    graph = EmbeddingStepGraph(ebc, sum, capture=False)
+    with pytest.raises(RuntimeError, match=r"capturing the step failed \(ValueError: boom\).*the eager step"):
+        with graph._capturing():
+            ebc.prefetch(other, counts=_counts(ebc, other))
+            ebc.advance_step()
+            raise ValueError("boom")
+    assert (ebc.step, ebc.pending_prefetches) == (4, 0)
+    with graph._capturing():  # a capture that works counts no step either
+        ebc.advance_step()
+    assert ebc.step == 4
+    # every id weighted: set on every scheme and lookup while active (nested too), cleared after
+    lookups = [lk for s in ebc.schemes for lk in s.lookups]
+
+    def flags():
+        return {s.every_id_weighted for s in ebc.schemes} | {lk.every_id_weighted for lk in lookups}
+
+    assert flags() == {False} and not ebc.every_id_weighted
+    with torch.no_grad():
+        plain = ebc(kjt).to_dict()
+        with ebc.weighing_every_id():
+            with ebc.weighing_every_id():
+                pass
+            assert flags() == {True} and ebc.every_id_weighted
+            weighed = ebc(kjt).to_dict()
+    assert flags() == {False} and not ebc.every_id_weighted
+    # the weighted table's bags as before; the others' ids now weigh the batch's weights (0.5 to 1.5)
+    assert torch.equal(weighed["g_d"], plain["g_d"])
+    return [f for f in ("g_a", "g_b", "g_e") if torch.allclose(weighed[f], plain[f])]
+
+
+def test_the_collection_owns_its_step_count_prefetches_and_padded_batches_flag():
+    """`step` is read-only (`set_step`, `advance_step`); `pending_prefetches` / `drop_prefetches` are the prefetch
+    queue's public access (a failed capture drops its own prefetch and restores the step count); and
+    `weighing_every_id` sets the padded batches' flag on every scheme and lookup, which changes the unweighted
+    tables' sums, only while active."""
+    (same,) = run_distributed(_ownership_worker, 1)
+    assert same == [], same

@@ -73,7 +73,7 @@ def _plain(rank, world, device, n):
     batches = list(_batches(rank, n[rank])) + [empty_batch(model)] * (max(n) - n[rank])
     losses = []
     for step, batch in enumerate(batches, 1):
-        model.ebc.step = step
+        model.ebc.set_step(step)
         out = model.step(batch.to(device))
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

@@ -70,7 +70,7 @@ def _out_of_step_worker(rank, world_size, device, tables, plan):
         for step, (per_rank, _) in enumerate(batches):
             if rank == 1 and step == 1:
                 continue
-            ebc.step = step
+            ebc.set_step(step)
             sum(v.sum() for v in ebc(to_kjt(per_rank[rank], keys, device)).to_dict().values()).backward()
     except RanksOutOfStep as e:
         return {"error": str(e), "step": step}

@@ -38,34 +38,34 @@ MEAN_TABLES = tuple(replace(t, pooling="mean") if t.name == "s_tw2" else t for t
 
 def _train(rank, world, device, whole: bool, precision: str, bags: str = "fixed", tables=TABLES):
     from embshard.training.dense_graph import DenseGraphStep
+    from embshard.training.model_graphs import ModelGraphs
     from embshard.training.pipeline import TrainPipeline
     from embshard.training.step_graph import StepGraph
 
     model, opt = build_model(rank, world, device, tables, TYPES)
+    graphs = ModelGraphs(model)
     if whole:
-        if (
-            device.type == "cuda"
-        ):  # as `embshard train` sets it up: the dense update overlapped (training.graph_overlap)
-            assert model.capture_dense_step(opt, BATCH, precision == "bf16") is None
-            assert model.capture_whole_step(overlap=True) is None
-            model.step_graph.max_changes = 4
+        if device.type == "cuda":  # as `embshard train` sets it up: the dense update overlapped (graph_overlap)
+            assert graphs.capture_dense_step(opt, BATCH, precision == "bf16") is None
+            assert graphs.capture_whole_step(overlap=True) is None
+            graphs.whole.max_changes = 4
         else:  # the graphs' steps without capture
-            model.dense_graph = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
-            model.step_graph = StepGraph(model, model.dense_graph, capture=False, max_changes=4)
-    pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision)
+            graphs.dense = DenseGraphStep(model.dense_module(), opt, BATCH, precision == "bf16", capture=False)
+            graphs.whole = StepGraph(model, graphs.dense, capture=False, max_changes=4)
+    pipe = TrainPipeline(model, opt, "sparse_dist", precision=precision, graphs=graphs)
     batches = pipeline_batches(rank, STEPS[rank], tables, bags)
     losses, whole_steps = [], 0
     while (done := pipe.progress(batches)) is not None:
         losses.append(float(done.output.loss.detach()))
         whole_steps += int(done.output.updated)
     pipe.close()
-    graph = model.step_graph
+    graph = graphs.whole
     info = (
         (whole_steps, graph.replays, graph.captures, graph.given_up, graph.backward_parts)
         if graph is not None
         else None
     )
-    model.release_graphs()
+    graphs.release()
     return losses, _state(model), info
 
 
@@ -180,3 +180,52 @@ def test_padding_spreads_the_fillers_and_keeps_every_bag():
             assert torch.equal(weights[lo : lo + k], want_w.float()), f
             fill = slice(lo + k, int(offsets[b + 1]))
             assert (weights[fill] == 0).all() and (values[fill] < min(rows[f], FILLER_ROWS)).all(), f
+
+
+def test_ready_is_a_query_and_prepare_sizes_the_graph():
+    """`ready` changes nothing (asked twice, the same answer and state); `prepare` (a step `ready` turned down)
+    remembers the first of a run of equal counts, switches to padding once the counts change, grows the capacity
+    for a batch over it, and gives the graph up when padding is refused and the counts keep changing."""
+    import numpy as np
+
+    from embshard.sharding.exchange import parse_counts
+    from embshard.training.dense_graph import DenseGraphStep
+    from embshard.training.step_graph import StepGraph
+
+    model, opt = build_model(0, 1, torch.device("cpu"), TABLES, TYPES)
+    F = len(model.ebc.features)
+
+    def counts(ids, size=BATCH, bad=0):
+        return parse_counts(np.array([[size, bad, 0, *ids]], dtype=np.int64))
+
+    def state(g):
+        cap = None if g.capacity is None else g.capacity.tolist()
+        return (g._key, cap, g.changes, g.given_up, g.graph)
+
+    def graph_of(pad=True):
+        dense = DenseGraphStep(model.dense_module(), opt, BATCH, False, capture=False)
+        return StepGraph(model, dense, capture=False, max_changes=2, pad=pad)
+
+    graph, a, b = graph_of(), counts([10] * F), counts([20] * F)
+    before = state(graph)
+    assert graph.ready(a) is False and graph.ready(a) is False and state(graph) == before  # a query
+    graph.prepare(a)  # the first of a run of equal counts: remembered
+    assert graph.changes == 1 and graph.ready(a) is True and graph.ready(b) is False
+    graph.prepare(a)  # a step `ready` accepts: nothing to do
+    assert graph.changes == 1 and graph.capacity is None
+    for ineligible in (counts([10] * F, size=BATCH - 1), counts([10] * F, bad=1)):
+        assert graph.ready(ineligible) is False
+        graph.prepare(ineligible)
+        assert graph.changes == 1
+    graph.prepare(b)  # the counts changed: padded to a capacity from now on
+    cap = graph.capacity.copy()
+    assert (cap >= 20).all() and graph.ready(a) and graph.ready(b) and graph.changes == 2
+    over = counts([int(cap[0]) + 1] + [10] * (F - 1))
+    assert graph.ready(over) is False and (graph.capacity == cap).all()  # still a query
+    graph.prepare(over)  # grown: this step runs another way, the next with these counts replays
+    assert graph.capacity[0] > cap[0] and graph.ready(over) and graph.given_up is None
+
+    refused = graph_of(pad=False)  # counts that keep changing without padding: given up
+    for i in range(4):
+        refused.prepare(counts([10 + i] * F))
+    assert "ragged bags" in refused.given_up and refused.ready(counts([13] * F)) is False

@@ -30,14 +30,15 @@ arithmetic checked against the eager step where CUDA graphs do not exist).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from embshard.collection import padding
 from embshard.runtime import comm
-from embshard.runtime.ops import every_id_weighted
+from embshard.runtime.graphs import warm_up_and_capture
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.options import BoundsCheck
 from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier
@@ -157,7 +158,7 @@ class EmbeddingStepGraph:
             self.graph.replay()
             comm.graph_launched()
             self.replays += 1
-            self.ebc.step += 1  # as the eager forward counts it
+            self.ebc.advance_step()  # as the eager forward counts it
             return self._loss.clone()
         if not self.capture:
             return self._body()
@@ -165,7 +166,7 @@ class EmbeddingStepGraph:
 
     def _body(self) -> torch.Tensor:
         ebc, kjt = self.ebc, self._static[0]
-        with every_id_weighted():
+        with ebc.weighing_every_id():
             handle = ebc.prefetch(kjt, counts=self._counts)  # the id exchange, sized from the padded counts
             loss = self.loss_fn(ebc(kjt, prefetched=handle))
             # to the leaves, without running their AccumulateGrad nodes (a node an earlier eager step made belongs
@@ -176,30 +177,33 @@ class EmbeddingStepGraph:
         return loss.detach()
 
     def _warm_up_and_capture(self) -> torch.Tensor:
+        """This step eagerly on the capture stream (its updates are done), then its capture (which computes nothing
+        and counts no step). Returns this step's loss."""
         device = self.ebc.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            loss = self._body()
-        current.wait_stream(self._stream)
-        loss.record_stream(current)  # made on the capture stream, read on the caller's
-        graph = torch.cuda.CUDAGraph()
-        step, pending = self.ebc.step, len(self.ebc._pending)
+        loss, graph, self._loss = warm_up_and_capture(
+            self._body, device, stream=self._stream, record_output=True, around=self._capturing
+        )
+        self.graph, self.captures = graph, self.captures + 1
+        return loss
+
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Around the capture: the collection's step count as it was (the capture ran no step), and after a failure
+        no prefetch the capture left unconsumed; a failure raises saying how to train on."""
+        ebc = self.ebc
+        step, pending = ebc.step, ebc.pending_prefetches
         try:
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                self._loss = self._body()
+            yield
         except Exception as e:
-            del self.ebc._pending[pending:]  # a prefetch the failed capture left unconsumed
+            ebc.drop_prefetches(keep=pending)  # a prefetch the failed capture left unconsumed
             raise RuntimeError(
                 f"EmbeddingStepGraph: capturing the step failed ({type(e).__name__}: {e}); this step's updates are "
                 "done (its eager run): train on with the eager step, `ebc(kjt)` and its backward"
             ) from e
         finally:
-            self.ebc.step = step  # the capture ran no step
-        self.graph, self.captures = graph, self.captures + 1
-        return loss
+            ebc.set_step(step)  # the capture ran no step
 
     def _make_static(self, padded) -> None:
         static = static_kjt(padded)

@@ -4,7 +4,7 @@
 A padded batch keeps every bag's ids and gives each feature filler ids up to its capacity, spread evenly over its
 bags (the first `pad % B` bags one more), on the first FILLER_ROWS rows of the feature's table (again and again,
 so that no bag is long and no row hot). Every id carries a weight: the batch's own for weighted tables, 1 for the
-others, 0 for the fillers, and every lookup that meets fillers pools with the weights (`ops.every_id_weighted`).
+others, 0 for the fillers, and every lookup that meets fillers pools with the weights (`ebc.weighing_every_id`).
 A lookup that reads its ids through the bags' offsets alone, whatever the length of the values (the data-parallel
 tables on the small-table kernels: a scheme's `pads_free`), needs no fillers: its features keep their bags and
 follow the padded features (the padded KJT lists them last, so every buffer a lookup reads starts at the same place

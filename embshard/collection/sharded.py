@@ -33,6 +33,7 @@ from embshard.collection.bounds import check_ids, count_bad_ids
 from embshard.collection.regroup import Regroup
 from embshard.collection.regroup_kernel import KernelRegroup
 from embshard.collection.shard_state import ShardState
+from embshard.collection.step_state import StepState
 from embshard.lookup.stats import format_cache_stats
 from embshard.runtime import comm
 from embshard.runtime.comm import world_and_rank
@@ -75,7 +76,7 @@ class PrefetchHandle:
     """Set once forward consumed it."""
 
 
-class ShardedEmbeddingBagCollection(ShardState, nn.Module):
+class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
     """Embedding-bag tables sharded by `plan`, trained with a fused sparse optimizer.
 
     Args:
@@ -168,9 +169,7 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
             [self._table_of[f].pooling is Pooling.MEAN for f in self.features], dtype=torch.bool, device=self.device
         )
         self._kjt_layout: tuple | None = None
-        # Training forwards so far (forwards with grad enabled): every rank must agree on it at each forward (the
-        # watchdog's messages name it); a training loop that resumes sets it to the resumed step.
-        self.step = 0
+        self._step = 0  # training forwards so far (`step`), written through StepState's methods alone
         self._pending: deque[PrefetchHandle] = deque()  # prefetched batches not consumed yet, in order
         self._ahead: tuple | None = None  # (kjt, output, event): a forward run ahead (lookup_ahead)
         # A list while a caller collects each forward's lookup outputs (before the pooled exchange), else None: the
@@ -290,7 +289,7 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
                 handles[i] = self.schemes[i].start_output_dist(pooled, inputs[i].batch_sizes)
             blocks = [b for h in handles for b in h.wait()]
         if torch.is_grad_enabled():
-            self.step += 1
+            self.advance_step()
         if self._mean_features:
             blocks = self._apply_mean(blocks, lengths_FB, index)
         out = self.regroup(blocks)
@@ -305,6 +304,18 @@ class ShardedEmbeddingBagCollection(ShardState, nn.Module):
     def next_prefetch_step(self) -> int:
         """The step the next `prefetch` labels its batch with: the training forward that will consume it."""
         return self.step + len(self._pending)
+
+    @property
+    def pending_prefetches(self) -> int:
+        """Prefetched batches (`prefetch`) that no forward has consumed yet."""
+        return len(self._pending)
+
+    def drop_prefetches(self, keep: int = 0) -> None:
+        """Forget the prefetched batches not consumed yet but the `keep` oldest (a failed capture's, say)."""
+        if keep < 0:
+            raise ValueError(f"ShardedEmbeddingBagCollection.drop_prefetches(keep={keep}): keep must be >= 0")
+        while len(self._pending) > keep:
+            self._pending.pop()
 
     def prefetch(
         self,

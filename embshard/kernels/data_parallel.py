@@ -4,7 +4,7 @@ chunk's repeated rows are summed, no global sort), on the same flat weights.
 
 Data flow of one step (as DataParallelLookup otherwise): forward pools the local batch from the flat replica
 (`group_views`: one `[rows, D]` view per (width, data type) block), the per-sample weights multiplying the ids of
-weighted tables, or every id while `ops.every_id_weighted` is active (a padded batch, whose filler ids weigh 0;
+weighted tables, or every id while its `every_id_weighted` is set (a padded batch, whose filler ids weigh 0;
 `all_weighted`, which the backward keeps); backward forms the flat gradient of the local batch with atomics into
 a zeroed buffer (`deterministic=True`: the sorted backward), then `DataParallelLookup.apply_gradient` all-reduces
 it and applies the same update on every rank. The replicas still agree bitwise across ranks (every rank updates
@@ -24,7 +24,6 @@ import torch
 from embshard.kernels.small_tables import SmallTableOptions, dense_gradients, group_views, pool, shards_layout
 from embshard.lookup.replicas import DataParallelLookup
 from embshard.runtime.comm import scoped_label
-from embshard.runtime.ops import weights_forced
 
 
 class _KernelReplicaBags(torch.autograd.Function):
@@ -82,8 +81,8 @@ class KernelDataParallelLookup(DataParallelLookup):
         """Pooled sums `[B, sum(dims)]` (same contract as TBELookup); the update happens in backward."""
         # A padded batch gives these features no fillers (the kernels read ids through the offsets alone:
         # DataParallelSharding.pads_free), so the weights weigh the weighted tables' ids only, as in any batch;
-        # `ops.every_id_weighted` still applies to a lookup called directly with every id weighted.
-        forced = weights_forced() and not self.pads_free
+        # `every_id_weighted` still applies to a lookup called directly with every id weighted.
+        forced = self.every_id_weighted and not self.pads_free
         psw = weights.float() if weights is not None and (self._weighted != "none" or forced) else None
         if torch.is_grad_enabled():
             pooled = _KernelReplicaBags.apply(self, indices, offsets, psw, forced, self.tbe.weights)

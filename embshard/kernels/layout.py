@@ -8,7 +8,7 @@ feature-major: offsets of length F*B+1, feature `f`'s bags are offsets[f*B : (f+
 The same layout describes FBGEMM's dense TBE (data-parallel tables ordered by width: one flat weight tensor whose
 width blocks are these groups), so the data-parallel scheme can hand its flat weights to the kernels as views.
 Device copies of the per-feature tables are made once per device (`on`, `feature_tables`); with `all_weighted` they
-mark every feature weighted (a padded batch's lookups pool every id with its weight: `ops.every_id_weighted`), made
+mark every feature weighted (a padded batch's lookups pool every id with its weight: `every_id_weighted`), made
 once per device as well, so the kernels see the same flags either way, only their values differ.
 """
 

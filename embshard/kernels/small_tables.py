@@ -26,7 +26,7 @@ For the data-parallel scheme, `pool` and `dense_gradients` are the forward and t
 the gradient of every row of a flat `[rows, D]` block (FBGEMM's dense TBE layout), which the caller all-reduces.
 
 Per-sample weights multiply the ids of weighted tables only (the layout's per-feature `weighted` flags), except
-while `ops.every_id_weighted` is active (a padded batch: filler ids of weight 0, embshard/training/step_graph.py): then the
+while its `every_id_weighted` is set (a padded batch: filler ids of weight 0, embshard/training/step_graph.py): then the
 lookup pools every feature with the batch's weights (`all_weighted=True`: the kernels get all-ones flags, made
 once per layout and device, and the torch path weighs every feature), and its backward, which may run after the
 context has closed, weighs every id the same way. A filler then adds nothing to its bag and no gradient to its row.
@@ -44,9 +44,8 @@ from torch import nn
 
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
-from embshard.lookup.base import CountedSteps, NoCache
+from embshard.lookup.base import CountedSteps, EveryIdWeighted, NoCache
 from embshard.lookup.updates import apply_update, optimizer_state
-from embshard.runtime.ops import weights_forced
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.options import LookupOptions
 from embshard.spec.plan import MemoryTier
@@ -108,7 +107,7 @@ def pool(
 ) -> torch.Tensor:
     """Pooled sums `[B, layout.out_cols]` of feature-major bags (offsets of length F*B+1) over the groups' blocks
     `weights[g]` `[rows, D]` (fp32, row-major). No autograd. `psw` weighs the ids of weighted tables, or with
-    `all_weighted` every id (`ops.every_id_weighted`)."""
+    `all_weighted` every id (a padded batch: `every_id_weighted`)."""
     B = (offsets.numel() - 1) // max(layout.num_features, 1)
     if not use_triton(impl, indices.device):
         return _pool_torch(layout, weights, indices, offsets, psw, B, all_weighted).to(out_dtype)
@@ -245,7 +244,7 @@ class _Pool(torch.autograd.Function):
         return (None,) * (5 + ctx.n)
 
 
-class SmallTableLookup(NoCache, CountedSteps, nn.Module):
+class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
     """Shards of small tables (fp32, in device memory) pooled by the small-table kernels, optimizer fused into
     the backward. Same contract as TBELookup (constructor, forward, shard_weights and the cache no-ops)."""
 
@@ -329,7 +328,7 @@ class SmallTableLookup(NoCache, CountedSteps, nn.Module):
                 f"SmallTableLookup over features {self.features}: offsets has {offsets.numel()} entries, not "
                 f"F*B+1 with F={len(self.features)}; pass one bag per feature and sample, feature-major"
             )
-        forced = weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        forced = self.every_id_weighted  # a padded batch weighs every id
         weighted = any(s.table.weighted for s in self.shards)
         psw = weights if weights is not None and (weighted or forced) else None
         if torch.is_grad_enabled():

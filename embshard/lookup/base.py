@@ -2,6 +2,7 @@
 
 `NoCache`: the cache methods of a lookup without a UVM cache (host, data-parallel and small-table lookups).
 `CountedSteps`: `optimizer_step` of a lookup that counts its optimizer's steps itself, in `self._step`.
+`EveryIdWeighted`: the flag that makes a lookup pool every id with the batch's weights (a padded batch).
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ class NoCache:
 
     def reset_cache_stats(self) -> None:
         """No cache: nothing to reset."""
+
+
+class EveryIdWeighted:
+    """`every_id_weighted`: the lookup pools every id with the per-id weights it is given, also for tables without
+    weights (a padded batch: its filler ids weigh 0, so they add nothing to a bag and get no gradient;
+    embshard/collection/padding.py). Set by the scheme the lookup serves (`Scheme.weigh_every_id`), for the steps
+    of a graph that pads its batches; False otherwise. A backward weighs the ids as its forward did."""
+
+    every_id_weighted: bool = False
 
 
 class CountedSteps:

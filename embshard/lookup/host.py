@@ -8,17 +8,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from embshard.lookup.base import NoCache
+from embshard.lookup.base import EveryIdWeighted, NoCache
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.updates import optimizer_state, sparse_update
-from embshard.runtime.ops import weights_forced
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.options import LookupOptions
 from embshard.spec.tables import DataType
 
 
-class HostLookup(NoCache, nn.Module):
+class HostLookup(EveryIdWeighted, NoCache, nn.Module):
     """CPU lookup for what FBGEMM's CPU TBE cannot do: Adam (not implemented there) and weight decay (silently
     ignored there, seen with fbgemm-gpu-cpu 1.8.0). Plain embedding_bag with sparse gradients; the optimizer is
     applied to the touched rows as soon as each shard's gradient is ready (fused into backward). fp16 tables keep
@@ -82,7 +81,7 @@ class HostLookup(NoCache, nn.Module):
             end = offsets[hi]
             idx = indices[start:end].long()
             w = self.weights[self._feature_shard[f]]
-            psw = weights[start:end] if (weights is not None and (self.weighted or weights_forced())) else None
+            psw = weights[start:end] if (weights is not None and (self.weighted or self.every_id_weighted)) else None
             outs.append(
                 nn.functional.embedding_bag(
                     idx,

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.lookup.base import CountedSteps, NoCache
+from embshard.lookup.base import CountedSteps, EveryIdWeighted, NoCache
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.updates import apply_update, optimizer_state
 from embshard.runtime.comm import scoped_label, start_all_reduce
-from embshard.runtime.ops import feature_of_ids, weights_forced
+from embshard.runtime.ops import feature_of_ids
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.options import LookupOptions
 from embshard.spec.tables import ConfigError, DataType
@@ -49,7 +49,7 @@ class _ReplicaBags(torch.autograd.Function):
         return (None,) * 5
 
 
-class DataParallelLookup(NoCache, CountedSteps, nn.Module):
+class DataParallelLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
     """Full replicas of the data-parallel tables in one FBGEMM dense TBE (one flat weight tensor), updated with
     the all-reduced gradient in backward.
 
@@ -139,7 +139,7 @@ class DataParallelLookup(NoCache, CountedSteps, nn.Module):
         if indices.dtype not in (torch.int32, torch.int64):
             indices = indices.long()
         psw = None
-        forced = weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        forced = self.every_id_weighted  # a padded batch weighs every id
         if weights is not None and (self._weighted != "none" or forced):
             psw = weights.float()
             if self._weighted == "some" and not forced:  # unweighted features pool with weight 1

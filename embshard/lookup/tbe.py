@@ -14,12 +14,13 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from embshard.lookup.base import EveryIdWeighted
 from embshard.lookup.fbgemm_fixes import array_cache_state
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.stats import summarize_cache_stats
 from embshard.lookup.uvm_fill import HostFirstTouch, concurrent_managed_access, uvm_first_touch
-from embshard.runtime.ops import cached_tensor, weights_forced
+from embshard.runtime.ops import cached_tensor
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.options import LookupOptions, OutputDtype
 from embshard.spec.tables import ConfigError
@@ -27,7 +28,7 @@ from embshard.spec.tables import ConfigError
 INIT_BLOCK_BYTES = 64 << 20  # a TBE's weights are initialised in row blocks of about this size (temporary buffer)
 
 
-class TBELookup(nn.Module):
+class TBELookup(EveryIdWeighted, nn.Module):
     """One FBGEMM TBE over a group of compatible shards, optimizer fused into its backward."""
 
     def __init__(
@@ -99,7 +100,7 @@ class TBELookup(nn.Module):
             F = len(self.features)
             bounds = offsets[torch.arange(F + 1, device=offsets.device) * ((offsets.numel() - 1) // F)]
             self._requested_F += bounds[1:] - bounds[:-1]
-        weighted = self.weighted or weights_forced()  # a padded batch weighs every id (ops.every_id_weighted)
+        weighted = self.weighted or self.every_id_weighted  # a padded batch weighs every id
         psw = weights if weighted else None
         # FBGEMM's backward forms the weights' gradient unless told no feature needs it: all zero, it only writes
         # zeros (the weights of a batch are data; a padded batch's weigh every id of these tables)

@@ -37,6 +37,7 @@ import torch
 
 from embshard.rawids.index import triton_for
 from embshard.rawids.reset import Resets
+from embshard.runtime.graphs import capture, warm_up
 from embshard.spec.geometry import capacity, offsets
 
 if TYPE_CHECKING:
@@ -201,15 +202,9 @@ class MapGraph:
 
     def _eagerly(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """fn() on the capture stream, ordered after and before the current stream's work."""
-        current = torch.cuda.current_stream(self._ids.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self._ids.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            out = fn()
-        current.wait_stream(self._stream)
-        out.record_stream(current)
-        return out
+        return warm_up(fn, self._ids.device, stream=self._stream, record_output=True)
 
     def _capture(
         self, bodies: list[Callable[[], torch.Tensor]]
@@ -219,8 +214,7 @@ class MapGraph:
         pool = torch.cuda.graph_pool_handle()
         graphs, outs = [], []
         for body in bodies:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"):
-                outs.append(body())
+            graph, out = capture(body, stream=self._stream, pool=pool)
             graphs.append(graph)
+            outs.append(out)
         return graphs, outs

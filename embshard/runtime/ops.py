@@ -8,8 +8,7 @@ a rank with nothing to send lays out its (empty) buffers here on the host side o
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
@@ -53,30 +52,11 @@ def feature_of_ids(ids_F: torch.Tensor, n: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(n, device=ids_F.device), right=True)
 
 
-_WEIGHTS_FORCED = [False]
-
-
-@contextmanager
-def every_id_weighted() -> Iterator[None]:
-    """While active, every scheme sends and every lookup pools with the batch's per-id weights, also for tables
-    without weights (the batch then gives their ids weight 1): a padded batch's filler ids carry weight 0, so they
-    add nothing to a bag and get no gradient (embshard/training/step_graph.py)."""
-    before, _WEIGHTS_FORCED[0] = _WEIGHTS_FORCED[0], True
-    try:
-        yield
-    finally:
-        _WEIGHTS_FORCED[0] = before
-
-
-def weights_forced() -> bool:
-    """Whether `every_id_weighted` is active."""
-    return _WEIGHTS_FORCED[0]
-
-
 def weights_or_ones(values: torch.Tensor, weights: torch.Tensor | None, weighted: bool) -> torch.Tensor | None:
-    """The per-id weights to send for a scheme: None if none of its tables is weighted (and `every_id_weighted` is
-    not active), else the batch's weights (fp32 ones where the batch has none)."""
-    if not (weighted or weights_forced()):
+    """The per-id weights to send for a scheme: None if not `weighted` (none of its tables is weighted, and the
+    batch is not one whose every id is weighted: a padded batch, `Scheme.every_id_weighted`), else the batch's
+    weights (fp32 ones where the batch has none)."""
+    if not weighted:
         return None
     return weights if weights is not None else torch.ones_like(values, dtype=torch.float32)
 

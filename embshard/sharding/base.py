@@ -105,6 +105,15 @@ class Scheme(nn.Module):
     layout: OutputLayout
     lookups: nn.ModuleList
     local_output = False  # True where start_output_dist sends nothing (the pooled rows are already home)
+    every_id_weighted = False  # every id sent and pooled with its weight (a padded batch): `weigh_every_id`
+
+    def weigh_every_id(self, on: bool) -> None:
+        """Send every id with its weight (the batch's, or 1 for a batch without weights) and have every lookup
+        pool with the weights, also for tables without weights (`on`), or only the weighted tables' ids (not
+        `on`, the default): a padded batch's filler ids weigh 0 (embshard/collection/padding.py)."""
+        self.every_id_weighted = bool(on)
+        for lk in self.lookups:
+            lk.every_id_weighted = bool(on)
 
     def local_ids(self, batch: LocalBatch) -> LocalIds:
         """Lay out the local batch's ids for this scheme's input dist. `batch.lengths_FB` is the local batch's

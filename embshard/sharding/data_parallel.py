@@ -78,7 +78,7 @@ class DataParallelSharding(Scheme):
         if self.pads_free:  # its features hold no fillers: weights only for weighted tables
             weights = weights_or_ones(values, batch.weights, True) if self.weighted else None
         else:
-            weights = weights_or_ones(values, batch.weights, self.weighted)
+            weights = weights_or_ones(values, batch.weights, self.weighted or self.every_id_weighted)
         run = self._run_of(batch)
         if run is not None:  # n: these features' ids (a padded batch: their capacity, the bags holding the first)
             a, start = run

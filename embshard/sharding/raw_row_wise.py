@@ -46,7 +46,7 @@ class RawRowBlockSharding(RowBlockSharding):
         """Bucket the local batch's raw ids by the block of their virtual row, destination-major; the counts per
         destination and per destination key are known only on the device (`exchange_counts` swaps them)."""
         lengths_FB, values = batch.lengths_FB, batch.values
-        weights = weights_or_ones(values, batch.weights, self.weighted)
+        weights = weights_or_ones(values, batch.weights, self.weighted or self.every_id_weighted)
         B, W, F = lengths_FB.shape[1], self.world_size, len(self.in_features)
         dev = values.device
         n = int(batch.counts.ids[self.rank, self._cols].sum())

@@ -105,7 +105,7 @@ class RoutedSharding(Scheme):
         sent = ids[self.rank] @ self._routes  # [W] ids to each destination
         received = ids @ self._routes[:, self.rank]  # [W] ids from each source
         perm = cached_tensor([batch.feature_index[f] for f in self.sources], batch.values.device, torch.int32)
-        weights = weights_or_ones(batch.values, batch.weights, self.weighted)
+        weights = weights_or_ones(batch.values, batch.weights, self.weighted or self.every_id_weighted)
         send_lengths, send_values, send_weights = permute_2d(
             perm, batch.lengths_FB, batch.values, weights, int(sent.sum())
         )

@@ -105,7 +105,7 @@ class RowBlockSharding(RoutedSharding):
         on the device (`LocalIds.counts`): `exchange_counts` fills in `sent` / `received`."""
         lengths_FB, values = batch.lengths_FB, batch.values
         select, block_sizes, route = self._tensors(batch.feature_index, values)
-        weights = weights_or_ones(values, batch.weights, self.weighted)
+        weights = weights_or_ones(values, batch.weights, self.weighted or self.every_id_weighted)
         B = lengths_FB.shape[1]
         W, F = self.world_size, len(self.in_features)
         n = int(batch.counts.ids[self.rank, self._cols].sum())

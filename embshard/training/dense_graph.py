@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from embshard.runtime import comm
+from embshard.runtime.graphs import warm_up_and_capture
 
 __all__ = ["DenseGraphStep", "GraphOptimizer", "graph_optimizer_step"]
 
@@ -242,8 +243,7 @@ class DenseGraphStep:
             self._dense_BN.copy_(dense_BN)
             self._sparse_BS.copy_(sparse_BS.detach())
             self._labels_B.copy_(labels_B)
-        if self._opt.before is not None:
-            self._opt.before()
+        self.before_update()
         if self.capture:
             self.graph.replay()
             comm.graph_launched([self.group])
@@ -251,8 +251,7 @@ class DenseGraphStep:
             for p, grad in zip(self.params, self._grad_views):
                 p.grad = grad
             self._body()
-        if self._opt.after is not None:
-            self._opt.after()
+        self.after_update()
         self.replays += 1
         loss = _CapturedLoss.apply(sparse_BS, self._loss, self._sparse_grad)
         return loss, self._logits_B.detach().clone()
@@ -305,6 +304,17 @@ class DenseGraphStep:
         """The dense optimizer's step on the averaged gradients."""
         self._opt.step()
 
+    def before_update(self) -> None:
+        """Host work before a step that holds `update` (a replay, or the step run without a graph): the learning
+        rates copied into the device tensors the captured update reads, where they changed."""
+        if self._opt.before is not None:
+            self._opt.before()
+
+    def after_update(self) -> None:
+        """Host work after a step that held `update`: the step counters torch keeps on the host, advanced."""
+        if self._opt.after is not None:
+            self._opt.after()
+
     def _body(self) -> None:
         """What the graph holds: forward, loss, gradients, their average over the ranks, the optimizer's step."""
         self._loss, self._logits_B, self._sparse_grad = self.forward_backward(
@@ -337,23 +347,24 @@ class DenseGraphStep:
             offset += p.numel()
 
     def _capture(self) -> None:
-        device = self._sparse_BS.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisations), no update
+        """The warm-up (forward and gradients, no update; the compiled optimizer's first call on copies) on a side
+        stream, then the capture of the whole step (`_body`)."""
+
+        def warm() -> None:
             self.forward_backward(self._dense_BN, self._sparse_BS, self._labels_B)
             if self._opt.warm_up is not None:
                 self._opt.warm_up()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
+
+        _, self.graph, _ = warm_up_and_capture(self._body, self._sparse_BS.device, warm=warm, around=self._capturing)
+
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Around the capture: the optimizer's step capturable (`optimizer_captured`, whose learning rates the
+        graph then holds); a failure raises naming the setting that turns the graph off (no graph is kept)."""
         try:
-            # thread_local: the host threads beside this one (the pipeline's batch preparation pins memory, NCCL's
-            # watchdog queries events) may make calls that a global capture would fail on
             with self.optimizer_captured() as self._captured_lrs:
-                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                    self._body()
+                yield
         except Exception as e:
-            self.graph = None
             raise RuntimeError(
                 f"training.cuda_graph: capturing the dense step failed ({type(e).__name__}: {e}); set "
                 "training.cuda_graph false to train without it"

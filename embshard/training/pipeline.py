@@ -25,7 +25,7 @@ Modes (`TrainPipeline(mode=...)`, YAML `training.pipeline`):
   include batch i's update (the fused optimizer applies gradients to the current rows). Dense weights are not
   stale. Refused with UVM-caching tables and with a retrieval catalog.
 
-With the model's whole-step graph (`RecModel.step_graph`, training.cuda_graph with graph_scope step;
+With the model's whole-step graph (`ModelGraphs.whole`, training.cuda_graph with graph_scope step;
 embshard/training/step_graph.py) a batch whose agreed counts equal the step before's is trained by one replay: dist,
 lookup, train and both updates inside the graph. While the graph is in use the dist stage is not run ahead (a batch
 that does not replay runs it just before its forward); host, agree and copy still overlap the replay.
@@ -54,6 +54,7 @@ from embshard.sharding.exchange import BatchCounts, parse_counts
 from embshard.spec.options import counts_on_host
 from embshard.spec.plan import MemoryTier
 from embshard.spec.tables import ConfigError
+from embshard.training.model_graphs import ModelGraphs
 
 MODES = ("none", "sparse_dist", "semi_sync")
 
@@ -187,6 +188,8 @@ class TrainPipeline:
         start_step: the last step already trained (resume); the first `progress` trains start_step + 1.
         host_group: the CPU process group of the agree step (default: `host_group_for(model.ebc.group)`, made here,
             collectively).
+        graphs: the CUDA graphs of the model's step (embshard/training/model_graphs.py: `build_model` makes them),
+            or None: every step runs eagerly.
     """
 
     def __init__(
@@ -201,12 +204,14 @@ class TrainPipeline:
         ids_checked: bool = False,
         start_step: int = 0,
         host_group: dist.ProcessGroup | None = None,
+        graphs: ModelGraphs | None = None,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"training pipeline mode {mode!r} is unknown: choose one of {list(MODES)}")
         if precision not in ("fp32", "tf32", "bf16"):
             raise ConfigError(f"training precision {precision!r} is unknown: choose fp32, tf32 or bf16")
         self.model, self.optimizer, self.mode = model, dense_optimizer, mode
+        self.graphs = graphs if graphs is not None else ModelGraphs(model)  # none captured: every step eager
         self.ebc = model.ebc
         self.device = self.ebc.device
         self.cuda = self.device.type == "cuda"
@@ -313,7 +318,7 @@ class TrainPipeline:
         """The model's whole-step graph (embshard/training/step_graph.py) while it is in use, else None. While it is, the
         input dist is not run ahead: the graph holds it (the steps that do not replay run it just before their
         forward)."""
-        graph = getattr(self.model, "step_graph", None)
+        graph = self.graphs.whole
         if graph is None or graph.given_up is not None or self.mode == "semi_sync" or self.check_finite:
             return None
         return graph
@@ -329,7 +334,7 @@ class TrainPipeline:
     def _graph_step(self, item: _Item) -> bool:
         """Whether this step replays the dense step's CUDA graph: only when every rank's batch has the graph's
         size (the agreed counts), so that every rank replays, and all-reduces, together."""
-        graph = getattr(self.model, "dense_graph", None)
+        graph = self.graphs.dense
         if graph is None or self.check_finite:
             return False
         if self.world > 1 and item.counts is None:  # the sizes are not known on the host: never
@@ -339,15 +344,19 @@ class TrainPipeline:
 
     def _forward(self, item: _Item) -> StepOutput:
         whole = self._whole_step_graph()
-        if whole is not None and item.counts is not None and whole.ready(item.counts):
-            return whole.run(item.batch, item.counts)  # every update done
+        if whole is not None and item.counts is not None:
+            if whole.ready(item.counts):
+                return whole.run(item.batch, item.counts)  # every update done
+            whole.prepare(item.counts)  # sizes the graph for the steps to come
         if self.dist_ahead and not item.dist_done:  # the whole-step graph is on but did not replay this step
             self.ebc.prefetch(item.batch.sparse, counts=item.counts)
             item.dist_done = True
         graph = self._graph_step(item)
         ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
-            return self.model.step(item.batch, check_finite=self.check_finite, graph=graph)
+            if graph:
+                return self.graphs.dense_step(item.batch)  # the dense update done
+            return self.model.step(item.batch, check_finite=self.check_finite)
 
     def _update(self, out: StepOutput) -> None:
         if out.updated:  # a replayed whole-step graph did every update
@@ -377,10 +386,10 @@ class TrainPipeline:
                 return None
             return self._train(item, None)
         if self._cur is None and not self._ended:  # fill the pipeline
-            self.ebc.step = self.step + 1  # the step of the first batch (its prefetch is labelled with it)
+            self.ebc.set_step(self.step + 1)  # the step of the first batch (its prefetch is labelled with it)
             self._cur = self._fetch_and_dist()
             if self.mode == "semi_sync" and self._cur is not None:
-                self.ebc.step = self._fetched
+                self.ebc.set_step(self._fetched)
                 self.ebc.lookup_ahead(self._cur.batch.sparse, stream=self.emb_stream)
                 self._nxt = self._fetch_and_dist()
         cur = self._cur
@@ -395,7 +404,7 @@ class TrainPipeline:
             return
         nxt = self._nxt
         if nxt is not None:  # batch i+1: its lookup, before batch i's backward updates the tables
-            self.ebc.step = self._training + 1
+            self.ebc.set_step(self._training + 1)
             self.ebc.lookup_ahead(nxt.batch.sparse, stream=self.emb_stream)
         self._nxt = self._fetch_and_dist()  # batch i+2: copy and input dist
         self._cur = nxt
@@ -404,7 +413,7 @@ class TrainPipeline:
         step = self._training = self.step + 1
         self._use(item)
         if self.mode != "semi_sync":
-            self.ebc.step = step  # every rank agrees on it (checked), and errors name it
+            self.ebc.set_step(step)  # every rank agrees on it (checked), and errors name it
         out = self._forward(item)
         if advance is not None:
             advance()

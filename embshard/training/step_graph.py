@@ -14,7 +14,8 @@ captured once and each later step with those counts replays it with one launch:
                     gradients' all-reduce and the dense optimizer's step (`DenseGraphStep.reduce_and_update`)
     outputs         the loss and the logits (copied out), every update done
 
-Which steps replay: the pipeline asks `ready(counts)` with the ranks' agreed counts of the batch (gathered on the
+Which steps replay: the pipeline asks `ready(counts)` (a query; a step it turns down goes to `prepare(counts)`,
+which sizes the graph for the steps to come) with the ranks' agreed counts of the batch (gathered on the
 host a step ahead, the same on every rank), so every rank replays, and runs the same collectives, together. A step
 whose counts differ from the step before's runs the other way (the dense graph or the eager step); the first step
 whose counts repeat runs the graph's step eagerly on the capture stream (the lazy initialisations happen there),
@@ -25,7 +26,7 @@ per feature (10% over the largest counts seen, `capacity`), and every batch whos
 the replay: each feature's bags keep their ids and gain filler ids spread evenly over them up to the capacity (on the
 first 1,024 rows of the feature's table, so that no bag is long and no row hot), every id with a weight (the
 batch's own for weighted tables, 1 for the others, 0 for the fillers), and every lookup that meets fillers pools
-with the weights (`ops.every_id_weighted`; the data-parallel tables on the small-table kernels get none:
+with the weights (`ebc.weighing_every_id`; the data-parallel tables on the small-table kernels get none:
 embshard/collection/padding.py). A filler adds nothing to its bag and gets a zero gradient, which leaves its row as it is
 under sgd, adagrad and row-wise adagrad without weight decay. A batch over the capacity grows it (eager step, then
 a new capture). Where padding does not apply (`padding_refusal`: mean pooling, adam or weight
@@ -42,7 +43,8 @@ that a fused optimizer holds as a constant drops the graph when it changes (capt
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -51,7 +53,7 @@ from embshard.collection import padding
 from embshard.collection.emb_graph import collection_refusal, leaves_of, static_kjt
 from embshard.models.registry import StepOutput
 from embshard.runtime import comm
-from embshard.runtime.ops import every_id_weighted
+from embshard.runtime.graphs import warm_up_and_capture
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.geometry import capacity
 from embshard.training.dense_graph import DenseGraphStep
@@ -123,32 +125,39 @@ class StepGraph:
 
     # ---- when ------------------------------------------------------------------------------------------------
     def ready(self, counts: BatchCounts) -> bool:
-        """Whether this step (its ranks' agreed `counts`) runs the whole-step graph: its counts equal the last
-        eligible step's (the first of a run of equal counts returns False and remembers them), or, once the counts
-        have changed (padded mode), they fit the capacity (a batch over it returns False and grows the capacity)."""
-        if self.given_up is not None or not torch.is_grad_enabled() or counts.bad_ranks:
+        """Whether the step with the ranks' agreed `counts` runs the whole-step graph (`run`): it is eligible (the
+        graph is not given up, gradients are on, no rank has out-of-range ids, every rank's batch has the training
+        batch size) and the graph is sized for its counts: equal to the last eligible step's, or (padded mode)
+        within the capacity. A query: it changes nothing. A step it turns down goes to `prepare`."""
+        if not self._eligible(counts):
             return False
-        if len(set(counts.batch_sizes)) != 1 or counts.batch_sizes[0] != self.dense_step.batch_size:
-            return False
-        if self.graph is not None and self.dense_step.rates_changed(self._captured_lrs):
-            self.graph = None  # a changed rate the captured step holds: warm up and capture again
         ids = np.asarray(counts.ids, dtype=np.int64)
         if self.capacity is not None:  # padded mode: any counts that fit
-            if (ids <= self.capacity).all():
-                return True
-            self.capacity, self.graph = capacity(np.maximum(self.capacity, ids.max(0))), None  # grow: capture again
+            return bool((ids <= self.capacity).all())
+        return (tuple(counts.batch_sizes), ids.tobytes()) == self._key
+
+    def prepare(self, counts: BatchCounts) -> None:
+        """After `ready(counts)` turned an eligible step down (the step then runs another way): size the graph for
+        the steps to come. The first of a run of equal counts is remembered (the next step with them captures);
+        once the counts have changed (padded mode, where `padding_refusal` allows), the capacity covers them (grown
+        for a batch over it: captured again). Counts that keep changing without padding, or a capacity that keeps
+        growing, give the graph up (`given_up` says why). Nothing for a step `ready` accepts or that is not
+        eligible."""
+        if not self._eligible(counts) or self.ready(counts):
+            return
+        ids = np.asarray(counts.ids, dtype=np.int64)
+        if self.capacity is not None:  # padded mode: a batch over the capacity grows it
+            self.capacity, self.graph = capacity(np.maximum(self.capacity, ids.max(0))), None  # capture again
             self.changes += 1
             if self.captures >= self.max_changes:
                 self.given_up = f"captured {self.captures} times for a growing capacity: the counts do not settle"
-            return False
+            return
         key = (tuple(counts.batch_sizes), ids.tobytes())
-        if key == self._key:
-            return True
         if self._key is not None and self.padding_refused is None:  # counts changed: pad from now on
             previous = np.frombuffer(self._key[1], dtype=np.int64).reshape(ids.shape)
             self.capacity, self.graph = capacity(np.maximum(previous, ids).max(0)), None
             self.changes += 1
-            return False
+            return
         self._key, self.graph = key, None  # other counts: the graph's sizes no longer apply
         self.changes += 1
         if self.changes > self.max_changes and self.captures == 0:
@@ -158,12 +167,20 @@ class StepGraph:
             )
         elif self.captures >= self.max_changes:
             self.given_up = f"captured {self.captures} times for changing counts: the counts do not settle"
-        return False
+
+    def _eligible(self, counts: BatchCounts) -> bool:
+        """Whether a step with `counts` may run the graph at all (`ready`'s first conditions)."""
+        if self.given_up is not None or not torch.is_grad_enabled() or counts.bad_ranks:
+            return False
+        return len(set(counts.batch_sizes)) == 1 and counts.batch_sizes[0] == self.dense_step.batch_size
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def run(self, batch, counts: BatchCounts) -> StepOutput:
         """The step on `batch` (this rank's, on the device) with every update done; `counts` are the ones `ready`
-        accepted. Replays the graph, or (first call for these counts) runs the step eagerly and captures it."""
+        accepted. Replays the graph, or (first call for these counts, or a dense learning rate that the captured
+        step holds has changed since) runs the step eagerly and captures it."""
+        if self.graph is not None and self.dense_step.rates_changed(self._captured_lrs):
+            self.graph = None  # a changed rate the captured step holds: warm up and capture again
         if self.capacity is not None:
             batch, counts = self._padded(batch, counts)
         inputs = _inputs_of(batch)
@@ -171,9 +188,7 @@ class StepGraph:
             self._make_static(batch)
         self._counts = counts
         torch._foreach_copy_(self._inputs, inputs)
-        opt = self.dense_step._opt
-        if opt.before is not None:
-            opt.before()
+        self.dense_step.before_update()
         if self.capture and self.graph is not None:
             self.graph.replay()
             comm.graph_launched()
@@ -184,12 +199,11 @@ class StepGraph:
         else:  # the eager steps between may have dropped the dense gradients (zero_grad): the optimizer reads these
             self.dense_step.make_grads(self._labels_B.device)
             loss, logits_B = self._body()
-        if opt.after is not None:
-            opt.after()
+        self.dense_step.after_update()
         return StepOutput(loss.clone(), logits_B.clone(), batch.labels, updated=True)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
-        with every_id_weighted() if self.capacity is not None else nullcontext():
+        with self.model.ebc.weighing_every_id() if self.capacity is not None else nullcontext():
             return self._step()
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,24 +258,25 @@ class StepGraph:
         device = self._labels_B.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
-        self._stream.wait_stream(current)
         self.dense_step.make_grads(device)
-        with torch.cuda.stream(self._stream):
-            outputs = self._body()
-        current.wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
+        outputs, graph, self._graph_outputs = warm_up_and_capture(
+            self._body, device, stream=self._stream, around=self._capturing
+        )
+        self.graph, self.captures = graph, self.captures + 1
+        return outputs
+
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Around the capture: the dense optimizer's step capturable (whose learning rates the graph then holds); a
+        failure gives the graph up and raises naming the settings that avoid it."""
         try:
             with self.dense_step.optimizer_captured() as self._captured_lrs:
-                with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                    self._graph_outputs = self._body()
+                yield
         except Exception as e:
             self.given_up = f"capturing the whole step failed ({type(e).__name__}: {e})"
             raise RuntimeError(
                 f"training.cuda_graph: {self.given_up}; set training.graph_scope dense (or cuda_graph false)"
             ) from e
-        self.graph, self.captures = graph, self.captures + 1
-        return outputs
 
     def _padded(self, batch, counts: BatchCounts):
         """`batch` padded to the capacity (embshard/collection/padding.py), and the counts of such a batch on every rank, which

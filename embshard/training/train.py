@@ -55,17 +55,20 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
 
 
 def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: torch.device, world: int, log):
-    """(RecModel, dense optimizer) of the job on `plan`, with training.compile applied (on CUDA; `log` says when
-    it falls back to eager on the CPU)."""
+    """(RecModel, dense optimizer, ModelGraphs) of the job on `plan`: the step's CUDA graphs (training.cuda_graph,
+    training.graph_scope) and training.compile applied (on CUDA; `log` says when they fall back: the CPU, a model
+    or optimizer the graphs cannot hold). Hand the graphs to the pipeline (`TrainPipeline(graphs=...)`)."""
     from embshard.models.build import RecModel
+    from embshard.training.model_graphs import ModelGraphs, compile_dense
 
     model = RecModel(cfg.model, num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
+    graphs = ModelGraphs(model)
     mode = cfg.training.compile
     graphed = False  # the dense step has a graph (with training.compile, holding the compiled kernels)
     if cfg.training.cuda_graph:
         bf16, compiled = cfg.training.precision == "bf16", None if mode == "none" else mode
-        why_not = model.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
+        why_not = graphs.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
         graphed = why_not is None
         if not graphed:
             log(f"training.cuda_graph: {why_not}; the dense step runs without a graph")
@@ -73,12 +76,12 @@ def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: to
             if cfg.training.pipeline == "semi_sync":
                 why_not = "training.pipeline semi_sync looks up the next batch before this one's backward"
             else:
-                why_not = model.capture_whole_step(cfg.training.graph_overlap)
+                why_not = graphs.capture_whole_step(cfg.training.graph_overlap)
             if why_not is not None:
                 log(f"training.cuda_graph: the whole step is not captured ({why_not}); the dense step is")
-    if mode != "none" and not graphed and not model.compile_dense(mode, cfg.schedule.batch_size):
+    if mode != "none" and not graphed and not compile_dense(model, mode, cfg.schedule.batch_size):
         log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
-    return model, dense_opt
+    return model, dense_opt, graphs
 
 
 def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
@@ -222,7 +225,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     plan = plan_job(cfg, device, world, local_world, report.line)
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
     total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
-    model, dense_opt = build_model(cfg, plan, source.num_dense, device, world, report.line)
+    model, dense_opt, graphs = build_model(cfg, plan, source.num_dense, device, world, report.line)
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
     ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
@@ -242,6 +245,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         prefetch_batches=tr.prefetch_batches,
         ids_checked=getattr(source, "ids_in_range", False),
         start_step=start,
+        graphs=graphs,
     )
 
     def do_eval(step: int) -> None:
@@ -297,7 +301,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     if ck.dir and step > start:
         report.line(f"saved checkpoint {ckpt.history[-1].path}")
     report.close()
-    model.release_graphs()  # before the process group goes: a live graph with NCCL in it hangs the teardown
+    graphs.release()  # before the process group goes: a live graph with NCCL in it hangs the teardown
     dist.destroy_process_group()
 
 

@@ -81,13 +81,13 @@ def test_register_model_from_user_code():
 
 
 def test_compiled_dense_trains_like_the_eager_one():
-    """RecModel.compile_dense's forward: compiled for the training batch size (bf16 autocast, 20 Adam steps: the
+    """compile_dense's forward (embshard/training/model_graphs.py): compiled for the training batch size (bf16 autocast, 20 Adam steps: the
     same losses as the eager copy within bf16 rounding), eager for any other batch size (bit for bit)."""
     import copy
 
     import pytest
 
-    from embshard.models.build import _CompiledForBatch
+    from embshard.training.model_graphs import CompiledForBatch
 
     if not torch.cuda.is_available():
         pytest.skip("torch.compile of the dense part is CUDA only (the CPU runs eagerly)")
@@ -95,7 +95,7 @@ def test_compiled_dense_trains_like_the_eager_one():
     dev = torch.device("cuda", 0)
     eager = DLRMDCNDense(13, 26 * 16, 16, [64, 16], [64, 32], num_layers=2, low_rank=8).to(dev)
     fast = copy.deepcopy(eager)
-    fast.forward = _CompiledForBatch(fast.forward, "default", 256)
+    fast.forward = CompiledForBatch(fast.forward, "default", 256)
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (eager, fast)]
     losses = {0: [], 1: []}
     for _ in range(20):
@@ -199,3 +199,21 @@ def test_fused_cross_sum_is_the_torch_arithmetic():
                 torch.testing.assert_close(grads[-1], (total * x0.detach().float()).to(lo))
                 if not first:
                     torch.testing.assert_close(grads[0], total)
+
+
+def test_models_import_nothing_from_the_training_loop():
+    """The model is built and steps without the training loop: the step's CUDA graphs and the compiled dense
+    forward are the loop's (embshard/training/model_graphs.py); no module of embshard/models imports embshard.training,
+    at the top or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import embshard.models
+
+    found = []
+    for path in sorted(Path(embshard.models.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith("embshard.training")]
+    assert found == [], found

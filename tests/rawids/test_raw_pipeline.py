@@ -61,7 +61,7 @@ def _worker(rank, world, device):
     model, opt = _build(world, device)  # no pipeline
     losses = []
     for step, batch in enumerate(_batches(rank), 1):
-        model.ebc.step = step
+        model.ebc.set_step(step)
         o = model.step(batch.to(device))
         opt.zero_grad(set_to_none=True)
         o.loss.backward()
