@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import io
 import os
 import statistics
@@ -16,12 +17,8 @@ import paths
 import pytest
 
 ROOT = paths.ROOT
-sys.path.insert(0, str(ROOT / "bench"))
-
-import floors  # noqa: E402
-import report  # noqa: E402
-import run  # noqa: E402
-import suites  # noqa: E402
+from bench import floors, report, run, suites
+from bench.suites import checks, common, embedding, rawids, training
 
 H100 = suites.Machine(gpus=2, gpu="NVIDIA H100 80GB HBM3", gpu_mib=81559, cpus=32)
 
@@ -41,7 +38,7 @@ def test_docs_benchmarks_is_current():
     region = report.render(report.folders_in([]))
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     assert report.replace_region(page, region) == page, (
-        "docs/benchmarks.md is stale: run `python bench/report.py --update docs/benchmarks.md`"
+        "docs/benchmarks.md is stale: run `python -m bench.report --update docs/benchmarks.md`"
     )
 
 
@@ -51,14 +48,16 @@ def test_every_suite_builds_commands_of_existing_scripts():
             for step in steps(name, *cpu):
                 scripts = [a for a in step.argv if a.startswith(("bench/", "tests/", "examples/"))]
                 assert all((ROOT / a).exists() for a in scripts), (name, step.argv)
+                modules = [b for a, b in zip(step.argv, step.argv[1:]) if a == "-m" and b.startswith("bench.")]
+                assert all(importlib.util.find_spec(m) is not None for m in modules), (name, step.argv)
                 assert step.argv[0] == sys.executable and step.timeout > 0, step
 
 
 def _installed(monkeypatch, module: str, installed: bool) -> None:
     """The suites see `module` installed or not (whatever this machine has), other modules as they are."""
-    real = suites.importlib.util.find_spec
+    real = importlib.util.find_spec
     fake = lambda name: (object() if installed else None) if name == module else real(name)  # noqa: E731
-    monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
 
 
 def test_tests_suite_device_junit_and_timeout_only_when_installed(monkeypatch):
@@ -92,14 +91,14 @@ def test_e2e_suite_interleaves_pairs_of_both_precisions():
     labels = [s.label for s in got[1:]]
     assert labels == ["TorchRec fp32", "embshard fp32", "TorchRec bf16", "embshard bf16"] * 3
     tr, es = got[1].argv, got[2].argv
-    assert tr[: len(suites.torchrun(2))] == suites.torchrun(2) and "bench/baselines/torchrec_dlrm_train.py" in tr
+    assert tr[: len(common.torchrun(2))] == common.torchrun(2) and "bench/baselines/torchrec_dlrm_train.py" in tr
     assert tr[tr.index("--scale") + 1] == "4" and es[es.index("--scale") + 1] == "0.25"  # the baseline divides
-    assert es[es.index("--nproc") + 1] == "2" and es[es.index("--config") + 1] == suites.E2E_CONFIG
+    assert es[es.index("--nproc") + 1] == "2" and es[es.index("--config") + 1] == common.E2E_CONFIG
     bf16 = got[4].argv
     assert bf16[bf16.index("--precision") + 1] == "bf16" and "lookup.output_dtype=bf16" in bf16
     assert got[3].argv[got[3].argv.index("--precision") + 1] == "bf16"
     timeline = steps("e2e", "--pairs", "1", "--timeline", "--precisions", "fp32", "--no-bandwidth")
-    assert "--trace" in timeline[1].argv and timeline[-1].argv[1] == "bench/timeline.py"
+    assert "--trace" in timeline[1].argv and timeline[-1].argv[1:3] == ["-m", "bench.timeline"]
     assert timeline[-1].argv[-5] == "/tmp/bench-out/timeline_fp32.png" and timeline[-1].argv[-2:] == ["--gaps", "8"]
 
 
@@ -113,7 +112,7 @@ def test_emb_suite_workloads_card_memory_and_pair_order():
     assert len(runs) == 12 and all("(pair 2)" in s.label for s in runs[6:])
     hetero = runs[4].argv
     assert hetero[hetero.index("--hbm-gib") + 1] == "79" and hetero[-4:-2] == ["--force", "small-dp"]
-    assert "bench/torchrec_more.py" in runs[2].argv and runs[3].argv[runs[3].argv.index("--hbm-gib") + 1] == "16"
+    assert "bench.torchrec_more" in runs[2].argv and runs[3].argv[runs[3].argv.index("--hbm-gib") + 1] == "16"
     assert all(a in runs[1].argv for a in ("--plan", "planner"))
     assert steps("emb", "--torchrec-hbm-gib", "74")[5].argv.count("74") == 1  # hetero124, pair 1
     cpu = steps("emb", "--cpu")
@@ -171,7 +170,7 @@ def test_log_filter_drops_repeated_warnings_keeps_results():
 
 
 LOG = """META date=2026-01-02 time='2026-01-02 10:00 UTC' gpu="NVIDIA H100 80GB HBM3" gpus=2
-META command='python -m torch.distributed.run bench/embshard_dmp.py --workload uniform26'
+META command='python -m torch.distributed.run -m bench.embshard_dmp --workload uniform26'
 GPU memory copy: 3000 GB/s (read + write)
 all-to-all over 2 GPUs (NCCL): 200 GB/s bus bandwidth per rank
 torchrec DMP uniform26 world=2 hbm_gib=default force=-: 5.00 ms/step, 3,276,800 samples/s; peak GPU memory 7.1 GB
@@ -232,14 +231,14 @@ def test_floors_reproduce_the_uniform26_estimate():
 
 def test_summaries_read_the_result_lines():
     soak = "RESULT framework=embshard bench=soak workload=uniform26 ms_per_step=4.7 allocated_gib_step100=7.8544 allocated_gib_step5000=7.8547"
-    ((_, text),) = suites.soak_summary(soak, args_for("soak"))
+    ((_, text),) = embedding.soak_summary(soak, args_for("soak"))
     assert "no growth" in text and "step 5000" in text
     grown = soak.replace("7.8547", "7.9544")
-    assert "GROWTH +102.4 MiB" in suites.soak_summary(grown, args_for("soak"))[0][1]
-    rows = suites.compare_summary(LOG, args_for("emb"))
+    assert "GROWTH +102.4 MiB" in embedding.soak_summary(grown, args_for("soak"))[0][1]
+    rows = training.compare_summary(LOG, args_for("emb"))
     assert any("ratio 1.225 (1.200-1.250; n=2): leads" in text for _, text in rows), rows
     tests_args = argparse.Namespace(out="/nonexistent")
-    assert suites.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", tests_args) == [
+    assert checks.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", tests_args) == [
         ("pytest", "3 passed, 1 skipped in 2.0s"), ("failed", "tests/x.py::t")
     ]  # fmt: skip
 
@@ -249,7 +248,7 @@ def test_tests_summary_names_the_slowest_files_of_a_run_stopped_at_its_limit(tmp
         "    3.00 setup    tests/a.py::t1 passed\n   40.50 call     tests/b.py::t[1] failed\n"
         "    2.00 call     tests/a.py::t2 passed\n"
     )
-    rows = suites.tests_summary("....", argparse.Namespace(out=str(tmp_path)))
+    rows = checks.tests_summary("....", argparse.Namespace(out=str(tmp_path)))
     assert rows == [
         ("pytest", "no pytest summary line"),
         ("slowest files", "tests/b.py 40 s, tests/a.py 5 s (test_times.txt)"),
@@ -274,7 +273,7 @@ def test_a_failure_reaches_the_log_of_a_run_stopped_at_its_limit(tmp_path, monke
     assert times.read_text().splitlines()[0].split() == ["37.60", "call", "tests/a.py::t", "failed"]
     args = args_for("tests", "--suite-minutes", "1")
     args.out = str(tmp_path)
-    (step,) = suites.tests_steps(args, H100)
+    (step,) = checks.tests_steps(args, H100)
     step.argv, step.timeout = ["bash", "-c", "echo ....; sleep 30"], 1.0  # stopped at its limit, no pytest summary
     monkeypatch.setitem(suites.SUITES, "tests", dataclasses.replace(suites.SUITES["tests"], steps=lambda a, m: [step]))
     rows = run.run_suite("tests", args, {}, H100)
@@ -293,10 +292,10 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
     raw = ("RESULT framework=embshard bench=rawids workload=uniform26 world=2 ids=static id_space=10 ms_per_step=2.0\n"
            "RESULT framework=embshard bench=rawids workload=uniform26 world=2 ids=raw id_space=10 ms_per_step=3.0 "
            "admitted=9 evicted=4\n")  # fmt: skip
-    rows = dict(suites.rawids_summary(raw + mc, args_for("rawids")))
+    rows = dict(rawids.rawids_summary(raw + mc, args_for("rawids")))
     text = rows["uniform26 world 2, id space 10 x rows"]
     assert "raw 3.00 ms (1.50x; admitted 9, evicted 4)" in text and "managed collisions 7.50 ms (2.50x)" in text
-    assert dict(suites.rawids_summary(mc, args_for("rawids")))["uniform26 world 2, id space 10 x rows"].startswith(
+    assert dict(rawids.rawids_summary(mc, args_for("rawids")))["uniform26 world 2, id space 10 x rows"].startswith(
         "TorchRec static 3.00 ms"
     )
     # In the results table they are neither a TorchRec baseline of the emb case nor a row of their own.
@@ -330,12 +329,11 @@ def test_tests_suite_spreads_tests_over_xdist_workers_only_when_installed(monkey
 def test_mlperf_workload_is_the_mlperf_configs_tables():
     """bench/embshard_dmp.py's `mlperf` workload (the end-to-end model's embedding part, timed alone) has the tables
     of configs/dlrm_dcnv2_mlperf.yaml: rows, width and multi-hot size, in order; and its batch."""
-    import embshard_dmp
-
+    from bench import workloads
     from embshard.config import load_config
 
     cfg = load_config(str(ROOT / "configs" / "dlrm_dcnv2_mlperf.yaml"))
-    spec, batch = embshard_dmp.WORKLOADS["mlperf"]
+    spec, batch = workloads.WORKLOADS["mlperf"]
     want = [(t.num_embeddings, t.embedding_dim, t.ids_per_bag) for t in cfg.model.tables]
     assert spec == want and batch == cfg.schedule.batch_size
 
@@ -371,7 +369,7 @@ def test_scaling_suite_pairs_torchrec_and_embshard_at_4_gpus_and_reads_the_per_g
                               ("torchrec", 4, 1, 12.0), ("embshard", 4, 1, 8.0), ("embshard", 2, 1, 7.5),
                               ("embshard", 1, 0.5, 6.0)]
     )  # fmt: skip
-    ((label, text),) = suites.scaling_summary(log, args_for("scaling", "--precisions", "bf16"))
+    ((label, text),) = training.scaling_summary(log, args_for("scaling", "--precisions", "bf16"))
     assert label == "weak scaling, bf16"
     assert "1 GPUs 1,365,333, 2 GPUs 1,092,266, 4 GPUs 1,024,000" in text and "keep 93.8%" in text
     assert "TorchRec at 4 GPUs 750,933 per GPU, embshard 1.375 (1.250-1.500; n=2)" in text
@@ -388,7 +386,7 @@ def test_profile_shares_of_the_window():
     spreads its chain over several; their kernels other than NCCL's), on hand-made kernel spans of five streams."""
     from types import SimpleNamespace
 
-    import train_e2e
+    from bench import train_e2e
 
     def kernel(start, end, stream, name="gemm"):
         return SimpleNamespace(
@@ -409,7 +407,7 @@ def test_profile_shares_of_the_window():
 
 
 def test_timeline_gaps_name_the_idle_stretches_of_the_busiest_stream(capsys):
-    import timeline
+    from bench import timeline
 
     def k(name, ts, dur, stream):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "args": {"stream": stream}}

@@ -213,7 +213,9 @@ def third_party_imports(folder: Path) -> dict[str, set[str]]:
     """Distribution name -> files under `folder` importing it (module level or inside functions): every import
     whose top-level name is neither the standard library, embshard, nor a module of the repository (tests' and
     bench's own helpers)."""
-    own = {"embshard"} | {p.stem for d in ("tests", "bench", "launch", "examples") for p in (ROOT / d).rglob("*.py")}
+    own = {"embshard", "bench"} | {
+        p.stem for d in ("tests", "bench", "launch", "examples") for p in (ROOT / d).rglob("*.py")
+    }
     out: dict[str, set[str]] = {}
     for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
