@@ -25,7 +25,7 @@ KEEP = {"README.md"}  # the run's notes stay beside the summary
 ESSENTIAL = [
     re.compile(p)
     for p in (
-        r"^(META|RESULT|PLAN) ",
+        r"^(META|RESULT) ",
         r"^(device |small tables: )",
         r"^\|\s*(small|dense|regroup)\s*\|",  # bench/kernels.py's results table (embshard/planner/refit.py reads it)
         r"^=*\s*\d+ (passed|failed|error)",  # pytest's verdict
@@ -36,8 +36,8 @@ ESSENTIAL = [
     )
 ] + [TORCHREC_DMP, *BANDWIDTH_LINES.values()]
 USEFUL = re.compile(r"ms/step|samples/s|GB/s|predicted|[Aa][Uu][Cc]\b|peak|ratio|passed|failed|speedup|ms a step")
-MAX_USEFUL = 40  # other key lines a file keeps: its first and last halves of these
-MAX_WIDTH = 240
+MAX_USEFUL = 20  # other key lines a file keeps: its first and last halves of these
+MAX_WIDTH = 200
 COMMIT = re.compile(r"\bcode ([0-9a-f]{7,40})\b")
 
 
@@ -56,7 +56,9 @@ def key_lines(text: str) -> list[str]:
         half = MAX_USEFUL // 2
         left = len(useful) - MAX_USEFUL
         useful = useful[:half] + [(useful[half][0], f"... ({left} more lines with timings left out)")] + useful[-half:]
-    return [line for _, line in sorted(keep + useful, key=lambda x: x[0])]
+    plans = sum(1 for line in text.splitlines() if line.startswith("PLAN "))
+    note = [f"({plans} PLAN lines, the plans the runs printed as JSON, are in the raw log)"] if plans else []
+    return [line for _, line in sorted(keep + useful, key=lambda x: x[0])] + note
 
 
 def _order(paths: list[Path]) -> list[Path]:
@@ -102,6 +104,9 @@ def summarize(source: Path, dest: Path, raw: Path) -> Path:
     text = summary_text(source, dest.name)
     raw.mkdir(parents=True, exist_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
+    if source == raw.resolve():  # summarized again from the raw folder: nothing to move
+        (dest / "summary.md").write_text(text)
+        return dest / "summary.md"
     for p in list(source.iterdir()):
         if p.name in KEEP:
             if source != dest:
@@ -125,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("folder", help="a run's output folder (or bench/results/NAME with --in-place)")
     p.add_argument("--name", help="the run's name in bench/results/ (DATE-MACHINE[-runK])")
     p.add_argument("--in-place", action="store_true", help="the folder is bench/results/NAME: summarize it there")
+    p.add_argument("--again", action="store_true", help="rewrite bench/results/NAME/summary.md from its raw folder")
     args = p.parse_args(argv)
+    if args.again:
+        args.folder, args.name = str(RAW / Path(args.folder).name), Path(args.folder).name
     source = Path(args.folder).resolve()
     if not source.is_dir():
         raise SystemExit(f"{args.folder}: no such folder (a run's --out folder of python -m bench.run)")

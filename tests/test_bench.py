@@ -16,9 +16,10 @@ from pathlib import Path
 import paths
 import pytest
 
-ROOT = paths.ROOT
 from bench import floors, report, run, suites
 from bench.suites import checks, common, embedding, rawids, training
+
+ROOT = paths.ROOT
 
 H100 = suites.Machine(gpus=2, gpu="NVIDIA H100 80GB HBM3", gpu_mib=81559, cpus=32)
 
@@ -89,12 +90,19 @@ def test_e2e_suite_interleaves_pairs_of_both_precisions():
     got = steps("e2e", "--pairs", "3", "--nproc", "2", "--scale", "0.25")
     assert got[0].label.startswith("bandwidth")
     labels = [s.label for s in got[1:]]
-    assert labels == ["TorchRec fp32", "embshard fp32", "TorchRec bf16", "embshard bf16"] * 3
+    assert (
+        labels == ["TorchRec fp32", "embshard fp32", "TorchRec bf16", "TorchRec bf16 at its best", "embshard bf16"] * 3
+    )
+    best = got[4].argv
+    assert (
+        best[best.index("--precision") + 1] == "bf16" and best[-len(training.TORCHREC_BEST) :] == training.TORCHREC_BEST
+    )
+    assert "TorchRec bf16 at its best" not in [s.label for s in steps("e2e", "--no-torchrec-best")]
     tr, es = got[1].argv, got[2].argv
     assert tr[: len(common.torchrun(2))] == common.torchrun(2) and "bench/baselines/torchrec_dlrm_train.py" in tr
     assert tr[tr.index("--scale") + 1] == "4" and es[es.index("--scale") + 1] == "0.25"  # the baseline divides
     assert es[es.index("--nproc") + 1] == "2" and es[es.index("--config") + 1] == common.E2E_CONFIG
-    bf16 = got[4].argv
+    bf16 = got[5].argv
     assert bf16[bf16.index("--precision") + 1] == "bf16" and "lookup.output_dtype=bf16" in bf16
     assert got[3].argv[got[3].argv.index("--precision") + 1] == "bf16"
     timeline = steps("e2e", "--pairs", "1", "--timeline", "--precisions", "fp32", "--no-bandwidth")
@@ -188,7 +196,7 @@ def test_report_pairs_each_run_with_the_baseline_before_it(tmp_path):
     (tmp_path / "emb.log").write_text(LOG)
     folder = report.load(tmp_path)
     assert folder.bandwidth == {"hbm": 3000e9, "link": 200e9} and folder.gpu == "NVIDIA H100 80GB HBM3"
-    rows = {case: row for (case, _), row in report.rows_of(folder).items()}
+    rows = {case: row for (case, *_), row in report.rows_of(folder).items()}
     u = rows["emb uniform26"]
     assert [round(x, 4) for x in u.ratios] == [1.25, 1.2] and report.verdict(u.ratios) == "leads"
     assert report.best_ratio(u) == f"{5.0 / 4.0:.3f}" and report.baseline_setting(u) == "its planner's default plan"
@@ -199,7 +207,7 @@ def test_report_pairs_each_run_with_the_baseline_before_it(tmp_path):
     assert rows["e2e sparse_dist bf16 world 2"].ratios == [] and "emb onehot" not in rows
     region = report.render([folder])
     assert "embshard leads on uniform26 (1.20-1.25x)" in region and "it trails on end to end fp32" in region
-    assert "bench/embshard_dmp.py --workload uniform26" in region
+    assert "-m bench.embshard_dmp --workload uniform26" in region  # recorded by path, shown as a module
 
 
 def test_report_verdict_words_and_explicit_pairs(tmp_path):
@@ -303,7 +311,7 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
         LOG.replace("RESULT framework=torchrec bench=emb", mc + "RESULT framework=torchrec bench=emb")
     )
     assert report.parse_line(mc.splitlines()[1])["ids"] == "mc"
-    cases = {case: row for (case, _), row in report.rows_of(report.load(tmp_path)).items()}
+    cases = {case: row for (case, *_), row in report.rows_of(report.load(tmp_path)).items()}
     assert [round(x, 4) for x in cases["emb uniform26"].ratios] == [1.25, 1.2]
     assert not any("torchrec_mc" in c for c in cases)
     only = tmp_path / "only_mc"
@@ -341,7 +349,17 @@ def test_mlperf_workload_is_the_mlperf_configs_tables():
 def test_e2e_data_law_reaches_both_frameworks_and_splits_the_cases():
     """--data-law zipf-poisson: TorchRec's baseline and embshard draw Zipf ids and Poisson bags; the report compares
     a run only with runs of its own law (older lines without the law count as the MLPerf law)."""
-    tr, mine = steps("e2e", "--data-law", "zipf-poisson", "--precisions", "bf16", "--pairs", "1", "--no-bandwidth")
+    tr, mine = steps(
+        "e2e",
+        "--data-law",
+        "zipf-poisson",
+        "--precisions",
+        "bf16",
+        "--pairs",
+        "1",
+        "--no-bandwidth",
+        "--no-torchrec-best",
+    )
     assert tr.argv[-5:] == ["--ids", "zipf", "--zipf-alpha", "1.05", "--bag-lengths", "poisson"][-5:]
     assert {"data.synthetic.zipf_exponent=1.05", "data.synthetic.bag_lengths=poisson"} <= set(mine.argv)
     plain = steps("e2e", "--precisions", "bf16", "--pairs", "1", "--no-bandwidth")
@@ -420,3 +438,117 @@ def test_timeline_gaps_name_the_idle_stretches_of_the_busiest_stream(capsys):
     assert "idle    80.0 us at    0.100 ms: after 'gemm_a', before 'tbe_bwd'" in out  # the 2 us gap is below 8
     assert "other stream 1:    0.105 +60.0 us ncclDevKernel_SendRecv" in out
     assert out.strip().endswith("idle stretches of >= 8 us: 0.080 ms in all")
+
+
+def test_e2e_report_pairs_embshard_with_torchrec_plain_and_at_its_best():
+    """Interleaved TorchRec bf16, TorchRec bf16 at its best, embshard bf16: each embshard run gets one ratio against
+    each TorchRec setting, in two rows."""
+    plain = "RESULT framework=torchrec pipeline=sparse_dist world=2 precision=bf16 qcomm=none emb_output=fp32 compile_dense=0"
+    best = "RESULT framework=torchrec pipeline=sparse_dist world=2 precision=bf16 qcomm=bf16 emb_output=bf16 compile_dense=1"
+    mine = "RESULT framework=embshard pipeline=sparse_dist world=2 precision=bf16 pooled=bf16"
+    log = "\n".join(
+        f"{a} ms_per_step={b}" for a, b in [(plain, 20), (best, 12), (mine, 10), (plain, 22), (best, 11), (mine, 11)]
+    )
+    folder = report.Folder(Path("x"), runs=[r | {"_file": "e2e.log"} for r in common.results(log)])
+    rows = {row.theirs: row for row in report.rows_of(folder).values()}
+    assert rows[""].ratios == [2.0, 2.0] and rows["qcomm bf16, emb output bf16, compiled dense"].ratios == [1.2, 1.0]
+    assert report.baseline_setting(rows["qcomm bf16, emb output bf16, compiled dense"]).endswith("compiled dense")
+    summary = dict(training.compare_summary(log, args_for("e2e")))
+    assert len(summary) == 2 and any("against TorchRec with qcomm bf16" in k for k in summary)
+
+
+def test_bench_readme_suites_table_is_generated_from_the_registry():
+    readme = ROOT / "bench" / "README.md"
+    text = readme.read_text()
+    assert suites.replace_table(text) == text, (
+        "bench/README.md is stale: run `python -m bench.suites --update bench/README.md`"
+    )
+    assert "| `scaling` |" in text and all(f"| `{name}` |" in text for name in suites.SUITES)
+    stale = text.replace("| `scaling` |", "| `scaling-old` |")
+    assert suites.replace_table(stale) == text  # a drifted row is put back
+
+
+def test_bench_modules_import_no_sibling_by_path_and_form_no_circle():
+    """bench's modules import each other as `bench.x` (no sys.path edits), and no import chain comes back to its
+    start (lazy imports included)."""
+    import ast
+
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "bench").rglob("*.py"):
+        if "baselines" in path.parts or "results" in path.parts:
+            continue
+        text = path.read_text()
+        assert "sys.path" not in text, path
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("bench"))
+    graph = {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
+    package_of = {k: k.rpartition(".")[0] for k in graph}
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            n = todo.pop()
+            if n == start and package_of.get(start) != start:
+                raise AssertionError(f"import circle through {start}")
+            if n not in seen:
+                seen.add(n)
+                todo += graph.get(n, ())
+
+
+def _shared_baselines() -> Path | None:
+    for where in (ROOT / "shared" / "baselines", ROOT.parent / "shared" / "baselines"):
+        if where.is_dir():
+            return where
+    return None
+
+
+@pytest.mark.skipif(_shared_baselines() is None, reason="no shared/baselines folder beside the repository")
+def test_baselines_are_byte_identical_copies_of_the_shared_ones():
+    shared = _shared_baselines()
+    ours = ROOT / "bench" / "baselines"
+    theirs = sorted(p.name for p in shared.iterdir() if p.is_file())
+    assert sorted(p.name for p in ours.iterdir() if p.is_file()) == theirs, f"refresh: cp {shared}/* bench/baselines/"
+    stale = [n for n in theirs if (ours / n).read_bytes() != (shared / n).read_bytes()]
+    assert not stale, f"bench/baselines/ differs from {shared} in {stale}: cp {shared}/* bench/baselines/"
+
+
+def test_summarize_keeps_the_key_lines_and_the_report_reads_the_same_runs(tmp_path):
+    """A run's folder summarized: RESULT, META and bandwidth lines kept in `log` blocks, noise dropped, raw files
+    moved to the raw folder, README.md kept; the report reads the same runs from the summary as from the logs."""
+    from bench import summarize
+
+    run_dir = tmp_path / "out"
+    run_dir.mkdir()
+    (run_dir / "emb.log").write_text(
+        'META date=2026-01-02 gpu="X" gpus=2\nMETA command="python bench/embshard_dmp.py --workload w"\n'
+        + "noise\n" * 500
+        + "GPU memory copy: 3000.0 GB/s\n"
+        "RESULT framework=torchrec bench=emb workload=w ms_per_step=12\n"
+        "RESULT framework=embshard bench=emb workload=w ms_per_step=10\n"
+    )
+    (run_dir / "explore.out").write_text("RESULT framework=embshard bench=emb workload=w ms_per_step=1\n")
+    (run_dir / "README.md").write_text("# notes, code abc1234\n")
+    before = report.rows_of(report.load(run_dir))
+    dest, raw = tmp_path / "results" / "2026-01-02-x", tmp_path / "raw" / "2026-01-02-x"
+    text = summarize.summarize(run_dir, dest, raw).read_text()
+    assert "noise" not in text and "code commit: abc1234" in text and "```text" in text
+    assert sorted(p.name for p in dest.iterdir()) == ["README.md", "summary.md"]
+    assert (raw / "emb.log").exists() and (raw / "explore.out").exists()
+    after = report.load(dest)
+    assert [r["ms_per_step"] for r in after.runs] == ["12", "10"] and after.bandwidth == {"hbm": 3000.0e9}
+    assert [row.ratios for row in report.rows_of(after).values()] == [row.ratios for row in before.values()] == [[1.2]]
+    assert report.module_form(after.commands[0][1]) == "python -m bench.embshard_dmp --workload w"
+
+
+def test_results_in_git_are_summaries_under_half_a_megabyte():
+    kept = [p for p in (ROOT / "bench" / "results").rglob("*") if p.is_file() and "raw" not in p.parts]
+    assert {p.suffix for p in kept} <= {".md"}, sorted({p.suffix for p in kept})
+    assert all(
+        (d / "summary.md").exists() for d in (ROOT / "bench" / "results").iterdir() if d.is_dir() and d.name != "raw"
+    )
+    assert sum(p.stat().st_size for p in kept) < 500_000

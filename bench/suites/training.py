@@ -130,7 +130,8 @@ def compare_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]
         if report.bench_of(row.emb[0]) == "e2e" and all("samples_per_s" in r for r in row.emb):
             per_gpu = statistics.median(float(r["samples_per_s"]) for r in row.emb) / world
             text += f"; {per_gpu / 1e6:.3f} M samples/s per GPU"
-        rows.append((report.case_title(row), text))
+        against = f", against TorchRec with {row.theirs}" if row.theirs else ""
+        rows.append((report.case_title(row) + against, text))
     return rows or [("results", "no RESULT lines (see the log)")]
 
 
