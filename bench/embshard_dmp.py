@@ -203,7 +203,7 @@ def main() -> None:
     if args.ids != "static" and args.bench == "emb":
         args.bench = "rawids"
 
-    from numa import numa_setup
+    from bench.numa import numa_setup
 
     from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.runtime import comm

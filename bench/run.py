@@ -129,8 +129,20 @@ def meta_lines(info: dict, m: Machine) -> list[str]:
     q = shlex.quote
     return [
         f"META date={now[:10]} time={q(now)} gpu={json.dumps(m.gpu or 'cpu')} gpus={m.gpus}",
-        f"META machine={q(machine)} software={q(software)}",
+        f"META machine={q(machine)} software={q(software)} commit={q(code_commit())}",
     ]
+
+
+def code_commit() -> str:
+    """The repository's commit (with `+changes` when the work tree differs from it), or "unknown" without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def shown(argv: list[str], out: Path) -> str:

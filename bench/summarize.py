@@ -18,7 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
-from bench.report import BANDWIDTH_LINES, RESULTS, TORCHREC_DMP, reads_file
+from bench.runs import BANDWIDTH_LINES, RESULTS, TORCHREC_DMP, reads_file
 
 RAW = RESULTS / "raw"
 KEEP = {"README.md"}  # the run's notes stay beside the summary
@@ -74,7 +74,8 @@ def summary_text(folder: Path, name: str) -> str:
         "\n".join(texts.values()) + "\n" + "\n".join(p.read_text(errors="replace") for p in folder.glob("README.md"))
     )
     meta = dict(re.findall(r"^META .*?\b(machine|date|gpu)=(\"[^\"]*\"|'[^']*'|\S+)", everything, re.M)[::-1])
-    commits = list(dict.fromkeys(COMMIT.findall(everything)))
+    recorded = re.findall(r"^META .*\bcommit=(\S+)", everything, re.M)  # python -m bench.run records it
+    commits = list(dict.fromkeys(recorded + COMMIT.findall(everything)))
     lines = [
         f"# Benchmark run {name}",
         "",

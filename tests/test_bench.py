@@ -474,6 +474,7 @@ def test_bench_modules_import_no_sibling_by_path_and_form_no_circle():
     import ast
 
     graph: dict[str, set[str]] = {}
+    siblings = {p.stem for p in (ROOT / "bench").glob("*.py")} | {"suites"}
     for path in (ROOT / "bench").rglob("*.py"):
         if "baselines" in path.parts or "results" in path.parts:
             continue
@@ -487,6 +488,10 @@ def test_bench_modules_import_no_sibling_by_path_and_form_no_circle():
                 deps.update(f"{node.module}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name.startswith("bench"))
+            tops = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            tops += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            bare = [t for t in tops if t.split(".")[0] in siblings]
+            assert not bare, f"{path.relative_to(ROOT)} imports {bare} by bare name: import it from bench"
     graph = {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
     package_of = {k: k.rpartition(".")[0] for k in graph}
     for start in graph:

@@ -149,7 +149,7 @@ SUITES: dict[str, Suite] = {
             "rawids",
             "raw-id tables ([docs/raw_ids.md](../docs/raw_ids.md)): tests/rawids on the GPUs (the map's step "
             "under CUDA's sync debug mode, parity), the map's step profiled in one process "
-            "(`bench/raw_ids_profile.py --device cuda --uniform26`: kernels, launches and host syncs per phase, "
+            "(`python -m bench.raw_ids_profile --device cuda --uniform26`: kernels, launches and host syncs per phase, "
             "into rawids_profile.txt), then uniform26 with every table `ids: raw` (capacity = rows) against "
             "static, interleaved on the same batches: ids within the rows, and from 10 x rows values (evicting "
             "every step); then TorchRec's managed-collision tables (bench/torchrec_mc.py: "
@@ -164,8 +164,8 @@ SUITES: dict[str, Suite] = {
         ),
         Suite(
             "build",
-            "building the sharded module: `bench/uvm_fill.py` (one GPU: FBGEMM's GPU fill of a managed buffer "
-            "against host threads), then hetero124's build (`bench/embshard_dmp.py --build-only`) with FBGEMM's "
+            "building the sharded module: `python -m bench.uvm_fill` (one GPU: FBGEMM's GPU fill of a managed buffer "
+            "against host threads), then hetero124's build (`-m bench.embshard_dmp --build-only`) with FBGEMM's "
             "UVM first touch and with host threads (`EMBSHARD_UVM_FIRST_TOUCH=fbgemm|host`), interleaved pairs; "
             "every rank's build time",
             "python -m bench.run build --out DIR",
