@@ -204,7 +204,6 @@ def main() -> None:
         args.bench = "rawids"
 
     from bench.numa import numa_setup
-
     from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.runtime import comm
     from embshard.runtime.distributed import init_distributed
