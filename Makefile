@@ -35,9 +35,12 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/embshard train configs/dlrm_criteo.yaml --nproc $(NPROC)
 
-# Regenerate docs/config.md from the config dataclasses' field docstrings (a test checks it is current).
+# Regenerate docs/config.md from the config dataclasses' field docstrings, bench/README.md's suites table from the
+# suites' registry and docs/benchmarks.md's results from bench/results/ (tests check all three are current).
 docs: $(STAMP)
 	$(PY) -m embshard.config.doc docs/config.md
+	$(PY) -m bench.suites --update bench/README.md
+	$(PY) -m bench.report --update docs/benchmarks.md
 
 lint: $(STAMP)
 	$(PY) -m ruff check embshard tests launch bench

@@ -1,8 +1,8 @@
 """Sharded checkpoints of hetero124 on GPUs: save throughput beside `dd`, host memory, async blocking time, the
 checksums' cost (a verify pass; a reload with and without them checked), and a reload into a 1-GPU plan with
-UVM-caching. Run by `python bench/run.py ckpt` (torchrun, one process per GPU):
+UVM-caching. Run by `python -m bench.run ckpt` (torchrun, one process per GPU):
 
-    torchrun --nproc-per-node=2 bench/checkpoint_bench.py --scale 0.1 --dir /tmp/embshard_ckpt_bench
+    torchrun --nproc-per-node=2 -m bench.checkpoint_bench --scale 0.1 --dir /tmp/embshard_ckpt_bench
 
 hetero124 (bench/embshard_dmp.py) is 4 x 100M x 128 + 20 x 5M x 64 + 100 x 10k x 16 fp32 rows: 205 GB of weights,
 more than a GPU machine's local disk, so --scale multiplies the row counts of the large and medium tables (0.1:

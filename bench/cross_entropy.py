@@ -1,8 +1,8 @@
 """Fused cross-entropy against eager and torch.compile on one GPU: forward + backward time and peak extra memory,
 against the roofline (logits read once forward, read and written once backward, at the measured copy bandwidth).
 
-    python bench/cross_entropy.py                     # N=16384: C=32768 fp32 and C=131072 bf16, about 1 minute
-    python bench/cross_entropy.py --cpu               # dry run on the CPU (small shapes, no compile): checks the script
+    python -m bench.cross_entropy                     # N=16384: C=32768 fp32 and C=131072 bf16, about 1 minute
+    python -m bench.cross_entropy --cpu               # dry run on the CPU (small shapes, no compile): checks the script
 
 Each method runs `loss = cross_entropy(logits, target); torch.autograd.grad(loss, logits)` (mean reduction, every
 row a valid target). fused: embshard.kernels.fused_cross_entropy with the in-place backward (the gradient is
@@ -19,42 +19,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from embshard.kernels.cross_entropy import LaunchConfig, default_launch, fused_cross_entropy  # noqa: E402
+from bench.timing import event_ms
+from embshard.kernels.cross_entropy import LaunchConfig, default_launch, fused_cross_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def timed(fn, warmup: int, reps: int, device: torch.device) -> float:
-    """Median milliseconds of fn() over `reps` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        import time
-
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def extra_memory(fn, device: torch.device) -> float | None:
@@ -75,7 +47,7 @@ def copy_bandwidth(nbytes: int, device: torch.device, reps: int) -> float:
     """Bytes per second moved (read + write) by a device-to-device copy of `nbytes`."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src), 3, reps, device)
+    ms = event_ms(lambda: dst.copy_(src), 3, reps, device)
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -115,12 +87,12 @@ def bench_case(N: int, C: int, dtype: torch.dtype, impl: str, device: torch.devi
     print(f"C={C} {dtype}: fused loss {got:.6f}, eager fp32 loss {want:.6f}, copy bandwidth {bw / 1e9:.0f} GB/s")
     rows = []
     for label, fn in methods(impl, device.type == "cuda", None).items():
-        ms = timed(lambda fn=fn: fn(x, t), args.warmup, args.reps, device)
+        ms = event_ms(lambda fn=fn: fn(x, t), args.warmup, args.reps, device)
         mem = extra_memory(lambda fn=fn: fn(x, t), device)
         rows.append((C, dtype, label, ms, ms / roof_ms, None if mem is None else mem / nbytes, roof_ms))
     if args.sweep and device.type == "cuda":
         tried = [
-            (timed(lambda c=c: methods(impl, False, c)["fused"](x, t), 2, args.reps, device), c)
+            (event_ms(lambda c=c: methods(impl, False, c)["fused"](x, t), 2, args.reps, device), c)
             for c in sweep_launches(C, dtype)
         ]
         ms, best = min(tried, key=lambda p: p[0])

@@ -1,8 +1,8 @@
 """embshard on the benchmark workloads of bench/baselines/torchrec_dmp.py (TorchRec), timed the same way.
 
 Run with torchrun, one process per GPU (gloo on CPU for a smoke test):
-    torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload uniform26
-    torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload hetero124 --plan small-dp
+    torchrun --nproc-per-node=2 -m bench.embshard_dmp --workload uniform26
+    torchrun --nproc-per-node=2 -m bench.embshard_dmp --workload hetero124 --plan small-dp
 Workloads (rows, dim, mean ids per bag), batch per rank 8192 (tiny: 64; mlperf: the 26 tables of
 configs/dlrm_dcnv2_mlperf.yaml, the end-to-end model's embedding part), ids uniform, row-wise Adagrad, bag
 lengths uniform in [0, 2 x mean]: the same as the TorchRec baseline script. Step = forward, backward with the
@@ -19,8 +19,8 @@ same step with the ids mapped to rows on the device. --ids both builds a static 
 tables and times them interleaved (--rounds rounds of --steps steps each, static then raw) on the same batches.
 --id-space K draws the ids from K x rows values (raw tables: K > 1 admits and evicts every step; static tables get
 them modulo rows); --batches N cycles N distinct batches. With --ids raw|both the RESULT lines say bench=rawids,
-ids=static|raw, id_space, rounds (median ms_per_step; `python bench/run.py rawids` runs it).
-    torchrun --nproc-per-node=1 bench/embshard_dmp.py --workload uniform26 --ids both --rounds 3 --steps 20
+ids=static|raw, id_space, rounds (median ms_per_step; `python -m bench.run rawids` runs it).
+    torchrun --nproc-per-node=1 -m bench.embshard_dmp --workload uniform26 --ids both --rounds 3 --steps 20
 
 --plan: `simple` (all table-wise, greedy), `small-dp` (tables <= 10k rows data-parallel, the rest table-wise),
 `planner` (embshard.planner on the detected GPUs; --hbm-gib caps the GPU memory it may plan for, which is how
@@ -39,84 +39,15 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import floors  # noqa: E402
-
-WORKLOADS = {
-    "uniform26": ([(1_000_000, 128, 10)] * 26, 8192),
-    "hetero124": ([(100_000_000, 128, 1)] * 4 + [(5_000_000, 64, 5)] * 20 + [(10_000, 16, 30)] * 100, 8192),
-    "overflow": ([(20_000_000, 128, 2)] * 6 + [(1_000_000, 64, 20)] * 10, 8192),
-    "tiny": ([(1000, 16, 3)] * 4, 64),
-    # the MLPerf DLRM-DCNv2 model's 26 tables (configs/dlrm_dcnv2_mlperf.yaml: rows, 128 wide, its multi-hot sizes as
-    # mean ids per bag; tests/test_bench.py checks they match), batch 8192: the end-to-end model's embedding part
-    "mlperf": (
-        [
-            (rows, 128, ids)
-            for rows, ids in [
-                (40_000_000, 3),
-                (39_060, 2),
-                (17_295, 1),
-                (7_424, 2),
-                (20_265, 6),
-                (3, 1),
-                (7_122, 1),
-                (1_543, 1),
-                (63, 1),
-                (40_000_000, 7),
-                (3_067_956, 3),
-                (405_282, 8),
-                (10, 1),
-                (2_209, 6),
-                (11_938, 9),
-                (155, 5),
-                (4, 1),
-                (976, 1),
-                (14, 1),
-                (40_000_000, 12),
-                (40_000_000, 100),
-                (40_000_000, 27),
-                (590_152, 10),
-                (12_973, 3),
-                (108, 1),
-                (36, 1),
-            ]
-        ],
-        8192,
-    ),
-}
-
-
-def timed_ms(step: Callable[[int], None], steps: int, sync: Callable[[], None]) -> float:
-    """Wall milliseconds per step of `step(0)` ... `step(steps - 1)`, synchronized (`sync`) before and after."""
-    sync()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step(i)
-    sync()
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
-def host_bound(step: Callable[[int], None], n: int, sync: Callable[[], None]) -> tuple[float, float] | None:
-    """(median ms the host takes to launch one step, median ms until it has run), over `n` steps each started
-    on an idle GPU (synchronized before); None when n is 0."""
-    if n <= 0:
-        return None
-    launch, whole = [], []
-    for i in range(n):
-        sync()
-        t0 = time.perf_counter()
-        step(i)
-        launch.append((time.perf_counter() - t0) * 1e3)
-        sync()
-        whole.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(launch), statistics.median(whole)
+from bench import floors
+from bench.timing import host_bound, interleaved_ms, result_line
+from bench.workloads import WORKLOADS, workload_spec, workload_tables
 
 
 def trace_steps(step: Callable[[int], None], n: int, sync: Callable[[], None], rank: int, out: str, name: str):
@@ -166,37 +97,6 @@ def sync_debug(step: Callable[[int], None], sync: Callable[[], None], rank: int)
     print(f"host syncs in 2 steps, rank 0: {len(caught)}")
     for w in caught:
         print("  ", str(w.message).splitlines()[0][:160], f"({w.filename}:{w.lineno})")
-
-
-def interleaved_ms(
-    kinds: Iterable[str],
-    rounds: int,
-    steps: int,
-    step: Callable[[str, int], None],
-    sync: Callable[[], None],
-    before: Callable[[], None] = lambda: None,
-) -> dict[str, list[float]]:
-    """`timed_ms` of every kind in turn, `rounds` times (A B A B ...; `before` ahead of each run, e.g. a barrier):
-    each kind's ms/step per round."""
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    for _ in range(rounds):
-        for kind in times:
-            before()
-            times[kind].append(timed_ms(lambda i, kind=kind: step(kind, i), steps, sync))
-    return times
-
-
-def workload_spec(name: str, rows_scale: float = 1.0) -> list[tuple[int, int, int]]:
-    """The workload's (rows, dim, mean ids per bag) per table, rows scaled by `rows_scale` (at least 1)."""
-    return [(max(1, int(r * rows_scale)), d, m) for r, d, m in WORKLOADS[name][0]]
-
-
-def workload_tables(name: str, rows_scale: float = 1.0) -> list:
-    """The workload's tables (t0, t1, ...; one feature each, f0, f1, ...)."""
-    from embshard.spec.tables import TableConfig
-
-    spec = workload_spec(name, rows_scale)
-    return [TableConfig(f"t{i}", r, d, (f"f{i}",), ids_per_bag=m) for i, (r, d, m) in enumerate(spec)]
 
 
 def make_plan(args, tables, world: int, tier, batch: int, opt):
@@ -303,8 +203,7 @@ def main() -> None:
     if args.ids != "static" and args.bench == "emb":
         args.bench = "rawids"
 
-    from numa import numa_setup
-
+    from bench.numa import numa_setup
     from embshard.collection.sharded import ShardedEmbeddingBagCollection
     from embshard.runtime import comm
     from embshard.runtime.distributed import init_distributed
@@ -581,7 +480,7 @@ def main() -> None:
             if kind in graphs:
                 fields.append("graph=1")
             fields.append(floors.fields(floors.embedding_bytes(tables, plan, batch)))
-            print("RESULT " + " ".join(fields), flush=True)
+            print(result_line(fields), flush=True)
     for g in graphs.values():
         g.close()
     dist.destroy_process_group()

@@ -20,16 +20,14 @@ Printed as RESULT fields by bench/embshard_dmp.py and bench/train_e2e.py (lists:
 
 The command line prints the same fields for a workload planned for a preset GPU (how the transcribed results in
 bench/results/ got theirs):
-    python bench/floors.py --workload uniform26 --device h100 --world-size 2 [--hbm-gib 16]
-    python bench/floors.py --e2e configs/dlrm_dcnv2_mlperf.yaml --device h100 --world-size 2
+    python -m bench.floors --workload uniform26 --device h100 --world-size 2 [--hbm-gib 16]
+    python -m bench.floors --e2e configs/dlrm_dcnv2_mlperf.yaml --device h100 --world-size 2
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from collections.abc import Sequence
 
 ID_BYTES = 8  # int64 ids
@@ -141,7 +139,6 @@ def single_gpu_e2e_fields(config, scale: float, batch: int, pooled_bytes: int) -
 
 
 def _main(argv: list[str] | None = None) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", help="an embedding-step workload of bench/embshard_dmp.py")
     p.add_argument("--e2e", help="a training config (end-to-end step, the dense model counted too)")
@@ -155,8 +152,7 @@ def _main(argv: list[str] | None = None) -> None:
 
     topo = Topology.preset(args.device, args.world_size).with_sizes(hbm_gib=args.hbm_gib or None)
     if args.workload:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from embshard_dmp import WORKLOADS, workload_tables
+        from bench.workloads import WORKLOADS, workload_tables
 
         tables, batch = workload_tables(args.workload), WORKLOADS[args.workload][1]
         plan, report = plan_with_report(

@@ -1,8 +1,8 @@
 """Sharded full softmax over a row-sharded catalog (1M x 64 on 2 GPUs, batch 8192 per GPU): peak memory and step
 time against the materialized softmax, and its loss and gradients against the materialized one.
 
-    torchrun --nproc-per-node 2 bench/full_softmax.py              # 1M x 64, batch 8192 per GPU, about 1 minute
-    torchrun --nproc-per-node 2 bench/full_softmax.py --cpu        # dry run on 2 CPU processes (gloo), small sizes
+    torchrun --nproc-per-node 2 -m bench.full_softmax              # 1M x 64, batch 8192 per GPU, about 1 minute
+    torchrun --nproc-per-node 2 -m bench.full_softmax --cpu        # dry run on 2 CPU processes (gloo), small sizes
 
 sharded: embshard.retrieval.Catalog.full_softmax_loss (each rank scores the global batch against its row block in
 chunks of --chunk-mib; the item rows' gradient goes to the fused optimizer, SGD with lr 1 here). materialized: on
@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from embshard import simple_plan  # noqa: E402
 from embshard.retrieval import Catalog, gather_rows, gather_sizes  # noqa: E402
 from embshard.spec.optim import FusedOptimizerConfig  # noqa: E402

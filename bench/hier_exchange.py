@@ -1,9 +1,9 @@
 """Table-row-wise output exchange, hierarchical against flat, with L ranks per "host" (default 2): bytes moved per
 level, milliseconds, and the planner's prediction for both.
 
-    torchrun --nproc-per-node=4 bench/hier_exchange.py                # 4 GPUs as 2 hosts x 2 (NCCL)
-    torchrun --nproc-per-node=4 bench/hier_exchange.py --smoke        # CPU smoke test (gloo), tiny sizes
-    python bench/hier_exchange.py --smoke --spawn 4                   # the same, processes started here
+    torchrun --nproc-per-node=4 -m bench.hier_exchange                # 4 GPUs as 2 hosts x 2 (NCCL)
+    torchrun --nproc-per-node=4 -m bench.hier_exchange --smoke        # CPU smoke test (gloo), tiny sizes
+    python -m bench.hier_exchange --smoke --spawn 4                   # the same, processes started here
 
 Workload (table-row-wise only): T tables of R rows x D, one feature each, I ids per bag on average (bag lengths
 uniform in [0, 2I]), uniform ids, B samples per rank, fp32 rows, row-wise Adagrad (default 8 x 2,000,000 x 128,
@@ -21,7 +21,7 @@ I = 20, B = 8192; --smoke: 4 x 2,000 x 16, I = 4, B = 64). Every table table-row
   preset) with L ranks per host, or --topology FILE; and on "one machine" (inter_host_bw = intra_host_bw, as 4
   GPUs of one host posing as 2 hosts really are).
 Rank 0 prints one line per exchange, a `RESULT key=value` line per exchange (bench/report.py's form), then the whole
-result as JSON (also to --out FILE). `python bench/run.py hier --out DIR` runs it on 4 GPUs with the world-4
+result as JSON (also to --out FILE). `python -m bench.run hier --out DIR` runs it on 4 GPUs with the world-4
 parity tests and fuzz cases of the hierarchical exchange.
 """
 
@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.timing import result_line
 
 FULL = dict(tables=8, rows=2_000_000, dim=128, ids=20, batch=8192, steps=20, warmup=5)
 SMOKE = dict(tables=4, rows=2000, dim=16, ids=4, batch=64, steps=4, warmup=1)
@@ -240,7 +238,7 @@ def result_lines(result: dict) -> list[str]:
             "predicted_exchange_ms_one_machine": f"{r['predicted_exchange_ms_one_machine']:.3f}",
             "predicted_step_ms_one_machine": f"{r['predicted_step_ms_one_machine']:.3f}",
         }
-        out.append("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        out.append(result_line(fields))
     return out
 
 

@@ -1,10 +1,10 @@
 """Kernels against FBGEMM on the same inputs: the small-table lookup and the regroup (docs/kernels.md).
 
-    python bench/kernels.py --check          # GPU parity of both kernels (FBGEMM, plain-PyTorch reference): PASS/FAIL
-    python bench/kernels.py                  # timings, 1 GPU, about 2-3 minutes on an H200; summary table at the end
-    python bench/kernels.py --sweep          # also a few tile sizes of both kernels
-    python bench/kernels.py --calibrate      # fit the kernels' cost-model constants (embshard/planner/kernel_model.py)
-    python bench/kernels.py --cpu --small    # smoke test of the script on the CPU (times meaningless)
+    python -m bench.kernels --check          # GPU parity of both kernels (FBGEMM, plain-PyTorch reference): PASS/FAIL
+    python -m bench.kernels                  # timings, 1 GPU, about 2-3 minutes on an H200; summary table at the end
+    python -m bench.kernels --sweep          # also a few tile sizes of both kernels
+    python -m bench.kernels --calibrate      # fit the kernels' cost-model constants (embshard/planner/kernel_model.py)
+    python -m bench.kernels --cpu --small    # smoke test of the script on the CPU (times meaningless)
 
 Small tables: T tables x R rows x D fp32 (default 100 x 10k x 16), batch B, L ids per bag (fixed), ids uniform or
 Zipf(s) (inverse-CDF sampling, a random permutation per table spreads the hot rows), one feature per table.
@@ -44,11 +44,8 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from embshard.collection.regroup import Regroup  # noqa: E402
 from embshard.collection.regroup_kernel import KernelRegroup  # noqa: E402
@@ -288,6 +285,13 @@ def bench_regroup(args, bw: float) -> None:
 
 # ---- parity on the device ----------------------------------------------------------------------------------------
 def check(args) -> int:
+    try:
+        import kernel_cases  # noqa: F401  (tests/kernel_cases.py and the reference it imports by name)
+    except ModuleNotFoundError as e:
+        raise SystemExit(
+            f"bench.kernels --check uses the tests' reference kernels ({e.name} not importable): put tests/ on the "
+            "path: PYTHONPATH=tests python -m bench.kernels --check (bench.run's kernels suite does)"
+        ) from None
     from kernel_cases import (
         OPTIMIZERS,
         TABLES,

@@ -1,7 +1,7 @@
 """Loader throughput: samples/s and peak RSS of embshard's table source alone, on MLPerf-shaped Parquet, with N worker
 processes, beside TorchRec's InMemoryBinaryCriteoIterDataPipe (torchrec.datasets.criteo) on the same rows.
 
-Usage: python bench/loader.py [--rows 2000000] [--workers 0,1,2,4,8,16] [--data-dir /tmp/embshard_loader]
+Usage: python -m bench.loader [--rows 2000000] [--workers 0,1,2,4,8,16] [--data-dir /tmp/embshard_loader]
 
 Data (generated once into --data-dir, reused by later runs): 13 dense float columns, a label and 26 categorical
 columns with the MLPerf DLRM-DCNv2 multi-hot sizes (3, 2, 1, 2, 6, ... 214 ids a row) and row counts (capped at
@@ -323,7 +323,7 @@ def stages(folder: Path, args, env: dict) -> None:
     layouts = [x for x in args.layouts.split(",") if x != "torchrec-onehot"] + ["onehot-hash"]
     out = {}
     for layout in layouts:
-        cmd = [sys.executable, __file__, "--child", layout, "--child-stages", "--data-dir", str(folder)]
+        cmd = [sys.executable, "-m", "bench.loader", "--child", layout, "--child-stages", "--data-dir", str(folder)]
         cmd += ["--batch-size", str(args.batch_size), "--warmup", str(args.warmup), "--repeat", str(args.repeat)]
         cmd += ["--shuffle-rows", str(args.shuffle_rows), "--stage-batches", str(args.stage_batches)]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -384,7 +384,17 @@ def main() -> None:
     rows = []
     for layout in args.layouts.split(","):
         for w in [0] if layout == "torchrec-onehot" else [int(x) for x in args.workers.split(",")]:
-            cmd = [sys.executable, __file__, "--child", layout, "--child-workers", str(w), "--data-dir", str(folder)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.loader",
+                "--child",
+                layout,
+                "--child-workers",
+                str(w),
+                "--data-dir",
+                str(folder),
+            ]
             cmd += ["--batch-size", str(args.batch_size), "--seconds", str(args.seconds), "--warmup", str(args.warmup)]
             cmd += ["--shuffle-rows", str(args.shuffle_rows)]
             runs = []

@@ -1,8 +1,8 @@
 """The training loss of embshard and of TorchRec on the same synthetic batches (the learnable signal of
 embshard's synthetic source), step by step: both frameworks' losses should fall alike.
 
-    python bench/loss_curves.py --config configs/dlrm_dcnv2_mlperf.yaml --nproc 2 --steps 300 --out loss.png
-    python bench/loss_curves.py ... --scale 1e-4 --batch-size 128 --small     # on the CPU (gloo)
+    python -m bench.loss_curves --config configs/dlrm_dcnv2_mlperf.yaml --nproc 2 --steps 300 --out loss.png
+    python -m bench.loss_curves ... --scale 1e-4 --batch-size 128 --small     # on the CPU (gloo)
 
 embshard: RecModel + TrainPipeline (the config's pipeline and precision). TorchRec: the same architecture
 (torchrec.models.dlrm.DLRM_DCN through bench/baselines/torchrec_dlrm_train.py's build_model), row-wise Adagrad fused
@@ -20,14 +20,11 @@ import importlib.util
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def baseline_module():

@@ -5,7 +5,7 @@ tables then read rows across the socket link. `report()` prints, per rank, the G
 the nodes of the CPUs the process may run on; `bind()` first restricts the process to its GPU's node's CPUs, so that
 the host memory it touches afterwards is allocated there. Call it before the model is built.
 
-    from numa import numa_setup
+    from bench.numa import numa_setup
     numa_setup(bind=args.numa_bind)   # prints one line per rank
 """
 

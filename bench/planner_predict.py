@@ -8,23 +8,23 @@ TorchRec on 2 H200 (19.79, 7.47, 8.45 ms/step), so the model's differences can b
 
 On the GPU machine (reads the GPUs; --topology FILE uses `embshard calibrate` numbers instead; --torchrec adds
 TorchRec's own plan for each workload, given the same GPU memory, predicted by the same model):
-    python bench/planner_predict.py --detect --out-dir plans [--torchrec]
+    python -m bench.planner_predict --detect --out-dir plans [--torchrec]
 Without GPUs (preset speeds):
-    python bench/planner_predict.py --device h200 --world-size 2
+    python -m bench.planner_predict --device h200 --world-size 2
 
 Each line: workload=... variant=... predicted_ms=... predicted_peak_hbm_gib=... (max over ranks: shards + batch
 buffers, without the dense model) per_rank_hbm_gib=[...] per_rank_host_gib=[...] plan=FILE
 
 Refit a GPU model's constants (embshard/planner/presets/DEVICE.yaml) to benchmark logs of that GPU, one command
-after `python bench/run.py emb kernels --out OUT` (emb.log has each run's RESULT line and the plan it ran):
-    python bench/planner_predict.py --refit --device h100 --steps OUT/emb.log --kernels OUT/kernels.log --write
+after `python -m bench.run emb kernels --out OUT` (emb.log has each run's RESULT line and the plan it ran):
+    python -m bench.planner_predict --refit --device h100 --steps OUT/emb.log --kernels OUT/kernels.log --write
 Predicted against every measured embedding step of embshard's runtime kept in the repository (one line per GPU
 model and workload, static or raw ids, the plan it ran; tests/planner/test_planner_measured.py pins them within
 10%), with the raw-id cases' remap term by term, and with --fit the shared host cost and the per-bag cost refitted
 to the static cases (values to put into presets/*.yaml), then the raw-id remap's cost per id (cost.RAW_ID_BYTES)
 to the raw-id cases (host_sync and batch_bag to the static cases with device batch counts only: host_sync is the
 cost of the device sync that host counts, the training pipeline's, avoid; each case is predicted with its counts):
-    python bench/planner_predict.py --measured [tests/planner/data/measured_steps.json] [--fit]
+    python -m bench.planner_predict --measured [tests/planner/data/measured_steps.json] [--fit]
 --kernels refits the small-table kernel's constants (forward per id, backward and data-parallel dense gradient
 per atomic sector), --steps the fixed cost of a step (embshard/planner/refit.py); it prints every measured
 step against the prediction before and after, and --write rewrites the preset file (or --out FILE).
@@ -33,14 +33,10 @@ step against the prediction before and after, and --write rewrites the preset fi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from embshard.planner import PlannerSettings, PlanReport, Topology, plan_with_report, predict, simple_plan  # noqa: E402
 from embshard.planner.topology import GIB  # noqa: E402
@@ -83,7 +79,7 @@ def torchrec_like_variants(inp: PlannerInput, world: int) -> dict[str, ShardingP
 
 def dmp_workload(name: str) -> tuple[list, int]:
     """The tables and batch per rank of a bench/embshard_dmp.py workload (the names its saved plans use)."""
-    from embshard_dmp import WORKLOADS, workload_tables
+    from bench.workloads import WORKLOADS, workload_tables
 
     if name not in WORKLOADS:
         raise SystemExit(f"workload {name!r} is not one of bench/embshard_dmp.py's: {sorted(WORKLOADS)}")
@@ -231,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             print(report, "\n")
         lines.append(line(name, "planner" + (f"@hbm{hbm_gib:g}GiB" if hbm_gib else ""), report, path))
         if args.torchrec:
-            from torchrec_planner import torchrec_plan
+            from bench.torchrec_planner import torchrec_plan
 
             tplan = torchrec_plan(
                 inp.tables, topo.world_size, topo.local_world_size, topo.hbm_bytes / GIB, inp.batch_size

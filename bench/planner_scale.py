@@ -2,8 +2,8 @@
 TorchRec's EmbeddingShardingPlanner plans the same (or, when it runs past --torchrec-timeout, a smaller case that
 both plan: 100 tables on 8 GPUs).
 
-    python bench/planner_scale.py [--tables 1000] [--world-size 64] [--repeats 3] [--torchrec-timeout 120]
-    python bench/planner_scale.py --tables 10000 --world-size 512 --skip-torchrec
+    python -m bench.planner_scale [--tables 1000] [--world-size 64] [--repeats 3] [--torchrec-timeout 120]
+    python -m bench.planner_scale --tables 10000 --world-size 512 --skip-torchrec
 
 Models beyond 1,000 tables per 64 GPUs are generated to fit (mixed_tables: rows scaled with the world size;
 batch_size: fewer samples per GPU with more features). Prints `seconds=<embshard planning time>` first (the
@@ -22,8 +22,6 @@ import resource
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 BATCH = 4096
 
@@ -104,7 +102,8 @@ def torchrec_child(n: int, world: int, local: int) -> None:
     """Runs in a subprocess: TorchRec's planner on the same tables (meta-device EBC), prints its seconds."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec_planner import torchrec_inputs
+
+    from bench.torchrec_planner import torchrec_inputs
 
     ebc, constraints = torchrec_inputs(mixed_tables(n, world_size=world))
     t0 = time.perf_counter()
@@ -116,9 +115,10 @@ def torchrec_child(n: int, world: int, local: int) -> None:
 
 def torchrec_seconds(n: int, world: int, local: int, timeout: float) -> float | None:
     """TorchRec's planning time, or None if it ran past `timeout` seconds (or failed)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--torchrec-child", str(n), str(world), str(local)]
+    cmd = [sys.executable, "-m", "bench.planner_scale", "--torchrec-child", str(n), str(world), str(local)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `bench` is a package
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root)
     except subprocess.TimeoutExpired:
         return None
     for line in out.stdout.splitlines():

@@ -1,7 +1,7 @@
 """`embshard preprocess` on a generated Criteo-format TSV of --gib GiB: time, byte-identical rerun, same ids as the
 loader's on-the-fly hashing.
 
-Usage: python bench/preprocess_criteo.py [--gib 1] [--workers N] [--dir /tmp/embshard_pre]
+Usage: python -m bench.preprocess_criteo [--gib 1] [--workers N] [--dir /tmp/embshard_pre]
 
 Steps: (1) write a headerless TSV in the Criteo layout (label, I1..I13 with ~20% empty, C1..C26 as 8-digit hex
 with ~10% empty, Zipf-skewed ids) with pyarrow's CSV writer; (2) `embshard preprocess` it with --workers processes
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -91,7 +90,6 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/embshard_pre", help="work folder (TSV, outputs)")
     ap.add_argument("--no-compare", action="store_true", help="skip step 4 (the loader comparison)")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from embshard.config import load_config
     from embshard.config.data import DataConfig
     from embshard.config.schema import Source, build

@@ -1,8 +1,8 @@
 """Run a benchmark script under torch.profiler and print where rank 0's time goes (not a timing tool: the
 profiler slows the step; use it to find host syncs, copies and idle GPU time, then time without it).
 
-    torchrun --nproc-per-node=2 bench/profile_step.py bench/embshard_dmp.py --workload uniform26 --steps 10
-    torchrun --nproc-per-node=2 bench/profile_step.py --trace-dir DIR bench/baselines/torchrec_dmp.py --steps 10
+    torchrun --nproc-per-node=2 -m bench.profile_step -m bench.embshard_dmp --workload uniform26 --steps 10
+    torchrun --nproc-per-node=2 -m bench.profile_step --trace-dir DIR bench/baselines/torchrec_dmp.py --steps 10
 
 Prints, for rank 0: the top operators by self CUDA time and by self CPU time, and the count of device-to-host
 syncs; with --trace-dir DIR (before the script) writes each rank's Chrome trace to
@@ -31,6 +31,9 @@ def main() -> None:
             cuda_only, argv = True, argv[1:]
         else:
             out, argv = argv[1], argv[2:]
+    module = argv[0] == "-m"  # `-m bench.embshard_dmp ...`: a module of this repository, else a script's path
+    if module:
+        argv = argv[1:]
     script, args = argv[0], argv[1:]
     sys.argv = [script, *args]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -38,9 +41,12 @@ def main() -> None:
     acts = [] if cuda_only and torch.cuda.is_available() else [ProfilerActivity.CPU]
     acts += [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     with profile(activities=acts) as prof:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     if out:  # every rank's trace: a rank that waits in the exchanges shows where the other spent the time
-        name = os.path.splitext(os.path.basename(script))[0]
+        name = script.rpartition(".")[2] if module else os.path.splitext(os.path.basename(script))[0]
         if "--workload" in args:
             name += "_" + args[args.index("--workload") + 1]
         path = os.path.join(out, f"trace_{name}" + (f"_rank{rank}" if rank else "") + ".json")

@@ -17,14 +17,14 @@ GPU only (--device cuda):
     - per step: wall ms vs kernel ms (the sum) and GPU busy ms (their union): a step far above its busy time waits
       on the host (launches, syncs), one close to it waits on its kernels.
 Sizes: --scale small (rows 100k, batch 1024, dim 32) or large (rows 400k, batch 4096), --uniform26 (rows 1M, dim 128,
-batch 16384: what one of 2 ranks looks up in `torchrun --nproc-per-node=2 bench/embshard_dmp.py --workload
+batch 16384: what one of 2 ranks looks up in `torchrun --nproc-per-node=2 -m bench.embshard_dmp --workload
 uniform26`, table-wise: its 13 tables over the global batch of 2 x 8192; ids drawn per step as that run draws
 them, seed None), or --rows / --batch / --dim. --out FILE also writes the report to FILE (--trace: and the
 profiled steps' chrome traces beside it).
 
-    python bench/raw_ids_profile.py --scale small
-    python bench/raw_ids_profile.py --scale large --steps 3
-    python bench/raw_ids_profile.py --device cuda --uniform26 --trace --out prof/uniform26.txt
+    python -m bench.raw_ids_profile --scale small
+    python -m bench.raw_ids_profile --scale large --steps 3
+    python -m bench.raw_ids_profile --device cuda --uniform26 --trace --out prof/uniform26.txt
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from embshard_dmp import interleaved_ms, timed_ms  # noqa: E402
+from bench.timing import interleaved_ms, timed_ms
 
 SCALES = {"small": (100_000, 1024, 32), "large": (400_000, 4096, 32), "uniform26": (1_000_000, 16_384, 128)}
 PHASES = (

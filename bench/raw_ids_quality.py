@@ -17,8 +17,8 @@ plus its id -> row map (`rawids.map_bytes_per_row`), so at equal bytes it gets f
    (`categorical: raw`, ids: raw) at R_raw rows, several seeds. 40 held-out rows make its AUC noisy: read the
    Zipf stream for the comparison, this as an end-to-end check on real categorical data.
 
-    python bench/raw_ids_quality.py                       # both, the numbers of docs/raw_ids.md (CPU, minutes)
-    python bench/raw_ids_quality.py --part zipf --rows 2000 --steps 400
+    python -m bench.raw_ids_quality                       # both, the numbers of docs/raw_ids.md (CPU, minutes)
+    python -m bench.raw_ids_quality --part zipf --rows 2000 --steps 400
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Recall@K of the two-tower model on the synthetic 1M-item catalog, trained the same number of steps with the full
 softmax, global in-batch negatives and the sampled softmax (configs/two_tower_synthetic_1m.yaml).
 
-    python bench/retrieval_recall.py                 # 2 GPUs (embshard train --nproc 2), about 2-3 minutes
-    python bench/retrieval_recall.py --steps 100 --items 200000
-    python bench/retrieval_recall.py --cpu           # 2 CPU processes, a 20,000-item catalog: checks the script
+    python -m bench.retrieval_recall                 # 2 GPUs (embshard train --nproc 2), about 2-3 minutes
+    python -m bench.retrieval_recall --steps 100 --items 200000
+    python -m bench.retrieval_recall --cpu           # 2 CPU processes, a 20,000-item catalog: checks the script
 
 Each run is `embshard train configs/two_tower_synthetic_1m.yaml --nproc 2` with the loss overridden (in_batch gets
 global_negatives: true, the strongest in-batch variant) and the same data, steps, optimizers and seed; the held-out

@@ -1,8 +1,8 @@
 """One way into bench/: named suites of benchmarks and GPU checks, run in order, each into one log.
 
-    python bench/run.py SUITE [SUITE ...] --out DIR [options]      # e.g. bench/run.py tests fuzz --out /tmp/r1
-    python bench/run.py --list                                      # the suites (bench/README.md has the table)
-    python bench/run.py e2e emb --out DIR --dry-run                 # print the commands only
+    python -m bench.run SUITE [SUITE ...] --out DIR [options]      # e.g. bench/run.py tests fuzz --out /tmp/r1
+    python -m bench.run --list                                      # the suites (bench/README.md has the table)
+    python -m bench.run e2e emb --out DIR --dry-run                 # print the commands only
 
 Every process it starts gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink
 multicast), PYTHONUNBUFFERED=1 and the repository first on PYTHONPATH (the caller's entries kept, e.g. where
@@ -29,8 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from suites import SUITES, Machine, Step  # noqa: E402
+from bench.suites import SUITES, Machine, Step
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -97,6 +96,15 @@ def environment() -> dict[str, str]:
     return dict(os.environ, **NO_MULTICAST, PYTHONUNBUFFERED="1", PYTHONPATH=path)
 
 
+def step_environment(step: Step) -> dict[str, str]:
+    """environment() with the step's variables; a step's PYTHONPATH entries go before the repository's."""
+    env = environment()
+    extra = dict(step.env)
+    if "PYTHONPATH" in extra:
+        extra["PYTHONPATH"] = os.pathsep.join([extra["PYTHONPATH"], env["PYTHONPATH"]])
+    return env | extra
+
+
 def probe() -> dict:
     try:
         out = subprocess.run(
@@ -121,8 +129,20 @@ def meta_lines(info: dict, m: Machine) -> list[str]:
     q = shlex.quote
     return [
         f"META date={now[:10]} time={q(now)} gpu={json.dumps(m.gpu or 'cpu')} gpus={m.gpus}",
-        f"META machine={q(machine)} software={q(software)}",
+        f"META machine={q(machine)} software={q(software)} commit={q(code_commit())}",
     ]
+
+
+def code_commit() -> str:
+    """The repository's commit (with `+changes` when the work tree differs from it), or "unknown" without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def shown(argv: list[str], out: Path) -> str:
@@ -155,7 +175,7 @@ def run_step(step: Step, log, deadline: float) -> tuple[int | None, float, int, 
     limit = max(1.0, min(step.timeout, deadline - time.monotonic()))
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        step.argv, cwd=ROOT, env=environment() | step.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        step.argv, cwd=ROOT, env=step_environment(step), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, errors="replace", start_new_session=True,
     )  # fmt: skip
     noise = LogFilter()
@@ -266,6 +286,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="mlperf",
         help="e2e: both frameworks' synthetic ids and bags (mlperf: uniform, fixed sizes; zipf-poisson: Zipf 1.05 "
         "ids, 1 + Poisson(size - 1) ids per bag)",
+    )
+    g.add_argument(
+        "--no-torchrec-best",
+        action="store_true",
+        help="e2e: bf16 without TorchRec at its best (--qcomm bf16 --emb-output bf16 --compile-dense), only its plain "
+        "--precision bf16",
     )
     g.add_argument("--compile", default="", help="e2e: embshard's training.compile mode (e.g. default)")
     g.add_argument(

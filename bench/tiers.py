@@ -1,9 +1,9 @@
 """Memory tiers on one GPU: training throughput per tier (hbm, uvm, uvm_caching) on uniform and Zipf-skewed ids,
 and the UVM-cache hit rate against the cache size. Prints markdown tables (with the command, device and date).
 
-    python bench/tiers.py                  # default: 8 tables x 4M rows x 128 fp32 (15.3 GiB), about 2 minutes
-    python bench/tiers.py --rows 10000000  # 40 GB of tables (still fits the hbm row on an 80 GB GPU)
-    python bench/tiers.py --cpu            # dry run on the CPU (host tier, tiny tables, no cache): checks the script
+    python -m bench.tiers                  # default: 8 tables x 4M rows x 128 fp32 (15.3 GiB), about 2 minutes
+    python -m bench.tiers --rows 10000000  # 40 GB of tables (still fits the hbm row on an 80 GB GPU)
+    python -m bench.tiers --cpu            # dry run on the CPU (host tier, tiny tables, no cache): checks the script
 
 A step is forward + backward of the sharded module on one rank, with the fused optimizer (rowwise adagrad) in
 the backward; the time of `--steps` consecutive steps is taken with CUDA events, `--repeats` times after
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     import fbgemm_gpu
 
     print("## Memory tiers\n")
-    print(f"Command: `python bench/tiers.py {shlex.join(sys.argv[1:] if argv is None else argv)}`  ")
+    print(f"Command: `python -m bench.tiers {shlex.join(sys.argv[1:] if argv is None else argv)}`  ")
     print(
         f"Device: {name}; torch {torch.__version__}, fbgemm_gpu {fbgemm_gpu.__version__}; "
         f"{datetime.datetime.now().isoformat(timespec='minutes')}; total {time.perf_counter() - t_start:.0f}s  "

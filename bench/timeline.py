@@ -2,7 +2,7 @@
 kind: matmul, embedding, sparse ops, NCCL, copy, other) and the host's step annotations, over the last --steps
 training steps.
 
-    python bench/timeline.py trace_bf16.json --out timeline_bf16.png [--steps 2]
+    python -m bench.timeline trace_bf16.json --out timeline_bf16.png [--steps 2]
 
 The trace comes from `bench/train_e2e.py --profile-steps K --trace FILE` (its steps are annotated
 "## train step ##"). Prints, per stream, the kernel time and the share of the drawn window it is busy; with

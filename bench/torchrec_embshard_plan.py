@@ -2,11 +2,11 @@
 model, DistributedModelParallel and timing loop) with its planner replaced by embshard's, converted to TorchRec's
 ShardingPlan by embshard.interop. Compare with the baseline's own plan, back to back on the same machine:
 
-    torchrun --nproc-per-node=2 bench/torchrec_embshard_plan.py --plan torchrec --workload hetero124 --hbm-gib 70
-    torchrun --nproc-per-node=2 bench/torchrec_embshard_plan.py --plan embshard --workload hetero124 --hbm-gib 70
-    torchrun --nproc-per-node=2 bench/torchrec_embshard_plan.py --plan torchrec --workload overflow --hbm-gib 16
-    torchrun --nproc-per-node=2 bench/torchrec_embshard_plan.py --plan embshard --workload overflow --hbm-gib 16
-    torchrun --nproc-per-node=2 bench/torchrec_embshard_plan.py --plan plan.torchrec.json --workload ...  # a file
+    torchrun --nproc-per-node=2 -m bench.torchrec_embshard_plan --plan torchrec --workload hetero124 --hbm-gib 70
+    torchrun --nproc-per-node=2 -m bench.torchrec_embshard_plan --plan embshard --workload hetero124 --hbm-gib 70
+    torchrun --nproc-per-node=2 -m bench.torchrec_embshard_plan --plan torchrec --workload overflow --hbm-gib 16
+    torchrun --nproc-per-node=2 -m bench.torchrec_embshard_plan --plan embshard --workload overflow --hbm-gib 16
+    torchrun --nproc-per-node=2 -m bench.torchrec_embshard_plan --plan plan.torchrec.json --workload ...  # a file
 
 --plan torchrec: the baseline as is (TorchRec's planner). --plan embshard: embshard's planner (embshard.planner, this
 machine's GPUs via Topology.detect, --hbm-gib as the GPU memory it may plan for, 0: all of it; the workload's ids
@@ -84,9 +84,8 @@ def main() -> None:
     ap.add_argument("--hbm-gib", type=float, default=0)
     ap.add_argument("--numa-bind", action="store_true", help="run each rank on its GPU's NUMA node's CPUs")
     args, rest = ap.parse_known_args()
-    sys.path.insert(0, HERE)
-    from embshard_dmp import WORKLOADS
-    from numa import numa_setup
+    from bench.numa import numa_setup
+    from bench.workloads import WORKLOADS
 
     numa_setup(bind=args.numa_bind)  # one line per rank: the GPU's node and where the process runs
 

@@ -1,8 +1,8 @@
 """TorchRec's managed-collision embedding bags against its static ones, timed in one process on the same batches.
 
 Run with torchrun, one process per GPU (NCCL), or CPU processes (gloo) for a smoke test:
-    torchrun --nproc-per-node=2 bench/torchrec_mc.py --workload uniform26 --id-space 10 --rounds 3 --steps 20
-    torchrun --nproc-per-node=2 bench/torchrec_mc.py --workload tiny --steps 3 --rounds 1
+    torchrun --nproc-per-node=2 -m bench.torchrec_mc --workload uniform26 --id-space 10 --rounds 3 --steps 20
+    torchrun --nproc-per-node=2 -m bench.torchrec_mc --workload tiny --steps 3 --rounds 1
 
 Two modules of the workload's tables (bench/embshard_dmp.py's WORKLOADS; batch per rank as the workload says),
 each wrapped in TorchRec's DistributedModelParallel with every table row-wise (the one sharding TorchRec's
@@ -20,7 +20,7 @@ timed as bench/baselines/torchrec_dmp.py times it (5 warm-up steps, synchronize 
 --rounds interleaved rounds (static, mc, static, mc, ...); the median round is reported. Rank 0 prints each
 module's memory per rank (weights, optimizer state, MC buffers) and one line per kind that bench/report.py parses:
     RESULT bench=torchrec_mc framework=torchrec workload=W world=N ids=static|mc id_space=K ms_per_step=X ...
-`python bench/run.py rawids` runs it beside bench/embshard_dmp.py --ids both (embshard's raw-id tables).
+`python -m bench.run rawids` runs it beside bench/embshard_dmp.py --ids both (embshard's raw-id tables).
 Memory: an MCH module keeps three int64 values a row (sorted raw ids, their rows, the LRU clock or LFU count) and a
 history of about 1.25 x a step's ids; rank 0 prints the prediction before building and what the modules hold after
 the warm-up. uniform26 at full rows needs per GPU 6.25 GiB (static) + 6.58 GiB (mc) on 2 GPUs, 12.5 + 13.1 GiB on
@@ -35,15 +35,14 @@ import argparse
 import collections
 import os
 import statistics
-import sys
 import time
 import types
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from embshard_dmp import WORKLOADS, interleaved_ms  # noqa: E402
+from bench.timing import interleaved_ms, result_line
+from bench.workloads import WORKLOADS
 
 KINDS = ("static", "mc")
 
@@ -309,7 +308,7 @@ def main() -> None:
             if kind == "mc":
                 fields.append(f"eviction={args.eviction} eviction_interval={args.eviction_interval}")
                 fields.append(f"open_slots={int(open_slots.item())}")
-            print("RESULT " + " ".join(fields), flush=True)
+            print(result_line(fields), flush=True)
     dist.destroy_process_group()
 
 

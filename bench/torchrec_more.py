@@ -1,6 +1,6 @@
 """The TorchRec baseline (bench/baselines/torchrec_dmp.py, unchanged) on embshard's extra workloads.
 
-    torchrun --nproc-per-node=2 bench/torchrec_more.py --workload overflow --hbm-gib 16
+    torchrun --nproc-per-node=2 -m bench.torchrec_more --workload overflow --hbm-gib 16
 
 Loads the baseline script as a module, adds the workloads of bench/embshard_dmp.py it lacks (same rows, dims,
 ids per bag and batch), and runs its main(): TorchRec's planner, DistributedModelParallel and timing loop as is.
@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINE = os.environ.get("TORCHREC_BASELINE", os.path.join(HERE, "baselines", "torchrec_dmp.py"))
 
 
 def main() -> None:
-    sys.path.insert(0, HERE)
-    from embshard_dmp import WORKLOADS
+    from bench.workloads import WORKLOADS
 
     spec = importlib.util.spec_from_file_location("torchrec_dmp", BASELINE)
     mod = importlib.util.module_from_spec(spec)

@@ -1,7 +1,7 @@
 """TorchRec's planner on embshard tables, its plan converted to an embshard ShardingPlan (for comparisons:
 planning time, and TorchRec's placement predicted by embshard's cost model or measured with embshard).
 
-    from torchrec_planner import torchrec_plan
+    from bench.torchrec_planner import torchrec_plan
     plan = torchrec_plan(tables, world_size=2, local_world_size=2, hbm_gib=130, batch_size=8192)
 """
 

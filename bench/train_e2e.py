@@ -1,6 +1,6 @@
 """End-to-end training throughput of a YAML-configured model: the training pipeline of `embshard train`, timed.
 
-    python bench/train_e2e.py --config configs/dlrm_dcnv2_mlperf.yaml --nproc 2 --steps 60 [--scale F] [key=value ...]
+    python -m bench.train_e2e --config configs/dlrm_dcnv2_mlperf.yaml --nproc 2 --steps 60 [--scale F] [key=value ...]
 
 Starts --nproc local processes (one per GPU with CUDA, gloo on the CPU otherwise; under torchrun it joins
 torchrun's job instead). Each rank: plans (rank 0, broadcast) and builds the model (timed: plan+build), then trains
@@ -32,11 +32,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench import floors
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import floors  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

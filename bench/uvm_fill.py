@@ -3,7 +3,7 @@ one GPU: FBGEMM's own GPU zero fill (the first touch through GPU page faults) ag
 touch (embshard/lookup/uvm_fill.py), each followed by the lookup's write of the initial weights from the GPU in
 64 MiB blocks, as TBELookup does it. A fresh buffer per way (the first touch is what is timed).
 
-    python bench/uvm_fill.py --gib 16 --threads 8,16
+    python -m bench.uvm_fill --gib 16 --threads 8,16
 Prints one line per way: seconds and GB/s for populating (zeroing), for writing the weights, and in all; ways:
 FBGEMM's fill then the writes (what builds did before), no fill (the writes make the first touch), and the host
 threads (populate, then the writes; and both overlapped on a fresh buffer, as TBELookup runs them).

@@ -2,7 +2,7 @@
 the slowest tests do not start near the end of a run spread over workers).
 
 tests/durations_gpu.txt holds, per test, its phases' seconds summed (setup, call, teardown; a phase under 0.5 s is
-not recorded), from the test_times.txt of a run of the GPU suite (`python bench/run.py tests --out DIR` writes it):
+not recorded), from the test_times.txt of a run of the GPU suite (`python -m bench.run tests --out DIR` writes it):
 
     python tests/durations.py DIR/test_times.txt [MORE/test_times.txt ...] > tests/durations_gpu.txt
 

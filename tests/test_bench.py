@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import io
 import os
 import statistics
@@ -15,13 +16,10 @@ from pathlib import Path
 import paths
 import pytest
 
-ROOT = paths.ROOT
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import floors, report, run, suites
+from bench.suites import checks, common, embedding, rawids, training
 
-import floors  # noqa: E402
-import report  # noqa: E402
-import run  # noqa: E402
-import suites  # noqa: E402
+ROOT = paths.ROOT
 
 H100 = suites.Machine(gpus=2, gpu="NVIDIA H100 80GB HBM3", gpu_mib=81559, cpus=32)
 
@@ -41,7 +39,7 @@ def test_docs_benchmarks_is_current():
     region = report.render(report.folders_in([]))
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     assert report.replace_region(page, region) == page, (
-        "docs/benchmarks.md is stale: run `python bench/report.py --update docs/benchmarks.md`"
+        "docs/benchmarks.md is stale: run `python -m bench.report --update docs/benchmarks.md`"
     )
 
 
@@ -51,14 +49,16 @@ def test_every_suite_builds_commands_of_existing_scripts():
             for step in steps(name, *cpu):
                 scripts = [a for a in step.argv if a.startswith(("bench/", "tests/", "examples/"))]
                 assert all((ROOT / a).exists() for a in scripts), (name, step.argv)
+                modules = [b for a, b in zip(step.argv, step.argv[1:]) if a == "-m" and b.startswith("bench.")]
+                assert all(importlib.util.find_spec(m) is not None for m in modules), (name, step.argv)
                 assert step.argv[0] == sys.executable and step.timeout > 0, step
 
 
 def _installed(monkeypatch, module: str, installed: bool) -> None:
     """The suites see `module` installed or not (whatever this machine has), other modules as they are."""
-    real = suites.importlib.util.find_spec
+    real = importlib.util.find_spec
     fake = lambda name: (object() if installed else None) if name == module else real(name)  # noqa: E731
-    monkeypatch.setattr(suites.importlib.util, "find_spec", fake)
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
 
 
 def test_tests_suite_device_junit_and_timeout_only_when_installed(monkeypatch):
@@ -90,16 +90,23 @@ def test_e2e_suite_interleaves_pairs_of_both_precisions():
     got = steps("e2e", "--pairs", "3", "--nproc", "2", "--scale", "0.25")
     assert got[0].label.startswith("bandwidth")
     labels = [s.label for s in got[1:]]
-    assert labels == ["TorchRec fp32", "embshard fp32", "TorchRec bf16", "embshard bf16"] * 3
+    assert (
+        labels == ["TorchRec fp32", "embshard fp32", "TorchRec bf16", "TorchRec bf16 at its best", "embshard bf16"] * 3
+    )
+    best = got[4].argv
+    assert (
+        best[best.index("--precision") + 1] == "bf16" and best[-len(training.TORCHREC_BEST) :] == training.TORCHREC_BEST
+    )
+    assert "TorchRec bf16 at its best" not in [s.label for s in steps("e2e", "--no-torchrec-best")]
     tr, es = got[1].argv, got[2].argv
-    assert tr[: len(suites.torchrun(2))] == suites.torchrun(2) and "bench/baselines/torchrec_dlrm_train.py" in tr
+    assert tr[: len(common.torchrun(2))] == common.torchrun(2) and "bench/baselines/torchrec_dlrm_train.py" in tr
     assert tr[tr.index("--scale") + 1] == "4" and es[es.index("--scale") + 1] == "0.25"  # the baseline divides
-    assert es[es.index("--nproc") + 1] == "2" and es[es.index("--config") + 1] == suites.E2E_CONFIG
-    bf16 = got[4].argv
+    assert es[es.index("--nproc") + 1] == "2" and es[es.index("--config") + 1] == common.E2E_CONFIG
+    bf16 = got[5].argv
     assert bf16[bf16.index("--precision") + 1] == "bf16" and "lookup.output_dtype=bf16" in bf16
     assert got[3].argv[got[3].argv.index("--precision") + 1] == "bf16"
     timeline = steps("e2e", "--pairs", "1", "--timeline", "--precisions", "fp32", "--no-bandwidth")
-    assert "--trace" in timeline[1].argv and timeline[-1].argv[1] == "bench/timeline.py"
+    assert "--trace" in timeline[1].argv and timeline[-1].argv[1:3] == ["-m", "bench.timeline"]
     assert timeline[-1].argv[-5] == "/tmp/bench-out/timeline_fp32.png" and timeline[-1].argv[-2:] == ["--gaps", "8"]
 
 
@@ -113,7 +120,7 @@ def test_emb_suite_workloads_card_memory_and_pair_order():
     assert len(runs) == 12 and all("(pair 2)" in s.label for s in runs[6:])
     hetero = runs[4].argv
     assert hetero[hetero.index("--hbm-gib") + 1] == "79" and hetero[-4:-2] == ["--force", "small-dp"]
-    assert "bench/torchrec_more.py" in runs[2].argv and runs[3].argv[runs[3].argv.index("--hbm-gib") + 1] == "16"
+    assert "bench.torchrec_more" in runs[2].argv and runs[3].argv[runs[3].argv.index("--hbm-gib") + 1] == "16"
     assert all(a in runs[1].argv for a in ("--plan", "planner"))
     assert steps("emb", "--torchrec-hbm-gib", "74")[5].argv.count("74") == 1  # hetero124, pair 1
     cpu = steps("emb", "--cpu")
@@ -171,7 +178,7 @@ def test_log_filter_drops_repeated_warnings_keeps_results():
 
 
 LOG = """META date=2026-01-02 time='2026-01-02 10:00 UTC' gpu="NVIDIA H100 80GB HBM3" gpus=2
-META command='python -m torch.distributed.run bench/embshard_dmp.py --workload uniform26'
+META command='python -m torch.distributed.run -m bench.embshard_dmp --workload uniform26'
 GPU memory copy: 3000 GB/s (read + write)
 all-to-all over 2 GPUs (NCCL): 200 GB/s bus bandwidth per rank
 torchrec DMP uniform26 world=2 hbm_gib=default force=-: 5.00 ms/step, 3,276,800 samples/s; peak GPU memory 7.1 GB
@@ -189,7 +196,7 @@ def test_report_pairs_each_run_with_the_baseline_before_it(tmp_path):
     (tmp_path / "emb.log").write_text(LOG)
     folder = report.load(tmp_path)
     assert folder.bandwidth == {"hbm": 3000e9, "link": 200e9} and folder.gpu == "NVIDIA H100 80GB HBM3"
-    rows = {case: row for (case, _), row in report.rows_of(folder).items()}
+    rows = {case: row for (case, *_), row in report.rows_of(folder).items()}
     u = rows["emb uniform26"]
     assert [round(x, 4) for x in u.ratios] == [1.25, 1.2] and report.verdict(u.ratios) == "leads"
     assert report.best_ratio(u) == f"{5.0 / 4.0:.3f}" and report.baseline_setting(u) == "its planner's default plan"
@@ -200,7 +207,7 @@ def test_report_pairs_each_run_with_the_baseline_before_it(tmp_path):
     assert rows["e2e sparse_dist bf16 world 2"].ratios == [] and "emb onehot" not in rows
     region = report.render([folder])
     assert "embshard leads on uniform26 (1.20-1.25x)" in region and "it trails on end to end fp32" in region
-    assert "bench/embshard_dmp.py --workload uniform26" in region
+    assert "-m bench.embshard_dmp --workload uniform26" in region  # recorded by path, shown as a module
 
 
 def test_report_verdict_words_and_explicit_pairs(tmp_path):
@@ -232,14 +239,14 @@ def test_floors_reproduce_the_uniform26_estimate():
 
 def test_summaries_read_the_result_lines():
     soak = "RESULT framework=embshard bench=soak workload=uniform26 ms_per_step=4.7 allocated_gib_step100=7.8544 allocated_gib_step5000=7.8547"
-    ((_, text),) = suites.soak_summary(soak, args_for("soak"))
+    ((_, text),) = embedding.soak_summary(soak, args_for("soak"))
     assert "no growth" in text and "step 5000" in text
     grown = soak.replace("7.8547", "7.9544")
-    assert "GROWTH +102.4 MiB" in suites.soak_summary(grown, args_for("soak"))[0][1]
-    rows = suites.compare_summary(LOG, args_for("emb"))
+    assert "GROWTH +102.4 MiB" in embedding.soak_summary(grown, args_for("soak"))[0][1]
+    rows = training.compare_summary(LOG, args_for("emb"))
     assert any("ratio 1.225 (1.200-1.250; n=2): leads" in text for _, text in rows), rows
     tests_args = argparse.Namespace(out="/nonexistent")
-    assert suites.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", tests_args) == [
+    assert checks.tests_summary("===== 3 passed, 1 skipped in 2.0s =====\nFAILED tests/x.py::t - boom", tests_args) == [
         ("pytest", "3 passed, 1 skipped in 2.0s"), ("failed", "tests/x.py::t")
     ]  # fmt: skip
 
@@ -249,7 +256,7 @@ def test_tests_summary_names_the_slowest_files_of_a_run_stopped_at_its_limit(tmp
         "    3.00 setup    tests/a.py::t1 passed\n   40.50 call     tests/b.py::t[1] failed\n"
         "    2.00 call     tests/a.py::t2 passed\n"
     )
-    rows = suites.tests_summary("....", argparse.Namespace(out=str(tmp_path)))
+    rows = checks.tests_summary("....", argparse.Namespace(out=str(tmp_path)))
     assert rows == [
         ("pytest", "no pytest summary line"),
         ("slowest files", "tests/b.py 40 s, tests/a.py 5 s (test_times.txt)"),
@@ -274,7 +281,7 @@ def test_a_failure_reaches_the_log_of_a_run_stopped_at_its_limit(tmp_path, monke
     assert times.read_text().splitlines()[0].split() == ["37.60", "call", "tests/a.py::t", "failed"]
     args = args_for("tests", "--suite-minutes", "1")
     args.out = str(tmp_path)
-    (step,) = suites.tests_steps(args, H100)
+    (step,) = checks.tests_steps(args, H100)
     step.argv, step.timeout = ["bash", "-c", "echo ....; sleep 30"], 1.0  # stopped at its limit, no pytest summary
     monkeypatch.setitem(suites.SUITES, "tests", dataclasses.replace(suites.SUITES["tests"], steps=lambda a, m: [step]))
     rows = run.run_suite("tests", args, {}, H100)
@@ -293,10 +300,10 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
     raw = ("RESULT framework=embshard bench=rawids workload=uniform26 world=2 ids=static id_space=10 ms_per_step=2.0\n"
            "RESULT framework=embshard bench=rawids workload=uniform26 world=2 ids=raw id_space=10 ms_per_step=3.0 "
            "admitted=9 evicted=4\n")  # fmt: skip
-    rows = dict(suites.rawids_summary(raw + mc, args_for("rawids")))
+    rows = dict(rawids.rawids_summary(raw + mc, args_for("rawids")))
     text = rows["uniform26 world 2, id space 10 x rows"]
     assert "raw 3.00 ms (1.50x; admitted 9, evicted 4)" in text and "managed collisions 7.50 ms (2.50x)" in text
-    assert dict(suites.rawids_summary(mc, args_for("rawids")))["uniform26 world 2, id space 10 x rows"].startswith(
+    assert dict(rawids.rawids_summary(mc, args_for("rawids")))["uniform26 world 2, id space 10 x rows"].startswith(
         "TorchRec static 3.00 ms"
     )
     # In the results table they are neither a TorchRec baseline of the emb case nor a row of their own.
@@ -304,7 +311,7 @@ def test_rawids_summary_sets_torchrecs_managed_collisions_beside_raw_ids(tmp_pat
         LOG.replace("RESULT framework=torchrec bench=emb", mc + "RESULT framework=torchrec bench=emb")
     )
     assert report.parse_line(mc.splitlines()[1])["ids"] == "mc"
-    cases = {case: row for (case, _), row in report.rows_of(report.load(tmp_path)).items()}
+    cases = {case: row for (case, *_), row in report.rows_of(report.load(tmp_path)).items()}
     assert [round(x, 4) for x in cases["emb uniform26"].ratios] == [1.25, 1.2]
     assert not any("torchrec_mc" in c for c in cases)
     only = tmp_path / "only_mc"
@@ -330,12 +337,11 @@ def test_tests_suite_spreads_tests_over_xdist_workers_only_when_installed(monkey
 def test_mlperf_workload_is_the_mlperf_configs_tables():
     """bench/embshard_dmp.py's `mlperf` workload (the end-to-end model's embedding part, timed alone) has the tables
     of configs/dlrm_dcnv2_mlperf.yaml: rows, width and multi-hot size, in order; and its batch."""
-    import embshard_dmp
-
+    from bench import workloads
     from embshard.config import load_config
 
     cfg = load_config(str(ROOT / "configs" / "dlrm_dcnv2_mlperf.yaml"))
-    spec, batch = embshard_dmp.WORKLOADS["mlperf"]
+    spec, batch = workloads.WORKLOADS["mlperf"]
     want = [(t.num_embeddings, t.embedding_dim, t.ids_per_bag) for t in cfg.model.tables]
     assert spec == want and batch == cfg.schedule.batch_size
 
@@ -343,7 +349,17 @@ def test_mlperf_workload_is_the_mlperf_configs_tables():
 def test_e2e_data_law_reaches_both_frameworks_and_splits_the_cases():
     """--data-law zipf-poisson: TorchRec's baseline and embshard draw Zipf ids and Poisson bags; the report compares
     a run only with runs of its own law (older lines without the law count as the MLPerf law)."""
-    tr, mine = steps("e2e", "--data-law", "zipf-poisson", "--precisions", "bf16", "--pairs", "1", "--no-bandwidth")
+    tr, mine = steps(
+        "e2e",
+        "--data-law",
+        "zipf-poisson",
+        "--precisions",
+        "bf16",
+        "--pairs",
+        "1",
+        "--no-bandwidth",
+        "--no-torchrec-best",
+    )
     assert tr.argv[-5:] == ["--ids", "zipf", "--zipf-alpha", "1.05", "--bag-lengths", "poisson"][-5:]
     assert {"data.synthetic.zipf_exponent=1.05", "data.synthetic.bag_lengths=poisson"} <= set(mine.argv)
     plain = steps("e2e", "--precisions", "bf16", "--pairs", "1", "--no-bandwidth")
@@ -371,7 +387,7 @@ def test_scaling_suite_pairs_torchrec_and_embshard_at_4_gpus_and_reads_the_per_g
                               ("torchrec", 4, 1, 12.0), ("embshard", 4, 1, 8.0), ("embshard", 2, 1, 7.5),
                               ("embshard", 1, 0.5, 6.0)]
     )  # fmt: skip
-    ((label, text),) = suites.scaling_summary(log, args_for("scaling", "--precisions", "bf16"))
+    ((label, text),) = training.scaling_summary(log, args_for("scaling", "--precisions", "bf16"))
     assert label == "weak scaling, bf16"
     assert "1 GPUs 1,365,333, 2 GPUs 1,092,266, 4 GPUs 1,024,000" in text and "keep 93.8%" in text
     assert "TorchRec at 4 GPUs 750,933 per GPU, embshard 1.375 (1.250-1.500; n=2)" in text
@@ -388,7 +404,7 @@ def test_profile_shares_of_the_window():
     spreads its chain over several; their kernels other than NCCL's), on hand-made kernel spans of five streams."""
     from types import SimpleNamespace
 
-    import train_e2e
+    from bench import train_e2e
 
     def kernel(start, end, stream, name="gemm"):
         return SimpleNamespace(
@@ -409,7 +425,7 @@ def test_profile_shares_of_the_window():
 
 
 def test_timeline_gaps_name_the_idle_stretches_of_the_busiest_stream(capsys):
-    import timeline
+    from bench import timeline
 
     def k(name, ts, dur, stream):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "args": {"stream": stream}}
@@ -422,3 +438,122 @@ def test_timeline_gaps_name_the_idle_stretches_of_the_busiest_stream(capsys):
     assert "idle    80.0 us at    0.100 ms: after 'gemm_a', before 'tbe_bwd'" in out  # the 2 us gap is below 8
     assert "other stream 1:    0.105 +60.0 us ncclDevKernel_SendRecv" in out
     assert out.strip().endswith("idle stretches of >= 8 us: 0.080 ms in all")
+
+
+def test_e2e_report_pairs_embshard_with_torchrec_plain_and_at_its_best():
+    """Interleaved TorchRec bf16, TorchRec bf16 at its best, embshard bf16: each embshard run gets one ratio against
+    each TorchRec setting, in two rows."""
+    plain = "RESULT framework=torchrec pipeline=sparse_dist world=2 precision=bf16 qcomm=none emb_output=fp32 compile_dense=0"
+    best = "RESULT framework=torchrec pipeline=sparse_dist world=2 precision=bf16 qcomm=bf16 emb_output=bf16 compile_dense=1"
+    mine = "RESULT framework=embshard pipeline=sparse_dist world=2 precision=bf16 pooled=bf16"
+    log = "\n".join(
+        f"{a} ms_per_step={b}" for a, b in [(plain, 20), (best, 12), (mine, 10), (plain, 22), (best, 11), (mine, 11)]
+    )
+    folder = report.Folder(Path("x"), runs=[r | {"_file": "e2e.log"} for r in common.results(log)])
+    rows = {row.theirs: row for row in report.rows_of(folder).values()}
+    assert rows[""].ratios == [2.0, 2.0] and rows["qcomm bf16, emb output bf16, compiled dense"].ratios == [1.2, 1.0]
+    assert report.baseline_setting(rows["qcomm bf16, emb output bf16, compiled dense"]).endswith("compiled dense")
+    summary = dict(training.compare_summary(log, args_for("e2e")))
+    assert len(summary) == 2 and any("against TorchRec with qcomm bf16" in k for k in summary)
+
+
+def test_bench_readme_suites_table_is_generated_from_the_registry():
+    readme = ROOT / "bench" / "README.md"
+    text = readme.read_text()
+    assert suites.replace_table(text) == text, (
+        "bench/README.md is stale: run `python -m bench.suites --update bench/README.md`"
+    )
+    assert "| `scaling` |" in text and all(f"| `{name}` |" in text for name in suites.SUITES)
+    stale = text.replace("| `scaling` |", "| `scaling-old` |")
+    assert suites.replace_table(stale) == text  # a drifted row is put back
+
+
+def test_bench_modules_import_no_sibling_by_path_and_form_no_circle():
+    """bench's modules import each other as `bench.x` (no sys.path edits), and no import chain comes back to its
+    start (lazy imports included)."""
+    import ast
+
+    graph: dict[str, set[str]] = {}
+    siblings = {p.stem for p in (ROOT / "bench").glob("*.py")} | {"suites"}
+    for path in (ROOT / "bench").rglob("*.py"):
+        if "baselines" in path.parts or "results" in path.parts:
+            continue
+        text = path.read_text()
+        assert "sys.path" not in text, path
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("bench"))
+            tops = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            tops += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            bare = [t for t in tops if t.split(".")[0] in siblings]
+            assert not bare, f"{path.relative_to(ROOT)} imports {bare} by bare name: import it from bench"
+    graph = {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
+    package_of = {k: k.rpartition(".")[0] for k in graph}
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            n = todo.pop()
+            if n == start and package_of.get(start) != start:
+                raise AssertionError(f"import circle through {start}")
+            if n not in seen:
+                seen.add(n)
+                todo += graph.get(n, ())
+
+
+def _shared_baselines() -> Path | None:
+    for where in (ROOT / "shared" / "baselines", ROOT.parent / "shared" / "baselines"):
+        if where.is_dir():
+            return where
+    return None
+
+
+@pytest.mark.skipif(_shared_baselines() is None, reason="no shared/baselines folder beside the repository")
+def test_baselines_are_byte_identical_copies_of_the_shared_ones():
+    shared = _shared_baselines()
+    ours = ROOT / "bench" / "baselines"
+    theirs = sorted(p.name for p in shared.iterdir() if p.is_file())
+    assert sorted(p.name for p in ours.iterdir() if p.is_file()) == theirs, f"refresh: cp {shared}/* bench/baselines/"
+    stale = [n for n in theirs if (ours / n).read_bytes() != (shared / n).read_bytes()]
+    assert not stale, f"bench/baselines/ differs from {shared} in {stale}: cp {shared}/* bench/baselines/"
+
+
+def test_summarize_keeps_the_key_lines_and_the_report_reads_the_same_runs(tmp_path):
+    """A run's folder summarized: RESULT, META and bandwidth lines kept in `log` blocks, noise dropped, raw files
+    moved to the raw folder, README.md kept; the report reads the same runs from the summary as from the logs."""
+    from bench import summarize
+
+    run_dir = tmp_path / "out"
+    run_dir.mkdir()
+    (run_dir / "emb.log").write_text(
+        'META date=2026-01-02 gpu="X" gpus=2\nMETA command="python bench/embshard_dmp.py --workload w"\n'
+        + "noise\n" * 500
+        + "GPU memory copy: 3000.0 GB/s\n"
+        "RESULT framework=torchrec bench=emb workload=w ms_per_step=12\n"
+        "RESULT framework=embshard bench=emb workload=w ms_per_step=10\n"
+    )
+    (run_dir / "explore.out").write_text("RESULT framework=embshard bench=emb workload=w ms_per_step=1\n")
+    (run_dir / "README.md").write_text("# notes, code abc1234\n")
+    before = report.rows_of(report.load(run_dir))
+    dest, raw = tmp_path / "results" / "2026-01-02-x", tmp_path / "raw" / "2026-01-02-x"
+    text = summarize.summarize(run_dir, dest, raw).read_text()
+    assert "noise" not in text and "code commit: abc1234" in text and "```text" in text
+    assert sorted(p.name for p in dest.iterdir()) == ["README.md", "summary.md"]
+    assert (raw / "emb.log").exists() and (raw / "explore.out").exists()
+    after = report.load(dest)
+    assert [r["ms_per_step"] for r in after.runs] == ["12", "10"] and after.bandwidth == {"hbm": 3000.0e9}
+    assert [row.ratios for row in report.rows_of(after).values()] == [row.ratios for row in before.values()] == [[1.2]]
+    assert report.module_form(after.commands[0][1]) == "python -m bench.embshard_dmp --workload w"
+
+
+def test_results_in_git_are_summaries_under_half_a_megabyte():
+    kept = [p for p in (ROOT / "bench" / "results").rglob("*") if p.is_file() and "raw" not in p.parts]
+    assert {p.suffix for p in kept} <= {".md"}, sorted({p.suffix for p in kept})
+    assert all(
+        (d / "summary.md").exists() for d in (ROOT / "bench" / "results").iterdir() if d.is_dir() and d.name != "raw"
+    )
+    assert sum(p.stat().st_size for p in kept) < 500_000

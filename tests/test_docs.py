@@ -94,6 +94,10 @@ def _exists(path: str) -> bool:
 
 @pytest.mark.parametrize("doc", documents(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_paths_and_links_exist(doc: Path):
+    if doc == ROOT / "bench" / "baselines" / "README.md":
+        pytest.skip("a byte-identical copy of the shared baselines' README: its paths are those of its source")
+    if doc.name == "summary.md" and doc.parent.parent == ROOT / "bench" / "results":
+        pytest.skip("a run's record (python -m bench.summarize): the paths its commands printed then")
     bad = []
     in_code_block = False
     for i, line in enumerate(doc.read_text().splitlines(), 1):

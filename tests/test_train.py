@@ -241,7 +241,7 @@ def test_train_e2e_benchmark_trains_scaled_down_on_cpu():
     """bench/train_e2e.py on the MLPerf config at 1e-5 of its rows (40M-row tables keep 400), 2 CPU processes: the
     plan summary, the build time, the held-out AUC rising, the RESULT line and the last line with the global
     samples/s."""
-    cmd = [sys.executable, "bench/train_e2e.py", "--config", "configs/dlrm_dcnv2_mlperf.yaml", "--nproc", "2",
+    cmd = [sys.executable, "-m", "bench.train_e2e", "--config", "configs/dlrm_dcnv2_mlperf.yaml", "--nproc", "2",
            "--scale", "1e-5", "--steps", "20", "--warmup", "5", "--batch-size", "32", "--eval",
            "model.dlrm.bottom_mlp=[32]", "model.dlrm.top_mlp=[64]", "model.dcn.low_rank=16",
            "sparse_optimizer.lr=0.05", "dense_optimizer.lr=0.01", "data.synthetic.eval_batches=4"]  # fmt: skip

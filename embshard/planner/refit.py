@@ -2,7 +2,7 @@
 after a benchmark run): the small-table kernel's constants from `bench/kernels.py`'s output, the fixed cost of a
 training step from measured steps against the model's predictions of the same plans.
 
-Kernel log (`python bench/kernels.py > kernels.log`): its markdown table, one row per (kernel, case,
+Kernel log (`python -m bench.kernels > kernels.log`): its markdown table, one row per (kernel, case,
 implementation) with the milliseconds, and its header (`small tables: T x R rows x D fp32, batch B, L ids per bag`).
 For every case with uniform ids the model (embshard/planner/kernel_model.py, bytes over the topology's hbm_bw) is exact
 with
