@@ -91,6 +91,16 @@ def _check_declared(path: Path, md: Any, key: str, shape: tuple[int, ...]) -> No
 def inspect(path: Path) -> str:
     """The text `embshard checkpoint inspect` prints."""
     man, commit = read_manifest(path), read_commit(path)
+    try:
+        return _describe(path, man, commit)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ConfigError(
+            f"checkpoint {str(path)!r}: its manifest or COMMIT lacks what a save writes ({type(e).__name__}: "
+            f"{escape(str(e))[:200]}): it is damaged"
+        ) from None
+
+
+def _describe(path: Path, man: dict, commit: dict) -> str:
     index = tensor_index(path)
     lines = [
         f"checkpoint {path}: step {man['step']}, saved by {man['world_size']} ranks at {man['time']}, "
@@ -167,7 +177,10 @@ def export(path: Path, out: Path, dtype: str | None, tables: list[str] | None, c
     for name in wanted:
         prefix, t = available[name]
         R, D = t["rows"], t["dim"]
-        target = _DTYPES[dtype or t["data_type"]]
+        target = _DTYPES.get(dtype or t.get("data_type"))
+        if target is None:
+            raise ConfigError(f"checkpoint {str(path)!r}: table {name!r} has data_type {t.get('data_type')!r} in its "
+                              f"manifest, not one of {sorted(_DTYPES)}: it is damaged (or give --dtype)")  # fmt: skip
         key = f"{prefix}/{name}/weight"
         _check_declared(path, md, key, (R, D))
         rows = max(1, chunk_bytes // (D * 4))
