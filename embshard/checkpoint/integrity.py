@@ -8,10 +8,11 @@ manifest.json's and .metadata's:
     "checksum": "crc32", "files": {"__0_0.distcp": {"bytes": 1577, "crc32": "9c81e2d4"}, ...}
 
 Load: DCP reads every saved chunk it needs whole, at the offset and length its index gives (one chunk = one file
-here). `VerifyingReader` reads those bytes once, checks their size and CRC-32 against the record and only then
+here). `reading.VerifyingReader` reads those bytes once, checks their size and CRC-32 against the record and only then
 hands them to DCP (torch.load): the bytes DCP reads anyway, no extra pass. A mismatch, a short file, a missing
 file raise `CheckpointDamaged` naming the file, what was recorded and what was found. `.metadata` is checked before
-it is unpickled (with the allow-list of unpickle.py). `verify_folder` (`embshard checkpoint inspect --verify`)
+it is unpickled (`read_index`, with the allow-lists of unpickle.py). Files are opened as files.py says (regular
+files of the folder only, sizes checked before reading). `verify_folder` (`embshard checkpoint inspect --verify`)
 streams every recorded file instead, in parallel over files. Checkpoints saved before checksums were recorded have
 no "files" in COMMIT: they load unverified (the loader says so once); only the structure (every indexed chunk lies
 inside its file) is checked.
@@ -19,8 +20,8 @@ inside its file) is checked.
 
 from __future__ import annotations
 
-import io
 import os
+import stat
 import threading
 import time
 import zlib
@@ -29,55 +30,53 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from embshard.checkpoint.files import FIX, CheckpointDamaged, escape, open_regular, read_at, read_bytes
 from embshard.checkpoint.unpickle import load_metadata
 from embshard.spec.tables import ConfigError
+
+__all__ = [
+    "FIX",
+    "CheckpointDamaged",
+    "check_bytes",
+    "crc_file",
+    "entry",
+    "read_index",
+    "regular_size",
+    "verify_folder",
+]
 
 ALGORITHM = "crc32"
 METADATA = ".metadata"
 BLOCK_BYTES = 8 << 20
-FIX = (
-    "resume from an earlier checkpoint (checkpoint.resume_from=latest skips damaged ones, or name an earlier step_<N> "
-    "folder), or restore the file from a copy"
-)
 
 
 def crc_hex(value: int) -> str:
     return f"{value & 0xFFFFFFFF:08x}"
 
 
-class CheckpointDamaged(ConfigError):
-    """A checkpoint file is not what its save recorded: `file` (name in the folder), `expected` and `found`."""
-
-    def __init__(self, folder: str | os.PathLike, file: str, expected: str, found: str) -> None:
-        self.folder, self.file, self.expected, self.found = str(folder), file, expected, found
-        super().__init__(
-            f"checkpoint {self.folder!r} is damaged: {file}: expected {expected}, found {found}. Fix: {FIX}"
-        )
-
-    @property
-    def brief(self) -> str:
-        return f"{self.file}: expected {self.expected}, found {self.found}"
-
-
-def _expect(rec: dict) -> str:
+def expect(rec: dict) -> str:
     return f"{rec['bytes']} bytes with CRC-32 {rec[ALGORITHM]}"
 
 
-def crc_file(path: str | os.PathLike, block: int = BLOCK_BYTES) -> tuple[int, int]:
-    """(bytes, CRC-32) of a file, streamed in blocks."""
-    buf = bytearray(block)
-    view = memoryview(buf)
+def crc_stream(file: BinaryIO, block: int = BLOCK_BYTES) -> tuple[int, int]:
+    """(bytes, CRC-32) of an open file from its start, streamed in blocks."""
     crc = size = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
+    while part := read_at(file, size, block):
+        crc = zlib.crc32(part, crc)
+        size += len(part)
     return size, crc
+
+
+def crc_file(path: str | os.PathLike, block: int = BLOCK_BYTES) -> tuple[int, int]:
+    """(bytes, CRC-32) of a regular file (no link followed: files.open_regular), streamed in blocks."""
+    folder, name = os.path.split(path)
+    file, _ = open_regular(folder, name, "a regular file")
+    with file:
+        return crc_stream(file, block)
 
 
 def entry(size: int, crc: int) -> dict:
@@ -85,7 +84,7 @@ def entry(size: int, crc: int) -> dict:
     return {"bytes": size, ALGORITHM: crc_hex(crc)}
 
 
-def _found(rec: dict, size: int, crc: int) -> str | None:
+def mismatch(rec: dict, size: int, crc: int) -> str | None:
     """None if (size, crc) match the file's COMMIT record, else what was found, for the error message."""
     if size == rec["bytes"] and crc_hex(crc) == rec[ALGORITHM]:
         return None
@@ -99,9 +98,9 @@ def check_bytes(folder: str | os.PathLike, name: str, data: bytes, record: dict 
     rec = record.get(name)
     if rec is None:
         raise CheckpointDamaged(folder, name, "an entry in COMMIT's checksums", "none (the file is not recorded)")
-    found = _found(rec, len(data), zlib.crc32(data))
+    found = mismatch(rec, len(data), zlib.crc32(data))
     if found:
-        raise CheckpointDamaged(folder, name, _expect(rec), found)
+        raise CheckpointDamaged(folder, name, expect(rec), found)
 
 
 # ---- save: sums of what is written ---------------------------------------------------------------------------
@@ -183,72 +182,19 @@ def files_record(sums: list[dict[str, tuple[int, int]]]) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-# ---- load: checked as read -------------------------------------------------------------------------------------
+# ---- load: the index -------------------------------------------------------------------------------------------
 
 
-class VerifyingReader(FileSystemReader):
-    """DCP's file reader that checks every chunk it reads against the checksums of `record` (COMMIT's "files";
-    None: a checkpoint saved without them, read unverified but for sizes), and reads `.metadata` without running
-    code. Reusable across `dcp.load` calls on the same checkpoint (the index is read once, each chunk checked once)."""
-
-    def __init__(self, path: str | os.PathLike, record: dict | None) -> None:
-        super().__init__(str(path))
-        self.folder, self.record = str(path), record
-        self._metadata: Any = None
-        self._checked: set[tuple[str, int]] = set()
-
-    def read_metadata(self) -> Any:
-        """DCP's index, `.metadata` (no rank-local ones: a save here always writes the global index)."""
-        if self._metadata is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            name = METADATA
-            try:
-                data = Path(self.folder, name).read_bytes()
-            except FileNotFoundError:
-                raise CheckpointDamaged(self.folder, name, "DCP's index file", "no such file") from None
-            check_bytes(self.folder, name, data, self.record)
-            md = load_metadata(data, f"{self.folder}/{name}")
-            if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = StorageMeta()
-            self._metadata = md
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        try:
-            return super().read_data(plan, planner)
-        except FileNotFoundError as e:
-            name = Path(str(e.filename)).name if e.filename else str(e)
-            rec = (self.record or {}).get(name)
-            raise CheckpointDamaged(self.folder, name, _expect(rec) if rec else "the file", "no such file") from None
-
-    def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
-        name, offset, length = sinfo.relative_path, int(sinfo.offset), int(sinfo.length)
-        file.seek(offset)
-        data = file.read(length)
-        rec = None if self.record is None else self.record.get(name)
-        if len(data) != length:
-            size = os.fstat(file.fileno()).st_size
-            want = _expect(rec) if rec else f"at least {offset + length} bytes (a chunk at {offset}, {length} bytes)"
-            raise CheckpointDamaged(self.folder, name, want, f"{size} bytes (truncated)")
-        if self.record is not None and (name, offset) not in self._checked:
-            if rec is None:
-                raise CheckpointDamaged(self.folder, name, "an entry in COMMIT's checksums", "none")
-            if offset == 0 and length == rec["bytes"]:  # the chunk is the whole file (embshard's writer)
-                found = _found(rec, os.fstat(file.fileno()).st_size, zlib.crc32(data))
-                if found:
-                    raise CheckpointDamaged(self.folder, name, _expect(rec), found)
-            else:  # several chunks in one file: the whole file, once
-                found = _found(rec, *crc_file(Path(self.folder, name)))
-                if found:
-                    raise CheckpointDamaged(self.folder, name, _expect(rec), found)
-                self._checked.update((name, o) for o in self._offsets(name))
-            self._checked.add((name, offset))
-        return io.BytesIO(data)
-
-    def _offsets(self, name: str) -> list[int]:
-        return [int(s.offset) for s in self.storage_data.values() if s.relative_path == name]
+def read_index(folder: str | os.PathLike, record: dict | None) -> Any:
+    """DCP's index `.metadata` of checkpoint `folder`: read as a regular file of at most files.MAX_BYTES, checked
+    against its `record` (COMMIT's "files"; None: unchecked) before it is unpickled with the allow-lists and its
+    structure checked (unpickle.py)."""
+    rec = None if record is None else record.get(METADATA)
+    if record is not None and rec is None:
+        raise CheckpointDamaged(folder, METADATA, "an entry in COMMIT's checksums", "none (the file is not recorded)")
+    data = read_bytes(folder, METADATA, expect(rec) if rec else "DCP's index file", rec["bytes"] if rec else None)
+    check_bytes(folder, METADATA, data, record)
+    return load_metadata(data, f"{folder}/{METADATA}")
 
 
 # ---- a whole pass ----------------------------------------------------------------------------------------------
@@ -282,11 +228,15 @@ def verify_folder(path: str | os.PathLike, record: dict | None, threads: int = 8
     def one(item: tuple[str, dict]) -> tuple[str, int, str | None]:
         name, rec = item
         try:
-            size, crc = crc_file(folder / name)
-        except FileNotFoundError:
-            return name, 0, f"{name}: expected {_expect(rec)}, found no such file"
-        found = _found(rec, size, crc)
-        return name, size, f"{name}: expected {_expect(rec)}, found {found}" if found else None
+            file, _ = open_regular(folder, name, expect(rec))
+            with file:
+                size, crc = crc_stream(file)
+        except CheckpointDamaged as e:
+            return name, 0, e.brief
+        except OSError as e:
+            return name, 0, escape(f"{name}: expected {expect(rec)}, found unreadable ({e})")
+        found = mismatch(rec, size, crc)
+        return name, size, f"{name}: expected {expect(rec)}, found {found}" if found else None
 
     if record is not None:
         items = sorted(record.items(), key=lambda kv: -kv[1]["bytes"])  # the largest first: the pool ends together
@@ -298,7 +248,7 @@ def verify_folder(path: str | os.PathLike, record: dict | None, threads: int = 8
                     out.problems.append(problem)
     if not any(p.startswith(f"{METADATA}:") for p in out.problems):
         try:
-            md = VerifyingReader(folder, None).read_metadata()
+            md = read_index(folder, None)
         except ConfigError as e:
             out.problems.append(f"{METADATA}: {str(e).removeprefix(f'{folder}/{METADATA}: ')}")
         else:
@@ -306,10 +256,22 @@ def verify_folder(path: str | os.PathLike, record: dict | None, threads: int = 8
             for sinfo in md.storage_data.values():
                 name = sinfo.relative_path
                 if name not in sizes:
-                    sizes[name] = (folder / name).stat().st_size if (folder / name).is_file() else -1
+                    sizes[name] = regular_size(folder / name)
                 end = int(sinfo.offset) + int(sinfo.length)
                 if sizes[name] < end and not any(p.startswith(f"{name}:") for p in out.problems):
-                    found = "no such file" if sizes[name] < 0 else f"{sizes[name]} bytes (truncated)"
+                    found = _MISSING.get(sizes[name], f"{sizes[name]} bytes (truncated)")
                     out.problems.append(f"{name}: expected at least {end} bytes (DCP's index), found {found}")
     out.seconds = time.perf_counter() - t0
     return out
+
+
+_MISSING = {-1: "no such file", -2: "a symbolic link or not a regular file"}
+
+
+def regular_size(path: Path) -> int:
+    """The size of a regular file (not following a link); -1: none there, -2: something else than a file."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -2

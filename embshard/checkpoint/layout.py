@@ -9,11 +9,12 @@ Every table is saved as logical tensors of the whole table, named `{collection}/
     m_blocks   [rows, n]     rowwise_adagrad's per-block state of a column-wise table whose blocks keep their own
                              (column_wise_exact=False, or uvm_caching blocks): column j = block j (manifest: blocks)
     v          [rows, dim]   adam's second moment
-    ids, id_last, id_count [rows]  raw-id tables: each row's id and its map's use record (raw_ids.py)
+    ids, id_last, id_count [rows]  raw-id tables: each row's id and its map's use record (raw_ids.py, whose pieces
+                             and manifest entries save.py and load.py add to these)
 
 A rank writes the pieces it owns (`save_pieces`): its row/column blocks; a data-parallel table once, from rank 0's
 replica; the per-row state of an exact column-wise table once, from its first column block (every block holds
-the same copy). Each piece is cut into row chunks of at most `chunk_bytes` (`split_rows`), the unit that is
+the same copy). Each piece is cut into row chunks of at most `chunk_bytes` (`pieces.split_rows`), the unit that is
 copied to the host, written and later read: a rank never holds more of a table than its own shards plus one
 chunk. A rank reads (`load_targets`) what its shards of the NEW plan need: every piece of every logical tensor
 that overlaps its blocks, straight into its live tensors; rowwise_adagrad state saved per block and needed per
@@ -26,36 +27,18 @@ row, or per other blocks, is computed from the saved blocks (`Conversion`, docs/
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from embshard.checkpoint.pieces import Piece
 from embshard.sharding.column_wise import shares_row_state
 from embshard.spec.optim import OptimizerKind
 from embshard.spec.plan import Shard, ShardingType, TablePlan
 
 PER_ROW = "per_row"
 PER_BLOCK = "per_block"
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A block of a logical tensor: `tensor` (contiguous, shape = its extent) at `offsets` in a tensor of `size`."""
-
-    key: str
-    """Name of the logical tensor, e.g. 'ebc/t_C1/weight'."""
-    size: tuple[int, ...]
-    """Shape of the whole logical tensor."""
-    offsets: tuple[int, ...]
-    """Where the block starts in it."""
-    tensor: torch.Tensor
-    """The block's values (a view of a live tensor, or a host copy)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
 
 
 @dataclass(frozen=True)
@@ -71,26 +54,6 @@ class Conversion:
     """float64 `[n]` weights of the saved blocks."""
     target: torch.Tensor
     """The live `[rows]` state to fill."""
-
-
-def split_rows(piece: Piece, chunk_bytes: int) -> list[Piece]:
-    """`piece` cut along its first dimension into chunks of at most `chunk_bytes` (at least one row each)."""
-    t = piece.tensor
-    if t.dim() == 0 or piece.nbytes <= chunk_bytes:
-        return [piece]
-    row_bytes = max(1, piece.nbytes // t.shape[0])
-    rows = max(1, chunk_bytes // row_bytes)
-    out = []
-    for r0 in range(0, t.shape[0], rows):
-        offsets = (piece.offsets[0] + r0, *piece.offsets[1:])
-        out.append(replace(piece, offsets=offsets, tensor=t[r0 : r0 + rows]))
-    return out
-
-
-def _raw_ids():
-    from embshard.checkpoint import raw_ids  # raw-id tables' maps (raw_ids.py imports Piece from here)
-
-    return raw_ids
 
 
 def row_state_layout(tp: TablePlan, optimizer: Any, options: Any) -> str | None:
@@ -122,7 +85,6 @@ def table_entries(ebc: Any) -> dict[str, dict]:
             "ranks": sorted(set(tp.ranks)),
             "row_state": layout,
             "blocks": [list(b) for b in column_blocks(tp)] if layout == PER_BLOCK else None,
-            **_raw_ids().table_entry(ebc, t),
         }
     return out
 
@@ -157,7 +119,7 @@ def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
                     out.append(Piece(f"{base}/{k}", (R,), (0,), s))
             else:
                 out.append(Piece(f"{base}/{k}", (R,), (sh.row_offset,), s))
-    return out + _raw_ids().save_pieces(ebc, prefix)
+    return out
 
 
 def load_targets(ebc: Any, prefix: str, saved: dict[str, dict]) -> tuple[list[Piece], list[Conversion]]:
@@ -213,8 +175,3 @@ def check_tables(ebc: Any, prefix: str, saved: dict[str, dict] | None, where: st
                 f"{where}: table {t.name!r} is {entry['rows']} x {entry['dim']} there but {t.num_embeddings} x "
                 f"{t.embedding_dim} in this model: tables keep their shape across a resume"
             )
-
-
-def total_bytes(pieces: Sequence[Piece]) -> int:
-    """Bytes of the pieces' values."""
-    return sum(p.nbytes for p in pieces)

@@ -6,20 +6,19 @@ Raw-id tables' maps are read with their rows, or resharded when their row blocks
 
 from __future__ import annotations
 
+import json
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from embshard.checkpoint import raw_ids
-from embshard.checkpoint.integrity import VerifyingReader
-from embshard.checkpoint.layout import Conversion, Piece, check_tables, load_targets, split_rows
+from embshard.checkpoint.layout import Conversion, check_tables, load_targets
+from embshard.checkpoint.pieces import Piece, split_rows
+from embshard.checkpoint.reading import VerifyingReader, read_pieces, reader
 from embshard.checkpoint.state import TrainState, dense_state, set_dense_state, set_rng_states
-from embshard.checkpoint.storage import PieceLoadPlanner, read_manifest, reader
+from embshard.checkpoint.storage import read_manifest
 from embshard.runtime.comm import world_and_rank
 from embshard.spec.tables import ConfigError
 
@@ -41,27 +40,6 @@ class Resumed:
     """The world size it was saved under."""
     verified: bool = True
     """Whether what was read was checked against checksums (False: saved before embshard recorded them)."""
-
-
-def read_pieces(
-    path: str | os.PathLike, pieces: list[Piece], plain: dict | None = None, source: VerifyingReader | None = None
-) -> dict:
-    """Read `pieces` (into their tensors) and the plain state dict `plain` (returned, loaded) from a checkpoint,
-    in this process alone, every chunk checked against the checksums the save recorded (CheckpointDamaged).
-    `source`: a reader of `path` to reuse (its index is read, and each chunk checked, once)."""
-    plain = {} if plain is None else plain
-    source = source or reader(path)
-    source.read_metadata()  # its errors as raised (DCP would wrap them, or try a rank-local index instead)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        try:
-            dcp.load(plain, storage_reader=source, planner=PieceLoadPlanner(pieces), no_dist=True)
-        except CheckpointException as e:  # DCP wraps what its steps raise: our errors are the message
-            for error, _trace in e.failures.values():
-                if isinstance(error, ConfigError):
-                    raise error from None
-            raise
-    return plain
 
 
 def _convert(path: str | os.PathLike, conversions: list[Conversion], chunk_bytes: int, source: VerifyingReader) -> None:
@@ -159,8 +137,6 @@ def load_checkpoint(
         counter.set(int(loaded[name]))
     position: Any = manifest["step"]
     if same_world:
-        import json
-
         record = json.loads(loaded[f"rank/{rank}"])
         if record.get("position") is not None:
             position = record["position"]

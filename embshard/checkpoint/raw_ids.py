@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
-from embshard.checkpoint.layout import Piece
+from embshard.checkpoint.files import NewFile
+from embshard.checkpoint.pieces import Piece
+from embshard.checkpoint.reading import read_pieces
 from embshard.lookup.shards import INIT_BLOCK_ELEMENTS, init_rows
 from embshard.rawids.hashing import owner_blocks
 from embshard.spec.tables import ConfigError, DataType, Eviction
@@ -94,8 +96,6 @@ def finish_load(
 
 def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_bytes: int, source: Any = None) -> None:
     """Fill this rank's blocks of raw-id table `name` from a checkpoint saved under other row blocks."""
-    from embshard.checkpoint.load import read_pieces
-
     cfg = next(t for t in ebc.tables if t.name == name)
     index = next(i for i, t in enumerate(ebc.tables) if t.name == name)
     R, D = cfg.num_embeddings, cfg.embedding_dim
@@ -106,7 +106,7 @@ def reshard(path: str | os.PathLike, ebc: Any, prefix: str, name: str, chunk_byt
     maps = {s.row_offset: st for n, s, st in ebc.local_id_maps() if n == name}
     if not maps:
         return
-    seed = next(m.seed for m, _ in ebc._id_maps() if any(s.table.name == name for s in m.shards))
+    seed = ebc.id_map_seed(name)
     w_dtype = next(iter(weights.values())).dtype
     state_shapes = {k: tuple(v.shape[1:]) for k, v in next(iter(states.values())).items()}
     row_bytes = D * 4 + 3 * 8 + sum(4 * (D if s else 1) for s in state_shapes.values())
@@ -178,28 +178,22 @@ def export_map(
     path: Path, out: Path, prefix: str, name: str, rows: int, chunk_bytes: int, meta: dict, source: Any = None
 ) -> str:
     """Stream raw-id table `name`'s map into OUT/<name>.ids.safetensors (`ids`, `id_last`, `id_count`; written
-    to a partial file first, renamed when complete); returns the file name."""
-    from embshard.checkpoint.load import read_pieces
-
+    to a new temporary file first, renamed when complete, following no link: files.NewFile); returns the real
+    path written."""
     nbytes = rows * 8
     header: dict[str, Any] = {"__metadata__": meta}
     for i, k in enumerate(MAP_KEYS):
         header[k] = {"dtype": "I64", "shape": [rows], "data_offsets": [i * nbytes, (i + 1) * nbytes]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    file = out / f"{name}.ids.safetensors"
-    partial = out / f".{name}.ids.safetensors.partial"
     step = max(1, chunk_bytes // 8)
-    try:
-        with open(partial, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for k in MAP_KEYS:
-                buf = torch.empty(min(step, rows), dtype=torch.int64)
-                for r0 in range(0, rows, step):
-                    part = buf[: min(step, rows - r0)]
-                    read_pieces(path, [Piece(f"{prefix}/{name}/{k}", (rows,), (r0,), part)], source=source)
-                    f.write(part.numpy().tobytes())
-        partial.replace(file)
-    finally:
-        partial.unlink(missing_ok=True)
-    return file.name
+    new = NewFile(out, f"{name}.ids.safetensors", f"the id map of table {name!r}")
+    with new as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for k in MAP_KEYS:
+            buf = torch.zeros(min(step, rows), dtype=torch.int64)
+            for r0 in range(0, rows, step):
+                part = buf[: min(step, rows - r0)]
+                read_pieces(path, [Piece(f"{prefix}/{name}/{k}", (rows,), (r0,), part)], source=source)
+                f.write(part.numpy().tobytes())
+    return new.path

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from embshard.checkpoint import integrity, storage
-from embshard.checkpoint.layout import Piece, save_pieces, split_rows, table_entries
+from embshard.checkpoint import integrity, raw_ids, storage
+from embshard.checkpoint.layout import save_pieces, table_entries
 from embshard.checkpoint.load import DEFAULT_CHUNK_BYTES, Resumed, load_checkpoint
+from embshard.checkpoint.pieces import Piece, split_rows
 from embshard.checkpoint.state import TrainState, dense_state, host_copy, rng_states
 from embshard.runtime import comm
 from embshard.runtime.comm import world_and_rank
@@ -53,7 +54,7 @@ def _collect(state: TrainState, position: Any) -> tuple[list[Piece], dict[str, A
     pieces: list[Piece] = []
     steps = {}
     for prefix, ebc in state.collections.items():
-        pieces += save_pieces(ebc, prefix)
+        pieces += save_pieces(ebc, prefix) + raw_ids.save_pieces(ebc, prefix)
         steps[prefix] = ebc.optimizer_step
     mine = (steps, position is not None, sorted({p.key for p in state.row_tensors}))
     everyone = [mine]
@@ -79,11 +80,14 @@ def manifest(state: TrainState, step: int, world: int, config: Any, positions: b
 
     collections = {}
     for prefix, ebc in state.collections.items():
+        tables = table_entries(ebc)
+        for t in ebc.tables:  # raw-id tables add their row blocks
+            tables[t.name].update(raw_ids.table_entry(ebc, t))
         collections[prefix] = {
             "optimizer": asdict(ebc.optimizer),
             "column_wise_exact": bool(ebc.options.column_wise_exact),
             "plan": ebc.plan.to_dict(),
-            "tables": table_entries(ebc),
+            "tables": tables,
         }
     opt = state.dense_optimizer
     return {

@@ -12,14 +12,20 @@ A checkpoint is one folder `DIR/step_<N>/`:
 is never loaded, and is removed by the next save, as are checkpoints of later steps than the one just saved (left
 by a run that went further: a run resumed from an earlier step replaces its future). The data are a standard DCP checkpoint: the tables' pieces
 are chunks of logical tensors (as TorchRec's ShardedTensors save them), written and read by the planners here,
-which take pieces (layout.Piece) instead of a state dict's tensors, so any process can read any rows of any
-logical tensor, with or without a process group (DCP's resharding: `create_read_items_for_chunk_list`).
+which take pieces (pieces.Piece) instead of a state dict's tensors, so any process can read any rows of any
+logical tensor, with or without a process group (DCP's resharding: `create_read_items_for_chunk_list`; the
+reading side is reading.py).
+
+A checkpoint may come from someone else (files.py): COMMIT, the manifest and the index are read as regular files
+of bounded size; every name in them that becomes a path is a plain file name; a `step_<N>` that is a symbolic link
+is no checkpoint of the folder (never listed, loaded by `latest` or pruned through). Whether a checkpoint carries
+checksums is protected too: a COMMIT that says "checksum" (or has a key no save writes, as a damaged "files" key
+would be) but has no "files" is damaged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import re
@@ -31,15 +37,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from embshard.checkpoint import integrity
-from embshard.checkpoint.layout import Piece
-from embshard.checkpoint.unpickle import load_item
+from embshard.checkpoint.files import CheckpointDamaged, escape, plain_name, read_bytes
+from embshard.checkpoint.pieces import Piece
 from embshard.spec.tables import ConfigError
 
 FORMAT = "embshard-checkpoint"
@@ -60,11 +64,16 @@ def is_committed(path: str | os.PathLike) -> bool:
 
 
 def checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path, bool]]:
-    """(step, path, committed) of every step_<N> folder in `folder`, by step."""
+    """(step, path, committed) of every step_<N> folder in `folder`, by step (a symbolic link is none: it is
+    neither loaded by `latest` nor pruned)."""
     root = Path(folder)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and not p.is_symlink() and p.is_dir()
+    ]
     return [(s, p, is_committed(p)) for s, p in sorted(found)]
 
 
@@ -102,7 +111,11 @@ def write_atomic(path: Path, text: str) -> dict:
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint folder: its COMMIT first, so a half-deleted folder is never taken for complete."""
+    """Delete a checkpoint folder: its COMMIT first, so a half-deleted folder is never taken for complete. A
+    symbolic link is removed itself, never followed."""
+    if path.is_symlink():
+        path.unlink()
+        return
     (path / COMMIT).unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
 
@@ -156,9 +169,9 @@ def read_manifest(path: str | os.PathLike) -> dict:
             "earlier one, e.g. checkpoint.resume_from=latest"
         )
     record = checksums(path)
-    if not (path / MANIFEST).is_file():
-        raise integrity.CheckpointDamaged(path, MANIFEST, "the manifest its save wrote first", "no such file")
-    data = (path / MANIFEST).read_bytes()
+    rec = None if record is None else record.get(MANIFEST)
+    expected = integrity.expect(rec) if rec else "the manifest its save wrote first"
+    data = read_bytes(path, MANIFEST, expected, rec["bytes"] if rec else None)
     integrity.check_bytes(path, MANIFEST, data, record)
     try:
         manifest = json.loads(data)
@@ -166,32 +179,68 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise ConfigError(
             f"checkpoint {str(path)!r}: {MANIFEST} is not valid JSON ({e}): the file is damaged"
         ) from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    fmt, version = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else (None, None)
+    if fmt != FORMAT or version != VERSION:
         raise ConfigError(
-            f"checkpoint {str(path)!r} has format {manifest.get('format')!r} version {manifest.get('version')!r}; "
+            f"checkpoint {str(path)!r} has format {escape(repr(fmt))[:100]} version {escape(repr(version))[:40]}; "
             f"this embshard reads {FORMAT!r} version {VERSION}"
         )
+    _check_manifest(path, manifest)
     return manifest
+
+
+def _check_manifest(path: Path, manifest: dict) -> None:
+    """Raise unless the manifest's collections and tables (names that become file names on export) are plain
+    names with whole shapes."""
+    where = f"checkpoint {str(path)!r}: {MANIFEST}"
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{where} is damaged: {escape(what)}")
+
+    collections = manifest.get("collections")
+    if not isinstance(collections, dict):
+        raise bad("it has no collections")
+    for prefix, col in collections.items():
+        plain_name(prefix, "a collection named", where)
+        if not isinstance(col, dict) or not isinstance(col.get("tables"), dict):
+            raise bad(f"collection {prefix!r} has no tables")
+        for name, t in col["tables"].items():
+            plain_name(name, f"a table of collection {escape(repr(prefix))} named", where)
+            if not isinstance(t, dict) or not all(type(t.get(k)) is int and t[k] > 0 for k in ("rows", "dim")):
+                raise bad(f"table {name!r} of collection {prefix!r} has no positive integer rows and dim")
+
+
+_COMMIT_KEYS = frozenset({"step", "bytes", "write_s", "checksum", "files"})
+"""The keys a save writes into COMMIT."""
+_CRC = re.compile(r"^[0-9a-f]{8}$")
 
 
 def read_commit(path: str | os.PathLike) -> dict:
     """The COMMIT marker's record (step, bytes written, seconds; since checksums: every other file's bytes and
-    CRC-32 under "files")."""
+    CRC-32 under "files"), read as a regular file of bounded size; CheckpointDamaged if it is not such a record,
+    UnsafeCheckpoint if a file it names is not a plain file name."""
+    data = read_bytes(path, COMMIT, "the JSON record its save wrote")
     try:
-        info = json.loads((Path(path) / COMMIT).read_bytes())
+        info = json.loads(data)
         if not isinstance(info, dict):
             raise ValueError("not an object")
         files = info.get("files")
-        fields = {"bytes", integrity.ALGORITHM}
-        if files is not None and not (
-            isinstance(files, dict) and all(isinstance(r, dict) and fields <= set(r) for r in files.values())
-        ):
-            raise ValueError("a file's record lacks bytes or crc32")
-        return info
+        if files is None and ("checksum" in info or not set(info) <= _COMMIT_KEYS):
+            odd = sorted(set(info) - _COMMIT_KEYS)
+            raise ValueError(f'no checksums record "files"{f" (but {odd})" if odd else ""}')
+        if files is not None:
+            if not isinstance(files, dict):
+                raise ValueError('"files" is not an object')
+            for rec in files.values():
+                if not (isinstance(rec, dict) and type(rec.get("bytes")) is int and rec["bytes"] >= 0):
+                    raise ValueError("a file's record lacks its bytes")
+                if not (isinstance(rec.get(integrity.ALGORITHM), str) and _CRC.match(rec[integrity.ALGORITHM])):
+                    raise ValueError(f"a file's record lacks its {integrity.ALGORITHM}")
     except ValueError as e:
-        raise integrity.CheckpointDamaged(
-            path, COMMIT, "the JSON record its save wrote", f"unreadable JSON ({e})"
-        ) from None
+        raise CheckpointDamaged(path, COMMIT, "the JSON record its save wrote", f"{e}") from None
+    for name in files or ():
+        plain_name(name, "a file recorded in COMMIT named", f"checkpoint {str(path)!r}: {COMMIT}")
+    return info
 
 
 def checksums(path: str | os.PathLike) -> dict | None:
@@ -251,80 +300,9 @@ class PieceSavePlanner(DefaultSavePlanner):
         return piece.tensor.detach()
 
 
-class PieceLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner for the plain state dict, plus reads into pieces: for each piece, the parts of every
-    saved chunk that overlap it (DCP's resharding), copied straight into the piece's tensor. Pieces of the same
-    place (the column blocks of one rank all holding a table's per-row state) are read once and copied."""
-
-    def __init__(self, pieces: Sequence[Piece]) -> None:
-        super().__init__()
-        self._pieces: dict[tuple, list[Piece]] = {}
-        for p in pieces:
-            same = self._pieces.setdefault((p.key, tuple(p.offsets)), [])
-            if same and same[0].tensor.shape != p.tensor.shape:
-                raise ValueError(f"two pieces of {p.key!r} at {p.offsets} differ in shape")
-            same.append(p)
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        items: list[ReadItem] = []
-        for (key, offsets), (p, *_) in self._pieces.items():
-            md = self.metadata.state_dict_metadata.get(key)
-            if md is None or not hasattr(md, "chunks"):
-                raise ConfigError(f"the checkpoint has no tensor {key!r}: it was saved from another model")
-            if tuple(md.size) != tuple(p.size):
-                raise ConfigError(
-                    f"the checkpoint's {key!r} is {tuple(md.size)} but this model's is {tuple(p.size)}: tables "
-                    "keep their shape across a resume"
-                )
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=p.tensor.size())
-            items += create_read_items_for_chunk_list(key, md, [chunk])
-        return dataclasses.replace(plan, items=list(plan.items) + items)
-
-    @staticmethod
-    def _region(t: torch.Tensor, read_item: ReadItem) -> torch.Tensor:
-        for dim, (off, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            t = t.narrow(dim, off, n)
-        return t
-
-    def _find(self, read_item: ReadItem) -> list[Piece] | None:
-        return self._pieces.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())))
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        same = self._find(read_item)
-        if same is None:
-            return super().resolve_tensor(read_item)
-        return self._region(same[0].tensor, read_item)
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """As DCP's, but read with torch.load(weights_only=True) (DCP's uses weights_only=False: code could run)."""
-        sinfo = self.metadata.storage_data.get(read_item.storage_index)
-        where = f"{getattr(sinfo, 'relative_path', '?')} (item {read_item.dest_index.fqn!r})"
-        obj = load_item(value, where)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        same = self._find(read_item)
-        if same is None:
-            super().commit_tensor(read_item, tensor)
-            return
-        for other in same[1:]:
-            self._region(other.tensor, read_item).copy_(tensor)
-
-
 def writer(path: Path, io_threads: int) -> FileSystemWriter:
     """DCP's file writer, one file per chunk (so the writer holds one chunk at a time), fsynced; the CRC-32 of every
     file it writes is in `writer.fs.sums` afterwards."""
     w = FileSystemWriter(str(path), single_file_per_rank=False, sync_files=True, thread_count=max(1, io_threads))
     w.fs = integrity.ChecksumFileSystem()
     return w
-
-
-def reader(path: str | os.PathLike, verify: bool = True) -> integrity.VerifyingReader:
-    """DCP's file reader of a committed checkpoint folder, checking what it reads against COMMIT's checksums
-    (`verify=False`: sizes only, for measuring what the checks cost) and reading the index without running code
-    (integrity.py, unpickle.py)."""
-    return integrity.VerifyingReader(path, checksums(path) if verify else None)

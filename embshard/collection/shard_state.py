@@ -88,6 +88,10 @@ class ShardState:
         into them call `rebuild_id_maps()`."""
         return [(m.shards[i].table.name, m.shards[i].shard, m.shard_state(i)) for m, i in self._id_maps()]
 
+    def id_map_seed(self, table: str) -> int:
+        """The seed of the id map that holds raw-id table `table` on this rank (its rows' initial values)."""
+        return next(m.seed for m, _ in self._id_maps() if any(s.table.name == table for s in m.shards))
+
     def rebuild_id_maps(self) -> int:
         """Rebuild every map's index and LRU order from its rows (after a load); returns ids dropped for want of
         an index slot (normally 0)."""

@@ -13,7 +13,7 @@ rank (ShardedTensors: their local shards; torch.load of per-rank torch.save file
 ones; it gathers every rank's shards on every rank, so it is for models that fit one host's memory: use DCP for
 large ones.
 
-Every rank reads what its shards need (DCP's resharding reads, embshard.checkpoint.storage). Optimizer state:
+Every rank reads what its shards need (DCP's resharding reads, embshard.checkpoint.reading). Optimizer state:
 per-element state (Adagrad, Adam's moments) is read like the weights; row-wise Adagrad's per-row state is read per
 row, except that a column-wise TorchRec table keeps one state per column block (`[rows * blocks]`, block-major):
 embshard takes their width-weighted mean where it keeps one state per row (exact column-wise and other sharding
@@ -43,7 +43,7 @@ class _DCPSource:
     TorchRec checkpoint has no embshard COMMIT record: its chunks are read unverified."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from embshard.checkpoint.integrity import VerifyingReader
+        from embshard.checkpoint.reading import VerifyingReader
 
         self.path = path
         self.reader = VerifyingReader(path, None)
@@ -56,7 +56,7 @@ class _DCPSource:
         return tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
 
     def read(self, pieces: list[Piece], plain: dict[str, torch.Tensor]) -> None:
-        from embshard.checkpoint.load import read_pieces
+        from embshard.checkpoint.reading import read_pieces
 
         missing = [k for k in plain if k not in self.meta]
         if missing:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -59,6 +60,13 @@ class FieldError(ConfigError):
         self.key, self.value, self.rule = key, value, rule
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_NAME_RULE = (
+    "a table or feature name is a plain name of letters, digits, '_', '-' and '.' (not '.' or '..'; no '/', '\\', "
+    "spaces or control characters): it names files (checkpoint export); rename it"
+)
+
+
 @dataclass(frozen=True)
 class TableConfig:
     """One embedding-bag table and the features that look it up."""
@@ -99,6 +107,8 @@ class TableConfig:
 
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"table name must be a non-empty string, got {self.name!r}")
+        if not _PLAIN_NAME.fullmatch(self.name) or self.name in (".", ".."):
+            raise bad("name", self.name, _NAME_RULE)
         for fld in ("num_embeddings", "embedding_dim"):
             value = getattr(self, fld)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,6 +123,8 @@ class TableConfig:
         for f in self.feature_names:
             if not isinstance(f, str) or not f:
                 raise bad("feature_names", list(self.feature_names), "each feature name is a non-empty string")
+            if not _PLAIN_NAME.fullmatch(f) or f in (".", ".."):
+                raise bad("feature_names", f, _NAME_RULE)
         set_enum_field(self, "pooling", Pooling, f"table {self.name!r}: ")
         set_enum_field(self, "data_type", DataType, f"table {self.name!r}: ")
         if not isinstance(self.weighted, bool):

@@ -9,24 +9,31 @@ export: every table's full weights, one safetensors file per table (`OUT/<table>
 every chunk is checked against the save's checksums as it is read, and a damaged one stops the export (the table's
 file is not left behind); a raw-id table's id -> row map goes beside it (`OUT/<table>.ids.safetensors`:
 checkpoint/raw_ids.py). DIR is a checkpoint folder (step_<N>), or a folder of them (its latest complete one).
-Nothing here runs code from the checkpoint (unpickle.py).
+Nothing here runs code from the checkpoint (unpickle.py) or reaches outside DIR and OUT with its names: every
+table and collection is a plain file name (storage.read_manifest), every output is written to a new temporary file
+in OUT and renamed, following no link already there (files.NewFile); the paths printed are the real ones, and
+every name printed is escaped (files.escape). A table whose declared shape is not what its chunks hold is refused
+before anything is allocated.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from embshard.checkpoint import raw_ids
-from embshard.checkpoint.integrity import verify_folder
-from embshard.checkpoint.layout import Piece
-from embshard.checkpoint.load import read_pieces
-from embshard.checkpoint.storage import checksums, latest, read_commit, read_manifest, reader
+from embshard.checkpoint.files import CheckpointDamaged, NewFile, escape
+from embshard.checkpoint.integrity import regular_size, verify_folder
+from embshard.checkpoint.pieces import Piece
+from embshard.checkpoint.reading import read_pieces, reader
+from embshard.checkpoint.storage import checksums, latest, read_commit, read_manifest
 from embshard.spec.tables import ConfigError
 
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -52,9 +59,10 @@ def _size(n: float) -> str:
     return str(n)
 
 
-def tensor_index(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int, int]]:
-    """Per logical tensor of the checkpoint: (shape, dtype, chunks, bytes stored), from DCP's index."""
-    md = reader(path).read_metadata()
+def tensor_index(path: Path, md: Any = None) -> dict[str, tuple[tuple[int, ...], torch.dtype, int, int]]:
+    """Per logical tensor of the checkpoint: (shape, dtype, chunks, bytes stored), from DCP's index (`md`: read
+    already)."""
+    md = md if md is not None else reader(path).read_metadata()
     stored: dict[str, int] = {}
     for index, info in md.storage_data.items():
         stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
@@ -65,9 +73,34 @@ def tensor_index(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, in
     return out
 
 
+def _check_declared(path: Path, md: Any, key: str, shape: tuple[int, ...]) -> None:
+    """Raise CheckpointDamaged unless DCP's index `md` holds `key` with the manifest's `shape`, in chunk files that
+    hold at least its bytes: no absurd declared size is allocated or written."""
+    m = md.state_dict_metadata.get(key)
+    if m is None or not hasattr(m, "chunks"):
+        raise CheckpointDamaged(path, ".metadata", f"the tensor {key!r} that manifest.json lists", "none")
+    if tuple(m.size) != shape:
+        raise CheckpointDamaged(path, ".metadata", f"{key!r} of shape {list(shape)} (manifest.json)", f"{list(m.size)}")
+    need = torch.Size(shape).numel() * torch.empty((), dtype=m.properties.dtype).element_size()
+    files = {info.relative_path for index, info in md.storage_data.items() if index.fqn == key}
+    disk = sum(max(0, regular_size(path / name)) for name in files)
+    if disk < need:
+        raise CheckpointDamaged(path, ".metadata", f"chunk files of {key!r} holding its {need} bytes", f"{disk} bytes")
+
+
 def inspect(path: Path) -> str:
     """The text `embshard checkpoint inspect` prints."""
     man, commit = read_manifest(path), read_commit(path)
+    try:
+        return _describe(path, man, commit)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ConfigError(
+            f"checkpoint {str(path)!r}: its manifest or COMMIT lacks what a save writes ({type(e).__name__}: "
+            f"{escape(str(e))[:200]}): it is damaged"
+        ) from None
+
+
+def _describe(path: Path, man: dict, commit: dict) -> str:
     index = tensor_index(path)
     lines = [
         f"checkpoint {path}: step {man['step']}, saved by {man['world_size']} ranks at {man['time']}, "
@@ -125,9 +158,13 @@ def _safetensors_header(shape: tuple[int, int], dtype: torch.dtype, meta: dict[s
 
 
 def export(path: Path, out: Path, dtype: str | None, tables: list[str] | None, chunk_mib: float) -> list[dict]:
-    """Stream every table's full weights into OUT/<table>.safetensors; returns what was written."""
+    """Stream every table's full weights into OUT/<table>.safetensors; returns what was written (with the real
+    paths: 'path', 'ids_path')."""
     man = read_manifest(path)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r}: cannot make the folder ({e})") from None
     chunk_bytes = int(chunk_mib * (1 << 20))
     written = []
     available = {name: (prefix, t) for prefix, col in man["collections"].items() for name, t in col["tables"].items()}
@@ -136,47 +173,59 @@ def export(path: Path, out: Path, dtype: str | None, tables: list[str] | None, c
     if unknown:
         raise ConfigError(f"--tables names {unknown}, which the checkpoint does not hold; it has {sorted(available)}")
     source = reader(path)  # one index read; every chunk checked against the save's checksums once
+    md = source.read_metadata()
     for name in wanted:
         prefix, t = available[name]
         R, D = t["rows"], t["dim"]
-        target = _DTYPES[dtype or t["data_type"]]
+        target = _DTYPES.get(dtype or t.get("data_type"))
+        if target is None:
+            raise ConfigError(f"checkpoint {str(path)!r}: table {name!r} has data_type {t.get('data_type')!r} in its "
+                              f"manifest, not one of {sorted(_DTYPES)}: it is damaged (or give --dtype)")  # fmt: skip
         key = f"{prefix}/{name}/weight"
-        file = out / f"{name}.safetensors"
-        partial = out / f".{name}.safetensors.partial"
+        _check_declared(path, md, key, (R, D))
         rows = max(1, chunk_bytes // (D * 4))
         meta = {"table": name, "collection": prefix, "step": str(man["step"]), "source": str(path)}
-        try:
-            with open(partial, "wb") as f:
-                f.write(_safetensors_header((R, D), target, meta))
-                buf = torch.empty(min(rows, R), D)
-                for r0 in range(0, R, rows):
-                    part = buf[: min(rows, R - r0)]
-                    read_pieces(path, [Piece(key, (R, D), (r0, 0), part)], source=source)
-                    f.write(part.to(target).contiguous().view(torch.uint8).numpy().tobytes())
-            partial.replace(file)
-        finally:
-            partial.unlink(missing_ok=True)
-        written.append({"table": name, "file": file.name, "rows": R, "dim": D, "dtype": str(target).split(".")[-1]})
+        new = NewFile(out, f"{name}.safetensors", f"the weights of table {name!r}")
+        with new as f:
+            f.write(_safetensors_header((R, D), target, meta))
+            buf = torch.zeros(min(rows, R), D)
+            for r0 in range(0, R, rows):
+                part = buf[: min(rows, R - r0)]
+                read_pieces(path, [Piece(key, (R, D), (r0, 0), part)], source=source)
+                f.write(part.to(target).contiguous().view(torch.uint8).numpy().tobytes())
+        written.append({"table": name, "file": os.path.basename(new.path), "rows": R, "dim": D,
+                        "dtype": str(target).split(".")[-1], "path": new.path})  # fmt: skip
         if t.get("ids") == "raw":  # the id -> row map beside the weights
-            written[-1]["ids_file"] = raw_ids.export_map(path, out, prefix, name, R, chunk_bytes, meta, source)
-    (out / "tables.json").write_text(json.dumps({"step": man["step"], "tables": written}, indent=1))
+            for k in raw_ids.MAP_KEYS:
+                _check_declared(path, md, f"{prefix}/{name}/{k}", (R,))
+            ids_path = raw_ids.export_map(path, out, prefix, name, R, chunk_bytes, meta, source)
+            written[-1].update(ids_file=os.path.basename(ids_path), ids_path=ids_path)
+    listing = [{k: v for k, v in w.items() if k not in ("path", "ids_path")} for w in written]
+    new = NewFile(out, "tables.json", "the list of exported tables")
+    with new as f:
+        f.write(json.dumps({"step": man["step"], "tables": listing}, indent=1).encode())
     return written
+
+
+def _say(text: str, err: bool = False) -> None:
+    """Print `text` with every non-printable character escaped (no terminal escapes from a checkpoint's names)."""
+    print(escape(text), file=sys.stderr if err else sys.stdout)
 
 
 def verify(path: Path, threads: int) -> bool:
     """`inspect --verify`: read every file of the checkpoint, print what was found; whether it is intact."""
     v = verify_folder(path, checksums(path), threads)
     for problem in v.problems:
-        print(f"damaged: {path}/{problem}")
+        _say(f"damaged: {path}/{problem}")
     if not v.checksums:
-        print(f"not verified: {path} was saved without checksums (by an older embshard); only its structure was "
+        _say(f"not verified: {path} was saved without checksums (by an older embshard); only its structure was "
               f"checked{': damaged' if v.problems else ''}")  # fmt: skip
     elif v.problems:
-        print(f"{path} failed verification: {len(v.problems)} of its {v.files} files are not what the save recorded "
+        _say(f"{path} failed verification: {len(v.problems)} of its {v.files} files are not what the save recorded "
               "or cannot be read safely. Fix: resume from an earlier checkpoint (checkpoint.resume_from=latest skips "
               "damaged ones), or restore the files from a copy")  # fmt: skip
     else:
-        print(f"verified: {v.files} files, {_size(v.bytes)} match the save's CRC-32 "
+        _say(f"verified: {v.files} files, {_size(v.bytes)} match the save's CRC-32 "
               f"({v.seconds:.2f} s, {v.gb_per_s:.2f} GB/s)")  # fmt: skip
     return not v.problems
 
@@ -200,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "inspect":
             unreadable = None
             try:
-                print(inspect(path))
+                _say(inspect(path))
             except ConfigError as e:
                 if not args.verify:
                     raise
@@ -212,11 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             names = [t for t in args.tables.split(",") if t] if args.tables else None
             for w in export(path, Path(args.out), args.dtype, names, args.chunk_mib):
-                print(f"{w['table']}: {w['rows']} x {w['dim']} {w['dtype']} -> {Path(args.out) / w['file']}")
-                if "ids_file" in w:
-                    print(f"{w['table']}: id -> row map -> {Path(args.out) / w['ids_file']}")
+                _say(f"{w['table']}: {w['rows']} x {w['dim']} {w['dtype']} -> {w['path']}")
+                if "ids_path" in w:
+                    _say(f"{w['table']}: id -> row map -> {w['ids_path']}")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}", err=True)
         sys.exit(2)
 
 

@@ -90,16 +90,16 @@ def _loads(world, rank, device, folder, group, reads):
 def _load_worker(rank, world, device, folder):
     """Loads on 1 rank (world 1: in the test process), on ranks 0-2 of 4 (a 3-rank group), on all 4 ranks; the
     model of two collections resumed on 4 ranks."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from embshard.checkpoint.reading import VerifyingReader
 
     reads: list = []
-    original = FileSystemReader.read_data
+    original = VerifyingReader.read_data
 
     def spy(self, plan, planner):
         reads.extend((i.storage_index.fqn, tuple(i.storage_index.offset or ())) for i in plan.items)
         return original(self, plan, planner)
 
-    FileSystemReader.read_data = spy
+    VerifyingReader.read_data = spy
     try:
         if world == 1:
             return {1: _loads(1, 0, device, folder, None, reads)}
@@ -110,7 +110,7 @@ def _load_worker(rank, world, device, folder):
         out["catalog"] = catalog_load(rank, world, device, f"{folder}/catalog")
         return out
     finally:
-        FileSystemReader.read_data = original
+        VerifyingReader.read_data = original
 
 
 @pytest.fixture(scope="module")

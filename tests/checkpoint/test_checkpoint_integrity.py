@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ckpt_cases import CHUNK_BYTES, CUDA, build, full_state, plan_for, train
 from torch import nn
 
-from embshard.checkpoint import Checkpointer, TrainState, load_checkpoint, storage
+from embshard.checkpoint import Checkpointer, TrainState, load_checkpoint, reading, storage
 from embshard.checkpoint.integrity import CheckpointDamaged, crc_file, entry
 from embshard.checkpoint.unpickle import ALLOWED_GLOBALS, UnsafeCheckpoint, _is_dtype, load_metadata
 from embshard.spec.tables import AllRanksError, ConfigError
@@ -56,7 +56,7 @@ def _step(state: TrainState, rank: int, world: int, device, seed: int) -> None:
 
 def _items(folder: Path) -> dict:
     """DCP's index: storage key -> (fqn, file)."""
-    md = storage.reader(folder).read_metadata()
+    md = reading.reader(folder).read_metadata()
     return {idx: (idx.fqn, s.relative_path) for idx, s in md.storage_data.items()}
 
 
