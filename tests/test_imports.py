@@ -383,7 +383,6 @@ def test_the_planner_library_imports_neither_the_app_nor_the_runtime():
     assert not heavy, f"{'/'.join(TORCH_FREE)} import the GPU stack at module level:\n" + "\n".join(heavy)
 
 
-@pytest.mark.xfail(strict=False, reason="bench circle, fixed by the bench package")
 def test_no_import_cycle_in_bench():
     g = graph("bench")
     found = cycles(g.edges)

@@ -63,7 +63,6 @@ def test_long_modules_reads_the_package():
     assert not long_modules(max_lines=10**9)
 
 
-@pytest.mark.xfail(strict=False, reason="planner files are being split")
 def test_no_module_over_max_lines():
     long = long_modules()
     assert not long, f"modules over {MAX_LINES} lines (split each along its seams): {long}"

@@ -44,7 +44,7 @@ from torch import nn
 
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
-from embshard.lookup.base import CountedSteps, EveryIdWeighted, NoCache
+from embshard.lookup.base import CountedSteps, EveryIdWeighted, NoCache, set_shards
 from embshard.lookup.updates import apply_update, optimizer_state
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.options import LookupOptions
@@ -260,9 +260,7 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
         super().__init__()
         self.kernel = kernel or SmallTableOptions()
         self.opt = optimizer
-        self.shards = list(shards)
-        self.features = [f for s in shards for f in s.features]
-        self.dims = [s.shard.num_cols for s in shards for _ in s.features]
+        set_shards(self, shards)
         self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
         self._check(device)
         self.layout, self._place = shards_layout(self.shards)

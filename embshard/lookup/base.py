@@ -3,9 +3,16 @@
 `NoCache`: the cache methods of a lookup without a UVM cache (host, data-parallel and small-table lookups).
 `CountedSteps`: `optimizer_step` of a lookup that counts its optimizer's steps itself, in `self._step`.
 `EveryIdWeighted`: the flag that makes a lookup pool every id with the batch's weights (a padded batch).
+`set_shards`: the shards, lookup features and their widths every lookup keeps.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from embshard.lookup.shards import LocalShard
 
 
 class NoCache:
@@ -47,3 +54,11 @@ class CountedSteps:
     @optimizer_step.setter
     def optimizer_step(self, step: int) -> None:
         self._step = step
+
+
+def set_shards(lookup: object, shards: Sequence[LocalShard]) -> None:
+    """Give `lookup` its group of shards: `shards` (in order), `features` (the lookup keys, shard after shard) and
+    `dims` (each key's width)."""
+    lookup.shards = list(shards)
+    lookup.features = [f for s in shards for f in s.features]
+    lookup.dims = [s.shard.num_cols for s in shards for _ in s.features]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from embshard.lookup.base import EveryIdWeighted, NoCache
+from embshard.lookup.base import EveryIdWeighted, NoCache, set_shards
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.updates import optimizer_state, sparse_update
@@ -37,9 +37,7 @@ class HostLookup(EveryIdWeighted, NoCache, nn.Module):
             raise ValueError("HostLookup computes on the CPU only")
         tbe_settings(shards, options or LookupOptions(), device.type)  # the same checks as a TBE
         self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
-        self.shards = list(shards)
-        self.features = [f for s in shards for f in s.features]
-        self.dims = [s.shard.num_cols for s in shards for _ in s.features]
+        set_shards(self, shards)
         self.weighted = shards[0].table.weighted
         self.opt = optimizer
         self.weights = nn.ParameterList()

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from embshard.lookup.base import EveryIdWeighted
+from embshard.lookup.base import EveryIdWeighted, set_shards
 from embshard.lookup.fbgemm_fixes import array_cache_state
 from embshard.lookup.settings import tbe_settings
 from embshard.lookup.shards import LocalShard, init_rows
@@ -44,9 +44,7 @@ class TBELookup(EveryIdWeighted, nn.Module):
             SplitTableBatchedEmbeddingBagsCodegen,
         )
 
-        self.shards = list(shards)
-        self.features = [f for s in shards for f in s.features]
-        self.dims = [s.shard.num_cols for s in shards for _ in s.features]
+        set_shards(self, shards)
         self.weighted = shards[0].table.weighted
         self.optimizer = optimizer
         self.settings = tbe_settings(shards, options or LookupOptions(), device.type)
