@@ -1,11 +1,12 @@
-"""A run's schedule in steps, where it starts from a checkpoint: `run_schedule` (the steps to train, the samples
-already trained, the data position to go on from) and `past_schedule` (what to say when the schedule ends at or
-before the checkpoint's step).
+"""A run's schedule in steps, where it starts from a checkpoint: `run_schedule` (the step to go on from, the
+step to end at, the samples already trained, the data position) and `past_schedule` (what to say when the schedule
+ends at or before the checkpoint's step).
 
-A checkpoint saved under another world size (or batch size) trained steps of another number of samples: the
-schedule is then kept in samples. schedule.epochs: the run trains until its epochs' samples (on this run's ranks)
-are done, counting the checkpoint's samples; schedule.steps counts optimizer steps, as always. The data go on after
-the samples already trained."""
+A run's step count always stands for its samples: step s of a run of W ranks x B samples has trained s x W x B
+samples. A checkpoint saved under another world size (or batch size) is therefore resumed at the step of this run
+that holds its samples (rounded down: at most one step's samples are trained again), and schedule.steps and
+schedule.epochs end where they would have without the change: the schedule is kept in samples.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class RunSchedule:
     """Where a run starts and ends."""
 
     start: int
-    """The step the run goes on from (0, or the checkpoint's)."""
+    """The step the run goes on from (0, the checkpoint's, or this run's step holding the checkpoint's samples)."""
     total: int
     """The step it ends at (may be below start: the schedule ended before the checkpoint, `past_schedule`)."""
     samples_done: int
@@ -46,34 +47,25 @@ def run_schedule(
     position: Any = None,
     saved_samples_per_step: int | None = None,
 ) -> RunSchedule:
-    """The run's schedule on `world` ranks of sched.batch_size, from step `start` of a checkpoint whose steps held
-    `saved_samples_per_step` samples (None: this run's), with its data `position` (a step count where the world
-    size changed)."""
+    """The run's schedule on `world` ranks of sched.batch_size, resumed at the checkpoint's step `start` (0: not
+    resumed), whose steps held `saved_samples_per_step` samples (None: this run's), with its data `position` (a
+    step count where the world size changed)."""
     per_step = sched.batch_size * world
     saved = saved_samples_per_step or per_step
     done = start * saved
-    if sched.steps is not None:
-        total = sched.steps
-    else:
-        epoch_samples = (steps_per_epoch or 0) * per_step
-        total = start + -(-(sched.epochs * epoch_samples - done) // per_step)  # ceil: the samples left, in steps
+    total = sched.steps if sched.steps is not None else sched.epochs * (steps_per_epoch or 0)
     if start == 0 or saved == per_step:
         return RunSchedule(start, total, done, per_step, position if position is not None else start)
-    if not isinstance(position, dict):  # a batch count: this run's batches that hold the samples trained
-        position = done // per_step
-    if sched.steps is not None:
-        ends = f"schedule.steps={sched.steps} counts steps: {max(0, total - start)} more of {per_step:,} samples"
-    else:
-        ends = (
-            f"schedule.epochs={sched.epochs} is {sched.epochs * epoch_samples:,} samples on {world} ranks: "
-            f"{max(0, total - start)} more steps of {per_step:,}"
-        )
-    data_at = position * per_step if isinstance(position, int) else done
+    here = done // per_step  # this run's step that holds the checkpoint's samples
+    if not isinstance(position, dict):  # a batch count: this run's batches, after the samples trained
+        position = here
+    length = f"schedule.steps={sched.steps}" if sched.steps is not None else f"schedule.epochs={sched.epochs}"
     note = (
-        f"schedule: the checkpoint's {start} steps of {saved:,} samples trained {done:,} samples; {ends}, to step "
-        f"{total}; the data go on after {data_at:,} samples"
+        f"schedule: the checkpoint's {start} steps of {saved:,} samples ({done:,} samples) are step {here} of "
+        f"this run's steps of {per_step:,} ({world} ranks x {sched.batch_size}); {length} ends at step {total} "
+        f"({total * per_step:,} samples); the data go on after {here * per_step:,} samples"
     )
-    return RunSchedule(start, total, done, per_step, position, note)
+    return RunSchedule(here, total, done, per_step, position, note)
 
 
 def past_schedule(
@@ -85,9 +77,10 @@ def past_schedule(
     start, total = s.start, s.total
     if start == 0 or start < total:
         return None
-    where = (
-        f"checkpoint {resumed.path!r} was saved after step {start}" if resumed else f"the checkpoint is at step {start}"
-    )
+    where = f"the checkpoint is at step {start}"
+    if resumed:
+        where = f"checkpoint {resumed.path!r} was saved after step {resumed.step}"
+        where += f" (step {start} of this run's steps)" if resumed.step != start else ""
     if sched.steps is not None:
         ends = f"schedule.steps={sched.steps}"
         fix = f"schedule.steps={start + max(start // 2, 1)}"

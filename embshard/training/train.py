@@ -231,7 +231,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
     start, position = ckpt.resume(ck.resume_from)  # position: after the last trained batch (or the step count)
     s = run_schedule(sched, source.steps_per_epoch, world, start, position, saved_samples_per_step(ckpt.resumed))
-    total = s.total
+    start, total = s.start, s.total  # start: this run's step holding the checkpoint's samples
     if s.note:
         report.line(s.note)
     past = past_schedule(s, sched, source.steps_per_epoch, world, ckpt.resumed)
