@@ -132,6 +132,18 @@ def test_a_run_never_replaces_an_earlier_runs_checkpoints(capsys, monkeypatch, t
     assert list(ck.iterdir()) == [] and said == [f"checkpoint.overwrite: deleted the 3 earlier checkpoint(s) in {ck}"]
 
 
+def test_checkpoint_overwrite_is_checked():
+    """checkpoint.overwrite starts afresh: it cannot go with resume_from (which goes on), and needs a dir."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CRITEO, ["checkpoint.overwrite=true", "checkpoint.resume_from=latest"])
+    msg = str(e.value)
+    assert "checkpoint.overwrite=True is invalid" in msg and "resume_from='latest'" in msg and "one of them" in msg
+    with pytest.raises(ConfigError, match="checkpoint.overwrite=True is invalid: it replaces the checkpoints in"):
+        load_config(CRITEO, ["checkpoint.dir=null", "checkpoint.overwrite=true"])
+    assert load_config(CRITEO, ["checkpoint.overwrite=true"]).checkpoint.overwrite
+    assert not load_config(CRITEO).checkpoint.overwrite
+
+
 def test_data_sources_are_opened_before_the_ranks_start(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)  # the config's relative data path
     cfg = load_config(CRITEO)

@@ -186,29 +186,6 @@ def test_impossible_values(tmp_path):
     assert "model.two_tower.item_features[0]='f1' is invalid: no table lists this feature" in msg
 
 
-def test_checkpoint_overwrite_is_checked(tmp_path):
-    """checkpoint.overwrite starts afresh: it cannot go with resume_from (which goes on), and needs a dir."""
-    data = base()
-    data["checkpoint"] = {"dir": "ck", "overwrite": True, "resume_from": "latest"}
-    msg = error_of(tmp_path, data)
-    assert "checkpoint.overwrite=True is invalid" in msg and "resume_from='latest'" in msg and "one of them" in msg
-    data["checkpoint"] = {"overwrite": True}
-    assert "checkpoint.overwrite=True is invalid: it replaces the checkpoints in checkpoint.dir" in error_of(
-        tmp_path, data
-    )
-    data["checkpoint"] = {"dir": "ck", "overwrite": True}
-    path = tmp_path / "ok.yaml"
-    path.write_text(yaml.safe_dump(data))
-    assert (
-        load_config(path).checkpoint.overwrite
-        and not load_config(path, ["checkpoint.overwrite=false"]).checkpoint.overwrite
-    )
-    for key, value in (("batch_size", 0), ("steps", -1)):  # counts: the key, the value and the rule
-        data = base()
-        data["schedule"][key] = value
-        assert f"schedule.{key}={value} is invalid" in error_of(tmp_path, data)
-
-
 def test_training_and_lookup_sections(tmp_path):
     """training: pipeline and precision (default sparse_dist, fp32); lookup: embshard.spec.options.LookupOptions, the
     collection's options (`RecModel(..., options=cfg.lookup)`); each wrong value names its key."""
