@@ -32,8 +32,10 @@ test-fast: $(STAMP)
 		tests/kernels/test_kernels_data_parallel.py
 
 # DLRM on the Criteo sample, NPROC local CPU processes: prints the plan, a progress bar, the loss and the AUC.
+# Each run starts again: checkpoint.overwrite=true replaces the previous demo's checkpoints (runs/dlrm_criteo/).
 demo: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/embshard train configs/dlrm_criteo.yaml --nproc $(NPROC)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/embshard train configs/dlrm_criteo.yaml --nproc $(NPROC) \
+		checkpoint.overwrite=true
 
 # Regenerate docs/config.md from the config dataclasses' field docstrings, bench/README.md's suites table from the
 # suites' registry and docs/benchmarks.md's results from bench/results/ (tests check all three are current).

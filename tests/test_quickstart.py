@@ -169,5 +169,7 @@ def test_every_readme_command_works(tmp_path):
     plans = [r for r in results if r["args"][0] == "plan"]
     reports = [r for r in plans if "torchrec" not in r["args"]]  # --format torchrec writes the file, no report
     assert reports and all("predicted step time" in r["output"] for r in reports), reports
-    assert (tmp_path / "plan.yaml").is_file() and (tmp_path / "plan.png").is_file()
-    assert json.loads((tmp_path / "plan.torchrec.json").read_text())  # the TorchRec plan file, readable JSON
+    out = tmp_path / "runs" / "plan"  # the default output folder of `embshard plan --out --plot`
+    assert (out / "plan.yaml").is_file() and (out / "plan.png").is_file()
+    assert json.loads((out / "plan.torchrec.json").read_text())  # the TorchRec plan file, readable JSON
+    assert not [p.name for p in tmp_path.iterdir() if p.name not in ("configs", "data", "runs")]  # nothing else

@@ -178,27 +178,40 @@ def checkpoint_checks(tmp: Path, straight: list[dict]) -> None:
 
 @pytest.mark.timeout(220)  # three `embshard train` runs, each starting its processes (seconds each on GPUs)
 def test_resume_on_another_world_size_and_a_schedule_ending_before_the_checkpoint(tmp_path):
-    """dlrm_criteo's checkpoint of step 10 (2 processes) resumes on 3 processes (on 1 where 2 GPUs are all there
-    are: one process per GPU) and trains to step 20; a schedule that ends before the newest checkpoint stops with
-    the steps and the fix (1 process)."""
+    """dlrm_criteo's checkpoint of step 10 (2 processes x 16: 320 samples) resumes on 3 processes (on 1 where 2 GPUs
+    are all there are: one process per GPU) with the schedule kept in samples: it goes on at the step of 3 x 16 that
+    holds 320 samples and ends where schedule.epochs=4 ends on 3 processes, one log line saying so; a schedule that
+    ends before the newest checkpoint stops with the steps and the fix (1 process)."""
     ck = tmp_path / "ck"
     train_job([*CRITEO, "schedule.steps=10", "schedule.eval_every=0", "checkpoint.every=10", f"checkpoint.dir={ck}"], 2)
     assert (ck / "step_10" / "COMMIT").is_file()
     three = tmp_path / "three"
     other = 3 if DEVICE == "cpu" or torch.cuda.device_count() >= 3 else 1  # one process per GPU: 2 -> 1 on 2 GPUs
     res = train_job(
-        [*CRITEO, "schedule.steps=20", f"checkpoint.resume_from={ck}/step_10", f"checkpoint.dir={three}/ck"]
+        [*CRITEO, "schedule.epochs=4", "schedule.eval_every=0", f"checkpoint.resume_from={ck}/step_10"]
+        + [f"checkpoint.dir={three}/ck"]
         + [f"logging.metrics_file={three}/metrics.jsonl"],
         other,
     )
     assert f"resumed from {ck}/step_10 at step 10" in res.stdout
     assert f"ShardingPlan: world_size={other}" in res.stdout
+    per_step, per_epoch = 16 * other, 160 // other // 16  # 160 training rows: each rank's whole batches
+    here, end = 320 // per_step, 4 * per_epoch  # 3 processes: step 6 of 48 samples, to step 12
+    if other != 2:
+        assert (
+            f"schedule: the checkpoint's 10 steps of 32 samples (320 samples) are step {here} of this run's steps of "
+            f"{per_step} ({other} ranks x 16); schedule.epochs=4 ends at step {end} ({end * per_step:,} samples)"
+        ) in res.stdout
     (m,) = metrics(three)
-    assert m["step"] == 20 and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
+    assert m["step"] == end and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
     res = train([*CRITEO, "schedule.steps=5", f"checkpoint.dir={ck}", "checkpoint.resume_from=latest"])
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"checkpoint '{ck}/step_10' was saved after step 10, but this run's schedule ends at step 5 " in res.stderr
-    assert "(schedule.steps=5): it would train no step. Fix: a schedule past step 10" in res.stderr
+    assert (
+        f"checkpoint '{ck}/step_10' was saved after step 10 (step 20 of this run's steps), but this run's "
+        in res.stderr
+    )
+    assert "schedule ends at step 5 " in res.stderr
+    assert "(schedule.steps=5): it would train no step. Fix: a schedule past step 20" in res.stderr  # 320 samples
     assert "Traceback" not in res.stderr and "train step" not in res.stdout
 
 
@@ -263,11 +276,12 @@ def test_errors_exit_with_one_line(tmp_path):
     assert res.returncode == 2
     assert "error: configs/dlrm_criteo.yaml (with command-line override" in res.stderr
     assert "model.tables[3].embedding_dim=0 is invalid" in res.stderr and "Traceback" not in res.stderr
-    res = train(["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"])
+    res = train(["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"]
+                + ["checkpoint.dir=null"])  # fmt: skip
     assert res.returncode == 2
     assert "error: data.criteo: file 'no/such.txt' does not exist" in res.stderr and "Traceback" not in res.stderr
     # no plan fits: rank 0 plans, every rank stops with status 2, the message names the numbers once
-    tiny = ["planner.ddr_gib=0.0005", "planner.hbm_gib=0.0005", "logging.tensorboard_dir=null"]
+    tiny = ["planner.ddr_gib=0.0005", "planner.hbm_gib=0.0005", "logging.tensorboard_dir=null", "checkpoint.dir=null"]
     res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", *tiny])
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.count("error: planner: no sharding plan fits 2 x ") == 1 and "Traceback" not in res.stderr

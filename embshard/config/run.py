@@ -135,7 +135,11 @@ class CheckpointConfig:
     every: int = 0
     """Save every this many steps; 0: only after the last step."""
     resume_from: str | None = None
-    """Checkpoint folder to load before training, or 'latest' for the newest complete one in dir."""
+    """Checkpoint folder to load before training, or 'latest' for the newest complete one in dir. Unset, a run
+    refuses to start where dir already holds checkpoints (of an earlier run) unless overwrite is true."""
+    overwrite: bool = False
+    """Start afresh where dir already holds checkpoints: they are deleted as the run starts. false: such a run
+    refuses to start (go on from them with resume_from=latest, or pick another dir)."""
     keep_last: int = 3
     """Keep this many newest complete checkpoints in dir (older ones are deleted after a save); 0: keep all."""
     async_save: bool = True
@@ -156,6 +160,14 @@ class CheckpointConfig:
             raise FieldError("io_threads", self.io_threads, "it must be >= 1")
         if self.resume_from == "latest" and not self.dir:
             raise FieldError("resume_from", self.resume_from, "'latest' looks in checkpoint.dir: set dir too")
+        if self.overwrite and self.resume_from:
+            raise FieldError(
+                "overwrite", self.overwrite,
+                f"overwrite starts afresh, deleting the checkpoints that resume_from={self.resume_from!r} goes on "
+                "from: give one of them",
+            )  # fmt: skip
+        if self.overwrite and not self.dir:
+            raise FieldError("overwrite", self.overwrite, "it replaces the checkpoints in checkpoint.dir: set dir too")
 
 
 @dataclass(frozen=True)

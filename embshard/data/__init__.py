@@ -21,7 +21,7 @@ from embshard.data.common import Batch
 from embshard.data.hashing import hash_strings
 from embshard.spec.tables import TableConfig
 
-__all__ = ["Batch", "build_source", "hash_strings"]
+__all__ = ["Batch", "build_source", "check_source", "hash_strings"]
 
 
 def build_source(
@@ -43,6 +43,20 @@ def build_source(
     from embshard.data.source import TableSource
 
     return TableSource(table_config(cfg, tables), cfg, tables, batch_size, seed, rank, world_size, f"data.{cfg.source}")
+
+
+def check_source(cfg: DataConfig, tables: Sequence[TableConfig], batch_size: int, seed: int) -> None:
+    """Open and check the configured source as its ranks will, without reading rows (before the ranks start):
+    a file source's files exist and have the columns the tables and the config name; a synthetic source's
+    settings fit the tables. Raises ConfigError naming the key, the file and the fix."""
+    if cfg.source == "synthetic":
+        from embshard.data.synthetic import SyntheticSource
+
+        SyntheticSource(cfg.synthetic, tables, batch_size, seed, 0, workers=0)
+        return
+    from embshard.data.source import check_files
+
+    check_files(table_config(cfg, tables), cfg, tables, f"data.{cfg.source}")
 
 
 def table_config(cfg: DataConfig, tables: Sequence[TableConfig]):

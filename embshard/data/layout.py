@@ -202,6 +202,38 @@ def scan(
     return Layout(files, fmt, groups, columns)
 
 
+def file_columns(
+    files: list[str], fmt: str, header: bool, column_names: tuple[str, ...] | None, delimiter: str
+) -> Layout:
+    """The files' column names without their rows (a Layout without groups): Parquet schemas from the footers,
+    CSV header lines; what the ranks' readers check the columns of, read before any rank starts."""
+    columns: list[list[str]] = []
+    for path in files:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                schema = pq.ParquetFile(path).schema_arrow
+            except Exception as e:
+                raise ConfigError(f"{path}: cannot read it as Parquet ({e}); check data format") from None
+            columns.append(list(schema.names))
+        elif header:
+            try:
+                with open(path, "rb") as f:
+                    line = f.readline()
+            except OSError as e:
+                raise ConfigError(f"{path}: cannot read the file ({e.strerror})") from None
+            columns.append(header_names(path, line, delimiter))
+        else:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise ConfigError(f"{path}: cannot read the file ({e.strerror})") from None
+            columns.append(list(column_names or ()))
+    return Layout(files, fmt, [], columns)
+
+
 def header_names(path: str, line: bytes, delimiter: str) -> list[str]:
     """Column names from a CSV header line (quoted names allowed)."""
     import pyarrow as pa

@@ -23,7 +23,7 @@ from embshard.config.schema import FieldError
 from embshard.data.chunk import FeatureSpec, ReadSpec
 from embshard.data.common import Batch
 from embshard.data.decode import Reader
-from embshard.data.layout import Layout, detect_format, resolve_files, scan
+from embshard.data.layout import Layout, detect_format, file_columns, resolve_files, scan
 from embshard.data.slots import Slots, SlotWriter, fresh_shared_arrays, load, take_arrays
 from embshard.data.stream import StreamPlan, eval_stream, train_stream
 from embshard.data.vocab import Counter, VocabLookup, read_vocab
@@ -64,6 +64,19 @@ def read_spec(cfg: TableSourceConfig, tables: Sequence[TableConfig], fmt: str, o
         where, fmt, cfg.header, cfg.column_names, delimiter, cfg.label, cfg.label_threshold, cfg.dense, features,
         cfg.mapping, any(t.weighted for t in tables), on_bad_row, cfg.chunk_rows,
     )  # fmt: skip
+
+
+def check_files(cfg: TableSourceConfig, data: DataConfig, tables: Sequence[TableConfig], where: str) -> None:
+    """What a TableSource checks of its files before reading rows (they exist, their format, the columns the
+    tables and the config name), without reading the rows: run before the ranks start."""
+    files = resolve_files(cfg.files, f"{where}.files")
+    fmt = detect_format(files, cfg.format, where)
+    spec = read_spec(cfg, tables, fmt, data.on_bad_row, where)
+    groups = [files]
+    if cfg.eval_files is not None:
+        groups.append(resolve_files(cfg.eval_files, f"{where}.eval_files"))
+    for found in groups:
+        Reader(spec, file_columns(found, fmt, cfg.header, cfg.column_names, spec.delimiter))  # checks the columns
 
 
 def build_vocab(cfg: TableSourceConfig, spec: ReadSpec, layout: Layout, lo: int, hi: int) -> dict[str, VocabLookup]:

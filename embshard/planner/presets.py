@@ -147,7 +147,7 @@ def preset_for_gpu(device_name: str, total_memory: int) -> str:
             return key.lower()
     warnings.warn(
         f"GPU {device_name!r} has no planner preset: planning with the h100 preset's speeds; measure this machine "
-        "with `embshard calibrate --out topology.yaml` and plan with --topology topology.yaml",
+        "with `embshard calibrate` (it writes runs/topology.yaml) and plan with --topology runs/topology.yaml",
         stacklevel=2,
     )
     return "h100"

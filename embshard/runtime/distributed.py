@@ -92,6 +92,8 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     and the bind, as with a port picked free first); the ranks join it as clients (`init_distributed`)."""
     import torch.multiprocessing as mp
 
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f"spawn_local: nproc={nproc!r} is invalid: the number of processes to start (>= 1)")
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
     try:
         mp.start_processes(_entry, args=(nproc, store.port, fn, args), nprocs=nproc, join=True, start_method="spawn")

@@ -370,7 +370,7 @@ def calibrate(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="embshard calibrate", description=__doc__)
-    p.add_argument("--out", default="topology.yaml", help="topology YAML to write (default topology.yaml)")
+    p.add_argument("--out", default="runs/topology.yaml", help="topology YAML to write (default runs/topology.yaml)")
     p.add_argument("--size-mib", type=int, default=256, help="buffer size of the bandwidth tests (MiB)")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per test (median is kept)")
     p.add_argument("--no-collectives", action="store_true", help="skip the multi-process all-to-all test")
@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     topo = calibrate(args.size_mib, args.iters, not args.no_collectives, not args.no_kernels, args.uvm_large_gib)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     topo.save(args.out)
     print(f"wrote {args.out}: {topo.describe()}", file=sys.stderr)
     print(f"use it with: embshard plan CONFIG.yaml --world-size N --topology {args.out}", file=sys.stderr)

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=8, help="files read at once by --verify")
     p = sub.add_parser("export", help="write every table's full weights as one safetensors file per table")
     p.add_argument("dir", help="checkpoint folder (step_<N>), or a folder of them (the latest complete one)")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", default=None, help="output folder (default runs/tables/step_<N>)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="weight type (default: the table's)")
     p.add_argument("--tables", default=None, help="comma-separated tables (default: all)")
     p.add_argument("--chunk-mib", type=float, default=64.0, help="rows read and written at once (MiB)")
@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise unreadable
         else:
             names = [t for t in args.tables.split(",") if t] if args.tables else None
+            args.out = args.out or str(Path("runs") / "tables" / Path(path).name)
             for w in export(path, Path(args.out), args.dtype, names, args.chunk_mib):
                 _say(f"{w['table']}: {w['rows']} x {w['dim']} {w['dtype']} -> {w['path']}")
                 if "ids_path" in w:

@@ -2,7 +2,9 @@
 predictions, and save the plan (the file training loads instead of planning again), the report and a plot.
 
 CONFIG is a planner input (configs/planner/*.yaml) or a training config (configs/*.yaml: its tables,
-schedule.batch_size, sparse_optimizer and planner section; key=value overrides as for `embshard train`)."""
+schedule.batch_size, sparse_optimizer and planner section; key=value overrides as for `embshard train`).
+--out, --report and --plot without a file name write into runs/plan/ (runs/ is where every embshard command
+writes by default)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from embshard.planner.explain import explain
 from embshard.planner.policy import search_plan, topology_for
@@ -21,6 +24,13 @@ from embshard.tools.plan_inputs import (
     planner_input_from_dict,
     training_planner_input,
 )
+
+OUT_DIR = Path("runs") / "plan"
+"""Where --out, --report and --plot without a file name write."""
+DEFAULT_FILES = {"out": "plan.yaml", "torchrec": "plan.torchrec.json", "report": "report.json", "plot": "plan.png"}
+_SUFFIXES = {"out": (".yaml", ".yml", ".json"), "torchrec": (".json",), "report": (".json", ".yaml", ".yml")}
+_SUFFIXES["plot"] = (".png",)
+_DEFAULT = "<default>"  # --out / --report / --plot given without a file name
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,7 +58,13 @@ def parser() -> argparse.ArgumentParser:
         default="table",
         help="what to print; torchrec: the plan as TorchRec's (JSON; embshard.interop.load_torchrec_plan reads it)",
     )
-    p.add_argument("--out", help="save the ShardingPlan (.yaml or .json); with --format torchrec, TorchRec's (JSON)")
+    p.add_argument(
+        "--out",
+        nargs="?",
+        const=_DEFAULT,
+        help="save the ShardingPlan (.yaml or .json; default runs/plan/plan.yaml); with --format torchrec, "
+        "TorchRec's (JSON; default runs/plan/plan.torchrec.json)",
+    )
     p.add_argument(
         "--torchrec-module-path",
         default="",
@@ -58,10 +74,68 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--torchrec-device", choices=["cuda", "cpu"], default="cuda", help="--format torchrec: TorchRec's device type"
     )
-    p.add_argument("--report", help="save the PlanReport with predictions (.json or .yaml)")
-    p.add_argument("--plot", help="save a PNG of memory and predicted time per rank")
+    p.add_argument(
+        "--report",
+        nargs="?",
+        const=_DEFAULT,
+        help="save the PlanReport with predictions (.json or .yaml; default runs/plan/report.json)",
+    )
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const=_DEFAULT,
+        help="save a PNG of memory and predicted time per rank (default runs/plan/plan.png)",
+    )
     p.add_argument("--explain", action="append", default=[], metavar="TABLE", help="explain a table's placement")
     return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The flags' values, before any work (ConfigError naming the flag, the value and the fix); --out, --report
+    and --plot given without a file name get their runs/plan/ file."""
+    if args.world_size < 1:
+        raise ConfigError(
+            f"--world-size {args.world_size} is invalid: the number of ranks (GPUs) to plan for, >= 1, e.g. "
+            "--world-size 8"
+        )
+    local, world = args.local_world_size, args.world_size
+    if local is not None and (local < 1 or local > world or world % local):
+        fit = max(d for d in range(1, min(world, 8) + 1) if world % d == 0)
+        raise ConfigError(
+            f"--local-world-size {local} is invalid with --world-size {world}: the ranks per host, >= 1 and dividing "
+            f"the world size, e.g. --local-world-size {fit}; or leave it out (min(world size, 8))"
+        )
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(
+            f"--batch-size {args.batch_size} is invalid: the samples per rank per step, >= 1, or leave it out "
+            "(the config's)"
+        )
+    for flag in ("hbm_gib", "ddr_gib"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            name = "--" + flag.replace("_", "-")
+            raise ConfigError(f"{name} {value} is invalid: the memory per rank in GiB, > 0, or leave it out")
+    if args.hbm_reserve_gib is not None and not args.hbm_reserve_gib >= 0:
+        raise ConfigError(f"--hbm-reserve-gib {args.hbm_reserve_gib} is invalid: the GiB kept per rank, >= 0")
+    for flag in ("out", "report", "plot"):
+        kind = "torchrec" if flag == "out" and args.format == "torchrec" else flag
+        value: Any = getattr(args, flag)
+        if value == _DEFAULT:
+            setattr(args, flag, str(OUT_DIR / DEFAULT_FILES[kind]))
+        elif value is not None and Path(value).suffix.lower() not in _SUFFIXES[kind]:
+            hint = (
+                " (a key=value override after a flag without a file name is taken as the name)" if "=" in value else ""
+            )
+            raise ConfigError(
+                f"--{flag} {value!r} is invalid: give a file ending in {' or '.join(_SUFFIXES[kind])}{hint}, or "
+                f"--{flag} alone for {OUT_DIR / DEFAULT_FILES[kind]}"
+            )
+
+
+def _parent(path: str) -> str:
+    """`path`, its folder made where missing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def resolve_topology(args: argparse.Namespace, device: str | None) -> Topology:
@@ -111,7 +185,7 @@ def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
         topo = resolve_topology(args, inp.device)
     if args.hbm_reserve_gib is not None:
         inp = replace(inp, settings=replace(inp.settings, hbm_reserve_gib=args.hbm_reserve_gib))
-    if args.batch_size:
+    if args.batch_size is not None:
         inp = replace(inp, batch_size=args.batch_size)
     return inp, topo
 
@@ -124,7 +198,7 @@ def torchrec_out(plan, args: argparse.Namespace, optimizer) -> None:
 
     data = plan_dict(plan, args.torchrec_module_path, args.torchrec_device, optimizer)
     if args.out:
-        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        Path(_parent(args.out)).write_text(json.dumps(data, indent=1) + "\n")
         print(f"TorchRec plan saved to {args.out} (embshard.interop.load_torchrec_plan reads it)", file=sys.stderr)
     else:
         print(json.dumps(data, indent=1))
@@ -135,6 +209,7 @@ def torchrec_out(plan, args: argparse.Namespace, optimizer) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_intermixed_args(argv)
     try:
+        check_args(args)
         inp, topo = load_input(args)
         plan, report = search_plan(
             inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, print
@@ -151,15 +226,15 @@ def main(argv: list[str] | None = None) -> None:
             print()
             print(explain(report, name))
         if args.out and args.format != "torchrec":
-            plan.save(args.out)
+            plan.save(_parent(args.out))
             print(f"plan saved to {args.out}", file=sys.stderr)
         if args.report:
-            report.save(args.report)
+            report.save(_parent(args.report))
             print(f"report saved to {args.report}", file=sys.stderr)
         if args.plot:
             from embshard.tools.plan_plot import plot_report
 
-            plot_report(report, args.plot)
+            plot_report(report, _parent(args.plot))
             print(f"plot saved to {args.plot}", file=sys.stderr)
     except (ConfigError, KeyError) as e:
         print(f"embshard plan: {e}", file=sys.stderr)

@@ -23,11 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embshard.config import DenseOptimizerConfig, LoggingConfig, ScheduleConfig, TrainConfig, load_config
+from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, load_config
 from embshard.planner.policy import plan_for_job
 from embshard.runtime import comm
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.tables import AllRanksError, ConfigError
+from embshard.training import launch_checks
+from embshard.training.schedule import past_schedule, run_schedule
 
 
 def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: int, log: Callable[[str], None]):
@@ -224,13 +226,18 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     t_build = time.time()
     plan = plan_job(cfg, device, world, local_world, report.line)
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
-    total = sched.steps if sched.steps is not None else sched.epochs * source.steps_per_epoch
     model, dense_opt, graphs = build_model(cfg, plan, source.num_dense, device, world, report.line)
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
+    if rank == 0:
+        launch_checks.clear_checkpoints(ck, report.line)  # checkpoint.overwrite: before any save of this run
     ckpt = checkpointer(ck, model, dense_opt, config=cfg, log=report.line)
     start, position = ckpt.resume(ck.resume_from)  # position: after the last trained batch (or the step count)
-    past = past_schedule(start, total, sched, source.steps_per_epoch, world, ckpt.resumed)
+    s = run_schedule(sched, source.steps_per_epoch, world, start, position, saved_samples_per_step(ckpt.resumed))
+    start, total = s.start, s.total  # start: this run's step holding the checkpoint's samples
+    if s.note:
+        report.line(s.note)
+    past = past_schedule(s, sched, source.steps_per_epoch, world, ckpt.resumed)
     if past is not None:
         if start > total:
             raise AllRanksError(past)  # every rank computes the same
@@ -255,10 +262,9 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
 
     if sched.eval_at_start and start == 0:
         do_eval(0)
-    samples_per_step = sched.batch_size * world
     bar = tqdm(
-        total=total * samples_per_step,
-        initial=start * samples_per_step,
+        total=s.samples_total,
+        initial=s.samples_done,  # the samples really trained (the checkpoint's steps may hold other counts)
         unit="samples",
         unit_scale=True,
         disable=rank != 0 or not cfg.logging.progress_bar,
@@ -266,9 +272,30 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         mininterval=1.0,
         dynamic_ncols=True,
     )
+    try:
+        step, position = train_steps(cfg, model, pipeline, source, s, bar, report, do_eval, ckpt, device)
+    finally:
+        bar.close()  # ends the bar's line: a message printed next (an error too) starts on its own
+    pipeline.close()
+    do_eval(step)
+    if ck.dir and step > start:
+        ckpt.save(step, position)
+    ckpt.close()
+    if ck.dir and step > start:
+        report.line(f"saved checkpoint {ckpt.history[-1].path}")
+    report.close()
+    graphs.release()  # before the process group goes: a live graph with NCCL in it hangs the teardown
+    dist.destroy_process_group()
+
+
+def train_steps(cfg: TrainConfig, model, pipeline, source, s, bar, report: Reporter, do_eval, ckpt, device):
+    """The training loop from step s.start to s.total (or the data's end): logs, evaluations and checkpoints as
+    configured; returns (last step, data position after its batch)."""
+    sched, ck = cfg.schedule, cfg.checkpoint
+    start, total, samples_per_step = s.start, s.total, s.samples_per_step
     window = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps
-    t0, batches = time.time(), source.train_batches(position if position is not None else start)
-    step = start
+    t0, batches = time.time(), source.train_batches(s.position)
+    step, position = start, s.position
     while step < total:
         # model.ebc.step is set to each batch's step before its training forward (inside the pipeline).
         done = pipeline.progress(batches)
@@ -292,47 +319,19 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
         if ck.dir and ck.every and step % ck.every == 0 and step != total:
             comm.wait_for_graphs()
             ckpt.save(step, position)
-    pipeline.close()
-    bar.close()
-    do_eval(step)
-    if ck.dir and step > start:
-        ckpt.save(step, position)
-    ckpt.close()
-    if ck.dir and step > start:
-        report.line(f"saved checkpoint {ckpt.history[-1].path}")
-    report.close()
-    graphs.release()  # before the process group goes: a live graph with NCCL in it hangs the teardown
-    dist.destroy_process_group()
+    return step, position
 
 
-def past_schedule(
-    start: int, total: int, sched: ScheduleConfig, steps_per_epoch: int | None, world: int, resumed: Any
-) -> str | None:
-    """What to say when a resumed run's schedule ends at or before its checkpoint's step (None: it does not):
-    an error when it ends before (the run would train nothing and end on an earlier step than it started), a
-    notice when it ends at that step (nothing left to train: the run only evaluates)."""
-    if start == 0 or start < total:
+def saved_samples_per_step(resumed: Any) -> int | None:
+    """Samples (all ranks) of each step of the run that saved the resumed checkpoint (its world size x its
+    config's schedule.batch_size; None: nothing resumed, or a checkpoint saved without its config)."""
+    if resumed is None:
         return None
-    where = (
-        f"checkpoint {resumed.path!r} was saved after step {start}" if resumed else f"the checkpoint is at step {start}"
-    )
-    if sched.steps is not None:
-        ends = f"schedule.steps={sched.steps}"
-        fix = f"schedule.steps={start + max(start // 2, 1)}"
-    else:
-        ends = f"schedule.epochs={sched.epochs} x {steps_per_epoch} steps per epoch on {world} ranks"
-        more = -(-(start + 1) // max(1, steps_per_epoch or 1))
-        fix = f"schedule.epochs={more} or more (or schedule.epochs=null schedule.steps=N with N > {start})"
-    if start == total:
-        return (
-            f"checkpoint.resume_from: {where}, the last step of this run's schedule ({ends}): nothing left to train, "
-            f"the run only evaluates. To train further: {fix}"
-        )
-    return (
-        f"checkpoint.resume_from: {where}, but this run's schedule ends at step {total} ({ends}): it would train no "
-        f"step. Fix: a schedule past step {start}, e.g. {fix}; or resume from an earlier checkpoint, or start "
-        "afresh (checkpoint.resume_from=null or another checkpoint.dir)"
-    )
+    from embshard.checkpoint import read_manifest
+
+    config = read_manifest(resumed.path).get("config") or {}
+    batch = (config.get("schedule") or {}).get("batch_size")
+    return int(batch) * resumed.saved_world_size if batch else None
 
 
 def make_dense_optimizer(o: DenseOptimizerConfig, params: list) -> torch.optim.Optimizer:
@@ -382,6 +381,25 @@ def _run_or_exit(config_path: str, overrides: Sequence[str]) -> None:
         sys.exit(2)
 
 
+def preflight(config_path: str, overrides: Sequence[str], nproc: int | None) -> TrainConfig:
+    """Everything `embshard train` checks before any rank starts (ConfigError naming the flag or key, the value
+    and the fix): --nproc, the config, the checkpoint folder (no earlier run's checkpoints replaced unless told
+    to), the data sources (opened as the ranks will); prints a notice where the run is sized for GPUs but runs
+    on CPUs. Under torchrun every process checks (before joining the group); rank 0 prints the notice."""
+    from embshard.data import check_source
+
+    launch_checks.check_nproc(nproc)
+    cfg = load_config(config_path, overrides)
+    conflict = launch_checks.checkpoint_conflict(cfg.checkpoint)
+    if conflict:
+        raise ConfigError(conflict)
+    check_source(cfg.data, list(cfg.model.tables), cfg.schedule.batch_size, cfg.seed)
+    notice = None if torch.cuda.is_available() else launch_checks.cpu_notice(cfg, config_path)
+    if notice and os.environ.get("RANK", "0") == "0":
+        print(notice, flush=True)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="embshard train", description=__doc__.splitlines()[0])
     ap.add_argument("config", help="YAML config file (see docs/config.md and configs/)")
@@ -389,11 +407,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nproc", type=int, default=None, help="start N local processes (ignored under torchrun)")
     args = ap.parse_intermixed_args(argv)
     try:
-        load_config(args.config, args.overrides)  # fail fast, before any process starts
+        preflight(args.config, args.overrides, args.nproc)  # fail fast, before any process starts
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if "RANK" in os.environ or not args.nproc:
+    if "RANK" in os.environ or args.nproc is None:
         _run_or_exit(args.config, args.overrides)
         return
     if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
@@ -403,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    from torch.multiprocessing import ProcessExitedException
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
     from embshard.runtime.distributed import spawn_local
 
@@ -411,6 +429,9 @@ def main(argv: list[str] | None = None) -> None:
         spawn_local(_run_or_exit, args.nproc, args.config, args.overrides)
     except ProcessExitedException as e:
         sys.exit(e.exit_code or 1)
+    except ProcessRaisedException:
+        print(flush=True)  # rank 0's progress bar may have been cut off mid-line: the error starts on a line of its own
+        raise
 
 
 if __name__ == "__main__":
