@@ -355,24 +355,24 @@ def _check_fields(data: Any, kinds: Mapping[str, Any], required: Sequence[str], 
 
     def bad(field: str, problem: str) -> ConfigError:
         return ConfigError(
-            f"{where}: not a valid embshard plan: {field} {problem}; fix the file or write a new one with `embshard plan`"
+            f"{where}: not a valid embshard plan: {field}{problem}; fix the file or write a new one with `embshard plan`"
         )
 
     if not isinstance(data, Mapping):
-        raise bad(path or "the plan", f"is a {type(data).__name__}, not a mapping of fields")
+        raise bad(path or "the plan", f" is a {type(data).__name__}, not a mapping of fields")
     prefix = f"{path}." if path else ""
     for key in required:
         if key not in data:
-            raise bad(prefix + str(key), "is missing")
+            raise bad(prefix + str(key), " is missing")
     for key, value in data.items():
         if key not in kinds:
-            raise bad(prefix + str(key), f"is not a plan field (known: {sorted(kinds)})")
+            raise bad(prefix + str(key), f" is not a plan field (known: {sorted(kinds)})")
         kind = kinds[key]
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
             choices = [k.value for k in kind]
             if isinstance(value, kind) or (isinstance(value, str) and value in choices):
                 continue
-            raise bad(prefix + key, f"= {value!r} is invalid: choose one of {choices}")
+            raise bad(prefix + key, f"={value!r} is invalid: choose one of {choices}")
         ok = {
             int: isinstance(value, int),
             float: isinstance(value, int | float),
@@ -380,4 +380,4 @@ def _check_fields(data: Any, kinds: Mapping[str, Any], required: Sequence[str], 
             list: isinstance(value, list | tuple),
         }[kind] and not isinstance(value, bool)
         if not ok:
-            raise bad(prefix + key, f"= {value!r} is invalid: it must be {_KIND_TEXT[kind]}")
+            raise bad(prefix + key, f"={value!r} is invalid: it must be {_KIND_TEXT[kind]}")
