@@ -129,7 +129,7 @@ def _plans_out(rank: int, world: int) -> dict:
     tables = tables_from_torchrec(reference)
     types = {"t_cw": "column_wise", "t_rw": "row_wise", "t_dp": "data_parallel", "t_twrw": "table_row_wise"}
     plan = simple_plan(tables, world, sharding_types=types)
-    tr_plan, notes = to_torchrec_plan(plan, "", "cpu")
+    tr_plan, notes = to_torchrec_plan(plan, "", "cpu", tables=reference)
     dmp = _dmp(EmbeddingBagCollection(tables=configs, device=torch.device("meta")), tr_plan)
     full = {n: b.weight.detach() for n, b in reference.embedding_bags.items()}
     with torch.no_grad():  # TorchRec's own state dict: each local shard gets its block of the reference weights
@@ -211,7 +211,7 @@ def _models_and_checkpoints(rank: int, world: int, folder: str) -> dict:
     tables = tables_from_torchrec(_dlrm("meta").model.sparse_arch.embedding_bag_collection)
     plan = simple_plan(tables, world, sharding_types={"t_cw": "column_wise", "t_rw": "row_wise"})
     path = "model.sparse_arch.embedding_bag_collection"
-    tr_plan, _ = to_torchrec_plan(plan, path, "cpu")
+    tr_plan, _ = to_torchrec_plan(plan, path, "cpu", tables=tables)
     dmp = _dmp(_dlrm("meta"), tr_plan)
     dense_opt = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=LR)
