@@ -52,7 +52,7 @@ def tables_from_torchrec(configs: Any, weighted: bool | None = None) -> list[Tab
         configs = configs.embedding_bag_configs()
     elif hasattr(configs, "embedding_configs"):
         raise ConfigError(
-            f"tables_from_torchrec: a {type(configs).__name__} holds sequence tables (one embedding per id, not "
+            f"tables_from_torchrec: the {type(configs).__name__} holds sequence tables (one embedding per id, not "
             f"pooled: {_names(configs.embedding_configs())}); sequence features are not supported by embshard yet, "
             "which pools bags: keep them in TorchRec, or give embshard an EmbeddingBagCollection (pooling SUM or MEAN)"
         )
@@ -77,7 +77,7 @@ def _table(c: Any, weighted: bool) -> TableConfig:
     where = f"TorchRec table {c.name!r}"
     if getattr(c, "pooling", None) is None:  # EmbeddingConfig: a sequence table, never pooled by default
         raise ConfigError(
-            f"{where} is a {type(c).__name__} without pooling (a sequence table of an EmbeddingCollection: one "
+            f"{where} ({type(c).__name__}) has no pooling (a sequence table of an EmbeddingCollection: one "
             "embedding per id): sequence features are not supported by embshard yet; keep it in TorchRec, or make "
             "it an EmbeddingBagConfig with pooling SUM or MEAN"
         )
