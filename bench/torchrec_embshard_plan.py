@@ -62,7 +62,7 @@ def embshard_planner(args: argparse.Namespace, spec: list, batch: int):
             optimizer = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
             topo = Topology.detect(world_size=dist.get_world_size()).with_sizes(hbm_gib=args.hbm_gib or None)
             plan, report = plan_with_report(tables, topo, batch, optimizer)
-            tr_plan, notes = to_torchrec_plan(plan, "", self.device_type, optimizer)
+            tr_plan, notes = to_torchrec_plan(plan, "", self.device_type, optimizer, tables=tables)
             if rank0:
                 kinds = collections.Counter(
                     f"{t.sharding_type.value}/{t.tier.value}/{t.kernel.value}" for t in plan.tables

@@ -50,7 +50,7 @@ from embshard.sharding.exchange import (
     gather_batch_counts,
 )
 from embshard.spec.optim import FusedOptimizerConfig
-from embshard.spec.options import BoundsCheck, LookupOptions
+from embshard.spec.options import BoundsCheck, LookupOptions, UnusedFeatures
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.raw_ids import check_raw_plan
 from embshard.spec.tables import ConfigError, Pooling, TableConfig, feature_columns, feature_order, validate_tables
@@ -187,13 +187,22 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
                 raise ConfigError(
                     f"KeyedJaggedTensor keys do not match the tables' features: missing {missing}, not looked up "
                     f"by any table {extra}; pass exactly the features {self.features} (any order)"
+                    + (", or LookupOptions(unused_features='ignore') to leave the others out" if extra else "")
                 )
             self._kjt_layout = (keys, {k: i for i, k in enumerate(keys)})
         if kjt.variable_stride_per_key():
             raise ConfigError("variable batch size per feature is not supported: give every feature the same batch")
         return self._kjt_layout[1]
 
+    def _used_only(self, kjt):
+        """The KJT without the features no table looks up, under LookupOptions.unused_features 'ignore'."""
+        keys = kjt.keys()
+        if self.options.unused_features is UnusedFeatures.ERROR or all(k in self._table_of for k in keys):
+            return kjt
+        return kjt.permute([i for i, k in enumerate(keys) if k in self._table_of])
+
     def _local_input(self, kjt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, int]]:
+        kjt = self._used_only(kjt)
         index = self._layout(kjt)
         lengths_FB = kjt.lengths().view(len(index), kjt.stride())
         values = kjt.values()
@@ -210,6 +219,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
         `check=False` skips the out-of-range count (a source that guarantees every id is in range)."""
         if self.options.bounds_check is BoundsCheck.DROP:
             return None
+        kjt = self._used_only(kjt)
         index = self._layout(kjt)
         lengths_FB = kjt.lengths().view(len(index), kjt.stride())
         bad = count_bad_ids(lengths_FB, kjt.values(), self._kjt_layout[0], self._table_of) if check else None

@@ -1,10 +1,12 @@
 """Adopting embshard one piece at a time alongside TorchRec (docs/torchrec.md).
 
 - plan_out.py: an embshard plan as TorchRec's ShardingPlan, and the JSON plan file (`load_torchrec_plan`)
+- plan_file.py: the plan file checked field by field, and a plan checked against the TorchRec model's tables
 - plan_in.py: TorchRec's ShardingPlan as an embshard plan
 - tables_in.py: EmbeddingBagConfig, ParameterConstraints and the fused optimizer as embshard's configuration
 - model_in.py: a TorchRec model (DLRM, DLRM_DCN, ...) as an embshard RecModel on any plan, with its weights
 - checkpoint_in.py: a TorchRec DMP checkpoint (DCP, or state dicts) into an embshard model on any plan
+- checkpoint_world.py: the world size of the TorchRec job that saved a DCP checkpoint, from its index
 - checkpoint_out.py: an embshard model as a DCP checkpoint that TorchRec's DMP loads
 
 Names are imported on first use (torchrec is imported only by the functions that need it).

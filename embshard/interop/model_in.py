@@ -48,16 +48,43 @@ class TorchRecDense(nn.Module):
 
 
 def find_ebc(model: nn.Module) -> tuple[str, nn.Module]:
-    """(path, module) of the one TorchRec EmbeddingBagCollection in `model`."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    """(path, module) of the one TorchRec EmbeddingBagCollection in `model`. Refused, naming the module's path: a
+    model with embedding modules embshard cannot run (feature-processed or managed-collision collections, sequence
+    EmbeddingCollections, quantized or other EmbeddingBagCollection kinds), and one with no or several collections."""
+    from torchrec.modules.embedding_modules import (
+        EmbeddingBagCollection,
+        EmbeddingBagCollectionInterface,
+        EmbeddingCollectionInterface,
+    )
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)]
+    refused = (
+        (FeatureProcessedEmbeddingBagCollection, "its feature processors change ids and weights before the lookup"),
+        (BaseManagedCollisionEmbeddingCollection, "managed collision remaps raw ids to rows before the lookup"),
+        (EmbeddingCollectionInterface, "sequence embeddings (one per id, not pooled) are not supported yet"),
+    )
+    found = []
+    for name, m in model.named_modules():
+        where = f"{type(m).__name__} at {name or '(the model itself)'!r} of {type(model).__name__}"
+        for cls, why in refused:
+            if isinstance(m, cls):
+                raise ConfigError(f"{where}: {why}. {_SUPPORTED}")
+        if isinstance(m, EmbeddingBagCollection):
+            found.append((name, m))
+        elif isinstance(m, EmbeddingBagCollectionInterface):
+            raise ConfigError(f"{where} is not TorchRec's EmbeddingBagCollection. {_SUPPORTED}")
     if len(found) != 1:
         raise ConfigError(
-            f"{type(model).__name__} has {len(found)} EmbeddingBagCollections ({[n for n, _ in found]}); embshard takes "
-            "a model with exactly one (its tables become one ShardedEmbeddingBagCollection)"
+            f"{type(model).__name__} has {len(found)} EmbeddingBagCollections ({[n for n, _ in found]}). {_SUPPORTED}"
         )
     return found[0]
+
+
+_SUPPORTED = (
+    "embshard takes a model with exactly one plain TorchRec EmbeddingBagCollection (pooled SUM or MEAN tables, "
+    "called on the KeyedJaggedTensor) and no other embedding module; keep this model in TorchRec"
+)
 
 
 def dense_copy(model: nn.Module) -> TorchRecDense:

@@ -29,7 +29,8 @@ def from_torchrec_plan(
     device_type: str | None = None,
 ) -> ShardingPlan:
     """The embshard plan of the collection at `module_path` in TorchRec's `ShardingPlan` (or of a module plan:
-    {table: ParameterSharding}). `world_size`: default the highest rank named + 1; `local_world_size`: default
+    {table: ParameterSharding}). `world_size`: default read from the plan's row-wise and data-parallel tables
+    (which span every rank); a plan without one does not say it: then pass it. `local_world_size`: default
     `world_size`. `tables`: the tables (embshard TableConfigs or TorchRec EmbeddingBagConfigs: their name,
     num_embeddings, embedding_dim), in the order the plan lists them; needed for data-parallel tables, whose
     TorchRec plan has no shape. `device_type` ('cuda' or 'cpu'): where TorchRec computes (fused and dense kernels
@@ -41,17 +42,59 @@ def from_torchrec_plan(
             "of the EmbeddingBagCollection"
         )
     shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables or []}
-    ranks_seen = [r for p in module.values() for r in (p.ranks or [])]
-    for p in module.values():
-        if p.sharding_spec is not None:
-            ranks_seen += [s.placement.rank() for s in p.sharding_spec.shards]
-    world = world_size or max(ranks_seen, default=0) + 1
+    world = _world_size(module, world_size)
     placed = [s.placement.device().type for p in module.values() if p.sharding_spec for s in p.sharding_spec.shards]
     on_cpu = device_type == "cpu" if device_type else bool(placed) and all(d == "cpu" for d in placed)
     order = {name: i for i, name in enumerate(shapes)}
     names = sorted(module, key=lambda n: order.get(n, len(order)))
     out = [_table(name, module[name], world, on_cpu, shapes) for name in names]
     return ShardingPlan(world, local_world_size or world, tuple(out))
+
+
+def _world_size(module: Any, given: int | None) -> int:
+    """The TorchRec job's world size: `given`, checked against the ranks the plan names, or the number of ranks its
+    row-wise tables (one block per rank, empty ones included) and data-parallel tables (a replica per rank) span."""
+    named: dict[int, str] = {}  # rank -> a table naming it
+    spans: dict[str, int] = {}  # table spanning every rank -> the ranks it spans
+    for name, p in module.items():
+        ranks = list(p.ranks or [])
+        if p.sharding_spec is not None:
+            ranks += [s.placement.rank() for s in p.sharding_spec.shards]
+        for r in ranks:
+            named.setdefault(r, name)
+        if p.sharding_type in (ShardingType.ROW_WISE.value, ShardingType.DATA_PARALLEL.value) and ranks:
+            spans[name] = len(set(ranks))
+    if given is not None:
+        world = int(given)
+        wrong = {r: t for r, t in named.items() if not 0 <= r < world}
+        wrong_span = {t: n for t, n in spans.items() if n != world}
+        if world < 1 or wrong or wrong_span:
+            raise ConfigError(
+                f"TorchRec plan: world_size={given!r} does not fit the plan: "
+                + (f"tables {sorted(set(wrong.values()))} name ranks {sorted(wrong)}; " if wrong else "")
+                + (f"row-wise / data-parallel tables span {wrong_span} ranks; " if wrong_span else "")
+                + "pass the world size of the TorchRec job the plan was made for"
+            )
+        return world
+    if len(set(spans.values())) > 1:
+        raise ConfigError(
+            f"TorchRec plan: its row-wise / data-parallel tables span different numbers of ranks {spans}: TorchRec "
+            "spreads them over every rank; pass world_size= to check it against one job"
+        )
+    if not spans:
+        raise ConfigError(
+            f"TorchRec plan: no row-wise or data-parallel table spans every rank, so the plan does not say its world "
+            f"size (its tables name ranks {sorted(named)}): pass world_size= (the TorchRec job's number of ranks)"
+        )
+    world = next(iter(spans.values()))
+    outside = {r: t for r, t in named.items() if r >= world}
+    if outside:
+        raise ConfigError(
+            f"TorchRec plan: row-wise / data-parallel tables span {world} ranks but tables "
+            f"{sorted(set(outside.values()))} name ranks {sorted(outside)}: pass world_size= (the TorchRec job's "
+            "number of ranks)"
+        )
+    return world
 
 
 def _table(name: str, p: Any, world: int, on_cpu: bool, shapes: dict[str, tuple[int, int]]) -> TablePlan:

@@ -28,15 +28,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from embshard.interop.plan_file import DEVICE_TYPES, FORMAT, VERSION, check_plan_file, check_tables
 from embshard.spec.geometry import row_blocks
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.options import LookupOptions
 from embshard.spec.plan import LookupKernel, MemoryTier, ShardingPlan, ShardingType, TablePlan
 from embshard.spec.tables import ConfigError
 
-FORMAT = "torchrec-sharding-plan"
-VERSION = 1
-DEVICE_TYPES = ("cuda", "cpu")
 _GPU_KERNELS = {
     MemoryTier.HBM: "fused",
     MemoryTier.UVM: "fused_uvm",
@@ -51,12 +49,17 @@ def plan_dict(
     device_type: str = "cuda",
     optimizer: FusedOptimizerConfig | None = None,
     options: LookupOptions | None = None,
+    tables: Any = None,
 ) -> dict[str, Any]:
     """The plan file's content (module docstring) for an EmbeddingBagCollection at `module_path` of the model DMP
     wraps, on `device_type` ('cuda' or 'cpu'); `optimizer` and `options` (optional) add the notes that depend on
-    them. Raises ConfigError for a row-wise placement TorchRec cannot route (non-canonical blocks)."""
+    them. `tables` (optional): the TorchRec model's tables (its EmbeddingBagCollection, EmbeddingBagConfigs or
+    embshard TableConfigs), checked against the plan (names and shapes). Raises ConfigError for a row-wise
+    placement TorchRec cannot route (non-canonical blocks)."""
     if device_type not in DEVICE_TYPES:
         raise ConfigError(f"device_type={device_type!r} is invalid: TorchRec plans here are for {DEVICE_TYPES}")
+    if tables is not None:
+        check_tables(plan, tables)
     notes: list[str] = []
     tables = {
         tp.table: _table(tp, plan, device_type, optimizer, options or LookupOptions(), notes) for tp in plan.tables
@@ -155,19 +158,16 @@ def _row_entries(tp: TablePlan, plan: ShardingPlan, entries: list[dict]) -> list
     return entries + [{"rank": r, "offsets": [rows, 0], "sizes": [0, dim]} for r in group[len(entries) :]]
 
 
-def plan_from_dict(data: dict[str, Any], device_type: str | None = None) -> Any:
-    """TorchRec's `ShardingPlan` from the plan file's content; `device_type` overrides the file's ('cpu' runs a
-    GPU plan in a CPU job, e.g. a test)."""
+def plan_from_dict(data: dict[str, Any], device_type: str | None = None, where: str = "TorchRec plan") -> Any:
+    """TorchRec's `ShardingPlan` from the plan file's content, checked field by field first (ConfigError naming
+    `where`, e.g. the file, and the field); `device_type` overrides the file's ('cpu' runs a GPU plan in a CPU
+    job, e.g. a test)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
     from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan, ParameterSharding
     from torchrec.distributed.types import ShardingPlan as TorchRecPlan
 
-    if data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise ConfigError(
-            f"not a TorchRec plan file of this embshard (format {data.get('format')!r} version {data.get('version')!r}, "
-            f"expected {FORMAT!r} {VERSION}): write it with `embshard plan ... --format torchrec --out FILE`"
-        )
+    check_plan_file(data, where)
     device = device_type or data["device_type"]
     if device not in DEVICE_TYPES:
         raise ConfigError(f"device_type={device!r} is invalid: choose one of {DEVICE_TYPES}")
@@ -209,15 +209,20 @@ def to_torchrec_plan(
     device_type: str = "cuda",
     optimizer: FusedOptimizerConfig | None = None,
     options: LookupOptions | None = None,
+    *,
+    tables: Any,
 ) -> tuple[Any, list[str]]:
     """(TorchRec `ShardingPlan` for the EmbeddingBagCollection at `module_path`, notes on what was mapped to the
-    nearest TorchRec equivalent)."""
-    data = plan_dict(plan, module_path, device_type, optimizer, options)
+    nearest TorchRec equivalent). `tables`: the TorchRec model's tables (its EmbeddingBagCollection, its
+    EmbeddingBagConfigs, or embshard TableConfigs), which the plan must place exactly (names and shapes):
+    ConfigError naming the tables otherwise."""
+    data = plan_dict(plan, module_path, device_type, optimizer, options, tables)
     return plan_from_dict(data), data["notes"]
 
 
 def save_torchrec_plan(path: str | Path, plan: ShardingPlan, module_path: str = "", **kwargs: Any) -> list[str]:
-    """Write the plan file (JSON) for the collection at `module_path` (kwargs: as `to_torchrec_plan`); its notes."""
+    """Write the plan file (JSON) for the collection at `module_path` (kwargs: as `to_torchrec_plan`, `tables`
+    optional here); its notes."""
     data = plan_dict(plan, module_path, **kwargs)
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
     return data["notes"]
@@ -234,4 +239,4 @@ def load_torchrec_plan(path: str | Path, device_type: str | None = None) -> Any:
         raise ConfigError(
             f"{path}: not a JSON plan file ({e}); write one with `embshard plan ... --format torchrec`"
         ) from None
-    return plan_from_dict(data, device_type)
+    return plan_from_dict(data, device_type, str(path))

@@ -8,16 +8,17 @@
 
 `EmbeddingBagConfig` -> `TableConfig`: name, num_embeddings, embedding_dim, feature_names, pooling (sum, mean),
 data_type (fp32, fp16), the collection's `is_weighted` and a symmetric init range (weight_init_max; TorchRec's
-default range is embshard's, +-sqrt(1 / rows)). Refused with an error naming the table: pooling NONE (sequence
-embeddings), other data types, virtual (key-value) tables. A custom `init_fn` or an asymmetric init range is not
-carried (embshard draws from a symmetric range): a warning says so; loaded weights are unaffected.
+default range is embshard's, +-sqrt(1 / rows)). Refused with an error naming the table: pooling NONE and
+EmbeddingConfigs / an EmbeddingCollection (sequence embeddings: never pooled in their place), other data types,
+virtual (key-value) tables. A custom `init_fn` or an asymmetric init range is not carried (embshard draws from a
+symmetric range): a warning says so; loaded weights are unaffected.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from embshard.planner.constraints import ParameterConstraints
@@ -49,12 +50,38 @@ def tables_from_torchrec(configs: Any, weighted: bool | None = None) -> list[Tab
     if hasattr(configs, "embedding_bag_configs"):
         weighted = configs.is_weighted() if weighted is None else weighted
         configs = configs.embedding_bag_configs()
+    elif hasattr(configs, "embedding_configs"):
+        raise ConfigError(
+            f"tables_from_torchrec: the {type(configs).__name__} holds sequence tables (one embedding per id, not "
+            f"pooled: {_names(configs.embedding_configs())}); sequence features are not supported by embshard yet, "
+            "which pools bags: keep them in TorchRec, or give embshard an EmbeddingBagCollection (pooling SUM or MEAN)"
+        )
+    elif isinstance(configs, str | bytes | Mapping) or not isinstance(configs, Iterable):
+        raise ConfigError(
+            f"tables_from_torchrec takes a TorchRec EmbeddingBagCollection or a list of EmbeddingBagConfig, not a "
+            f"{type(configs).__name__}"
+        )
     return [_table(c, bool(weighted)) for c in configs]
 
 
+def _names(configs: Iterable[Any]) -> list[str]:
+    return [getattr(c, "name", "?") for c in configs]
+
+
 def _table(c: Any, weighted: bool) -> TableConfig:
+    if not all(hasattr(c, f) for f in ("name", "num_embeddings", "embedding_dim", "feature_names")):
+        raise ConfigError(
+            f"tables_from_torchrec: {c!r} is a {type(c).__name__}, not a TorchRec EmbeddingBagConfig (name, "
+            "num_embeddings, embedding_dim, feature_names, pooling)"
+        )
     where = f"TorchRec table {c.name!r}"
-    pooling = getattr(getattr(c, "pooling", None), "name", "SUM").lower()
+    if getattr(c, "pooling", None) is None:  # EmbeddingConfig: a sequence table, never pooled by default
+        raise ConfigError(
+            f"{where} ({type(c).__name__}) has no pooling (a sequence table of an EmbeddingCollection: one "
+            "embedding per id): sequence features are not supported by embshard yet; keep it in TorchRec, or make "
+            "it an EmbeddingBagConfig with pooling SUM or MEAN"
+        )
+    pooling = c.pooling.name.lower()
     if pooling not in ("sum", "mean"):
         raise ConfigError(
             f"{where}: pooling {pooling.upper()} (sequence embeddings) is not supported by embshard, which pools "

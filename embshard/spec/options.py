@@ -38,6 +38,13 @@ class BoundsCheck(str, enum.Enum):
     DROP = "drop"  # remove the id from its bag, warn once per feature, count in ebc.dropped_ids()
 
 
+class UnusedFeatures(str, enum.Enum):
+    """What to do with a batch feature that no table looks up."""
+
+    ERROR = "error"  # raise, naming the features
+    IGNORE = "ignore"  # leave them out of the lookup (as TorchRec's EmbeddingBagCollection does)
+
+
 @dataclass(frozen=True)
 class LookupOptions:
     """Numerics and runtime options of the embedding lookups (the same for every table of a collection)."""
@@ -60,10 +67,14 @@ class LookupOptions:
     """Column-wise tables under rowwise_adagrad keep one state value per full row (the sum of g^2 over every column
     block, one small all-to-all among the blocks' ranks), so they train exactly like the unsharded table; false:
     one state value per row of each block, as TorchRec does (sharding/column_wise.py)."""
+    unused_features: UnusedFeatures = UnusedFeatures.ERROR
+    """Batch features that no table looks up: 'error' raises, naming them; 'ignore' leaves them out of the lookup,
+    as TorchRec's EmbeddingBagCollection does (every feature a table names must still be in the batch)."""
 
     def __post_init__(self) -> None:
         set_enum_field(self, "output_dtype", OutputDtype, "lookup option ")
         set_enum_field(self, "bounds_check", BoundsCheck, "lookup option ")
+        set_enum_field(self, "unused_features", UnusedFeatures, "lookup option ")
         if self.regroup not in ("auto", "fbgemm", "triton"):
             raise ConfigError(f"lookup option regroup={self.regroup!r} is invalid: choose one of auto, fbgemm, triton")
         for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats", "column_wise_exact"):

@@ -191,19 +191,27 @@ class ShardingPlan:
         return enc(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
-        """Inverse of to_dict."""
+    def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> ShardingPlan:
+        """Inverse of to_dict. Every field is checked first (missing fields, unknown ones, wrong types, unknown enum
+        values): one ConfigError naming `where` (e.g. the file) and the field."""
+        _check_fields(data, _PLAN_FIELDS, ("world_size", "local_world_size", "tables"), where, "")
+        for i, t in enumerate(data["tables"]):
+            _check_fields(t, _TABLE_FIELDS, ("table", "sharding_type", "tier", "shards"), where, f"tables[{i}]")
+            for j, sh in enumerate(t["shards"]):
+                _check_fields(sh, _SHARD_FIELDS, tuple(_SHARD_FIELDS), where, f"tables[{i}].shards[{j}]")
         try:
             return cls(
-                world_size=int(data["world_size"]),
-                local_world_size=int(data["local_world_size"]),
+                world_size=data["world_size"],
+                local_world_size=data["local_world_size"],
                 tables=tuple(
                     TablePlan(**{**t, "shards": tuple(Shard(**s) for s in t["shards"])}) for t in data["tables"]
                 ),
                 table_row_wise_exchange=data.get("table_row_wise_exchange", Exchange.FLAT.value),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"not a valid embshard plan ({e}); produce one with `embshard plan`") from e
+        except ConfigError as e:  # a field's value out of its range (e.g. world_size 0): the file named
+            if where == "plan":
+                raise
+            raise ConfigError(f"{where}: {e}") from None
 
     def to_json(self) -> str:
         """JSON text."""
@@ -222,10 +230,16 @@ class ShardingPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> ShardingPlan:
-        """Read a plan written by save()."""
+        """Read a plan written by save() (YAML or JSON), checked field by field (from_dict)."""
         import yaml
 
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()))
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the plan file ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not a YAML or JSON plan file ({e}); write one with `embshard plan`") from None
+        return cls.from_dict(data, where=str(path))
 
     def __str__(self) -> str:
         kernels = any(t.kernel is not LookupKernel.FBGEMM for t in self.tables)  # the column only when it says more
@@ -314,3 +328,56 @@ def _check_cover(spans: list[tuple[int, int]], total: int, what: str, bad: Any) 
         pos += n
     if pos != total:
         raise bad(f"{what} blocks {spans} cover {pos} of {total} {what}")
+
+
+_PLAN_FIELDS: dict[str, Any] = {
+    "world_size": int,
+    "local_world_size": int,
+    "tables": list,
+    "table_row_wise_exchange": Exchange,
+}
+_TABLE_FIELDS: dict[str, Any] = {
+    "table": str,
+    "sharding_type": ShardingType,
+    "tier": MemoryTier,
+    "shards": list,
+    "cache_load_factor": float,
+    "cache_algorithm": CacheAlgorithm,
+    "kernel": LookupKernel,
+}
+_SHARD_FIELDS: dict[str, Any] = {f: int for f in ("rank", "row_offset", "num_rows", "col_offset", "num_cols")}
+_KIND_TEXT = {int: "an integer", float: "a number", str: "a string", list: "a list"}
+
+
+def _check_fields(data: Any, kinds: Mapping[str, Any], required: Sequence[str], where: str, path: str) -> None:
+    """Raise one ConfigError naming `where` and the field (`path`.name) unless `data` is a mapping with every
+    `required` field, no other field than `kinds`' and each value of its kind (a type, or an enum's values)."""
+
+    def bad(field: str, problem: str) -> ConfigError:
+        return ConfigError(
+            f"{where}: not a valid embshard plan: {field}{problem}; fix the file or write a new one with `embshard plan`"
+        )
+
+    if not isinstance(data, Mapping):
+        raise bad(path or "the plan", f" is a {type(data).__name__}, not a mapping of fields")
+    prefix = f"{path}." if path else ""
+    for key in required:
+        if key not in data:
+            raise bad(prefix + str(key), " is missing")
+    for key, value in data.items():
+        if key not in kinds:
+            raise bad(prefix + str(key), f" is not a plan field (known: {sorted(kinds)})")
+        kind = kinds[key]
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            choices = [k.value for k in kind]
+            if isinstance(value, kind) or (isinstance(value, str) and value in choices):
+                continue
+            raise bad(prefix + key, f"={value!r} is invalid: choose one of {choices}")
+        ok = {
+            int: isinstance(value, int),
+            float: isinstance(value, int | float),
+            str: isinstance(value, str),
+            list: isinstance(value, list | tuple),
+        }[kind] and not isinstance(value, bool)
+        if not ok:
+            raise bad(prefix + key, f"={value!r} is invalid: it must be {_KIND_TEXT[kind]}")

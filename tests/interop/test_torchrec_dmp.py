@@ -9,7 +9,8 @@
 - models and checkpoints in: a TorchRec DLRM trained in DMP and saved with DCP comes into embshard (RecModel, another
   plan) and trains on in embshard's TrainPipeline with TorchRec's losses;
 - checkpoints out: embshard's model saved for TorchRec loads into a fresh DMP with the state TorchRec reached;
-- the three migration steps of docs/torchrec.md (examples/torchrec/) run as written, in the same processes.
+- the three migration steps of docs/torchrec.md (examples/torchrec/) run as written, in the same processes;
+- a checkpoint that does not fit the model raises on every rank; the DMP checkpoint's world size is read from it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _plans_out(rank: int, world: int) -> dict:
     tables = tables_from_torchrec(reference)
     types = {"t_cw": "column_wise", "t_rw": "row_wise", "t_dp": "data_parallel", "t_twrw": "table_row_wise"}
     plan = simple_plan(tables, world, sharding_types=types)
-    tr_plan, notes = to_torchrec_plan(plan, "", "cpu")
+    tr_plan, notes = to_torchrec_plan(plan, "", "cpu", tables=reference)
     dmp = _dmp(EmbeddingBagCollection(tables=configs, device=torch.device("meta")), tr_plan)
     full = {n: b.weight.detach() for n, b in reference.embedding_bags.items()}
     with torch.no_grad():  # TorchRec's own state dict: each local shard gets its block of the reference weights
@@ -211,7 +212,7 @@ def _models_and_checkpoints(rank: int, world: int, folder: str) -> dict:
     tables = tables_from_torchrec(_dlrm("meta").model.sparse_arch.embedding_bag_collection)
     plan = simple_plan(tables, world, sharding_types={"t_cw": "column_wise", "t_rw": "row_wise"})
     path = "model.sparse_arch.embedding_bag_collection"
-    tr_plan, _ = to_torchrec_plan(plan, path, "cpu")
+    tr_plan, _ = to_torchrec_plan(plan, path, "cpu", tables=tables)
     dmp = _dmp(_dlrm("meta"), tr_plan)
     dense_opt = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=LR)
@@ -280,12 +281,40 @@ def _examples(device: torch.device, folder: str) -> dict:
     }
 
 
+def _shape_mismatch(rank: int, world: int, folder: str) -> str | None:
+    """A checkpoint whose table 'b' (on rank 1 only) has other rows than the model's: the error on every rank."""
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+    from embshard.spec.plan import Shard, ShardingPlan, TablePlan
+    from embshard.spec.tables import ConfigError, TableConfig
+
+    def collection(b_rows: int) -> ShardedEmbeddingBagCollection:
+        tables = [TableConfig("a", 20, 8, ("fa",)), TableConfig("b", b_rows, 8, ("fb",))]
+        plan = ShardingPlan(
+            world,
+            world,
+            tuple(
+                TablePlan(t.name, "table_wise", "host", (Shard(r, 0, t.num_embeddings, 0, 8),))
+                for r, t in enumerate(tables)
+            ),
+        )
+        return ShardedEmbeddingBagCollection(tables, plan, FusedOptimizerConfig("rowwise_adagrad"), device="cpu")
+
+    path = os.path.join(folder, "mismatch")
+    save_torchrec_checkpoint(path, collection(30), torchrec_world_size=world)
+    try:
+        load_torchrec_checkpoint(path, collection(31), torchrec_world_size=world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _worker(rank: int, world: int, device: torch.device, folder: str) -> dict:
     _quiet()
     return {
         "plans": _plans_out(rank, world),
         "models": _models_and_checkpoints(rank, world, folder),
         "examples": _examples(device, folder),
+        "mismatch": _shape_mismatch(rank, world, folder),
     }
 
 
@@ -367,3 +396,31 @@ def test_migration_examples(results, folder):
         assert len(steps["step1"]["losses"]) == 4 and len(steps["step2"]["losses"]) == 4
         assert all(math.isfinite(x) for x in steps["step1"]["losses"] + steps["step2"]["losses"])
         assert steps["step3"]["theirs"] == pytest.approx(steps["step3"]["ours"], rel=1e-5)
+
+
+def test_checkpoint_shape_mismatch_raises_on_every_rank(results):
+    """Table 'b' sits on rank 1 only: rank 0, which reads none of it, raises too (the ranks agree first)."""
+    for rank, r in enumerate(results):
+        assert r["mismatch"] is not None, f"rank {rank} returned normally"
+        assert "table 'b'" in r["mismatch"] and "31 rows x 8 columns (found: 30 rows x 8 columns)" in r["mismatch"]
+
+
+def test_checkpoint_world_size_read_from_the_checkpoint(results, folder):
+    """The 2-rank DMP checkpoint (its row-wise table t_rw: one block per rank) in a 1-rank job: TorchRec's state is
+    scaled by 2^2 without torchrec_world_size, as with torchrec_world_size=2; a wrong one is refused."""
+    from embshard.spec.tables import ConfigError
+
+    def load(**kw) -> dict:
+        model = rec_model_from_torchrec(_with_optimizer(_dlrm("meta").model), plan, torch.device("cpu"))
+        load_torchrec_checkpoint(folder / "torchrec", model, module_path="model", **kw)
+        return {name: st["m"].clone() for name, _, st in model.ebc.local_optimizer_states()}
+
+    tables = tables_from_torchrec(_dlrm("meta").model.sparse_arch.embedding_bag_collection)
+    plan = simple_plan(tables, 1)
+    read, given, unscaled = load(), load(torchrec_world_size=2), load(gradient_division=False)
+    for name in read:
+        torch.testing.assert_close(read[name], given[name], rtol=0, atol=0)
+        torch.testing.assert_close(read[name], unscaled[name] * 4, rtol=0, atol=0)
+        assert unscaled[name].abs().sum() > 0, name  # the steps before the save moved the state
+    with pytest.raises(ConfigError, match=r"torchrec_world_size=1 does not fit the checkpoint, saved by 2 ranks"):
+        load(torchrec_world_size=1)

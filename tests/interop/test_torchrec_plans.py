@@ -64,7 +64,7 @@ def _specs(tr_plan, path: str) -> dict:
 
 def test_plan_round_trip_and_torchrec_fields():
     plan = _gpu_plan()
-    tr_plan, notes = to_torchrec_plan(plan, "model.sparse", "cuda")
+    tr_plan, notes = to_torchrec_plan(plan, "model.sparse", "cuda", tables=TABLES)
     specs = _specs(tr_plan, "model.sparse")
     assert specs["a"][1] == "fused_uvm_caching" and specs["a"][4] == ("LFU", 0.35)
     assert specs["b"][:2] == ("table_row_wise", "fused_uvm") and specs["b"][4] is None
@@ -88,8 +88,8 @@ def test_planner_plans_round_trip():
         plan = dataclasses.replace(  # kernel 'small' is not TorchRec's: the round trip is for what it can express
             plan, tables=tuple(dataclasses.replace(t, kernel="fbgemm") for t in plan.tables)
         )
-        tr_plan, _ = to_torchrec_plan(plan, "", "cuda", inp.optimizer)
-        back = from_torchrec_plan(tr_plan, tables=inp.tables)
+        tr_plan, _ = to_torchrec_plan(plan, "", "cuda", inp.optimizer, tables=inp.tables)
+        back = from_torchrec_plan(tr_plan, world_size=plan.world_size, tables=inp.tables)
         assert back == plan, name
         back.check(inp.tables)
 
@@ -100,7 +100,7 @@ def test_plan_file_and_device_override(tmp_path):
     notes = save_torchrec_plan(path, plan, "m", device_type="cuda")
     data = json.loads(path.read_text())  # plain JSON, nothing executable
     assert data["format"] == "torchrec-sharding-plan" and data["notes"] == notes
-    assert _specs(load_torchrec_plan(path), "m") == _specs(to_torchrec_plan(plan, "m", "cuda")[0], "m")
+    assert _specs(load_torchrec_plan(path), "m") == _specs(to_torchrec_plan(plan, "m", "cuda", tables=TABLES)[0], "m")
     on_cpu = _specs(load_torchrec_plan(path, device_type="cpu"), "m")
     assert {v[1] for v in on_cpu.values()} == {"fused", "dense"}
     assert on_cpu["c"][3][3][2] == "rank:3/cpu"
@@ -124,10 +124,10 @@ def test_notes_for_what_torchrec_cannot_express():
         ),
     )
     plan.check(one)
-    _, gpu = to_torchrec_plan(plan, device_type="cuda", optimizer=FusedOptimizerConfig("rowwise_adagrad"))
+    _, gpu = to_torchrec_plan(plan, device_type="cuda", optimizer=FusedOptimizerConfig("rowwise_adagrad"), tables=one)
     assert [n.split(":")[0] for n in gpu] == ["table 's'", "table 'h'", "table 'w'"]
     assert "small" in gpu[0] and "fused_uvm" in gpu[1] and "column_wise_exact" in gpu[2]
-    _, cpu = to_torchrec_plan(plan, device_type="cpu", optimizer=FusedOptimizerConfig("sgd"))
+    _, cpu = to_torchrec_plan(plan, device_type="cpu", optimizer=FusedOptimizerConfig("sgd"), tables=one)
     assert len(cpu) == 2 and "'fused'" in cpu[1]
 
 
@@ -135,10 +135,10 @@ def test_plan_errors():
     bad = ShardingPlan(2, 2, (TablePlan("r", "row_wise", "hbm", (Shard(1, 0, 5, 0, 8), Shard(0, 5, 5, 0, 8))),))
     bad.check([TableConfig("r", 10, 8, ("fr",))])
     with pytest.raises(ConfigError, match=r"table 'r'.*row_blocks"):
-        to_torchrec_plan(bad)
+        to_torchrec_plan(bad, tables=[TableConfig("r", 10, 8, ("fr",))])
     with pytest.raises(ConfigError, match="device_type"):
-        to_torchrec_plan(simple_plan(TABLES, 2), device_type="tpu")
-    tr_plan, _ = to_torchrec_plan(simple_plan(TABLES, 2, sharding_types={"e": "data_parallel"}), "x")
+        to_torchrec_plan(simple_plan(TABLES, 2), device_type="tpu", tables=TABLES)
+    tr_plan, _ = to_torchrec_plan(simple_plan(TABLES, 2, sharding_types={"e": "data_parallel"}), "x", tables=TABLES)
     with pytest.raises(ConfigError, match="no module 'y'"):
         from_torchrec_plan(tr_plan, "y")
     with pytest.raises(ConfigError, match="table 'e'.*tables="):
@@ -183,7 +183,7 @@ def test_torchrec_planner_plan_into_embshard():
     plan = from_torchrec_plan(tr_plan, tables=tables)
     plan.check(tables)
     assert {t.table: t.sharding_type.value for t in plan.tables} == kinds
-    again, _ = to_torchrec_plan(plan)
+    again, _ = to_torchrec_plan(plan, tables=ebc)
     assert _specs(again, "") == _specs(tr_plan, "")
 
 
