@@ -38,6 +38,7 @@ SMALL_TYPES = {
     "g_dp2": ShardingType.DATA_PARALLEL,
 }
 BATCH, STEPS = 16, 7
+SMALL_STEPS = 5  # the small-kernel run: past the capacity's growth at step 4, fewer of the interpreter's launches
 
 
 def _collection(world, device, tables=TABLES, types=TYPES, small=False):
@@ -91,7 +92,7 @@ def _counts(ebc, kjt):
     return parse_counts(torch.stack(rows).cpu().numpy())
 
 
-def _worker(rank, world, device, wrong_filler=False, small=False):
+def _worker(rank, world, device, wrong_filler=False, small=False, steps=STEPS):
     from embshard.collection.emb_graph import EmbeddingStepGraph
 
     tables, types = (SMALL_TABLES, SMALL_TYPES) if small else (TABLES, TYPES)
@@ -111,7 +112,7 @@ def _worker(rank, world, device, wrong_filler=False, small=False):
         graph._padder.pad = bad_pad
     gen = torch.Generator().manual_seed(100 + rank)
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         kjt = _batch(gen, device, step, tables)
         counts = _counts(eager, kjt)
         loss_e = (eager(kjt).values() ** 2).sum()
@@ -142,9 +143,10 @@ def test_graphed_step_trains_like_the_eager_step(world):
     assert all(c % 64 == 0 for c in cap) and all(r[1][2] == cap for r in results)  # every rank: one capacity
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_graphed_step_with_unpadded_small_kernel_tables_trains_like_the_eager_step(world):
-    results = run_distributed(_worker, world, False, True)
+def test_graphed_step_with_unpadded_small_kernel_tables_trains_like_the_eager_step():
+    """At 2 ranks only: the small-kernel tables are data-parallel (local at any world size), and the table-wise
+    tables beside them train at 1 and 2 ranks in the test above."""
+    results = run_distributed(_worker, 2, False, True, SMALL_STEPS)
     cuda = device_kind() == "cuda"
     _compare(results, *((1e-4, 1e-5) if cuda else (1e-5, 1e-6)))
     assert results[0][1][0] >= 2 if cuda else True

@@ -6,6 +6,7 @@ share, as table-wise, with FBGEMM."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,11 +64,18 @@ class Choice:
         self.blocks, self.hbm_max, self.ddr_max, self.total_hbm, self.total_ddr, self.lookup_s = sizes
         self.dense: dict = {}
         """Cache of [NROWS, W] loads for placements on fixed ranks (row-wise kinds, DP)."""
+        self.peers: dict = {}
+        """Cache of the rows each block loads on ranks other than its own (State._peer_rows)."""
 
     def _expanded(self, k: int) -> np.ndarray:
         arrays, a, b = self._runs
         x = arrays[k][a:b]
         return x if self.blocks == 1 else np.repeat(x, self._counts.astype(int), axis=0)
+
+    @functools.cached_property
+    def owner_peak(self) -> np.ndarray:
+        """[phases]: the longest any one block keeps its own rank busy in each phase (s)."""
+        return np.maximum.reduceat(self.owner.max(axis=0), loads.PHASE_START)
 
     @property
     def first_owner(self) -> np.ndarray:

@@ -14,6 +14,9 @@ from embshard.planner.state import State
 
 CANDIDATES_PER_ROUND = 6
 SWAP_PARTNERS = 8
+FLOOR_MARGIN = 1e-12
+"""Relative margin under State.floor before a choice is skipped: the step times it bounds add their phases in
+other orders (a few units in the last place)."""
 
 
 def improve(state: State, p: Problem) -> None:
@@ -31,7 +34,7 @@ def improve(state: State, p: Problem) -> None:
             if phases[phase].max() <= 0:
                 break
             r = int(phases[phase].argmax())
-            rows = loads.PHASE_ROWS[phase]
+            rows = loads.PHASE_SLICES[phase]
             for i, (c, ranks) in state.placed.items():
                 ch = items[i].choices[c]
                 if r in ranks:
@@ -54,6 +57,8 @@ def improve(state: State, p: Problem) -> None:
             c0, r0 = state.remove(i, it)
             best = (J0 - tol, None, None)
             for c in usable[i]:
+                if state.floor(it.choices[c]) * (1 - FLOOR_MARGIN) >= best[0]:
+                    continue  # no placement of this choice can beat the best so far
                 got = state.best_ranks(it, it.choices[c])
                 if got is not None and got[0] < best[0]:
                     best = (got[0], c, got[1])

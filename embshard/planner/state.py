@@ -91,7 +91,15 @@ class State:
     def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1), and of
         the once-per-step host sync (device counts) when the plan gains its first or loses its last model-parallel
-        table."""
+        table. Kept until the loads change (every move changes them)."""
+        cache = self._fresh()
+        key = ("scheme", ch.option.sharding, item.weighted, sign)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = self._scheme_change(item, ch, sign)
+        return got
+
+    def _scheme_change(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         st = ch.option.sharding
         n, nw = self.scheme_count.get(st, [0, 0])
         before = self.model.scheme_fixed(st, nw > 0) if n else np.zeros(loads.NROWS)
@@ -206,6 +214,16 @@ class State:
         return loads.step_time(self.loads)
 
     # ---- where would a choice go best -----------------------------------------------------------------------
+    def floor(self, ch: Choice) -> float:
+        """A floor under the step time of every placement of the choice on the current loads: each phase lasts
+        at least as long as its busiest rank now and as the choice's busiest block on its own rank (a placement
+        only adds loads)."""
+        cache = self._fresh()
+        busiest = cache.get("phases")
+        if busiest is None:
+            busiest = cache["phases"] = np.maximum.reduceat(self._row_max(), loads.PHASE_START)
+        return float(np.maximum(busiest, ch.owner_peak).sum())
+
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
         """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
         st = ch.option.sharding
@@ -245,7 +263,7 @@ class State:
         return result
 
     def _block_delta(self, item: Item, ch: Choice, b: int, r: int, first: bool, ranks_so_far: list[int]) -> np.ndarray:
-        d = loads.spread(np.array([r]), ch.owner[b : b + 1], ch.same[b : b + 1], ch.other[b : b + 1], self.W, self.lws)
+        d = self._single_spread(ch, b, r)
         counts = self.group_count.get(self._group(ch), np.zeros(self.W, dtype=int))
         if counts[r] == 0 and r not in ranks_so_far:
             d[:, r] += self.model.group_fixed(*self._group(ch))
@@ -254,6 +272,18 @@ class State:
             d[loads.BWD, r] += max(float(ch.hot[b]) - (top[r] if top is not None else 0.0), 0.0)
         if first:
             d += self._scheme_delta(item, ch, +1)[:, None]
+        return d
+
+    def _single_spread(self, ch: Choice, b: int, r: int) -> np.ndarray:
+        """Loads [NROWS, W] of block b alone on rank r: the numbers loads.spread gives for one block (its host's
+        ranks get `(same + other) - other`, as there), without its scatter-adds."""
+        o, a, x = ch.owner[b], ch.same[b], ch.other[b]
+        on_host = (a + x) - x
+        h0 = r // self.lws * self.lws
+        d = np.empty((loads.NROWS, self.W))
+        d[:] = x[:, None]
+        d[:, h0 : h0 + self.lws] = on_host[:, None]
+        d[:, r] = on_host + (o - a)
         return d
 
     def _try_dense(self, item: Item, ch: Choice, ranks: np.ndarray) -> tuple[float, tuple[int, ...]] | None:
@@ -287,19 +317,17 @@ class State:
         own = np.add(self.loads, o[:, None], out=self._buf_own)
         if launches is not None:
             own += launches
-        if np.any(grow):
+        if isinstance(grow, np.ndarray) and grow.any():
             own[loads.BWD] += grow
         new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
-        peers = (a != 0) | (x != 0) if self.H > 1 else a != 0
-        if peers.any():
-            self._add_peers(new, own, np.flatnonzero(peers), a, x)
+        rows = self._peer_rows(ch, b)
+        if rows is not None:
+            self._add_peers(new, own, rows, a, x)
         phase_add = None
         if b == 0:
-            scheme = self._scheme_delta(item, ch, +1)
-            if scheme.any():
-                phase_add = loads.per_phase(scheme)
-                if phase_add is None:
-                    new += scheme[:, None]
+            scheme, phase_add = self._scheme_join(item, ch)
+            if scheme is not None:
+                new += scheme[:, None]
         J = loads.phase_max_sum(new, phase_add)
         J[~feasible] = np.inf
         rounded = np.round(J * 1e9)
@@ -313,6 +341,28 @@ class State:
                 ties = ties[free == free.max()]
         k = int(ties[0])
         return float(J[k]), k
+
+    def _peer_rows(self, ch: Choice, b: int) -> np.ndarray | None:
+        """The rows block b of the choice loads on ranks other than its own (None: none), kept on the choice."""
+        key = (b, self.H > 1)
+        if key not in ch.peers:
+            a, x = ch.same[b], ch.other[b]
+            peers = (a != 0) | (x != 0) if self.H > 1 else a != 0
+            ch.peers[key] = np.flatnonzero(peers) if peers.any() else None
+        return ch.peers[key]
+
+    def _scheme_join(self, item: Item, ch: Choice) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """What the item's first block adds to the scheme's fixed costs on every rank, as (per row, or None where
+        it is one value per phase or nothing, per phase or None), kept until the loads change."""
+        cache = self._fresh()
+        key = ("join", ch.option.sharding, item.weighted)
+        got = cache.get(key)
+        if got is None:
+            scheme, phase_add = self._scheme_delta(item, ch, +1), None
+            if scheme.any():
+                phase_add = loads.per_phase(scheme)
+            got = cache[key] = (scheme if phase_add is None and scheme.any() else None, phase_add)
+        return got
 
     def _own_extra(self, ch: Choice, b: int, group: tuple) -> tuple[np.ndarray | None, np.ndarray | float]:
         """What block b of the choice adds on its rank beyond its own loads: ([NROWS, W] the group's launches on
@@ -361,7 +411,8 @@ class State:
             np.maximum(e_most, reach, out=e_most)
             np.maximum(e_top, reach, out=e_top)
         sub = new[rows]
-        np.maximum(sub, np.repeat(e_most, self.lws, axis=1), out=sub)
+        by_host = sub.reshape(len(rows), self.H, self.lws)  # a view: each host's ranks take its e_most
+        np.maximum(by_host, e_most[:, :, None], out=by_host)
         r_idx = np.arange(len(rows))[:, None]
         at_top = np.maximum(own[rows[:, None], top_pos], self._row_max()[rows][:, None])
         sub[r_idx, top_pos] = np.maximum(at_top, e_top, out=at_top)
