@@ -32,9 +32,7 @@ STAGES = [
 
 def box(ax, x: float, y: float, w: float, h: float, title: str, detail: str, colour: str) -> None:
     ax.add_patch(
-        FancyBboxPatch(
-            (x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", fc=colour, ec=EDGE, lw=1.2, zorder=2
-        )
+        FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", fc=colour, ec=EDGE, lw=1.2, zorder=2)
     )
     ax.text(x + w / 2, y + h - 0.2, title, ha="center", va="top", fontsize=10.5, weight="bold", zorder=3)
     ax.text(x + w / 2, y + h - 0.52, detail, ha="center", va="top", fontsize=8.5, color="#222222", zorder=3)
@@ -52,8 +50,23 @@ def draw(out: Path) -> None:
     ax.axis("off")
 
     # the plan, made once before training (on a CPU, no torch needed)
-    box(ax, 0.2, 3.2, 3.6, 1.25, "planner", "cost model on a CPU, once per job:\nsharding type, ranks, memory tier,\nkernel per table", PLAN)
-    ax.text(4.0, 3.85, "ShardingPlan: which rank holds which rows\n(every rank builds its shards from it)", fontsize=9, va="center")
+    box(
+        ax,
+        0.2,
+        3.2,
+        3.6,
+        1.25,
+        "planner",
+        "cost model on a CPU, once per job:\nsharding type, ranks, memory tier,\nkernel per table",
+        PLAN,
+    )
+    ax.text(
+        4.0,
+        3.85,
+        "ShardingPlan: which rank holds which rows\n(every rank builds its shards from it)",
+        fontsize=9,
+        va="center",
+    )
 
     w, h, gap, y = 2.1, 1.55, 0.24, 1.3
     xs = [0.2 + i * (w + gap) for i in range(len(STAGES))]
