@@ -10,7 +10,8 @@ here; their rule says which test runs them or what is checked instead:
   torchx on PATH.
 - `embshard train CONFIG ...`: the config and its overrides load (`load_config`, the check `embshard train` makes
   before it starts any process) and the arguments parse; tests/test_train.py trains every config in configs/.
-- `embshard plan ...`: run for real (dry runs, no GPU), its output files written to a scratch folder.
+- `embshard plan ...`: run for real (dry runs, no GPU), its output files written to a scratch folder; called as
+  `.venv/bin/embshard plan ...` the same, and the program must be where `make install` puts it.
 - `embshard calibrate`, `embshard checkpoint inspect/export`: `--help` (calibrate measures the machine for
   minutes; tests/checkpoint/test_checkpoint.py::test_inspect_and_export runs inspect and export on checkpoints).
 - `launch/torchrun.sh ...`: run with DRY_RUN=1 and a PATH without the environment (as in a shell where .venv is
@@ -111,6 +112,11 @@ def test_every_readme_command_works(tmp_path):
         while tokens and re.match(r"^[A-Z_]+=", tokens[0]):
             key, _, value = tokens.pop(0).partition("=")
             env_vars[key] = value
+        if tokens[0] == ".venv/bin/embshard":  # the program make install put in .venv, called by its path
+            assert (ROOT / tokens[0]).exists() or not (ROOT / ".venv").exists(), (
+                f"{cmd}: make install did not install it"
+            )
+            tokens[0] = "embshard"
         head = tokens[:2]
         if tokens[0] == "make":
             assert not env_vars, cmd

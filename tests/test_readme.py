@@ -1,9 +1,9 @@
 """The README's Python examples run as written and produce what they claim; examples/custom_model.py trains a model
-of its own kind on 2 CPU processes.
+of its own kind on 2 CPU processes (examples/quickstart.py: tests/test_quickstart_example.py).
 
-The README's two ```python blocks (the sharded collection alone; a whole model through TrainPipeline) each run as
-a script of their own; here both run in one process, one after the other (one start-up of torch, one gloo group of
-1 process), from the repository root as a reader would."""
+The README's two ```python blocks (the sharded collection planned by the cost model; a whole model through
+TrainPipeline) each run as a script of their own; here both run in one process, one after the other (one start-up
+of torch, one gloo group of 1 process), from the repository root as a reader would."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ def test_readme_examples_run(tmp_path):
     assert len(blocks) == 2, f"README.md has {len(blocks)} python blocks; this test runs and checks each: update it"
     sharded, pipeline = blocks
     assert "TrainPipeline" in pipeline and "ShardedEmbeddingBagCollection" in sharded
+    assert "plan_with_report" in sharded and "Topology.preset" in sharded  # the cost-model planner, not simple_plan
     checks = [
-        "assert out['user'].shape == (2, 16) and out['cross'].shape == (2, 48), {k: v.shape for k, v in out.items()}",
+        "assert (cluster.world_size, plan.world_size) == (64, 64), (cluster, plan.world_size)",
+        "assert local_plan.world_size == torch.distributed.get_world_size(), local_plan",
+        "assert out['user'].shape == (2, 128) and out['cross'].shape == (2, 384), {k: v.shape for k, v in out.items()}",
         "print('SHARDED_OK')",
     ]
     script = "\n".join([sharded, *checks, pipeline, "assert done is None"])
@@ -40,7 +43,8 @@ def test_readme_examples_run(tmp_path):
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "ShardingPlan" in proc.stdout and "SHARDED_OK" in proc.stdout
+    assert "ShardingPlan: world_size=64" in proc.stdout and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:]
+    assert re.search(r"^predicted step time [\d.]+ ms", proc.stdout, re.M), proc.stdout[-3000:]  # report.summary()
     losses = [float(m) for m in re.findall(r"^\d+ (\S+)$", proc.stdout, re.M)]
     assert len(losses) == 10 and all(0 < x < 5 for x in losses), proc.stdout[-2000:]
 
