@@ -168,7 +168,7 @@ def bench_small(args, bw: float) -> None:
                 m = (
                     TBELookup(shards, opt, dev, seed=1)
                     if kernel is None
-                    else SmallTableLookup(shards, opt, dev, 1, None, kernel)
+                    else SmallTableLookup(shards, opt, dev, 1, kernel=kernel)
                 )
 
                 def step(m=m, ids=ids):
@@ -342,7 +342,7 @@ def check(args) -> int:
 
     def direct():
         cfg = OPTIMIZERS["sgd"]
-        make = lambda: SmallTableLookup(full_shards(TABLES, dev), cfg, dev, 7, None, SmallTableOptions(direct_sgd=True))
+        make = lambda: SmallTableLookup(full_shards(TABLES, dev), cfg, dev, 7, kernel=SmallTableOptions(direct_sgd=True))
         lookup, ref, outs = train_against_reference(make, TABLES, cfg, dev, steps=3, B=16)
         check_against_reference(lookup, ref, outs, cfg, TABLES)
 
@@ -359,7 +359,7 @@ def check(args) -> int:
 
             def vs_fbgemm(opt=opt, kernel=kernel):
                 cfg = FusedOptimizerConfig(opt, lr=0.05, eps=1e-6)
-                mine, tbe = SmallTableLookup(shards, cfg, dev, 3, None, kernel), TBELookup(shards, cfg, dev, seed=3)
+                mine, tbe = SmallTableLookup(shards, cfg, dev, 3, kernel=kernel), TBELookup(shards, cfg, dev, seed=3)
                 gen = torch.Generator(device=dev).manual_seed(2)
                 for _ in range(3):
                     lengths = torch.randint(0, 40, (len(tables) * 512,), device=dev, generator=gen)
@@ -379,7 +379,7 @@ def check(args) -> int:
         cfg = FusedOptimizerConfig("rowwise_adagrad", lr=0.05, eps=1e-6)
         runs = []
         for _ in range(2):
-            m = SmallTableLookup(shards, cfg, dev, 3, None, SmallTableOptions(deterministic=True))
+            m = SmallTableLookup(shards, cfg, dev, 3, kernel=SmallTableOptions(deterministic=True))
             gen = torch.Generator(device=dev).manual_seed(9)
             for _ in range(3):
                 offsets = torch.arange(0, len(tables) * 256 * 30 + 1, 30, device=dev)

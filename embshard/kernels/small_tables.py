@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,9 @@ from torch import nn
 
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
-from embshard.lookup.base import CountedSteps, EveryIdWeighted, NoCache, set_shards
+from embshard.lookup.base import CountedSteps, NoCache, ShardLookup
 from embshard.lookup.updates import apply_update, optimizer_state
-from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.spec.options import LookupOptions
+from embshard.spec.optim import OptimizerKind
 from embshard.spec.plan import MemoryTier
 from embshard.spec.tables import ConfigError, DataType
 
@@ -244,24 +244,17 @@ class _Pool(torch.autograd.Function):
         return (None,) * (5 + ctx.n)
 
 
-class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
+class SmallTableLookup(NoCache, CountedSteps, ShardLookup):
     """Shards of small tables (fp32, in device memory) pooled by the small-table kernels, optimizer fused into
     the backward. Same contract as TBELookup (constructor, forward, shard_weights and the cache no-ops)."""
 
-    def __init__(
-        self,
-        shards: Sequence[LocalShard],
-        optimizer: FusedOptimizerConfig,
-        device: torch.device,
-        seed: int | None = 0,
-        options: LookupOptions | None = None,
-        kernel: SmallTableOptions | None = None,
-    ) -> None:
-        super().__init__()
-        self.kernel = kernel or SmallTableOptions()
-        self.opt = optimizer
-        set_shards(self, shards)
-        self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
+    def __init__(self, *args: Any, kernel: SmallTableOptions | None = None, **kwargs: Any) -> None:
+        """ShardLookup's arguments (shards, optimizer, device, seed, options), and the kernels' options `kernel`
+        (keyword only; default SmallTableOptions())."""
+        self.kernel = kernel or SmallTableOptions()  # a plain attribute, read by _build
+        super().__init__(*args, **kwargs)
+
+    def _build(self, device: torch.device, seed: int | None) -> None:
         self._check(device)
         self.layout, self._place = shards_layout(self.shards)
         self.weights = nn.ParameterList()
@@ -271,31 +264,23 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
         for g in self.layout.groups:
             w = torch.empty(g.rows, g.dim, dtype=torch.float32, device=device)
             self.weights.append(nn.Parameter(w))
-            self._state.append(optimizer_state(optimizer, w))
+            self._state.append(optimizer_state(self.optimizer, w))
             if not self.kernel.direct_sgd:
                 self._grads.append(torch.zeros_like(w))
             if self._touched is not None:
                 self._touched.append(torch.zeros(g.rows, dtype=torch.int8, device=device))
         with torch.no_grad():
-            for s, view in zip(shards, self.shard_weights()):
+            for s, view in zip(self.shards, self.shard_weights()):
                 sh = s.shard
-                view.copy_(
-                    init_rows(
-                        s.table,
-                        s.table_index,
-                        sh.row_offset,
-                        sh.num_rows,
-                        sh.col_offset,
-                        sh.num_cols,
-                        seed,
-                        view.device,
-                    )
+                init = init_rows(
+                    s.table, s.table_index, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols, seed, view.device
                 )
+                view.copy_(init)
         self._step = 0
 
     @property
     def _needs_touched(self) -> bool:
-        return self.opt.kind is OptimizerKind.ADAM or self.opt.weight_decay > 0
+        return self.optimizer.kind is OptimizerKind.ADAM or self.optimizer.weight_decay > 0
 
     def _check(self, device: torch.device) -> None:
         names = [s.table.name for s in self.shards]
@@ -311,10 +296,10 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
                 f"tables {off_device}: the small-table kernel keeps weights in the compute device's memory (tier "
                 "hbm, or host on CPUs); give them tier hbm, or use the FBGEMM TBE lookup for UVM tiers"
             )
-        if self.kernel.direct_sgd and (self.opt.kind is not OptimizerKind.SGD or self.opt.weight_decay):
+        if self.kernel.direct_sgd and (self.optimizer.kind is not OptimizerKind.SGD or self.optimizer.weight_decay):
             raise ConfigError(
                 f"tables {names}: direct_sgd adds the update into the weights and needs optimizer sgd without weight "
-                f"decay (got {self.opt.kind.value}, weight_decay={self.opt.weight_decay}); set direct_sgd: false"
+                f"decay (got {self.optimizer.kind.value}, weight_decay={self.optimizer.weight_decay}); set direct_sgd: false"
             )
 
     def forward(
@@ -339,7 +324,9 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
         """Forward without autograd (`all_weighted`: `psw` weighs every feature's ids, as `pool`)."""
         w = [p.detach() for p in self.weights]
         k = self.kernel
-        return pool(self.layout, w, indices, offsets, psw, self._out_dtype, k.impl, k.tiles, all_weighted)
+        return pool(
+            self.layout, w, indices, offsets, psw, self.options.output_dtype.torch_dtype, k.impl, k.tiles, all_weighted
+        )
 
     def apply_gradient(
         self,
@@ -352,7 +339,7 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
         """Backward: the rows' gradients, then the update rule on the touched rows (`psw` and `all_weighted`: the
         forward's)."""
         self._step += 1
-        o, k = self.opt, self.kernel
+        o, k = self.optimizer, self.kernel
         weights = [p.detach() for p in self.weights]
         triton_path = use_triton(k.impl, indices.device)
         if k.direct_sgd:
