@@ -149,10 +149,10 @@ def dense_gradients(
     k = _grad_kernels()
     dgroups = layout.on(indices.device, all_weighted)
     if kernel.deterministic:
-        key0_F, cols_F, weighted_F = layout.feature_tables(indices.device, all_weighted)
+        features = layout.feature_tables(indices.device, all_weighted)
         k.backward_sorted(
-            list(grads), list(touched) if touched else None, dgroups, key0_F, cols_F, weighted_F,
-            indices, offsets, psw, grad_out, kernel.tiles,
+            list(grads), list(touched) if touched else None, dgroups, features, indices, offsets, psw, grad_out,
+            kernel.tiles,
         )  # fmt: skip
     elif grad_out.shape[0] and indices.numel():
         k.backward_atomic(
