@@ -168,7 +168,7 @@ def bench_small(args, bw: float) -> None:
                 m = (
                     TBELookup(shards, opt, dev, seed=1)
                     if kernel is None
-                    else SmallTableLookup(shards, opt, dev, 1, None, kernel)
+                    else SmallTableLookup(shards, opt, dev, 1, kernel=kernel)
                 )
 
                 def step(m=m, ids=ids):
@@ -220,11 +220,9 @@ def bench_dense(args, bw: float) -> None:
             torch.autograd.grad(tbe(ids, offsets), tbe.weights, grad)
 
         def kernel(ids, opts):
-            pool(layout, views, ids, offsets, tiles=opts.tiles)
+            pool(layout, views, ids, offsets, kernel=opts)
             g = torch.zeros_like(flat)
-            dense_gradients(
-                layout, group_views(g, layout), grad, ids, offsets, deterministic=opts.deterministic, tiles=opts.tiles
-            )
+            dense_gradients(layout, group_views(g, layout), grad, ids, offsets, kernel=opts)
 
         case = f"{dist} ({distinct / T:.0f} rows/table)"
         base = timed(fbgemm, dev, args.rep_ms)
@@ -342,7 +340,9 @@ def check(args) -> int:
 
     def direct():
         cfg = OPTIMIZERS["sgd"]
-        make = lambda: SmallTableLookup(full_shards(TABLES, dev), cfg, dev, 7, None, SmallTableOptions(direct_sgd=True))
+        make = lambda: SmallTableLookup(
+            full_shards(TABLES, dev), cfg, dev, 7, kernel=SmallTableOptions(direct_sgd=True)
+        )
         lookup, ref, outs = train_against_reference(make, TABLES, cfg, dev, steps=3, B=16)
         check_against_reference(lookup, ref, outs, cfg, TABLES)
 
@@ -359,7 +359,7 @@ def check(args) -> int:
 
             def vs_fbgemm(opt=opt, kernel=kernel):
                 cfg = FusedOptimizerConfig(opt, lr=0.05, eps=1e-6)
-                mine, tbe = SmallTableLookup(shards, cfg, dev, 3, None, kernel), TBELookup(shards, cfg, dev, seed=3)
+                mine, tbe = SmallTableLookup(shards, cfg, dev, 3, kernel=kernel), TBELookup(shards, cfg, dev, seed=3)
                 gen = torch.Generator(device=dev).manual_seed(2)
                 for _ in range(3):
                     lengths = torch.randint(0, 40, (len(tables) * 512,), device=dev, generator=gen)
@@ -379,7 +379,7 @@ def check(args) -> int:
         cfg = FusedOptimizerConfig("rowwise_adagrad", lr=0.05, eps=1e-6)
         runs = []
         for _ in range(2):
-            m = SmallTableLookup(shards, cfg, dev, 3, None, SmallTableOptions(deterministic=True))
+            m = SmallTableLookup(shards, cfg, dev, 3, kernel=SmallTableOptions(deterministic=True))
             gen = torch.Generator(device=dev).manual_seed(9)
             for _ in range(3):
                 offsets = torch.arange(0, len(tables) * 256 * 30 + 1, 30, device=dev)
@@ -401,8 +401,7 @@ def check(args) -> int:
         idx, off, psw, _, up = random_step(TABLES, 128, gen, alpha=2.5, max_len=100)
         grad_out = torch.cat(list(up.values()), dim=1)
         grads = [torch.zeros(g.rows, g.dim, device=dev) for g in layout.groups]
-        dense_gradients(layout, grads, grad_out.to(dev), idx.to(dev), off.to(dev), psw.to(dev),
-                        kernel.deterministic, tiles=kernel.tiles)  # fmt: skip
+        dense_gradients(layout, grads, grad_out.to(dev), idx.to(dev), off.to(dev), psw.to(dev), kernel)
         want = reference_row_gradients(TABLES, idx, off, psw, grad_out)
         for t, (gi, r0) in zip(TABLES, place):
             got = grads[gi][r0 : r0 + t.num_embeddings].double().cpu()

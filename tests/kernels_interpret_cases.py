@@ -109,7 +109,8 @@ def _skewed_gradients(
     grad_out = torch.cat(list(up.values()), dim=1)
     (group,) = layout.groups
     g, touched = torch.zeros(group.rows, group.dim), torch.zeros(group.rows, dtype=torch.int8)
-    dense_gradients(layout, [g], grad_out, idx, off, psw, deterministic, "triton", tiles, [touched])
+    kernel = SmallTableOptions(deterministic, "triton", tiles=tiles)
+    dense_gradients(layout, [g], grad_out, idx, off, psw, kernel, [touched])
     want = reference_row_gradients(tables, idx, off, psw, grad_out)
     feats = [(t, f) for t in tables for f in t.feature_names]
     counts = {t.name: torch.zeros(t.num_embeddings, dtype=torch.int64) for t in tables}
@@ -176,9 +177,10 @@ def test_dense_gradients_and_bf16_output_match_the_torch_path(deterministic):
     for impl in ("triton", "torch"):
         g = [torch.zeros_like(w) for w in weights]
         touched = [torch.zeros(w.shape[0], dtype=torch.int8) for w in weights]
-        dense_gradients(lookup.layout, g, grad_out, idx, off, psw, deterministic, impl, touched=touched)
+        kernel = SmallTableOptions(deterministic, impl)
+        dense_gradients(lookup.layout, g, grad_out, idx, off, psw, kernel, touched)
         grads[impl] = (g, touched)
-        out = pool(lookup.layout, weights, idx, off, psw, torch.bfloat16, impl)
+        out = pool(lookup.layout, weights, idx, off, psw, torch.bfloat16, kernel)
         assert out.dtype == torch.bfloat16
         grads[impl + "_out"] = out
     for a, b in zip(grads["triton"][0], grads["torch"][0]):

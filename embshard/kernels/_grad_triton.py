@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from embshard.kernels._pool_triton import bags_of, feature_lanes
-from embshard.kernels.layout import DeviceGroup, Tiles, WidthGroup
+from embshard.kernels.layout import DeviceGroup, FeatureTables, Tiles, WidthGroup
 
 INT32_MAX = 2**31 - 1
 KEY32_LIMIT = INT32_MAX
@@ -307,9 +307,7 @@ def backward_sorted(
     grads: list[torch.Tensor],
     touched: list[torch.Tensor] | None,
     groups: list[DeviceGroup],
-    key0_F: torch.Tensor,
-    cols_F: torch.Tensor,
-    weighted_F: torch.Tensor,
+    features: FeatureTables,
     indices: torch.Tensor,
     offsets: torch.Tensor,
     psw: torch.Tensor | None,
@@ -317,8 +315,10 @@ def backward_sorted(
     tiles: Tiles,
 ) -> None:
     """Write the gradient of every row that has ids into `grads[g]` (other rows are left as they are: zero them
-    first), summing its ids in the order of a stable sort by row: bitwise reproducible. `key0_F[f]`: first row of
-    feature f's table counted over all groups (groups follow each other)."""
+    first), summing its ids in the order of a stable sort by row: bitwise reproducible. `features`: the layout's
+    per-feature tables (`features.key0[f]`: first row of feature f's table counted over all groups, which follow
+    each other)."""
+    key0_F, cols_F, weighted_F = features
     B = grad_out.shape[0]
     F = key0_F.numel()
     n = indices.numel()

@@ -42,15 +42,11 @@ class _KernelReplicaBags(torch.autograd.Function):
         lookup = ctx.lookup
         indices, offsets, psw, all_weighted = ctx.inputs
         ctx.inputs = None
-        k = lookup.kernel
         grad = torch.zeros_like(lookup.tbe.weights, memory_format=torch.contiguous_format).detach()
         if offsets.numel() > 1:
             views = group_views(grad, lookup.kernel_layout)
             layout = lookup.kernel_layout
-            dense_gradients(
-                layout, views, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles,
-                all_weighted=all_weighted,
-            )  # fmt: skip
+            dense_gradients(layout, views, grad_BD, indices, offsets, psw, lookup.kernel, all_weighted=all_weighted)
         lookup.apply_gradient(grad, indices, offsets, label=ctx.label)
         return (None,) * 6
 
@@ -72,8 +68,7 @@ class KernelDataParallelLookup(DataParallelLookup):
     ) -> torch.Tensor:
         """Forward without autograd (fp32; `all_weighted`: `psw` weighs every feature's ids, as `pool`)."""
         views = group_views(self.tbe.weights.detach(), self.kernel_layout)
-        k = self.kernel
-        return pool(self.kernel_layout, views, indices, offsets, psw, torch.float32, k.impl, k.tiles, all_weighted)
+        return pool(self.kernel_layout, views, indices, offsets, psw, torch.float32, self.kernel, all_weighted)
 
     def forward(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,17 @@ class Tiles:
     interleave: int | None = None
     """Atomic backward: features of a width group whose programs run side by side, so the chains of adds into
     their hottest rows overlap (None: as many as their tables fit in 16 MB of L2; 1: one feature after another)."""
+
+
+class FeatureTables(NamedTuple):
+    """Per lookup feature, on one device (`PoolLayout.feature_tables`)."""
+
+    key0: torch.Tensor
+    """First row of the feature's table counted over all groups in order (int64)."""
+    cols: torch.Tensor
+    """First output column (int64)."""
+    weighted: torch.Tensor
+    """Whether the feature's ids are weighted (int32)."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +122,9 @@ class PoolLayout:
             ]
         return self._device[key_all]
 
-    def feature_tables(
-        self, device: torch.device, all_weighted: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per lookup feature, on `device` (made once): first row of its table counted over all groups in order
-        (int64), first output column (int64), weighted (int32; all ones with `all_weighted`)."""
+    def feature_tables(self, device: torch.device, all_weighted: bool = False) -> FeatureTables:
+        """Per lookup feature, on `device` (made once): first row of its table counted over all groups in order,
+        first output column, weighted (all ones with `all_weighted`)."""
         key = f"features:{device}"
         if key not in self._device:
             key0, cols, weighted = [0] * self.num_features, [0] * self.num_features, [0] * self.num_features
@@ -130,11 +140,11 @@ class PoolLayout:
             ]
         key0_F, cols_F, weighted_F = self._device[key]
         if not all_weighted:
-            return key0_F, cols_F, weighted_F
+            return FeatureTables(key0_F, cols_F, weighted_F)
         key_all = f"features_all_weighted:{device}"
         if key_all not in self._device:
             self._device[key_all] = [torch.ones_like(weighted_F)]
-        return key0_F, cols_F, self._device[key_all][0]
+        return FeatureTables(key0_F, cols_F, self._device[key_all][0])
 
 
 def build_layout(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,9 @@ from torch import nn
 
 from embshard.kernels.layout import PoolLayout, Tiles, build_layout
 from embshard.lookup import LocalShard, init_rows
-from embshard.lookup.base import CountedSteps, EveryIdWeighted, NoCache, set_shards
+from embshard.lookup.base import CountedSteps, NoCache, ShardLookup
 from embshard.lookup.updates import apply_update, optimizer_state
-from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.spec.options import LookupOptions
+from embshard.spec.optim import OptimizerKind
 from embshard.spec.plan import MemoryTier
 from embshard.spec.tables import ConfigError, DataType
 
@@ -101,15 +101,16 @@ def pool(
     offsets: torch.Tensor,
     psw: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
-    impl: str = "auto",
-    tiles: Tiles | None = None,
+    kernel: SmallTableOptions | None = None,
     all_weighted: bool = False,
 ) -> torch.Tensor:
     """Pooled sums `[B, layout.out_cols]` of feature-major bags (offsets of length F*B+1) over the groups' blocks
     `weights[g]` `[rows, D]` (fp32, row-major). No autograd. `psw` weighs the ids of weighted tables, or with
-    `all_weighted` every id (a padded batch: `every_id_weighted`)."""
+    `all_weighted` every id (a padded batch: `every_id_weighted`). `kernel`: which implementation runs, with which
+    tiles (default SmallTableOptions())."""
+    kernel = kernel or SmallTableOptions()
     B = (offsets.numel() - 1) // max(layout.num_features, 1)
-    if not use_triton(impl, indices.device):
+    if not use_triton(kernel.impl, indices.device):
         return _pool_torch(layout, weights, indices, offsets, psw, B, all_weighted).to(out_dtype)
     if not (B and indices.numel()):
         return torch.zeros(B, layout.out_cols, dtype=out_dtype, device=indices.device)
@@ -117,7 +118,7 @@ def pool(
     psw = psw.contiguous() if psw is not None else None
     out = torch.empty(B, layout.out_cols, dtype=out_dtype, device=indices.device)  # every column is written
     dgroups = layout.on(indices.device, all_weighted)
-    _kernels().forward(list(weights), dgroups, indices, offsets, psw, out, tiles or Tiles())
+    _kernels().forward(list(weights), dgroups, indices, offsets, psw, out, kernel.tiles)
     return out
 
 
@@ -128,36 +129,34 @@ def dense_gradients(
     indices: torch.Tensor,
     offsets: torch.Tensor,
     psw: torch.Tensor | None = None,
-    deterministic: bool = False,
-    impl: str = "auto",
-    tiles: Tiles | None = None,
+    kernel: SmallTableOptions | None = None,
     touched: Sequence[torch.Tensor] | None = None,
     all_weighted: bool = False,
 ) -> None:
     """The gradient of the pooled sums with respect to every row of the groups' blocks, given the output's
     gradient `grad_out` `[B, layout.out_cols]`, into `grads[g]` `[rows, D]` fp32, which the caller zeroes first:
-    atomic mode adds every id's contribution, deterministic mode writes each row that has ids once (summed in a
-    fixed order). `touched[g]` (int8 `[rows]`, optional): rows read by an id are set to 1. `psw` and
-    `all_weighted` as in `pool` (the forward's)."""
+    atomic mode adds every id's contribution, deterministic mode (`kernel.deterministic`) writes each row that has
+    ids once (summed in a fixed order). `touched[g]` (int8 `[rows]`, optional): rows read by an id are set to 1.
+    `psw`, `kernel` and `all_weighted` as in `pool` (the forward's)."""
+    kernel = kernel or SmallTableOptions()
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    if not use_triton(impl, indices.device):
-        _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched, all_weighted)
+    if not use_triton(kernel.impl, indices.device):
+        _grads_torch(layout, grads, grad_out, indices, offsets, psw, touched, all_weighted)
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
     psw = psw.contiguous() if psw is not None else None
     k = _grad_kernels()
     dgroups = layout.on(indices.device, all_weighted)
-    tiles = tiles or Tiles()
-    if deterministic:
-        key0_F, cols_F, weighted_F = layout.feature_tables(indices.device, all_weighted)
+    if kernel.deterministic:
+        features = layout.feature_tables(indices.device, all_weighted)
         k.backward_sorted(
-            list(grads), list(touched) if touched else None, dgroups, key0_F, cols_F, weighted_F,
-            indices, offsets, psw, grad_out, tiles,
+            list(grads), list(touched) if touched else None, dgroups, features, indices, offsets, psw, grad_out,
+            kernel.tiles,
         )  # fmt: skip
     elif grad_out.shape[0] and indices.numel():
         k.backward_atomic(
-            list(grads), list(touched) if touched else None, dgroups, indices, offsets, psw, grad_out, tiles
+            list(grads), list(touched) if touched else None, dgroups, indices, offsets, psw, grad_out, kernel.tiles
         )
 
 
@@ -184,7 +183,7 @@ def _pool_torch(layout, weights, indices, offsets, psw, B, all_weighted=False) -
     return out
 
 
-def _grads_torch(layout, grads, grad_out, indices, offsets, psw, deterministic, touched, all_weighted=False) -> None:
+def _grads_torch(layout, grads, grad_out, indices, offsets, psw, touched, all_weighted=False) -> None:
     B = grad_out.shape[0]
     if B == 0:
         return
@@ -244,24 +243,17 @@ class _Pool(torch.autograd.Function):
         return (None,) * (5 + ctx.n)
 
 
-class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
+class SmallTableLookup(NoCache, CountedSteps, ShardLookup):
     """Shards of small tables (fp32, in device memory) pooled by the small-table kernels, optimizer fused into
     the backward. Same contract as TBELookup (constructor, forward, shard_weights and the cache no-ops)."""
 
-    def __init__(
-        self,
-        shards: Sequence[LocalShard],
-        optimizer: FusedOptimizerConfig,
-        device: torch.device,
-        seed: int | None = 0,
-        options: LookupOptions | None = None,
-        kernel: SmallTableOptions | None = None,
-    ) -> None:
-        super().__init__()
-        self.kernel = kernel or SmallTableOptions()
-        self.opt = optimizer
-        set_shards(self, shards)
-        self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
+    def __init__(self, *args: Any, kernel: SmallTableOptions | None = None, **kwargs: Any) -> None:
+        """ShardLookup's arguments (shards, optimizer, device, seed, options), and the kernels' options `kernel`
+        (keyword only; default SmallTableOptions())."""
+        self.kernel = kernel or SmallTableOptions()  # a plain attribute, read by _build
+        super().__init__(*args, **kwargs)
+
+    def _build(self, device: torch.device, seed: int | None) -> None:
         self._check(device)
         self.layout, self._place = shards_layout(self.shards)
         self.weights = nn.ParameterList()
@@ -271,31 +263,23 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
         for g in self.layout.groups:
             w = torch.empty(g.rows, g.dim, dtype=torch.float32, device=device)
             self.weights.append(nn.Parameter(w))
-            self._state.append(optimizer_state(optimizer, w))
+            self._state.append(optimizer_state(self.optimizer, w))
             if not self.kernel.direct_sgd:
                 self._grads.append(torch.zeros_like(w))
             if self._touched is not None:
                 self._touched.append(torch.zeros(g.rows, dtype=torch.int8, device=device))
         with torch.no_grad():
-            for s, view in zip(shards, self.shard_weights()):
+            for s, view in zip(self.shards, self.shard_weights()):
                 sh = s.shard
-                view.copy_(
-                    init_rows(
-                        s.table,
-                        s.table_index,
-                        sh.row_offset,
-                        sh.num_rows,
-                        sh.col_offset,
-                        sh.num_cols,
-                        seed,
-                        view.device,
-                    )
+                init = init_rows(
+                    s.table, s.table_index, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols, seed, view.device
                 )
+                view.copy_(init)
         self._step = 0
 
     @property
     def _needs_touched(self) -> bool:
-        return self.opt.kind is OptimizerKind.ADAM or self.opt.weight_decay > 0
+        return self.optimizer.kind is OptimizerKind.ADAM or self.optimizer.weight_decay > 0
 
     def _check(self, device: torch.device) -> None:
         names = [s.table.name for s in self.shards]
@@ -311,10 +295,11 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
                 f"tables {off_device}: the small-table kernel keeps weights in the compute device's memory (tier "
                 "hbm, or host on CPUs); give them tier hbm, or use the FBGEMM TBE lookup for UVM tiers"
             )
-        if self.kernel.direct_sgd and (self.opt.kind is not OptimizerKind.SGD or self.opt.weight_decay):
+        o = self.optimizer
+        if self.kernel.direct_sgd and (o.kind is not OptimizerKind.SGD or o.weight_decay):
             raise ConfigError(
                 f"tables {names}: direct_sgd adds the update into the weights and needs optimizer sgd without weight "
-                f"decay (got {self.opt.kind.value}, weight_decay={self.opt.weight_decay}); set direct_sgd: false"
+                f"decay (got {o.kind.value}, weight_decay={o.weight_decay}); set direct_sgd: false"
             )
 
     def forward(
@@ -338,8 +323,8 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
     ) -> torch.Tensor:
         """Forward without autograd (`all_weighted`: `psw` weighs every feature's ids, as `pool`)."""
         w = [p.detach() for p in self.weights]
-        k = self.kernel
-        return pool(self.layout, w, indices, offsets, psw, self._out_dtype, k.impl, k.tiles, all_weighted)
+        out_dtype = self.options.output_dtype.torch_dtype
+        return pool(self.layout, w, indices, offsets, psw, out_dtype, self.kernel, all_weighted)
 
     def apply_gradient(
         self,
@@ -352,7 +337,7 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
         """Backward: the rows' gradients, then the update rule on the touched rows (`psw` and `all_weighted`: the
         forward's)."""
         self._step += 1
-        o, k = self.opt, self.kernel
+        o, k = self.optimizer, self.kernel
         weights = [p.detach() for p in self.weights]
         triton_path = use_triton(k.impl, indices.device)
         if k.direct_sgd:
@@ -367,17 +352,12 @@ class SmallTableLookup(EveryIdWeighted, NoCache, CountedSteps, nn.Module):
                     )  # fmt: skip
                 return
             grads = [torch.zeros_like(w) for w in weights]
-            dense_gradients(
-                self.layout, grads, grad_BD, indices, offsets, psw, True, k.impl, k.tiles, all_weighted=all_weighted
-            )
+            dense_gradients(self.layout, grads, grad_BD, indices, offsets, psw, k, all_weighted=all_weighted)
             for w, g in zip(weights, grads):
                 w.sub_(g * o.lr)
             return
         touched = self._touched
-        dense_gradients(
-            self.layout, self._grads, grad_BD, indices, offsets, psw, k.deterministic, k.impl, k.tiles, touched,
-            all_weighted,
-        )  # fmt: skip
+        dense_gradients(self.layout, self._grads, grad_BD, indices, offsets, psw, k, touched, all_weighted)
         for i, (w, g) in enumerate(zip(weights, self._grads)):
             t = touched[i] if touched is not None else None
             if triton_path:

@@ -4,12 +4,19 @@
 `CountedSteps`: `optimizer_step` of a lookup that counts its optimizer's steps itself, in `self._step`.
 `EveryIdWeighted`: the flag that makes a lookup pool every id with the batch's weights (a padded batch).
 `set_shards`: the shards, lookup features and their widths every lookup keeps.
+`ShardLookup`: the constructor the lookups over one group of compatible shards share (TBE, host, small-table).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import LookupOptions
 
 if TYPE_CHECKING:
     from embshard.lookup.shards import LocalShard
@@ -62,3 +69,30 @@ def set_shards(lookup: object, shards: Sequence[LocalShard]) -> None:
     lookup.shards = list(shards)
     lookup.features = [f for s in shards for f in s.features]
     lookup.dims = [s.shard.num_cols for s in shards for _ in s.features]
+
+
+class ShardLookup(EveryIdWeighted, nn.Module):
+    """A lookup over one group of compatible shards (one optimizer, one set of lookup options).
+
+    The constructor keeps what every such lookup keeps (`set_shards`, `weighted`: whether the group's tables take
+    per-sample weights, `optimizer`, `options`), then lets the lookup build its weights and optimizer state on
+    `device` in `_build`. `seed` None draws the initial rows on the device, not reproducibly (`init_rows`)."""
+
+    def __init__(
+        self,
+        shards: Sequence[LocalShard],
+        optimizer: FusedOptimizerConfig,
+        device: torch.device,
+        seed: int | None = 0,
+        options: LookupOptions | None = None,
+    ) -> None:
+        super().__init__()
+        set_shards(self, shards)
+        self.weighted = shards[0].table.weighted
+        self.optimizer = optimizer
+        self.options = options or LookupOptions()
+        self._build(device, seed)
+
+    def _build(self, device: torch.device, seed: int | None) -> None:
+        """The lookup's weights (initial rows drawn from `seed`) and optimizer state, on `device`."""
+        raise NotImplementedError(f"{type(self).__name__} does not build its weights")

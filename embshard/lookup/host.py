@@ -3,55 +3,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
-from embshard.lookup.base import EveryIdWeighted, NoCache, set_shards
+from embshard.lookup.base import NoCache, ShardLookup
 from embshard.lookup.settings import tbe_settings
-from embshard.lookup.shards import LocalShard, init_rows
+from embshard.lookup.shards import init_rows
 from embshard.lookup.updates import optimizer_state, sparse_update
-from embshard.spec.optim import FusedOptimizerConfig
-from embshard.spec.options import LookupOptions
 from embshard.spec.tables import DataType
 
 
-class HostLookup(EveryIdWeighted, NoCache, nn.Module):
+class HostLookup(NoCache, ShardLookup):
     """CPU lookup for what FBGEMM's CPU TBE cannot do: Adam (not implemented there) and weight decay (silently
     ignored there, seen with fbgemm-gpu-cpu 1.8.0). Plain embedding_bag with sparse gradients; the optimizer is
     applied to the touched rows as soon as each shard's gradient is ready (fused into backward). fp16 tables keep
     fp16 values in fp32 storage (torch cannot add sparse fp16 gradients on the CPU): initial and updated values
     are rounded to the nearest fp16 value (no stochastic rounding here), so the numerics are those of fp16."""
 
-    def __init__(
-        self,
-        shards: Sequence[LocalShard],
-        optimizer: FusedOptimizerConfig,
-        device: torch.device,
-        seed: int = 0,
-        options: LookupOptions | None = None,
-    ) -> None:
-        super().__init__()
+    def _build(self, device: torch.device, seed: int | None) -> None:
         if device.type != "cpu":
             raise ValueError("HostLookup computes on the CPU only")
-        tbe_settings(shards, options or LookupOptions(), device.type)  # the same checks as a TBE
-        self._out_dtype = (options or LookupOptions()).output_dtype.torch_dtype
-        set_shards(self, shards)
-        self.weighted = shards[0].table.weighted
-        self.opt = optimizer
+        tbe_settings(self.shards, self.options, device.type)  # the same checks as a TBE
         self.weights = nn.ParameterList()
         self._state: list[dict[str, torch.Tensor]] = []
-        self._step = [0] * len(shards)
-        for i, s in enumerate(shards):
+        self._step = [0] * len(self.shards)
+        for i, s in enumerate(self.shards):
             sh = s.shard
             w = init_rows(s.table, s.table_index, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols, seed)
             p = nn.Parameter(w.half().float() if s.table.data_type is DataType.FP16 else w)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             self.weights.append(p)
-            self._state.append(optimizer_state(optimizer, w))
-        self._fp16 = [s.table.data_type is DataType.FP16 for s in shards]
-        self._feature_shard = [i for i, s in enumerate(shards) for _ in s.features]
+            self._state.append(optimizer_state(self.optimizer, w))
+        self._fp16 = [s.table.data_type is DataType.FP16 for s in self.shards]
+        self._feature_shard = [i for i, s in enumerate(self.shards) for _ in s.features]
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -60,7 +44,13 @@ class HostLookup(EveryIdWeighted, NoCache, nn.Module):
             self._step[i] += 1
             with torch.no_grad():
                 sparse_update(
-                    self.opt, p.data, self._state[i], grad.indices()[0], grad.values(), self._step[i], self._fp16[i]
+                    self.optimizer,
+                    p.data,
+                    self._state[i],
+                    grad.indices()[0],
+                    grad.values(),
+                    self._step[i],
+                    self._fp16[i],
                 )
 
         return hook
@@ -94,7 +84,7 @@ class HostLookup(EveryIdWeighted, NoCache, nn.Module):
                 else w.new_zeros(0, w.shape[1])
             )
         out = torch.cat(outs, dim=1) if outs else indices.new_zeros(B, 0, dtype=torch.float32)
-        return out.to(self._out_dtype)
+        return out.to(self.options.output_dtype.torch_dtype)
 
     def shard_weights(self) -> list[torch.Tensor]:
         """The weights of each shard, in shard order."""

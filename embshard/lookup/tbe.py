@@ -8,46 +8,34 @@ applied after the output exchange, where every bag's full length is known (row-w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
-from torch import nn
 
-from embshard.lookup.base import EveryIdWeighted, set_shards
+from embshard.lookup.base import ShardLookup
 from embshard.lookup.fbgemm_fixes import array_cache_state
 from embshard.lookup.settings import tbe_settings
-from embshard.lookup.shards import LocalShard, init_rows
+from embshard.lookup.shards import init_rows
 from embshard.lookup.stats import summarize_cache_stats
 from embshard.lookup.uvm_fill import HostFirstTouch, concurrent_managed_access, uvm_first_touch
 from embshard.runtime.ops import cached_tensor
-from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
-from embshard.spec.options import LookupOptions, OutputDtype
+from embshard.spec.optim import OptimizerKind
+from embshard.spec.options import OutputDtype
 from embshard.spec.tables import ConfigError
 
 INIT_BLOCK_BYTES = 64 << 20  # a TBE's weights are initialised in row blocks of about this size (temporary buffer)
 
 
-class TBELookup(EveryIdWeighted, nn.Module):
+class TBELookup(ShardLookup):
     """One FBGEMM TBE over a group of compatible shards, optimizer fused into its backward."""
 
-    def __init__(
-        self,
-        shards: Sequence[LocalShard],
-        optimizer: FusedOptimizerConfig,
-        device: torch.device,
-        seed: int = 0,
-        options: LookupOptions | None = None,
-    ) -> None:
-        super().__init__()
+    def _build(self, device: torch.device, seed: int | None) -> None:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             SplitTableBatchedEmbeddingBagsCodegen,
         )
 
-        set_shards(self, shards)
-        self.weighted = shards[0].table.weighted
-        self.optimizer = optimizer
-        self.settings = tbe_settings(shards, options or LookupOptions(), device.type)
+        optimizer, shards = self.optimizer, self.shards
+        self.settings = tbe_settings(shards, self.options, device.type)
         if device.type == "cuda" and optimizer.weight_decay and optimizer.kind is not OptimizerKind.ROWWISE_ADAGRAD:
             raise ConfigError(
                 f"optimizer {optimizer.kind.value} with weight_decay={optimizer.weight_decay}: FBGEMM's fused GPU kernel "

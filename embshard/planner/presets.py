@@ -13,7 +13,6 @@ from typing import Any
 from embshard.planner.units import (
     BY_YAML_KEY,
     GIB,
-    MIB,
     PLAIN_FIELDS,
     UNITS,
     US,
@@ -25,11 +24,12 @@ from embshard.spec.tables import ConfigError
 # Per-GPU-model speeds live in presets/NAME.yaml (package data), one file per GPU model, in the units of topology
 # files, each number with where it comes from; `bench/planner_predict.py --refit` rewrites a model's file from
 # benchmark logs (docs/planner.md "Constants per GPU model"). HBM sizes are what torch reports as total_memory;
-# ddr_bytes: 2 TiB hosts with 8 GPUs. A100 has no file: its per-id, per-row and per-bag constants are the H200's
-# scaled by 1.7 (108 SMs at 1.41 GHz against 132 at 1.98 GHz), its links by the H200's measured-to-nominal ratios.
+# ddr_bytes: 2 TiB hosts with 8 GPUs. A100's file holds its sizes and links only (the nominal links scaled by the
+# H200's measured-to-nominal ratios): its other constants are the H200's, the per-id, per-row and per-bag ones scaled
+# by 1.7 (108 SMs at 1.41 GHz against 132 at 1.98 GHz).
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 GPU_FILES = ("h100", "h200")
-"""GPU models with a preset file."""
+"""GPU models with a preset file of every constant (a100.yaml holds only what the A100 does not take from h200.yaml)."""
 _A100_SCALE = 1.7
 _A100_SCALED = ("fwd_id_s", "bwd_id_s", "bwd_row_s", "routed_id_s", "bag_s", "uvm_row_s")
 _A100_SCALED += ("small_fwd_id_s", "small_atomic_sector_s", "small_same_row_s", "small_sorted_id_s")
@@ -87,19 +87,7 @@ def _gpu_preset(name: str) -> dict[str, Any]:
 
 def _a100() -> dict[str, Any]:
     h200 = _gpu_preset("h200")
-    out = {**h200, **{k: h200[k] * _A100_SCALE for k in _A100_SCALED}}
-    out.update(
-        device_name="a100",
-        hbm_bytes=int(79.2 * GIB),
-        hbm_bw=1.7e12,
-        l2_bytes=40 * MIB,
-        uvm_bw=25e9,
-        ddr_bw=40e9,
-        intra_host_bw=200e9,
-        inter_host_bw=22e9,
-        measured=(),
-    )
-    return out
+    return {**h200, **{k: h200[k] * _A100_SCALE for k in _A100_SCALED}, **load_preset_file(preset_path("a100"))}
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -205,7 +205,7 @@ def test_dense_gradients_match_fbgemm_dense_tbe(alpha, max_len):
         for g in layout.groups:
             gviews.append(grad[e0 : e0 + g.rows * g.dim].view(g.rows, g.dim))
             e0 += g.rows * g.dim
-        dense_gradients(layout, gviews, grad_out, idx, off, psw, deterministic=deterministic)
+        dense_gradients(layout, gviews, grad_out, idx, off, psw, SmallTableOptions(deterministic))
         torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5)
     assert place[0] == (0, 0)
 

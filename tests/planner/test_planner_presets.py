@@ -90,6 +90,19 @@ def test_h100_preset_has_h100_numbers():
     assert '"world_size": 2' in out.stdout
 
 
+def test_a100_preset_is_the_h200s_scaled_with_its_own_sizes_and_links():
+    a100, h200 = Topology.preset("a100", 2), Topology.preset("h200", 2)
+    # presets/a100.yaml, in code units, bit for bit
+    assert (a100.hbm_bytes, a100.l2_bytes) == (int(79.2 * GIB), 40 << 20)
+    assert (a100.hbm_bw, a100.uvm_bw, a100.ddr_bw) == (1.7e12, 25e9, 40e9)
+    assert (a100.intra_host_bw, a100.inter_host_bw) == (200e9, 22e9)
+    assert a100.device_name == "a100" and a100.measured == ()
+    for field in ("fwd_id_s", "bwd_row_s", "bag_s", "batch_bag_s", "uvm_row_s", "small_fwd_id_s", "small_same_row_s"):
+        assert getattr(a100, field) == getattr(h200, field) * 1.7, field
+    for field in ("ddr_bytes", "kernel_s", "host_sync_s", "collective_latency_s", "uvm_page_s", "regroup_efficiency"):
+        assert getattr(a100, field) == getattr(h200, field), field
+
+
 def test_refit_recovers_the_kernel_constants_of_its_log():
     """The H200 preset's small-table kernel constants are the fit to the stored H200 log; with them the model gives
     the log's uniform-id times back."""
