@@ -155,9 +155,11 @@ def _row_entries(tp: TablePlan, plan: ShardingPlan, entries: list[dict]) -> list
     return entries + [{"rank": r, "offsets": [rows, 0], "sizes": [0, dim]} for r in group[len(entries) :]]
 
 
-def plan_from_dict(data: dict[str, Any], device_type: str | None = None) -> Any:
+def plan_from_dict(data: dict[str, Any], device_type: str | None = None, where: str = "TorchRec plan") -> Any:
     """TorchRec's `ShardingPlan` from the plan file's content; `device_type` overrides the file's ('cpu' runs a
-    GPU plan in a CPU job, e.g. a test)."""
+    GPU plan in a CPU job, e.g. a test). Content of another structure is a ConfigError naming `where` (the file)
+    and the field."""
+    check_plan_file(data, where)
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
     from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan, ParameterSharding
@@ -165,7 +167,7 @@ def plan_from_dict(data: dict[str, Any], device_type: str | None = None) -> Any:
 
     if data.get("format") != FORMAT or data.get("version") != VERSION:
         raise ConfigError(
-            f"not a TorchRec plan file of this embshard (format {data.get('format')!r} version {data.get('version')!r}, "
+            f"{where}: not a TorchRec plan file of this embshard (format {data.get('format')!r} version {data.get('version')!r}, "
             f"expected {FORMAT!r} {VERSION}): write it with `embshard plan ... --format torchrec --out FILE`"
         )
     device = device_type or data["device_type"]
@@ -234,4 +236,76 @@ def load_torchrec_plan(path: str | Path, device_type: str | None = None) -> Any:
         raise ConfigError(
             f"{path}: not a JSON plan file ({e}); write one with `embshard plan ... --format torchrec`"
         ) from None
-    return plan_from_dict(data, device_type)
+    return plan_from_dict(data, device_type, where=str(path))
+
+
+_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching", "dense")
+
+
+def check_plan_file(data: Any, where: str) -> None:
+    """Raise ConfigError naming `where` and the field unless `data` has the structure `plan_dict` writes (module
+    docstring): the keys, their types and the ranges of the numbers."""
+
+    def bad(field: str, value: Any, rule: str) -> ConfigError:
+        return ConfigError(
+            f"{where}: {field}={value!r} is invalid: {rule}; write the file with `embshard plan ... --format torchrec`"
+        )
+
+    def is_int(value: Any, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    if not isinstance(data, dict):
+        raise bad("the plan file", data, "it must be a JSON object")
+    if data.get("format") != FORMAT or data.get("version") != VERSION:
+        return  # plan_from_dict names the format it expects
+    for key in ("world_size", "local_world_size"):
+        if not is_int(data.get(key), 1):
+            raise bad(key, data.get(key), "it must be an integer >= 1")
+    world = data["world_size"]
+    if data.get("device_type") not in DEVICE_TYPES:
+        raise bad("device_type", data.get("device_type"), f"choose one of {list(DEVICE_TYPES)}")
+    modules = data.get("modules")
+    if not isinstance(modules, dict) or not all(isinstance(m, dict) for m in modules.values()):
+        raise bad("modules", modules, "it must map module paths to {table: sharding}")
+    for path, tables in modules.items():
+        for name, t in tables.items():
+            field = f"modules[{path!r}][{name!r}]"
+            if not isinstance(t, dict):
+                raise bad(field, t, "it must be a table's sharding")
+            missing = [k for k in ("sharding_type", "compute_kernel", "ranks", "shards", "cache_params") if k not in t]
+            if missing:
+                raise bad(field, t, f"it lacks {missing}")
+            if t["sharding_type"] not in [s.value for s in ShardingType]:
+                raise bad(
+                    f"{field}.sharding_type", t["sharding_type"], f"choose one of {[s.value for s in ShardingType]}"
+                )
+            if t["compute_kernel"] not in _KERNELS:
+                raise bad(f"{field}.compute_kernel", t["compute_kernel"], f"choose one of {list(_KERNELS)}")
+            if not isinstance(t["ranks"], list) or not all(is_int(r, 0) and r < world for r in t["ranks"]):
+                raise bad(f"{field}.ranks", t["ranks"], f"it must be a list of ranks in 0..{world - 1}")
+            shards = t["shards"]
+            if shards is not None and not isinstance(shards, list):
+                raise bad(f"{field}.shards", shards, "it must be a list of shards or null")
+            for i, sh in enumerate(shards or []):
+                ok = isinstance(sh, dict) and is_int(sh.get("rank"), 0) and sh["rank"] < world
+                ok = ok and all(
+                    isinstance(sh.get(k), list) and len(sh[k]) == 2 and all(is_int(v, 0) for v in sh[k])
+                    for k in ("offsets", "sizes")
+                )
+                if not ok:
+                    raise bad(
+                        f"{field}.shards[{i}]",
+                        sh,
+                        f"a shard is {{rank: 0..{world - 1}, offsets: [row, col], sizes: [rows, cols]}} of integers >= 0",
+                    )
+            cache = t["cache_params"]
+            if cache is not None and not (
+                isinstance(cache, dict)
+                and cache.get("algorithm") in ("lru", "lfu")
+                and isinstance(cache.get("load_factor"), int | float)
+                and not isinstance(cache.get("load_factor"), bool)
+                and 0 < cache["load_factor"] <= 1
+            ):
+                raise bad(
+                    f"{field}.cache_params", cache, "it is {algorithm: lru or lfu, load_factor: in (0, 1]} or null"
+                )
