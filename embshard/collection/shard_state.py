@@ -88,6 +88,11 @@ class ShardState:
         into them call `rebuild_id_maps()`."""
         return [(m.shards[i].table.name, m.shards[i].shard, m.shard_state(i)) for m, i in self._id_maps()]
 
+    def id_map_shards(self) -> list[tuple[str, Shard, Any, int]]:
+        """(table name, Shard, IdMap, the shard's index in it) for every raw-id shard on this rank: the map's
+        `exact_state(i)` and `stage_exact_state(i, ...)` carry what a checkpoint needs for an exact resume."""
+        return [(m.shards[i].table.name, m.shards[i].shard, m, i) for m, i in self._id_maps()]
+
     def rebuild_id_maps(self) -> int:
         """Rebuild every map's index and LRU order from its rows (after a load); returns ids dropped for want of
         an index slot (normally 0)."""
