@@ -35,6 +35,7 @@ from embshard.checkpoint.layout import Piece
 from embshard.lookup.shards import INIT_BLOCK_ELEMENTS, init_rows
 from embshard.rawids.hashing import owner_blocks
 from embshard.rawids.state import sketch_width
+from embshard.spec.plan import MemoryTier
 from embshard.spec.tables import ConfigError, DataType, Eviction
 
 MAP_KEYS = ("ids", "id_last", "id_count")
@@ -90,8 +91,27 @@ def _exact_pieces(ebc: Any, prefix: str, name: str, shard: Any, state: dict[str,
     return out
 
 
+def zero_rows(ebc: Any) -> None:
+    """Zero the zero row (the last row) of every raw-id block of this rank, in its weights and optimizer state: the
+    row of ids without a row, which gathers their gradients between the lookups that zero it (so it is zero in
+    every checkpoint and export; training is unchanged: every lookup zeroes it first)."""
+    raw = {t.name for t in ebc.tables if t.raw_ids}
+    if any(ebc.plan[name].tier is MemoryTier.UVM_CACHING for name in raw):
+        ebc.drop_caches()  # a cached row would be written back over the zeros
+    with torch.no_grad():
+        for name, _, w in ebc.local_shards():
+            if name in raw:
+                w[-1] = 0
+        for name, _, state in ebc.local_optimizer_states():
+            if name in raw:
+                for v in state.values():
+                    v[-1] = 0
+
+
 def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
-    """The map pieces this rank writes of every raw-id block it holds: ids, id_last, id_count and the exact state."""
+    """The map pieces this rank writes of every raw-id block it holds: ids, id_last, id_count and the exact state.
+    Zeroes the blocks' zero rows first (`zero_rows`), so the weights saved beside them hold zeros there."""
+    zero_rows(ebc)
     out = _map_pieces(ebc, prefix)
     for name, shard, idmap, i in ebc.id_map_shards():
         out += _exact_pieces(ebc, prefix, name, shard, idmap.exact_state(i))

@@ -130,8 +130,11 @@ class ShardState:
         """Every table's full weights (fp32, CPU), assembled on every rank (collective; for tests and small
         models: it holds every table on every rank). Replicated tables are taken from their first replica."""
         out = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in self.tables}
+        raw = {t.name for t in self.tables if t.raw_ids}
         for name, s, w in self._gather([(n, s, w.detach().float().cpu()) for n, s, w in self.local_shards()]):
             out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
+            if name in raw:  # a raw-id block's zero row (its last): zeros, whatever its gradients left there
+                out[name][s.row_offset + s.num_rows - 1, s.col_offset : s.col_offset + s.num_cols] = 0
         return out
 
     def _gather(self, items: list) -> list:
