@@ -2,12 +2,20 @@
 
 Saved per raw-id table, besides `weight` and the optimizer state, three logical tensors `[rows]` int64 named
 `{collection}/{table}/ids` (the id each row holds), `id_last` (the map's clock at its last use; -1: the row holds
-no id) and `id_count` (its uses); each rank writes its blocks' rows. The manifest entry of the table adds
-`ids: raw` and `row_blocks` ([row offset, rows] of every block).
+no id) and `id_count` (its uses); each rank writes its blocks' rows. Beside them, what makes a resume exact
+(`IdMap.exact_state`): `id_slot` and `id_order` `[rows]` (each row's index slot within its block's slots and its
+position in the block's LRU order; -1: none), `id_clock` `[blocks]` (the map's clock) and, for tables with
+admit_min_count > 1, `id_sketch` `[depth, sum of the blocks' sketch widths]` and `id_sketch_adds` `[blocks]` (the
+admission counts). The manifest entry of the table adds `ids: raw`, `row_blocks` ([row offset, rows] of every
+block) and `map_state` (the keys of the exact state saved). Every block's zero row (its last) is zeroed before a
+save, so it holds zeros in the checkpoint and its exports (training is unchanged: each lookup zeroes it first).
 
 Load, per raw-id table:
 - the same row blocks (any ranks): every id stays in its row; the maps' rows are read straight into place with the
-  weights and state, then each map rebuilds its index and LRU order (`IdMap.rebuild`).
+  weights and state, then each map rebuilds its index and LRU order (`IdMap.rebuild`) as saved: slots, order,
+  clock and admission counts come back, so the run goes on bit for bit as it would have (a checkpoint without
+  them: the index is rebuilt in row order, the LRU order by last use, the clock past the last use). A map that
+  holds an id twice, or whose saved slots or order do not fit its rows, is a ConfigError naming the table.
 - other row blocks (N -> M ranks, table-wise <-> row-wise): rows move. Every rank holding a block of the table
   reads the saved table in row chunks (ids, uses, weights, state) and keeps the (id, row) pairs its blocks own by
   the routing rule (embshard/rawids: the block holding `route_rows(id, rows)`), writing them with their weights
