@@ -2,12 +2,20 @@
 
 Saved per raw-id table, besides `weight` and the optimizer state, three logical tensors `[rows]` int64 named
 `{collection}/{table}/ids` (the id each row holds), `id_last` (the map's clock at its last use; -1: the row holds
-no id) and `id_count` (its uses); each rank writes its blocks' rows. The manifest entry of the table adds
-`ids: raw` and `row_blocks` ([row offset, rows] of every block).
+no id) and `id_count` (its uses); each rank writes its blocks' rows. Beside them, what makes a resume exact
+(`IdMap.exact_state`): `id_slot` and `id_order` `[rows]` (each row's index slot within its block's slots and its
+position in the block's LRU order; -1: none), `id_clock` `[blocks]` (the map's clock) and, for tables with
+admit_min_count > 1, `id_sketch` `[depth, sum of the blocks' sketch widths]` and `id_sketch_adds` `[blocks]` (the
+admission counts). The manifest entry of the table adds `ids: raw`, `row_blocks` ([row offset, rows] of every
+block) and `map_state` (the keys of the exact state saved). Every block's zero row (its last) is zeroed before a
+save, so it holds zeros in the checkpoint and its exports (training is unchanged: each lookup zeroes it first).
 
 Load, per raw-id table:
 - the same row blocks (any ranks): every id stays in its row; the maps' rows are read straight into place with the
-  weights and state, then each map rebuilds its index and LRU order (`IdMap.rebuild`).
+  weights and state, then each map rebuilds its index and LRU order (`IdMap.rebuild`) as saved: slots, order,
+  clock and admission counts come back, so the run goes on bit for bit as it would have (a checkpoint without
+  them: the index is rebuilt in row order, the LRU order by last use, the clock past the last use). A map that
+  holds an id twice, or whose saved slots or order do not fit its rows, is a ConfigError naming the table.
 - other row blocks (N -> M ranks, table-wise <-> row-wise): rows move. Every rank holding a block of the table
   reads the saved table in row chunks (ids, uses, weights, state) and keeps the (id, row) pairs its blocks own by
   the routing rule (embshard/rawids: the block holding `route_rows(id, rows)`), writing them with their weights
@@ -36,22 +44,36 @@ from embshard.checkpoint.pieces import Piece
 from embshard.checkpoint.reading import read_pieces
 from embshard.lookup.shards import INIT_BLOCK_ELEMENTS, init_rows
 from embshard.rawids.hashing import owner_blocks
+from embshard.rawids.state import sketch_width
+from embshard.spec.plan import MemoryTier
 from embshard.spec.tables import ConfigError, DataType, Eviction
 
 MAP_KEYS = ("ids", "id_last", "id_count")
+EXACT_KEYS = ("id_slot", "id_order", "id_clock")
+"""Saved too (checkpoints since they exist): per row its index slot and LRU position, per block the map's clock."""
+SKETCH_KEYS = ("id_sketch", "id_sketch_adds")
+"""Saved for tables with admit_min_count > 1: their blocks' admission sketch."""
 
 
 def _blocks(ebc: Any, table: str) -> list[list[int]]:
     return sorted([s.row_offset, s.num_rows] for s in ebc.plan[table].shards)
 
 
+def exact_keys(table: Any) -> list[str]:
+    """The keys of a raw-id table's map state beyond MAP_KEYS that make a resume exact (`IdMap.exact_state`)."""
+    return list(EXACT_KEYS) + (list(SKETCH_KEYS) if table.admit_min_count > 1 else [])
+
+
 def table_entry(ebc: Any, table: Any) -> dict:
-    """What the manifest adds to a table's entry: {'ids': 'raw', 'row_blocks': ...} for raw-id tables, else {}."""
-    return {"ids": "raw", "row_blocks": _blocks(ebc, table.name)} if table.raw_ids else {}
+    """What the manifest adds to a table's entry: {'ids': 'raw', 'row_blocks': ..., 'map_state': [keys of the exact
+    state]} for raw-id tables, else {}."""
+    if not table.raw_ids:
+        return {}
+    return {"ids": "raw", "row_blocks": _blocks(ebc, table.name), "map_state": exact_keys(table)}
 
 
-def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
-    """The map pieces this rank writes: ids, id_last, id_count of every raw-id block it holds."""
+def _map_pieces(ebc: Any, prefix: str) -> list[Piece]:
+    """The live map views of every raw-id block of this rank: ids, id_last, id_count."""
     rows = {t.name: t.num_embeddings for t in ebc.tables}
     return [
         Piece(f"{prefix}/{name}/{k}", (rows[name],), (shard.row_offset,), views[k])
@@ -60,11 +82,59 @@ def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
     ]
 
 
+def _exact_pieces(ebc: Any, prefix: str, name: str, shard: Any, state: dict[str, torch.Tensor]) -> list[Piece]:
+    """The pieces of a block's exact map state (`IdMap.exact_state`): per row `[rows]`, per block `[blocks]` (the
+    clock, the sketch's adds) and the sketch `[depth, sum of the blocks' widths]`."""
+    cfg = next(t for t in ebc.tables if t.name == name)
+    blocks = _blocks(ebc, name)
+    b = blocks.index([shard.row_offset, shard.num_rows])
+    widths = [sketch_width(n - 1) for _, n in blocks]
+    base = f"{prefix}/{name}"
+    out = []
+    for k, v in state.items():
+        if k in ("id_slot", "id_order"):
+            out.append(Piece(f"{base}/{k}", (cfg.num_embeddings,), (shard.row_offset,), v))
+        elif k in ("id_clock", "id_sketch_adds"):
+            out.append(Piece(f"{base}/{k}", (len(blocks),), (b,), v))
+        else:  # id_sketch
+            out.append(Piece(f"{base}/{k}", (v.shape[0], sum(widths)), (0, sum(widths[:b])), v))
+    return out
+
+
+def zero_rows(ebc: Any) -> None:
+    """Zero the zero row (the last row) of every raw-id block of this rank, in its weights and optimizer state: the
+    row of ids without a row, which gathers their gradients between the lookups that zero it (so it is zero in
+    every checkpoint and export; training is unchanged: every lookup zeroes it first)."""
+    raw = {t.name for t in ebc.tables if t.raw_ids}
+    if any(ebc.plan[name].tier is MemoryTier.UVM_CACHING for name in raw):
+        ebc.drop_caches()  # a cached row would be written back over the zeros
+    with torch.no_grad():
+        for name, _, w in ebc.local_shards():
+            if name in raw:
+                w[-1] = 0
+        for name, _, state in ebc.local_optimizer_states():
+            if name in raw:
+                for v in state.values():
+                    v[-1] = 0
+
+
+def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
+    """The map pieces this rank writes of every raw-id block it holds: ids, id_last, id_count and the exact state.
+    Zeroes the blocks' zero rows first (`zero_rows`), so the weights saved beside them hold zeros there."""
+    zero_rows(ebc)
+    out = _map_pieces(ebc, prefix)
+    for name, shard, idmap, i in ebc.id_map_shards():
+        out += _exact_pieces(ebc, prefix, name, shard, idmap.exact_state(i))
+    return out
+
+
 def load_targets(ebc: Any, prefix: str, saved: dict[str, dict], pieces: list[Piece], where: str) -> tuple:
     """Adjust the pieces `layout.load_targets` made for collection `ebc`: the raw-id tables whose row blocks are the
     saved ones also read their maps in place; those whose blocks differ are taken out (`reshard` fills them).
     Returns (pieces, names of the tables to reshard)."""
     moved: list[str] = []
+    for _, _, idmap, i in ebc.id_map_shards():
+        idmap.stage_exact_state(i, None)
     for t in ebc.tables:
         was = saved[t.name].get("ids", "index")
         if was != t.ids.value:
@@ -76,7 +146,16 @@ def load_targets(ebc: Any, prefix: str, saved: dict[str, dict], pieces: list[Pie
             moved.append(t.name)
     if moved:
         pieces = [p for p in pieces if p.key.split("/")[-2] not in moved or not p.key.startswith(f"{prefix}/")]
-    pieces += [p for p in save_pieces(ebc, prefix) if p.key.split("/")[-2] not in moved]
+    pieces += [p for p in _map_pieces(ebc, prefix) if p.key.split("/")[-2] not in moved]
+    for name, shard, idmap, i in ebc.id_map_shards():
+        keys = set(saved[name].get("map_state", ())) & set(exact_keys(idmap.shards[i].table))
+        if name in moved or not keys:  # another layout, or saved without it: the map is rebuilt from its rows
+            continue
+        state = {k: v for k, v in idmap.exact_state(i).items() if k in keys}
+        state.setdefault("id_clock", torch.full((1,), -1, dtype=torch.int64))
+        state["id_clock"].fill_(-1)  # stays -1 (not applied) unless the load reads it
+        idmap.stage_exact_state(i, state)
+        pieces += [p for p in _exact_pieces(ebc, prefix, name, shard, state) if p.key.split("/")[-1] in keys]
     return pieces, moved
 
 

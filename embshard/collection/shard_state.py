@@ -92,6 +92,11 @@ class ShardState:
         """The seed of the id map that holds raw-id table `table` on this rank (its rows' initial values)."""
         return next(m.seed for m, _ in self._id_maps() if any(s.table.name == table for s in m.shards))
 
+    def id_map_shards(self) -> list[tuple[str, Shard, Any, int]]:
+        """(table name, Shard, IdMap, the shard's index in it) for every raw-id shard on this rank: the map's
+        `exact_state(i)` and `stage_exact_state(i, ...)` carry what a checkpoint needs for an exact resume."""
+        return [(m.shards[i].table.name, m.shards[i].shard, m, i) for m, i in self._id_maps()]
+
     def rebuild_id_maps(self) -> int:
         """Rebuild every map's index and LRU order from its rows (after a load); returns ids dropped for want of
         an index slot (normally 0)."""
@@ -129,8 +134,11 @@ class ShardState:
         """Every table's full weights (fp32, CPU), assembled on every rank (collective; for tests and small
         models: it holds every table on every rank). Replicated tables are taken from their first replica."""
         out = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in self.tables}
+        raw = {t.name for t in self.tables if t.raw_ids}
         for name, s, w in self._gather([(n, s, w.detach().float().cpu()) for n, s, w in self.local_shards()]):
             out[name][s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = w
+            if name in raw:  # a raw-id block's zero row (its last): zeros, whatever its gradients left there
+                out[name][s.row_offset + s.num_rows - 1, s.col_offset : s.col_offset + s.num_cols] = 0
         return out
 
     def _gather(self, items: list) -> list:

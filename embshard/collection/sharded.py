@@ -192,6 +192,13 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
             self._kjt_layout = (keys, {k: i for i, k in enumerate(keys)})
         if kjt.variable_stride_per_key():
             raise ConfigError("variable batch size per feature is not supported: give every feature the same batch")
+        dtype = kjt.values().dtype
+        if dtype not in (torch.int32, torch.int64):  # before any work: a float id would be truncated silently
+            raise ConfigError(
+                f"the ids of features {list(keys)} are {dtype}: ids must be integers, torch.int64 or torch.int32 "
+                "(raw-id and static tables alike; a float id loses digits and would be truncated): give the "
+                "KeyedJaggedTensor integer values"
+            )
         return self._kjt_layout[1]
 
     def _used_only(self, kjt):

@@ -68,8 +68,14 @@ class Reader:
         # into new buffers first (whose page faults cost more than the decompression); unmapped when the table's
         # buffers are gone (Arrow's buffers of uncompressed pages may point into the mapping)
         with pa.memory_map(path) as source:
-            pf = pq.ParquetFile(source, metadata=meta)
-            table = pf.read_row_group(g.index, columns=self.spec.columns(), use_threads=False)
+            pf = pq.ParquetFile(source, metadata=meta, page_checksum_verification=True)
+            try:
+                table = pf.read_row_group(g.index, columns=self.spec.columns(), use_threads=False)
+            except (OSError, pa.ArrowException) as e:  # a page whose checksum does not match, a damaged page
+                raise ConfigError(
+                    f"{path}: row group {g.index} cannot be read ({e}): the file is damaged; write it again (e.g. "
+                    "`embshard preprocess ... --overwrite`)"
+                ) from None
         if piece.start or piece.stop < g.rows:
             table = table.slice(piece.start, piece.rows)
         return table

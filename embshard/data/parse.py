@@ -12,6 +12,7 @@ from embshard.spec.tables import ConfigError
 
 FLOAT_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf|infinity)$"
 INT_RE = r"^[+-]?\d+$"
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class BadRows:
@@ -62,10 +63,14 @@ def text_to_numbers(arr: pa.Array, integer: bool) -> tuple[pa.Array, np.ndarray]
         out, bad = [], bad.copy()
         for i, v in enumerate(kept.to_pylist()):
             try:
-                out.append(None if v is None else parse(v))
+                x = None if v is None else parse(v)
             except ValueError:
-                out.append(None)
+                x = None
                 bad[i] = True
+            if integer and x is not None and not INT64_MIN <= x <= INT64_MAX:  # no int64: a bad value too
+                x = None
+                bad[i] = True
+            out.append(x)
         return pa.array(out, pa.int64() if integer else pa.float64()), bad
 
 
@@ -76,9 +81,13 @@ def numbers(arr: pa.Array, column: str, where: str, bad: BadRows, integer: bool 
         arr, t = arr.dictionary_decode(), t.value_type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         parsed, is_bad = text_to_numbers(arr, integer)
-        bad.add(is_bad, column, arr, "not an integer" if integer else "not a number")
+        bad.add(is_bad, column, arr, "not an integer in the int64 range [-2^63, 2^63)" if integer else "not a number")
         return parsed
     if integer and pa.types.is_integer(t):
+        if pa.types.is_unsigned_integer(t) and t.bit_width == 64:  # values above int64 are bad, the rest cast
+            over = pc.fill_null(pc.greater(arr, pa.scalar(INT64_MAX, pa.uint64())), False)
+            bad.add(np.asarray(over), column, arr, "an integer above the int64 range [-2^63, 2^63)")
+            arr = pc.if_else(over, pa.nulls(len(arr), t), arr)
         return arr.cast(pa.int64())
     if not integer and (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
         return arr.cast(pa.float64())

@@ -152,7 +152,13 @@ def run_task(task: Task) -> dict:
             first = first or message
             table = chunk_table(chunk, spec, _STATE["packed"])
             if writer is None:
-                writer = pq.ParquetWriter(tmp, table.schema, compression=_STATE["compression"], use_dictionary=False)
+                writer = pq.ParquetWriter(
+                    tmp,
+                    table.schema,
+                    compression=_STATE["compression"],
+                    use_dictionary=False,
+                    write_page_checksum=True,  # the reader verifies every page: a damaged byte is an error
+                )
             writer.write_table(table, row_group_size=max(1, table.num_rows))
             rows += table.num_rows
     finally:
@@ -200,7 +206,7 @@ def preprocess(args: argparse.Namespace) -> dict:
 
     from embshard.config import load_config
     from embshard.data import table_config
-    from embshard.data.source import read_spec
+    from embshard.data.source import check_not_empty, read_spec
 
     cfg = load_config(args.config, args.overrides)
     if cfg.data.source == "synthetic":
@@ -212,11 +218,13 @@ def preprocess(args: argparse.Namespace) -> dict:
     fmt = detect_format(files, tcfg.format, where)
     spec = read_spec(tcfg, tables, fmt, cfg.data.on_bad_row, where)
     train = scan(files, fmt, tcfg.header, tcfg.column_names, spec.delimiter, spec.chunk_rows)
+    check_not_empty(train, f"{where}.files")
     layouts = {"train": train}
     out = Path(args.out)
     if tcfg.eval_files is not None:
         held = scan(resolve_files(tcfg.eval_files, f"{where}.eval_files"), fmt, tcfg.header, tcfg.column_names,
                     spec.delimiter, spec.chunk_rows)  # fmt: skip
+        check_not_empty(held, f"{where}.eval_files")
         layouts["eval"] = held
         train_rows = train.rows
     else:

@@ -94,6 +94,17 @@ def build_vocab(cfg: TableSourceConfig, spec: ReadSpec, layout: Layout, lo: int,
     return {f.name: VocabLookup(vocabs[f.column], f.rows, cfg.vocab_min_count, f.name) for f in spec.features}
 
 
+def check_not_empty(layout: Layout, key: str) -> None:
+    """ConfigError naming the files when none of them holds a data row."""
+    if layout.rows == 0:
+        what = (
+            f"{layout.files[0]}: the file is empty"
+            if len(layout.files) == 1
+            else f"{layout.files}: the files are empty"
+        )
+        raise ConfigError(f"{key}: {what} (no data rows): give files with rows")
+
+
 def even_parts(lo: int, hi: int, batch_size: int, streams: int) -> tuple[tuple[int, int], ...]:
     """[lo, hi) cut into `streams` contiguous parts of whole batches (the last batch may be short)."""
     nb = -(-(hi - lo) // batch_size)
@@ -122,10 +133,12 @@ class TableSource:
         self.keys = [f.name for f in spec.features]
         self.num_dense = len(cfg.dense)
         train = scan(files, fmt, cfg.header, cfg.column_names, spec.delimiter, spec.chunk_rows)
+        check_not_empty(train, f"{where}.files")
         frac = cfg.held_out_fraction
         if cfg.eval_files is not None:
             eval_files = resolve_files(cfg.eval_files, f"{where}.eval_files")
             held = scan(eval_files, fmt, cfg.header, cfg.column_names, spec.delimiter, spec.chunk_rows)
+            check_not_empty(held, f"{where}.eval_files")
             train_range = (0, train.rows)
             eval_range = (0, held.rows if frac >= 1 else max(1, round(held.rows * frac)))
         else:

@@ -16,7 +16,7 @@ from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import Topology
 from embshard.spec.geometry import column_blocks, offsets, row_blocks, row_runs, runs
 from embshard.spec.plan import LookupKernel, MemoryTier, Shard, ShardingType
-from embshard.spec.raw_ids import RAW_SHARDING_TYPES, RAW_TIERS, sharding_refused
+from embshard.spec.raw_ids import RAW_SHARDING_TYPES, RAW_TIERS, sharding_refused, small_block_refused
 from embshard.spec.tables import ConfigError, TableConfig
 
 MIN_COLUMN_BLOCK = 16  # narrowest column block the planner proposes on its own (columns)
@@ -84,6 +84,7 @@ def table_options(
     everyone = not pinned or pinned == set(range(W))
     clf = constraint.cache_load_factor or settings.cache_load_factor
     out: list[Option] = []
+    refused = None  # a raw-id table's row-wise blocks of fewer than 2 rows
     for st in types:
         if colocated and st is not ShardingType.TABLE_WISE:
             continue
@@ -103,6 +104,10 @@ def table_options(
             parts_list = [lws] if topology.num_hosts > 1 and lws > 1 and hosts_ok else []
         else:
             parts_list = _column_parts(table, constraint, W, len(pinned) if pinned else W)
+        if table.raw_ids and st is ShardingType.ROW_WISE:
+            small = [p for p in parts_list if small_block_refused(table, row_blocks(table.num_embeddings, p))]
+            refused = refused or (small and small_block_refused(table, row_blocks(table.num_embeddings, small[0])))
+            parts_list = [p for p in parts_list if p not in small]
         for parts in parts_list:
             for tier in tiers:
                 if st is ShardingType.DATA_PARALLEL and tier not in (MemoryTier.HBM, MemoryTier.HOST):
@@ -110,6 +115,8 @@ def table_options(
                 if st is ShardingType.COLUMN_WISE and tier is MemoryTier.UVM and not constraint.column_shards:
                     continue  # duplicated ids over the host link: never better than table-wise UVM
                 out.append(Option(st, tier, parts, clf if tier is MemoryTier.UVM_CACHING else 0.0, raw=table.raw_ids))
+    if not out and refused:
+        raise ConfigError(refused)
     if not out:
         raise ConfigError(
             f"table {table.name!r}: no sharding option is left: constraints {constraint.to_dict()} and planner "

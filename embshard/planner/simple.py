@@ -15,6 +15,7 @@ from embshard.planner.constraints import ParameterConstraints, resolve_constrain
 from embshard.planner.options import Option, make_shards
 from embshard.spec.geometry import column_blocks, row_blocks
 from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType, TablePlan
+from embshard.spec.raw_ids import small_block_refused
 from embshard.spec.tables import ConfigError, TableConfig, validate_tables
 
 
@@ -83,4 +84,8 @@ def simple_plan(
         plans[cfg.name] = TablePlan(cfg.name, st, table_tier, shards)
     plan = ShardingPlan(world_size, local_world_size, tuple(plans[t.name] for t in tables))
     plan.check(tables)
+    for t in tables:  # a raw-id table's row block of 1 row: refused here, not only on the rank that builds it
+        refused = t.raw_ids and small_block_refused(t, [s.num_rows for s in plan[t.name].shards])
+        if refused:
+            raise ConfigError(refused)
     return plan

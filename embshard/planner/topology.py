@@ -15,6 +15,7 @@ device-to-device copy of N bytes reports as 2N / time.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -48,6 +49,7 @@ from embshard.planner.units import (  # noqa: F401  (GB, KERNEL_FIELDS: callers 
     from_yaml_units,
     plain_value,
 )
+from embshard.spec.plan import read_yaml_file
 from embshard.spec.tables import ConfigError
 
 
@@ -317,6 +319,8 @@ class Topology:
         `lookup_id_ns`) load with a warning: their measured bandwidths are kept, but their per-id constants
         (`lookup_id_ns`, `routed_id_ns`, `host_sync_us`: fitted to older formulas) are replaced by the preset's
         and their 128-byte-row `uvm_gbps` becomes uvm_row_s + 128 B / uvm_bw with the preset's uvm_row_s."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of topology fields, not {type(data).__name__} {data!r}")
         version = data.get("cost_model", 1 if "lookup_id_ns" in data else COST_MODEL)
         if version not in (1, COST_MODEL):
             raise ConfigError(f"{where}: cost_model={version!r} is not known: this embshard reads 1 and {COST_MODEL}")
@@ -327,10 +331,15 @@ class Topology:
                 continue
             if key in BY_YAML_KEY:
                 name, scale = BY_YAML_KEY[key]
-                if not isinstance(value, int | float) or isinstance(value, bool):
-                    raise ConfigError(f"{where}: {key}={value!r} is invalid: expected a number")
+                if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                    raise ConfigError(f"{where}: {key}={value!r} is invalid: expected a finite number")
+                if name in BANDWIDTHS and value <= 0:
+                    raise ConfigError(f"{where}: {key}={value!r} is invalid: bandwidths must be > 0 (GB/s)")
+                if not math.isfinite(value * scale):
+                    raise ConfigError(f"{where}: {key}={value!r} is invalid: it is out of range")
                 kw[name] = from_yaml_units(name, value, scale)
             elif key in PLAIN_FIELDS:
+                _check_plain(key, value, where)
                 kw[key] = plain_value(key, value)
             else:
                 raise ConfigError(f"{where}: unknown key {key!r}; known keys: {sorted({*BY_YAML_KEY, *PLAIN_FIELDS})}")
@@ -355,7 +364,12 @@ class Topology:
                 "them (fwd_id_ns, bwd_id_ns, bwd_row_ns, uvm_row_ns)",
                 stacklevel=2,
             )
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            if where == "topology":
+                raise
+            raise ConfigError(f"{where}: {e}") from None
 
     def save(self, path: str | Path) -> None:
         """Write as YAML."""
@@ -365,13 +379,9 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> Topology:
-        """Read a file written by save() or `embshard calibrate`."""
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text())
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of topology fields")
-        return cls.from_dict(data, where=str(path))
+        """Read a file written by save() or `embshard calibrate`; a file that cannot be read or parsed, or holds
+        another structure, is a ConfigError naming the file (and the field)."""
+        return cls.from_dict(read_yaml_file(path, "topology"), where=str(path))
 
     def describe(self) -> str:
         """One line for reports."""
@@ -380,3 +390,18 @@ class Topology:
             f"{self.world_size} x {self.device_name} ({self.num_hosts} host(s) x {self.local_world_size}), "
             f"{mem}{self.ddr_bytes / GIB:.1f} GiB host memory per rank; source: {self.source}"
         )
+
+
+def _check_plain(key: str, value: Any, where: str) -> None:
+    """ConfigError naming `where` and the key unless a topology file's field without a unit has its type."""
+    if key in ("device_name", "source", "compute_device"):
+        ok, want = isinstance(value, str), "a string"
+    elif key == "measured":
+        ok, want = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of field names"
+    elif key == "regroup_efficiency":
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
+        want = "a number in (0, 1]"
+    else:  # world_size, local_world_size, cost_model
+        ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1"
+    if not ok:
+        raise ConfigError(f"{where}: {key}={value!r} is invalid: expected {want}")

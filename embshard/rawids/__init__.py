@@ -105,8 +105,9 @@ two bucket reads, its row and state. Memory per row: `map_bytes_per_row` (about 
 order buffers, 61 under LFU, 102 with admission counting); the planner counts it.
 
 Checkpoints (checkpoint/raw_ids.py): per table the logical tensors `ids`, `id_last`, `id_count` `[rows]` ride
-with `weight` and the optimizer state; a load under the same row blocks reads them straight into place and
-rebuilds the index; under other blocks (N -> M ranks, table-wise <-> row-wise) every rank scans the saved pairs in
+with `weight` and the optimizer state, with the map's index slots, LRU order, clock and admission sketch
+(`IdMap.exact_state`); a load under the same row blocks reads them straight into place and restores the index,
+order, clock and sketch as saved (an exact resume); under other blocks (N -> M ranks, table-wise <-> row-wise) every rank scans the saved pairs in
 chunks, keeps those its blocks own by the routing rule, and writes them (weights and state along) into fresh rows.
 """
 

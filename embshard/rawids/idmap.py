@@ -20,6 +20,7 @@ from embshard.rawids.state import MapState
 from embshard.runtime.ops import small_to_device
 from embshard.spec.geometry import offsets
 from embshard.spec.id_map import P, map_bytes_per_row
+from embshard.spec.tables import ConfigError
 
 __all__ = ["P", "IdMap", "Resets", "map_bytes_per_row"]
 
@@ -36,6 +37,7 @@ class IdMap(MapState):
         self.graphed = graph.graph_choice()
         """Training steps replay a CUDA graph where `graph.graph_refusal` allows (EMBSHARD_RAWID_GRAPH)."""
         self._graph: graph.MapGraph | None = None  # made at the first graphed step
+        self._staged: list[dict[str, torch.Tensor] | None] = [None] * self.T  # `stage_exact_state`
 
     # ---- the step ----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, counts: Sequence[int], lookup: nn.Module) -> torch.Tensor:
@@ -171,35 +173,131 @@ class IdMap(MapState):
         r0, r1 = self.row_base_host[s], self.row_base_host[s] + self.rows_host[s]
         return {"ids": self.row_key[r0:r1], "id_last": self.row_last[r0:r1], "id_count": self.row_freq[r0:r1]}
 
+    def exact_state(self, s: int) -> dict[str, torch.Tensor]:
+        """What besides `shard_state(s)` makes shard s's map go on exactly as it would have (new tensors, for a
+        checkpoint): 'id_slot' `[rows]` each row's index slot within the shard's slots (-1: none), 'id_order'
+        `[rows]` each usable row's position in the shard's LRU order (-1: the zero row, or no LRU order),
+        'id_clock' `[1]` the map's clock, and for a table with admit_min_count > 1 its admission sketch,
+        'id_sketch' `[depth, width]` and 'id_sketch_adds' `[1]`. `stage_exact_state` takes them back."""
+        r0, n = self.row_base_host[s], self.rows_host[s]
+        dev, i64 = self.row_key.device, torch.int64
+        slot = self.row_slot[r0 : r0 + n].to(i64)
+        out = {"id_slot": torch.where(slot >= 0, slot - self.bucket_base_host[s] * P, -1)}
+        order = torch.full((n,), -1, dtype=i64, device=dev)
+        if self.lru:
+            o0, u = self.ord_base_host[s], self.usable_host[s]
+            order[self.order[o0 : o0 + u] - r0] = torch.arange(u, device=dev)
+        out["id_order"] = order
+        out["id_clock"] = torch.tensor([self.clock], dtype=i64, device=dev)
+        if self.shards[s].table.admit_min_count > 1:
+            c0, w = self.sketch_base_host[s], self.sketch_width_host[s]
+            out["id_sketch"] = self.sketch[:, c0 : c0 + w].clone()
+            out["id_sketch_adds"] = self.sketch_adds[s : s + 1].clone()
+        return out
+
+    def stage_exact_state(self, s: int, state: dict[str, torch.Tensor] | None) -> None:
+        """Hand shard s's `exact_state` (being loaded into these tensors) to the next `rebuild`, which restores
+        the index slots, the LRU order, the clock and the sketch from it (where its 'id_clock' is >= 0); None: no
+        such state (`rebuild` then rebuilds them from the rows alone)."""
+        self._staged[s] = state
+
     def rebuild(self) -> int:
         """Rebuild the index and the LRU order from the rows' ids and last uses (after a load); the clock goes
-        past every last use. Returns how many rows lost their id because no index slot was free (normally 0).
-        Not part of a step: it may sync."""
+        past every last use. Shards given their `exact_state` (`stage_exact_state`) get their slots, order, clock
+        and sketch back as saved, so training goes on exactly as it would have. A shard holding an id twice, or
+        whose saved slots or order do not fit its rows, is a ConfigError naming the table. Returns how many rows
+        lost their id because no index slot was free (normally 0). Not part of a step: it may sync."""
         dev = self.row_key.device
         R = self.R
+        staged = [st if st is not None and int(st["id_clock"].min()) >= 0 else None for st in self._staged]
+        self._staged = [None] * self.T
         rows = torch.arange(R, device=dev)
         shard = torch.repeat_interleave(torch.arange(self.T, device=dev), torch.tensor(self.rows_host, device=dev))
         used = self.row_last[:R] >= 0
         used[self.row_tab[:, 1]] = False
         self.row_last[:R] = torch.where(used, self.row_last[:R], -1)
+        keys = self.row_key[:R]
+        self._check_unique(keys, shard, used)
         self.slot_key.zero_()
         self.slot_row.fill_(-1)
-        keys = self.row_key[:R]
         _, cand = self._find(keys, shard)
-        slot = self._insert(keys, cand, used, rows)
-        self.row_slot[:R] = torch.where(used, slot, -1)
+        fixed = torch.full((R,), -1, dtype=torch.int64, device=dev)  # saved slots, group-wide
+        for s, st in enumerate(staged):
+            if st is not None:
+                r0, n = self.row_base_host[s], self.rows_host[s]
+                fixed[r0 : r0 + n] = self._saved_slots(s, st["id_slot"].to(dev), cand[r0 : r0 + n], used[r0 : r0 + n])
+        placed = fixed >= 0
+        self.slot_key.scatter_(0, torch.where(placed, fixed, self.S), keys)
+        self.slot_row.scatter_(0, torch.where(placed, fixed, self.S), rows.to(self.slot_row.dtype))
+        slot = torch.where(placed, fixed, self._insert(keys, cand, used & ~placed, rows))
+        self.row_slot[:R] = torch.where(used, slot, -1).to(self.row_slot.dtype)
         lost = used & (slot < 0)
         self.row_last[:R] = torch.where(lost, -1, self.row_last[:R])
         self.row_freq[:R] = torch.where(self.row_last[:R] >= 0, self.row_freq[:R], 0)
         if self.lru:
-            u = self._usable_rows()
-            idx = torch.sort(self.row_last[u], stable=True).indices
-            if self.T > 1:
-                idx = idx[torch.sort(self.seg[idx], stable=True).indices]
-            self.order = u[idx]
-        self.clock = max(self.clock, int(self.row_last[:R].max()) + 1)
+            self._rebuild_order(staged)
+        clock = max([int(st["id_clock"].max()) for st in staged if st is not None], default=self.clock)
+        self.clock = max(clock, int(self.row_last[:R].max()) + 1)
         self.clock_t.fill_(self.clock)
+        for s, st in enumerate(staged):
+            if st is not None and "id_sketch" in st and self.sketching:
+                c0, w = self.sketch_base_host[s], self.sketch_width_host[s]
+                self.sketch[:, c0 : c0 + w] = st["id_sketch"].to(dev)
+                self.sketch_adds[s] = st["id_sketch_adds"].to(dev)[0]
         return int(lost.sum())
+
+    def _check_unique(self, keys: torch.Tensor, shard: torch.Tensor, used: torch.Tensor) -> None:
+        """ConfigError naming the table unless every shard holds each of its ids in one row at most."""
+        k = torch.where(used, keys, 0)
+        order = torch.sort(k, stable=True).indices
+        order = order[torch.sort(shard[order], stable=True).indices]
+        k, sh, u = k[order], shard[order], used[order]
+        twice = u[1:] & u[:-1] & (k[1:] == k[:-1]) & (sh[1:] == sh[:-1])
+        if bool(twice.any()):
+            i = int(torch.argmax(twice.to(torch.int8)))
+            s = int(sh[i])
+            raise ConfigError(
+                f"table {self.shards[s].table.name!r} (ids: raw): its map's block at row "
+                f"{self.shards[s].shard.row_offset} holds id {int(k[i])} in two rows ({int(order[i]) - self.row_base_host[s]} "
+                f"and {int(order[i + 1]) - self.row_base_host[s]}): the loaded map is inconsistent (a damaged "
+                "checkpoint?); load another checkpoint"
+            )
+
+    def _saved_slots(self, s: int, local: torch.Tensor, cand: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+        """Shard s's saved index slots as group slots (-1: none), checked: every used row's slot in one of its
+        key's candidate buckets and no slot twice; else a ConfigError naming the table."""
+        slot = torch.where(used & (local >= 0), local + self.bucket_base_host[s] * P, -1)
+        ok = (slot < 0) | (slot // P == cand[:, 0]) | (slot // P == cand[:, 1])
+        taken = slot[slot >= 0]
+        if not bool(ok.all()) or taken.numel() != torch.unique(taken).numel():
+            raise ConfigError(
+                f"table {self.shards[s].table.name!r} (ids: raw): the saved index slots of its map's block at row "
+                f"{self.shards[s].shard.row_offset} do not fit its ids: the loaded map is inconsistent; load "
+                "another checkpoint"
+            )
+        return slot
+
+    def _rebuild_order(self, staged: list[dict[str, torch.Tensor] | None]) -> None:
+        """The LRU order: a staged shard's as saved (checked to be a permutation of its usable rows), the others'
+        by last use (least recent first, ties by row)."""
+        u = self._usable_rows()
+        idx = torch.sort(self.row_last[u], stable=True).indices
+        if self.T > 1:
+            idx = idx[torch.sort(self.seg[idx], stable=True).indices]
+        order = u[idx]
+        for s, st in enumerate(staged):
+            if st is None:
+                continue
+            o0, n_u, r0 = self.ord_base_host[s], self.usable_host[s], self.row_base_host[s]
+            pos = st["id_order"].to(order.device)[:n_u]
+            if not torch.equal(torch.sort(pos).values, torch.arange(n_u, device=pos.device)):
+                raise ConfigError(
+                    f"table {self.shards[s].table.name!r} (ids: raw): the saved LRU order of its map's block at row "
+                    f"{self.shards[s].shard.row_offset} is not an order of its {n_u} rows: the loaded map is "
+                    "inconsistent; load another checkpoint"
+                )
+            order[o0 : o0 + n_u] = r0 + torch.argsort(pos)
+        self.order = order
 
     def stats(self) -> list[dict[str, int]]:
         """Per shard: ids admitted and evicted since the last `reset_stats`, ids resident now, capacity (host

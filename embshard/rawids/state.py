@@ -44,6 +44,11 @@ def _index_dtype(rows: int, slots: int) -> torch.dtype:
     return torch.int32 if index_bytes(rows, slots) == 4 else torch.int64
 
 
+def sketch_width(usable: int) -> int:
+    """The admission sketch's counters per row of depth for a shard of `usable` rows."""
+    return max(usable, 16)
+
+
 class MapState(IndexOps, EvictionOps, ResetOps, nn.Module):
     """The id -> row maps of the raw-id shards `shards` of one lookup group (one per shard), on `device`: their
     buffers and host sizes, the clock, and the step's shared parts (admission, sums per shard, the clock's tick)."""
@@ -63,11 +68,13 @@ class MapState(IndexOps, EvictionOps, ResetOps, nn.Module):
         rows = [s.shard.num_rows for s in self.shards]
         usable = [r - 1 for r in rows]
         buckets = [map_buckets(u) for u in usable]
-        widths = [max(u, 16) for u in usable]
+        widths = [sketch_width(u) for u in usable]
         T = len(rows)
         self.T, self.R, self.Ord = T, sum(rows), sum(usable)
         self.NB, self.S, self.W = sum(buckets), sum(buckets) * P, sum(widths)
         self.rows_host, self.row_base_host, self.usable_host = rows, offsets(rows), usable
+        self.bucket_base_host, self.ord_base_host = offsets(buckets), offsets(usable)
+        self.sketch_base_host, self.sketch_width_host = offsets(widths), widths
         self.lru = any(s.table.eviction is Eviction.LRU for s in self.shards)
         self.lfu = any(s.table.eviction is Eviction.LFU for s in self.shards)
         self.sketching = any(s.table.admit_min_count > 1 for s in self.shards)

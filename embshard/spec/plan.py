@@ -191,14 +191,10 @@ class ShardingPlan:
         return enc(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> ShardingPlan:
-        """Inverse of to_dict. Every field is checked first (missing fields, unknown ones, wrong types, unknown enum
-        values): one ConfigError naming `where` (e.g. the file) and the field."""
-        _check_fields(data, _PLAN_FIELDS, ("world_size", "local_world_size", "tables"), where, "")
-        for i, t in enumerate(data["tables"]):
-            _check_fields(t, _TABLE_FIELDS, ("table", "sharding_type", "tier", "shards"), where, f"tables[{i}]")
-            for j, sh in enumerate(t["shards"]):
-                _check_fields(sh, _SHARD_FIELDS, tuple(_SHARD_FIELDS), where, f"tables[{i}].shards[{j}]")
+    def from_dict(cls, data: Any, where: str = "plan") -> ShardingPlan:
+        """Inverse of to_dict. A mapping of another structure (a missing, unknown or mistyped field, a value out of
+        range) is a ConfigError naming `where` (the file) and the field."""
+        _check_plan_data(data, where)
         try:
             return cls(
                 world_size=data["world_size"],
@@ -208,10 +204,8 @@ class ShardingPlan:
                 ),
                 table_row_wise_exchange=data.get("table_row_wise_exchange", Exchange.FLAT.value),
             )
-        except ConfigError as e:  # a field's value out of its range (e.g. world_size 0): the file named
-            if where == "plan":
-                raise
-            raise ConfigError(f"{where}: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{where}: not a valid embshard plan: {e}; produce one with `embshard plan`") from None
 
     def to_json(self) -> str:
         """JSON text."""
@@ -230,16 +224,9 @@ class ShardingPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> ShardingPlan:
-        """Read a plan written by save() (YAML or JSON), checked field by field (from_dict)."""
-        import yaml
-
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the plan file ({e.strerror})") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not a YAML or JSON plan file ({e}); write one with `embshard plan`") from None
-        return cls.from_dict(data, where=str(path))
+        """Read a plan written by save(); a file that cannot be read or parsed, or is no plan, is a ConfigError
+        naming the file."""
+        return cls.from_dict(read_yaml_file(path, "plan"), where=str(path))
 
     def __str__(self) -> str:
         kernels = any(t.kernel is not LookupKernel.FBGEMM for t in self.tables)  # the column only when it says more
@@ -330,54 +317,100 @@ def _check_cover(spans: list[tuple[int, int]], total: int, what: str, bad: Any) 
         raise bad(f"{what} blocks {spans} cover {pos} of {total} {what}")
 
 
-_PLAN_FIELDS: dict[str, Any] = {
-    "world_size": int,
-    "local_world_size": int,
-    "tables": list,
-    "table_row_wise_exchange": Exchange,
+_PLAN_KEYS = {"world_size": True, "local_world_size": True, "tables": True, "table_row_wise_exchange": False}
+_TABLE_KEYS = {
+    "table": True,
+    "sharding_type": True,
+    "tier": True,
+    "shards": True,
+    "cache_load_factor": False,
+    "cache_algorithm": False,
+    "kernel": False,
 }
-_TABLE_FIELDS: dict[str, Any] = {
-    "table": str,
+_SHARD_KEYS = ("rank", "row_offset", "num_rows", "col_offset", "num_cols")
+_PLAN_ENUMS: dict[str, type[enum.Enum]] = {
     "sharding_type": ShardingType,
     "tier": MemoryTier,
-    "shards": list,
-    "cache_load_factor": float,
     "cache_algorithm": CacheAlgorithm,
     "kernel": LookupKernel,
 }
-_SHARD_FIELDS: dict[str, Any] = {f: int for f in ("rank", "row_offset", "num_rows", "col_offset", "num_cols")}
-_KIND_TEXT = {int: "an integer", float: "a number", str: "a string", list: "a list"}
 
 
-def _check_fields(data: Any, kinds: Mapping[str, Any], required: Sequence[str], where: str, path: str) -> None:
-    """Raise one ConfigError naming `where` and the field (`path`.name) unless `data` is a mapping with every
-    `required` field, no other field than `kinds`' and each value of its kind (a type, or an enum's values)."""
+def read_yaml_file(path: str | Path, what: str) -> Any:
+    """The content of a YAML (or JSON) file, parsed with yaml.safe_load; a file that cannot be read or parsed (or
+    that asks for Python objects) is a ConfigError naming the file and `what` it should hold."""
+    import yaml
 
-    def bad(field: str, problem: str) -> ConfigError:
-        return ConfigError(
-            f"{where}: not a valid embshard plan: {field}{problem}; fix the file or write a new one with `embshard plan`"
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the {what} file ({e})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not a {what} file of plain YAML or JSON ({' '.join(str(e).split())})") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_keys(data: Any, spec: Mapping[str, bool] | Sequence[str], field: str, where: str) -> None:
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{where}: not a valid embshard plan: {field} must be a mapping, not {type(data).__name__} {data!r}; "
+            "produce one with `embshard plan`"
+        )
+    required = [k for k, need in spec.items() if need] if isinstance(spec, Mapping) else list(spec)
+    missing = [k for k in required if k not in data]
+    unknown = [k for k in data if k not in spec]
+    if missing or unknown:
+        raise ConfigError(
+            f"{where}: not a valid embshard plan: {field} "
+            + (f"lacks {missing}" if missing else f"has unknown keys {unknown}")
+            + f" (its keys: {list(spec)}); produce one with `embshard plan`"
         )
 
-    if not isinstance(data, Mapping):
-        raise bad(path or "the plan", f" is a {type(data).__name__}, not a mapping of fields")
-    prefix = f"{path}." if path else ""
-    for key in required:
-        if key not in data:
-            raise bad(prefix + str(key), " is missing")
-    for key, value in data.items():
-        if key not in kinds:
-            raise bad(prefix + str(key), f" is not a plan field (known: {sorted(kinds)})")
-        kind = kinds[key]
-        if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            choices = [k.value for k in kind]
-            if isinstance(value, kind) or (isinstance(value, str) and value in choices):
-                continue
-            raise bad(prefix + key, f"={value!r} is invalid: choose one of {choices}")
-        ok = {
-            int: isinstance(value, int),
-            float: isinstance(value, int | float),
-            str: isinstance(value, str),
-            list: isinstance(value, list | tuple),
-        }[kind] and not isinstance(value, bool)
-        if not ok:
-            raise bad(prefix + key, f"={value!r} is invalid: it must be {_KIND_TEXT[kind]}")
+
+def _check_plan_data(data: Any, where: str) -> None:
+    """Raise ConfigError naming `where` and the field unless `data` has the structure of ShardingPlan.to_dict:
+    the keys, their types and the ranges of the numbers (the placement rules are `ShardingPlan.check`'s)."""
+
+    def bad(field: str, value: Any, rule: str) -> ConfigError:
+        return ConfigError(
+            f"{where}: not a valid embshard plan: {field}={value!r} is invalid: {rule}; produce one with `embshard plan`"
+        )
+
+    _check_keys(data, _PLAN_KEYS, "the plan", where)
+    for key in ("world_size", "local_world_size"):
+        if not _is_int(data[key]) or data[key] < 1:
+            raise bad(key, data[key], "it must be an integer >= 1")
+    world, tables = data["world_size"], data["tables"]
+    if not isinstance(tables, list):
+        raise bad("tables", tables, "it must be a list of tables")
+    seen: set[str] = set()
+    for i, t in enumerate(tables):
+        _check_keys(t, _TABLE_KEYS, f"tables[{i}]", where)
+        name = t["table"]
+        if not isinstance(name, str) or not name:
+            raise bad(f"tables[{i}].table", name, "it must be the table's name")
+        if name in seen:
+            raise bad(f"tables[{i}].table", name, "the table is listed twice")
+        seen.add(name)
+        for key, kind in _PLAN_ENUMS.items():
+            if key in t and t[key] not in [k.value for k in kind]:
+                raise bad(f"table {name!r} {key}", t[key], f"choose one of {[k.value for k in kind]}")
+        clf = t.get("cache_load_factor", 0.2)
+        if isinstance(clf, bool) or not isinstance(clf, int | float) or not 0 < clf <= 1:
+            raise bad(f"table {name!r} cache_load_factor", clf, "it must be a number in (0, 1]")
+        if not isinstance(t["shards"], list) or not t["shards"]:
+            raise bad(f"table {name!r} shards", t["shards"], "it must be a non-empty list of shards")
+        for j, s in enumerate(t["shards"]):
+            field = f"table {name!r} shards[{j}]"
+            _check_keys(s, _SHARD_KEYS, field, where)
+            for key in _SHARD_KEYS:
+                low = 1 if key.startswith("num_") else 0
+                if not _is_int(s[key]) or s[key] < low:
+                    raise bad(f"{field}.{key}", s[key], f"it must be an integer >= {low}")
+            if s["rank"] >= world:
+                raise bad(f"{field}.rank", s["rank"], f"ranks are 0..{world - 1} (world_size={world})")
