@@ -132,17 +132,17 @@ def test_plan_files_are_checked_field_by_field(tmp_path):
     simple_plan(TABLES, 2).save(ours)
     assert ShardingPlan.load(ours) == simple_plan(TABLES, 2)
     ours.write_text(ours.read_text().replace("table_wise", "diagonal", 1))
-    with pytest.raises(ConfigError, match=rf"{ours}: .*tables\[0\].sharding_type='diagonal' is invalid"):
+    with pytest.raises(ConfigError, match=rf"{ours}: .*table 'a' sharding_type='diagonal' is invalid"):
         ShardingPlan.load(ours)
     data = simple_plan(TABLES, 2).to_dict()
     del data["tables"][1]["shards"][0]["num_rows"]
     data["tables"][0]["tier"] = 3
     (tmp_path / "plan.json").write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"plan.json: .*tables\[0\].tier=3 is invalid: choose one of"):
+    with pytest.raises(ConfigError, match=r"plan.json: .*table 'a' tier=3 is invalid: choose one of"):
         ShardingPlan.load(tmp_path / "plan.json")
     data["tables"][0]["tier"] = "hbm"
     (tmp_path / "plan.json").write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"tables\[1\].shards\[0\].num_rows is missing"):
+    with pytest.raises(ConfigError, match=r"table 'b' shards\[0\] lacks \['num_rows'\]"):
         ShardingPlan.load(tmp_path / "plan.json")
 
 
