@@ -137,7 +137,7 @@ def small_forms(
 ) -> list[list[Option | None]]:
     """Per table, each option with the small-table kernel if the planner may consider it, else None: fp32 weights
     in GPU memory (tier hbm), on a GPU topology, with settings.small_table_kernel and the table's `kernels`
-    constraint allowing it, and every block small enough for the kernel (kernels.cost.eligible: the block and its
+    constraint allowing it, and every block small enough for the kernel (kernel_model.eligible: the block and its
     gradient buffer within half the L2). A table constrained to `kernels: [small]` gets it wherever the runtime
     can run it (tier hbm, or host on CPUs), without the size rule. `column_wise` False: none for column-wise
     options (under the exact column-wise update, whose backward replaces either kernel's)."""
