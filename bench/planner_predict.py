@@ -89,7 +89,7 @@ def dmp_workload(name: str) -> tuple[list, int]:
 def refit(args: argparse.Namespace) -> None:
     """--refit: fit the device's constants to the logs, print the fit, rewrite the preset file with --write."""
     from embshard.planner import refit as rf
-    from embshard.planner.topology import preset_path
+    from embshard.planner.presets import preset_path
     from embshard.spec.optim import FusedOptimizerConfig
 
     if not (args.kernels or args.steps):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,8 +38,3 @@ def split_rows(piece: Piece, chunk_bytes: int) -> list[Piece]:
         offsets = (piece.offsets[0] + r0, *piece.offsets[1:])
         out.append(replace(piece, offsets=offsets, tensor=t[r0 : r0 + rows]))
     return out
-
-
-def total_bytes(pieces: Sequence[Piece]) -> int:
-    """Bytes of the pieces' values."""
-    return sum(p.nbytes for p in pieces)

@@ -40,6 +40,7 @@ from embshard.collection import padding
 from embshard.runtime import comm
 from embshard.runtime.graphs import warm_up_and_capture
 from embshard.sharding.exchange import BatchCounts
+from embshard.spec.geometry import capacity
 from embshard.spec.options import BoundsCheck
 from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier
 
@@ -141,7 +142,7 @@ class EmbeddingStepGraph:
                     "the eager step"
                 )
             grown = most if self.capacity is None else np.maximum(self.capacity, most)
-            self.capacity, self.graph = padding.capacity(grown), None
+            self.capacity, self.graph = capacity(grown), None
         static = self._static
         n_ids, n_bags = int(self.capacity.sum()), kjt.lengths().numel()
         if static is not None and (static[1][0].numel(), static[1][1].numel()) == (n_ids, n_bags):

@@ -22,7 +22,6 @@ import torch
 
 from embshard.runtime.ops import cached_tensor, complete_cumsum, small_to_device
 from embshard.sharding.exchange import BatchCounts
-from embshard.spec.geometry import capacity  # noqa: F401  (collection/emb_graph.py calls padding.capacity)
 from embshard.spec.optim import OptimizerKind
 from embshard.spec.tables import Pooling, feature_columns
 

@@ -128,6 +128,8 @@ import numpy as np
 from embshard.planner import exchange as twrw
 from embshard.planner import kernel_cost, loads
 from embshard.planner.access import distinct_rows, gather, zipf_hit_rate
+from embshard.planner.kernel_model import SECTOR as HBM_SECTOR
+from embshard.planner.kernel_model import SORT_BYTES_PER_ID
 from embshard.planner.memory import ID_BYTES, LENGTH_BYTES, WEIGHT_BYTES, MemoryModel, TableStats
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.topology import GIB, Topology
@@ -135,9 +137,7 @@ from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.plan import Exchange, LookupKernel, MemoryTier, ShardingType
 from embshard.spec.tables import TableConfig
 
-SORT_BYTES_PER_ID = 96
 CACHE_PROBE_BYTES = 16
-HBM_SECTOR = 32
 LINK_SECTOR = 64
 # Fitted constants of the time model (docs/planner.md "Constants").
 CACHE_MISS_LINKS = 1.35

@@ -1,13 +1,13 @@
 """Which tables the small-table kernel takes (TablePlan.kernel 'small'; embshard/kernels/small_tables.py).
 
-The choice follows kernels.cost.choose_small_tables: the kernel must be predicted faster than FBGEMM for each
+The choice follows kernel_model.choose_small_tables: the kernel must be predicted faster than FBGEMM for each
 table alone (by a 10% margin, without its hot-row chain), and for each group of tables one lookup serves (a
 rank's tables of one sharding scheme) with the group's longest chain, which the chains' launch pays once. The
 planner takes it in three steps around the search (search.py):
 
 1. `select` (before the search; choices.py built every option that may run on the kernel twice, one per kernel,
    options.small_form says which): each option keeps the kernel predicted faster for the table alone
-   (kernels.cost.faster_alone on the lookup's forward + backward), so the search sees one choice per option
+   (kernel_model.faster_alone on the lookup's forward + backward), so the search sees one choice per option
    and its size, and its speed, stay the same. A table constrained to `kernels: [small]` keeps the small forms
    only. Data-parallel tables share one lookup on every rank, so they get one kernel (ShardingPlan.check): the
    one with the lower summed balanced cost of the tables that may be data-parallel, each at its cheapest

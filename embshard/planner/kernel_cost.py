@@ -4,7 +4,7 @@ c columns, fp32 rows rb = 4c, state sb bytes per row, Zipf skew a). `CostModel.w
 `CostModel.storage` call these for shards whose TablePlan.kernel is 'small'; `CostModel.batch_loads` calls
 `regroup_s` on GPUs, where the runtime regroups with the Triton kernel (LookupOptions.regroup 'auto').
 
-  forward   kernels.cost.small_table_forward (+ routing, unchanged, for model-parallel shards)
+  forward   kernel_model.small_table_forward (+ routing, unchanged, for model-parallel shards)
   backward  model-parallel: small_table_backward(mode="atomic"): atomics into the gradient buffer, then the
             fused update of the touched rows; data-parallel: mode "dense" (the dense gradient only: the all-reduce
             and the update stay as with FBGEMM); column-wise under the exact row-wise Adagrad update: FBGEMM's
@@ -16,7 +16,7 @@ c columns, fp32 rows rb = 4c, state sb bytes per row, Zipf skew a). `CostModel.w
             backward), SMALL_DP_ID_STEP_BYTES data-parallel; model-parallel groups keep a persistent fp32
             gradient buffer as large as their weights (r c 4), counted with the step buffers
   launches  1 forward, 2 backward (atomics, update) per group on a rank; data-parallel: zero-fill and atomics
-  regroup   forward B 4 (used + out columns), backward B 4 (out + in columns) bytes (kernels.cost.regroup_bytes;
+  regroup   forward B 4 (used + out columns), backward B 4 (out + in columns) bytes (kernel_model.regroup_bytes;
             every pooled column used once: P = B F D 4 each way twice) over hbm_bw * regroup_efficiency, plus
             one launch each way
 

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embshard.planner.access import gather, zipf_hit_rate
+
 SORT_BYTES_PER_ID = 96
 SECTOR = 32
 
@@ -81,25 +83,12 @@ class KernelConstants:
     its own kernel, timed apart from the model-parallel backward: bench/kernels.py's `dense` lines)."""
 
 
-def gather(row_bytes, sector: int = SECTOR):
-    """Bytes moved to fetch rows at random addresses: whole sectors (+ half a sector when not aligned)."""
-    whole = np.ceil(np.asarray(row_bytes, dtype=float) / sector) * sector
-    return whole + np.where(whole > row_bytes, sector / 2, 0.0)
-
-
 def zipf_top_share(rows, alpha):
     """Share of the ids that go to the most popular of `rows` rows under Zipf(alpha) (1/rows when alpha is 0):
-    the mass of [0.5, 1.5] over the mass of [0.5, rows + 0.5] of x^-alpha, as the planner's hit-rate model."""
+    the planner's hit rate of a cache of that one row (access.zipf_hit_rate)."""
     rows = np.asarray(rows, dtype=float)
     a = np.asarray(alpha, dtype=float)
-
-    def mass(hi):
-        near1 = np.abs(a - 1.0) < 1e-6
-        e = np.where(near1, 0.5, 1.0 - a)
-        return np.where(near1, np.log(hi / 0.5), (hi**e - 0.5**e) / e)
-
-    share = mass(np.full_like(rows, 1.5)) / mass(rows + 0.5)
-    return np.where(a > 0, share, 1.0 / np.maximum(rows, 1.0))
+    return np.where(a > 0, zipf_hit_rate(1.0, rows, a), 1.0 / np.maximum(rows, 1.0))
 
 
 def small_table_forward(n, b, rows, cols, u, weighted, hbm_bw, l2_bytes, k: KernelConstants):
@@ -108,7 +97,7 @@ def small_table_forward(n, b, rows, cols, u, weighted, hbm_bw, l2_bytes, k: Kern
     idb = 8.0 + 4.0 * np.asarray(weighted, dtype=float)
     fit = np.clip(l2_bytes / np.maximum(np.asarray(u, dtype=float) * rb, 1.0), 0.0, 1.0)
     reads = u + (n - u) * (1.0 - fit)
-    return n * k.fwd_id_s + (n * idb + 8.0 * b + b * rb + reads * gather(rb)) / hbm_bw
+    return n * k.fwd_id_s + (n * idb + 8.0 * b + b * rb + reads * gather(rb, SECTOR)) / hbm_bw
 
 
 def dedup_chunk(cols):

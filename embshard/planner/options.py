@@ -75,7 +75,7 @@ def table_options(
     types = _allowed(TYPE_ORDER, constraint.sharding_types, settings.sharding_types)
     tiers = GPU_TIERS if topology.is_gpu else (MemoryTier.HOST,)
     tiers = _allowed(tiers, constraint.tiers, settings.tiers)
-    if table.raw_ids:  # its id -> row map lives with whole rows, re-initialised in place (rawids/rules.py)
+    if table.raw_ids:  # its id -> row map lives with whole rows, re-initialised in place (spec/raw_ids.py)
         if constraint.sharding_types and not set(constraint.sharding_types) & set(RAW_SHARDING_TYPES):
             raise ConfigError(sharding_refused(table, constraint.sharding_types[0]))
         types = tuple(t for t in types if t in RAW_SHARDING_TYPES)
@@ -137,7 +137,7 @@ def small_forms(
 ) -> list[list[Option | None]]:
     """Per table, each option with the small-table kernel if the planner may consider it, else None: fp32 weights
     in GPU memory (tier hbm), on a GPU topology, with settings.small_table_kernel and the table's `kernels`
-    constraint allowing it, and every block small enough for the kernel (kernels.cost.eligible: the block and its
+    constraint allowing it, and every block small enough for the kernel (kernel_model.eligible: the block and its
     gradient buffer within half the L2). A table constrained to `kernels: [small]` gets it wherever the runtime
     can run it (tier hbm, or host on CPUs), without the size rule. `column_wise` False: none for column-wise
     options (under the exact column-wise update, whose backward replaces either kernel's)."""
@@ -145,7 +145,7 @@ def small_forms(
     auto = settings.small_table_kernel and topology.is_gpu
     sized = []  # (table, option, largest block rows, cols) under the size rule
     for i, (t, opts, c) in enumerate(zip(tables, options, constraints)):
-        if t.raw_ids:  # raw-id tables use FBGEMM's kernel (rawids/rules.py)
+        if t.raw_ids:  # raw-id tables use FBGEMM's kernel (spec/raw_ids.py)
             continue
         allowed, fp32 = c.kernels, t.data_type.bytes == 4
         if allowed == (LookupKernel.SMALL,) and fp32:

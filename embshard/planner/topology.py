@@ -24,23 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from embshard.planner.kernel_model import KernelConstants
-from embshard.planner.presets import (  # noqa: F401  (callers import the presets' names from here too)
-    ALIASES,
-    GPU_FILES,
-    PRESETS,
-    host_memory_bytes,
-    load_preset_file,
-    preset_for_gpu,
-    preset_path,
-    write_preset_file,
-)
-from embshard.planner.units import (  # noqa: F401  (GB, KERNEL_FIELDS: callers import them from here)
+from embshard.planner.presets import ALIASES, PRESETS, host_memory_bytes, preset_for_gpu
+from embshard.planner.units import (
     BANDWIDTHS,
     BY_YAML_KEY,
     COST_MODEL,
-    GB,
     GIB,
-    KERNEL_FIELDS,
     MIB,
     NONNEGATIVE,
     PLAIN_FIELDS,

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from embshard.planner.kernel_model import CalibrationCase, nonneg_lstsq
-from embshard.planner.topology import GB, GIB, KERNEL_FIELDS, Topology
+from embshard.planner.topology import Topology
+from embshard.planner.units import GB, GIB, KERNEL_FIELDS
 
 
 def _timed(fn, iters: int, sync) -> float:

@@ -35,7 +35,7 @@ def test_the_cases_cover_both_gpu_models_and_the_three_workloads():
     measured on the H100 for the three workloads and the MLPerf tables, with the plans the planner makes for the
     graph; and each case's plan is the kind the logs describe (table-wise, data-parallel, UVM and UVM-caching
     tables as they ran)."""
-    from embshard.planner.topology import GPU_FILES
+    from embshard.planner.presets import GPU_FILES
 
     static = [(c.gpu, c.workload) for c in CASES if c.ids == "static" and c.counts == "device"]
     assert sorted(static) == sorted((g, w) for g in GPU_FILES for w in ("uniform26", "hetero124", "overflow"))

@@ -428,7 +428,7 @@ def test_gpu_presets_come_from_complete_files_and_constants_are_checked():
     defaults), and the preset is the file."""
     from dataclasses import fields
 
-    from embshard.planner.topology import GPU_FILES, load_preset_file, preset_path
+    from embshard.planner.presets import GPU_FILES, load_preset_file, preset_path
 
     speeds = {f.name for f in fields(Topology)} - {"world_size", "local_world_size", "source", "measured", "cost_model"}
     for name in GPU_FILES:

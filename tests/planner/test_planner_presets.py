@@ -15,7 +15,8 @@ from paths import ROOT, cpu_subprocess_env
 
 from embshard.planner import Topology, plan_with_report
 from embshard.planner import refit as rf
-from embshard.planner.topology import GIB, load_preset_file, preset_path
+from embshard.planner.presets import load_preset_file, preset_path
+from embshard.planner.topology import GIB
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.tools.plan_inputs import load_planner_input
 
