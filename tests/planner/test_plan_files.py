@@ -124,7 +124,10 @@ def test_topology_file_round_trip_and_unreadable_files(tmp_path):
         (lambda d, t: t.update(compute_kernel="magic"), r"\['b'\]\.compute_kernel='magic' is invalid"),
         (lambda d, t: t.update(ranks=[9]), r"\['b'\]\.ranks\[0\]=9 is invalid: it must be a rank in 0\.\.1"),
         (lambda d, t: t.update(shards=[{"rank": 0}]), r"\['b'\]\.shards\[0\]\.offsets is missing"),
-        (lambda d, t: t.update(cache_params={"algorithm": "mru", "load_factor": 0.2}), r"cache_params\.algorithm='mru' is invalid"),
+        (
+            lambda d, t: t.update(cache_params={"algorithm": "mru", "load_factor": 0.2}),
+            r"cache_params\.algorithm='mru' is invalid",
+        ),
         (lambda d, t: t.pop("ranks"), r"\['b'\]\.ranks is missing"),
         (lambda d, t: d.update(local_world_size=0), r"local_world_size=0 is invalid"),
         (lambda d, t: d.update(device_type="tpu"), r"device_type='tpu' is invalid"),
@@ -140,5 +143,7 @@ def test_bad_torchrec_plan_file_names_the_file_and_the_field(tmp_path, edit, mes
     with pytest.raises(ConfigError, match=rf"plan\.torchrec\.json: .*{message}"):
         load_torchrec_plan(f)
     f.write_text("[1]")
-    with pytest.raises(ConfigError, match=r"plan\.torchrec\.json: not a valid TorchRec plan file: the file holds a list"):
+    with pytest.raises(
+        ConfigError, match=r"plan\.torchrec\.json: not a valid TorchRec plan file: the file holds a list"
+    ):
         load_torchrec_plan(f)
