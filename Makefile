@@ -18,11 +18,11 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/torchrec.txt
 	$(PY) -c "import torch, fbgemm_gpu, torchrec, embshard; print('installed: torch', torch.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__, 'torchrec', torchrec.__version__)"
 	touch $@
 
-# The whole CPU suite, about 3 minutes on 2 cores (per-folder times: tests/README.md).
+# The whole CPU suite, 4 to 10 minutes on 2 cores (584 s on 2 shared cores, 2026-12-07) (per-folder times: tests/README.md).
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# About a minute on 2 cores: the core parity paths against the unsharded reference: every sharding type alone and
+# 1 to 2 minutes on 2 cores (130 s on 2 shared cores, 2026-12-07): the core parity paths against the unsharded reference: every sharding type alone and
 # mixed at 1-4 ranks with every optimizer, table-wise output groups, data-parallel (tests/sharding), the tiers'
 # lookup options, raw ids, the sharded softmax, the fuzzer's covering cases and collective scenarios, the exchanges,
 # checkpoints loaded under other world sizes and plans, and the small-table kernels' torch path.
