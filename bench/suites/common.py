@@ -88,8 +88,10 @@ def nproc(args: argparse.Namespace, m: Machine) -> int:
     return args.nproc or (2 if args.cpu else max(1, min(m.gpus, 2)))
 
 
-def results(log: str) -> list[dict[str, str]]:
-    return [r for r in (report.parse_line(x) for x in log.splitlines()) if r is not None]
+def results(log: str, bench: str | None = None) -> list[dict[str, str]]:
+    """The RESULT lines of a suite's log as dicts; with `bench`, only that benchmark's (its `bench=` field)."""
+    found = [r for r in (report.parse_line(x) for x in log.splitlines()) if r is not None]
+    return found if bench is None else [r for r in found if r.get("bench") == bench]
 
 
 def bandwidth_step(args: argparse.Namespace) -> list[Step]:

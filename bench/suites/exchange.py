@@ -93,13 +93,12 @@ def hier_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
 def hier_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows = []
-    for r in results(log):
-        if r.get("bench") == "hier_exchange":
-            text = (f"{r['intra_mib']} MiB inside hosts, {r['cross_mib']} between (planner {r['planner_intra_mib']}, "
-                    f"{r['planner_cross_mib']}); exchange {r['exchange_ms']} ms (predicted "
-                    f"{r['predicted_exchange_ms']}, one machine {r['predicted_exchange_ms_one_machine']}); step "
-                    f"{r['step_ms']} ms (predicted {r['predicted_step_ms']})")  # fmt: skip
-            rows.append((f"{r['exchange']} exchange", text))
+    for r in results(log, "hier_exchange"):
+        text = (f"{r['intra_mib']} MiB inside hosts, {r['cross_mib']} between (planner {r['planner_intra_mib']}, "
+                f"{r['planner_cross_mib']}); exchange {r['exchange_ms']} ms (predicted "
+                f"{r['predicted_exchange_ms']}, one machine {r['predicted_exchange_ms_one_machine']}); step "
+                f"{r['step_ms']} ms (predicted {r['predicted_step_ms']})")  # fmt: skip
+        rows.append((f"{r['exchange']} exchange", text))
     for label, block in step_blocks(log):
         if label.startswith("world-4"):
             rows.append((label, last_match(block, PYTEST_LINE) or "no pytest summary line"))

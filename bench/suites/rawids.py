@@ -51,8 +51,8 @@ def rawids_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 def rawids_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     """Per id space: embshard's raw/static ratio and, beside it, TorchRec's managed-collision/static ratio."""
     rows = [("tests/rawids", last_match(log, PYTEST_LINE) or "no pytest summary line")]
-    runs = [r for r in results(log) if r.get("bench") == "rawids"]
-    theirs = [r for r in results(log) if r.get("bench") == "torchrec_mc"]
+    runs = results(log, "rawids")
+    theirs = results(log, "torchrec_mc")
     eager = [r for r in runs if r.get("map_graph") == "0"]
     runs = [r for r in runs if r.get("map_graph") != "0"]
     for space in dict.fromkeys(r.get("id_space") for r in runs + theirs):

@@ -34,12 +34,11 @@ def retrieval_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
 def retrieval_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows = []
-    for r in results(log):
-        if r.get("bench") == "retrieval":
-            text = (f"sharded peak {r['sharded_peak_gib']} GiB vs materialized {r['materialized_peak_gib']} GiB "
-                    f"(logits alone {r['logits_gib']} GiB): {float(r['peak_share']):.1%}; "
-                    f"{r['sharded_ms']} vs {r['materialized_ms']} ms/step")  # fmt: skip
-            rows.append((f"{r['items']} x {r['dim']}, {r['world']} ranks", text))
+    for r in results(log, "retrieval"):
+        text = (f"sharded peak {r['sharded_peak_gib']} GiB vs materialized {r['materialized_peak_gib']} GiB "
+                f"(logits alone {r['logits_gib']} GiB): {float(r['peak_share']):.1%}; "
+                f"{r['sharded_ms']} vs {r['materialized_ms']} ms/step")  # fmt: skip
+        rows.append((f"{r['items']} x {r['dim']}, {r['world']} ranks", text))
     parity = last_match(log, r"^(max \|sharded - materialized\|.*)$")
     return rows + ([("parity", parity)] if parity else []) or [("retrieval", "no RESULT line (see retrieval.log)")]
 
@@ -57,14 +56,13 @@ def ckpt_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
 def ckpt_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     rows = []
-    for r in results(log):
-        if r.get("bench") == "ckpt":
-            text = (f"{r['gb']} GB: dd {r['dd_gbs']} GB/s, sync save {r['sync_save_gbs']} GB/s, async save "
-                    f"blocks {r['async2_blocking_s']} s (first {r['async1_blocking_s']} s), commits at "
-                    f"{r['async2_commit_gbs']} GB/s; verify {r.get('verify_gbs', '-')} GB/s; reload "
-                    f"{r['reload_gbs']} GB/s (unchecked {r.get('reload_unchecked_gbs', '-')}), parity "
-                    f"{r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
-            rows.append((f"{r['world']} ranks, scale {r['scale']}", text))
+    for r in results(log, "ckpt"):
+        text = (f"{r['gb']} GB: dd {r['dd_gbs']} GB/s, sync save {r['sync_save_gbs']} GB/s, async save "
+                f"blocks {r['async2_blocking_s']} s (first {r['async1_blocking_s']} s), commits at "
+                f"{r['async2_commit_gbs']} GB/s; verify {r.get('verify_gbs', '-')} GB/s; reload "
+                f"{r['reload_gbs']} GB/s (unchecked {r.get('reload_unchecked_gbs', '-')}), parity "
+                f"{r['reload_parity']}; peak RSS {r['peak_rss_gib']} GiB")  # fmt: skip
+        rows.append((f"{r['world']} ranks, scale {r['scale']}", text))
     tests = last_match(log, PYTEST_LINE)
     return rows + ([("tests/checkpoint", tests)] if tests else []) or [("ckpt", "no RESULT line (see ckpt.log)")]
 
@@ -89,11 +87,10 @@ def loader_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
 
 def loader_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     best: dict[str, dict[str, str]] = {}
-    for r in results(log):
-        if r.get("bench") == "loader":
-            cur = best.get(r["layout"])
-            if cur is None or float(r["samples_per_s"]) > float(cur["samples_per_s"]):
-                best[r["layout"]] = r
+    for r in results(log, "loader"):
+        cur = best.get(r["layout"])
+        if cur is None or float(r["samples_per_s"]) > float(cur["samples_per_s"]):
+            best[r["layout"]] = r
     rows = []
     for layout, r in best.items():
         text = (f"{float(r['samples_per_s']) / 1e6:.3f} M samples/s with {r['workers']} workers "
