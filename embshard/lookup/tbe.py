@@ -29,6 +29,8 @@ INIT_BLOCK_BYTES = 64 << 20  # a TBE's weights are initialised in row blocks of 
 class TBELookup(ShardLookup):
     """One FBGEMM TBE over a group of compatible shards, optimizer fused into its backward."""
 
+    pooling_mode = "SUM"  # FBGEMM PoolingMode member: SUM (bags, this class) or NONE (a row per id: lookup/sequence.py)
+
     def _build(self, device: torch.device, seed: int | None) -> None:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             SplitTableBatchedEmbeddingBagsCodegen,
@@ -51,9 +53,12 @@ class TBELookup(ShardLookup):
         uvm = self.settings.location in ("MANAGED", "MANAGED_CACHING") and concurrent_managed_access(device)
         with uvm_first_touch() if uvm else nullcontext() as touch:  # uvm_fill.py: host threads populate UVM
             with array_cache_state() if self.settings.caching else nullcontext():  # fbgemm_fixes.py
-                self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-                    device=device, **self.settings.fbgemm_kwargs(), **optimizer.fbgemm_kwargs()
-                )
+                kwargs = self.settings.fbgemm_kwargs()
+                if self.pooling_mode != "SUM":
+                    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+
+                    kwargs["pooling_mode"] = PoolingMode[self.pooling_mode]
+                self.tbe = SplitTableBatchedEmbeddingBagsCodegen(device=device, **kwargs, **optimizer.fbgemm_kwargs())
             self._init_weights(seed, touch)
         self._cast = OutputDtype(self.settings.cast_output_to).torch_dtype if self.settings.cast_output_to else None
         if self.settings.cache_stats:

@@ -14,6 +14,14 @@ class Pooling(str, enum.Enum):
 
     SUM = "sum"
     MEAN = "mean"  # (weighted) sum divided by the number of ids in the bag; an empty bag gives zeros
+    NONE = "none"  # a sequence table: one row per id, in the ids' order (ShardedEmbeddingCollection); never weighted
+
+
+class LengthOverflow(str, enum.Enum):
+    """What a sequence table does with a history longer than its `max_length`."""
+
+    TRUNCATE = "truncate"  # keep the newest max_length ids (the last ones of the bag), drop the oldest
+    ERROR = "error"  # refuse the batch with an error naming the feature, the length and the limit
 
 
 class DataType(str, enum.Enum):
@@ -100,6 +108,10 @@ class TableConfig:
     it looks up a row of zeros and trains nothing."""
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Free-form annotations (not used by embshard itself)."""
+    max_length: int | None = None
+    """pooling none: the longest history a feature of the table keeps per sample (None: no limit)."""
+    length_overflow: LengthOverflow = LengthOverflow.TRUNCATE
+    """pooling none with max_length: a longer history is truncated to its newest max_length ids, or an error."""
 
     def __post_init__(self) -> None:
         def bad(fld: str, value: object, rule: str) -> ConfigError:
@@ -133,6 +145,15 @@ class TableConfig:
             raise bad("ids_per_bag", self.ids_per_bag, "it must be a number >= 0")
         if self.init_std is not None and not self.init_std > 0:
             raise bad("init_std", self.init_std, "it must be > 0 (or left unset)")
+        set_enum_field(self, "length_overflow", LengthOverflow, f"table {self.name!r}: ")
+        if self.pooling is Pooling.NONE and self.weighted:
+            raise bad("weighted", True, "a sequence table (pooling: none) has no per-id weights: set weighted: false")
+        if self.max_length is not None:
+            m = self.max_length
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise bad("max_length", m, "it must be a positive integer (or left unset: no limit)")
+            if self.pooling is not Pooling.NONE:
+                raise bad("max_length", m, "it applies to sequence tables only: set pooling: none, or remove it")
         set_enum_field(self, "ids", IdKind, f"table {self.name!r}: ")
         set_enum_field(self, "eviction", Eviction, f"table {self.name!r}: ")
         n = self.admit_min_count
@@ -154,6 +175,11 @@ class TableConfig:
     def init_bound(self) -> float:
         """Half-width of the uniform initialisation range."""
         return self.init_std if self.init_std is not None else (1.0 / self.num_embeddings) ** 0.5
+
+    @property
+    def sequence(self) -> bool:
+        """Whether the table is a sequence table (pooling none: one row per id, not pooled)."""
+        return self.pooling is Pooling.NONE
 
     @property
     def raw_ids(self) -> bool:
@@ -215,6 +241,29 @@ def check_tables(tables: Sequence[TableConfig]) -> None:
             owner[f] = t.name
     if not tables:
         raise ConfigError("no tables given: an embedding collection needs at least one table")
+
+
+def check_pooling_kinds(
+    tables: Sequence[TableConfig], sequence: bool, what: str, others: Sequence[TableConfig] = ()
+) -> None:
+    """Raise ConfigError unless every table is a sequence table (`sequence`) or every one is pooled, as `what` (the
+    collection) needs, and no feature of `others` (the model's other collection) is looked up the other way too."""
+    for t in tables:
+        if t.sequence != sequence:
+            kind, fix = ("pooled", "pooling: none") if sequence else ("a sequence table", "pooling: sum or mean")
+            raise ConfigError(
+                f"table {t.name!r} (pooling {t.pooling.value}) is {kind}, but {what} takes only "
+                f"{'sequence' if sequence else 'pooled'} tables: give it {fix}, or move it to the other collection"
+            )
+    mine = {f: t.name for t in tables for f in t.feature_names}
+    for t in others:
+        for f in t.feature_names:
+            if f in mine:
+                seq_table, pooled_table = (mine[f], t.name) if sequence else (t.name, mine[f])
+                raise ConfigError(
+                    f"feature {f!r} is looked up as a sequence by table {seq_table!r} and pooled by table "
+                    f"{pooled_table!r}: a feature is looked up one way; give the second use its own feature name"
+                )
 
 
 def set_enum_field(obj: Any, name: str, kind: type[enum.Enum], where: str) -> None:

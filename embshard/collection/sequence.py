@@ -1,0 +1,246 @@
+"""ShardedEmbeddingCollection: sequence tables (`pooling: none`) sharded over ranks, TorchRec `EmbeddingCollection`
+semantics: one row per id, returned per feature as a `JaggedTensor` in the ids' order.
+
+    ec = ShardedEmbeddingCollection(tables, plan, optimizer=None, device=None, group=None, seed=0, options=None,
+                                    dedup=False)
+    out = ec(kjt)                      # SequenceOutput: {feature: JaggedTensor}, values [n_f, D], the KJT's lengths
+    x_BLD = out.padded("history", 50)  # [B, 50, D]: each sample's rows, zeros after its length
+
+`tables` are sequence tables (every one `pooling: none`); `plan` any ShardingPlan of them for the process group's
+world size (table_wise, column_wise, row_wise, table_row_wise, data_parallel); `optimizer` the fused sparse
+optimizer (sgd, adagrad, rowwise_adagrad, adam), applied in backward; `seed`: initial weights a function of (seed,
+table index) whatever the sharding; `dedup`: True, False, or the names of the tables whose ids are exchanged and
+looked up once per step (unique per table, column block and destination rank; rows expanded after).
+`forward(kjt)`: `kjt` a torchrec `KeyedJaggedTensor` of the rank's local batch with exactly the tables' features
+(any order, int ids). A table's `max_length` cuts longer histories to their newest ids (`length_overflow:
+truncate`) or refuses them (`error`); the lengths of the output are those kept.
+
+One step (every rank, even with an empty local batch: the exchanges are collectives):
+  0. counts       one all-gather of every rank's ids per feature, the step's host sync (`gather_batch_counts`)
+  1. ids          per scheme, destinations and (dedup) unique ids; row-wise and dedup schemes swap their device
+                  counts in one small all-to-all (`exchange_segment_counts`)
+  2. input dist   one all-to-all of ids per scheme
+  3. lookup       one row per received id (CPU: embedding with sparse gradients; CUDA: FBGEMM TBE, PoolingMode.NONE)
+  4. output dist  one all-to-all of rows per scheme, sized from step 1's counts; backward sends the gradients back
+  5. assembly     rows back in the ids' order, dedup expanded, column blocks side by side, one JaggedTensor each
+Column-wise tables under rowwise_adagrad keep one optimizer state per row of each column block (TorchRec's
+behaviour; `column_wise_exact` is off here). The state methods (`local_shards`, `full_weights`, ...) are those of
+the pooled collection (shard_state.py), so checkpoints save, load and reshard sequence tables the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from embshard.collection.bounds import check_ids, count_bad_ids
+from embshard.collection.shard_state import ShardState
+from embshard.runtime import comm
+from embshard.runtime.comm import world_and_rank
+from embshard.sharding.base import ShardingContext
+from embshard.sharding.exchange import IdsOutOfRange, gather_batch_counts
+from embshard.sharding.sequence_replicated import replicated_sequence
+from embshard.sharding.sequence_routed import exchange_segment_counts, routed_sequence
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.options import BoundsCheck, LookupOptions
+from embshard.spec.plan import ShardingPlan, ShardingType
+from embshard.spec.tables import (
+    ConfigError,
+    LengthOverflow,
+    TableConfig,
+    check_pooling_kinds,
+    feature_columns,
+    feature_order,
+    validate_tables,
+)
+
+log = logging.getLogger(__name__)
+
+# The schemes, in the order every rank builds and runs them: (label, sharding types).
+ROUTED = (
+    ("sequence table_wise/column_wise", (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE)),
+    ("sequence row_wise", (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)),
+)
+
+
+class SequenceOutput(dict):
+    """{feature: JaggedTensor} of one forward, with `padded`."""
+
+    def padded(self, feature: str, max_len: int) -> torch.Tensor:
+        """`[B, max_len, D]`: each sample's rows of `feature`, in order, cut at max_len, zeros after its length."""
+        jt = self[feature]
+        return jt.to_padded_dense(desired_length=max_len, padding_value=0.0)
+
+
+class ShardedEmbeddingCollection(ShardState, nn.Module):
+    """Sequence tables sharded by `plan`, trained with a fused sparse optimizer (the module docstring has the
+    arguments and the step)."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        optimizer: FusedOptimizerConfig | None = None,
+        device: torch.device | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        seed: int | None = 0,
+        options: LookupOptions | None = None,
+        dedup: bool | Collection[str] = False,
+    ) -> None:
+        super().__init__()
+        tables = validate_tables(tables)
+        check_pooling_kinds(tables, True, "ShardedEmbeddingCollection")
+        raw = [t.name for t in tables if t.raw_ids]
+        if raw:
+            raise ConfigError(f"tables {raw} have ids: raw; sequence tables take index ids: set ids: index")
+        plan.check(tables)
+        world_size, rank = world_and_rank(group)
+        if plan.world_size != world_size:
+            raise ConfigError(
+                f"the plan is for world_size={plan.world_size} but the process group has {world_size} ranks: "
+                "plan again for this world size"
+            )
+        names = {t.name for t in tables}
+        if isinstance(dedup, bool):
+            dedup_of = dict.fromkeys(names, dedup)
+        else:
+            unknown = sorted(set(dedup) - names)
+            if unknown or isinstance(dedup, str):
+                raise ConfigError(
+                    f"dedup={dedup!r} names tables {unknown or [dedup]} that are not sequence tables of this "
+                    f"collection ({sorted(names)}): give True, False or a list of table names"
+                )
+            dedup_of = {n: n in set(dedup) for n in names}
+        self.device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.tables = list(tables)
+        self.plan = plan
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.optimizer = optimizer or FusedOptimizerConfig()
+        # Column blocks keep their own row-wise state (checkpoints read it so).
+        self.options = replace(options or LookupOptions(), column_wise_exact=False)
+        if self.options.bounds_check is not BoundsCheck.ERROR:
+            raise ConfigError(
+                f"LookupOptions.bounds_check={self.options.bounds_check.value!r}: sequence tables refuse "
+                "out-of-range ids (a dropped id would shift the history); use bounds_check: error"
+            )
+        self.features = feature_order(tables)
+        self._table_of = {f: t for t in tables for f in t.feature_names}
+        self._columns = feature_columns(tables)
+        self.dedup = dedup_of
+        for t in tables:
+            if t.max_length is not None:
+                how = (
+                    f"cut to the newest {t.max_length} ids"
+                    if t.length_overflow is LengthOverflow.TRUNCATE
+                    else "refused with an error"
+                )
+                log.info("sequence table %r: histories longer than %d ids are %s", t.name, t.max_length, how)
+        ctx = ShardingContext(rank, world_size, self.device, group, self.optimizer, self.options, seed, self._columns)
+        schemes = [routed_sequence(tables, plan, ctx, types, dedup_of, label) for label, types in ROUTED]
+        schemes.append(replicated_sequence(tables, plan, ctx, dedup_of))
+        self.schemes = nn.ModuleList([s for s in schemes if s is not None])
+        self._step = 0
+
+    # ---- input --------------------------------------------------------------------------------------------
+    def _local_input(self, kjt) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """(keys, `[F, B]` lengths, ids) of the KJT, checked, with each table's max_length applied."""
+        keys = list(kjt.keys())
+        missing = [f for f in self.features if f not in keys]
+        extra = [k for k in keys if k not in self._table_of]
+        if missing or extra:
+            raise ConfigError(
+                f"KeyedJaggedTensor keys do not match the sequence tables' features: missing {missing}, not looked "
+                f"up by any table {extra}; pass exactly the features {self.features} (any order)"
+            )
+        if kjt.variable_stride_per_key():
+            raise ConfigError("variable batch size per feature is not supported: give every feature the same batch")
+        values = kjt.values()
+        if values.dtype not in (torch.int32, torch.int64):
+            raise ConfigError(f"the ids of features {keys} are {values.dtype}: ids must be torch.int64 or torch.int32")
+        if values.device != self.device:
+            raise ConfigError(f"input is on {values.device} but the module computes on {self.device}: move it")
+        lengths_FB = kjt.lengths().view(len(keys), kjt.stride()).long()
+        limits = [self._table_of[k].max_length for k in keys]
+        if any(m is not None for m in limits):
+            lengths_FB, values = self._cut(keys, lengths_FB, values, limits)
+        return keys, lengths_FB, values
+
+    def _cut(
+        self, keys: list[str], lengths_FB: torch.Tensor, values: torch.Tensor, limits: list[int | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Histories longer than their table's max_length: error, or keep the newest (last) max_length ids."""
+        big = torch.iinfo(torch.int64).max
+        limit_F1 = torch.tensor([m if m is not None else big for m in limits], device=lengths_FB.device).unsqueeze(1)
+        over_FB = lengths_FB > limit_F1
+        strict = [self._table_of[k].length_overflow is LengthOverflow.ERROR for k in keys]
+        if any(strict):
+            bad = over_FB & torch.tensor(strict, device=over_FB.device).unsqueeze(1)
+            if bool(bad.any()):
+                f, b = (int(x) for x in bad.nonzero()[0])
+                t = self._table_of[keys[f]]
+                raise ValueError(
+                    f"feature {keys[f]!r}: sample {b} has {int(lengths_FB[f, b])} ids, more than table {t.name!r}'s "
+                    f"max_length={t.max_length} (length_overflow: error); shorten the history, raise max_length, or "
+                    "set length_overflow: truncate"
+                )
+        kept_FB = torch.minimum(lengths_FB, limit_F1)
+        flat = lengths_FB.reshape(-1)
+        starts = torch.cumsum(flat, 0) - flat  # each bag's first id
+        pos = torch.arange(values.numel(), device=values.device) - torch.repeat_interleave(starts, flat)
+        keep = pos >= torch.repeat_interleave(flat - kept_FB.reshape(-1), flat)
+        return kept_FB, values[keep]
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def forward(self, kjt) -> SequenceOutput:
+        """{feature: JaggedTensor} of the local batch (the module docstring has the steps)."""
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+
+        with comm.scope(f"sequence step {self._step}"):
+            keys, lengths_FB, values = self._local_input(kjt)
+            B = lengths_FB.shape[1]
+            rows = torch.tensor([keys.index(f) for f in self.features], device=lengths_FB.device)
+            ids_F = lengths_FB.sum(1).index_select(0, rows)
+            bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
+            counts = gather_batch_counts(ids_F, B, bad, self.group, self._step)
+            if counts.bad_ranks:
+                if self.rank in counts.bad_ranks:  # raises, naming feature, table and value
+                    check_ids(lengths_FB, values, None, keys, self._table_of, BoundsCheck.ERROR, {})
+                raise IdsOutOfRange(counts.bad_ranks)
+            mine = counts.ids[self.rank]
+            sizes = [int(mine[self._columns[k]]) for k in keys]
+            by_feature = dict(zip(keys, values.split(sizes)))
+            parts = [s.local_ids(by_feature, counts) for s in self.schemes]
+            pending = [p for s, p in zip(self.schemes, parts) if not s.on_host]
+            if pending:
+                exchange_segment_counts(pending, self.group, self.world_size)
+            handles = [s.start_input_dist(p) for s, p in zip(self.schemes, parts)]
+            received = [h.wait() for h in handles]
+            handles = [s.start_output_dist(p, s.lookup(p, r)) for s, p, r in zip(self.schemes, parts, received)]
+            pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+            for s, p, h in zip(self.schemes, parts, handles):
+                for f, blocks in s.feature_rows(p, h.wait()).items():
+                    pieces.setdefault(f, []).extend(blocks)
+        if torch.is_grad_enabled():
+            self._step += 1
+        out = SequenceOutput()
+        for f in keys:
+            blocks = [x for _, x in sorted(pieces[f], key=lambda cx: cx[0])]
+            rows_ND = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+            out[f] = JaggedTensor(values=rows_ND, lengths=lengths_FB[keys.index(f)])
+        return out
+
+    @property
+    def step(self) -> int:
+        """Training forwards so far (every rank agrees on it: it labels the step's collectives)."""
+        return self._step
+
+    def table_dedup(self) -> dict[str, bool]:
+        """Whether each table's ids are deduplicated before the exchange."""
+        return dict(self.dedup)
