@@ -24,6 +24,9 @@ Communication, per step (model-parallel shards; data-parallel ones have none):
   in_b  = B*F*(L * r/R * i + 4)       bytes every other rank sends the shard's rank (ids, weights, lengths)
   out_b = B*F*c*4                      bytes the shard's rank sends every other rank (fp32 pooled rows), and
                                        receives back as gradients in backward
+  Sequence tables (pooling none) return a row per id, not per bag: b counts ids, out_b = n/W*c*4 (ids x D x
+  bytes: every id of the table's features for table-wise, the shard's share for row-wise), and the regroup's
+  P = B*F*L*D*4 (memory.py prices the step's unpooled rows the same way).
   Rank time on a link = bytes / (intra_host_bw or inter_host_bw), sends and receives counted apart.
   Table-row-wise under the hierarchical exchange (plan.table_row_wise_exchange): the partials are first reduced
   inside the host, then each sample's row crosses hosts once (exchange.py: its rows, phases and latencies).
@@ -272,7 +275,8 @@ class CostModel(MemoryModel):
                 fwd, bwd, hot = kernel_cost.small_times(self, t, sharding, rows, cols, n, bags, u, alpha)
             return ShardWork(0.0, 0.0, fwd + extra, bwd + extra, ar, upd, hot if small else 0.0)
         in_b = B * t.features * ((n / (topo.world_size * B * t.features)) * idb + LENGTH_BYTES)
-        out_b = B * t.features * cols * self.out_bytes
+        # to each rank: its samples' pooled rows, or (sequence tables) a row per id of its that the shard looked up
+        out_b = np.where(t.seq > 0, n / topo.world_size, B * t.features) * cols * self.out_bytes
         fwd_lin = n * idb + pooled
         bwd_lin = n * (SORT_BYTES_PER_ID + cols * self.out_bytes) + pooled
         route = n * topo.routed_id_s + ROUTE_PASSES * bags * topo.bag_s
@@ -332,7 +336,7 @@ class CostModel(MemoryModel):
         B, bw, bag = self.batch, self.mem_bw, self.topo.bag_s
         bags = B * sum(len(t.feature_names) for t in tables)
         ids = B * sum(len(t.feature_names) * t.ids_per_bag * (ID_BYTES + WEIGHT_BYTES * t.weighted) for t in tables)
-        pooled = B * sum(len(t.feature_names) * t.embedding_dim * self.out_bytes for t in tables)
+        pooled = B * sum(len(t.feature_names) * _rows_per_bag(t) * t.embedding_dim * self.out_bytes for t in tables)
         permute = BATCH_ID_PASSES * max(bags * bag, 2 * ids / bw)
         regroup = max(bags * bag, 2 * pooled / bw) + 2 * pooled / bw
         v[loads.FWD] = permute + regroup
@@ -444,3 +448,8 @@ class CostModel(MemoryModel):
         v[loads.PHASE_ROWS[loads.OUTPUT]] = lat
         v[loads.PHASE_ROWS[loads.GRADIENT]] = lat
         return v
+
+
+def _rows_per_bag(t: TableConfig) -> float:
+    """Output rows per bag of a table: 1 pooled, its ids per bag for a sequence table (one row per id)."""
+    return t.ids_per_bag if t.sequence else 1.0

@@ -65,6 +65,13 @@ class TableStats:
     """Bytes of the id -> row map per row (raw-id tables; `spec.id_map.map_bytes_per_row`), else 0."""
     lfu: np.ndarray | float = 0.0
     """1 for raw-id tables evicting by LFU."""
+    seq: np.ndarray | float = 0.0
+    """1 for sequence tables (pooling none: one output row per id, not per bag), else 0."""
+
+    @property
+    def rows_per_bag(self) -> np.ndarray | float:
+        """Output rows per bag: 1 for pooled tables, the ids per bag for sequence tables (one row per id)."""
+        return 1.0 + self.seq * (self.ids_per_bag - 1.0)
 
     @classmethod
     def of(cls, tables: Sequence[TableConfig]) -> TableStats:
@@ -85,7 +92,7 @@ def _numbers(t: TableConfig) -> tuple[float, ...]:
     map_row = map_bytes_per_row(t.num_embeddings, t.eviction, t.admit_min_count) if raw else 0.0
     lfu = raw and t.eviction is Eviction.LFU
     dims = (t.num_embeddings, t.embedding_dim, t.data_type.bytes, len(t.feature_names), t.ids_per_bag)
-    return (*map(float, dims), float(t.weighted), float(raw), float(map_row), float(lfu))
+    return (*map(float, dims), float(t.weighted), float(raw), float(map_row), float(lfu), float(t.sequence))
 
 
 @dataclass(frozen=True)
@@ -129,12 +136,15 @@ class MemoryModel:
 
     # ---- volumes ------------------------------------------------------------------------------------------
     def volumes(self, t: TableStats, sharding: ShardingType, rows):
-        """(ids looked up, bags pooled) per step by one shard of `rows` rows."""
+        """(ids looked up, output rows: bags pooled, or ids for sequence tables) per step by one shard of `rows`
+        rows."""
         B, W = self.batch, self.topo.world_size
         if sharding is ShardingType.DATA_PARALLEL:
-            return B * t.features * t.ids_per_bag, B * t.features
+            return B * t.features * t.ids_per_bag, B * t.features * t.rows_per_bag
         frac = rows / t.rows if sharding in ROW_KINDS else 1.0
-        return W * B * t.features * t.ids_per_bag * frac, W * B * t.features
+        # a row-wise sequence shard returns one row per id it looks up (its share), not one per bag
+        out = W * B * t.features * np.where(t.seq > 0, t.ids_per_bag * frac, 1.0)
+        return W * B * t.features * t.ids_per_bag * frac, out
 
     def state_bytes(self, cols):
         """Optimizer state bytes per row of a shard `cols` wide."""
@@ -185,5 +195,6 @@ class MemoryModel:
             idb = ID_BYTES + WEIGHT_BYTES * t.weighted
             f = len(t.feature_names)
             total += 2 * B * f * (t.ids_per_bag * idb + LENGTH_BYTES)
-            total += OWN_POOLED_COPIES * B * f * t.embedding_dim * self.out_bytes
+            per_bag = t.ids_per_bag if t.sequence else 1.0  # a sequence table: one row per id
+            total += OWN_POOLED_COPIES * B * f * per_bag * t.embedding_dim * self.out_bytes
         return total
