@@ -4,11 +4,12 @@ rank against plain PyTorch (full tables, `weight[ids]`, the optimizer math writt
 from __future__ import annotations
 
 import torch
+from dist_harness import device_kind
 from reference import ReferenceEBC
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.collection.sequence import ShardedEmbeddingCollection
-from embshard.spec.plan import ShardingPlan, ShardingType
+from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType
 
 Batch = dict[str, tuple[torch.Tensor, torch.Tensor]]  # feature -> (lengths [B], ids)
 
@@ -27,10 +28,14 @@ OPTIMIZERS = {
 }
 
 
+TIER = MemoryTier.HBM if device_kind() == "cuda" else MemoryTier.HOST
+
+
 def plan_for(world: int, rotation: int, tables=TABLES) -> ShardingPlan:
-    """Table i gets TYPES[(i + rotation) % 5]; column-wise tables in 2 blocks."""
+    """Table i gets TYPES[(i + rotation) % 5]; column-wise tables in 2 blocks; every table in the test device's
+    tier."""
     types = {t.name: TYPES[(i + rotation) % len(TYPES)] for i, t in enumerate(tables)}
-    return simple_plan(tables, world, world, types, column_shards=2)
+    return simple_plan(tables, world, world, types, tier=TIER, column_shards=2)
 
 
 def random_batches(tables, sizes: list[int], steps: int, seed: int) -> list[list[tuple[Batch, dict]]]:

@@ -79,5 +79,5 @@ def replicated_sequence(
         tp = plan[t.name]
         if tp.sharding_type is ShardingType.DATA_PARALLEL:
             mine = next(s for s in tp.shards if s.rank == ctx.rank)
-            shards.append(LocalShard.planned(t, i, mine, tuple(t.feature_names), tp))
+            shards.append(LocalShard.planned(t, i, mine, (t.name,), tp))
     return ReplicatedSequenceSharding(shards, ctx, dedup) if shards else None

@@ -37,7 +37,7 @@ from embshard.lookup.sequence import HostSequenceLookup, TBESequenceLookup
 from embshard.lookup.shards import LocalShard, group_shards
 from embshard.runtime.comm import start_all_to_all
 from embshard.runtime.ops import cached_tensor
-from embshard.sharding.base import ShardingContext
+from embshard.sharding.base import ShardingContext, column_key
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.plan import Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.spec.tables import ConfigError, TableConfig
@@ -156,8 +156,8 @@ class RoutedSequenceSharding(nn.Module):
         for j, seg in enumerate(self.segments):
             if self.rank in seg.ranks:
                 block = seg.blocks[seg.ranks.index(self.rank)]
-                features = tuple(seg.table.feature_names)
-                local.append((j, LocalShard.planned(seg.table, seg.table_index, block, features, seg.table_plan)))
+                key = (column_key(seg.table.name, seg.col_offset),)  # one lookup key per shard (its ids: one bag)
+                local.append((j, LocalShard.planned(seg.table, seg.table_index, block, key, seg.table_plan)))
         self.lookups = nn.ModuleList()
         self._where: dict[int, tuple[int, int]] = {}  # segment -> (lookup, shard index in it)
         for group_ in _lookup_groups([s for _, s in local], ctx.device):

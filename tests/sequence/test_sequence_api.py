@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from seq_cases import TABLES, plan_for, random_batches, to_kjt
+from seq_cases import TABLES, TIER, plan_for, random_batches, to_kjt
 
 from embshard import FusedOptimizerConfig, TableConfig, simple_plan
 from embshard.collection.sequence import ShardedEmbeddingCollection
@@ -60,7 +60,7 @@ def test_padded_and_max_length(device):
         TableConfig("cut", 20, 4, ("c",), pooling="none", max_length=2),
         TableConfig("strict", 20, 4, ("s",), pooling="none", max_length=2, length_overflow="error"),
     ]
-    ec = ShardedEmbeddingCollection(tables, simple_plan(tables, 1), device=device)
+    ec = ShardedEmbeddingCollection(tables, simple_plan(tables, 1, tier=TIER), device=device)
     w = ec.full_weights()
     batch = {
         "c": (torch.tensor([3, 0, 1]), torch.tensor([1, 2, 3, 4])),
@@ -88,16 +88,16 @@ def test_bad_tables_options_and_batches(device):
     with pytest.raises(ConfigError, match="length_overflow='drop' is invalid"):
         TableConfig("m", 10, 4, ("f",), pooling="none", max_length=3, length_overflow="drop")
     with pytest.raises(ConfigError, match="table 'bag' .pooling sum. is pooled, but ShardedEmbeddingCollection"):
-        ShardedEmbeddingCollection([pooled], simple_plan([pooled], 1), device=device)
+        ShardedEmbeddingCollection([pooled], simple_plan([pooled], 1, tier=TIER), device=device)
     with pytest.raises(ConfigError, match="table 'seq' .pooling none. is a sequence table, but ShardedEmbeddingBag"):
-        ShardedEmbeddingBagCollection([seq], simple_plan([seq], 1), device=device)
+        ShardedEmbeddingBagCollection([seq], simple_plan([seq], 1, tier=TIER), device=device)
     with pytest.raises(
         ConfigError, match="feature 'hist' is looked up as a sequence by table 'seq' and pooled by table 'bag'"
     ):
         check_pooling_kinds([seq], True, "the sequence collection", others=[pooled])
     with pytest.raises(ConfigError, match=r"dedup=\['nope'\] names tables \['nope'\]"):
-        ShardedEmbeddingCollection([seq], simple_plan([seq], 1), device=device, dedup=["nope"])
-    ec = ShardedEmbeddingCollection([seq], simple_plan([seq], 1), device=device, dedup=["seq"])
+        ShardedEmbeddingCollection([seq], simple_plan([seq], 1, tier=TIER), device=device, dedup=["nope"])
+    ec = ShardedEmbeddingCollection([seq], simple_plan([seq], 1, tier=TIER), device=device, dedup=["seq"])
     with pytest.raises(ValueError, match="feature 'hist': id 10 is outside table 'seq'"):
         ec(to_kjt({"hist": (torch.tensor([2]), torch.tensor([3, 10]))}, ["hist"], device))
     with pytest.raises(ConfigError, match=r"missing \['hist'\], not looked up by any table \['other'\]"):
