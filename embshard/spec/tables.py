@@ -88,7 +88,7 @@ class TableConfig:
     feature_names: tuple[str, ...]
     """Features that look this table up; several features may share one table."""
     pooling: Pooling = Pooling.SUM
-    """How a bag's rows are combined: sum or mean."""
+    """How a bag's rows are combined: sum or mean; none: a sequence table, one row per id (ShardedEmbeddingCollection)."""
     weighted: bool = False
     """Whether the features carry one float weight per id (per-sample weights)."""
     data_type: DataType = DataType.FP32
