@@ -142,3 +142,26 @@ def parity_worker(rank, world, device, cases, sizes, seed):
             outs.append({f: (out[f].lengths().cpu(), out[f].values().detach().cpu()) for f in keys})
         results.append((outs, ec.full_weights()))
     return results
+
+
+def bad_batch_worker(rank, world, device):
+    """Rank 1's batch has a history over a max_length that refuses it, then rank 0's an id outside its table; every
+    rank must raise each time (none left waiting), and a good batch afterwards still trains. Returns the errors'
+    (type, message) per attempt."""
+    tables = [TableConfig("strict", 20, 4, ("s",), pooling="none", max_length=2, length_overflow="error")]
+    plan = simple_plan(tables, world, world, {"strict": "row_wise"}, tier=TIER)
+    ec = ShardedEmbeddingCollection(tables, plan, device=device)
+    good = {"s": (torch.tensor([2, 1]), torch.tensor([1, 19, 5]))}
+    bad = [
+        {"s": (torch.tensor([3, 0]), torch.tensor([1, 2, 3]))} if rank == 1 else good,
+        {"s": (torch.tensor([1, 0]), torch.tensor([20]))} if rank == 0 else good,
+    ]
+    errors = []
+    for batch in bad:
+        try:
+            ec(to_kjt(batch, ["s"], device))
+            errors.append(None)
+        except ValueError as e:
+            errors.append((type(e).__name__, str(e)))
+    out = ec(to_kjt(good, ["s"], device))
+    return errors, out["s"].values().shape[0]

@@ -42,6 +42,7 @@ from embshard.collection.bounds import check_ids, count_bad_ids
 from embshard.collection.shard_state import ShardState
 from embshard.runtime import comm
 from embshard.runtime.comm import world_and_rank
+from embshard.runtime.ops import cached_tensor
 from embshard.sharding.base import ShardingContext
 from embshard.sharding.exchange import IdsOutOfRange, gather_batch_counts
 from embshard.sharding.sequence_replicated import replicated_sequence
@@ -66,6 +67,20 @@ ROUTED = (
     ("sequence table_wise/column_wise", (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE)),
     ("sequence row_wise", (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)),
 )
+
+
+class BadSequenceBatch(IdsOutOfRange):
+    """Some rank's local batch has ids outside their tables or histories over a max_length that refuses them;
+    raised on every rank at the same point."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        ValueError.__init__(
+            self,
+            f"ranks {ranks} have ids outside their tables or histories longer than an error-mode max_length in their "
+            "local batch (each of those ranks raises an error naming the feature and the fix); every rank stops here "
+            "so none waits forever",
+        )
+        self.ranks = ranks
 
 
 class SequenceOutput(dict):
@@ -166,36 +181,48 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
             raise ConfigError(f"the ids of features {keys} are {values.dtype}: ids must be torch.int64 or torch.int32")
         if values.device != self.device:
             raise ConfigError(f"input is on {values.device} but the module computes on {self.device}: move it")
-        lengths_FB = kjt.lengths().view(len(keys), kjt.stride()).long()
-        limits = [self._table_of[k].max_length for k in keys]
-        if any(m is not None for m in limits):
-            lengths_FB, values = self._cut(keys, lengths_FB, values, limits)
-        return keys, lengths_FB, values
+        return keys, kjt.lengths().view(len(keys), kjt.stride()).long(), values
 
     def _cut(
-        self, keys: list[str], lengths_FB: torch.Tensor, values: torch.Tensor, limits: list[int | None]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Histories longer than their table's max_length: error, or keep the newest (last) max_length ids."""
+        self, keys: list[str], lengths_FB: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Each table's max_length, on the device (no host sync): (kept `[F, B]` lengths, which ids are kept (None:
+        all), `[1]` count of histories over a limit whose table says length_overflow: error (None: no such table)).
+        A longer history keeps its newest (last) max_length ids."""
+        limits = [self._table_of[k].max_length for k in keys]
+        if all(m is None for m in limits):
+            return lengths_FB, None, None
         big = torch.iinfo(torch.int64).max
-        limit_F1 = torch.tensor([m if m is not None else big for m in limits], device=lengths_FB.device).unsqueeze(1)
-        over_FB = lengths_FB > limit_F1
+        limit_F1 = cached_tensor([m if m is not None else big for m in limits], lengths_FB.device).unsqueeze(1)
+        over = None
         strict = [self._table_of[k].length_overflow is LengthOverflow.ERROR for k in keys]
         if any(strict):
-            bad = over_FB & torch.tensor(strict, device=over_FB.device).unsqueeze(1)
-            if bool(bad.any()):
-                f, b = (int(x) for x in bad.nonzero()[0])
-                t = self._table_of[keys[f]]
-                raise ValueError(
-                    f"feature {keys[f]!r}: sample {b} has {int(lengths_FB[f, b])} ids, more than table {t.name!r}'s "
-                    f"max_length={t.max_length} (length_overflow: error); shorten the history, raise max_length, or "
-                    "set length_overflow: truncate"
-                )
+            strict_F1 = cached_tensor([int(x) for x in strict], lengths_FB.device).unsqueeze(1)
+            over = ((lengths_FB > limit_F1) * strict_F1).sum().reshape(1)
         kept_FB = torch.minimum(lengths_FB, limit_F1)
         flat = lengths_FB.reshape(-1)
+        n = values.numel()
         starts = torch.cumsum(flat, 0) - flat  # each bag's first id
-        pos = torch.arange(values.numel(), device=values.device) - torch.repeat_interleave(starts, flat)
-        keep = pos >= torch.repeat_interleave(flat - kept_FB.reshape(-1), flat)
-        return kept_FB, values[keep]
+        pos = torch.arange(n, device=values.device) - torch.repeat_interleave(starts, flat, output_size=n)
+        keep = pos >= torch.repeat_interleave(flat - kept_FB.reshape(-1), flat, output_size=n)
+        return kept_FB, keep, over
+
+    def _raise_bad_batch(self, keys, lengths_FB, values, ranks: list[int]) -> None:
+        """Raise on every rank: the ranks with bad batches name the feature, sample or id, and the fix."""
+        if self.rank in ranks:
+            for f, k in enumerate(keys):
+                t = self._table_of[k]
+                if t.max_length is not None and t.length_overflow is LengthOverflow.ERROR:
+                    over = (lengths_FB[f] > t.max_length).nonzero()
+                    if over.numel():
+                        b = int(over[0])
+                        raise ValueError(
+                            f"feature {k!r}: sample {b} has {int(lengths_FB[f, b])} ids, more than table "
+                            f"{t.name!r}'s max_length={t.max_length} (length_overflow: error); shorten the history, "
+                            "raise max_length, or set length_overflow: truncate"
+                        )
+            check_ids(lengths_FB, values, None, keys, self._table_of, BoundsCheck.ERROR, {})  # raises
+        raise BadSequenceBatch(ranks)
 
     # ---- forward ------------------------------------------------------------------------------------------
     def forward(self, kjt) -> SequenceOutput:
@@ -204,16 +231,18 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
 
         with comm.scope(f"sequence step {self._step}"):
             keys, lengths_FB, values = self._local_input(kjt)
-            B = lengths_FB.shape[1]
-            rows = torch.tensor([keys.index(f) for f in self.features], device=lengths_FB.device)
-            ids_F = lengths_FB.sum(1).index_select(0, rows)
+            kept_FB, keep, over = self._cut(keys, lengths_FB, values)
+            rows = cached_tensor([keys.index(f) for f in self.features], lengths_FB.device)
+            ids_F = kept_FB.sum(1).index_select(0, rows)
             bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
-            counts = gather_batch_counts(ids_F, B, bad, self.group, self._step)
-            if counts.bad_ranks:
-                if self.rank in counts.bad_ranks:  # raises, naming feature, table and value
-                    check_ids(lengths_FB, values, None, keys, self._table_of, BoundsCheck.ERROR, {})
-                raise IdsOutOfRange(counts.bad_ranks)
+            bad = bad + over if over is not None else bad
+            counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, self._step)
+            if counts.bad_ranks:  # every rank stops here together
+                self._raise_bad_batch(keys, lengths_FB, values, counts.bad_ranks)
             mine = counts.ids[self.rank]
+            if keep is not None:  # the kept ids: their count is known now, so no host sync
+                values = values[keep.nonzero_static(size=int(mine.sum())).squeeze(1)]
+            lengths_FB = kept_FB
             sizes = [int(mine[self._columns[k]]) for k in keys]
             by_feature = dict(zip(keys, values.split(sizes)))
             parts = [s.local_ids(by_feature, counts) for s in self.schemes]

@@ -166,6 +166,7 @@ class RoutedSequenceSharding(nn.Module):
                 j = next(j for j, ls in local if ls is s)
                 self._where[j] = (len(self.lookups), pos)
             self.lookups.append(lk)
+        self._segment_of = {w: j for j, w in self._where.items()}  # (lookup, shard index in it) -> segment
         for j, seg in enumerate(self.segments):
             if len(seg.ranks) > 1:
                 self.register_buffer(f"_starts{j}", torch.tensor(seg.row_starts, device=self.device), persistent=False)
@@ -238,7 +239,7 @@ class RoutedSequenceSharding(nn.Module):
         rows_of: dict[int, list[torch.Tensor]] = {}
         for li, lk in enumerate(self.lookups):
             for pos, rows in enumerate(lk(per_lookup[li])):
-                j = next(j for j, w in self._where.items() if w == (li, pos))
+                j = self._segment_of[(li, pos)]
                 rows_of[j] = list(rows.split(recv[:, j].tolist()))
         flat = [rows_of[j][s].reshape(-1) for s in range(self.W) for j in range(S) if j in rows_of]
         dtype = self._out_dtype()

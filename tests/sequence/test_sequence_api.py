@@ -102,3 +102,14 @@ def test_bad_tables_options_and_batches(device):
         ec(to_kjt({"hist": (torch.tensor([2]), torch.tensor([3, 10]))}, ["hist"], device))
     with pytest.raises(ConfigError, match=r"missing \['hist'\], not looked up by any table \['other'\]"):
         ec(to_kjt({"other": (torch.tensor([1]), torch.tensor([3]))}, ["other"], device))
+
+
+def test_a_bad_batch_on_one_rank_stops_every_rank(run):
+    from seq_cases import bad_batch_worker
+
+    (e0, n0), (e1, n1) = run(bad_batch_worker, 2)
+    assert e1[0] == ("ValueError", e1[0][1]) and "feature 's': sample 0 has 3 ids, more than table 'strict'" in e1[0][1]
+    assert e0[0][0] == "BadSequenceBatch" and "ranks [1]" in e0[0][1]
+    assert e0[1][0] == "ValueError" and "feature 's': id 20 is outside table 'strict'" in e0[1][1]
+    assert e1[1][0] == "BadSequenceBatch" and "ranks [0]" in e1[1][1]
+    assert n0 == n1 == 3  # the next good batch trains on both ranks
