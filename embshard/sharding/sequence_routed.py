@@ -39,6 +39,7 @@ from embshard.runtime.comm import start_all_to_all
 from embshard.runtime.ops import cached_tensor
 from embshard.sharding.base import ShardingContext, column_key
 from embshard.sharding.exchange import BatchCounts
+from embshard.spec.optim import OptimizerKind
 from embshard.spec.plan import Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.spec.tables import ConfigError, TableConfig
 
@@ -160,7 +161,7 @@ class RoutedSequenceSharding(nn.Module):
                 local.append((j, LocalShard.planned(seg.table, seg.table_index, block, key, seg.table_plan)))
         self.lookups = nn.ModuleList()
         self._where: dict[int, tuple[int, int]] = {}  # segment -> (lookup, shard index in it)
-        for group_ in _lookup_groups([s for _, s in local], ctx.device):
+        for group_ in _lookup_groups([s for _, s in local], ctx):
             lk = _build_lookup(group_, ctx)
             for pos, s in enumerate(group_):
                 j = next(j for j, ls in local if ls is s)
@@ -277,9 +278,16 @@ class RoutedSequenceSharding(nn.Module):
         return out
 
 
-def _lookup_groups(shards: Sequence[LocalShard], device: torch.device) -> list[list[LocalShard]]:
-    """Shards grouped into lookups: by `group_key`, and on CUDA by width too (a `PoolingMode.NONE` TBE has one)."""
-    if device.type != "cuda":
+def _use_host(ctx: ShardingContext) -> bool:
+    """The CPU's host lookup where FBGEMM's CPU TBE falls short (no Adam; weight decay ignored), as for pooled
+    tables (sharding/lookups.py); FBGEMM's TBE with PoolingMode.NONE otherwise, on the CPU and on GPUs."""
+    o = ctx.optimizer
+    return ctx.device.type == "cpu" and (o.kind is OptimizerKind.ADAM or o.weight_decay > 0)
+
+
+def _lookup_groups(shards: Sequence[LocalShard], ctx: ShardingContext) -> list[list[LocalShard]]:
+    """Shards grouped into lookups: by `group_key`, and for a TBE by width too (a `PoolingMode.NONE` TBE has one)."""
+    if _use_host(ctx):
         return group_shards(shards)
     groups: dict[tuple, list[LocalShard]] = {}
     for s in shards:
@@ -288,7 +296,7 @@ def _lookup_groups(shards: Sequence[LocalShard], device: torch.device) -> list[l
 
 
 def _build_lookup(shards: Sequence[LocalShard], ctx: ShardingContext) -> nn.Module:
-    cls = TBESequenceLookup if ctx.device.type == "cuda" else HostSequenceLookup
+    cls = HostSequenceLookup if _use_host(ctx) else TBESequenceLookup
     return cls(shards, ctx.optimizer, ctx.device, ctx.seed, ctx.options)
 
 
