@@ -21,6 +21,7 @@ __all__ = [
     "Pooling",
     "Shard",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "ShardingPlan",
     "ShardingType",
     "TableConfig",
@@ -35,4 +36,8 @@ def __getattr__(name: str):
         from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
         return ShardedEmbeddingBagCollection
+    if name == "ShardedEmbeddingCollection":
+        from embshard.collection.sequence import ShardedEmbeddingCollection
+
+        return ShardedEmbeddingCollection
     raise AttributeError(name)

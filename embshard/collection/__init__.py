@@ -5,4 +5,5 @@
 - `bounds`: out-of-range ids (error or drop), checked on the host counts.
 - `regroup`, `regroup_kernel`: pooled blocks into the model's feature groups (FBGEMM's permute, or the Triton one).
 - `padding`, `emb_graph`: fixed-capacity batches and the collection's CUDA graph.
+- `sequence`: `ShardedEmbeddingCollection`, the sequence tables' collection (one row per id, JaggedTensors out).
 """
