@@ -187,7 +187,7 @@ class RoutedSequenceSharding(nn.Module):
             inverse.append(inv)
             if len(seg.ranks) == 1:
                 rows, perm = ids - seg.row_starts[0], None
-                if not seg.routed_on_host:
+                if not self.on_host:  # counted with the scheme's other segments
                     counts_cols.append(
                         torch.zeros(self.W, dtype=torch.int64, device=ids.device).index_fill_(
                             0, cached_tensor([seg.ranks[0]], ids.device), ids.numel()
@@ -198,7 +198,8 @@ class RoutedSequenceSharding(nn.Module):
                 dest = getattr(self, f"_ranks{j}")[block]
                 perm = torch.argsort(dest, stable=True)
                 rows = (ids - getattr(self, f"_starts{j}")[block])[perm]
-                counts_cols.append(torch.bincount(dest, minlength=self.W))
+                zeros = torch.zeros(self.W, dtype=torch.int64, device=ids.device)  # bincount would sync on CUDA
+                counts_cols.append(zeros.index_add_(0, dest, torch.ones_like(dest)))
             send.append(rows)
             order.append(perm)
         out = SegmentIds(send, order, inverse, feature_ids, None)
