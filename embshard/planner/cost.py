@@ -26,7 +26,8 @@ Communication, per step (model-parallel shards; data-parallel ones have none):
                                        receives back as gradients in backward
   Sequence tables (pooling none) return a row per id, not per bag: b counts ids, out_b = n/W*c*4 (ids x D x
   bytes: every id of the table's features for table-wise, the shard's share for row-wise), and the regroup's
-  P = B*F*L*D*4 (memory.py prices the step's unpooled rows the same way).
+  P = B*F*L*D*4 (memory.py prices the step's unpooled rows the same way). With settings.sequence_dedup each rank
+  sends a shard its unique ids only: n/W becomes distinct_rows(n/W, r, a) in in_b and out_b.
   Rank time on a link = bytes / (intra_host_bw or inter_host_bw), sends and receives counted apart.
   Table-row-wise under the hierarchical exchange (plan.table_row_wise_exchange): the partials are first reduced
   inside the host, then each sample's row crosses hosts once (exchange.py: its rows, phases and latencies).
@@ -274,9 +275,12 @@ class CostModel(MemoryModel):
             if small:
                 fwd, bwd, hot = kernel_cost.small_times(self, t, sharding, rows, cols, n, bags, u, alpha)
             return ShardWork(0.0, 0.0, fwd + extra, bwd + extra, ar, upd, hot if small else 0.0)
-        in_b = B * t.features * ((n / (topo.world_size * B * t.features)) * idb + LENGTH_BYTES)
-        # to each rank: its samples' pooled rows, or (sequence tables) a row per id of its that the shard looked up
-        out_b = np.where(t.seq > 0, n / topo.world_size, B * t.features) * cols * self.out_bytes
+        sent = n / topo.world_size  # ids each rank sends the shard
+        if self.settings.sequence_dedup:  # sequence tables send each rank's unique ids of the shard once
+            sent = np.where(t.seq > 0, distinct_rows(sent, rows, alpha), sent)
+        in_b = B * t.features * (sent / (B * t.features) * idb + LENGTH_BYTES)
+        # to each rank: its samples' pooled rows, or (sequence tables) a row per id it sent
+        out_b = np.where(t.seq > 0, sent, B * t.features) * cols * self.out_bytes
         fwd_lin = n * idb + pooled
         bwd_lin = n * (SORT_BYTES_PER_ID + cols * self.out_bytes) + pooled
         route = n * topo.routed_id_s + ROUTE_PASSES * bags * topo.bag_s

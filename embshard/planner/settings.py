@@ -37,6 +37,9 @@ class PlannerSettings:
     small_table_kernel: bool = True
     """Let the planner give small, hot fp32 tables in GPU memory embshard's small-table kernel where it predicts a
     win (false: FBGEMM's TBE for every table)."""
+    sequence_dedup: bool = False
+    """Sequence tables (pooling none) deduplicate their ids before the exchange (ShardedEmbeddingCollection's
+    dedup): their id and row exchanges are priced for the expected unique ids each rank sends a shard."""
     max_moves: int = 400
     """Local-search budget: at most this many candidate moves are evaluated after the greedy placement."""
     exact_limit: int = 20000

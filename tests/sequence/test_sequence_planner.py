@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from embshard import FusedOptimizerConfig, TableConfig
-from embshard.planner import Topology, plan_sharding
+from embshard.planner import PlannerSettings, Topology, plan_sharding
 from embshard.planner.cost import CostModel
 from embshard.planner.memory import TableStats
 from embshard.spec.plan import MemoryTier, ShardingType
@@ -34,6 +34,18 @@ def test_output_bytes_and_memory_per_id():
     mem = [model.storage(t, ShardingType.TABLE_WISE, MemoryTier.HBM, R, D) for t in (pooled, seq)]
     assert mem[1].hbm_buffers > mem[0].hbm_buffers + (L - 1) * 4 * 1024 * D * 4 * 0.9
     assert model.batch_bytes([_pair()[1]]) > model.batch_bytes([_pair()[0]]) * 5
+
+
+def test_dedup_prices_the_unique_ids():
+    topo, opt = Topology.preset("h100", 4), FusedOptimizerConfig("rowwise_adagrad")
+    small = TableConfig("hot", 1000, 64, ("f",), pooling="none", ids_per_bag=L)  # 20k ids a rank over 1000 rows
+    plain, dedup = (CostModel(topo, 1024, opt, PlannerSettings(sequence_dedup=d)) for d in (False, True))
+    t = TableStats.one(small)
+    a, b = (m.work(t, ShardingType.TABLE_WISE, MemoryTier.HBM, 1000, 64) for m in (plain, dedup))
+    assert b.out_b < a.out_b / 15 and b.in_b < a.in_b / 10  # at most 1000 distinct rows of 20480 ids
+    pooled = TableStats.one(_pair()[0])
+    same = [m.work(pooled, ShardingType.TABLE_WISE, MemoryTier.HBM, 100_000, 64).out_b for m in (plain, dedup)]
+    assert same[0] == same[1]  # pooled tables are not deduplicated
 
 
 def test_plans_sequence_tables():
