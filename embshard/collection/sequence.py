@@ -23,6 +23,8 @@ One step (every rank, even with an empty local batch: the exchanges are collecti
   3. lookup       one row per received id (CPU: embedding with sparse gradients; CUDA: FBGEMM TBE, PoolingMode.NONE)
   4. output dist  one all-to-all of rows per scheme, sized from step 1's counts; backward sends the gradients back
   5. assembly     rows back in the ids' order, dedup expanded, column blocks side by side, one JaggedTensor each
+As with the pooled collection, every rank's backward must reach every scheme's rows (a loss over all the outputs,
+empty ones included): the row exchange's backward is a collective.
 Column-wise tables under rowwise_adagrad keep one optimizer state per row of each column block (TorchRec's
 behaviour; `column_wise_exact` is off here). The state methods (`local_shards`, `full_weights`, ...) are those of
 the pooled collection (shard_state.py), so checkpoints save, load and reshard sequence tables the same way.
@@ -149,6 +151,7 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self._columns = feature_columns(tables)
         self.dedup = dedup_of
+        """Whether each table's ids are deduplicated before the exchange (table name -> bool)."""
         for t in tables:
             if t.max_length is not None:
                 how = (
@@ -269,7 +272,3 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
     def step(self) -> int:
         """Training forwards so far (every rank agrees on it: it labels the step's collectives)."""
         return self._step
-
-    def table_dedup(self) -> dict[str, bool]:
-        """Whether each table's ids are deduplicated before the exchange."""
-        return dict(self.dedup)
