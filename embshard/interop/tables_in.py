@@ -53,8 +53,9 @@ def tables_from_torchrec(configs: Any, weighted: bool | None = None) -> list[Tab
     elif hasattr(configs, "embedding_configs"):
         raise ConfigError(
             f"tables_from_torchrec: the {type(configs).__name__} holds sequence tables (one embedding per id, not "
-            f"pooled: {_names(configs.embedding_configs())}); sequence features are not supported by embshard yet, "
-            "which pools bags: keep them in TorchRec, or give embshard an EmbeddingBagCollection (pooling SUM or MEAN)"
+            f"pooled: {_names(configs.embedding_configs())}), not supported by this conversion, which makes pooled "
+            "tables: give them to embshard.ShardedEmbeddingCollection as TableConfig(..., pooling='none'), or give "
+            "this function an EmbeddingBagCollection (pooling SUM or MEAN)"
         )
     elif isinstance(configs, str | bytes | Mapping) or not isinstance(configs, Iterable):
         raise ConfigError(
@@ -78,14 +79,16 @@ def _table(c: Any, weighted: bool) -> TableConfig:
     if getattr(c, "pooling", None) is None:  # EmbeddingConfig: a sequence table, never pooled by default
         raise ConfigError(
             f"{where} ({type(c).__name__}) has no pooling (a sequence table of an EmbeddingCollection: one "
-            "embedding per id): sequence features are not supported by embshard yet; keep it in TorchRec, or make "
-            "it an EmbeddingBagConfig with pooling SUM or MEAN"
+            "embedding per id), not supported by this conversion, which makes pooled tables: give it to "
+            "embshard.ShardedEmbeddingCollection as TableConfig(..., pooling='none'), or make it an "
+            "EmbeddingBagConfig with pooling SUM or MEAN"
         )
     pooling = c.pooling.name.lower()
     if pooling not in ("sum", "mean"):
         raise ConfigError(
-            f"{where}: pooling {pooling.upper()} (sequence embeddings) is not supported by embshard, which pools "
-            "bags: keep this table in TorchRec or pool it with SUM or MEAN"
+            f"{where}: pooling {pooling.upper()} (sequence embeddings) is not supported by this conversion, which "
+            "makes pooled tables: give it to embshard.ShardedEmbeddingCollection as TableConfig(..., pooling='none'), "
+            "or pool it with SUM or MEAN"
         )
     data_type = c.data_type.name.lower()
     if data_type not in ("fp32", "fp16"):
