@@ -181,7 +181,7 @@ def main() -> None:
     lines: list[str] = [f"seed {args.seed}, world {world}, {torch.cuda.get_device_name(device)}"]
 
     def say(line: str) -> None:
-        if rank == 0:
+        if rank == 0 or line.startswith("FAIL"):  # every rank prints its own failures
             print(line, flush=True)
         lines.append(line)
 
@@ -200,7 +200,11 @@ def main() -> None:
                     k += 1
                     failures += why is not None
                     say(f"PASS {name}" if why is None else f"FAIL {name}: {why} (rank {rank})")
-    say("ALL PASS" if not failures else f"{failures} FAILED")
+    if world > 1:  # failures on any rank
+        total = torch.tensor([failures], device=device)
+        dist.all_reduce(total)
+        failures = int(total.item())
+    say("ALL PASS" if not failures else f"{failures} FAILED (cases x ranks)")
     for dedup in (False, True):
         ms = time_steps(dedup, rank, world, device)
         say(f"TIME sequence step 1M x 128, batch 4096 x 0..100 ids, dedup={dedup}: {ms:.2f} ms a step")
