@@ -17,7 +17,9 @@ from typing import Any
 from embshard.planner.explain import explain
 from embshard.planner.policy import search_plan, topology_for
 from embshard.planner.topology import Topology
+from embshard.planner.twod import plan_at_scale
 from embshard.spec.tables import ConfigError
+from embshard.tools import plan_scale
 from embshard.tools.plan_inputs import (
     PlannerInput,
     is_training_config,
@@ -87,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
         help="save a PNG of memory and predicted time per rank (default runs/plan/plan.png)",
     )
     p.add_argument("--explain", action="append", default=[], metavar="TABLE", help="explain a table's placement")
+    plan_scale.add_args(p)
     return p
 
 
@@ -190,6 +193,12 @@ def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
     return inp, topo
 
 
+def _is_training(config: str) -> bool:
+    import yaml
+
+    return is_training_config(yaml.safe_load(Path(config).read_text()))
+
+
 def torchrec_out(plan, args: argparse.Namespace, optimizer) -> None:
     """--format torchrec: print TorchRec's plan (JSON) or save it to --out; the notes go to stderr."""
     import json
@@ -210,12 +219,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_intermixed_args(argv)
     try:
         check_args(args)
+        plan_scale.check_args(args)
         inp, topo = load_input(args)
-        plan, report = search_plan(
-            inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, print
-        )
+        dense = plan_scale.dense_spec(args.config, args.overrides, bool(args.overrides) or _is_training(args.config))
+        scale = plan_at_scale(
+            inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, dense,
+            args.replica_sync, args.replica_sync_every, args.group_size, plan_scale.search_for(search_plan, inp),
+        )  # fmt: skip
+        plan, report = scale.plan, scale.best.report
         if args.format == "table":
             print(report)
+            print()
+            print(scale.summary())
         elif args.format == "yaml":
             print(plan.to_yaml(), end="")
         elif args.format == "json":
