@@ -203,19 +203,29 @@ def _cheapest(p: Problem) -> None:
 
 
 def _row_split_only(p: Problem, it: Any, usable: list[int]) -> list[int]:
-    """The usable options of a hot item (balance.hot_tables) whose lookups on a rank do not grow with the world
-    size: row-wise, data-parallel, and table-row-wise where the host holds every rank; all of `usable` (with a
-    note) when none of those fits."""
-    one_host = p.topology.num_hosts == 1
-    keep = (ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL) + ((ShardingType.TABLE_ROW_WISE,) if one_host else ())
-    split = [c for c in usable if it.options[c].sharding in keep]
+    """The usable options of a hot item (balance.hot_tables) whose blocks each look up at most a balanced rank's
+    ids (W x its ids per sample / blocks for row splits, B x its ids per sample data-parallel): row-wise, and
+    table-row-wise or column-wise where their blocks stay within that; all of `usable` (with a note) when none of
+    those fits."""
+    W = p.topology.world_size
+    even = balance.HOT_SHARE * sum(balance.table_ids_per_sample(t) for t in p.tables)
+    mine = sum(balance.table_ids_per_sample(p.tables[ti]) for ti in it.tables)
+    row_split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+    def block_ids(c: int) -> float:
+        sharding = it.options[c].sharding
+        if sharding is ShardingType.DATA_PARALLEL:
+            return mine
+        return W * mine / (it.choices[c].blocks if sharding in row_split else 1)
+
+    split = [c for c in usable if block_ids(c) <= even * (1 + 1e-9)]
     if not split:
         p.note(it, "hot table (its lookups as one block exceed a balanced rank's), but no row split fits: every option")
         return usable
     p.note(
         it,
-        f"hot table: its lookups as one block, {p.topology.world_size} x its ids per sample, exceed a balanced "
-        "rank's (every table's ids per sample): row-wise or data-parallel only (settings.split_hot_tables)",
+        f"hot table: its lookups as one block, {W} x its ids per sample, exceed a balanced rank's (every table's ids "
+        "per sample): only options whose blocks look up at most that many (settings.split_hot_tables)",
     )
     return split
 

@@ -15,12 +15,13 @@ with the search (search.py, on a topology of G ranks), adds what the group size 
                    the step pays its slowest rank's sync
   dense            compute and the gradient all-reduce over every rank (dense.py), the same for every candidate
 
-Candidates: no 2D (a flat plan over W), and each divisor G of W with G a multiple of L (G < W). A group must hold
-the whole model: candidates whose G ranks' summed GPU and host memory budgets cannot hold the tables are skipped
-unplanned; candidates are then planned from the smallest G up, and planning stops once PATIENCE larger groups in
-a row (the flat plan included) predicted slower steps than the best: each larger group moves more of the
-exchanges over the network, so past the best the steps rarely fall again, and the largest groups are the
-slowest to plan (docs/planner.md, "Hot tables and 2D sharding").
+Candidates: no 2D (a flat plan over W), and each divisor G of W with G a multiple of L (G < W), planned from the
+largest (the flat plan) down. A group must hold the whole model: a group whose G ranks' summed GPU and host memory
+budgets cannot hold the tables is skipped unplanned, and where a group cannot hold them (or the search finds no
+plan that fits), no smaller group is planned; planning also stops once PATIENCE smaller groups in a row predicted
+slower steps than the best (each smaller group has more replicas to synchronize, so past the best the steps
+rarely fall again). A model that needs every rank's memory is thus planned once, flat, and one group below
+(docs/planner.md, "Hot tables and 2D sharding").
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from embshard.spec.tables import ConfigError, TableConfig, validate_tables
 
 SYNC_MODES = ("exact", "periodic")
 PATIENCE = 2
-"""Larger candidates planned after the best before the search over group sizes stops."""
+"""Smaller groups planned after the best before the search over group sizes stops."""
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Candidate:
     allreduce_s: float = 0.0
     skipped: str = ""
     """Why it was not planned ('' when planned)."""
+    busy: list[float] = field(default_factory=list)
+    """Each rank of a group: its lookups over a balanced rank's (balance.busy_shares)."""
 
     @property
     def step_s(self) -> float:
@@ -117,6 +120,9 @@ class ScalePlan:
                 f"{c.allreduce_s * 1e3:19.3f}  {c.step_s * 1e3:7.3f}  {self.batch_size / c.step_s / 1e6:11.3f} M{mark}"
             )
         g = self.group_size
+        busy = self.best.busy
+        shown = " ".join(f"{b:.2f}" for b in busy[:16]) + (f" ... ({len(busy)} ranks)" if len(busy) > 16 else "")
+        lines.append(f"lookups per rank of a group over a balanced rank's: busiest {max(busy):.2f}; {shown}")
         lines.append(
             f"chosen sharding_group_size: {g if g is not None else 'none (no 2D)'}; predicted step "
             f"{self.best.step_s * 1e3:.3f} ms, {self.samples_per_s_per_gpu / 1e6:.3f} M samples/s per GPU "
@@ -228,34 +234,40 @@ def plan_at_scale(
     out: list[Candidate] = []
     best: Candidate | None = None
     worse = 0
-    errors: list[str] = []
-    for G in sizes:
+    short = ""  # why the groups from here down are not planned
+    for G in reversed(sizes):  # the flat plan first, then ever smaller groups
         c = Candidate(G, dense_s=dense_s, allreduce_s=ar_s)
         out.append(c)
-        if worse >= PATIENCE:
-            c.skipped = f"{PATIENCE} smaller groups in a row predicted slower steps than group {best.group_size}"
+        if short or worse >= PATIENCE:
+            c.skipped = (
+                short or f"{PATIENCE} larger groups in a row predicted slower steps than group {best.group_size}"
+            )
             continue
         gtopo = topology.with_sizes(G, min(L, G))
-        why = _fits(tables, gtopo, batch_size, optimizer, settings)
+        why = _fits(tables, gtopo, batch_size, optimizer, settings) if G < W else ""  # the search says why for W
+        if not why:
+            try:
+                gplan, rep = search(tables, gtopo, batch_size, optimizer, constraints, settings)
+            except PlanningError as e:
+                if G == W:
+                    raise  # nothing fits: the search's own message, with its numbers and fixes
+                why = str(e).strip().splitlines()[0]
         if why:
             c.skipped = why
-            continue
-        try:
-            gplan, rep = search(tables, gtopo, batch_size, optimizer, constraints, settings)
-        except PlanningError as e:
-            c.skipped = str(e).strip().splitlines()[0]
-            errors.append(f"group {G}: {c.skipped}")
+            short = f"a group of {G} ranks could not hold the tables, nor can a smaller one"
             continue
         kw = {"sharding_group_size": G, "replica_sync": replica_sync, "replica_sync_every": replica_sync_every}
         c.plan = replace(gplan, world_size=W, local_world_size=L, **(kw if G < W else {}))
         c.report = rep
         c.embedding_s = rep.step_time_s
+        c.busy = balance.busy_shares(c.plan, tables, batch_size)
         c.sync_s = replica_sync_s(c.plan, tables, topology, batch_size, optimizer, settings, replica_sync,
                                   replica_sync_every)  # fmt: skip
         if best is None or c.step_s < best.step_s * (1 - 1e-9):
             best, worse = c, 0
         else:
             worse += 1
+    out.reverse()
     if best is None:
         raise PlanningError(
             f"no sharding group size of {sizes} on {W} ranks can hold the tables: "

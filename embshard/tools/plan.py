@@ -24,7 +24,7 @@ from embshard.tools.plan_inputs import (
     PlannerInput,
     is_training_config,
     planner_input_from_dict,
-    training_planner_input,
+    training_planner_input_and_config,
 )
 
 OUT_DIR = Path("runs") / "plan"
@@ -167,7 +167,9 @@ def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
     except yaml.YAMLError as e:
         raise ConfigError(f"{args.config}: not valid YAML: {e}") from None
     if is_training_config(data):
-        inp, planner_cfg = training_planner_input(args.config, args.overrides)
+        inp, train_cfg = training_planner_input_and_config(args.config, args.overrides)
+        planner_cfg = train_cfg.planner
+        args.train_config = train_cfg  # the dense model's size: plan_scale.dense_spec
         if args.topology or args.detect or args.device:
             topo = resolve_topology(args, None).with_sizes(hbm_gib=planner_cfg.hbm_gib, ddr_gib=planner_cfg.ddr_gib)
         else:  # what `embshard train` plans for: planner.topology_file, else this machine
@@ -193,12 +195,6 @@ def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
     return inp, topo
 
 
-def _is_training(config: str) -> bool:
-    import yaml
-
-    return is_training_config(yaml.safe_load(Path(config).read_text()))
-
-
 def torchrec_out(plan, args: argparse.Namespace, optimizer) -> None:
     """--format torchrec: print TorchRec's plan (JSON) or save it to --out; the notes go to stderr."""
     import json
@@ -221,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args)
         plan_scale.check_args(args)
         inp, topo = load_input(args)
-        dense = plan_scale.dense_spec(args.config, args.overrides, bool(args.overrides) or _is_training(args.config))
+        dense = plan_scale.dense_spec(getattr(args, "train_config", None))
         scale = plan_at_scale(
             inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, dense,
             args.replica_sync, args.replica_sync_every, args.group_size, plan_scale.search_for(search_plan, inp),

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
-from embshard.config import load_config
 from embshard.planner.dense import DenseSpec, dlrm_dense
 from embshard.planner.twod import SYNC_MODES
 from embshard.spec.tables import ConfigError
@@ -47,12 +46,11 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
-def dense_spec(config: str | Path, overrides: list[str], is_training: bool) -> DenseSpec | None:
-    """The dense part of a training config's DLRM or DLRM-DCNv2 model (None for planner inputs and other kinds:
-    the prediction is then the embedding step alone)."""
-    if not is_training:
+def dense_spec(cfg: Any) -> DenseSpec | None:
+    """The dense part of a training config's (a TrainConfig's) DLRM or DLRM-DCNv2 model; None for planner inputs
+    (cfg None) and other kinds: the prediction is then the embedding step alone."""
+    if cfg is None:
         return None
-    cfg = load_config(config, overrides)
     m = cfg.model
     if m.kind not in ("dlrm", "dlrm_dcnv2") or m.dlrm is None:
         return None
