@@ -165,3 +165,22 @@ def test_dlrm_dense_counts_the_mlperf_model() -> None:
     top = 3456 * 1024 + 1024 * 1024 + 1024 * 512 + 512 * 256 + 256
     assert spec.flops_per_sample == 6 * (bottom + cross + top)
     assert spec.parameters == bottom + 512 + 256 + 128 + 3 * (2 * 3456 * 512 + 3456) + top + 1024 + 1024 + 512 + 256 + 1
+
+
+def test_cli_prints_the_group_size_and_writes_the_2d_plan(tmp_path, capsys) -> None:
+    from embshard.tools.plan import main
+
+    out = tmp_path / "plan.yaml"
+    argv = [MLPERF, "--world-size", "64", "--local-world-size", "8", "--device", "h100", "--group-size", "16",
+            "--replica-sync", "periodic", "--replica-sync-every", "50", "--out", str(out), "planner.settings.max_moves=0"]  # fmt: skip
+    main(argv)
+    text = capsys.readouterr().out
+    assert "chosen sharding_group_size: 16; predicted step" in text and "M samples/s per GPU" in text, text[-2000:]
+    assert "lookups per rank of a group over a balanced rank's: busiest" in text
+    plan = ShardingPlan.load(out)
+    assert (plan.world_size, plan.sharding_group_size, plan.replica_sync, plan.replica_sync_every) == (
+        64, 16, "periodic", 50)  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([MLPERF, "--world-size", "64", "--device", "h100", "--group-size", "12"])
+    err = capsys.readouterr().err
+    assert "--group-size 12 is invalid with --world-size 64 and 8 ranks per host" in err and "--group-size 8" in err
