@@ -88,6 +88,7 @@ class ScalePlan:
 
     @property
     def plan(self) -> ShardingPlan:
+        """The chosen plan over every rank (sharding_group_size set for 2D)."""
         return self.best.plan
 
     @property
@@ -97,6 +98,7 @@ class ScalePlan:
 
     @property
     def samples_per_s_per_gpu(self) -> float:
+        """Predicted training samples per second per GPU: the batch per GPU over the predicted step."""
         return self.batch_size / self.best.step_s
 
     def busy_shares(self, tables: Sequence[TableConfig]) -> list[float]:

@@ -65,7 +65,7 @@ def dense_spec(cfg: Any) -> DenseSpec | None:
     return dlrm_dense(num_dense, dim, features, m.dlrm.bottom_mlp, m.dlrm.top_mlp, layers, rank, precision)
 
 
-def search_for(search_plan: Callable, inp) -> Callable:
+def search_for(search_plan: Callable, inp: Any) -> Callable:
     """The search plan_at_scale runs per candidate group: the training job's (policy.search_plan), on `inp`."""
 
     def search(tables, topo, batch_size, optimizer, constraints, settings):
