@@ -18,8 +18,10 @@ with the search (search.py, on a topology of G ranks), adds what the group size 
 Candidates: no 2D (a flat plan over W), and each divisor G of W with G a multiple of L (G < W), planned from the
 largest (the flat plan) down. A group must hold the whole model: a group whose G ranks' summed GPU and host memory
 budgets cannot hold the tables is skipped unplanned, and where a group cannot hold them (or the search finds no
-plan that fits), no smaller group is planned; planning also stops once PATIENCE smaller groups in a row predicted
-slower steps than the best (each smaller group has more replicas to synchronize, so past the best the steps
+plan that fits), no smaller group is planned; a group whose replica sync alone (`sync_floor_s`: a lower bound
+from the tables that cannot be data-parallel, without planning) plus the dense step reaches the best step so far
+is not planned either; planning also stops once PATIENCE smaller groups in a row predicted slower steps than the
+best (each smaller group has more replicas to synchronize, so past the best the steps
 rarely fall again). A model that needs every rank's memory is thus planned once, flat, and one group below
 (docs/planner.md, "Hot tables and 2D sharding").
 """
@@ -175,28 +177,60 @@ def replica_sync_s(
                 u = float(distinct_rows(R * n, s.num_rows, alpha))
                 sync_bytes[s.rank] += u * (s.num_cols * 4 + 8)
             else:
-                rb = s.num_cols * t.data_type.bytes
                 sb = optimizer.state_bytes_per_row(s.num_cols)
-                sync_bytes[s.rank] += s.num_rows * (rb + sb) / every
+                sync_bytes[s.rank] += s.num_rows * (s.num_cols * t.data_type.bytes + sb) / every
     worst = max(ring_allreduce_s(b, R, per_host, topo) for b in sync_bytes)
     dp_extra = ring_allreduce_s(dp_bytes, W, L, topo) - ring_allreduce_s(dp_bytes, G, min(L, G), topo)
     return worst + max(0.0, dp_extra)
 
 
-def _fits(tables: Sequence[TableConfig], topo: Topology, batch_size: int, optimizer, settings) -> str:
-    """'' when the group's summed memory budgets can hold the tables in some tier, else why not."""
-    mem = CostModel(topo, batch_size, optimizer, settings)
-    b = budgets(mem, tables)
-    need = sum(
-        t.num_embeddings * (t.embedding_dim * 4 + optimizer.state_bytes_per_row(t.embedding_dim)) for t in tables
-    )
+def _row_bytes(t: TableConfig, optimizer: FusedOptimizerConfig) -> int:
+    """Bytes one row of `t` stores: its weights and optimizer state."""
+    return t.embedding_dim * t.data_type.bytes + optimizer.state_bytes_per_row(t.embedding_dim)
+
+
+def _fits(tables: Sequence[TableConfig], topo: Topology, batch_size: int, optimizer, settings) -> tuple[str, float]:
+    """('' when the group's summed memory budgets can hold the tables in some tier, else why not; a rank's GPU
+    memory budget in bytes)."""
+    b = budgets(CostModel(topo, batch_size, optimizer, settings), tables)
+    need = sum(t.num_embeddings * _row_bytes(t, optimizer) for t in tables)
     have = topo.world_size * (b.hbm + b.ddr) * settings.memory_fill
     if need > have:
-        return (
-            f"{topo.world_size} ranks hold {have / 2**30:.1f} GiB of embeddings in all, the tables need "
-            f"{need / 2**30:.1f} GiB"
-        )
-    return ""
+        why = f"{topo.world_size} ranks hold {have / 2**30:.1f} GiB of embeddings in all, the tables need {need / 2**30:.1f} GiB"
+        return why, b.hbm
+    return "", b.hbm
+
+
+def sync_floor_s(
+    tables: Sequence[TableConfig],
+    topo: Topology,
+    group_size: int,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    settings: PlannerSettings,
+    hbm_budget: float,
+    mode: str = "exact",
+    every: int = 1,
+) -> float:
+    """A lower bound of `replica_sync_s` over every plan of groups of `group_size`, without planning: the sync bytes
+    of the tables that cannot be data-parallel (a replica, fp32 weights and state, exceeds a rank's GPU budget
+    `hbm_budget`), spread evenly over the group's ranks (the slowest rank syncs at least the mean; a table's touched
+    rows are as many whole as in row blocks, for uniform ids)."""
+    W, L = topo.world_size, topo.local_world_size
+    R = W // group_size
+    if R <= 1:
+        return 0.0
+    total = 0.0
+    for t in tables:
+        D = t.embedding_dim
+        if t.num_embeddings * (D * 4 + optimizer.state_bytes_per_row(D)) <= hbm_budget:
+            continue  # it may be data-parallel, with no replica sync of its own
+        if mode == "exact":
+            n = balance.table_ids_per_sample(t) * batch_size * group_size
+            total += float(distinct_rows(R * n, t.num_embeddings, settings.zipf_alpha)) * (D * 4 + 8)
+        else:
+            total += t.num_embeddings * _row_bytes(t, optimizer) / every
+    return ring_allreduce_s(total / group_size, R, max(1, L // group_size), topo)
 
 
 def plan_at_scale(
@@ -246,7 +280,22 @@ def plan_at_scale(
             )
             continue
         gtopo = topology.with_sizes(G, min(L, G))
-        why = _fits(tables, gtopo, batch_size, optimizer, settings) if G < W else ""  # the search says why for W
+        why, hbm = _fits(tables, gtopo, batch_size, optimizer, settings) if G < W else ("", 0.0)  # W: the search's
+        if not why and best is not None:
+            floor = (
+                dense_s
+                + ar_s
+                + sync_floor_s(
+                    tables, topology, G, batch_size, optimizer, settings, hbm, replica_sync, replica_sync_every
+                )
+            )
+            if floor >= best.step_s:
+                c.skipped = (
+                    f"not planned: at least {floor * 1e3:.3f} ms with its replica sync alone, group "
+                    f"{best.group_size} predicts {best.step_s * 1e3:.3f} ms"
+                )
+                worse += 1
+                continue
         if not why:
             try:
                 gplan, rep = search(tables, gtopo, batch_size, optimizer, constraints, settings)

@@ -12,7 +12,7 @@ from embshard.planner import Topology, plan_with_report
 from embshard.planner.balance import balanced_ids, busy_shares, hot_tables, rank_ids
 from embshard.planner.dense import dlrm_dense, ring_allreduce_s
 from embshard.planner.settings import PlannerSettings
-from embshard.planner.twod import group_sizes, plan_at_scale, replica_sync_s
+from embshard.planner.twod import group_sizes, plan_at_scale, replica_sync_s, sync_floor_s
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.plan import Shard, ShardingPlan, ShardingType, TablePlan
 from embshard.spec.tables import ConfigError, TableConfig
@@ -136,6 +136,11 @@ def test_replica_sync_exact_and_periodic() -> None:
     assert periodic == pytest.approx(1000 * (16 * 4 + 4) / 10 * ring + topo.inter_collective_latency_s)
     flat = replace(plan, sharding_group_size=None)
     assert replica_sync_s(flat, [t], topo, B, opt, s, "exact") == 0.0
+    # the floor the group-size search skips candidates by: the same bytes spread over the group's 8 ranks
+    floor = sync_floor_s([t], topo, G, B, opt, s, 0.0, "exact")
+    assert floor == pytest.approx(u * (16 * 4 + 8) / G * ring + topo.inter_collective_latency_s) and floor < exact
+    assert sync_floor_s([t], topo, G, B, opt, s, 1e9, "exact") == 0.0  # it could be data-parallel
+    assert sync_floor_s([t], topo, G, B, opt, s, 0.0, "periodic", 10) < periodic
 
 
 def test_plan_2d_fields_check_and_round_trip(tmp_path) -> None:
