@@ -216,7 +216,11 @@ class ShardingPlan:
                 return [enc(v) for v in obj]
             return obj
 
-        return enc(asdict(self))
+        out = enc(asdict(self))
+        if self.sharding_group_size is None:  # no 2D: the plan's file as without 2D sharding
+            for key in ("sharding_group_size", "replica_sync", "replica_sync_every"):
+                out.pop(key)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan") -> ShardingPlan:
