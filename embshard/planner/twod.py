@@ -19,7 +19,7 @@ Candidates: no 2D (a flat plan over W), and each divisor G of W with G a multipl
 largest (the flat plan) down. A group must hold the whole model: a group whose G ranks' summed GPU and host memory
 budgets cannot hold the tables is skipped unplanned, and where a group cannot hold them (or the search finds no
 plan that fits), no smaller group is planned; a group whose replica sync alone (`sync_floor_s`: a lower bound
-from the tables that cannot be data-parallel, without planning) plus the dense step reaches the best step so far
+without planning) plus the dense step reaches the best step so far
 is not planned either; planning also stops once PATIENCE smaller groups in a row predicted slower steps than the
 best (each smaller group has more replicas to synchronize, so past the best the steps
 rarely fall again). A model that needs every rank's memory is thus planned once, flat, and one group below
@@ -212,25 +212,34 @@ def sync_floor_s(
     mode: str = "exact",
     every: int = 1,
 ) -> float:
-    """A lower bound of `replica_sync_s` over every plan of groups of `group_size`, without planning: the sync bytes
-    of the tables that cannot be data-parallel (a replica, fp32 weights and state, exceeds a rank's GPU budget
-    `hbm_budget`), spread evenly over the group's ranks (the slowest rank syncs at least the mean; a table's touched
-    rows are as many whole as in row blocks, for uniform ids)."""
+    """A lower bound of `replica_sync_s` over every plan of groups of `group_size`, without planning: every table's
+    sync bytes but those of the tables that could be data-parallel (replicas need no sync of their own, and all of
+    them must fit one rank's GPU budget `hbm_budget`: the most sync bytes per replica byte first, the last one in
+    part: a fractional knapsack, which no choice of whole tables beats), spread evenly over the group's ranks (the
+    slowest rank syncs at least the mean; a table's touched rows are as many whole as in row blocks, for uniform
+    ids)."""
     W, L = topo.world_size, topo.local_world_size
     R = W // group_size
     if R <= 1:
         return 0.0
-    total = 0.0
+    total, items = 0.0, []
     for t in tables:
         D = t.embedding_dim
-        if t.num_embeddings * (D * 4 + optimizer.state_bytes_per_row(D)) <= hbm_budget:
-            continue  # it may be data-parallel, with no replica sync of its own
         if mode == "exact":
             n = balance.table_ids_per_sample(t) * batch_size * group_size
-            total += float(distinct_rows(R * n, t.num_embeddings, settings.zipf_alpha)) * (D * 4 + 8)
+            b = float(distinct_rows(R * n, t.num_embeddings, settings.zipf_alpha)) * (D * 4 + 8)
         else:
-            total += t.num_embeddings * _row_bytes(t, optimizer) / every
-    return ring_allreduce_s(total / group_size, R, max(1, L // group_size), topo)
+            b = t.num_embeddings * _row_bytes(t, optimizer) / every
+        total += b
+        items.append((b, t.num_embeddings * (D * 4 + optimizer.state_bytes_per_row(D))))  # (sync, replica) bytes
+    room = hbm_budget
+    for b, replica in sorted(items, key=lambda x: -x[0] / max(x[1], 1.0)):
+        if room <= 0:
+            break
+        share = min(1.0, room / max(replica, 1.0))
+        total -= share * b
+        room -= share * replica
+    return ring_allreduce_s(max(0.0, total) / group_size, R, max(1, L // group_size), topo)
 
 
 def plan_at_scale(

@@ -140,6 +140,8 @@ def test_replica_sync_exact_and_periodic() -> None:
     floor = sync_floor_s([t], topo, G, B, opt, s, 0.0, "exact")
     assert floor == pytest.approx(u * (16 * 4 + 8) / G * ring + topo.inter_collective_latency_s) and floor < exact
     assert sync_floor_s([t], topo, G, B, opt, s, 1e9, "exact") == 0.0  # it could be data-parallel
+    half = sync_floor_s([t], topo, G, B, opt, s, 1000 * (16 * 4 + 4) / 2, "exact")  # half a replica fits: half
+    assert half == pytest.approx(u * (16 * 4 + 8) / 2 / G * ring + topo.inter_collective_latency_s)
     assert sync_floor_s([t], topo, G, B, opt, s, 0.0, "periodic", 10) < periodic
 
 
