@@ -4,6 +4,7 @@ both plan: 100 tables on 8 GPUs).
 
     python -m bench.planner_scale [--tables 1000] [--world-size 64] [--repeats 3] [--torchrec-timeout 120]
     python -m bench.planner_scale --tables 10000 --world-size 512 --skip-torchrec
+    python -m bench.planner_scale --tables 10000 --world-size 512 --skip-torchrec --group-sizes   # with 2D's search
 
 Models beyond 1,000 tables per 64 GPUs are generated to fit (mixed_tables: rows scaled with the world size;
 batch_size: fewer samples per GPU with more features). Prints `seconds=<embshard planning time>` first (the
@@ -67,10 +68,14 @@ def mixed_tables(n: int, seed: int = 0, world_size: int = REFERENCE_WORLD):
     return out
 
 
-def embshard_seconds(n: int, world: int, local: int, repeats: int = 3) -> tuple[float, float, list[float], float]:
+def embshard_seconds(
+    n: int, world: int, local: int, repeats: int = 3, group_sizes: bool = False
+) -> tuple[float, float, list[float], float]:
     """(fastest planning seconds of `repeats`, predicted step ms, every repeat's seconds, fastest CPU seconds of
-    the process: what the planner itself used, whatever else the machine ran) of embshard's planner."""
+    the process: what the planner itself used, whatever else the machine ran) of embshard's planner; with
+    `group_sizes`, of its search over 2D sharding's group sizes (planner/twod.py: the step with replica sync)."""
     from embshard.planner import Topology, plan_with_report
+    from embshard.planner.twod import plan_at_scale
 
     tables, batch = mixed_tables(n, world_size=world), batch_size(n)
     topo = Topology.preset("h100", world, local)
@@ -78,10 +83,15 @@ def embshard_seconds(n: int, world: int, local: int, repeats: int = 3) -> tuple[
     times, cpu = [], []
     for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()
-        _, report = plan_with_report(tables, topo, batch)
+        if group_sizes:
+            scale = plan_at_scale(tables, topo, batch)
+            step_s = scale.best.step_s
+            print(scale.summary(), flush=True)
+        else:
+            step_s = plan_with_report(tables, topo, batch)[1].step_time_s
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return min(times), report.step_time_s * 1e3, times, min(cpu)
+    return min(times), step_s * 1e3, times, min(cpu)
 
 
 def embshard_peak_mib(n: int, world: int, local: int) -> float:
@@ -145,13 +155,16 @@ def main() -> None:
     p.add_argument("--torchrec-timeout", type=float, default=120.0, help="seconds before TorchRec's run is stopped")
     p.add_argument("--repeats", type=int, default=3, help="timed plans; the fastest is reported (shared machines)")
     p.add_argument("--skip-torchrec", action="store_true")
+    p.add_argument(
+        "--group-sizes", action="store_true", help="time the search over 2D sharding's group sizes (plan_at_scale)"
+    )
     p.add_argument("--torchrec-child", nargs=3, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.torchrec_child:
         torchrec_child(*args.torchrec_child)
         return
     n, W, lws = args.tables, args.world_size, args.local_world_size
-    seconds, step_ms, times, cpu = embshard_seconds(n, W, lws, args.repeats)
+    seconds, step_ms, times, cpu = embshard_seconds(n, W, lws, args.repeats, args.group_sizes)
     peak = embshard_peak_mib(n, W, lws)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"seconds={seconds:.3f}")

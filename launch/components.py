@@ -48,7 +48,7 @@ def train(
     """
     if not args:
         raise ValueError("give the config file after `--`, e.g. -- configs/dlrm_criteo.yaml schedule.steps=100")
-    return ddp(
+    app = ddp(
         "train",
         *args,
         m="embshard.cli",
@@ -62,3 +62,5 @@ def train(
         rdzv_port=rdzv_port,
         max_retries=max_retries,
     )
+    app.roles[0].name = "train"  # not "cli" (the module): the Slurm job and Kubernetes task names, VC_TRAIN_0_HOSTS
+    return app

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from embshard.planner import errors, exact, kernel_choice, loads
+from embshard.planner import balance, errors, exact, kernel_choice, loads
 from embshard.planner import exchange as twrw_exchange
 from embshard.planner.choices import build_choices, is_dense
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
@@ -144,6 +144,18 @@ def _plan_with_report(
         improve(state, p)
         if state.objective() >= first[0].objective() * (1 - 1e-9):
             state, p.chosen, p.notes = first
+    merged = _merged_start(state, p)
+    if merged is not None:  # data-parallel and row-wise lookup groups side by side: try one group fewer
+        first = (state, p.chosen, p.notes)
+        p.chosen, p.notes = merged, {name: list(n) for name, n in p.notes.items()}
+        for i, c in enumerate(merged):
+            if c != first[1][i]:
+                p.note(p.items[i], f"second start: as {p.items[i].choices[c].option.label} (one lookup group fewer)")
+        state = State(model, p.budgets.hbm, p.budgets.ddr, base)
+        _place_all(state, p)
+        improve(state, p)
+        if state.objective() >= first[0].objective() * (1 - 1e-9):
+            state, p.chosen, p.notes = first
     if settings.exact_limit and exact.count(state, p.items, p.usable) <= settings.exact_limit:
         state = exact_if_better(state, State(model, p.budgets.hbm, p.budgets.ddr, base), p)
     kernel_choice.check_groups(state, p)
@@ -168,10 +180,13 @@ def _cheapest(p: Problem) -> None:
     fits = (tab.hbm_max <= bud.hbm + 0.5) & (tab.ddr_max <= bud.ddr + 0.5)
     bases = [it.base for it in items]
     ends = [*bases[1:], len(fits)]
+    hot = set(balance.hot_tables(p.tables, p.topology.world_size)) if p.settings.split_hot_tables else set()
     for it, a, b in zip(items, bases, ends):
         u = np.flatnonzero(fits[a:b]).tolist()
         if not u:
             raise errors.too_large_for_a_rank(p, it)
+        if hot and any(p.tables[ti].name in hot for ti in it.tables):
+            u = _row_split_only(p, it, u)
         p.usable.append(u)
     kernel_choice.select(p)
     avg = tab.avg.tolist()
@@ -185,6 +200,60 @@ def _cheapest(p: Problem) -> None:
         if runner is not None:
             why += f" (next: {it.options[runner].label} {avg[b + runner] * 1e3:.4f} ms)"
         p.note(it, why)
+
+
+def _row_split_only(p: Problem, it: Any, usable: list[int]) -> list[int]:
+    """The usable options of a hot item (balance.hot_tables) whose blocks each look up at most a balanced rank's
+    ids (W x its ids per sample / blocks for row splits, B x its ids per sample data-parallel): row-wise, and
+    table-row-wise or column-wise where their blocks stay within that; all of `usable` (with a note) when none of
+    those fits."""
+    W = p.topology.world_size
+    even = balance.HOT_SHARE * sum(balance.table_ids_per_sample(t) for t in p.tables)
+    mine = sum(balance.table_ids_per_sample(p.tables[ti]) for ti in it.tables)
+    row_split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+    def block_ids(c: int) -> float:
+        sharding = it.options[c].sharding
+        if sharding is ShardingType.DATA_PARALLEL:
+            return mine
+        return W * mine / (it.choices[c].blocks if sharding in row_split else 1)
+
+    split = [c for c in usable if block_ids(c) <= even * (1 + 1e-9)]
+    if not split:
+        p.note(it, "hot table (its lookups as one block exceed a balanced rank's), but no row split fits: every option")
+        return usable
+    p.note(
+        it,
+        f"hot table: its lookups as one block, {W} x its ids per sample, exceed a balanced rank's (every table's ids "
+        "per sample): only options whose blocks look up at most that many (settings.split_hot_tables)",
+    )
+    return split
+
+
+MERGE_LIMIT = 100
+"""Models of at most this many items also try `_merged_start` (a lookup group's fixed costs matter there)."""
+
+
+def _merged_start(state: State, p: Problem) -> list[int] | None:
+    """The placed choices with every data-parallel item moved to its cheapest usable row-wise choice, when the
+    placement has row-wise and data-parallel items side by side (hot tables made row-wise; each lookup group costs
+    fixed kernels and, in an eager step, the host's time, and moving one item at a time keeps the group); None
+    otherwise, or for models of more than MERGE_LIMIT items."""
+    if len(p.items) > MERGE_LIMIT:
+        return None
+    placed = [state.placed[i][0] for i in range(len(p.items))]
+    kinds = {p.items[i].options[c].sharding for i, c in enumerate(placed)}
+    if not {ShardingType.DATA_PARALLEL, ShardingType.ROW_WISE} <= kinds:
+        return None
+    avg = p.table.avg
+    out, moved = list(placed), False
+    for i, it in enumerate(p.items):
+        if it.options[placed[i]].sharding is not ShardingType.DATA_PARALLEL:
+            continue
+        rw = [c for c in p.usable[i] if it.options[c].sharding is ShardingType.ROW_WISE]
+        if rw:
+            out[i], moved = min(rw, key=lambda c: (float(avg[it.base + c]), c)), True
+    return out if moved else None
 
 
 def _split_start(p: Problem) -> list[int] | None:

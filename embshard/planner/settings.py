@@ -61,6 +61,12 @@ class PlannerSettings:
     no UVM caching); if none fits, plan without those limits (the log says why); unset: as the
     training job runs (training.cuda_graph with graph_scope step on CUDA GPUs), else false."""
 
+    split_hot_tables: bool = True
+    """Hot tables, whose whole-table lookups (world size x ids per sample) exceed a balanced rank's (the ids per
+    sample of every table), may only be row-wise (or table-row-wise on one host, or data-parallel): as one block
+    their rank's lookups would grow with the world size (docs/planner.md, "Hot tables and 2D sharding"). false:
+    every option, as for the other tables."""
+
     def __post_init__(self) -> None:
         def bad(fld: str, rule: str) -> ConfigError:
             return ConfigError(f"planner settings: {fld}={getattr(self, fld)!r} is invalid: {rule}")
@@ -77,6 +83,8 @@ class PlannerSettings:
             raise bad("zipf_alpha", "it must be in [0, 5]")
         if self.dp_kernels_per_table < 0:
             raise bad("dp_kernels_per_table", "it must be >= 0")
+        if not isinstance(self.split_hot_tables, bool):
+            raise bad("split_hot_tables", "it must be true or false")
         if not isinstance(self.small_table_kernel, bool):
             raise bad("small_table_kernel", "it must be true or false")
         if self.pooled_bytes not in (None, 2, 4):

@@ -135,6 +135,16 @@ class ShardingPlan:
     table_row_wise_exchange: Exchange = Exchange.FLAT
     """Output exchange of the table-row-wise tables: flat (one all-to-all over every rank) or hierarchical (a
     reduce within each host, then one all-to-all between the hosts' peer ranks; the same outputs)."""
+    sharding_group_size: int | None = None
+    """2D sharding: None, no 2D; else the ranks of one sharding group (it divides world_size). Groups are contiguous
+    rank ranges, every group has the same layout and shard ranks are ranks within a group (0..G-1); the groups are
+    data-parallel replicas of each other."""
+    replica_sync: str = "exact"
+    """2D sharding: how the groups' replicas of a shard stay equal: "exact" (the touched rows' gradients are
+    all-reduced across the replicas every step) or "periodic" (weights and optimizer state averaged every
+    replica_sync_every steps)."""
+    replica_sync_every: int = 1
+    """2D sharding with replica_sync "periodic": steps between two synchronizations."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -146,6 +156,24 @@ class ShardingPlan:
                 f"plan: world_size={self.world_size} and local_world_size={self.local_world_size} are "
                 "invalid: both must be >= 1 and world_size a multiple of local_world_size"
             )
+        g = self.sharding_group_size
+        if g is not None and (not _is_int(g) or g < 1 or self.world_size % g):
+            raise ConfigError(
+                f"plan: sharding_group_size={g!r} is invalid: it must divide world_size={self.world_size} "
+                "(or be None for no 2D sharding)"
+            )
+        if self.replica_sync not in ("exact", "periodic") or not _is_int(self.replica_sync_every):
+            raise ConfigError(
+                f"plan: replica_sync={self.replica_sync!r} / replica_sync_every={self.replica_sync_every!r} are "
+                "invalid: replica_sync is 'exact' or 'periodic', replica_sync_every an integer >= 1"
+            )
+        if self.replica_sync_every < 1:
+            raise ConfigError(f"plan: replica_sync_every={self.replica_sync_every} is invalid: give an integer >= 1")
+
+    @property
+    def shard_world_size(self) -> int:
+        """Ranks one layout spans: the sharding group's size under 2D sharding, else world_size."""
+        return self.sharding_group_size or self.world_size
 
     def __getitem__(self, table: str) -> TablePlan:
         index = self.__dict__.get("_by_name")
@@ -167,7 +195,7 @@ class ShardingPlan:
                 f"unknown to the model {sorted(planned - given)}; re-plan for this model"
             )
         for cfg in tables:
-            _check_table(self[cfg.name], cfg, self.world_size, self.local_world_size)
+            _check_table(self[cfg.name], cfg, self.shard_world_size, min(self.local_world_size, self.shard_world_size))
         dp = {t.table: t.kernel.value for t in self.tables if t.sharding_type is ShardingType.DATA_PARALLEL}
         if len(set(dp.values())) > 1:
             raise ConfigError(
@@ -188,7 +216,11 @@ class ShardingPlan:
                 return [enc(v) for v in obj]
             return obj
 
-        return enc(asdict(self))
+        out = enc(asdict(self))
+        if self.sharding_group_size is None:  # no 2D: the plan's file as without 2D sharding
+            for key in ("sharding_group_size", "replica_sync", "replica_sync_every"):
+                out.pop(key)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan") -> ShardingPlan:
@@ -203,6 +235,9 @@ class ShardingPlan:
                     TablePlan(**{**t, "shards": tuple(Shard(**s) for s in t["shards"])}) for t in data["tables"]
                 ),
                 table_row_wise_exchange=data.get("table_row_wise_exchange", Exchange.FLAT.value),
+                sharding_group_size=data.get("sharding_group_size"),
+                replica_sync=data.get("replica_sync", "exact"),
+                replica_sync_every=data.get("replica_sync_every", 1),
             )
         except ConfigError as e:
             raise ConfigError(f"{where}: not a valid embshard plan: {e}; produce one with `embshard plan`") from None
@@ -244,6 +279,8 @@ class ShardingPlan:
         head = f"ShardingPlan: world_size={self.world_size} local_world_size={self.local_world_size}"
         if any(t.sharding_type is ShardingType.TABLE_ROW_WISE for t in self.tables):
             head += f" table_row_wise_exchange={self.table_row_wise_exchange.value}"
+        if self.sharding_group_size is not None:
+            head += f" sharding_group_size={self.sharding_group_size} replica_sync={self.replica_sync}"
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:n], widths)) + "  " + r[n] for r in rows]
         return "\n".join(lines)
 
@@ -318,6 +355,7 @@ def _check_cover(spans: list[tuple[int, int]], total: int, what: str, bad: Any) 
 
 
 _PLAN_KEYS = {"world_size": True, "local_world_size": True, "tables": True, "table_row_wise_exchange": False}
+_PLAN_KEYS.update({"sharding_group_size": False, "replica_sync": False, "replica_sync_every": False})
 _TABLE_KEYS = {
     "table": True,
     "sharding_type": True,
@@ -385,7 +423,7 @@ def _check_plan_data(data: Any, where: str) -> None:
     for key in ("world_size", "local_world_size"):
         if not _is_int(data[key]) or data[key] < 1:
             raise bad(key, data[key], "it must be an integer >= 1")
-    world, tables = data["world_size"], data["tables"]
+    world, tables = data.get("sharding_group_size") or data["world_size"], data["tables"]
     if not isinstance(tables, list):
         raise bad("tables", tables, "it must be a list of tables")
     seen: set[str] = set()

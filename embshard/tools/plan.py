@@ -17,12 +17,14 @@ from typing import Any
 from embshard.planner.explain import explain
 from embshard.planner.policy import search_plan, topology_for
 from embshard.planner.topology import Topology
+from embshard.planner.twod import plan_at_scale
 from embshard.spec.tables import ConfigError
+from embshard.tools import plan_scale
 from embshard.tools.plan_inputs import (
     PlannerInput,
     is_training_config,
     planner_input_from_dict,
-    training_planner_input,
+    training_planner_input_and_config,
 )
 
 OUT_DIR = Path("runs") / "plan"
@@ -87,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
         help="save a PNG of memory and predicted time per rank (default runs/plan/plan.png)",
     )
     p.add_argument("--explain", action="append", default=[], metavar="TABLE", help="explain a table's placement")
+    plan_scale.add_args(p)
     return p
 
 
@@ -164,7 +167,9 @@ def load_input(args: argparse.Namespace) -> tuple[PlannerInput, Topology]:
     except yaml.YAMLError as e:
         raise ConfigError(f"{args.config}: not valid YAML: {e}") from None
     if is_training_config(data):
-        inp, planner_cfg = training_planner_input(args.config, args.overrides)
+        inp, train_cfg = training_planner_input_and_config(args.config, args.overrides)
+        planner_cfg = train_cfg.planner
+        args.train_config = train_cfg  # the dense model's size: plan_scale.dense_spec
         if args.topology or args.detect or args.device:
             topo = resolve_topology(args, None).with_sizes(hbm_gib=planner_cfg.hbm_gib, ddr_gib=planner_cfg.ddr_gib)
         else:  # what `embshard train` plans for: planner.topology_file, else this machine
@@ -210,12 +215,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_intermixed_args(argv)
     try:
         check_args(args)
+        plan_scale.check_args(args)
         inp, topo = load_input(args)
-        plan, report = search_plan(
-            inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, print
-        )
+        dense = plan_scale.dense_spec(getattr(args, "train_config", None))
+        scale = plan_at_scale(
+            inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, dense,
+            args.replica_sync, args.replica_sync_every, args.group_size, plan_scale.search_for(search_plan, inp),
+        )  # fmt: skip
+        plan, report = scale.plan, scale.best.report
         if args.format == "table":
             print(report)
+            print()
+            print(scale.summary())
         elif args.format == "yaml":
             print(plan.to_yaml(), end="")
         elif args.format == "json":

@@ -150,6 +150,12 @@ def training_planner_input(path: str | Path, overrides: Sequence[str] = ()) -> t
     """The planner input of a training config: the model's tables, schedule.batch_size (per rank), the sparse
     optimizer, planner.constraints and planner.settings (pooled_bytes, batch_counts and whole_step_graph as the job
     runs, where unset); and the config's planner section."""
+    inp, cfg = training_planner_input_and_config(path, overrides)
+    return inp, cfg.planner
+
+
+def training_planner_input_and_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[PlannerInput, Any]:
+    """training_planner_input's planner input, and the whole TrainConfig (read and checked once)."""
     cfg = load_config(path, overrides)
     p = cfg.planner
     settings = settings_for_counts(settings_for_lookup(p.settings, cfg.lookup), cfg.batch_counts)  # as the job runs
@@ -161,4 +167,4 @@ def training_planner_input(path: str | Path, overrides: Sequence[str] = ()) -> t
         constraints=dict(p.constraints or {}),
         settings=settings,
     )
-    return inp, p
+    return inp, cfg
