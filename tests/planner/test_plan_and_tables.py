@@ -23,7 +23,7 @@ TABLES = [
         (dict(feature_names="f"), r"feature_names='f' is invalid: give a list"),
         (dict(feature_names=()), r"at least one feature"),
         (dict(feature_names=("f", "f")), r"must not repeat"),
-        (dict(pooling="max"), r"pooling='max' is invalid: choose one of \['sum', 'mean'\]"),
+        (dict(pooling="max"), r"pooling='max' is invalid: choose one of \['sum', 'mean', 'none'\]"),
         (dict(data_type="int8"), r"data_type='int8' is invalid"),
         (dict(ids_per_bag=-1), r"ids_per_bag=-1 is invalid"),
     ],
