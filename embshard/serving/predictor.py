@@ -1,0 +1,189 @@
+"""`load(DIR) -> Predictor`: a serving artifact (artifact.py) ready to score batches on the CPU or a CUDA GPU.
+
+    predictor = embshard.serving.load("runs/serve", device="cpu")
+    scores_B = predictor(batch)            # probabilities [B]; predictor.logits(batch): before the sigmoid
+
+The tables go into one FBGEMM inference TBE (`IntNBitTableBatchedEmbeddingBagsCodegen`: fp32, fp16, int8 and int4
+rows, on the CPU in fbgemm-gpu-cpu and on CUDA), every table's rows as exported (codes and fp16 scale/bias);
+it sums each bag's rows (weighted tables: times their per-id weights), mean-pooled features are divided by their
+bag's length here, as in training (an empty bag gives zeros). Ids outside their table follow the artifact's
+bounds policy (the training run's `lookup.bounds_check`, or `bounds_check=` here): error names the feature and
+id; drop removes them from their bags (collection/bounds.py). The dense part is rebuilt from its registered model
+kind and the config in model.json, and its weights loaded from safetensors: nothing in the artifact is executed,
+and nothing of the planner or optimizers is imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from embshard.collection.bounds import check_ids
+from embshard.data.common import Batch
+from embshard.serving import artifact
+from embshard.serving.model import SPARSE_INPUT, model_config
+from embshard.serving.quantize import DTYPES, row_bytes, split_rows
+from embshard.spec.options import BoundsCheck
+from embshard.spec.tables import ConfigError, Pooling
+
+RUNNABLE = {"cpu": set(DTYPES), "cuda": set(DTYPES)}
+"""Table types FBGEMM's inference TBE runs, per device type."""
+
+
+def _sparse_type(dtype: str) -> Any:
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    return {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}[dtype]
+
+
+class Predictor(nn.Module):
+    """A loaded serving artifact: `predictor(batch)` -> scores `[B]` (see the module docstring)."""
+
+    def __init__(self, folder: str | Path, device: str | torch.device = "cpu", bounds_check: str | None = None):
+        super().__init__()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+
+        folder = Path(folder)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {str(self.device)!r}: CUDA is not available here; load with device='cpu'")
+        if self.device.type not in RUNNABLE:
+            raise ConfigError(f"device {str(self.device)!r}: serving runs on cpu or cuda")
+        man = artifact.read_manifest(folder)
+        info = artifact.read_json(folder, man, artifact.MODEL)
+        where = f"serving artifact {str(folder)!r}: {artifact.MODEL}"
+        try:
+            self.cfg = model_config(info.get("model"), where)
+            kind, self.num_dense = info["kind"], int(info["num_dense"])
+            entries = {e["name"]: e for e in info["tables"]}
+            mode = BoundsCheck(bounds_check or info.get("bounds_check", "error"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise artifact.ArtifactDamaged(folder, artifact.MODEL, f"it lacks what export writes ({e!r})") from None
+        if kind not in SPARSE_INPUT or kind != self.cfg.kind:
+            raise artifact.ArtifactDamaged(folder, artifact.MODEL, f"model kind {kind!r} is not one that is served")
+        self.info, self.bounds_check, self.kind = info, mode, kind
+        self.tables = list(self.cfg.tables)
+        self.features = [f for t in self.tables for f in t.feature_names]
+        self.table_of = {f: t for t in self.tables for f in t.feature_names}
+        self.widths = [self.table_of[f].embedding_dim for f in self.features]
+        self.dropped: dict[str, int] = {}
+        specs, weights = [], []
+        for t in self.tables:
+            e = entries.get(t.name)
+            if e is None or e.get("file") != artifact.table_file(t.name):
+                raise artifact.ArtifactDamaged(folder, artifact.MODEL, f"table {t.name!r} has no (or another) file")
+            dtype = e.get("dtype")
+            if dtype not in DTYPES:
+                raise artifact.ArtifactDamaged(folder, e["file"], f"table type {dtype!r} is not one of {DTYPES}")
+            if dtype not in RUNNABLE[self.device.type]:
+                raise ConfigError(f"table {t.name!r} is {dtype}, which FBGEMM's inference lookup does not run on "
+                                  f"{self.device.type}: export it again with another --dtype")  # fmt: skip
+            rows = artifact.read_tensors(folder, man, e["file"]).get("rows")
+            width = row_bytes(t.embedding_dim, dtype)
+            if rows is None or rows.dim() != 2 or rows.shape[0] != t.num_embeddings or (
+                rows.shape[1] * rows.element_size() != width
+            ):
+                found = None if rows is None else list(rows.shape)
+                raise artifact.ArtifactDamaged(
+                    folder, e["file"], f"tensor 'rows' of shape {found}, expected [{t.num_embeddings}, {width} bytes "
+                    f"a row] for table {t.name!r} ({t.num_embeddings} x {t.embedding_dim} {dtype})"
+                )  # fmt: skip
+            loc = EmbeddingLocation.DEVICE if self.device.type == "cuda" else EmbeddingLocation.HOST
+            specs.append((t.name, t.num_embeddings, t.embedding_dim, _sparse_type(dtype), loc))
+            weights.append(split_rows(rows, dtype))
+        feature_table = [i for i, t in enumerate(self.tables) for _ in t.feature_names]
+        self.tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+            specs, feature_table_map=feature_table, pooling_mode=PoolingMode.SUM, device=self.device,
+            output_dtype=_sparse_type("fp32"), bounds_check_mode=BoundsCheckMode.NONE,
+        )  # fmt: skip
+        self.tbe.initialize_weights()
+        self.tbe.assign_embedding_weights([(w.to(self.device), None if s is None else s.to(self.device))
+                                           for w, s in weights])  # fmt: skip
+        self.weighted = any(t.weighted for t in self.tables)
+        self.mean = [self.table_of[f].pooling is Pooling.MEAN for f in self.features]
+        self.dense = self._dense(folder, man)
+
+    def _dense(self, folder: Path, man: dict) -> nn.Module:
+        from embshard.models.registry import model_kind
+
+        module = model_kind(self.kind).build_dense(self.cfg, self.num_dense)
+        state = artifact.read_tensors(folder, man, artifact.DENSE)
+        expected = module.state_dict()
+        wrong = [k for k, v in expected.items() if k not in state or state[k].shape != v.shape]
+        extra = sorted(set(state) - set(expected))
+        if wrong or extra:
+            k = (wrong or extra)[0]
+            got = list(state[k].shape) if k in state else "none"
+            want = list(expected[k].shape) if k in expected else "none"
+            raise artifact.ArtifactDamaged(folder, artifact.DENSE, f"tensor {k!r}: shape {got}, the model needs {want}")
+        module.load_state_dict(state)
+        return module.to(self.device).eval()
+
+    def _ids(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """(lengths `[F, B]`, ids, per-id weights) of the batch's features in the model's order, checked."""
+        kjt = batch.sparse
+        keys = list(kjt.keys())
+        missing = [f for f in self.features if f not in keys]
+        if missing:
+            raise ConfigError(f"the batch lacks the features {missing} (it has {keys}); the model reads "
+                              f"{self.features}")  # fmt: skip
+        if keys != self.features:
+            kjt = kjt.permute([keys.index(f) for f in self.features])
+        B = int(kjt.stride())
+        if batch.dense.dim() != 2 or batch.dense.shape != (B, self.num_dense):
+            raise ConfigError(f"dense features of shape {list(batch.dense.shape)}: the model takes [{B}, "
+                              f"{self.num_dense}] (batch size, dense features)")  # fmt: skip
+        lengths_FB = kjt.lengths().view(len(self.features), B).to(self.device)
+        values = kjt.values().to(self.device)
+        w = kjt.weights_or_none()
+        w = None if w is None else w.to(self.device)
+        lengths_FB, values, w = check_ids(lengths_FB, values, w, self.features, self.table_of, self.bounds_check,
+                                          self.dropped)  # fmt: skip
+        return lengths_FB, values, w, B
+
+    @torch.inference_mode()
+    def pooled(self, batch: Batch) -> torch.Tensor:
+        """The pooled embeddings of every feature side by side `[B, sum of widths]` (table order), fp32."""
+        lengths_FB, values, w, B = self._ids(batch)
+        offsets = torch.zeros(lengths_FB.numel() + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(lengths_FB.flatten(), 0, out=offsets[1:])
+        per_id = None
+        if self.weighted:
+            per_id = torch.ones(values.numel(), dtype=torch.float32, device=self.device)
+            if w is not None:
+                bag_F = torch.repeat_interleave(
+                    torch.arange(len(self.features), device=self.device), lengths_FB.sum(1), output_size=values.numel()
+                )
+                weighted_F = torch.tensor([self.table_of[f].weighted for f in self.features], device=self.device)
+                per_id = torch.where(weighted_F[bag_F], w.to(torch.float32), per_id)
+        pooled_BS = self.tbe(values.to(torch.int64), offsets, per_id).view(B, -1).to(torch.float32)
+        if any(self.mean):
+            scale_FB = torch.where(lengths_FB > 0, 1.0 / lengths_FB.clamp(min=1), 0.0).to(torch.float32)
+            keep = torch.tensor(self.mean, device=self.device)
+            scale_FB = torch.where(keep[:, None], scale_FB, torch.ones_like(scale_FB))
+            width = torch.tensor(self.widths, device=self.device)
+            pooled_BS = pooled_BS * scale_FB.t().repeat_interleave(width, dim=1)
+        return pooled_BS
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """One logit per sample `[B]`."""
+        sparse = SPARSE_INPUT[self.kind](self.pooled(batch), self.cfg)
+        return self.dense(batch.dense.to(self.device, torch.float32), sparse).reshape(-1)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Scores `[B]`: the probability of a positive label, sigmoid of the logit."""
+        return torch.sigmoid(self.logits(batch))
+
+
+def load(folder: str | Path, device: str | torch.device = "cpu", bounds_check: str | None = None) -> Predictor:
+    """The Predictor of the serving artifact `folder` (every file checked first; see the module docstring)."""
+    return Predictor(folder, device, bounds_check)
