@@ -28,6 +28,14 @@ def stored_row_bytes(dim: int, dtype: str) -> int:
     return data + (4 if dtype in ("int8", "int4") else 0)
 
 
+def size_text(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 @dataclass(frozen=True)
 class Choice:
     table: str
@@ -52,7 +60,7 @@ def choose_dtypes(tables: Sequence[TableConfig], budget_bytes: float) -> list[Ch
     floor = sum(r * stored_row_bytes(d, "int4") for r, d in zip(rows, dims))
     if floor > budget_bytes:
         raise ConfigError(
-            f"--memory-gib {budget_bytes / GIB:.3g}: the tables need {floor / GIB:.3g} GiB even all in int4; give a "
+            f"--memory-gib {budget_bytes / GIB:.3g}: the tables need {size_text(floor)} even all in int4; give a "
             "larger budget (or shard the tables over several GPUs)"
         )
     while total > budget_bytes:
@@ -75,7 +83,7 @@ def choose_dtypes(tables: Sequence[TableConfig], budget_bytes: float) -> list[Ch
         if dtype == t.data_type.value:
             why = f"kept as trained ({dtype}); {per_row:.3g} ids per row per sample"
         else:
-            why = (f"{t.data_type.value} {full / GIB:.3g} GiB -> {dtype} {size(i) / GIB:.3g} GiB to fit the budget; "
+            why = (f"{t.data_type.value} {size_text(full)} -> {dtype} {size_text(size(i))} to fit the budget; "
                    f"{per_row:.3g} ids per row per sample ({reads[i]:.3g} ids per sample)")  # fmt: skip
         out.append(Choice(t.name, dtype, size(i), why))
     return out

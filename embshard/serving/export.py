@@ -23,8 +23,8 @@ from embshard.checkpoint.pieces import Piece
 from embshard.checkpoint.reading import read_pieces, reader
 from embshard.checkpoint.storage import read_manifest
 from embshard.serving import artifact
-from embshard.serving.quantize import DTYPES, quantize, row_bytes
 from embshard.serving.model import SUPPORTED_KINDS, model_config, num_dense_of
+from embshard.serving.quantize import DTYPES, quantize, row_bytes
 from embshard.spec.tables import ConfigError
 
 CHUNK_BYTES = 64 << 20
@@ -141,9 +141,7 @@ def export_serving(
     return model
 
 
-def _export_table(
-    path: Path, out: Path, source: Any, t: Any, dtype: str, name: str, chunk_bytes: int
-) -> dict:
+def _export_table(path: Path, out: Path, source: Any, t: Any, dtype: str, name: str, chunk_bytes: int) -> dict:
     """Stream table `t`'s rows from the checkpoint into `out/name` in `dtype`; the file's manifest record."""
     R, D = t.num_embeddings, t.embedding_dim
     key = f"ebc/{t.name}/weight"

@@ -88,8 +88,11 @@ class Predictor(nn.Module):
                                   f"{self.device.type}: export it again with another --dtype")  # fmt: skip
             rows = artifact.read_tensors(folder, man, e["file"]).get("rows")
             width = row_bytes(t.embedding_dim, dtype)
-            if rows is None or rows.dim() != 2 or rows.shape[0] != t.num_embeddings or (
-                rows.shape[1] * rows.element_size() != width
+            if (
+                rows is None
+                or rows.dim() != 2
+                or rows.shape[0] != t.num_embeddings
+                or (rows.shape[1] * rows.element_size() != width)
             ):
                 found = None if rows is None else list(rows.shape)
                 raise artifact.ArtifactDamaged(
