@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-from embshard.checkpoint.files import CheckpointDamaged, NewFile, escape, is_plain_name, read_bytes
 from embshard.spec.tables import ConfigError
 
 FORMAT = "embshard-serving"
@@ -35,6 +35,23 @@ MODEL = "model.json"
 DENSE = "dense.safetensors"
 MAX_JSON_BYTES = 64 << 20
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8"}
+NAME_BYTES = 200
+
+
+def escape(text: str) -> str:
+    """`text` with every non-printable character written as a Python escape (no terminal escapes printed)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def is_plain_name(name: object) -> bool:
+    """A non-empty printable file name without '/', '\\' or NUL, not '.' or '..': it cannot leave its folder."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and name.isprintable()
+        and not any(c in name for c in "/\\\0")
+        and len(name.encode("utf-8", "surrogatepass")) <= NAME_BYTES
+    )
 
 
 def table_file(table: str) -> str:
@@ -83,6 +100,8 @@ def safetensors_header(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], 
 
 def write_tensors(out: Path, name: str, tensors: dict[str, torch.Tensor], what: str) -> dict:
     """Write `tensors` as the safetensors file `out/name` (whole or not at all); its manifest record."""
+    from embshard.checkpoint.files import NewFile
+
     header = safetensors_header({k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, {"format": "pt"})
     with NewFile(out, name, what) as f:
         h = HashingFile(f)
@@ -93,6 +112,8 @@ def write_tensors(out: Path, name: str, tensors: dict[str, torch.Tensor], what: 
 
 
 def write_json(out: Path, name: str, data: dict, what: str) -> dict:
+    from embshard.checkpoint.files import NewFile
+
     text = json.dumps(data, indent=1, sort_keys=False).encode()
     with NewFile(out, name, what) as f:
         h = HashingFile(f)
@@ -134,10 +155,29 @@ def read_manifest(folder: Path) -> dict:
 
 
 def _read(folder: Path, name: str, rec: dict | None, cap: int | None = None) -> bytes:
+    """The regular file `name` of `folder` (no link followed, no FIFO waited on), of the recorded size (or at most
+    `cap` bytes), its SHA-256 checked against `rec`."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        data = read_bytes(folder, name, "the file export wrote", rec["bytes"] if rec else None, cap)
-    except CheckpointDamaged as e:
-        raise ArtifactDamaged(folder, name, f"{e.found} (expected {e.expected})") from None
+        fd = os.open(os.path.join(folder, name), flags)
+    except FileNotFoundError:
+        raise ArtifactDamaged(folder, name, "no such file") from None
+    except OSError as e:
+        raise ArtifactDamaged(folder, name, f"cannot be opened as a regular file of the folder ({e})") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactDamaged(folder, name, "not a regular file")
+        if rec is not None and st.st_size != rec["bytes"]:
+            raise ArtifactDamaged(folder, name, f"{st.st_size} bytes, but the manifest records {rec['bytes']}")
+        if cap is not None and st.st_size > cap:
+            raise ArtifactDamaged(folder, name, f"{st.st_size} bytes, more than the {cap} such a file may have")
+        try:
+            data = f.read()
+        except OSError as e:
+            raise ArtifactDamaged(folder, name, f"unreadable ({e})") from None
+    if len(data) != st.st_size:
+        raise ArtifactDamaged(folder, name, f"{len(data)} of its {st.st_size} bytes read (it changed while read)")
     if rec is not None:
         digest = hashlib.sha256(data).hexdigest()
         if digest != rec["sha256"]:

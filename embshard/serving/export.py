@@ -50,7 +50,7 @@ def _dense_state(path: Path, source: Any) -> dict[str, torch.Tensor]:
     md = source.read_metadata()
     prefix = "dense.model."
     plain: dict[str, torch.Tensor] = {}
-    for key, m in md.state_dict_metadata.items():
+    for key, m in sorted(md.state_dict_metadata.items()):  # one order, whatever the saving ranks wrote
         if key.startswith(prefix) and hasattr(m, "chunks"):
             plain[key[len(prefix) :]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
     if not plain:

@@ -29,6 +29,18 @@ SPARSE_INPUT: dict[str, Callable[[torch.Tensor, ModelConfig], torch.Tensor]] = {
     "dlrm_dcnv2": _dcn_input,
 }
 SUPPORTED_KINDS = tuple(SPARSE_INPUT)
+KIND_MODULES = {"dlrm": "embshard.models.dlrm", "dlrm_dcnv2": "embshard.models.dcn"}
+"""The file of each served kind: imported alone at load (not every model file, whose imports reach training code)."""
+
+
+def build_dense(kind: str, cfg: ModelConfig, num_dense: int) -> torch.nn.Module:
+    """The dense part of a served kind, built by its registered builder."""
+    import importlib
+
+    importlib.import_module(KIND_MODULES[kind])
+    from embshard.models.registry import model_kind
+
+    return model_kind(kind).build_dense(cfg, num_dense)
 
 
 def model_config(data: object, where: str) -> ModelConfig:

@@ -24,7 +24,7 @@ from torch import nn
 from embshard.collection.bounds import check_ids
 from embshard.data.common import Batch
 from embshard.serving import artifact
-from embshard.serving.model import SPARSE_INPUT, model_config
+from embshard.serving.model import SPARSE_INPUT, build_dense, model_config
 from embshard.serving.quantize import DTYPES, row_bytes, split_rows
 from embshard.spec.options import BoundsCheck
 from embshard.spec.tables import ConfigError, Pooling
@@ -115,9 +115,7 @@ class Predictor(nn.Module):
         self.dense = self._dense(folder, man)
 
     def _dense(self, folder: Path, man: dict) -> nn.Module:
-        from embshard.models.registry import model_kind
-
-        module = model_kind(self.kind).build_dense(self.cfg, self.num_dense)
+        module = build_dense(self.kind, self.cfg, self.num_dense)
         state = artifact.read_tensors(folder, man, artifact.DENSE)
         expected = module.state_dict()
         wrong = [k for k, v in expected.items() if k not in state or state[k].shape != v.shape]

@@ -1,0 +1,213 @@
+"""Serving artifacts (embshard/serving): a small DLRM (shared table, mean pooling, weighted table) trained and
+saved on 1 and 2 ranks, exported and served on the CPU. Parity: fp32 tables give the trained model's own eval
+scores; fp16, int8 and int4 give exactly the pooled sums of FBGEMM's reference dequantization of the same rows;
+the export of a 2-rank checkpoint is bitwise the export of the same model saved on 1 rank; damaged and crafted
+artifacts are refused naming the file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import serve_cases
+import torch
+from dist_harness import run_distributed
+from paths import ROOT
+
+from embshard.serving import artifact
+from embshard.serving.export import export_serving
+from embshard.serving.predictor import load
+from embshard.serving.quantize import dequantize, quantize
+from embshard.spec.tables import ConfigError
+
+QUIET = {"say": lambda _s: None}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """World-1 checkpoint, its eval batches and logits, and its fp32 artifact."""
+    root = tmp_path_factory.mktemp("serve")
+    out = serve_cases.train_save(0, 1, torch.device("cpu"), str(root / "ck"))
+    export_serving(root / "ck" / "step_3", root / "fp32", "fp32", **QUIET)
+    return root, out
+
+
+def reference_pooled(weights: dict[str, torch.Tensor], predictor, batch) -> torch.Tensor:
+    """Pooled `[B, sum D]` of `weights` (fp32 per table) by plain indexing, features in the model's order."""
+    kjt = batch.sparse
+    cols = []
+    for f in predictor.features:
+        t = predictor.table_of[f]
+        jt = kjt[f]
+        w_t = weights[t.name]
+        bags = []
+        for b, ids in enumerate(torch.split(jt.values(), jt.lengths().tolist())):
+            rows = w_t[ids.long()]
+            if t.weighted:
+                rows = rows * torch.split(jt.weights(), jt.lengths().tolist())[b][:, None]
+            s = rows.sum(0) if len(ids) else torch.zeros(t.embedding_dim)
+            bags.append(s / len(ids) if t.pooling.value == "mean" and len(ids) else s)
+        cols.append(torch.stack(bags))
+    return torch.cat(cols, 1)
+
+
+def table_rows(folder: Path) -> dict[str, torch.Tensor]:
+    man = artifact.read_manifest(folder)
+    info = artifact.read_json(folder, man, artifact.MODEL)
+    return {t["name"]: artifact.read_tensors(folder, man, t["file"])["rows"] for t in info["tables"]}
+
+
+def test_fp32_scores_equal_the_trained_model(trained):
+    root, out = trained
+    predictor = load(root / "fp32")
+    for batch, logits in zip(out["batches"], out["logits"]):
+        torch.testing.assert_close(predictor.logits(batch), logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(predictor(batch), torch.sigmoid(logits), rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_tables_equal_fbgemm_reference(trained):
+    root, out = trained
+    fp32 = table_rows(root / "fp32")
+    sizes = {}
+    for dtype in ("fp16", "int8", "int4"):
+        export_serving(root / "ck" / "step_3", root / dtype, dtype, **QUIET)
+        stored = table_rows(root / dtype)
+        for name, rows in stored.items():  # the export is FBGEMM's quantization of the trained rows
+            assert torch.equal(rows, quantize(fp32[name], dtype)), (dtype, name)
+        deq = {name: dequantize(rows, dtype) for name, rows in stored.items()}
+        predictor = load(root / dtype)
+        for batch, logits in zip(out["batches"], out["logits"]):
+            torch.testing.assert_close(predictor.pooled(batch), reference_pooled(deq, predictor, batch),
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+            err = (predictor(batch) - torch.sigmoid(logits)).abs().max().item()
+            assert err < {"fp16": 1e-3, "int8": 1e-2, "int4": 5e-2}[dtype], (dtype, err)
+        man = json.loads((root / dtype / "manifest.json").read_text())
+        sizes[dtype] = sum(r["bytes"] for f, r in man["files"].items() if f.startswith("table."))
+    man = json.loads((root / "fp32" / "manifest.json").read_text())
+    sizes["fp32"] = sum(r["bytes"] for f, r in man["files"].items() if f.startswith("table."))
+    assert 3.0 < sizes["fp32"] / sizes["int8"] < 4.0 and 5.0 < sizes["fp32"] / sizes["int4"] < 8.0, sizes
+
+
+def test_world2_checkpoint_exports_as_world1(trained, tmp_path):
+    results = run_distributed(serve_cases.train_save, 2, str(tmp_path / "ck2"))
+    serve_cases.resave(str(tmp_path / "ck2"), str(tmp_path / "ck1"), 3)
+    for dtype in ("fp32", "int4"):
+        a = export_serving(tmp_path / "ck2" / "step_3", tmp_path / f"a2_{dtype}", dtype, **QUIET)
+        b = export_serving(tmp_path / "ck1" / "step_3", tmp_path / f"a1_{dtype}", dtype, **QUIET)
+        assert a["tables"] == b["tables"] and a["source"]["world_size"] == 2 and b["source"]["world_size"] == 1
+        m2 = json.loads((tmp_path / f"a2_{dtype}" / "manifest.json").read_text())["files"]
+        m1 = json.loads((tmp_path / f"a1_{dtype}" / "manifest.json").read_text())["files"]
+        for name in m1:
+            if name != artifact.MODEL:  # model.json names its source checkpoint
+                assert m1[name] == m2[name], name  # bitwise: same bytes, same SHA-256
+    predictor = load(tmp_path / "a2_fp32")
+    for r in results:  # each rank's own held-out batches, scored as that rank's model scored them
+        for batch, logits in zip(r["batches"], r["logits"]):
+            torch.testing.assert_close(predictor.logits(batch), logits, rtol=1e-5, atol=1e-5)
+
+
+def _rewrite(folder: Path, name: str, data: bytes) -> None:
+    """Replace a file and fix its manifest record (a crafted artifact: checksums alone do not catch it)."""
+    import hashlib
+
+    (folder / name).write_bytes(data)
+    man = json.loads((folder / "manifest.json").read_text())
+    man["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(man))
+
+
+def test_bad_artifacts_are_refused_naming_the_file(trained, tmp_path):
+    import shutil
+
+    root, out = trained
+
+    def copy(tag: str) -> Path:
+        dst = tmp_path / tag
+        shutil.copytree(root / "fp32", dst)
+        return dst
+
+    d = copy("flipped")
+    data = bytearray((d / "table.t_user.safetensors").read_bytes())
+    data[-3] ^= 1
+    (d / "table.t_user.safetensors").write_bytes(bytes(data))
+    with pytest.raises(artifact.ArtifactDamaged, match=r"table\.t_user\.safetensors: SHA-256"):
+        load(d)
+    d = copy("missing")
+    (d / "dense.safetensors").unlink()
+    with pytest.raises(artifact.ArtifactDamaged, match="dense.safetensors: no such file"):
+        load(d)
+    d = copy("shape")
+    from safetensors.torch import save
+
+    _rewrite(d, "table.t_item.safetensors", save({"rows": torch.zeros(7, 16)}))
+    with pytest.raises(artifact.ArtifactDamaged, match=r"t_item.*shape \[7, 16\], expected \[200"):
+        load(d)
+    d = copy("dense_shape")
+    _rewrite(d, "dense.safetensors", save({"bottom.0.weight": torch.zeros(3, 3)}))
+    with pytest.raises(artifact.ArtifactDamaged, match="dense.safetensors: tensor"):
+        load(d)
+    for bad in ("../outside", "/etc/passwd", "sub/x"):
+        d = copy(f"path{len(bad)}")
+        man = json.loads((d / "manifest.json").read_text())
+        man["files"][bad] = {"bytes": 1, "sha256": "0" * 64}
+        (d / "manifest.json").write_text(json.dumps(man))
+        with pytest.raises(artifact.ArtifactDamaged, match="not a plain file name"):
+            load(d)
+    d = copy("dtype")
+    info = json.loads((d / "model.json").read_text())
+    info["tables"][0]["dtype"] = "int2"
+    _rewrite(d, "model.json", json.dumps(info).encode())
+    with pytest.raises(artifact.ArtifactDamaged, match="table type 'int2'"):
+        load(d)
+    d = copy("pickle")  # a pickle in place of safetensors is never unpickled
+    _rewrite(d, "dense.safetensors", b"\x80\x04\x95" + b"cos\nsystem\n" + b"\x00" * 16)
+    with pytest.raises(artifact.ArtifactDamaged, match="not a readable safetensors file"):
+        load(d)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            load(root / "fp32", device="cuda")
+
+
+def test_batches_checked_before_scoring(trained):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from embshard.data.common import Batch
+
+    root, out = trained
+    predictor = load(root / "fp32")
+    batch = out["batches"][0]
+    kjt = batch.sparse
+    keys = kjt.keys()
+    shuffled = kjt.permute(list(reversed(range(len(keys)))))  # feature order does not matter
+    torch.testing.assert_close(predictor(Batch(batch.dense, shuffled, batch.labels)), predictor(batch))
+    without = kjt.permute(list(range(1, len(keys))))
+    with pytest.raises(ConfigError, match=rf"lacks the features \['{keys[0]}'\]"):
+        predictor(Batch(batch.dense, without, batch.labels))
+    with pytest.raises(ConfigError, match="dense features of shape"):
+        predictor(Batch(batch.dense[:, :3], kjt, batch.labels))
+    values = kjt.values().clone()
+    values[0] = 10**6  # the first id: feature 'user' (t_user, 300 rows)
+    bad = KeyedJaggedTensor(keys, values, kjt.weights_or_none(), lengths=kjt.lengths(), stride=kjt.stride())
+    with pytest.raises(ValueError, match=r"feature 'user': id 1000000 is outside table 't_user'"):
+        predictor(Batch(batch.dense, bad, batch.labels))
+    dropping = load(root / "fp32", bounds_check="drop")
+    with pytest.warns(RuntimeWarning, match="dropped 1 id"):
+        scores = dropping(Batch(batch.dense, bad, batch.labels))
+    assert dropping.dropped == {"user": 1} and scores.shape == (batch.size,)
+
+
+def test_load_runs_no_training_code(trained):
+    """Loading and scoring import no optimizer update, sharding or training module (in a fresh process)."""
+    root, _ = trained
+    code = (
+        "import sys, embshard.serving as s; p = s.load(sys.argv[1]); "
+        "bad = [m for m in sys.modules if m.startswith(('embshard.lookup', 'embshard.sharding', 'embshard.training', "
+        "'embshard.retrieval', 'embshard.serving.export', 'embshard.serving.choose'))]; print(bad)"
+    )
+    env = {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, str(root / "fp32")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
