@@ -24,10 +24,14 @@ def checkpoint(tmp_path_factory):
     from embshard.training.train import make_dense_optimizer
 
     root = tmp_path_factory.mktemp("predict")
-    cfg = load_config(str(ROOT / "configs/dlrm_criteo.yaml"), ["planner={}", f"data.criteo.path={ROOT}/data/criteo_sample.txt"])
+    cfg = load_config(
+        str(ROOT / "configs/dlrm_criteo.yaml"), ["planner={}", f"data.criteo.path={ROOT}/data/criteo_sample.txt"]
+    )
     tables = list(cfg.model.tables)
     source = build_source(cfg.data, tables, 16, 0, 0, 1)
-    model = RecModel(cfg.model, source.num_dense, simple_plan(tables, 1, 1), cfg.sparse_optimizer, torch.device("cpu"), 1)
+    model = RecModel(
+        cfg.model, source.num_dense, simple_plan(tables, 1, 1), cfg.sparse_optimizer, torch.device("cpu"), 1
+    )
     opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     batches = source.train_batches(0)
     for _ in range(3):
