@@ -55,6 +55,8 @@ class Predictor(nn.Module):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {str(self.device)!r}: CUDA is not available here; load with device='cpu'")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in RUNNABLE:
             raise ConfigError(f"device {str(self.device)!r}: serving runs on cpu or cuda")
         man = artifact.read_manifest(folder)

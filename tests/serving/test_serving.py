@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import serve_cases
 import torch
-from dist_harness import run_distributed
+from dist_harness import device_kind, run_distributed
 from paths import ROOT
 
 from embshard.serving import artifact
@@ -211,3 +211,16 @@ def test_load_runs_no_training_code(trained):
     done = subprocess.run([sys.executable, "-c", code, str(root / "fp32")], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="CUDA: EMBSHARD_TEST_DEVICE=cuda")
+def test_cuda_scores_equal_cpu(trained):
+    """The same artifacts served on the GPU (FBGEMM's CUDA inference TBE) give the CPU's scores."""
+    root, out = trained
+    for dtype in ("fp32", "fp16", "int8", "int4"):
+        if not (root / dtype).exists():
+            export_serving(root / "ck" / "step_3", root / dtype, dtype, **QUIET)
+        cpu, gpu = load(root / dtype), load(root / dtype, device="cuda")
+        for batch in out["batches"]:
+            torch.testing.assert_close(gpu.pooled(batch).cpu(), cpu.pooled(batch), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(gpu(batch).cpu(), cpu(batch), rtol=1e-4, atol=1e-5)
