@@ -13,6 +13,7 @@ COMMANDS = {
     "checkpoint": ("embshard.tools.checkpoint", "inspect a checkpoint, or export its tables as safetensors files"),
     "export": ("embshard.tools.export", "export serving: a checkpoint as a quantized serving artifact"),
     "predict": ("embshard.tools.predict", "score data files with a serving artifact into a Parquet file"),
+    "serve": ("embshard.tools.serve", "score JSON requests over HTTP with a serving artifact"),
 }
 
 

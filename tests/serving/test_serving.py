@@ -224,3 +224,70 @@ def test_cuda_scores_equal_cpu(trained):
         for batch in out["batches"]:
             torch.testing.assert_close(gpu.pooled(batch).cpu(), cpu.pooled(batch), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(gpu(batch).cpu(), cpu(batch), rtol=1e-4, atol=1e-5)
+
+
+def _json_of(batch, lo: int, hi: int, weighted: tuple = ("query",)) -> dict:
+    """The request body of samples lo..hi of a Batch (per-id weights of the weighted features)."""
+    kjt = batch.sparse
+    body = {"dense": batch.dense[lo:hi].tolist(), "sparse": {}, "weights": {}}
+    for f in kjt.keys():
+        jt = kjt[f]
+        ids = torch.split(jt.values(), jt.lengths().tolist())
+        body["sparse"][f] = [x.tolist() for x in ids[lo:hi]]
+        if f in weighted:
+            body["weights"][f] = [x.tolist() for x in torch.split(jt.weights(), jt.lengths().tolist())[lo:hi]]
+    return body
+
+
+def test_http_server_micro_batches_and_answers_errors(trained):
+    """`embshard serve`'s server: concurrent requests (scored together when they arrive together) get their own
+    rows' scores; a malformed request or an id outside its table gets 400 naming the problem."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from embshard.serving.http import Server
+
+    root, out = trained
+    predictor = load(root / "fp32")
+    server = Server(predictor, port=0, max_wait_ms=50.0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.port}"
+
+    def post(body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{url}/predict", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        batch = out["batches"][0]
+        expected = predictor(batch)
+        cuts = [(0, 1), (1, 9), (9, 32)]
+        got: dict = {}
+        threads = [threading.Thread(target=lambda c=c: got.__setitem__(c, post(_json_of(batch, *c)))) for c in cuts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for lo, hi in cuts:
+            status, body = got[(lo, hi)]
+            assert status == 200, body
+            torch.testing.assert_close(torch.tensor(body["scores"]), expected[lo:hi], rtol=1e-5, atol=1e-6)
+        assert server.batches_scored < len(cuts)  # some were scored together
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            health = json.loads(r.read())
+        assert health["ok"] and health["features"] == predictor.features and health["num_dense"] == 13
+        body = _json_of(batch, 0, 2)
+        del body["sparse"]["user"]
+        status, answer = post(body)
+        assert status == 400 and "missing features ['user']" in answer["error"]
+        body = _json_of(batch, 0, 2)
+        body["sparse"]["device"][0] = [999]
+        status, answer = post(body)
+        assert status == 400 and "id 999 is outside table 't_device'" in answer["error"], answer
+    finally:
+        server.shutdown()
