@@ -7,6 +7,8 @@
 - artifact.py: the artifact's files, written whole, read back checked, never executed
 - model.py: what serving needs of a model kind
 - predictor.py: `load(DIR) -> Predictor`; `predictor(batch) -> scores` on FBGEMM's inference TBE
+- lookup.py: the tables' TBEs, on one device or spread over several of one process (table-wise, row-wise)
+- http.py: `embshard serve`: JSON over HTTP with micro-batching
 - batch_scoring.py: `embshard predict`: a data source's batches scored into a Parquet file
 """
 

@@ -4,7 +4,8 @@
     scores_B = predictor(batch)            # probabilities [B]; predictor.logits(batch): before the sigmoid
 
 The tables go into one FBGEMM inference TBE (`IntNBitTableBatchedEmbeddingBagsCodegen`: fp32, fp16, int8 and int4
-rows, on the CPU in fbgemm-gpu-cpu and on CUDA), every table's rows as exported (codes and fp16 scale/bias);
+rows, on the CPU in fbgemm-gpu-cpu and on CUDA), every table's rows as exported (codes and fp16 scale/bias), or,
+with `shard_over=[devices]`, one TBE per device of this process, tables whole or split by rows (lookup.py);
 it sums each bag's rows (weighted tables: times their per-id weights), mean-pooled features are divided by their
 bag's length here, as in training (an empty bag gives zeros). Ids outside their table follow the artifact's
 bounds policy (the training run's `lookup.bounds_check`, or `bounds_check=` here): error names the feature and
@@ -15,8 +16,8 @@ and nothing of the planner or optimizers is imported.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,8 +25,9 @@ from torch import nn
 from embshard.collection.bounds import check_ids
 from embshard.data.common import Batch
 from embshard.serving import artifact
+from embshard.serving.lookup import TableLookup
 from embshard.serving.model import SPARSE_INPUT, build_dense, model_config
-from embshard.serving.quantize import DTYPES, row_bytes, split_rows
+from embshard.serving.quantize import DTYPES, row_bytes
 from embshard.spec.options import BoundsCheck
 from embshard.spec.tables import ConfigError, Pooling
 
@@ -33,24 +35,18 @@ RUNNABLE = {"cpu": set(DTYPES), "cuda": set(DTYPES)}
 """Table types FBGEMM's inference TBE runs, per device type."""
 
 
-def _sparse_type(dtype: str) -> Any:
-    from fbgemm_gpu.split_embedding_configs import SparseType
-
-    return {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}[dtype]
-
-
 class Predictor(nn.Module):
     """A loaded serving artifact: `predictor(batch)` -> scores `[B]` (see the module docstring)."""
 
-    def __init__(self, folder: str | Path, device: str | torch.device = "cpu", bounds_check: str | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        device: str | torch.device = "cpu",
+        bounds_check: str | None = None,
+        shard_over: Sequence[str | torch.device] | None = None,
+        row_wise_gib: float | None = None,
+    ) -> None:
         super().__init__()
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            BoundsCheckMode,
-            EmbeddingLocation,
-            PoolingMode,
-        )
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
         folder = Path(folder)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -77,7 +73,7 @@ class Predictor(nn.Module):
         self.table_of = {f: t for t in self.tables for f in t.feature_names}
         self.widths = [self.table_of[f].embedding_dim for f in self.features]
         self.dropped: dict[str, int] = {}
-        specs, weights = [], []
+        rows, types = {}, {}
         for t in self.tables:
             e = entries.get(t.name)
             if e is None or e.get("file") != artifact.table_file(t.name):
@@ -88,31 +84,27 @@ class Predictor(nn.Module):
             if dtype not in RUNNABLE[self.device.type]:
                 raise ConfigError(f"table {t.name!r} is {dtype}, which FBGEMM's inference lookup does not run on "
                                   f"{self.device.type}: export it again with another --dtype")  # fmt: skip
-            rows = artifact.read_tensors(folder, man, e["file"]).get("rows")
+            stored = artifact.read_tensors(folder, man, e["file"]).get("rows")
             width = row_bytes(t.embedding_dim, dtype)
             if (
-                rows is None
-                or rows.dim() != 2
-                or rows.shape[0] != t.num_embeddings
-                or (rows.shape[1] * rows.element_size() != width)
+                stored is None
+                or stored.dim() != 2
+                or stored.shape[0] != t.num_embeddings
+                or (stored.shape[1] * stored.element_size() != width)
             ):
-                found = None if rows is None else list(rows.shape)
+                found = None if stored is None else list(stored.shape)
                 raise artifact.ArtifactDamaged(
                     folder, e["file"], f"tensor 'rows' of shape {found}, expected [{t.num_embeddings}, {width} bytes "
                     f"a row] for table {t.name!r} ({t.num_embeddings} x {t.embedding_dim} {dtype})"
                 )  # fmt: skip
-            loc = EmbeddingLocation.DEVICE if self.device.type == "cuda" else EmbeddingLocation.HOST
-            specs.append((t.name, t.num_embeddings, t.embedding_dim, _sparse_type(dtype), loc))
-            weights.append(split_rows(rows, dtype))
-        feature_table = [i for i, t in enumerate(self.tables) for _ in t.feature_names]
-        self.tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-            specs, feature_table_map=feature_table, pooling_mode=PoolingMode.SUM, device=self.device,
-            output_dtype=_sparse_type("fp32"), bounds_check_mode=BoundsCheckMode.NONE,
-        )  # fmt: skip
-        self.tbe.initialize_weights()
-        self.tbe.assign_embedding_weights([(w.to(self.device), None if s is None else s.to(self.device))
-                                           for w, s in weights])  # fmt: skip
-        self.weighted = any(t.weighted for t in self.tables)
+            rows[t.name], types[t.name] = stored, dtype
+        devices = [torch.device(d) for d in shard_over] if shard_over else [self.device]
+        for d in devices:
+            if d.type != self.device.type or (d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count()):
+                raise ConfigError(f"shard_over {[str(x) for x in devices]}: every device must be a {self.device.type} "
+                                  "device of this machine (the output device's kind)")  # fmt: skip
+        limit = float("inf") if row_wise_gib is None else row_wise_gib * (1 << 30)
+        self.lookup = TableLookup(self.tables, rows, types, devices, self.device, limit)
         self.mean = [self.table_of[f].pooling is Pooling.MEAN for f in self.features]
         self.dense = self._dense(folder, man)
 
@@ -156,18 +148,7 @@ class Predictor(nn.Module):
     def pooled(self, batch: Batch) -> torch.Tensor:
         """The pooled embeddings of every feature side by side `[B, sum of widths]` (table order), fp32."""
         lengths_FB, values, w, B = self._ids(batch)
-        offsets = torch.zeros(lengths_FB.numel() + 1, dtype=torch.int64, device=self.device)
-        torch.cumsum(lengths_FB.flatten(), 0, out=offsets[1:])
-        per_id = None
-        if self.weighted:
-            per_id = torch.ones(values.numel(), dtype=torch.float32, device=self.device)
-            if w is not None:
-                bag_F = torch.repeat_interleave(
-                    torch.arange(len(self.features), device=self.device), lengths_FB.sum(1), output_size=values.numel()
-                )
-                weighted_F = torch.tensor([self.table_of[f].weighted for f in self.features], device=self.device)
-                per_id = torch.where(weighted_F[bag_F], w.to(torch.float32), per_id)
-        pooled_BS = self.tbe(values.to(torch.int64), offsets, per_id).view(B, -1).to(torch.float32)
+        pooled_BS = self.lookup(lengths_FB, values, w)
         if any(self.mean):
             scale_FB = torch.where(lengths_FB > 0, 1.0 / lengths_FB.clamp(min=1), 0.0).to(torch.float32)
             keep = torch.tensor(self.mean, device=self.device)
@@ -187,6 +168,14 @@ class Predictor(nn.Module):
         return torch.sigmoid(self.logits(batch))
 
 
-def load(folder: str | Path, device: str | torch.device = "cpu", bounds_check: str | None = None) -> Predictor:
-    """The Predictor of the serving artifact `folder` (every file checked first; see the module docstring)."""
-    return Predictor(folder, device, bounds_check)
+def load(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    bounds_check: str | None = None,
+    shard_over: Sequence[str | torch.device] | None = None,
+    row_wise_gib: float | None = None,
+) -> Predictor:
+    """The Predictor of the serving artifact `folder` (every file checked first; see the module docstring).
+    `shard_over`: devices of this process to spread the tables over (tables whole, least-loaded device first;
+    tables over `row_wise_gib` GiB split by rows over all of them; serving/lookup.py); output on `device`."""
+    return Predictor(folder, device, bounds_check, shard_over, row_wise_gib)

@@ -220,10 +220,13 @@ def test_cuda_scores_equal_cpu(trained):
     for dtype in ("fp32", "fp16", "int8", "int4"):
         if not (root / dtype).exists():
             export_serving(root / "ck" / "step_3", root / dtype, dtype, **QUIET)
-        cpu, gpu = load(root / dtype), load(root / dtype, device="cuda")
-        for batch in out["batches"]:
-            torch.testing.assert_close(gpu.pooled(batch).cpu(), cpu.pooled(batch), rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(gpu(batch).cpu(), cpu(batch), rtol=1e-4, atol=1e-5)
+        cpu, gpus = load(root / dtype), [load(root / dtype, device="cuda")]
+        if torch.cuda.device_count() >= 2:  # the tables over 2 GPUs, the biggest by rows
+            gpus.append(load(root / dtype, "cuda:0", shard_over=["cuda:0", "cuda:1"], row_wise_gib=2000 / (1 << 30)))
+        for gpu in gpus:
+            for batch in out["batches"]:
+                torch.testing.assert_close(gpu.pooled(batch).cpu(), cpu.pooled(batch), rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(gpu(batch).cpu(), cpu(batch), rtol=1e-4, atol=1e-5)
 
 
 def _json_of(batch, lo: int, hi: int, weighted: tuple = ("query",)) -> dict:
@@ -291,3 +294,25 @@ def test_http_server_micro_batches_and_answers_errors(trained):
         assert status == 400 and "id 999 is outside table 't_device'" in answer["error"], answer
     finally:
         server.shutdown()
+
+
+def test_tables_sharded_over_devices_score_as_one(trained):
+    """Tables spread over 3 devices of one process (here 3 CPU devices: the same code as over GPUs), whole
+    (table-wise) or the big ones split by rows (row-wise), give the one-device pooled embeddings and scores."""
+    root, out = trained
+    # row-wise over these bytes: fp32 rows are 64 bytes (t_user 19200, t_item 12800, t_history 9600, t_query
+    # 6400), int4 rows 12 (t_user 3600, t_item 2400, t_history 1800)
+    big = {"fp32": (8000, {"t_user", "t_item", "t_history"}), "int4": (2000, {"t_user", "t_item"})}
+    for dtype, (limit, expected) in big.items():
+        if not (root / dtype).exists():
+            export_serving(root / "ck" / "step_3", root / dtype, dtype, **QUIET)
+        one = load(root / dtype)
+        for row_wise_gib in (None, limit / (1 << 30)):
+            sharded = load(root / dtype, shard_over=["cpu"] * 3, row_wise_gib=row_wise_gib)
+            rows = {t.name: t.num_embeddings for t in sharded.tables}
+            split = {b.table for b in sharded.lookup.blocks if b.r1 - b.r0 < rows[b.table]}
+            assert len({b.device for b in sharded.lookup.blocks}) == 3
+            assert split == (set() if row_wise_gib is None else expected), split
+            for batch in out["batches"]:
+                torch.testing.assert_close(sharded.pooled(batch), one.pooled(batch), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(sharded(batch), one(batch), rtol=1e-5, atol=1e-6)
