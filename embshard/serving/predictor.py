@@ -11,7 +11,8 @@ bag's length here, as in training (an empty bag gives zeros). Ids outside their 
 bounds policy (the training run's `lookup.bounds_check`, or `bounds_check=` here): error names the feature and
 id; drop removes them from their bags (collection/bounds.py). The dense part is rebuilt from its registered model
 kind and the config in model.json, and its weights loaded from safetensors: nothing in the artifact is executed,
-and nothing of the planner or optimizers is imported.
+and no optimizer, sharding, training or export code is imported (the package root `embshard` imports the
+torch-free planner's `simple_plan`; nothing of it runs).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class Predictor(nn.Module):
     ) -> None:
         super().__init__()
         folder = Path(folder)
+        if bounds_check not in (None, "error", "drop"):
+            raise ConfigError(f"bounds_check={bounds_check!r}: give 'error' or 'drop' (or None: the artifact's)")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {str(self.device)!r}: CUDA is not available here; load with device='cpu'")
