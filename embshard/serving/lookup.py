@@ -103,7 +103,16 @@ class TableLookup:
             self.tbes.append(tbe)
             self.slots.append(slots)
 
+        # one device, every table whole, features in order: the batch's ids go to the TBE as they are
+        self.direct = len(self.devices) == 1 and [s[0] for s in self.slots[0]] == list(range(len(self.features)))
+        weighted_F = [s[3] for s in self.slots[0]] if self.direct else []
+        self.weighted_F = (
+            torch.tensor(weighted_F, dtype=torch.bool, device=self.devices[0]) if any(weighted_F) else None
+        )
+
     def __call__(self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        if self.direct:
+            return self._direct(lengths_FB, values, weights)
         F, B = lengths_FB.shape
         ids_F = lengths_FB.sum(1)
         seg = torch.zeros(F + 1, dtype=torch.int64, device=values.device)
@@ -139,3 +148,19 @@ class TableLookup:
                 out[:, self.starts[f] : self.starts[f] + D] += pooled[:, at : at + D].float()
                 at += D
         return out
+
+    def _direct(self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        device = self.devices[0]
+        B = lengths_FB.shape[1]
+        offsets = torch.zeros(lengths_FB.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(lengths_FB.flatten().to(device), 0, out=offsets[1:])
+        per_id = None
+        if self.weighted_F is not None:  # weighted features take their weights, the others 1
+            ones = torch.ones(values.numel(), dtype=torch.float32, device=device)
+            if weights is not None:
+                mask = self.weighted_F.repeat_interleave(lengths_FB.sum(1).to(device), output_size=values.numel())
+                per_id = torch.where(mask, weights.to(device, torch.float32), ones)
+            else:
+                per_id = ones
+        out = self.tbes[0](values.to(device, torch.int64), offsets, per_id)
+        return out.view(B, -1).to(self.out_device, torch.float32)

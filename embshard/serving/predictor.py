@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from embshard.collection.bounds import check_ids
+from embshard.collection.bounds import check_ids, count_bad_ids
 from embshard.data.common import Batch
 from embshard.serving import artifact
 from embshard.serving.lookup import TableLookup
@@ -109,6 +109,8 @@ class Predictor(nn.Module):
         limit = float("inf") if row_wise_gib is None else row_wise_gib * (1 << 30)
         self.lookup = TableLookup(self.tables, rows, types, devices, self.device, limit)
         self.mean = [self.table_of[f].pooling is Pooling.MEAN for f in self.features]
+        self._mean_F = torch.tensor(self.mean, device=self.device)
+        self._width_F = torch.tensor(self.widths, device=self.device)
         self.dense = self._dense(folder, man)
 
     def _dense(self, folder: Path, man: dict) -> nn.Module:
@@ -143,8 +145,9 @@ class Predictor(nn.Module):
         values = kjt.values().to(self.device)
         w = kjt.weights_or_none()
         w = None if w is None else w.to(self.device)
-        lengths_FB, values, w = check_ids(lengths_FB, values, w, self.features, self.table_of, self.bounds_check,
-                                          self.dropped)  # fmt: skip
+        if values.device.type != "cpu" or int(count_bad_ids(lengths_FB, values, self.features, self.table_of)) > 0:
+            lengths_FB, values, w = check_ids(lengths_FB, values, w, self.features, self.table_of, self.bounds_check,
+                                              self.dropped)  # fmt: skip
         return lengths_FB, values, w, B
 
     @torch.inference_mode()
@@ -154,10 +157,8 @@ class Predictor(nn.Module):
         pooled_BS = self.lookup(lengths_FB, values, w)
         if any(self.mean):
             scale_FB = torch.where(lengths_FB > 0, 1.0 / lengths_FB.clamp(min=1), 0.0).to(torch.float32)
-            keep = torch.tensor(self.mean, device=self.device)
-            scale_FB = torch.where(keep[:, None], scale_FB, torch.ones_like(scale_FB))
-            width = torch.tensor(self.widths, device=self.device)
-            pooled_BS = pooled_BS * scale_FB.t().repeat_interleave(width, dim=1)
+            scale_FB = torch.where(self._mean_F[:, None], scale_FB, torch.ones_like(scale_FB))
+            pooled_BS = pooled_BS * scale_FB.t().repeat_interleave(self._width_F, dim=1)
         return pooled_BS
 
     @torch.inference_mode()
