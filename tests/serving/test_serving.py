@@ -7,15 +7,12 @@ artifacts are refused naming the file."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import serve_cases
 import torch
 from dist_harness import device_kind, run_distributed
-from paths import ROOT
 
 from embshard.serving import artifact
 from embshard.serving.export import export_serving
@@ -199,18 +196,31 @@ def test_batches_checked_before_scoring(trained):
     assert dropping.dropped == {"user": 1} and scores.shape == (batch.size,)
 
 
-def test_load_runs_no_training_code(trained):
-    """Loading and scoring import no optimizer update, sharding or training module (in a fresh process)."""
-    root, _ = trained
-    code = (
-        "import sys, embshard.serving as s; p = s.load(sys.argv[1]); "
-        "bad = [m for m in sys.modules if m.startswith(('embshard.lookup', 'embshard.sharding', 'embshard.training', "
-        "'embshard.retrieval', 'embshard.serving.export', 'embshard.serving.choose'))]; print(bad)"
-    )
-    env = {"PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code, str(root / "fp32")], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
+def test_load_imports_no_training_code():
+    """What `load` and scoring import (read from the sources, as tests/test_imports.py does: every module-level
+    import, and the imports inside the functions of the load path's own modules) holds no optimizer update,
+    sharding, lookup, training, retrieval, checkpoint or export module."""
+    import test_imports
+
+    from embshard.serving.model import KIND_MODULES
+
+    load_path = {"embshard.serving.predictor", "embshard.serving.lookup", "embshard.serving.model"}
+    edges: dict[str, set[str]] = {}
+    for i in test_imports.all_imports():
+        if not i.type_only and (not i.lazy or i.source in load_path):
+            edges.setdefault(i.source, set()).update(
+                ".".join(i.target.split(".")[:k]) for k in range(1, i.target.count(".") + 2)
+            )
+    seen, todo = set(), ["embshard.serving", *load_path, *KIND_MODULES.values()]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(edges.get(m, ()))
+    banned = ("embshard.lookup", "embshard.sharding", "embshard.training", "embshard.retrieval", "embshard.checkpoint",
+              "embshard.serving.export", "embshard.serving.choose", "embshard.collection.sharded")  # fmt: skip
+    assert "embshard.collection.bounds" in seen and "embshard.models.dlrm" in seen  # the walk reaches them
+    assert not sorted(m for m in seen if m.startswith(banned))
 
 
 @pytest.mark.skipif(device_kind() != "cuda", reason="CUDA: EMBSHARD_TEST_DEVICE=cuda")
