@@ -1,7 +1,8 @@
-"""`embshard export serving` and `embshard predict` end to end on the Criteo sample (TSV, and the same rows as
-CSV): a DLRM trained 3 steps on 1 rank and saved; the scores written to Parquet are the trained model's own
-(fp32 tables), in data order, the same from either file format; --split held_out scores the run's 40 held-out
-rows; --dtype auto prints its choice per table."""
+"""`embshard export serving` and `embshard predict` end to end on the Criteo sample (CSV, read with the run's own
+data config; and the same rows as Parquet, read through a YAML `data:` section of a table source): a DLRM trained
+3 steps on 1 rank and saved; the scores written to Parquet are the trained model's own (fp32 tables), in data
+order, the same from either file format; --split held_out scores the run's 40 held-out rows; --dtype auto prints
+its choice per table."""
 
 from __future__ import annotations
 
@@ -51,11 +52,24 @@ def test_export_and_predict_end_to_end(checkpoint, capsys):
     root, model, cfg = checkpoint
     export_cmd.main(["serving", str(root / "ck"), "--out", str(root / "art"), "--dtype", "fp32"])
     assert "26 tables" in capsys.readouterr().out
-    tsv = ROOT / "data/criteo_sample.txt"
-    csv = root / "sample.csv"
-    csv.write_text(tsv.read_text().replace("\t", ","))
+    import dataclasses
+    import json
+
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import yaml
+
+    from embshard.data import table_config
+
+    sample = ROOT / "data/criteo_sample.txt"  # CSV with a header, as the criteo preset reads it
+    names = sample.read_text().splitlines()[0].split(",")
+    types = {n: pa.string() if n.startswith("C") else pa.float64() for n in names}
+    pq.write_table(pacsv.read_csv(sample, convert_options=pacsv.ConvertOptions(column_types=types)), root / "s.parquet")
+    table = json.loads(json.dumps(dataclasses.asdict(table_config(cfg.data, cfg.model.tables))))
+    table.update(files=[str(root / "s.parquet")], format="parquet")
+    (root / "parquet.yaml").write_text(yaml.safe_dump({"data": {"source": "table", "table": table}}))
     scores = {}
-    for name, data in (("tsv", tsv), ("csv", csv)):
+    for name, data in (("csv", sample), ("parquet", root / "parquet.yaml")):
         out = root / f"{name}.parquet"
         predict_cmd.main([str(root / "art"), str(data), "--out", str(out), "--batch-size", "64", "--no-progress"])
         printed = capsys.readouterr().out
@@ -63,12 +77,12 @@ def test_export_and_predict_end_to_end(checkpoint, capsys):
         table = pq.read_table(out).to_pydict()
         assert table["row"] == list(range(200))
         scores[name] = torch.tensor(table["score"])
-    torch.testing.assert_close(scores["tsv"], scores["csv"], rtol=0, atol=0)
+    torch.testing.assert_close(scores["parquet"], scores["csv"], rtol=0, atol=0)
     with torch.no_grad():  # the trained model's own scores of the same rows
-        batches = source_batches(cfg.data, [str(tsv)], list(cfg.model.tables), 64, "all")
+        batches = source_batches(cfg.data, [str(sample)], list(cfg.model.tables), 64, "all")
         expected = torch.cat([torch.sigmoid(model.step(b).scores) for b in batches])
-    torch.testing.assert_close(scores["tsv"], expected, rtol=1e-5, atol=1e-6)
-    predict_cmd.main([str(root / "art"), str(tsv), "--out", str(root / "h.parquet"), "--split", "held_out",
+    torch.testing.assert_close(scores["csv"], expected, rtol=1e-5, atol=1e-6)
+    predict_cmd.main([str(root / "art"), str(sample), "--out", str(root / "h.parquet"), "--split", "held_out",
                       "--no-progress"])  # fmt: skip
     assert "scored 40 samples" in capsys.readouterr().out
 
