@@ -326,3 +326,14 @@ def test_tables_sharded_over_devices_score_as_one(trained):
             for batch in out["batches"]:
                 torch.testing.assert_close(sharded.pooled(batch), one.pooled(batch), rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(sharded(batch), one(batch), rtol=1e-5, atol=1e-6)
+
+
+def test_dcn_scores_equal_the_trained_model(tmp_path):
+    """model.kind dlrm_dcnv2 (the pooled embeddings side by side into the cross network) served in fp32 and int8."""
+    out = serve_cases.train_save(0, 1, torch.device("cpu"), str(tmp_path / "ck"), 1, ["model.kind=dlrm_dcnv2"])
+    for dtype, tol in (("fp32", 1e-5), ("int8", 1e-2)):
+        export_serving(tmp_path / "ck" / "step_1", tmp_path / dtype, dtype, **QUIET)
+        predictor = load(tmp_path / dtype)
+        assert predictor.kind == "dlrm_dcnv2"
+        for batch, logits in zip(out["batches"], out["logits"]):
+            torch.testing.assert_close(predictor(batch), torch.sigmoid(logits), rtol=tol, atol=tol)
