@@ -38,7 +38,8 @@ def build(cfg, world: int, device: torch.device):
     from embshard.training.train import make_dense_optimizer
 
     tables = list(cfg.model.tables)
-    plan = simple_plan(tables, world, world, TYPES.get(world, {}))
+    tier = "hbm" if device.type == "cuda" else "host"
+    plan = simple_plan(tables, world, world, TYPES.get(world, {}), tier=tier)
     rank = dist.get_rank() if dist.is_initialized() else 0
     source = build_source(cfg.data, tables, cfg.schedule.batch_size, cfg.seed, rank, world, workers=0)
     model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed)
