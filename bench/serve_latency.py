@@ -5,6 +5,9 @@ model (DLRM), on the CPU or a CUDA GPU.
     python -m bench.serve_latency --out DIR [--device cpu|cuda] [--dtype int8] [--tables 26] [--rows 20000]
         [--dim 64] [--ids 4] [--reps 30]
 
+On CUDA it also checks the GPU's scores against the CPU's and, with 2 or more GPUs, the tables spread over all of
+them (`shard_over`, the biggest split by rows) against one GPU, and times that third side too.
+
 A random-initialised DLRM is saved as a checkpoint and exported (fp32 and --dtype); TorchRec's float collection gets
 the fp32 rows and is quantized to the same type. First a check: both give the same scores on the same batches
 (PASS/FAIL). Then per batch size 1, 64, 512 the p50 / p99 latency of one scoring call (ids in, scores out, on the
@@ -134,6 +137,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'PASS' if diff <= tol else 'FAIL'} serve_latency same scores: max |embshard - torchrec| = {diff:.2e} "
           f"(tolerance {tol:g}), {args.dtype}, {args.device}", flush=True)  # fmt: skip
     results: dict = {"dtype": args.dtype, "device": str(device), "max_score_diff": diff, "latency": {}}
+    if device.type == "cuda":  # the GPU's scores against the CPU's; the tables over every GPU of the host
+        cpu = load(out / args.dtype, "cpu")
+        gap = max((predictor(b).cpu() - cpu(b)).abs().max().item() for b in check)
+        print(f"{'PASS' if gap <= 1e-4 else 'FAIL'} serve_latency cuda vs cpu scores: max difference {gap:.2e}")
+        if torch.cuda.device_count() >= 2:
+            gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+            limit = args.rows * args.dim / (1 << 30)  # under one table's bytes (all of one size): all row-wise
+            sharded = load(out / args.dtype, "cuda:0", shard_over=gpus, row_wise_gib=limit)
+            gap = max((sharded(b) - predictor(b)).abs().max().item() for b in check)
+            split = sorted({b.table for b in sharded.lookup.blocks if b.r1 - b.r0 < args.rows})
+            print(f"{'PASS' if gap <= 1e-4 else 'FAIL'} serve_latency tables over {len(gpus)} GPUs ({len(split)} "
+                  f"row-wise) vs one: max difference {gap:.2e}", flush=True)  # fmt: skip
+            sides["embshard_sharded"] = sharded
     for B in (1, 64, 512, 8192):
         reps = args.reps if B < 8192 else max(5, args.reps // 3)
         times: dict[str, list[float]] = {k: [] for k in sides}
