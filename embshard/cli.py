@@ -11,6 +11,9 @@ COMMANDS = {
     "calibrate": ("embshard.tools.calibrate", "measure this machine's bandwidths into a topology file"),
     "preprocess": ("embshard.data.preprocess", "convert raw data files (Criteo TSV, CSV, Parquet) to training Parquet"),
     "checkpoint": ("embshard.tools.checkpoint", "inspect a checkpoint, or export its tables as safetensors files"),
+    "export": ("embshard.tools.export", "export serving: a checkpoint as a quantized serving artifact"),
+    "predict": ("embshard.tools.predict", "score data files with a serving artifact into a Parquet file"),
+    "serve": ("embshard.tools.serve", "score JSON requests over HTTP with a serving artifact"),
 }
 
 

@@ -1,0 +1,174 @@
+"""Serving latency and throughput: embshard's Predictor (FBGEMM's inference TBE) against TorchRec's quantized
+EmbeddingBagCollection (`torchrec.inference.modules.quantize_embeddings`), same table type, same weights, same dense
+model (DLRM), on the CPU or a CUDA GPU.
+
+    python -m bench.serve_latency --out DIR [--device cpu|cuda] [--dtype int8] [--tables 26] [--rows 20000]
+        [--dim 64] [--ids 4] [--reps 30]
+
+On CUDA it also checks the GPU's scores against the CPU's and, with 2 or more GPUs, the tables spread over all of
+them (`shard_over`, the biggest split by rows) against one GPU, and times that third side too.
+
+A random-initialised DLRM is saved as a checkpoint and exported (fp32 and --dtype); TorchRec's float collection gets
+the fp32 rows and is quantized to the same type. First a check: both give the same scores on the same batches
+(PASS/FAIL). Then per batch size 1, 64, 512 the p50 / p99 latency of one scoring call (ids in, scores out, on the
+device), and at 8192 the throughput, the two sides interleaved A B A B on the same fresh random batches. RESULT
+lines and DIR/serve_latency.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+TORCH_DTYPE = {"fp32": torch.float, "fp16": torch.half, "int8": torch.qint8, "int4": torch.quint4x2}
+
+
+@dataclass(frozen=True)
+class _Run:
+    model: object
+
+
+def make_artifacts(out: Path, args: argparse.Namespace):
+    from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+    from embshard.checkpoint import Checkpointer, TrainState
+    from embshard.config import DLRMConfig, ModelConfig
+    from embshard.models.build import RecModel
+    from embshard.serving import export_serving
+
+    tables = tuple(
+        TableConfig(f"t{i}", args.rows, args.dim, (f"f{i}",), ids_per_bag=float(args.ids)) for i in range(args.tables)
+    )
+    cfg = ModelConfig("dlrm", tables, DLRMConfig(bottom_mlp=(128,), top_mlp=(256, 128)))
+    model = RecModel(cfg, 13, simple_plan(list(tables), 1, 1), FusedOptimizerConfig("sgd", lr=0.1),
+                     torch.device("cpu"), 1)  # fmt: skip
+    ckpt = Checkpointer(TrainState.of_model(model, None), str(out / "ck"), async_save=False, config=_Run(cfg))
+    ckpt.save(1)
+    ckpt.close()
+    for dtype in sorted({"fp32", args.dtype}):
+        export_serving(out / "ck" / "step_1", out / dtype, dtype, say=lambda _s: None)
+    return cfg
+
+
+def torchrec_model(cfg, fp32_dir: Path, predictor, dtype: str, device: torch.device):
+    """(quantized TorchRec EBC, scoring function) with the fp32 rows of the artifact and the predictor's dense."""
+    import torchrec
+    from torchrec.inference.modules import quantize_embeddings
+
+    from embshard.serving import artifact
+
+    man = artifact.read_manifest(fp32_dir)
+    configs = [torchrec.EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                           feature_names=list(t.feature_names)) for t in cfg.tables]  # fmt: skip
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=device)
+    with torch.no_grad():
+        for t in cfg.tables:
+            rows = artifact.read_tensors(fp32_dir, man, artifact.table_file(t.name))["rows"]
+            ebc.embedding_bags[t.name].weight.copy_(rows)
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = ebc
+
+    q = quantize_embeddings(Holder(), TORCH_DTYPE[dtype], inplace=False, output_dtype=torch.float).ebc
+    F, D = len(cfg.tables), cfg.tables[0].embedding_dim
+
+    @torch.inference_mode()
+    def score(batch) -> torch.Tensor:
+        kjt = batch.sparse.to(device)
+        pooled = q(kjt).values().view(-1, F, D)
+        return torch.sigmoid(predictor.dense(batch.dense.to(device), pooled))
+
+    return score
+
+
+def random_batch(cfg, B: int, ids: int, rng: np.random.Generator, device: torch.device):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from embshard.data.common import Batch
+
+    F = len(cfg.tables)
+    lengths = torch.from_numpy(rng.poisson(ids - 1, F * B) + 1).to(torch.int32)
+    values = torch.cat([torch.from_numpy(rng.integers(0, t.num_embeddings, int(n)))
+                        for t, n in zip(cfg.tables, lengths.view(F, B).sum(1))])  # fmt: skip
+    kjt = KeyedJaggedTensor([f for t in cfg.tables for f in t.feature_names], values, lengths=lengths, stride=B)
+    return Batch(torch.randn(B, 13), kjt, torch.zeros(B)).to(device)
+
+
+def _time(fn, batch, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=sorted(TORCH_DTYPE), default="int8")
+    ap.add_argument("--tables", type=int, default=26)
+    ap.add_argument("--rows", type=int, default=20000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--ids", type=int, default=4, help="mean ids per bag")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    from embshard.serving import load
+
+    out, device = Path(args.out), torch.device(args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = make_artifacts(out, args)
+    predictor = load(out / args.dtype, device)
+    torchrec_score = torchrec_model(cfg, out / "fp32", predictor, args.dtype, device)
+    sides = {"embshard": predictor, "torchrec": torchrec_score}
+    rng = np.random.default_rng(0)
+    check = [random_batch(cfg, 256, args.ids, rng, device) for _ in range(3)]
+    diff = max((predictor(b) - torchrec_score(b)).abs().max().item() for b in check)
+    tol = 1e-4 if args.dtype in ("fp32", "fp16") else 2e-3
+    print(f"{'PASS' if diff <= tol else 'FAIL'} serve_latency same scores: max |embshard - torchrec| = {diff:.2e} "
+          f"(tolerance {tol:g}), {args.dtype}, {args.device}", flush=True)  # fmt: skip
+    results: dict = {"dtype": args.dtype, "device": str(device), "max_score_diff": diff, "latency": {}}
+    if device.type == "cuda":  # the GPU's scores against the CPU's; the tables over every GPU of the host
+        cpu = load(out / args.dtype, "cpu")
+        gap = max((predictor(b).cpu() - cpu(b)).abs().max().item() for b in check)
+        print(f"{'PASS' if gap <= 1e-4 else 'FAIL'} serve_latency cuda vs cpu scores: max difference {gap:.2e}")
+        if torch.cuda.device_count() >= 2:
+            gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+            limit = args.rows * args.dim / (1 << 30)  # under one table's bytes (all of one size): all row-wise
+            sharded = load(out / args.dtype, "cuda:0", shard_over=gpus, row_wise_gib=limit)
+            gap = max((sharded(b) - predictor(b)).abs().max().item() for b in check)
+            split = sorted({b.table for b in sharded.lookup.blocks if b.r1 - b.r0 < args.rows})
+            print(f"{'PASS' if gap <= 1e-4 else 'FAIL'} serve_latency tables over {len(gpus)} GPUs ({len(split)} "
+                  f"row-wise) vs one: max difference {gap:.2e}", flush=True)  # fmt: skip
+            sides["embshard_sharded"] = sharded
+    for B in (1, 64, 512, 8192):
+        reps = args.reps if B < 8192 else max(5, args.reps // 3)
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        for i in range(reps + 3):
+            batch = random_batch(cfg, B, args.ids, rng, device)
+            for name, fn in sides.items():  # A B A B on the same batch
+                t = _time(fn, batch, device)
+                if i >= 3:  # warm-up
+                    times[name].append(t)
+        for name, ts in times.items():
+            a = np.array(ts) * 1e3
+            row = {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+                   "samples_per_s": B * len(a) / (a.sum() / 1e3)}  # fmt: skip
+            results["latency"][f"{name}_B{B}"] = row
+            what = f"throughput={row['samples_per_s']:.0f}/s" if B == 8192 else f"p50_ms={row['p50_ms']:.3f}"
+            print(f"RESULT serve_latency side={name} batch={B} {what} p99_ms={row['p99_ms']:.3f} "
+                  f"dtype={args.dtype} device={args.device}", flush=True)  # fmt: skip
+    (out / "serve_latency.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
