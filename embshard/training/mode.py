@@ -113,14 +113,21 @@ def _whole_step_refusal(cfg: TrainConfig, plan: ShardingPlan | None) -> Refusal 
             "training.pipeline=sparse_dist",
         )
     if cfg.batch_counts != "host":
-        return Refusal(
-            "the batch counts are gathered on the device (training.pipeline none or lookup.bounds_check drop)",
-            "training.pipeline=sparse_dist and lookup.bounds_check=error",
-        )
+        return _device_counts(cfg)
     tables = list(cfg.model.tables)
     if plan is None:
         return tables_refusal(tables, cfg.lookup.bounds_check)
     return plan_refusal(tables, plan, cfg.lookup.bounds_check)
+
+
+def _device_counts(cfg: TrainConfig) -> Refusal:
+    """Why the job's steps gather their batch counts on the device (TrainConfig.batch_counts 'device')."""
+    if cfg.training.pipeline == "none":
+        return Refusal("training.pipeline none gathers the batch counts on the device", "training.pipeline=sparse_dist")
+    return Refusal(
+        "lookup.bounds_check drop removes ids on the device, where the batch counts are then gathered",
+        "lookup.bounds_check=error",
+    )
 
 
 def resolve_step_mode(cfg: TrainConfig, device_type: str, plan: ShardingPlan | None = None) -> StepMode:
@@ -168,14 +175,11 @@ def resolve_step_mode(cfg: TrainConfig, device_type: str, plan: ShardingPlan | N
         why = Refusal(
             "runtime.nan_check checks each step's loss and pooled embeddings eagerly", "runtime.nan_check=false"
         )
-    elif world > 1 and cfg.batch_counts != "host":
-        why = Refusal(
-            f"the batch counts are gathered on the device (training.pipeline {t.pipeline}, lookup.bounds_check "
-            f"{cfg.lookup.bounds_check.value}), and {world} ranks replay only with counts agreed on the host",
-            "training.pipeline=sparse_dist and lookup.bounds_check=error",
-        )
     else:
         why = dense_refusal(cfg)
+    if why is None and world > 1 and cfg.batch_counts != "host":
+        counts = _device_counts(cfg)
+        why = Refusal(f"{counts.reason}, and {world} ranks replay only with counts agreed on the host", counts.fix)
     if why is not None:
         return replace(mode, fallbacks=(*fallbacks, Fallback("CUDA graphs off", why.reason, why.fix, silence)))
     mode = replace(mode, scope="dense", fallbacks=tuple(fallbacks))
