@@ -15,7 +15,8 @@ graphs' own: the plan's (embshard.spec.graph_rules: sharding types, tiers, raw i
 (`dense_refusal`: a model kind without a dense step of its own, a retrieval catalog), the pipeline's (semi_sync,
 batch counts gathered on the device, runtime.nan_check). What only the built model can tell (the dense optimizer's
 capturable step, a capture that fails) is found by `build_model` (train.py), which then falls back
-(`StepMode.fallen_back`). No torch: the mode of a job on any device is computed on any machine."""
+(`StepMode.fallen_back`). The device type is a parameter: the mode of a GPU job is computed (and tested) on any
+machine."""
 
 from __future__ import annotations
 

@@ -289,8 +289,9 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     finally:
         bar.close()  # ends the bar's line: a message printed next (an error too) starts on its own
     pipeline.close()
-    if graphs.summary():
-        report.line(graphs.summary())
+    replays = graphs.summary()
+    if replays:
+        report.line(replays)
     do_eval(step)
     if ck.dir and step > start:
         ckpt.save(step, position)
