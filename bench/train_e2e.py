@@ -211,7 +211,6 @@ def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     cfg = load_config(args.config, overrides_for(args, cfg, cuda))
     device = init_distributed(whole_step_graph=cfg.whole_step_graph)
-    from embshard.training.mode import resolve_step_mode
 
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -227,7 +226,7 @@ def run(args: argparse.Namespace) -> None:
     lines: list[str] = []
     dist.barrier()
     t0 = time.perf_counter()
-    plan = plan_job(resolve_step_mode(cfg, device.type).applied(cfg), device, world, local_world, lines.append)
+    plan = plan_job(cfg, device, world, local_world, lines.append)
     plan_s = time.perf_counter() - t0
     model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, lines.append)
     cfg = mode.applied(cfg)  # the auto settings as the job runs them

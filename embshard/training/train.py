@@ -37,7 +37,9 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     """The job's sharding plan (planner.*, priced for schedule.batch_size per rank, the lookups' output dtype and
     where the pipeline takes each step's batch counts from: cfg.batch_counts, host unless training.pipeline is none,
     lookup.bounds_check drop or a retrieval catalog; a plan the whole-step CUDA graph can hold first where the job
-    captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`)."""
+    captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`). The
+    auto settings are those of the job's step mode before the plan (`resolve_step_mode`)."""
+    cfg = resolve_step_mode(cfg, device.type).applied(cfg)  # what the planner is asked for: the auto settings resolved
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     counts = cfg.batch_counts
     return plan_on_rank0(
@@ -233,8 +235,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (torchrec's import: not start-up time)
 
     t_build = time.time()
-    asked = resolve_step_mode(cfg, device.type).applied(cfg)  # what the planner is asked for (auto settings resolved)
-    plan = plan_job(asked, device, world, local_world, report.line)
+    plan = plan_job(cfg, device, world, local_world, report.line)
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
     model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, report.line)
     cfg = mode.applied(cfg)  # the settings as the job runs them
