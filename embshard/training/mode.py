@@ -46,10 +46,8 @@ class Fallback:
     silence: str = ""
 
     def __str__(self) -> str:
-        text = f"{self.what}: {self.reason}"
-        settings = [s for s in (f"set {self.fix}" if self.fix else "", self.silence and f"{self.silence} to silence")]
-        settings = [s for s in settings if s]
-        return text + (f" — {', or '.join(settings)}" if settings else "")
+        settings = ([f"set {self.fix}"] if self.fix else []) + ([f"{self.silence} to silence"] if self.silence else [])
+        return f"{self.what}: {self.reason}" + (f" — {', or '.join(settings)}" if settings else "")
 
 
 @dataclass(frozen=True)
@@ -92,17 +90,15 @@ class StepMode:
 
 
 def dense_refusal(cfg: TrainConfig) -> Refusal | None:
-    """Why the model of `cfg` has no dense step a CUDA graph can hold (training.cuda_graph), or None if it has: a
-    retrieval catalog's step is not a DLRM step, and a model kind must give its dense step's inputs
-    (ModelKind.sparse_input; the first call imports the model kinds)."""
-    tt = cfg.model.two_tower
-    if cfg.model.kind == "two_tower" and tt is not None and tt.catalog_mode:
-        return Refusal("a retrieval catalog's step is not a DLRM step")
+    """Why the model of `cfg` has no dense step a CUDA graph can hold (training.cuda_graph), or None if it has
+    (`dense_graph.model_refusal`, on the registered kind; the first call imports the model kinds and torch)."""
     from embshard.models.registry import model_kind
+    from embshard.training.dense_graph import model_refusal
 
-    if model_kind(cfg.model.kind).sparse_input is None:
-        return Refusal(f"model kind {cfg.model.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)")
-    return None
+    tt = cfg.model.two_tower
+    catalog = cfg.model.kind == "two_tower" and tt is not None and tt.catalog_mode
+    why = model_refusal(cfg.model.kind, model_kind(cfg.model.kind).sparse_input, catalog)
+    return None if why is None else Refusal(why)
 
 
 def _whole_step_refusal(cfg: TrainConfig, plan: ShardingPlan | None) -> Refusal | None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from embshard.data.common import Batch
 from embshard.models.registry import StepOutput
-from embshard.training.dense_graph import DenseGraphStep
+from embshard.training.dense_graph import DenseGraphStep, model_refusal
 from embshard.training.step_graph import StepGraph, refusal
 
 __all__ = ["ModelGraphs", "compile_dense"]
@@ -44,10 +44,9 @@ class ModelGraphs:
         model = self.model
         if model.ebc.device.type != "cuda":
             return "CUDA graphs need a CUDA GPU"
-        if model.kind.sparse_input is None:
-            return f"model kind {model.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
-        if model.catalog is not None:
-            return "a retrieval catalog's step is not a DLRM step"
+        why = model_refusal(model.cfg.kind, model.kind.sparse_input, model.catalog is not None)
+        if why is not None:
+            return why
         try:
             self.dense = DenseGraphStep(model.dense_module(), optimizer, batch_size, bf16, compile=compile)
         except ValueError as e:  # the optimizer has no capturable step
