@@ -42,7 +42,7 @@ def embshard_losses(cfg, source, device, steps: int) -> list[torch.Tensor]:
 
     world = dist.get_world_size()
     plan = plan_job(cfg, device, world, world, lambda _line: None)
-    model, opt, graphs = build_model(cfg, plan, source.num_dense, device, world, lambda _line: None)
+    model, opt, graphs, _mode = build_model(cfg, plan, source.num_dense, device, world, lambda _line: None)
     pipe = TrainPipeline(model, opt, cfg.training.pipeline, precision=cfg.training.precision, graphs=graphs)
     batches = source.train_batches(0)
     out = [pipe.progress(batches).output.loss.detach() for _ in range(steps)]

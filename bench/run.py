@@ -273,7 +273,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--scale", type=float, default=0.0, help="e2e: keep this fraction of every table's rows (both)")
     g.add_argument("--precisions", default="fp32,bf16", help="e2e: dense precisions, a pair of each per round")
     g.add_argument(
-        "--bf16-pooled", choices=["fp32", "bf16"], default="bf16", help="e2e: embshard's pooled dtype in bf16"
+        "--bf16-pooled",
+        choices=["fp32", "bf16"],
+        default="bf16",
+        help="e2e: embshard's pooled dtype in bf16 (bf16: the default, lookup.output_dtype auto)",
     )
     g.add_argument("--variants", action="store_true", help="e2e: also semi_sync, tf32 (both) and pipeline none")
     g.add_argument("--profile", action="store_true", help="e2e: profile 3 steps of the last pair (GPU busy share)")
@@ -296,7 +299,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--compile", default="", help="e2e: embshard's training.compile mode (e.g. default)")
     g.add_argument(
         "--cuda-graph", choices=["also", "only"], default=None,
-        help="e2e: embshard with training.cuda_graph in each pair, besides the plain run (also) or instead (only)",
+        help="e2e: embshard with training.cuda_graph=true in each pair, besides the plain run (also: the plain run is "
+        "then the eager step, training.cuda_graph=false) or instead (only); unset: the plain run alone, with the "
+        "defaults (bf16: the whole-step graph, bf16 pooled outputs, the compiled dense part where the plan allows)",
     )  # fmt: skip
     g.add_argument("--loss-steps", type=int, default=0, help="e2e: also both frameworks' loss curves, this many steps")
     g.add_argument(

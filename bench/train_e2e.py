@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     cfg = load_config(args.config, overrides_for(args, cfg, cuda))
     device = init_distributed(whole_step_graph=cfg.whole_step_graph)
+
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -227,12 +228,14 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     plan = plan_job(cfg, device, world, local_world, lines.append)
     plan_s = time.perf_counter() - t0
-    model, dense_opt, graphs = build_model(cfg, plan, source.num_dense, device, world, lines.append)
+    model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, lines.append)
+    cfg = mode.applied(cfg)  # the auto settings as the job runs them
     sync()
     dist.barrier()
     build_s = time.perf_counter() - t0
     predicted = next((ln.strip() for text in lines for ln in text.splitlines() if "predicted step time" in ln), "")
     say(plan_summary(plan, predicted))
+    say(mode.line())
     say(f"plan+build {build_s:.1f} s (plan {plan_s:.1f} s); {sum(t.num_embeddings for t in tables):,} rows")
     if cuda:
         say(f"NCCL_GRAPH_MIXING_SUPPORT={os.environ.get('NCCL_GRAPH_MIXING_SUPPORT', 'unset (on)')}")

@@ -103,7 +103,14 @@ def test_e2e_suite_interleaves_pairs_of_both_precisions():
     assert tr[tr.index("--scale") + 1] == "4" and es[es.index("--scale") + 1] == "0.25"  # the baseline divides
     assert es[es.index("--nproc") + 1] == "2" and es[es.index("--config") + 1] == common.E2E_CONFIG
     bf16 = got[5].argv
-    assert bf16[bf16.index("--precision") + 1] == "bf16" and "lookup.output_dtype=bf16" in bf16
+    assert bf16[bf16.index("--precision") + 1] == "bf16"  # embshard's fastest mode is its default with bf16 alone
+    assert not [a for a in bf16 if a.startswith(("lookup.", "training.")) or a == "--compile"], bf16
+    pooled_fp32 = steps("e2e", "--pairs", "1", "--bf16-pooled", "fp32", "--no-bandwidth")[-1].argv
+    assert "lookup.output_dtype=fp32" in pooled_fp32
+    also = steps("e2e", "--pairs", "1", "--precisions", "bf16", "--cuda-graph", "also", "--no-bandwidth")
+    eager, graph = also[-2].argv, also[-1].argv  # beside the explicit flags' run, the plain run is the eager step
+    assert "training.cuda_graph=false" in eager and "training.compile=none" in eager
+    assert "training.cuda_graph=true" in graph and also[-1].label == "embshard bf16_graph"
     assert got[3].argv[got[3].argv.index("--precision") + 1] == "bf16"
     timeline = steps("e2e", "--pairs", "1", "--timeline", "--precisions", "fp32", "--no-bandwidth")
     assert "--trace" in timeline[1].argv and timeline[-1].argv[1:3] == ["-m", "bench.timeline"]

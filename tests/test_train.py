@@ -137,8 +137,11 @@ def test_example_config_trains_on_two_processes(name, tmp_path):
         assert name in TRAIN_LOSS_ONLY or m[-1]["recall@10"] > m[0]["recall@10"], m
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "ck" / f"step_{m[-1]['step']}" / "COMMIT").is_file()
+    steps = [line for line in out.splitlines() if line.startswith("step: ")]  # the step mode, one line (rank 0)
+    assert len(steps) == 1, steps
+    assert DEVICE == "cuda" or steps[0].startswith("step: eager, fp32 pooled outputs (auto"), steps
     if "training.compile=default" in SHORTEN[name] and DEVICE == "cpu":
-        assert "training.compile default: compiles on CUDA GPUs only; the dense part runs eagerly" in out
+        assert "training.compile default off: torch.compile runs on CUDA GPUs only)" in steps[0], steps
     if name == "dlrm_criteo.yaml":
         checkpoint_checks(tmp_path, m)
     if name == "dlrm_criteo_raw.yaml":  # raw-id statistics in the log and in TensorBoard
@@ -269,6 +272,29 @@ def test_train_e2e_benchmark_trains_scaled_down_on_cpu():
     assert float(fields["build_s"]) > 0 and fields["pipeline"] == "sparse_dist"
     assert float(fields["auc_before"]) + 0.05 < float(fields["auc"]) <= 1.0, result
     assert re.fullmatch(r"samples_per_s=\d+", out[-1]) and int(out[-1].split("=")[1]) > 0
+
+
+@pytest.mark.timeout(420)  # the dense part's compile and the graphs' captures
+def test_mlperf_config_in_bf16_takes_the_whole_step_graph_by_default():
+    """On GPUs (EMBSHARD_TEST_DEVICE=cuda): `embshard train configs/dlrm_dcnv2_mlperf.yaml training.precision=bf16`,
+    at 1/400 of its rows and 50 steps, and nothing else switched on, prints the fast step mode (the whole step as one
+    CUDA graph, bf16 pooled outputs, the compiled dense part) and replays the whole step's graph."""
+    if DEVICE != "cuda":
+        pytest.skip("the fast step mode is the GPUs' (EMBSHARD_TEST_DEVICE=cuda, 2 GPUs)")
+    from embshard.config import load_config
+
+    config = "configs/dlrm_dcnv2_mlperf.yaml"
+    rows = [f"model.tables[{i}].num_embeddings={max(1000, t.num_embeddings // 400)}"
+            for i, t in enumerate(load_config(config).model.tables)]  # fmt: skip
+    small = ["schedule.steps=50", "schedule.batch_size=2048", "logging.log_every=10", "logging.tensorboard_dir=null",
+             "data.synthetic.eval_batches=1", "data.synthetic.workers=2"]  # fmt: skip
+    res = train([config, "training.precision=bf16", *rows, *small, "--nproc", "2"], timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "step: whole-step CUDA graph, bf16 pooled outputs, compiled dense (auto)" in out, out[-3000:]
+    replays = re.search(r"CUDA graphs: (\d+) steps replayed the dense step's graph, (\d+) the whole step's", out)
+    assert replays and int(replays.group(2)) >= 40, out[-3000:]  # the first steps warm up and capture
+    assert "given up" not in out and "auc" in out
 
 
 def test_errors_exit_with_one_line(tmp_path):

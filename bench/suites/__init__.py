@@ -42,7 +42,9 @@ SUITES: dict[str, Suite] = {
             "e2e",
             "MLPerf DLRM-DCNv2 training (configs/dlrm_dcnv2_mlperf.yaml, bench/train_e2e.py) against TorchRec's "
             "TrainPipelineSparseDist (bench/baselines/torchrec_dlrm_train.py): 3 interleaved rounds of fp32 and "
-            "bf16: in bf16 embshard's best bf16 setting against TorchRec's plain `--precision bf16` and against "
+            "bf16: in bf16 embshard's defaults with `--precision bf16` alone (its fastest mode: the whole-step "
+            "CUDA graph, bf16 pooled outputs, the compiled dense part; `--cuda-graph also` adds a run with the "
+            "explicit flags and makes the plain run the eager step) against TorchRec's plain `--precision bf16` and against "
             "TorchRec at its best (`--precision bf16 --qcomm bf16 --emb-output bf16 --compile-dense`, "
             "`--no-torchrec-best`: without it), one ratio each; median ratio and spread, floor; `--data-law "
             "zipf-poisson` has both draw Zipf(1.05) ids and 1 + Poisson(size - 1) ids per bag instead of MLPerf's"

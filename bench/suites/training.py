@@ -60,14 +60,18 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     for i in range(pairs):
         last = i == pairs - 1
         for p in precisions:
-            pooled = ["lookup.output_dtype=bf16"] if p == "bf16" and args.bf16_pooled == "bf16" else []
+            # bf16 pooled outputs are the default with --precision bf16 (lookup.output_dtype auto); fp32 asked for
+            pooled = ["lookup.output_dtype=fp32"] if p == "bf16" and args.bf16_pooled == "fp32" else []
             profile = ["--profile-steps", "3"] if (args.profile or args.timeline) and last else []
             profile += ["--trace", f"/tmp/embshard_trace_{p}.json"] if args.timeline and last else []
             out.append(torchrec(p))
             if p == "bf16" and not args.no_torchrec_best and not args.cpu:  # --emb-output bf16 needs CUDA
                 out.append(torchrec(p, best=True))
-            if args.cuda_graph != "only":
-                out.append(embshard(p, "--precision", p, *profile, *pooled, *compile_))
+            if args.cuda_graph != "only":  # the defaults (with bf16: the whole-step graph, compiled dense part)
+                # beside the explicit graph run (--cuda-graph also), the plain run is the eager step
+                eager = ["training.cuda_graph=false"] + ([] if args.compile else ["training.compile=none"])
+                plain = eager if args.cuda_graph == "also" else []
+                out.append(embshard(p, "--precision", p, *profile, *pooled, *compile_, *plain))
             if args.cuda_graph:  # the step as one CUDA graph (holding compiled kernels, not reduce-overhead's graphs)
                 graph = ["training.cuda_graph=true"] + (profile if args.cuda_graph == "only" else [])
                 graph += compile_ if args.compile != "reduce-overhead" else []
@@ -83,9 +87,7 @@ def e2e_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
             ]
             out.append(Step(f"timeline {p}", argv + ["--steps", "2", "--gaps", "8"], timeout=90))
     if args.variants:  # embshard's other settings, each once
-        out.append(
-            embshard("semi_sync_bf16", "--precision", "bf16", "--pipeline", "semi_sync", "lookup.output_dtype=bf16")
-        )
+        out.append(embshard("semi_sync_bf16", "--precision", "bf16", "--pipeline", "semi_sync"))
         out += [torchrec("tf32"), embshard("tf32", "--precision", "tf32")]
         out.append(embshard("none_fp32", "--pipeline", "none"))
     if args.loss_steps:
@@ -164,7 +166,7 @@ def scaling_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     def embshard(n: int, p: str, rows: float) -> Step:
         argv = py() + ["-m", "bench.train_e2e", "--config", E2E_CONFIG, "--nproc", str(n), *timing, *small]
         argv += ["--scale", f"{rows:g}"] if rows != 1.0 else []
-        argv += ["--tag", f"{p}_x{n}", "--precision", p] + (["lookup.output_dtype=bf16"] if p == "bf16" else [])
+        argv += ["--tag", f"{p}_x{n}", "--precision", p]  # bf16: bf16 pooled outputs and the graphs by default
         return Step(f"embshard {p}, {n} GPUs", argv + (graph if p == "bf16" else []), timeout=240,
                     needs_gpus=0 if args.cpu else n, exit_after_result_s=45)  # fmt: skip
 

@@ -41,29 +41,16 @@ from embshard.runtime import comm
 from embshard.runtime.graphs import warm_up_and_capture
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.geometry import capacity
-from embshard.spec.options import BoundsCheck
-from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier
+from embshard.spec.graph_rules import plan_refusal
 
 __all__ = ["EmbeddingStepGraph", "collection_refusal", "leaves_of", "refusal", "static_kjt"]
 
 
 def collection_refusal(ebc) -> str | None:
     """Why the step of the sharded collection `ebc` cannot be captured with exchanges sized from the host's counts,
-    or None if it can."""
-    other = sorted({tp.sharding_type.value for tp in ebc.plan.tables} - {t.value for t in GRAPH_SHARDING_TYPES})
-    if other:
-        return (
-            f"the plan has {other} tables, whose exchanges are sized on the device (table_wise and data_parallel only)"
-        )
-    cached = [t.name for t in ebc.tables if ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
-    if cached:
-        return f"UVM-caching tables {cached[:3]} prefetch their rows on the host's schedule"
-    raw = [t.name for t in ebc.tables if t.raw_ids]
-    if raw:
-        return f"raw-id tables {raw[:3]} admit ids with host-side bookkeeping"
-    if ebc.options.bounds_check is BoundsCheck.DROP:
-        return "lookup.bounds_check drop removes ids on the device (the exchange's sizes change)"
-    return None
+    or None if it can (the rules: embshard.spec.graph_rules.plan_refusal)."""
+    why = plan_refusal(ebc.tables, ebc.plan, ebc.options.bounds_check)
+    return None if why is None else why.reason
 
 
 def refusal(ebc) -> str | None:

@@ -22,8 +22,8 @@ import torch
 
 from embshard.runtime.ops import cached_tensor, complete_cumsum, small_to_device
 from embshard.sharding.exchange import BatchCounts
-from embshard.spec.optim import OptimizerKind
-from embshard.spec.tables import Pooling, feature_columns
+from embshard.spec.graph_rules import padding_refusal
+from embshard.spec.tables import feature_columns
 
 FILLER_ROWS = 1024
 """A feature's filler ids cycle over this many rows of its table (fewer if the table is smaller)."""
@@ -32,17 +32,9 @@ FILLER_ROWS = 1024
 def refusal(ebc) -> str | None:
     """Why batches of the sharded collection `ebc` cannot be padded with filler ids of weight 0, or None if they
     can: a mean-pooled feature divides by its bag lengths (which fillers change), and adam or weight decay change
-    rows whose gradient is zero."""
-    mean = [f for f in ebc.features if ebc._table_of[f].pooling is Pooling.MEAN]
-    if mean:
-        return f"mean-pooled features {mean[:3]} divide by their bag lengths, which the filler ids change"
-    opt = ebc.optimizer
-    if opt.kind is OptimizerKind.ADAM or opt.weight_decay:
-        return (
-            f"the sparse optimizer ({opt.kind.value}, weight decay {opt.weight_decay:g}) changes rows with a zero "
-            "gradient"
-        )
-    return None
+    rows whose gradient is zero (the rules: embshard.spec.graph_rules.padding_refusal)."""
+    why = padding_refusal(ebc.tables, ebc.optimizer)
+    return None if why is None else why.reason
 
 
 class BatchPadder:

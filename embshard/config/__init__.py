@@ -145,12 +145,14 @@ class TrainConfig:
 
     @property
     def whole_step_graph(self) -> bool:
-        """Whether this job asks for its whole training step as one CUDA graph (training.cuda_graph with
-        graph_scope step, the batch counts on the host, no raw-id tables; on CUDA GPUs): the planner then looks
-        first for a plan the graph can hold, unless planner.settings.whole_step_graph is set."""
+        """Whether this job asks for its whole training step as one CUDA graph on CUDA GPUs (training.cuda_graph true,
+        or auto with training.precision bf16, with graph_scope step, the batch counts on the host, no raw-id tables):
+        the planner then looks first for a plan the graph can hold, unless planner.settings.whole_step_graph is set.
+        The step mode of the job (embshard/training/mode.py) decides the rest."""
         t = self.training
         raw = any(tb.raw_ids for tb in self.model.tables)
-        return t.cuda_graph and t.graph_scope == "step" and self.batch_counts == "host" and not raw
+        wanted = t.cuda_graph is True or (t.cuda_graph == "auto" and t.precision == "bf16")
+        return wanted and t.graph_scope == "step" and self.batch_counts == "host" and not raw
 
 
 _KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")

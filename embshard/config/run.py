@@ -53,18 +53,21 @@ class TrainingConfig:
     """Dense model arithmetic: fp32; tf32 (fp32 values, TensorFloat-32 matrix products on CUDA GPUs); bf16
     (autocast: matrix products in bfloat16, weights, gradients and optimizer in fp32). Tables: their data_type;
     pooled embeddings: lookup.output_dtype."""
-    compile: Literal["none", "default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "none"
+    compile: Literal["auto", "none", "default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "auto"
     """torch.compile of the dense part's forward (and so its backward) for the training batch size, on CUDA GPUs:
-    default fuses its elementwise work into fewer kernels; reduce-overhead also replays it as CUDA graphs. Other
-    batch shapes (the last partial batch, evaluation) and the CPU run eagerly. Costs a compile at the first step
-    (tens of seconds). With training.cuda_graph (default or max-autotune-no-cudagraphs): the graph holds the
+    default fuses its elementwise work into fewer kernels; reduce-overhead also replays it as CUDA graphs; none: the
+    eager forward; auto: default with training.precision bf16 on CUDA GPUs, else none (embshard/training/mode.py).
+    Other batch shapes (the last partial batch, evaluation) and the CPU run eagerly. Costs a compile at the first
+    step (tens of seconds). With training.cuda_graph (default or max-autotune-no-cudagraphs): the graph holds the
     compiled kernels."""
-    cuda_graph: bool = False
+    cuda_graph: bool | Literal["auto"] = "auto"
     """Replay the dense part's whole training step (forward, loss, backward, gradient all-reduce, optimizer) as one
-    CUDA graph, captured at the second step of the training batch size (embshard/training/dense_graph.py): DLRM kinds on CUDA
-    GPUs, with a fused dense optimizer or Adagrad; steps of other sizes and evaluation run eagerly, and the CPU
-    always does. With training.compile default or max-autotune-no-cudagraphs, the graph holds the compiled
-    forward's and backward's kernels."""
+    CUDA graph, captured at the second step of the training batch size (embshard/training/dense_graph.py), and with
+    graph_scope step the whole step where the plan allows: DLRM kinds on CUDA GPUs, with a fused dense optimizer or
+    Adagrad; steps of other sizes and evaluation run eagerly, and the CPU always does. auto: on with
+    training.precision bf16 on CUDA GPUs (the step mode `embshard train` prints names what it chose, and why a
+    faster one was not taken), else off; false: the eager step (for debugging). With training.compile default or
+    max-autotune-no-cudagraphs, the graph holds the compiled forward's and backward's kernels."""
     graph_scope: Literal["step", "dense"] = "step"
     """What training.cuda_graph captures: step, the whole step (id exchange, lookups, pooled exchange, dense step,
     embedding backward with the fused update) where the plan is table-wise and data-parallel in HBM/UVM, for fixed
@@ -82,7 +85,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.prefetch_batches < 1:
             raise FieldError("prefetch_batches", self.prefetch_batches, "it must be >= 1 batch")
-        if self.cuda_graph and self.compile == "reduce-overhead":
+        if self.cuda_graph is True and self.compile == "reduce-overhead":
             raise FieldError(
                 "compile", self.compile,
                 "reduce-overhead makes CUDA graphs of its own, which training.cuda_graph's graph cannot hold: use "

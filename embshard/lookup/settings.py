@@ -152,7 +152,7 @@ def tbe_settings(shards: Sequence[LocalShard], options: LookupOptions, device_ty
             f"tables {names} use cache_algorithm 'lfu', but prefetch_pipeline needs 'lru' (FBGEMM locks cached rows "
             "only for LRU): plan them with cache_algorithm 'lru' or turn prefetch_pipeline off"
         )
-    out = options.output_dtype.value
+    out = options.output_dtype.concrete.value
     cast = None
     if device_type == "cpu" and out == "bf16":
         out, cast = "fp32", "bf16"  # FBGEMM's CPU kernel has no bf16 output

@@ -87,7 +87,7 @@ def settings_for_lookup(settings: PlannerSettings, lookup) -> PlannerSettings:
     fp16/bf16) where the config leaves it unset: the plan is priced as the job will run."""
     if settings.pooled_bytes is not None:
         return settings
-    fp32 = getattr(lookup.output_dtype, "value", lookup.output_dtype) == "fp32"
+    fp32 = getattr(lookup.output_dtype, "value", lookup.output_dtype) in ("fp32", "auto")  # auto unresolved: fp32
     return replace(settings, pooled_bytes=4 if fp32 else 2)
 
 

@@ -59,7 +59,8 @@ class PlannerSettings:
     whole_step_graph: bool | None = None
     """Look first for a plan whose whole training step can be one CUDA graph (table-wise and data-parallel tables,
     no UVM caching); if none fits, plan without those limits (the log says why); unset: as the
-    training job runs (training.cuda_graph with graph_scope step on CUDA GPUs), else false."""
+    training job runs (training.cuda_graph true, or auto with training.precision bf16, with graph_scope step on CUDA
+    GPUs), else false."""
 
     split_hot_tables: bool = True
     """Hot tables, whose whole-table lookups (world size x ids per sample) exceed a balanced rank's (the ids per

@@ -7,7 +7,7 @@ every scheme and lookup.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from embshard.spec.tables import ConfigError, set_enum_field
@@ -22,13 +22,19 @@ class OutputDtype(str, enum.Enum):
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"
+    AUTO = "auto"  # bf16 where a training job's dense part runs in bf16 on CUDA GPUs, else fp32 (`resolved`)
+
+    @property
+    def concrete(self) -> OutputDtype:
+        """The dtype itself; auto where nothing resolved it (`LookupOptions.resolved`): fp32."""
+        return OutputDtype.FP32 if self is OutputDtype.AUTO else self
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The matching torch dtype."""
+        """The matching torch dtype (auto: fp32, as `concrete`)."""
         import torch
 
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.value]
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.concrete.value]
 
 
 class BoundsCheck(str, enum.Enum):
@@ -49,8 +55,9 @@ class UnusedFeatures(str, enum.Enum):
 class LookupOptions:
     """Numerics and runtime options of the embedding lookups (the same for every table of a collection)."""
 
-    output_dtype: OutputDtype = OutputDtype.FP32
-    """Dtype of the pooled embeddings the module returns: fp32, fp16 or bf16."""
+    output_dtype: OutputDtype = OutputDtype.AUTO
+    """Dtype of the pooled embeddings the module returns: fp32, fp16 or bf16; auto: bf16 where `embshard train` runs
+    the dense part in bf16 (training.precision bf16) on CUDA GPUs, else fp32 (and fp32 outside a training job)."""
     stochastic_rounding: bool = True
     """fp16 weights: round each updated weight stochastically (unbiased) rather than to the nearest fp16 value."""
     bounds_check: BoundsCheck = BoundsCheck.ERROR
@@ -80,6 +87,13 @@ class LookupOptions:
         for name in ("stochastic_rounding", "prefetch_pipeline", "cache_stats", "column_wise_exact"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"lookup option {name}={getattr(self, name)!r} is invalid: it must be true or false")
+
+    def resolved(self, bf16: bool) -> LookupOptions:
+        """These options with output_dtype auto made concrete: bf16 if `bf16` (the job's dense part runs in bf16 on
+        CUDA GPUs), else fp32; other values unchanged."""
+        if self.output_dtype is not OutputDtype.AUTO:
+            return self
+        return replace(self, output_dtype=OutputDtype.BF16 if bf16 else OutputDtype.FP32)
 
 
 def counts_on_host(pipeline: str, bounds_check: BoundsCheck | str, catalog: bool) -> bool:

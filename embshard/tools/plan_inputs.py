@@ -158,7 +158,8 @@ def training_planner_input_and_config(path: str | Path, overrides: Sequence[str]
     """training_planner_input's planner input, and the whole TrainConfig (read and checked once)."""
     cfg = load_config(path, overrides)
     p = cfg.planner
-    settings = settings_for_counts(settings_for_lookup(p.settings, cfg.lookup), cfg.batch_counts)  # as the job runs
+    lookup = cfg.lookup.resolved(bf16=cfg.training.precision == "bf16")  # output_dtype auto as on GPUs
+    settings = settings_for_counts(settings_for_lookup(p.settings, lookup), cfg.batch_counts)  # as the job runs
     settings = settings_for_graph(settings, cfg.whole_step_graph)
     inp = PlannerInput(
         tables=cfg.model.tables,

@@ -39,7 +39,18 @@ from torch import nn
 from embshard.runtime import comm
 from embshard.runtime.graphs import warm_up_and_capture
 
-__all__ = ["DenseGraphStep", "GraphOptimizer", "graph_optimizer_step"]
+__all__ = ["DenseGraphStep", "GraphOptimizer", "graph_optimizer_step", "model_refusal"]
+
+
+def model_refusal(kind: str, sparse_input: Callable | None, catalog: bool) -> str | None:
+    """Why a model of kind `kind` (its ModelKind's `sparse_input`; `catalog`: it has a retrieval catalog) has no
+    dense step a CUDA graph can hold, or None if it has: the graph takes the dense step's inputs from
+    ModelKind.sparse_input, and a retrieval catalog's step runs its own exchange (not a DLRM step)."""
+    if catalog:
+        return "a retrieval catalog's step runs its own exchange (not a DLRM step)"
+    if sparse_input is None:
+        return f"model kind {kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
+    return None
 
 
 @dataclass

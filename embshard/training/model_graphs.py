@@ -7,6 +7,7 @@ loss (embshard/models/build.py):
     ModelGraphs.capture_dense_step   the dense part's step as one CUDA graph (training.cuda_graph; dense_graph.py)
     ModelGraphs.capture_whole_step   the whole step as one CUDA graph (training.graph_scope step; step_graph.py)
     ModelGraphs.dense_step           a step that replays the dense graph (the embeddings' backward is left)
+    ModelGraphs.summary              how many steps replayed each graph (printed at the end of `embshard train`)
     ModelGraphs.release              the graphs released, before the process group is destroyed
     compile_dense                    the dense forward compiled for the training batch size (training.compile)
 """
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from embshard.data.common import Batch
 from embshard.models.registry import StepOutput
-from embshard.training.dense_graph import DenseGraphStep
+from embshard.training.dense_graph import DenseGraphStep, model_refusal
 from embshard.training.step_graph import StepGraph, refusal
 
 __all__ = ["ModelGraphs", "compile_dense"]
@@ -43,10 +44,9 @@ class ModelGraphs:
         model = self.model
         if model.ebc.device.type != "cuda":
             return "CUDA graphs need a CUDA GPU"
-        if model.kind.sparse_input is None:
-            return f"model kind {model.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
-        if model.catalog is not None:
-            return "a retrieval catalog's step is not a DLRM step"
+        why = model_refusal(model.cfg.kind, model.kind.sparse_input, model.catalog is not None)
+        if why is not None:
+            return why
         try:
             self.dense = DenseGraphStep(model.dense_module(), optimizer, batch_size, bf16, compile=compile)
         except ValueError as e:  # the optimizer has no capturable step
@@ -79,6 +79,19 @@ class ModelGraphs:
         model = self.model
         loss, logits = self.dense.run(batch.dense, model.kind.sparse_input(model, batch), batch.labels)
         return StepOutput(loss, logits, batch.labels, dense_updated=True)
+
+    def summary(self) -> str | None:
+        """One line of how many steps replayed each graph (None: no graph), and why the whole step's graph was given
+        up if it was."""
+        if self.dense is None:
+            return None
+        text = f"CUDA graphs: {self.dense.replays} steps replayed the dense step's graph"
+        whole = self.whole
+        if whole is not None:
+            text += f", {whole.replays} the whole step's ({whole.captures} captures)"
+            if whole.given_up:
+                text += f"; the whole step's graph was given up: {whole.given_up}"
+        return text
 
     def release(self) -> None:
         """Release the captured graphs (before the process group is destroyed: a live graph holding NCCL

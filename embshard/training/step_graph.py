@@ -56,18 +56,15 @@ from embshard.runtime import comm
 from embshard.runtime.graphs import warm_up_and_capture
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.geometry import capacity
-from embshard.training.dense_graph import DenseGraphStep
+from embshard.training.dense_graph import DenseGraphStep, model_refusal
 
 __all__ = ["StepGraph", "capacity", "refusal"]
 
 
 def refusal(model) -> str | None:
     """Why `model` (a RecModel) cannot run its whole step as one graph, or None if it can."""
-    if model.catalog is not None:
-        return "a retrieval catalog runs its own exchange"
-    if model.kind.sparse_input is None:
-        return f"model kind {model.cfg.kind!r} does not give its dense step's inputs (ModelKind.sparse_input)"
-    return collection_refusal(model.ebc)
+    why = model_refusal(model.cfg.kind, model.kind.sparse_input, model.catalog is not None)
+    return why or collection_refusal(model.ebc)
 
 
 def padding_refusal(model) -> str | None:

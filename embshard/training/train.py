@@ -29,6 +29,7 @@ from embshard.runtime import comm
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.tables import AllRanksError, ConfigError
 from embshard.training import launch_checks
+from embshard.training.mode import Fallback, StepMode, resolve_step_mode
 from embshard.training.schedule import past_schedule, run_schedule
 
 
@@ -36,7 +37,9 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     """The job's sharding plan (planner.*, priced for schedule.batch_size per rank, the lookups' output dtype and
     where the pipeline takes each step's batch counts from: cfg.batch_counts, host unless training.pipeline is none,
     lookup.bounds_check drop or a retrieval catalog; a plan the whole-step CUDA graph can hold first where the job
-    captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`)."""
+    captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`). The
+    auto settings are those of the job's step mode before the plan (`resolve_step_mode`)."""
+    cfg = resolve_step_mode(cfg, device.type).applied(cfg)  # what the planner is asked for: the auto settings resolved
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     counts = cfg.batch_counts
     return plan_on_rank0(
@@ -56,34 +59,42 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     )
 
 
-def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: torch.device, world: int, log):
-    """(RecModel, dense optimizer, ModelGraphs) of the job on `plan`: the step's CUDA graphs (training.cuda_graph,
-    training.graph_scope) and training.compile applied (on CUDA; `log` says when they fall back: the CPU, a model
-    or optimizer the graphs cannot hold). Hand the graphs to the pipeline (`TrainPipeline(graphs=...)`)."""
+def build_model(
+    cfg: TrainConfig,
+    plan: ShardingPlan,
+    num_dense: int,
+    device: torch.device,
+    world: int,
+    log: Callable[[str], None],
+    mode: StepMode | None = None,
+) -> tuple[Any, torch.optim.Optimizer, Any, StepMode]:
+    """(RecModel, dense optimizer, ModelGraphs, StepMode) of the job on `plan`, built in the step `mode` (default:
+    `resolve_step_mode` of cfg, the device and the plan: training.cuda_graph, training.graph_scope, training.compile
+    and lookup.output_dtype, their auto values resolved). What only the built model tells (the dense optimizer's
+    capturable step, the model's own refusal) may turn the graphs off: the returned mode says so (`log` gets nothing;
+    print `mode.line()`). Hand the graphs to the pipeline (`TrainPipeline(graphs=...)`)."""
     from embshard.models.build import RecModel
     from embshard.training.model_graphs import ModelGraphs, compile_dense
 
+    mode = mode or resolve_step_mode(cfg, device.type, plan)
+    cfg = mode.applied(cfg)
     model = RecModel(cfg.model, num_dense, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     graphs = ModelGraphs(model)
-    mode = cfg.training.compile
-    graphed = False  # the dense step has a graph (with training.compile, holding the compiled kernels)
-    if cfg.training.cuda_graph:
-        bf16, compiled = cfg.training.precision == "bf16", None if mode == "none" else mode
+    compiled = None if mode.compile == "none" else mode.compile
+    if mode.scope != "eager":
+        bf16 = cfg.training.precision == "bf16"
         why_not = graphs.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
-        graphed = why_not is None
-        if not graphed:
-            log(f"training.cuda_graph: {why_not}; the dense step runs without a graph")
-        elif cfg.training.graph_scope == "step":
-            if cfg.training.pipeline == "semi_sync":
-                why_not = "training.pipeline semi_sync looks up the next batch before this one's backward"
-            else:
-                why_not = graphs.capture_whole_step(cfg.training.graph_overlap)
+        if why_not is not None:
+            mode = mode.fallen_back("eager", Fallback("CUDA graphs off", why_not, "", "training.cuda_graph=false"))
+        elif mode.scope == "step":
+            why_not = graphs.capture_whole_step(cfg.training.graph_overlap)
             if why_not is not None:
-                log(f"training.cuda_graph: the whole step is not captured ({why_not}); the dense step is")
-    if mode != "none" and not graphed and not compile_dense(model, mode, cfg.schedule.batch_size):
-        log(f"training.compile {mode}: compiles on CUDA GPUs only; the dense part runs eagerly")
-    return model, dense_opt, graphs
+                off = Fallback("whole-step graph off", why_not, "", "training.graph_scope=dense")
+                mode = mode.fallen_back("dense", off)
+    if compiled is not None and mode.scope == "eager":
+        compile_dense(model, compiled, cfg.schedule.batch_size)  # the dense graph, where there is one, holds it
+    return model, dense_opt, graphs, mode
 
 
 def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
@@ -226,7 +237,9 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     t_build = time.time()
     plan = plan_job(cfg, device, world, local_world, report.line)
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
-    model, dense_opt, graphs = build_model(cfg, plan, source.num_dense, device, world, report.line)
+    model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, report.line)
+    cfg = mode.applied(cfg)  # the settings as the job runs them
+    report.line(mode.line())
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")
     ck = cfg.checkpoint
     if rank == 0:
@@ -277,6 +290,9 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     finally:
         bar.close()  # ends the bar's line: a message printed next (an error too) starts on its own
     pipeline.close()
+    replays = graphs.summary()
+    if replays:
+        report.line(replays)
     do_eval(step)
     if ck.dir and step > start:
         ckpt.save(step, position)

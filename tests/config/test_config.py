@@ -475,7 +475,7 @@ def test_whole_step_graph_plan_first_then_every_option():
     small = Topology.preset("h100", 4, 4).with_sizes(hbm_gib=18, ddr_gib=30)
     fallback, said = plan("true", small)
     assert ShardingType.ROW_WISE in {st for st, _ in fallback}
-    assert len(said) == 1 and "no plan that the whole-step CUDA graph can hold fits" in said[0]
+    assert said and "no plan that the whole-step CUDA graph can hold fits" in said[0]  # then the eager plan's notes
     # settings that allow none of the graph's options: said so, and planned with them as they are
     inp, _ = training_planner_input(config, ["training.cuda_graph=true", "planner.settings.sharding_types=[row_wise]"])
     said = []

@@ -151,7 +151,10 @@ def test_uvm_tier_on_cpu_module_is_a_clear_error():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(output_dtype="int8"), r"output_dtype='int8' is invalid: choose one of \['fp32', 'fp16', 'bf16'\]"),
+        (
+            dict(output_dtype="int8"),
+            r"output_dtype='int8' is invalid: choose one of \['fp32', 'fp16', 'bf16', 'auto'\]",
+        ),
         (dict(bounds_check="clamp"), r"bounds_check='clamp' is invalid: choose one of \['error', 'drop'\]"),
         (dict(cache_stats=1), r"cache_stats=1 is invalid: it must be true or false"),
     ],
