@@ -177,11 +177,12 @@ class ShardingPlan:
 
     def group_plan(self) -> ShardingPlan:
         """The layout one sharding group holds, as a plan of its own: world_size = group_size, ranks within the
-        group (the plan itself without 2D). A group inside a host keeps the group's ranks as its host."""
+        group (the plan itself without 2D). A group inside a host keeps the group's ranks as its host; its
+        table-row-wise exchange is flat (the same outputs as the hierarchical one)."""
         if self.sharding_group_size is None:
             return self
         G, L = self.sharding_group_size, self.local_world_size
-        return ShardingPlan(G, L if G % L == 0 else G, self.tables, self.table_row_wise_exchange)
+        return ShardingPlan(G, L if G % L == 0 else G, self.tables, Exchange.FLAT)
 
     def __getitem__(self, table: str) -> TablePlan:
         index = self.__dict__.get("_by_name")

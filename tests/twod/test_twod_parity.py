@@ -1,0 +1,177 @@
+"""2D sharding against the unsharded reference, at world 4 (2 hosts x 2 ranks; gloo on CPU, NCCL with
+EMBSHARD_TEST_DEVICE=cuda): every sharding type in one collection, 2D exact (sharding groups of 2 and of 1 rank)
+and without 2D, with sgd, adagrad, row-wise Adagrad and Adam: outputs every step and weights after the steps equal
+the reference trained on the whole world's batch, on every rank of every group, and the groups' optimizer states
+are equal. Periodic mode: between averagings each group equals a reference trained on its own group's batch; at
+the forward after `replica_sync_every` steps the weights and the optimizer state are the mean of those references,
+and the outputs are computed with the averaged weights.
+
+One call of 4 processes trains every run; the tests compare the collected results.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from parity import check_parity, random_batches, sharded_worker, to_kjt
+from reference import ReferenceEBC
+
+from embshard import FusedOptimizerConfig, TableConfig, simple_plan
+from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType
+
+TW, RW, CW, TWRW, DP = (
+    ShardingType.TABLE_WISE,
+    ShardingType.ROW_WISE,
+    ShardingType.COLUMN_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.DATA_PARALLEL,
+)
+MIXED = [
+    TableConfig("m_tw", 30, 8, ("g_a",)),
+    TableConfig("m_cw", 20, 16, ("g_b", "g_c"), pooling="mean", ids_per_bag=2),
+    TableConfig("m_rw", 61, 12, ("g_d",), weighted=True, ids_per_bag=2),
+    TableConfig("m_twrw", 45, 4, ("g_e",), pooling="mean", ids_per_bag=2),
+    TableConfig("m_dp", 10, 8, ("g_f", "g_g"), weighted=True, ids_per_bag=2),
+]
+TYPES = {"m_tw": TW, "m_cw": CW, "m_rw": RW, "m_twrw": TWRW, "m_dp": DP}
+OPTIMIZERS = {
+    "sgd": FusedOptimizerConfig("sgd", lr=0.1),
+    "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
+    "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
+    "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
+}
+WORLD, LOCAL = 4, 2
+BATCH_SIZES = [3, 0, 4, 2]  # unequal local batches, one empty
+STEPS = 3
+SEED = 11
+# (name, sharding group size or None, optimizer): 2D exact with groups of 2 (a host each) and of 1, and without 2D
+RUNS = [(f"g2_{o}", 2, o) for o in OPTIMIZERS] + [("g1_rowwise_adagrad", 1, "rowwise_adagrad")]
+RUNS += [(f"flat_{o}", None, o) for o in ("sgd", "adam")]
+PERIODIC_TABLES = [t for t in MIXED if TYPES[t.name] is not DP]
+PERIODIC_OPT = FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6)
+PERIODIC_EVERY = 2
+CLOSE = {"atol": 1e-4, "rtol": 1e-4}  # adagrad in fp32 against the fp64 reference, for a few steps
+
+
+def twod_plan(tables, group_size: int | None, tier: MemoryTier, sync: str = "exact", every: int = 1) -> ShardingPlan:
+    """The plan of `tables` for world 4 (2 hosts x 2), 2D with sharding groups of `group_size` ranks (None: no
+    2D): one group's layout planned for `group_size` ranks, the groups replicas of it."""
+    types = {t.name: TYPES[t.name] for t in tables}
+    if group_size is None:
+        return simple_plan(tables, WORLD, LOCAL, types, tier=tier, column_shards=2)
+    group = simple_plan(tables, group_size, min(LOCAL, group_size), types, tier=tier, column_shards=2)
+    return replace(
+        group,
+        world_size=WORLD,
+        local_world_size=LOCAL,
+        sharding_group_size=group_size,
+        replica_sync=sync,
+        replica_sync_every=every,
+    )
+
+
+def _periodic(rank: int, device: torch.device, tier: MemoryTier) -> dict:
+    """Train PERIODIC_EVERY steps under a periodic plan; the weights and states then, and after the next training
+    forward (which averages the replicas first) its outputs, weights and states."""
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+
+    plan = twod_plan(PERIODIC_TABLES, 2, tier, "periodic", PERIODIC_EVERY)
+    ebc = ShardedEmbeddingBagCollection(PERIODIC_TABLES, plan, PERIODIC_OPT, device=device, seed=SEED)
+    features = [f for t in PERIODIC_TABLES for f in t.feature_names]
+
+    def states():
+        return {
+            (n, s.row_offset, s.col_offset): {k: v.detach().cpu().clone() for k, v in st.items()}
+            for n, s, st in ebc.local_optimizer_states()
+        }
+
+    batches = random_batches(PERIODIC_TABLES, BATCH_SIZES, PERIODIC_EVERY + 1, SEED)
+    for per_rank, upstream in batches[:PERIODIC_EVERY]:
+        out = ebc(to_kjt(per_rank[rank], features, device)).to_dict()
+        sum((out[f] * upstream[rank][f].to(device)).sum() for f in features).backward()
+    before = (ebc.full_weights(), states())
+    out = ebc(to_kjt(batches[PERIODIC_EVERY][0][rank], features, device)).to_dict()
+    return {
+        "before": before,
+        "after": (ebc.full_weights(), states()),
+        "outputs": {f: o.detach().cpu() for f, o in out.items()},
+    }
+
+
+def _train_all(rank: int, world_size: int, device: torch.device) -> dict:
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    out = {}
+    for name, group_size, opt in RUNS:
+        plan = twod_plan(MIXED, group_size, tier)
+        out[name] = sharded_worker(rank, world_size, device, MIXED, plan, OPTIMIZERS[opt], BATCH_SIZES, STEPS, SEED)
+    out["periodic"] = _periodic(rank, device, tier)
+    return out
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return run_distributed(_train_all, WORLD)
+
+
+@pytest.mark.parametrize("name,group_size,opt", RUNS)
+def test_exact_matches_reference(name, group_size, opt):
+    results = [r[name] for r in _results()]
+    check_parity(results, MIXED, OPTIMIZERS[opt], BATCH_SIZES, STEPS, SEED)
+    if group_size is not None:  # rank i of every group holds the same shards with the same optimizer state
+        for r in range(group_size, WORLD):
+            mine, peer = results[r]["states"], results[r % group_size]["states"]
+            assert mine.keys() == peer.keys()
+            for key in mine:
+                for k in mine[key]:
+                    torch.testing.assert_close(mine[key][k], peer[key][k], msg=f"{name}: state {key} {k} rank {r}")
+
+
+def _group_references(steps: int) -> list[ReferenceEBC]:
+    """Per sharding group (ranks 0-1, 2-3): the reference trained on that group's batches alone."""
+    refs = []
+    for g in range(WORLD // 2):
+        ref = ReferenceEBC(PERIODIC_TABLES, PERIODIC_OPT, SEED)
+        for per_rank, upstream in random_batches(PERIODIC_TABLES, BATCH_SIZES, steps, SEED)[:steps]:
+            ranks = [2 * g, 2 * g + 1]
+            glob = {
+                f: tuple(
+                    torch.cat([per_rank[r][f][i] for r in ranks]) if per_rank[0][f][i] is not None else None
+                    for i in range(3)
+                )
+                for f in per_rank[0]
+            }
+            ref.step(glob, {f: torch.cat([upstream[r][f] for r in ranks]) for f in upstream[0]})
+        refs.append(ref)
+    return refs
+
+
+def test_periodic_drifts_then_averages():
+    results = [r["periodic"] for r in _results()]
+    refs = _group_references(PERIODIC_EVERY)
+    for rank, res in enumerate(results):
+        ref = refs[rank // 2]
+        weights, states = res["before"]
+        for t in PERIODIC_TABLES:  # before the averaging: each group its own group's training
+            torch.testing.assert_close(weights[t.name].double(), ref.weights[t.name], **CLOSE)
+        weights, states = res["after"]
+        for t in PERIODIC_TABLES:  # after: the mean over the groups, weights and optimizer state
+            mean = sum(r.weights[t.name] for r in refs) / len(refs)
+            torch.testing.assert_close(weights[t.name].double(), mean, **CLOSE)
+        for (name, r0, c0), st in states.items():
+            for k, v in st.items():
+                rows, cols = v.shape[0], (v.shape[1] if v.dim() == 2 else None)
+                mean = sum(r.optimizer_state(name, r0, rows, c0, cols)[k] for r in refs) / len(refs)
+                torch.testing.assert_close(v.double(), mean.double(), **CLOSE, msg=f"{name} {k}")
+    # The averaging forward looked up the mean weights: the reference holding them, on each rank's batch.
+    avg = ReferenceEBC(PERIODIC_TABLES, PERIODIC_OPT, SEED)
+    for t in PERIODIC_TABLES:
+        avg.weights[t.name] = sum(r.weights[t.name] for r in refs) / len(refs)
+    per_rank, _ = random_batches(PERIODIC_TABLES, BATCH_SIZES, PERIODIC_EVERY + 1, SEED)[PERIODIC_EVERY]
+    for rank, res in enumerate(results):
+        want = avg.forward(per_rank[rank])
+        for f, w in want.items():
+            torch.testing.assert_close(res["outputs"][f].double(), w.detach(), **CLOSE)
