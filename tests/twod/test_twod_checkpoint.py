@@ -1,0 +1,96 @@
+"""2D checkpoints: a world-4 run in sharding groups of 2 saves one replica (group 0's ranks write, group 1's write
+nothing), and the checkpoint loads into other layouts: world 2 without 2D and world 8 in groups of 4, with the
+same weights and optimizer state on every rank (gloo on CPU; NCCL with EMBSHARD_TEST_DEVICE=cuda)."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from parity import random_batches, to_kjt
+from test_twod_parity import MIXED, TYPES
+
+from embshard import FusedOptimizerConfig, simple_plan
+from embshard.spec.plan import MemoryTier
+
+OPT = FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6)
+SEED = 5
+
+
+def _plan(world: int, local: int, group_size: int | None, tier: MemoryTier):
+    from dataclasses import replace
+
+    if group_size is None:
+        return simple_plan(MIXED, world, local, TYPES, tier=tier, column_shards=2)
+    group = simple_plan(MIXED, group_size, min(local, group_size), TYPES, tier=tier, column_shards=2)
+    return replace(group, world_size=world, local_world_size=local, sharding_group_size=group_size)
+
+
+def _state(ebc) -> tuple[dict, dict]:
+    """Full weights, and each table's per-row optimizer state assembled from this rank's group (collective)."""
+    rows = {t.name: torch.zeros(t.num_embeddings) for t in MIXED}
+    for name, s, st in ebc._gather([(n, s, st["m"].detach().cpu()) for n, s, st in ebc.local_optimizer_states()]):
+        rows[name][s.row_offset : s.row_offset + s.num_rows] = st
+    return ebc.full_weights(), rows
+
+
+def _save(rank, world, device, folder):
+    from embshard.checkpoint import Checkpointer, TrainState
+    from embshard.checkpoint.layout import save_pieces
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    ebc = ShardedEmbeddingBagCollection(MIXED, _plan(world, 2, 2, tier), OPT, device=device, seed=SEED)
+    features = [f for t in MIXED for f in t.feature_names]
+    for per_rank, upstream in random_batches(MIXED, [2, 3, 1, 2], 2, SEED + 1):
+        out = ebc(to_kjt(per_rank[rank], features, device)).to_dict()
+        sum((out[f] * upstream[rank][f].to(device)).sum() for f in features).backward()
+    writes = len(save_pieces(ebc, "ebc"))
+    ckpt = Checkpointer(TrainState({"ebc": ebc}), folder, async_save=False)
+    ckpt.save(2)
+    ckpt.close()
+    return {"writes": writes, "state": _state(ebc), "optimizer_step": ebc.optimizer_step}
+
+
+def _load(rank, world, device, folder, group_size):
+    from embshard.checkpoint import TrainState, latest, load_checkpoint
+    from embshard.collection.sharded import ShardedEmbeddingBagCollection
+
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    local = 2 if world > 2 else 1
+    ebc = ShardedEmbeddingBagCollection(MIXED, _plan(world, local, group_size, tier), OPT, device=device, seed=99)
+    load_checkpoint(latest(folder), TrainState({"ebc": ebc}))
+    return {"state": _state(ebc), "optimizer_step": ebc.optimizer_step}
+
+
+@functools.cache
+def _results() -> tuple[list, list, list]:
+    with tempfile.TemporaryDirectory() as folder:
+        saved = run_distributed(_save, 4, folder)
+        flat = run_distributed(_load, 2, folder, None)
+        wide = run_distributed(_load, 8, folder, 4)
+    return saved, flat, wide
+
+
+def test_one_replica_is_saved():
+    saved, _, _ = _results()
+    assert [r["writes"] > 0 for r in saved] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("target", ["world2_no_2d", "world8_groups_of_4"])
+def test_loads_into_other_layouts(target):
+    saved, flat, wide = _results()
+    weights, rows = saved[0]["state"]
+    for r in saved[1:]:  # the groups held the same replica when it was saved
+        for t in MIXED:
+            torch.testing.assert_close(r["state"][0][t.name], weights[t.name], rtol=0, atol=0)
+    loaded = flat if target == "world2_no_2d" else wide
+    for rank, res in enumerate(loaded):
+        got_w, got_rows = res["state"]
+        assert res["optimizer_step"] == saved[0]["optimizer_step"]
+        for t in MIXED:
+            torch.testing.assert_close(got_w[t.name], weights[t.name], rtol=0, atol=0, msg=f"{t.name} rank {rank}")
+            torch.testing.assert_close(got_rows[t.name], rows[t.name], rtol=0, atol=0, msg=f"{t.name} rank {rank}")
