@@ -107,3 +107,29 @@ class ReplicaState:
             return
         if self.step > 0 and self.step % self.plan.replica_sync_every == 0 and self._synced_at != self.step:
             self.sync_replicas()
+
+    def replicas_identical(self) -> bool:
+        """Whether every replica set holds bitwise equal shards (weights and optimizer state): a float64 sum and sum
+        of squares of each of this rank's tensors, compared over its replica set and agreed over every rank
+        (collective). True without 2D."""
+        if self.twod is None:
+            return True
+        tensors = [w for _, _, w in self.local_shards()]
+        tensors += [v for _, _, st in self.local_optimizer_states() for v in st.values()]
+        sums = [torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]
+        mine = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+        mine = mine.to(self.device)
+        low, high = mine.clone(), mine.clone()
+        dist.all_reduce(low, dist.ReduceOp.MIN, group=self.twod.replicas)
+        dist.all_reduce(high, dist.ReduceOp.MAX, group=self.twod.replicas)
+        differ = torch.tensor([float(not torch.equal(low, high))], device=self.device)
+        dist.all_reduce(differ, dist.ReduceOp.MAX)
+        return not bool(differ.item())
+
+    def replica_report(self) -> str:
+        """One line on the 2D layout at the end of a run, periodic replicas averaged first (collective)."""
+        self.sync_replicas()
+        twod = self.twod
+        same = "identical" if self.replicas_identical() else "DIFFERENT"
+        sync = self.plan.replica_sync.value
+        return f"2D: {twod.num_groups} sharding groups of {twod.group_size} ranks, replica_sync {sync}; replicas {same}"

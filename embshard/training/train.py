@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,6 +40,25 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`)."""
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     counts = cfg.batch_counts
+    twod = cfg.sharding
+    if twod.group_size is not None:  # 2D: plan one sharding group; the groups are its replicas
+        group_local = twod_local_world(twod.group_size, world, local_world)
+        plan = plan_on_rank0(
+            lambda: plan_for_job(
+                tables, cfg.planner, twod.group_size, group_local, device.type, batch, cfg.sparse_optimizer, log,
+                cfg.lookup, "device", whole_step_graph=False,
+            )
+        )  # fmt: skip
+        plan = replace(
+            plan,
+            world_size=world,
+            local_world_size=local_world,
+            sharding_group_size=twod.group_size,
+            replica_sync=twod.replica_sync,
+            replica_sync_every=twod.replica_sync_every,
+        )
+        log(str(plan))
+        return plan
     return plan_on_rank0(
         lambda: plan_for_job(
             tables,
@@ -54,6 +74,18 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
             whole_step_graph=cfg.whole_step_graph and device.type == "cuda",
         )
     )
+
+
+def twod_local_world(group_size: int, world: int, local_world: int) -> int:
+    """Ranks per host within one sharding group of `group_size` ranks (ConfigError naming sharding.group_size
+    unless it divides the world and is a multiple or a divisor of the ranks per host)."""
+    if world % group_size or (group_size % local_world and local_world % group_size):
+        raise ConfigError(
+            f"sharding.group_size={group_size} does not fit this job of {world} ranks, {local_world} per host: it "
+            "must divide the world size and be a multiple or a divisor of the ranks per host (e.g. "
+            f"{local_world}: one group per host), or null for no 2D sharding"
+        )
+    return local_world if group_size % local_world == 0 else group_size
 
 
 def build_model(cfg: TrainConfig, plan: ShardingPlan, num_dense: int, device: torch.device, world: int, log):
@@ -277,6 +309,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     finally:
         bar.close()  # ends the bar's line: a message printed next (an error too) starts on its own
     pipeline.close()
+    if getattr(model.ebc, "twod", None) is not None:
+        report.line(model.ebc.replica_report())  # periodic: averaged, so every group ends with the same model
     do_eval(step)
     if ck.dir and step > start:
         ckpt.save(step, position)
