@@ -51,22 +51,27 @@ SEED = 11
 # (name, sharding group size or None, optimizer): 2D exact with groups of 2 (a host each) and of 1, and without 2D
 RUNS = [(f"g2_{o}", 2, o) for o in OPTIMIZERS] + [("g1_rowwise_adagrad", 1, "rowwise_adagrad")]
 RUNS += [(f"flat_{o}", None, o) for o in ("sgd", "adam")]
+# World 8 (4 hosts x 2): groups of 4 (2 hosts each) and of 2, in one call of 8 processes
+WIDE_RUNS = [("w8_g4_rowwise_adagrad", 4, "rowwise_adagrad"), ("w8_g2_adam", 2, "adam")]
+WIDE_BATCH_SIZES = [2, 1, 0, 3, 2, 2, 1, 3]
 PERIODIC_TABLES = [t for t in MIXED if TYPES[t.name] is not DP]
 PERIODIC_OPT = FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6)
 PERIODIC_EVERY = 2
 CLOSE = {"atol": 1e-4, "rtol": 1e-4}  # adagrad in fp32 against the fp64 reference, for a few steps
 
 
-def twod_plan(tables, group_size: int | None, tier: MemoryTier, sync: str = "exact", every: int = 1) -> ShardingPlan:
-    """The plan of `tables` for world 4 (2 hosts x 2), 2D with sharding groups of `group_size` ranks (None: no
+def twod_plan(
+    tables, group_size: int | None, tier: MemoryTier, sync: str = "exact", every: int = 1, world: int = WORLD
+) -> ShardingPlan:
+    """The plan of `tables` for `world` ranks (hosts of 2), 2D with sharding groups of `group_size` ranks (None: no
     2D): one group's layout planned for `group_size` ranks, the groups replicas of it."""
     types = {t.name: TYPES[t.name] for t in tables}
     if group_size is None:
-        return simple_plan(tables, WORLD, LOCAL, types, tier=tier, column_shards=2)
+        return simple_plan(tables, world, LOCAL, types, tier=tier, column_shards=2)
     group = simple_plan(tables, group_size, min(LOCAL, group_size), types, tier=tier, column_shards=2)
     return replace(
         group,
-        world_size=WORLD,
+        world_size=world,
         local_world_size=LOCAL,
         sharding_group_size=group_size,
         replica_sync=sync,
@@ -112,9 +117,29 @@ def _train_all(rank: int, world_size: int, device: torch.device) -> dict:
     return out
 
 
+def _train_wide(rank: int, world_size: int, device: torch.device) -> dict:
+    tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
+    out = {}
+    for name, group_size, opt in WIDE_RUNS:
+        plan = twod_plan(MIXED, group_size, tier, world=world_size)
+        out[name] = sharded_worker(rank, world_size, device, MIXED, plan, OPTIMIZERS[opt], WIDE_BATCH_SIZES, 2, SEED)
+    return out
+
+
 @functools.cache
 def _results() -> list[dict]:
     return run_distributed(_train_all, WORLD)
+
+
+@functools.cache
+def _wide_results() -> list[dict]:
+    return run_distributed(_train_wide, 8)
+
+
+@pytest.mark.parametrize("name,group_size,opt", WIDE_RUNS)
+def test_exact_matches_reference_at_world_8(name, group_size, opt):
+    results = [r[name] for r in _wide_results()]
+    check_parity(results, MIXED, OPTIMIZERS[opt], WIDE_BATCH_SIZES, 2, SEED)
 
 
 @pytest.mark.parametrize("name,group_size,opt", RUNS)
