@@ -42,6 +42,11 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     counts = cfg.batch_counts
     twod = cfg.sharding
     if twod.group_size is not None:  # 2D: plan one sharding group; the groups are its replicas
+        if cfg.training.cuda_graph and device.type == "cuda":
+            raise ConfigError(
+                "sharding.group_size (2D) with training.cuda_graph: a CUDA graph cannot hold the replica sets' batch "
+                "gathers (sized on the host each step): set training.cuda_graph false, or sharding.group_size null"
+            )
         group_local = twod_local_world(twod.group_size, world, local_world)
         plan = plan_on_rank0(
             lambda: plan_for_job(

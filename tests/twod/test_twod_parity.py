@@ -54,7 +54,7 @@ RUNS += [(f"flat_{o}", None, o) for o in ("sgd", "adam")]
 # World 8 (4 hosts x 2): groups of 4 (2 hosts each) and of 2, in one call of 8 processes
 WIDE_RUNS = [("w8_g4_rowwise_adagrad", 4, "rowwise_adagrad"), ("w8_g2_adam", 2, "adam")]
 WIDE_BATCH_SIZES = [2, 1, 0, 3, 2, 2, 1, 3]
-PERIODIC_TABLES = [t for t in MIXED if TYPES[t.name] is not DP]
+PERIODIC_TABLES = MIXED  # the data-parallel table m_dp sums its gradients over the whole world
 PERIODIC_OPT = FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6)
 PERIODIC_EVERY = 2
 CLOSE = {"atol": 1e-4, "rtol": 1e-4}  # adagrad in fp32 against the fp64 reference, for a few steps
@@ -155,48 +155,56 @@ def test_exact_matches_reference(name, group_size, opt):
                     torch.testing.assert_close(mine[key][k], peer[key][k], msg=f"{name}: state {key} {k} rank {r}")
 
 
-def _group_references(steps: int) -> list[ReferenceEBC]:
-    """Per sharding group (ranks 0-1, 2-3): the reference trained on that group's batches alone."""
-    refs = []
-    for g in range(WORLD // 2):
-        ref = ReferenceEBC(PERIODIC_TABLES, PERIODIC_OPT, SEED)
-        for per_rank, upstream in random_batches(PERIODIC_TABLES, BATCH_SIZES, steps, SEED)[:steps]:
-            ranks = [2 * g, 2 * g + 1]
-            glob = {
-                f: tuple(
-                    torch.cat([per_rank[r][f][i] for r in ranks]) if per_rank[0][f][i] is not None else None
-                    for i in range(3)
-                )
-                for f in per_rank[0]
-            }
-            ref.step(glob, {f: torch.cat([upstream[r][f] for r in ranks]) for f in upstream[0]})
-        refs.append(ref)
-    return refs
+def _reference(ranks: list[int], steps: int) -> ReferenceEBC:
+    """The reference trained on the batches of `ranks` alone."""
+    ref = ReferenceEBC(PERIODIC_TABLES, PERIODIC_OPT, SEED)
+    for per_rank, upstream in random_batches(PERIODIC_TABLES, BATCH_SIZES, steps, SEED)[:steps]:
+        glob = {
+            f: tuple(
+                torch.cat([per_rank[r][f][i] for r in ranks]) if per_rank[0][f][i] is not None else None
+                for i in range(3)
+            )
+            for f in per_rank[0]
+        }
+        ref.step(glob, {f: torch.cat([upstream[r][f] for r in ranks]) for f in upstream[0]})
+    return ref
+
+
+def _state_of(ref: ReferenceEBC, name: str, r0: int, rows: int, c0: int, cols: int | None, key: str) -> torch.Tensor:
+    return ref.optimizer_state(name, r0, rows, c0, cols)[key]
 
 
 def test_periodic_drifts_then_averages():
+    """Model-parallel tables: before the averaging each group equals the reference trained on its group's batches
+    (ranks 0-1, 2-3), after it the mean of those; the data-parallel table equals the reference trained on the whole
+    world's batches throughout; the averaging forward looks up the averaged weights."""
     results = [r["periodic"] for r in _results()]
-    refs = _group_references(PERIODIC_EVERY)
+    groups = [_reference([2 * g, 2 * g + 1], PERIODIC_EVERY) for g in range(WORLD // 2)]
+    world = _reference(list(range(WORLD)), PERIODIC_EVERY)
+    dp = {t.name for t in PERIODIC_TABLES if TYPES[t.name] is DP}
+
+    def want(name: str, group: int | None, of=lambda r, n: r.weights[n]) -> torch.Tensor:
+        if name in dp:
+            return of(world, name)
+        return of(groups[group], name) if group is not None else sum(of(r, name) for r in groups) / len(groups)
+
     for rank, res in enumerate(results):
-        ref = refs[rank // 2]
-        weights, states = res["before"]
-        for t in PERIODIC_TABLES:  # before the averaging: each group its own group's training
-            torch.testing.assert_close(weights[t.name].double(), ref.weights[t.name], **CLOSE)
-        weights, states = res["after"]
-        for t in PERIODIC_TABLES:  # after: the mean over the groups, weights and optimizer state
-            mean = sum(r.weights[t.name] for r in refs) / len(refs)
-            torch.testing.assert_close(weights[t.name].double(), mean, **CLOSE)
-        for (name, r0, c0), st in states.items():
-            for k, v in st.items():
-                rows, cols = v.shape[0], (v.shape[1] if v.dim() == 2 else None)
-                mean = sum(r.optimizer_state(name, r0, rows, c0, cols)[k] for r in refs) / len(refs)
-                torch.testing.assert_close(v.double(), mean.double(), **CLOSE, msg=f"{name} {k}")
-    # The averaging forward looked up the mean weights: the reference holding them, on each rank's batch.
+        for when, group in (("before", rank // 2), ("after", None)):
+            weights, states = res[when]
+            for t in PERIODIC_TABLES:
+                torch.testing.assert_close(
+                    weights[t.name].double(), want(t.name, group), **CLOSE, msg=f"rank {rank} {when}: {t.name}"
+                )
+            for (name, r0, c0), st in states.items():
+                for k, v in st.items():
+                    rows, cols = v.shape[0], (v.shape[1] if v.dim() == 2 else None)
+                    of = functools.partial(_state_of, r0=r0, rows=rows, c0=c0, cols=cols, key=k)
+                    state = want(name, group, of)
+                    torch.testing.assert_close(v.double(), state.double(), **CLOSE, msg=f"{when}: {name} {k}")
     avg = ReferenceEBC(PERIODIC_TABLES, PERIODIC_OPT, SEED)
     for t in PERIODIC_TABLES:
-        avg.weights[t.name] = sum(r.weights[t.name] for r in refs) / len(refs)
+        avg.weights[t.name] = want(t.name, None)
     per_rank, _ = random_batches(PERIODIC_TABLES, BATCH_SIZES, PERIODIC_EVERY + 1, SEED)[PERIODIC_EVERY]
     for rank, res in enumerate(results):
-        want = avg.forward(per_rank[rank])
-        for f, w in want.items():
-            torch.testing.assert_close(res["outputs"][f].double(), w.detach(), **CLOSE)
+        for f, w in avg.forward(per_rank[rank]).items():
+            torch.testing.assert_close(res["outputs"][f].double(), w.detach(), **CLOSE, msg=f"rank {rank} {f}")
