@@ -11,28 +11,22 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from parity import random_batches, to_kjt
-from test_twod_parity import MIXED, TYPES
+from twod_cases import MIXED, twod_plan
 
-from embshard import FusedOptimizerConfig, simple_plan
+from embshard import FusedOptimizerConfig
 from embshard.spec.plan import MemoryTier
 
 OPT = FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6)
 SEED = 5
 
 
-def _plan(world: int, local: int, group_size: int | None, tier: MemoryTier):
-    from dataclasses import replace
-
-    if group_size is None:
-        return simple_plan(MIXED, world, local, TYPES, tier=tier, column_shards=2)
-    group = simple_plan(MIXED, group_size, min(local, group_size), TYPES, tier=tier, column_shards=2)
-    return replace(group, world_size=world, local_world_size=local, sharding_group_size=group_size)
-
-
 def _state(ebc) -> tuple[dict, dict]:
     """Full weights, and each table's per-row optimizer state assembled from this rank's group (collective)."""
     rows = {t.name: torch.zeros(t.num_embeddings) for t in MIXED}
-    for name, s, st in ebc._gather([(n, s, st["m"].detach().cpu()) for n, s, st in ebc.local_optimizer_states()]):
+    mine = [(n, s, st["m"].detach().cpu()) for n, s, st in ebc.local_optimizer_states()]
+    everyone: list = [None] * ebc.world_size
+    torch.distributed.all_gather_object(everyone, mine, group=ebc.group)  # the rank's sharding group
+    for name, s, st in (item for items in everyone for item in items):
         rows[name][s.row_offset : s.row_offset + s.num_rows] = st
     return ebc.full_weights(), rows
 
@@ -43,7 +37,7 @@ def _save(rank, world, device, folder):
     from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
-    ebc = ShardedEmbeddingBagCollection(MIXED, _plan(world, 2, 2, tier), OPT, device=device, seed=SEED)
+    ebc = ShardedEmbeddingBagCollection(MIXED, twod_plan(MIXED, 2, tier, world=world), OPT, device=device, seed=SEED)
     features = [f for t in MIXED for f in t.feature_names]
     for per_rank, upstream in random_batches(MIXED, [2, 3, 1, 2], 2, SEED + 1):
         out = ebc(to_kjt(per_rank[rank], features, device)).to_dict()
@@ -61,7 +55,9 @@ def _load(rank, world, device, folder, group_size):
 
     tier = MemoryTier.HOST if device.type == "cpu" else MemoryTier.HBM
     local = 2 if world > 2 else 1
-    ebc = ShardedEmbeddingBagCollection(MIXED, _plan(world, local, group_size, tier), OPT, device=device, seed=99)
+    ebc = ShardedEmbeddingBagCollection(
+        MIXED, twod_plan(MIXED, group_size, tier, world=world, local=local), OPT, device=device, seed=99
+    )
     load_checkpoint(latest(folder), TrainState({"ebc": ebc}))
     return {"state": _state(ebc), "optimizer_step": ebc.optimizer_step}
 

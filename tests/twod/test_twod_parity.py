@@ -12,39 +12,23 @@ One call of 4 processes trains every run; the tests compare the collected result
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import pytest
 import torch
 from dist_harness import run_distributed
 from parity import check_parity, random_batches, sharded_worker, to_kjt
 from reference import ReferenceEBC
+from twod_cases import DP, MIXED, TYPES, WORLD, twod_plan
 
-from embshard import FusedOptimizerConfig, TableConfig, simple_plan
-from embshard.spec.plan import MemoryTier, ShardingPlan, ShardingType
+from embshard import FusedOptimizerConfig
+from embshard.spec.plan import MemoryTier
 
-TW, RW, CW, TWRW, DP = (
-    ShardingType.TABLE_WISE,
-    ShardingType.ROW_WISE,
-    ShardingType.COLUMN_WISE,
-    ShardingType.TABLE_ROW_WISE,
-    ShardingType.DATA_PARALLEL,
-)
-MIXED = [
-    TableConfig("m_tw", 30, 8, ("g_a",)),
-    TableConfig("m_cw", 20, 16, ("g_b", "g_c"), pooling="mean", ids_per_bag=2),
-    TableConfig("m_rw", 61, 12, ("g_d",), weighted=True, ids_per_bag=2),
-    TableConfig("m_twrw", 45, 4, ("g_e",), pooling="mean", ids_per_bag=2),
-    TableConfig("m_dp", 10, 8, ("g_f", "g_g"), weighted=True, ids_per_bag=2),
-]
-TYPES = {"m_tw": TW, "m_cw": CW, "m_rw": RW, "m_twrw": TWRW, "m_dp": DP}
 OPTIMIZERS = {
     "sgd": FusedOptimizerConfig("sgd", lr=0.1),
     "adagrad": FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6),
     "rowwise_adagrad": FusedOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
     "adam": FusedOptimizerConfig("adam", lr=0.05, eps=1e-6),
 }
-WORLD, LOCAL = 4, 2
 BATCH_SIZES = [3, 0, 4, 2]  # unequal local batches, one empty
 STEPS = 3
 SEED = 11
@@ -58,25 +42,6 @@ PERIODIC_TABLES = MIXED  # the data-parallel table m_dp sums its gradients over 
 PERIODIC_OPT = FusedOptimizerConfig("adagrad", lr=0.1, eps=1e-6)
 PERIODIC_EVERY = 2
 CLOSE = {"atol": 1e-4, "rtol": 1e-4}  # adagrad in fp32 against the fp64 reference, for a few steps
-
-
-def twod_plan(
-    tables, group_size: int | None, tier: MemoryTier, sync: str = "exact", every: int = 1, world: int = WORLD
-) -> ShardingPlan:
-    """The plan of `tables` for `world` ranks (hosts of 2), 2D with sharding groups of `group_size` ranks (None: no
-    2D): one group's layout planned for `group_size` ranks, the groups replicas of it."""
-    types = {t.name: TYPES[t.name] for t in tables}
-    if group_size is None:
-        return simple_plan(tables, world, LOCAL, types, tier=tier, column_shards=2)
-    group = simple_plan(tables, group_size, min(LOCAL, group_size), types, tier=tier, column_shards=2)
-    return replace(
-        group,
-        world_size=world,
-        local_world_size=LOCAL,
-        sharding_group_size=group_size,
-        replica_sync=sync,
-        replica_sync_every=every,
-    )
 
 
 def _periodic(rank: int, device: torch.device, tier: MemoryTier) -> dict:
