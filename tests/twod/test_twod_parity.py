@@ -64,9 +64,11 @@ def _periodic(rank: int, device: torch.device, tier: MemoryTier) -> dict:
         out = ebc(to_kjt(per_rank[rank], features, device)).to_dict()
         sum((out[f] * upstream[rank][f].to(device)).sum() for f in features).backward()
     before = (ebc.full_weights(), states())
+    drift = ebc.replica_difference()
     out = ebc(to_kjt(batches[PERIODIC_EVERY][0][rank], features, device)).to_dict()
     return {
         "before": before,
+        "differences": (drift, ebc.replica_difference()),
         "after": (ebc.full_weights(), states()),
         "outputs": {f: o.detach().cpu() for f, o in out.items()},
     }
@@ -153,6 +155,9 @@ def test_periodic_drifts_then_averages():
             return of(world, name)
         return of(groups[group], name) if group is not None else sum(of(r, name) for r in groups) / len(groups)
 
+    assert all(r["differences"][0] > 1e-4 and r["differences"][1] == 0.0 for r in results), [
+        r["differences"] for r in results
+    ]
     for rank, res in enumerate(results):
         for when, group in (("before", rank // 2), ("after", None)):
             weights, states = res[when]
