@@ -83,7 +83,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, ReplicaState, nn.Modu
 
     Args:
         tables: the tables (each names the features that look it up).
-        plan: where each shard lives; `plan.world_size` must equal the process group's size.
+        plan: where each shard lives; `plan.world_size` must equal the process group's size (2D plans: replica_state.py).
         optimizer: the fused sparse optimizer applied in backward.
         output_groups: {group name: [feature, ...]} (features may repeat across groups); forward then returns
             {group name: tensor}. Without it forward returns a torchrec KeyedTensor of all features.
