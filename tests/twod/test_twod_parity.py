@@ -1,5 +1,5 @@
 """2D sharding against the unsharded reference, at world 4 (2 hosts x 2 ranks; gloo on CPU, NCCL with
-EMBSHARD_TEST_DEVICE=cuda): every sharding type in one collection, 2D exact (sharding groups of 2 and of 1 rank)
+EMBSHARD_TEST_DEVICE=cuda): every sharding type in one collection, 2D exact (sharding groups of 2, of 1 and of 4 ranks)
 and without 2D, with sgd, adagrad, row-wise Adagrad and Adam: outputs every step and weights after the steps equal
 the reference trained on the whole world's batch, on every rank of every group, and the groups' optimizer states
 are equal. Periodic mode: between averagings each group equals a reference trained on its own group's batch; at
@@ -34,6 +34,7 @@ STEPS = 3
 SEED = 11
 # (name, sharding group size or None, optimizer): 2D exact with groups of 2 (a host each) and of 1, and without 2D
 RUNS = [(f"g2_{o}", 2, o) for o in OPTIMIZERS] + [("g1_rowwise_adagrad", 1, "rowwise_adagrad")]
+RUNS += [("g4_sgd", 4, "sgd")]  # one group of every rank: the plan's 2D fields with nothing to replicate
 RUNS += [(f"flat_{o}", None, o) for o in ("sgd", "adam")]
 # World 8 (4 hosts x 2): groups of 4 (2 hosts each) and of 2, in one call of 8 processes
 WIDE_RUNS = [("w8_g4_rowwise_adagrad", 4, "rowwise_adagrad"), ("w8_g2_adam", 2, "adam")]
