@@ -8,7 +8,7 @@ sharding groups of `--group-size`:
     exact       2D, replica_sync exact: the same update every step as `none` (AUC equal up to float rounding)
     periodic_N  2D, replica_sync periodic every N steps: each group trains on its own batches, averaged every N
 
-Prints one line per variant (held-out loss and AUC at the end, training time) and checks: PASS when exact's AUC is
+Prints one line per variant (held-out loss and AUC at the end, the last logged training throughput, wall time) and checks: PASS when exact's AUC is
 within `--exact-tol` of none's (it trains the same model), and reports how far each periodic variant falls below
 exact (no verdict: that is the trade the setting makes). Writes `twod_quality.json` under --out.
 
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SPEED = re.compile(r"^train step\s+\d+\s+loss\s+[0-9.]+\s+([0-9.]+)\s+samples/s", re.M)
 EVAL = re.compile(r"^eval\s+step\s+(\d+)\s+loss\s+([0-9.]+)\s+auc\s+([0-9.]+)", re.M)
 
 
@@ -57,7 +58,17 @@ def run_variant(args: argparse.Namespace, twod: list[str]) -> dict:
         return {"ok": False, "error": "no eval line in the output", "wall_s": wall}
     step, loss, auc = found[-1]
     same = "replicas identical" in res.stdout if twod else True
-    return {"ok": True, "step": int(step), "loss": float(loss), "auc": float(auc), "wall_s": wall, "identical": same}
+    speeds = SPEED.findall(res.stdout)
+    speed = float(speeds[-1]) if speeds else None  # the last logged window's training throughput
+    return {
+        "ok": True,
+        "step": int(step),
+        "loss": float(loss),
+        "auc": float(auc),
+        "wall_s": wall,
+        "samples_per_s": speed,
+        "identical": same,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, twod in variants.items():
         r = results[name] = run_variant(args, twod)
         if r["ok"]:
-            print(f"RESULT twod_quality {name}: auc {r['auc']:.4f} loss {r['loss']:.4f} wall {r['wall_s']:.1f} s")
+            speed = f"{r['samples_per_s']:.0f} samples/s" if r["samples_per_s"] is not None else "no throughput line"
+            print(
+                f"RESULT twod_quality {name}: auc {r['auc']:.4f} loss {r['loss']:.4f} {speed} wall {r['wall_s']:.1f} s"
+            )
         else:
             print(f"FAIL twod_quality {name}: the run failed:\n{r['error']}")
     ok = all(r["ok"] for r in results.values())
