@@ -11,7 +11,8 @@ which differ at 4 ranks as 2 hosts x 2), 1-6 tables of 1 to 5000 rows and 4 to 1
 (multiples of 4: FBGEMM's rule), sum or mean pooling, per-id weights, 1-3 features per table, fp32 or fp16 weights;
 every sharding type (random rank orders, fewer row blocks than ranks, uneven column blocks, several blocks of a
 table on one rank), every tier of the device (CPU: host; GPU: hbm, uvm, uvm_caching with a random cache size and
-policy), every optimizer with weight decay where the device honours it; local batches of 0 to 8 (some steps 0 on
+policy), every optimizer with weight decay where the device honours it; 2D layouts (sharding groups of a divisor of the
+ranks, exact replica sync); local batches of 0 to 8 (some steps 0 on
 every rank), empty bags, features with no ids on a rank, hot rows (repeated ids), out-of-range ids dropped by
 bounds_check='drop' (some ranks lose every id) or raised by 'error' (every rank raises at that step; training goes
 on), int32 or int64 ids, the KJT's keys in any order (changing between steps), output groups with repeated and
@@ -183,8 +184,9 @@ def to_corners(case: Case, rng: random.Random, device: str) -> Case:
     exact column-wise update (the path whose backward all-to-all depends on what ranks hold), a rank whose features
     are all silent at a step, and empty local and global batches."""
     W = case.world_size
-    holder = rng.randrange(W)
-    lws = case.plan.local_world_size
+    group = case.plan.group_plan()  # 2D: the shards' ranks are ranks within a sharding group
+    holder = rng.randrange(group.world_size)
+    lws = group.local_world_size
     plans = []
     for tp in case.plan.tables:
         if tp.sharding_type in (TW, CW) and rng.random() < 0.7:
@@ -322,6 +324,7 @@ def _draw_case(seed: int, device: str, worlds: Sequence[int]) -> Case:
         options["output_dtype"] = rng.choice(["fp16", "bf16"])
     if rng.random() < 0.2:
         options["stochastic_rounding"] = False
+    plan = _twod(seed, plan, tables, bool(bad) or "bounds_check" in options, device)
     return Case(
         seed,
         W,
@@ -341,6 +344,32 @@ def _draw_case(seed: int, device: str, worlds: Sequence[int]) -> Case:
     )
 
 
+def _twod(seed: int, plan: ShardingPlan, tables: list[TableConfig], drops: bool, device: str) -> ShardingPlan:
+    """The plan made 2D (exact replica sync) in a quarter of the cases of several ranks, from a stream of its own
+    (the rest of a seed's draw stays what it was): sharding groups of G ranks, G a divisor of the world size below it
+    (a multiple or a divisor of the ranks per host), each group the same layout, drawn afresh for G ranks with each
+    table's sharding type. Not with out-of-range ids (each rank's dropped-id count would include its replicas')."""
+    rng = random.Random(seed * 15485863 + 7)
+    W, lws = plan.world_size, plan.local_world_size
+    sizes = [g for g in range(1, W) if W % g == 0 and (g % lws == 0 or lws % g == 0)]
+    if drops or not sizes or rng.random() >= 0.25:
+        return plan
+    G = rng.choice(sizes)
+    group_lws = lws if G % lws == 0 else G
+    by_name = {t.name: t for t in tables}
+    plans = [
+        replace(_table_plan(rng, by_name[tp.table], tp.sharding_type, G, group_lws, device), **_tier_of(tp))
+        for tp in plan.tables
+    ]
+    twod = replace(plan, tables=tuple(plans), sharding_group_size=G, table_row_wise_exchange="flat")
+    twod.check(tables)
+    return twod
+
+
+def _tier_of(tp: TablePlan) -> dict:
+    return {"tier": tp.tier, "cache_load_factor": tp.cache_load_factor, "cache_algorithm": tp.cache_algorithm}
+
+
 # ---- what a case covers -----------------------------------------------------------------------------------------
 def case_tags(case: Case) -> set[tuple]:
     """What `case` exercises, as tags: (world size, sharding type, optimizer) of every table, and per world size
@@ -349,6 +378,7 @@ def case_tags(case: Case) -> set[tuple]:
     rows, dropped or refused ids, int32 ids, shuffled keys, output groups)."""
     W, opt = case.world_size, case.optimizer.kind.value
     tags: set[tuple] = {("ranks per host", W, case.plan.local_world_size), ("steps", case.steps)}
+    tags |= {("2D", W, case.plan.sharding_group_size)} if case.plan.sharding_group_size else set()
     tables = {t.name: t for t in case.tables}
     for tp in case.plan.tables:
         st, t = tp.sharding_type.value, tables[tp.table]
@@ -515,7 +545,9 @@ def case_source(case: Case) -> str:
         "    ],",
         f"    plan=ShardingPlan({case.plan.world_size}, {case.plan.local_world_size}, (",
         *[f"{ind}{_plan_source(tp)}," for tp in case.plan.tables],
-        f"    ), {case.plan.table_row_wise_exchange.value!r}),",
+        f"    ), {case.plan.table_row_wise_exchange.value!r}"
+        + (f", sharding_group_size={case.plan.sharding_group_size}" if case.plan.sharding_group_size else "")
+        + "),",
         f"    optimizer={_optimizer_source(case.optimizer)},",
         f"    batch_sizes={case.batch_sizes!r},",
         f"    options={case.options!r},",

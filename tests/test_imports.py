@@ -44,7 +44,7 @@ import pytest
 
 ROOT = paths.ROOT
 LAYERS = (
-    "spec", "planner", "config", "data", "runtime", "lookup", "kernels", "rawids", "sharding", "collection",
+    "spec", "planner", "config", "data", "runtime", "lookup", "kernels", "rawids", "sharding", "twod", "collection",
     "retrieval", "models", "checkpoint", "training", "interop", "serving", "tools", "cli",
 )  # fmt: skip
 """embshard's layers, lowest first: `embshard.<layer>` and its modules; the last, `cli`, also holds the package root."""

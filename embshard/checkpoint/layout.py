@@ -99,6 +99,8 @@ def save_pieces(ebc: Any, prefix: str) -> list[Piece]:
     """The pieces (live views, not chunked) this rank writes of collection `ebc`, saved as `prefix`."""
     configs = {t.name: t for t in ebc.tables}
     out: list[Piece] = []
+    if getattr(ebc, "replica_index", 0) != 0:
+        return out  # 2D: the sharding groups hold replicas of one layout; group 0's is saved
     for name, sh, w, state in _local(ebc):
         tp, cfg = ebc.plan[name], configs[name]
         R, D = cfg.num_embeddings, cfg.embedding_dim

@@ -54,6 +54,8 @@ def _collect(state: TrainState, position: Any) -> tuple[list[Piece], dict[str, A
     pieces: list[Piece] = []
     steps = {}
     for prefix, ebc in state.collections.items():
+        if hasattr(ebc, "sync_replicas"):
+            ebc.sync_replicas()  # periodic 2D: the replicas averaged, so group 0's holds the run's state
         pieces += save_pieces(ebc, prefix) + raw_ids.save_pieces(ebc, prefix)
         steps[prefix] = ebc.optimizer_step
     mine = (steps, position is not None, sorted({p.key for p in state.row_tensors}))

@@ -32,6 +32,7 @@ from torch import nn
 from embshard.collection.bounds import check_ids, count_bad_ids
 from embshard.collection.regroup import Regroup
 from embshard.collection.regroup_kernel import KernelRegroup
+from embshard.collection.replica_state import ReplicaState
 from embshard.collection.shard_state import ShardState
 from embshard.collection.step_state import StepState
 from embshard.lookup.stats import format_cache_stats
@@ -75,14 +76,15 @@ class PrefetchHandle:
     """The CUDA stream the prefetch ran on, or None (the current stream)."""
     used: bool = False
     """Set once forward consumed it."""
+    rows: Any = None  # 2D exact: where this rank's samples sit in the gathered batch (`ReplicaState`)
 
 
-class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
+class ShardedEmbeddingBagCollection(StepState, ShardState, ReplicaState, nn.Module):
     """Embedding-bag tables sharded by `plan`, trained with a fused sparse optimizer.
 
     Args:
         tables: the tables (each names the features that look it up).
-        plan: where each shard lives; `plan.world_size` must equal the process group's size.
+        plan: where each shard lives; `plan.world_size` must equal the process group's size (2D plans: replica_state.py).
         optimizer: the fused sparse optimizer applied in backward.
         output_groups: {group name: [feature, ...]} (features may repeat across groups); forward then returns
             {group name: tensor}. Without it forward returns a torchrec KeyedTensor of all features.
@@ -110,7 +112,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
         spec_tables.check_pooling_kinds(tables, False, "ShardedEmbeddingBagCollection")
         plan.check(tables)
         check_raw_plan(tables, plan)
-        world_size, rank = world_and_rank(group)
+        world_size, _ = world_and_rank(group)
         if plan.world_size != world_size:
             raise ConfigError(
                 f"the plan is for world_size={plan.world_size} but the process group has {world_size} ranks: "
@@ -121,17 +123,17 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tables = list(tables)
         self.plan = plan
-        self.rank, self.world_size, self.group = rank, world_size, group
         self.optimizer = optimizer or FusedOptimizerConfig()
         self.options = options or LookupOptions()
+        group_plan, group, rank, world_size, dp_group = self._sharding_groups(plan, group, self.options)
+        self.rank, self.world_size, self.group = rank, world_size, group
         self._dropped: dict[str, int] = {}
         self.features = feature_order(tables)
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self._feature_dims = [self._table_of[f].embedding_dim for f in self.features]
-        ctx = ShardingContext(
-            rank, world_size, self.device, group, self.optimizer, self.options, seed, feature_columns(self.tables)
-        )
-        self.schemes = nn.ModuleList(build_schemes(self.tables, plan, ctx))
+        cols = feature_columns(self.tables)
+        ctx = ShardingContext(rank, world_size, self.device, group, self.optimizer, self.options, seed, cols, dp_group)
+        self.schemes = nn.ModuleList(build_schemes(self.tables, group_plan, ctx))
         # Each feature's output columns may be split over several keys (column-wise): keys in column order.
         feature_keys: dict[str, list[tuple[int, str]]] = {f: [] for f in self.features}
         for scheme in self.schemes:
@@ -218,7 +220,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
         weights = kjt.weights_or_none()
         if values.device != self.device:
             raise ConfigError(f"input is on {values.device} but the module computes on {self.device}: move it")
-        return lengths_FB, values, weights, index
+        return *self._replica_input(lengths_FB, values, weights, self._kjt_layout[0]), index
 
     def host_counts(self, kjt, check: bool = True) -> torch.Tensor | None:
         """This rank's row of a step's counts table (`sharding.exchange.counts_row`, step 0), computed from the
@@ -226,7 +228,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
         ids and ids per feature. A pipeline gathers these rows over a CPU process group and passes them to
         `prefetch(..., counts=)`. None in drop mode (the ids sent depend on the drops, made on the device).
         `check=False` skips the out-of-range count (a source that guarantees every id is in range)."""
-        if self.options.bounds_check is BoundsCheck.DROP:
+        if self.options.bounds_check is BoundsCheck.DROP or self._exact:  # 2D exact: counts of the gathered batch
             return None
         kjt = self._used_only(kjt)
         index = self._layout(kjt)
@@ -291,6 +293,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
             return self._take_ahead()
         if prefetched is None and self._pending and self._pending[0].kjt is kjt:
             prefetched = self._pending[0]
+        self._periodic_sync()
         with comm.scope(f"step {self.step}"):
             if prefetched is not None:
                 inputs, lengths_FB, index = self._consume(prefetched, kjt)
@@ -311,7 +314,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
             self.advance_step()
         if self._mean_features:
             blocks = self._apply_mean(blocks, lengths_FB, index)
-        out = self.regroup(blocks)
+        out = self._own_rows(self.regroup(blocks), prefetched)
         if self.groups is not None:
             return out
         from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -371,7 +374,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
             if self.options.prefetch_pipeline:
                 for scheme, inp in zip(self.schemes, inputs):
                     scheme.prefetch(inp, caller)
-        handle = PrefetchHandle(kjt, lengths_FB, index, inputs, stream)
+        handle = PrefetchHandle(kjt, lengths_FB, index, inputs, stream, rows=self._rows)
         self._pending.append(handle)
         return handle
 

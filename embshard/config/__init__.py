@@ -38,6 +38,7 @@ from embshard.config.run import (
 )
 from embshard.config.runtime import RuntimeConfig
 from embshard.config.schema import Source, build
+from embshard.config.sharding import ShardingConfig
 from embshard.planner.policy import PlannerConfig
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.options import LookupOptions, counts_on_host
@@ -58,6 +59,7 @@ __all__ = [
     "MovieLensConfig",
     "PlannerConfig",
     "RuntimeConfig",
+    "ShardingConfig",
     "ScheduleConfig",
     "SyntheticConfig",
     "TableConstraint",
@@ -97,6 +99,8 @@ class TrainConfig:
     """Console, progress bar, TensorBoard and metrics file."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Collective timeout (watchdog) and numeric guard."""
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    """2D sharding: sharding groups that are data-parallel replicas (group size, exact or periodic sync)."""
     seed: int = 0
     """Seed of the initial weights, the data shuffles and the synthetic data."""
 

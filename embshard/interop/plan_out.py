@@ -60,6 +60,11 @@ def plan_dict(
         raise ConfigError(f"device_type={device_type!r} is invalid: TorchRec plans here are for {DEVICE_TYPES}")
     if tables is not None:
         check_tables(plan, tables)
+    if plan.sharding_group_size is not None and plan.num_replicas > 1:
+        raise ConfigError(
+            f"the plan is 2D (sharding_group_size={plan.sharding_group_size}); a TorchRec plan holds one sharding "
+            "group: export `plan.group_plan()` (and wrap the model in TorchRec's DMPCollection for the replicas)"
+        )
     notes: list[str] = []
     tables = {
         tp.table: _table(tp, plan, device_type, optimizer, options or LookupOptions(), notes) for tp in plan.tables

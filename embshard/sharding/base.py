@@ -71,6 +71,8 @@ class ShardingContext:
     """Seed of the deterministic initial weights (None: drawn on the device, not reproducible)."""
     columns: Mapping[str, int] = field(default_factory=dict)
     """Feature -> its column in `BatchCounts.ids` (the collection's canonical feature order)."""
+    data_parallel_group: dist.ProcessGroup | None = None
+    """The group data-parallel tables sum their gradients over (None: `group`); periodic 2D: the whole world."""
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ class DataParallelSharding(Scheme):
     def __init__(self, shards: Sequence[LocalShard], ctx: ShardingContext) -> None:
         super().__init__()
         cls = KernelDataParallelLookup if shards[0].kernel is LookupKernel.SMALL else DataParallelLookup
-        lookup = cls(shards, ctx.optimizer, ctx.device, ctx.group, ctx.seed, ctx.options)
+        group = ctx.data_parallel_group if ctx.data_parallel_group is not None else ctx.group
+        lookup = cls(shards, ctx.optimizer, ctx.device, group, ctx.seed, ctx.options)
         self.lookups = nn.ModuleList([lookup])
         keys, dims = lookup.features, lookup.dims  # the lookup's order: tables grouped by width
         self.layout = OutputLayout(list(keys), list(dims), [list(keys)], [list(dims)])  # one output block

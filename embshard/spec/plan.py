@@ -45,6 +45,13 @@ GRAPH_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
 exchanges are sized from the host's counts."""
 
 
+class ReplicaSync(str, enum.Enum):
+    """How the sharding groups of a 2D plan (`ShardingPlan.sharding_group_size`) keep their replicas together."""
+
+    EXACT = "exact"  # every step: each group's update is the whole world batch's (embshard/twod)
+    PERIODIC = "periodic"  # every `replica_sync_every` steps: weights and optimizer state averaged over the groups
+
+
 class MemoryTier(str, enum.Enum):
     """Where a shard's weights and optimizer state live."""
 
@@ -136,44 +143,51 @@ class ShardingPlan:
     """Output exchange of the table-row-wise tables: flat (one all-to-all over every rank) or hierarchical (a
     reduce within each host, then one all-to-all between the hosts' peer ranks; the same outputs)."""
     sharding_group_size: int | None = None
-    """2D sharding: None, no 2D; else the ranks of one sharding group (it divides world_size). Groups are contiguous
-    rank ranges, every group has the same layout and shard ranks are ranks within a group (0..G-1); the groups are
-    data-parallel replicas of each other."""
-    replica_sync: str = "exact"
-    """2D sharding: how the groups' replicas of a shard stay equal: "exact" (the touched rows' gradients are
-    all-reduced across the replicas every step) or "periodic" (weights and optimizer state averaged every
-    replica_sync_every steps)."""
+    """2D sharding: None (every rank in one sharding group), or G ranks per sharding group: G divides world_size,
+    group g is ranks [g*G, (g+1)*G), every group holds the same layout (the shards' `rank`s are ranks within a
+    group, 0..G-1) and the groups are data-parallel replicas of each other."""
+    replica_sync: ReplicaSync = ReplicaSync.EXACT
+    """2D only: how the groups' replicas stay together: exact (every step, the same update as without 2D) or
+    periodic (weights and optimizer state averaged over the groups every `replica_sync_every` steps)."""
     replica_sync_every: int = 1
-    """2D sharding with replica_sync "periodic": steps between two synchronizations."""
+    """2D periodic only: steps between two averagings of the replicas (>= 1)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "tables", tuple(t if isinstance(t, TablePlan) else TablePlan(**t) for t in self.tables)
         )
         set_enum_field(self, "table_row_wise_exchange", Exchange, "plan: ")
+        set_enum_field(self, "replica_sync", ReplicaSync, "plan: ")
         if self.world_size < 1 or self.local_world_size < 1 or self.world_size % self.local_world_size:
             raise ConfigError(
                 f"plan: world_size={self.world_size} and local_world_size={self.local_world_size} are "
                 "invalid: both must be >= 1 and world_size a multiple of local_world_size"
             )
-        g = self.sharding_group_size
-        if g is not None and (not _is_int(g) or g < 1 or self.world_size % g):
-            raise ConfigError(
-                f"plan: sharding_group_size={g!r} is invalid: it must divide world_size={self.world_size} "
-                "(or be None for no 2D sharding)"
-            )
-        if self.replica_sync not in ("exact", "periodic") or not _is_int(self.replica_sync_every):
-            raise ConfigError(
-                f"plan: replica_sync={self.replica_sync!r} / replica_sync_every={self.replica_sync_every!r} are "
-                "invalid: replica_sync is 'exact' or 'periodic', replica_sync_every an integer >= 1"
-            )
-        if self.replica_sync_every < 1:
-            raise ConfigError(f"plan: replica_sync_every={self.replica_sync_every} is invalid: give an integer >= 1")
+        _check_twod(self.world_size, self.local_world_size, self.sharding_group_size, self.replica_sync_every)
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per sharding group: `sharding_group_size`, or world_size without 2D."""
+        return self.sharding_group_size or self.world_size
 
     @property
     def shard_world_size(self) -> int:
-        """Ranks one layout spans: the sharding group's size under 2D sharding, else world_size."""
-        return self.sharding_group_size or self.world_size
+        """Ranks one layout spans: the sharding group's size under 2D sharding, else world_size (= group_size)."""
+        return self.group_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Sharding groups (replicas of the model-parallel tables): world_size // group_size."""
+        return self.world_size // self.group_size
+
+    def group_plan(self) -> ShardingPlan:
+        """The layout one sharding group holds, as a plan of its own: world_size = group_size, ranks within the
+        group (the plan itself without 2D). A group inside a host keeps the group's ranks as its host; its
+        table-row-wise exchange is flat (the same outputs as the hierarchical one)."""
+        if self.sharding_group_size is None:
+            return self
+        G, L = self.sharding_group_size, self.local_world_size
+        return ShardingPlan(G, L if G % L == 0 else G, self.tables, Exchange.FLAT)
 
     def __getitem__(self, table: str) -> TablePlan:
         index = self.__dict__.get("_by_name")
@@ -194,8 +208,9 @@ class ShardingPlan:
                 f"plan does not match the tables: missing from plan {sorted(given - planned)}, "
                 f"unknown to the model {sorted(planned - given)}; re-plan for this model"
             )
+        group = self.group_plan()
         for cfg in tables:
-            _check_table(self[cfg.name], cfg, self.shard_world_size, min(self.local_world_size, self.shard_world_size))
+            _check_table(self[cfg.name], cfg, group.world_size, group.local_world_size)
         dp = {t.table: t.kernel.value for t in self.tables if t.sharding_type is ShardingType.DATA_PARALLEL}
         if len(set(dp.values())) > 1:
             raise ConfigError(
@@ -217,9 +232,9 @@ class ShardingPlan:
             return obj
 
         out = enc(asdict(self))
-        if self.sharding_group_size is None:  # no 2D: the plan's file as without 2D sharding
+        if self.sharding_group_size is None:  # plans without 2D keep their earlier form
             for key in ("sharding_group_size", "replica_sync", "replica_sync_every"):
-                out.pop(key)
+                del out[key]
         return out
 
     @classmethod
@@ -236,7 +251,7 @@ class ShardingPlan:
                 ),
                 table_row_wise_exchange=data.get("table_row_wise_exchange", Exchange.FLAT.value),
                 sharding_group_size=data.get("sharding_group_size"),
-                replica_sync=data.get("replica_sync", "exact"),
+                replica_sync=data.get("replica_sync", ReplicaSync.EXACT.value),
                 replica_sync_every=data.get("replica_sync_every", 1),
             )
         except ConfigError as e:
@@ -280,7 +295,9 @@ class ShardingPlan:
         if any(t.sharding_type is ShardingType.TABLE_ROW_WISE for t in self.tables):
             head += f" table_row_wise_exchange={self.table_row_wise_exchange.value}"
         if self.sharding_group_size is not None:
-            head += f" sharding_group_size={self.sharding_group_size} replica_sync={self.replica_sync}"
+            every = f" every {self.replica_sync_every} steps" if self.replica_sync is ReplicaSync.PERIODIC else ""
+            head += f" sharding_group_size={self.sharding_group_size} ({self.num_replicas} replicas; ranks within a "
+            head += f"group) replica_sync={self.replica_sync.value}{every}"
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:n], widths)) + "  " + r[n] for r in rows]
         return "\n".join(lines)
 
@@ -291,6 +308,27 @@ def ranks_text(ranks: Sequence[int]) -> str:
     if len(uniq) > 2 and uniq == list(range(uniq[0], uniq[-1] + 1)):
         return f"{uniq[0]}-{uniq[-1]}"
     return ",".join(map(str, uniq))
+
+
+def _check_twod(world: int, local: int, group: Any, every: Any) -> None:
+    """Raise ConfigError naming the field, the value and the fix unless the 2D fields fit the world."""
+    if group is not None:
+        if not _is_int(group) or group < 1 or world % group:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ConfigError(
+                f"plan: sharding_group_size={group!r} is invalid: it must divide world_size={world} (one of "
+                f"{divisors}), or be null for no 2D sharding"
+            )
+        if group % local and local % group:
+            raise ConfigError(
+                f"plan: sharding_group_size={group} with local_world_size={local} is invalid: a sharding group must "
+                f"be whole hosts or lie inside one host: make it a multiple or a divisor of {local}"
+            )
+    if not _is_int(every) or every < 1:
+        raise ConfigError(
+            f"plan: replica_sync_every={every!r} is invalid: it must be an integer >= 1 (the steps between two "
+            "averagings of a periodic 2D plan's replicas)"
+        )
 
 
 def _check_table(tp: TablePlan, cfg: TableConfig, world_size: int, local_world_size: int) -> None:
@@ -355,7 +393,7 @@ def _check_cover(spans: list[tuple[int, int]], total: int, what: str, bad: Any) 
 
 
 _PLAN_KEYS = {"world_size": True, "local_world_size": True, "tables": True, "table_row_wise_exchange": False}
-_PLAN_KEYS.update({"sharding_group_size": False, "replica_sync": False, "replica_sync_every": False})
+_PLAN_KEYS.update(dict.fromkeys(("sharding_group_size", "replica_sync", "replica_sync_every"), False))  # 2D
 _TABLE_KEYS = {
     "table": True,
     "sharding_type": True,
@@ -423,7 +461,16 @@ def _check_plan_data(data: Any, where: str) -> None:
     for key in ("world_size", "local_world_size"):
         if not _is_int(data[key]) or data[key] < 1:
             raise bad(key, data[key], "it must be an integer >= 1")
-    world, tables = data.get("sharding_group_size") or data["world_size"], data["tables"]
+    world, tables = data["world_size"], data["tables"]
+    group = data.get("sharding_group_size")
+    if group is not None and (not _is_int(group) or group < 1 or world % group):
+        raise bad("sharding_group_size", group, f"it must divide world_size={world}, or be null for no 2D sharding")
+    if data.get("replica_sync", "exact") not in [k.value for k in ReplicaSync]:
+        raise bad("replica_sync", data["replica_sync"], f"choose one of {[k.value for k in ReplicaSync]}")
+    every = data.get("replica_sync_every", 1)
+    if not _is_int(every) or every < 1:
+        raise bad("replica_sync_every", every, "it must be an integer >= 1")
+    ranks = group or world
     if not isinstance(tables, list):
         raise bad("tables", tables, "it must be a list of tables")
     seen: set[str] = set()
@@ -450,5 +497,8 @@ def _check_plan_data(data: Any, where: str) -> None:
                 low = 1 if key.startswith("num_") else 0
                 if not _is_int(s[key]) or s[key] < low:
                     raise bad(f"{field}.{key}", s[key], f"it must be an integer >= {low}")
-            if s["rank"] >= world:
-                raise bad(f"{field}.rank", s["rank"], f"ranks are 0..{world - 1} (world_size={world})")
+            if s["rank"] >= ranks:
+                within = f"ranks within a sharding group are 0..{ranks - 1} (sharding_group_size={group})"
+                raise bad(
+                    f"{field}.rank", s["rank"], within if group else f"ranks are 0..{world - 1} (world_size={world})"
+                )

@@ -172,6 +172,11 @@ def resolve_step_mode(cfg: TrainConfig, device_type: str, plan: ShardingPlan | N
         why = Refusal(
             "runtime.nan_check checks each step's loss and pooled embeddings eagerly", "runtime.nan_check=false"
         )
+    elif cfg.sharding.group_size is not None:
+        why = Refusal(
+            "sharding.group_size (2D sharding) gathers the replica sets' batches, sized on the host each step",
+            "sharding.group_size=null",
+        )
     else:
         why = dense_refusal(cfg)
     if why is None and world > 1 and cfg.batch_counts != "host":

@@ -221,6 +221,7 @@ class TrainPipeline:
         # The id exchange runs ahead only where the model hands `ebc` the batch's own kjt (not in catalog mode).
         self.dist_ahead = mode != "none" and model.catalog is None
         self.host_counts = counts_on_host(mode, self.ebc.options.bounds_check, model.catalog is not None)
+        self.host_counts = self.host_counts and getattr(self.ebc, "twod", None) is None  # 2D: counted on the device
         cached = [t.name for t in self.ebc.tables if self.ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
         if mode == "semi_sync" and (model.catalog is not None or cached):
             why = "a retrieval catalog" if model.catalog is not None else f"UVM-caching tables {cached}"
@@ -232,7 +233,8 @@ class TrainPipeline:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         self.autocast = precision == "bf16"
-        self.host_group = host_group if host_group is not None else host_group_for(self.ebc.group)
+        agree = None if getattr(self.ebc, "twod", None) is not None else self.ebc.group  # 2D: every rank agrees
+        self.host_group = host_group if host_group is not None else host_group_for(agree)
         self.world = dist.get_world_size(self.host_group) if dist.is_initialized() else 1
         self.data_stream = torch.cuda.Stream(self.device) if self.cuda and mode != "none" else None
         self.emb_stream = torch.cuda.Stream(self.device) if self.cuda and mode == "semi_sync" else None

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,6 +43,30 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     cfg = resolve_step_mode(cfg, device.type).applied(cfg)  # what the planner is asked for: the auto settings resolved
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     counts = cfg.batch_counts
+    twod = cfg.sharding
+    if twod.group_size is not None:  # 2D: plan one sharding group; the groups are its replicas
+        if cfg.training.cuda_graph and device.type == "cuda":
+            raise ConfigError(
+                "sharding.group_size (2D) with training.cuda_graph: a CUDA graph cannot hold the replica sets' batch "
+                "gathers (sized on the host each step): set training.cuda_graph false, or sharding.group_size null"
+            )
+        group_local = twod_local_world(twod.group_size, world, local_world)
+        plan = plan_on_rank0(
+            lambda: plan_for_job(
+                tables, cfg.planner, twod.group_size, group_local, device.type, batch, cfg.sparse_optimizer, log,
+                cfg.lookup, "device", whole_step_graph=False,
+            )
+        )  # fmt: skip
+        plan = replace(
+            plan,
+            world_size=world,
+            local_world_size=local_world,
+            sharding_group_size=twod.group_size,
+            replica_sync=twod.replica_sync,
+            replica_sync_every=twod.replica_sync_every,
+        )
+        log(str(plan))
+        return plan
     return plan_on_rank0(
         lambda: plan_for_job(
             tables,
@@ -57,6 +82,18 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
             whole_step_graph=cfg.whole_step_graph and device.type == "cuda",
         )
     )
+
+
+def twod_local_world(group_size: int, world: int, local_world: int) -> int:
+    """Ranks per host within one sharding group of `group_size` ranks (ConfigError naming sharding.group_size
+    unless it divides the world and is a multiple or a divisor of the ranks per host)."""
+    if world % group_size or (group_size % local_world and local_world % group_size):
+        raise ConfigError(
+            f"sharding.group_size={group_size} does not fit this job of {world} ranks, {local_world} per host: it "
+            "must divide the world size and be a multiple or a divisor of the ranks per host (e.g. "
+            f"{local_world}: one group per host), or null for no 2D sharding"
+        )
+    return local_world if group_size % local_world == 0 else group_size
 
 
 def build_model(
@@ -293,6 +330,8 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     replays = graphs.summary()
     if replays:
         report.line(replays)
+    if getattr(model.ebc, "twod", None) is not None:
+        report.line(model.ebc.replica_report())  # periodic: averaged, so every group ends with the same model
     do_eval(step)
     if ck.dir and step > start:
         ckpt.save(step, position)
