@@ -13,9 +13,7 @@ Backward runs the exchanges in reverse and the TBE applies the fused optimizer t
 
 For training pipelines (embshard/training/pipeline.py): `prefetch(kjt)` runs steps 0-1 of a coming batch early (and loads
 its rows into UVM caches); `lookup_ahead(kjt)` runs the whole forward of a coming batch early. A later
-`forward(kjt)` with the same kjt object picks either up. The state methods (`local_shards`, `full_weights`,
-`optimizer_step`, ...) are in embshard/collection/shard_state.py.
-"""
+`forward(kjt)` with the same kjt object picks either up. State methods (`local_shards`, ...): shard_state.py."""
 
 from __future__ import annotations
 
@@ -431,8 +429,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, ReplicaState, nn.Modu
         tables in other tiers. Per table: requested (ids looked up), unique_misses (rows fetched from UVM),
         hit_rate (1 - unique_misses / requested), cached_rows, rows, and for the TBE whose cache the table shares:
         cache_group (its tables), group_cache_slots, group_evictions (LRU only, else None).
-        Training loops log it every N steps: `log(format_cache_stats(ebc.cache_stats())); ebc.reset_cache_stats()`.
-        """
+        Training loops log it every N steps: `log(format_cache_stats(ebc.cache_stats())); ebc.reset_cache_stats()`."""
         stats = {k: v for scheme in self.schemes for k, v in scheme.cache_stats().items()}
         if gather and self.world_size > 1:
             everyone: list = [None] * self.world_size

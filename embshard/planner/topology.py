@@ -38,8 +38,8 @@ from embshard.planner.units import (
     from_yaml_units,
     plain_value,
 )
-from embshard.spec.plan import read_yaml_file
 from embshard.spec.tables import ConfigError
+from embshard.spec.yaml_file import read_yaml_file
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from embshard.spec.geometry import is_row_split, row_blocks
 from embshard.spec.tables import ConfigError, TableConfig, set_enum_field, validate_tables
+from embshard.spec.yaml_file import check_keys as _check_keys
+from embshard.spec.yaml_file import is_int as _is_int
+from embshard.spec.yaml_file import read_yaml_file
 
 
 class ShardingType(str, enum.Enum):
@@ -410,42 +413,6 @@ _PLAN_ENUMS: dict[str, type[enum.Enum]] = {
     "cache_algorithm": CacheAlgorithm,
     "kernel": LookupKernel,
 }
-
-
-def read_yaml_file(path: str | Path, what: str) -> Any:
-    """The content of a YAML (or JSON) file, parsed with yaml.safe_load; a file that cannot be read or parsed (or
-    that asks for Python objects) is a ConfigError naming the file and `what` it should hold."""
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the {what} file ({e})") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not a {what} file of plain YAML or JSON ({' '.join(str(e).split())})") from None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_keys(data: Any, spec: Mapping[str, bool] | Sequence[str], field: str, where: str) -> None:
-    if not isinstance(data, Mapping):
-        raise ConfigError(
-            f"{where}: not a valid embshard plan: {field} must be a mapping, not {type(data).__name__} {data!r}; "
-            "produce one with `embshard plan`"
-        )
-    required = [k for k, need in spec.items() if need] if isinstance(spec, Mapping) else list(spec)
-    missing = [k for k in required if k not in data]
-    unknown = [k for k in data if k not in spec]
-    if missing or unknown:
-        raise ConfigError(
-            f"{where}: not a valid embshard plan: {field} "
-            + (f"lacks {missing}" if missing else f"has unknown keys {unknown}")
-            + f" (its keys: {list(spec)}); produce one with `embshard plan`"
-        )
 
 
 def _check_plan_data(data: Any, where: str) -> None:
