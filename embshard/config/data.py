@@ -288,7 +288,7 @@ class SequencesConfig:
     def __post_init__(self) -> None:
         if self.max_length < 1:
             raise FieldError("max_length", self.max_length, "it must be >= 1 item")
-        if not 2 <= self.min_length <= self.max_length + 1:
+        if self.path is None and not 2 <= self.min_length <= self.max_length + 1:
             raise FieldError(
                 "min_length", self.min_length, f"it must be in [2, max_length + 1 = {self.max_length + 1}]"
             )

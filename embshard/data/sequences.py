@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -119,6 +120,11 @@ class SequenceSource:
 
         c = self.cfg
         columns = [c.user_column, c.item_column, c.time_column, *[f for f, _ in self.context]]
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"data.sequences.path={path!r} does not exist: give a CSV with a header (user, item and time columns; "
+                "docs/sequence.md shows how to make one of MovieLens-1M's ratings.dat)"
+            )
         try:
             table = pacsv.read_csv(path)
         except (OSError, Exception) as e:  # pyarrow raises ArrowInvalid for a malformed file
@@ -167,8 +173,11 @@ class SequenceSource:
         self.file_context = ctx
         self.steps_per_epoch = max(1, math.ceil(max(per_rank[0]) / self.batch_size))
         self.eval_steps = max(1, math.ceil(max(per_rank[1]) / self.batch_size))
-        if sum(per_rank[1]) == 0:
-            raise ConfigError(f"data.sequences.path={path!r}: no user has 2 or more items; nothing can be held out")
+        if sum(per_rank[0]) == 0:
+            raise ConfigError(
+                f"data.sequences.path={path!r}: no user of its {starts.size} has 3 or more items (a training sequence "
+                "without the held-out last item, predicting at least one item): give a file with longer histories"
+            )
 
     def _file_batch(self, users: list[tuple[np.ndarray, int]]) -> Batch:
         context = {f: np.array([v[s] for _, s in users], dtype=np.int64) for f, v in self.file_context.items()}
