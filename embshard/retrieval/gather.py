@@ -76,5 +76,9 @@ class _ScatterSumRows(torch.autograd.Function):
 
 def scatter_sum_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """`[sizes[rank], ...]`: this rank's rows of the sum over every rank's `x` `[sum(sizes), ...]` (rows in rank
-    order, as gather_rows lays them out). Collective; differentiable (the backward all-gathers the gradient)."""
+    order, as gather_rows lays them out). Collective; differentiable (the backward all-gathers the gradient). Under
+    grad mode every rank runs that backward collective, also a rank whose `x` needs no gradient (e.g. a rank
+    holding no rows of the summed blocks): the ranks' backward collectives stay in step."""
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()
     return _ScatterSumRows.apply(x, sizes, group)
