@@ -162,3 +162,17 @@ def test_two_processes_train_like_one():
     assert set(m1) == {"loss", "hr@10", "ndcg@10", "pop_hr@10", "pop_ndcg@10"}
     for k in m1:
         assert abs(m1[k] - m2[k]) < 0.02, (k, m1, m2)
+
+
+def test_movielens_config_reads_a_file_of_its_layout(tmp_path):
+    from embshard.config import load_config
+    from embshard.data import build_source
+
+    path = tmp_path / "ratings.csv"
+    lines = [f"{u},{(u * 7 + t * 13) % 50},4,{1000 + t}" for u in range(6) for t in range(u + 1)]
+    path.write_text("user_id,movie_id,rating,timestamp\n" + "\n".join(lines) + "\n")
+    cfg = load_config(paths.ROOT / "configs" / "sequential_movielens.yaml", [f"data.sequences.path={path}"])
+    src = build_source(cfg.data, list(cfg.model.tables), 4, cfg.seed, 0, 1)
+    assert src.steps_per_epoch == 1  # users 2..5 have 3 or more ratings
+    held = [b.size for b in src.eval_batches()]
+    assert sum(held) == 5  # users 1..5 have 2 or more
