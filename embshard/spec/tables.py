@@ -14,6 +14,7 @@ class Pooling(str, enum.Enum):
 
     SUM = "sum"
     MEAN = "mean"  # (weighted) sum divided by the number of ids in the bag; an empty bag gives zeros
+    NONE = "none"  # a sequence table: one embedding per id, never pooled (a sequence collection's, not a bag's)
 
 
 class DataType(str, enum.Enum):
