@@ -364,6 +364,12 @@ def check_sequential(cfg: ModelConfig) -> None:
             f"table {t.name!r} is the item catalog, whose width is the model's: make it a multiple of "
             f"sequential.num_heads ({sq.num_heads})",
         )
+    for f in sq.context_features:
+        j, c = known[f]
+        if c.pooling.value == "none":
+            raise FieldError(
+                f"tables[{j}].pooling", "none", f"table {c.name!r} feeds a context feature, pooled per user: sum or mean"
+            )
     used = {sq.item_feature, *sq.context_features}
     unused = [f for f in known if f not in used]
     if unused:

@@ -30,7 +30,7 @@ from embshard.retrieval.topk import recall_hits
 from embshard.runtime.comm import world_and_rank
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.plan import ShardingPlan
-from embshard.spec.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, Pooling, TableConfig
 
 ROW_BLOCK_TYPES = ("row_wise", "table_wise", "table_row_wise")
 
@@ -77,7 +77,9 @@ class Catalog(nn.Module):
             )
         sub = replace(plan, tables=(tp,))
         self.table, self.feature = table, table.feature_names[0]
-        self.ebc = ShardedEmbeddingBagCollection([table], sub, optimizer, device=device, group=group, seed=seed)
+        # every lookup of the catalog is of bags of one id (one row each): a sequence table (pooling none) is one
+        bags = replace(table, pooling=Pooling.SUM) if table.pooling is Pooling.NONE else table
+        self.ebc = ShardedEmbeddingBagCollection([bags], sub, optimizer, device=device, group=group, seed=seed)
         self.group, self.chunk_mib, self.device = group, chunk_mib, self.ebc.device
         self.world_size, self.rank = world_and_rank(group)
         blocks = {s.rank: (s.row_offset, s.num_rows) for s in tp.shards}

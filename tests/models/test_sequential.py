@@ -123,9 +123,12 @@ def test_config_errors_name_the_key():
         load_config(base, ["model.sequential.num_heads=3"])
     with pytest.raises(ConfigError, match="item_feature"):
         load_config(base, ["data.sequences.item_feature=user"])
+    with pytest.raises(ConfigError, match=r"tables\[1\].pooling=.none.*context feature"):
+        load_config(base, ["model.tables[1].pooling=none"])
 
 
 TINY = [
+    "model.tables[0].pooling=none",  # the catalog as a sequence table (one embedding per id)
     "model.tables[0].num_embeddings=300",
     "model.tables[0].embedding_dim=16",
     "model.tables[1].num_embeddings=50",
