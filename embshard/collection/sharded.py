@@ -105,13 +105,7 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
         options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
-        sequence = [t.name for t in tables if t.pooling is Pooling.NONE]
-        if sequence:
-            raise ConfigError(
-                f"tables {sequence} have pooling none (sequence tables: one embedding per id): an embedding-bag "
-                "collection pools every bag; give them pooling sum or mean, or look them up in a sequence collection"
-            )
+        validate_tables(tables, pooled=True)
         plan.check(tables)
         check_raw_plan(tables, plan)
         world_size, rank = world_and_rank(group)

@@ -188,8 +188,11 @@ class Tables(tuple):
         return validate_tables, (tuple(self),)  # a copy or an unpickled one is checked again
 
 
-def validate_tables(tables: Sequence[TableConfig]) -> Tables:
-    """The tables as Tables, checked by `check_tables` (given Tables: returned as they are, checked when made)."""
+def validate_tables(tables: Sequence[TableConfig], pooled: bool = False) -> Tables:
+    """The tables as Tables, checked by `check_tables` (given Tables: returned as they are, checked when made).
+    `pooled`: they are an embedding-bag collection's, which refuses sequence tables (`check_pooled`)."""
+    if pooled:
+        check_pooled(tables)
     if isinstance(tables, Tables):
         return tables
     check_tables(tables)
@@ -244,3 +247,14 @@ def feature_order(tables: Sequence[TableConfig]) -> list[str]:
 def feature_columns(tables: Sequence[TableConfig]) -> dict[str, int]:
     """Feature -> its position in the canonical order (the columns of the per-step id counts)."""
     return {f: i for i, f in enumerate(feature_order(tables))}
+
+
+def check_pooled(tables: Sequence[TableConfig]) -> None:
+    """Raise ConfigError naming the sequence tables (pooling none) among `tables`: an embedding-bag collection pools
+    every bag, which a sequence table (one embedding per id) must never be."""
+    sequence = [t.name for t in tables if t.pooling is Pooling.NONE]
+    if sequence:
+        raise ConfigError(
+            f"tables {sequence} have pooling none (sequence tables: one embedding per id): an embedding-bag "
+            "collection pools every bag; give them pooling sum or mean, or look them up in a sequence collection"
+        )
