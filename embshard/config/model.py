@@ -368,7 +368,9 @@ def check_sequential(cfg: ModelConfig) -> None:
         j, c = known[f]
         if c.pooling.value == "none":
             raise FieldError(
-                f"tables[{j}].pooling", "none", f"table {c.name!r} feeds a context feature, pooled per user: sum or mean"
+                f"tables[{j}].pooling",
+                "none",
+                f"table {c.name!r} feeds a context feature, pooled per user: sum or mean",
             )
     used = {sq.item_feature, *sq.context_features}
     unused = [f for f in known if f not in used]

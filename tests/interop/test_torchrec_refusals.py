@@ -82,7 +82,9 @@ def test_feature_processed_managed_collision_and_sequence_modules_are_refused():
         (table,) = tables_from_torchrec(source)
         assert (table.name, table.pooling, table.feature_names, table.weighted) == ("s", Pooling.NONE, ("g",), False)
         assert (table.num_embeddings, table.embedding_dim) == (16, 8)
-    with pytest.raises(ConfigError, match=r"tables \['s'\] have pooling none.*embedding-bag collection pools every bag"):
+    with pytest.raises(
+        ConfigError, match=r"tables \['s'\] have pooling none.*embedding-bag collection pools every bag"
+    ):
         ShardedEmbeddingBagCollection([table], simple_plan([table], 1), FusedOptimizerConfig(kind="sgd", lr=0.1))
     positions = EmbeddingConfig(name="p", num_embeddings=4, embedding_dim=4, feature_names=["h"], need_pos=True)
     with pytest.raises(ConfigError, match=r"TorchRec table 'p' \(EmbeddingConfig\) has need_pos=True"):
