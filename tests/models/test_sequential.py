@@ -12,12 +12,17 @@ import numpy as np
 import paths
 import pytest
 import torch
+from dist_harness import device_kind
 from train_job import embshard_train
 
 from embshard.config.data import SequencesConfig
 from embshard.data.sequences import SequenceSource
 from embshard.models.sequential import HSTUDense, jagged_positions
 from embshard.spec.tables import ConfigError, TableConfig
+
+# Under EMBSHARD_TEST_DEVICE=cuda the model runs on a GPU, and the training runs on 1 and 2 GPUs (NCCL).
+CUDA = device_kind() == "cuda" and torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 TABLES = [
     TableConfig(name="t_item", num_embeddings=300, embedding_dim=16, feature_names=("item",)),
@@ -27,10 +32,10 @@ TABLES = [
 
 def test_hstu_is_causal_and_padding_does_not_leak():
     torch.manual_seed(0)
-    model = HSTUDense(width=8, context_width=3, layers=2, heads=2, max_length=6).eval()
-    lengths = torch.tensor([4, 1, 0, 7])
-    items = torch.randn(int(lengths.sum()), 8)
-    context = torch.randn(4, 3)
+    model = HSTUDense(width=8, context_width=3, layers=2, heads=2, max_length=6).to(DEVICE).eval()
+    lengths = torch.tensor([4, 1, 0, 7], device=DEVICE)
+    items = torch.randn(int(lengths.sum()), 8, device=DEVICE)
+    context = torch.randn(4, 3, device=DEVICE)
     out = model(items, lengths, context)
     assert out.shape == (12, 8)
     starts = [0, 4, 5, 5]
@@ -38,14 +43,14 @@ def test_hstu_is_causal_and_padding_does_not_leak():
         alone = model(items[starts[b] : starts[b] + n], lengths[b : b + 1], context[b : b + 1])
         torch.testing.assert_close(alone, out[starts[b] : starts[b] + n], rtol=1e-5, atol=1e-5)
     changed = items.clone()
-    changed[5 + 4] = torch.randn(8)  # the 5th item of the last user: its first 4 positions do not see it
+    changed[5 + 4] = torch.randn(8, device=DEVICE)  # the 5th item of the last user: its first 4 positions do not see it
     out2 = model(changed, lengths, context)
     torch.testing.assert_close(out2[5:9], out[5:9])
     assert not torch.allclose(out2[9:], out[9:])
     user, pos = jagged_positions(lengths)
     assert user.tolist() == [0, 0, 0, 0, 1, 3, 3, 3, 3, 3, 3, 3] and pos.tolist() == [0, 1, 2, 3, 0, *range(7)]
     with pytest.raises(ValueError, match="longer than sequential.max_length"):
-        model(torch.randn(8, 8), torch.tensor([8]), context[:1])
+        model(torch.randn(8, 8, device=DEVICE), torch.tensor([8], device=DEVICE), context[:1])
     model.train()
     model(items, lengths, context).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -155,8 +160,12 @@ def test_two_processes_train_like_one():
     That HR@10 beats the popularity baseline is checked by bench/seq_train.py (longer training)."""
     config = "configs/sequential_synthetic.yaml"
     steps = ["schedule.steps=8", "data.sequences.eval_batches=1"]
-    one = embshard_train([config, *TINY, *steps, "schedule.batch_size=16"], 1)
-    two = embshard_train([config, *TINY, *steps, "schedule.batch_size=8"], 2)
+    env = None
+    if CUDA and torch.cuda.device_count() >= 2:  # the command line on the GPUs (else: the CPU)
+        env = dict(paths.cpu_subprocess_env())
+        env.pop("CUDA_VISIBLE_DEVICES")
+    one = embshard_train([config, *TINY, *steps, "schedule.batch_size=16"], 1, env=env)
+    two = embshard_train([config, *TINY, *steps, "schedule.batch_size=8"], 2, env=env)
     l1, m1 = _losses(one.stdout)
     l2, m2 = _losses(two.stdout)
     assert len(l1) == len(l2) == 8
