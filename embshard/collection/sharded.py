@@ -49,6 +49,7 @@ from embshard.sharding.exchange import (
     exchange_counts,
     gather_batch_counts,
 )
+from embshard.spec import tables as spec_tables
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.options import BoundsCheck, LookupOptions, UnusedFeatures
 from embshard.spec.plan import ShardingPlan
@@ -105,7 +106,8 @@ class ShardedEmbeddingBagCollection(StepState, ShardState, nn.Module):
         options: LookupOptions | None = None,
     ) -> None:
         super().__init__()
-        validate_tables(tables, pooled=True)
+        validate_tables(tables)
+        spec_tables.check_pooling_kinds(tables, False, "ShardedEmbeddingBagCollection")
         plan.check(tables)
         check_raw_plan(tables, plan)
         world_size, rank = world_and_rank(group)

@@ -14,7 +14,7 @@ class Pooling(str, enum.Enum):
 
     SUM = "sum"
     MEAN = "mean"  # (weighted) sum divided by the number of ids in the bag; an empty bag gives zeros
-    NONE = "none"  # a sequence table: one embedding per id, never pooled (a sequence collection's, not a bag's)
+    NONE = "none"  # a sequence table: one row per id, in the ids' order (ShardedEmbeddingCollection); never weighted
 
 
 class DataType(str, enum.Enum):
@@ -157,6 +157,11 @@ class TableConfig:
         return self.init_std if self.init_std is not None else (1.0 / self.num_embeddings) ** 0.5
 
     @property
+    def sequence(self) -> bool:
+        """Whether the table is a sequence table (pooling none: one row per id, not pooled)."""
+        return self.pooling is Pooling.NONE
+
+    @property
     def raw_ids(self) -> bool:
         """Whether the table's ids are raw 64-bit ids (mapped to rows by an id -> row map)."""
         return self.ids is IdKind.RAW
@@ -188,11 +193,8 @@ class Tables(tuple):
         return validate_tables, (tuple(self),)  # a copy or an unpickled one is checked again
 
 
-def validate_tables(tables: Sequence[TableConfig], pooled: bool = False) -> Tables:
-    """The tables as Tables, checked by `check_tables` (given Tables: returned as they are, checked when made).
-    `pooled`: they are an embedding-bag collection's, which refuses sequence tables (`check_pooled`)."""
-    if pooled:
-        check_pooled(tables)
+def validate_tables(tables: Sequence[TableConfig]) -> Tables:
+    """The tables as Tables, checked by `check_tables` (given Tables: returned as they are, checked when made)."""
     if isinstance(tables, Tables):
         return tables
     check_tables(tables)
@@ -221,6 +223,29 @@ def check_tables(tables: Sequence[TableConfig]) -> None:
         raise ConfigError("no tables given: an embedding collection needs at least one table")
 
 
+def check_pooling_kinds(
+    tables: Sequence[TableConfig], sequence: bool, what: str, others: Sequence[TableConfig] = ()
+) -> None:
+    """Raise ConfigError unless every table is a sequence table (`sequence`) or every one is pooled, as `what` (the
+    collection) needs, and no feature of `others` (the model's other collection) is looked up the other way too."""
+    for t in tables:
+        if t.sequence != sequence:
+            kind, fix = ("pooled", "pooling: none") if sequence else ("a sequence table", "pooling: sum or mean")
+            raise ConfigError(
+                f"table {t.name!r} (pooling {t.pooling.value}) is {kind}, but {what} takes only "
+                f"{'sequence' if sequence else 'pooled'} tables: give it {fix}, or move it to the other collection"
+            )
+    mine = {f: t.name for t in tables for f in t.feature_names}
+    for t in others:
+        for f in t.feature_names:
+            if f in mine:
+                seq_table, pooled_table = (mine[f], t.name) if sequence else (t.name, mine[f])
+                raise ConfigError(
+                    f"feature {f!r} is looked up as a sequence by table {seq_table!r} and pooled by table "
+                    f"{pooled_table!r}: a feature is looked up one way; give the second use its own feature name"
+                )
+
+
 def set_enum_field(obj: Any, name: str, kind: type[enum.Enum], where: str) -> None:
     """Set field `name` of the frozen dataclass `obj` to its member of `kind`; for a value that is none of them,
     ConfigError "{where}{name}=value is invalid: choose one of [the members' values]"."""
@@ -247,14 +272,3 @@ def feature_order(tables: Sequence[TableConfig]) -> list[str]:
 def feature_columns(tables: Sequence[TableConfig]) -> dict[str, int]:
     """Feature -> its position in the canonical order (the columns of the per-step id counts)."""
     return {f: i for i, f in enumerate(feature_order(tables))}
-
-
-def check_pooled(tables: Sequence[TableConfig]) -> None:
-    """Raise ConfigError naming the sequence tables (pooling none) among `tables`: an embedding-bag collection pools
-    every bag, which a sequence table (one embedding per id) must never be."""
-    sequence = [t.name for t in tables if t.pooling is Pooling.NONE]
-    if sequence:
-        raise ConfigError(
-            f"tables {sequence} have pooling none (sequence tables: one embedding per id): an embedding-bag "
-            "collection pools every bag; give them pooling sum or mean, or look them up in a sequence collection"
-        )

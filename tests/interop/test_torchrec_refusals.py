@@ -83,7 +83,8 @@ def test_feature_processed_managed_collision_and_sequence_modules_are_refused():
         assert (table.name, table.pooling, table.feature_names, table.weighted) == ("s", Pooling.NONE, ("g",), False)
         assert (table.num_embeddings, table.embedding_dim) == (16, 8)
     with pytest.raises(
-        ConfigError, match=r"tables \['s'\] have pooling none.*embedding-bag collection pools every bag"
+        ConfigError,
+        match=r"table 's' \(pooling none\) is a sequence table, but ShardedEmbeddingBagCollection takes only pooled",
     ):
         ShardedEmbeddingBagCollection([table], simple_plan([table], 1), FusedOptimizerConfig(kind="sgd", lr=0.1))
     positions = EmbeddingConfig(name="p", num_embeddings=4, embedding_dim=4, feature_names=["h"], need_pos=True)
