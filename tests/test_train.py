@@ -103,10 +103,14 @@ def metrics(tmp: Path) -> list[dict]:
 
 # Trained by test_train_e2e_benchmark_trains_scaled_down_on_cpu (bench/train_e2e.py, the same pipeline).
 E2E_TESTED = {"dlrm_dcnv2_mlperf.yaml"}
+# tests/models/test_sequential.py: sequential_synthetic trained on 1 and 2 processes; sequential_movielens (it needs
+# MovieLens-1M's ratings) loaded and read from a file of its layout.
+SEQUENTIAL_TESTED = {"sequential_synthetic.yaml", "sequential_movielens.yaml"}
 
 
 def test_examples_are_all_tested():
-    assert sorted([*SHORTEN, *E2E_TESTED]) == sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    tested = [*SHORTEN, *E2E_TESTED, *SEQUENTIAL_TESTED]
+    assert sorted(tested) == sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
 
 
 @pytest.mark.timeout(220)  # dlrm_criteo's train, plan and resume runs: ~100 s on a loaded 2-GPU machine

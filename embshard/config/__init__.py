@@ -119,6 +119,8 @@ class TrainConfig:
             self.data.check_features(self.model.features, weighted)
         except FieldError as e:
             raise FieldError(f"data.{e.key}", e.value, e.rule) from None
+        if self.data.source == "sequences":
+            check_sequences(self)
         if self.data.source == "synthetic":
             if self.schedule.epochs is not None:
                 raise FieldError("schedule.epochs", self.schedule.epochs, "synthetic data has no epochs: set steps")
@@ -144,7 +146,7 @@ class TrainConfig:
         `embshard.spec.options.counts_on_host` of training.pipeline, lookup.bounds_check and the retrieval catalog
         (two_tower with item_mlp: []). The planner prices the step so unless planner.settings.batch_counts is set."""
         tt = self.model.two_tower
-        catalog = self.model.kind == "two_tower" and tt is not None and tt.catalog_mode
+        catalog = (self.model.kind == "two_tower" and tt is not None and tt.catalog_mode) or self.model.kind == "hstu"
         return "host" if counts_on_host(self.training.pipeline, self.lookup.bounds_check, catalog) else "device"
 
     @property
@@ -229,3 +231,25 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     applied = apply_overrides(data, overrides)
     return build(TrainConfig, data, "", Source(path, applied))
+
+
+def check_sequences(cfg: TrainConfig) -> None:
+    """data.source sequences feeds model kind hstu: the same item feature, histories the model can read, and no
+    epochs for the endless synthetic stream."""
+    sq, model = cfg.data.sequences, cfg.model.sequential
+    if model is None:
+        raise FieldError("data.source", "sequences", f"per-user sequences feed model kind hstu, not {cfg.model.kind}")
+    if sq.item_feature != model.item_feature:
+        raise FieldError(
+            "data.sequences.item_feature",
+            sq.item_feature,
+            f"it must be model.sequential.item_feature ({model.item_feature!r})",
+        )
+    if sq.max_length > model.max_length:
+        raise FieldError(
+            "data.sequences.max_length",
+            sq.max_length,
+            f"the model reads at most model.sequential.max_length={model.max_length} items: lower it or raise that",
+        )
+    if sq.path is None and cfg.schedule.epochs is not None:
+        raise FieldError("schedule.epochs", cfg.schedule.epochs, "synthetic sequences have no epochs: set steps")

@@ -256,12 +256,59 @@ class SyntheticConfig:
 
 
 @dataclass(frozen=True)
+class SequencesConfig:
+    """Per-user item sequences, oldest first, for sequential recommenders (model kind hstu; data/sequences.py): a
+    synthetic Markov chain over Zipf-popular items, or interactions of a CSV file (the MovieLens layout) grouped by
+    user and ordered by time. Each user's last item is held out: evaluation predicts it from the items before."""
+
+    item_feature: str
+    """Feature receiving each user's item sequence (the model's sequential.item_feature)."""
+    path: str | None = None
+    """CSV file with a header (user, item and time columns; other columns feed the context features, hashed);
+    null: the synthetic Markov chain."""
+    user_column: str = "user_id"
+    """File: the column of the user id."""
+    item_column: str = "movie_id"
+    """File: the column of the item id (items get catalog rows by a vocabulary, most frequent first)."""
+    time_column: str = "timestamp"
+    """File: the column ordering each user's items (ties keep the file's order)."""
+    max_length: int = 50
+    """Items of history a sample holds at most (count): a user's last max_length + 1 items are kept."""
+    min_length: int = 5
+    """Synthetic: each user has between min_length and max_length + 1 items, uniformly (count, >= 2)."""
+    successors: int = 3
+    """Synthetic: each item's successor set, Zipf-drawn items (count)."""
+    strength: float = 0.9
+    """Synthetic: probability that the next item comes from the current item's successor set (else a Zipf draw)."""
+    zipf_exponent: float = 1.05
+    """Synthetic: skew of the item popularity, P(k-th most popular) ~ 1 / k^exponent."""
+    eval_batches: int = 4
+    """Synthetic: held-out batches of users per rank per evaluation (count)."""
+
+    def __post_init__(self) -> None:
+        if self.max_length < 1:
+            raise FieldError("max_length", self.max_length, "it must be >= 1 item")
+        if self.path is None and not 2 <= self.min_length <= self.max_length + 1:
+            raise FieldError(
+                "min_length", self.min_length, f"it must be in [2, max_length + 1 = {self.max_length + 1}]"
+            )
+        if self.successors < 1:
+            raise FieldError("successors", self.successors, "it must be >= 1 item")
+        if not 0 <= self.strength <= 1:
+            raise FieldError("strength", self.strength, "it is a probability: give a value in [0, 1]")
+        if not self.zipf_exponent >= 0:
+            raise FieldError("zipf_exponent", self.zipf_exponent, "it must be >= 0 (0 means uniform)")
+        if self.eval_batches < 1:
+            raise FieldError("eval_batches", self.eval_batches, "it must be >= 1")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """The data source, and how each rank reads its part: shuffle, worker processes, prefetch, bad rows."""
 
-    source: Literal["table", "criteo", "movielens", "synthetic"]
-    """Which loader: table (any Parquet/CSV/TSV files, columns in YAML), criteo, movielens (presets of table) or
-    synthetic; the section of the same name configures it."""
+    source: Literal["table", "criteo", "movielens", "synthetic", "sequences"]
+    """Which loader: table (any Parquet/CSV/TSV files, columns in YAML), criteo, movielens (presets of table),
+    synthetic, or sequences (per-user item sequences); the section of the same name configures it."""
     table: TableSourceConfig | None = None
     """Generic columnar loader settings (source: table)."""
     criteo: CriteoConfig | None = None
@@ -270,6 +317,8 @@ class DataConfig:
     """MovieLens loader settings (source: movielens)."""
     synthetic: SyntheticConfig | None = None
     """Synthetic generator settings (source: synthetic; defaults apply when omitted)."""
+    sequences: SequencesConfig | None = None
+    """Per-user item sequences (source: sequences), for model kind hstu."""
     shuffle: bool = True
     """Files: each epoch, shuffle the order of the rank's row groups and the rows within every shuffle window."""
     shuffle_rows: int = 65536
@@ -290,7 +339,7 @@ class DataConfig:
             object.__setattr__(self, "synthetic", SyntheticConfig())
         if getattr(self, self.source) is None:
             raise FieldError(self.source, None, f"data source {self.source!r} needs its section, e.g. path: ...")
-        for other in ("table", "criteo", "movielens", "synthetic"):
+        for other in ("table", "criteo", "movielens", "synthetic", "sequences"):
             if other != self.source and getattr(self, other) is not None:
                 raise FieldError(other, "{...}", f"source is {self.source!r}: remove this section or change source")
         if self.shuffle_rows < 1:

@@ -79,7 +79,7 @@ class SampledSoftmaxConfig:
 
 CATALOG_LOSSES = ("full_softmax", "sampled_softmax")
 
-BUILTIN_KINDS = ("dlrm", "dlrm_dcnv2", "two_tower")
+BUILTIN_KINDS = ("dlrm", "dlrm_dcnv2", "two_tower", "hstu")
 """The model kinds of embshard/models; more are registered from Python with embshard.models.register_model."""
 _REGISTERED_KINDS: list[str] = []
 
@@ -171,6 +171,56 @@ class TwoTowerConfig:
 
 
 @dataclass(frozen=True)
+class SequentialConfig:
+    """Generative sequential recommender (kind hstu, embshard/models/sequential.py): causal HSTU layers over each
+    user's item sequence predict the next item at every position, scored against the item catalog (the item
+    feature's table, row-sharded; its rows are also the sequence's input embeddings); docs/sequence.md."""
+
+    item_feature: str
+    """Feature holding each user's items, oldest first (a jagged feature); its table is the catalog (one feature,
+    embedding_dim = the model width)."""
+    context_features: tuple[str, ...]
+    """Pooled features of the user (e.g. the user id): projected and added to every position's input (at least
+    one: they are the model's embedding-bag collection)."""
+    num_layers: int = 2
+    """HSTU layers (count)."""
+    num_heads: int = 2
+    """Attention heads per layer (count); the catalog's embedding_dim must be a multiple of it."""
+    max_length: int = 50
+    """The longest history the model reads (items): a batch's sequences hold at most max_length + 1 items (the
+    history and the item it predicts; the data sources keep each user's last max_length + 1), and the relative
+    position bias has that many distances; a longer sequence is an error."""
+    loss: Literal["full_softmax", "sampled_softmax"] = "full_softmax"
+    """full_softmax: each position's next item against every item of the catalog (fused cross-entropy);
+    sampled_softmax: against sampled catalog items (logQ-corrected)."""
+    sampled_softmax: SampledSoftmaxConfig | None = None
+    """Options of loss sampled_softmax (defaults apply when omitted)."""
+    temperature: float = 1.0
+    """Logits are dot products divided by this (dimensionless)."""
+    chunk_mib: float = 256.0
+    """Memory of one chunk of logits [positions, catalog rows] in the softmax and top-k (MiB)."""
+    metrics_at: tuple[int, ...] = (10,)
+    """Evaluation reports HR@K and NDCG@K of each user's held-out last item, and the popularity baseline's, for
+    each K (count of items)."""
+
+    def __post_init__(self) -> None:
+        if not self.context_features:
+            raise FieldError("context_features", [], "list at least one pooled feature of the user (e.g. user_id)")
+        for key in ("num_layers", "num_heads", "max_length"):
+            if getattr(self, key) < 1:
+                raise FieldError(key, getattr(self, key), "it must be >= 1")
+        if not self.temperature > 0:
+            raise FieldError("temperature", self.temperature, "it must be > 0")
+        if not self.chunk_mib > 0:
+            raise FieldError("chunk_mib", self.chunk_mib, "it must be > 0 MiB")
+        positive_ints("metrics_at", self.metrics_at, allow_empty=False)
+        if self.sampled_softmax is not None and self.loss != "sampled_softmax":
+            raise FieldError("sampled_softmax", "{...}", f"loss {self.loss!r} does not use it: remove it")
+        if self.sampled_softmax is None and self.loss == "sampled_softmax":
+            object.__setattr__(self, "sampled_softmax", SampledSoftmaxConfig())
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model: its embedding tables and its dense architecture."""
 
@@ -185,6 +235,8 @@ class ModelConfig:
     """Cross network; used by kind dlrm_dcnv2 (defaults apply when omitted)."""
     two_tower: TwoTowerConfig | None = None
     """Towers and loss; required for kind two_tower."""
+    sequential: SequentialConfig | None = None
+    """Sequence features and HSTU layers; required for kind hstu."""
 
     def __post_init__(self) -> None:
         if self.kind not in model_kinds():
@@ -221,9 +273,10 @@ class ModelConfig:
         if self.kind == "dlrm_dcnv2" and self.dcn is None:
             object.__setattr__(self, "dcn", DCNConfig())
         unused = {
-            "dlrm": self.kind == "two_tower",
+            "dlrm": self.kind in ("two_tower", "hstu"),
             "dcn": self.kind != "dlrm_dcnv2",
             "two_tower": self.kind != "two_tower",
+            "sequential": self.kind != "hstu",
         }
         for key, is_unused in unused.items():
             if is_unused and getattr(self, key) is not None:
@@ -238,6 +291,8 @@ class ModelConfig:
                         f"DLRM's dot interaction needs equal widths: table {t.name!r} differs from the first table's "
                         f"{d0}; make them equal or use kind dlrm_dcnv2",
                     )
+        if self.kind == "hstu":
+            check_sequential(self)
         if self.kind == "two_tower":
             if self.two_tower is None:
                 raise FieldError("two_tower", None, "kind two_tower needs a two_tower section (user/item features)")
@@ -278,3 +333,46 @@ class ModelConfig:
     def features(self) -> list[str]:
         """All sparse features, in table order."""
         return [f for t in self.tables for f in t.feature_names]
+
+
+def check_sequential(cfg: ModelConfig) -> None:
+    """Kind hstu: the sequential section is there, its features are the tables', the item feature's table is a
+    catalog (its only feature, index ids, width divisible by the heads)."""
+    sq = cfg.sequential
+    if sq is None:
+        raise FieldError("sequential", None, "kind hstu needs a sequential section (item_feature, context_features)")
+    known = {f: (i, t) for i, t in enumerate(cfg.tables) for f in t.feature_names}
+    for key, names in (("item_feature", [sq.item_feature]), ("context_features", list(sq.context_features))):
+        for f in names:
+            if f not in known:
+                raise FieldError(f"sequential.{key}", f, f"no table lists this feature; known: {sorted(known)}")
+    if sq.item_feature in sq.context_features:
+        raise FieldError("sequential.context_features", list(sq.context_features), "the item feature is not context")
+    i, t = known[sq.item_feature]
+    if list(t.feature_names) != [sq.item_feature]:
+        raise FieldError(
+            f"tables[{i}].feature_names",
+            list(t.feature_names),
+            f"table {t.name!r} is the item catalog: only {sq.item_feature!r} may look it up; give the others a table",
+        )
+    if t.raw_ids:
+        raise FieldError(f"tables[{i}].ids", "raw", f"table {t.name!r} is the item catalog: give it ids: index")
+    if t.embedding_dim % sq.num_heads:
+        raise FieldError(
+            f"tables[{i}].embedding_dim",
+            t.embedding_dim,
+            f"table {t.name!r} is the item catalog, whose width is the model's: make it a multiple of "
+            f"sequential.num_heads ({sq.num_heads})",
+        )
+    for f in sq.context_features:
+        j, c = known[f]
+        if c.pooling.value == "none":
+            raise FieldError(
+                f"tables[{j}].pooling",
+                "none",
+                f"table {c.name!r} feeds a context feature, pooled per user: sum or mean",
+            )
+    used = {sq.item_feature, *sq.context_features}
+    unused = [f for f in known if f not in used]
+    if unused:
+        raise FieldError("tables", sorted(known), f"features {unused} are used by neither item_feature nor context")

@@ -5,6 +5,8 @@ rank (docs/data.md).
   groups by worker processes with a seeded shuffle window, an exact resume position, pinned memory.
 - criteo (data/criteo.py), movielens (data/movielens.py): configurations of the table source.
 - synthetic (data/synthetic.py): Zipf-skewed ids and per-feature pooling factors at any scale.
+- sequences (data/sequences.py): per-user item sequences (a synthetic Markov chain, or a CSV file grouped by user
+  and ordered by time) for sequential recommenders.
 
 Every source has `num_dense`, `steps_per_epoch` (None for the endless synthetic stream), `train_batches(position)`
 (position: None, a step count, or a training batch's `position`) and `eval_batches()`. File sources give every
@@ -35,6 +37,10 @@ def build_source(
 ):
     """The configured source, reading this rank's part of the data. `workers`: synthetic batches drawn by this
     many worker processes (default: data.synthetic.workers)."""
+    if cfg.source == "sequences":
+        from embshard.data.sequences import SequenceSource
+
+        return SequenceSource(cfg.sequences, tables, batch_size, seed, rank, world_size)
     if cfg.source == "synthetic":
         from embshard.data.synthetic import SyntheticSource
 
@@ -49,6 +55,11 @@ def check_source(cfg: DataConfig, tables: Sequence[TableConfig], batch_size: int
     """Open and check the configured source as its ranks will, without reading rows (before the ranks start):
     a file source's files exist and have the columns the tables and the config name; a synthetic source's
     settings fit the tables. Raises ConfigError naming the key, the file and the fix."""
+    if cfg.source == "sequences":
+        from embshard.data.sequences import SequenceSource
+
+        SequenceSource(cfg.sequences, tables, batch_size, seed, 0, 1)
+        return
     if cfg.source == "synthetic":
         from embshard.data.synthetic import SyntheticSource
 

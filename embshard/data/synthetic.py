@@ -42,7 +42,13 @@ def zipf_ranks(rng: np.random.Generator, n: int, rows: int, exponent: float) -> 
     """n popularity ranks in [0, rows), P(rank k) ~ 1 / (k + 1)^exponent."""
     if exponent == 0:
         return rng.integers(0, rows, n, dtype=np.int64)
-    u = rng.random(n)
+    return zipf_of_uniform(rng.random(n), rows, exponent)
+
+
+def zipf_of_uniform(u: np.ndarray, rows: int, exponent: float) -> np.ndarray:
+    """The popularity ranks in [0, rows) of uniform draws `u` in [0, 1) (the inverse CDF of zipf_ranks)."""
+    if exponent == 0:
+        return np.minimum((u * rows).astype(np.int64), rows - 1)
     if abs(exponent - 1.0) < 1e-9:
         k = np.exp(u * math.log(rows + 1.0))
     else:

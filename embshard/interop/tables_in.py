@@ -8,10 +8,12 @@
 
 `EmbeddingBagConfig` -> `TableConfig`: name, num_embeddings, embedding_dim, feature_names, pooling (sum, mean),
 data_type (fp32, fp16), the collection's `is_weighted` and a symmetric init range (weight_init_max; TorchRec's
-default range is embshard's, +-sqrt(1 / rows)). Refused with an error naming the table: pooling NONE and
-EmbeddingConfigs / an EmbeddingCollection (sequence embeddings: never pooled in their place), other data types,
-virtual (key-value) tables. A custom `init_fn` or an asymmetric init range is not carried (embshard draws from a
-symmetric range): a warning says so; loaded weights are unaffected.
+default range is embshard's, +-sqrt(1 / rows)). An EmbeddingCollection or a list of `EmbeddingConfig` (sequence
+embeddings: one per id) gives sequence tables, `pooling="none"` (never pooled in their place: an embedding-bag
+collection refuses them; embshard's sequence collection and the item catalog take them). Refused with an error
+naming the table: an EmbeddingBagConfig with pooling NONE, other data types, virtual (key-value) tables, a sequence
+table with per-id positions (need_pos). A custom `init_fn` or an asymmetric init range is not carried (embshard
+draws from a symmetric range): a warning says so; loaded weights are unaffected.
 """
 
 from __future__ import annotations
@@ -46,27 +48,19 @@ _OPTIMIZERS = {  # TorchRec / torch optimizer class name or FBGEMM EmbOptimType 
 
 def tables_from_torchrec(configs: Any, weighted: bool | None = None) -> list[TableConfig]:
     """embshard TableConfigs of a TorchRec EmbeddingBagCollection (its configs and `is_weighted()`) or of a list
-    of `EmbeddingBagConfig` (`weighted`: whether its features carry per-id weights; default False)."""
+    of `EmbeddingBagConfig` (`weighted`: whether its features carry per-id weights; default False); of an
+    EmbeddingCollection or a list of `EmbeddingConfig`: sequence tables (`pooling="none"`, unweighted)."""
     if hasattr(configs, "embedding_bag_configs"):
         weighted = configs.is_weighted() if weighted is None else weighted
         configs = configs.embedding_bag_configs()
     elif hasattr(configs, "embedding_configs"):
-        raise ConfigError(
-            f"tables_from_torchrec: the {type(configs).__name__} holds sequence tables (one embedding per id, not "
-            f"pooled: {_names(configs.embedding_configs())}), not supported by this conversion, which makes pooled "
-            "tables: give them to embshard.ShardedEmbeddingCollection as TableConfig(..., pooling='none'), or give "
-            "this function an EmbeddingBagCollection (pooling SUM or MEAN)"
-        )
+        configs = configs.embedding_configs()
     elif isinstance(configs, str | bytes | Mapping) or not isinstance(configs, Iterable):
         raise ConfigError(
-            f"tables_from_torchrec takes a TorchRec EmbeddingBagCollection or a list of EmbeddingBagConfig, not a "
-            f"{type(configs).__name__}"
+            f"tables_from_torchrec takes a TorchRec EmbeddingBagCollection or EmbeddingCollection, or a list of "
+            f"EmbeddingBagConfig or EmbeddingConfig, not a {type(configs).__name__}"
         )
     return [_table(c, bool(weighted)) for c in configs]
-
-
-def _names(configs: Iterable[Any]) -> list[str]:
-    return [getattr(c, "name", "?") for c in configs]
 
 
 def _table(c: Any, weighted: bool) -> TableConfig:
@@ -76,19 +70,19 @@ def _table(c: Any, weighted: bool) -> TableConfig:
             "num_embeddings, embedding_dim, feature_names, pooling)"
         )
     where = f"TorchRec table {c.name!r}"
-    if getattr(c, "pooling", None) is None:  # EmbeddingConfig: a sequence table, never pooled by default
+    sequence = getattr(c, "pooling", None) is None  # EmbeddingConfig: a sequence table, one embedding per id
+    if sequence and weighted:
+        raise ConfigError(f"{where} ({type(c).__name__}) is a sequence table: its ids carry no weights")
+    if sequence and getattr(c, "need_pos", False):
         raise ConfigError(
-            f"{where} ({type(c).__name__}) has no pooling (a sequence table of an EmbeddingCollection: one "
-            "embedding per id), not supported by this conversion, which makes pooled tables: give it to "
-            "embshard.ShardedEmbeddingCollection as TableConfig(..., pooling='none'), or make it an "
-            "EmbeddingBagConfig with pooling SUM or MEAN"
+            f"{where} ({type(c).__name__}) has need_pos=True (per-id positions in the lookup): embshard's sequence "
+            "tables take none; set need_pos=False, or keep this table in TorchRec"
         )
-    pooling = c.pooling.name.lower()
-    if pooling not in ("sum", "mean"):
+    pooling = "none" if sequence else c.pooling.name.lower()
+    if pooling not in ("sum", "mean", "none") or (pooling == "none" and not sequence):
         raise ConfigError(
-            f"{where}: pooling {pooling.upper()} (sequence embeddings) is not supported by this conversion, which "
-            "makes pooled tables: give it to embshard.ShardedEmbeddingCollection as TableConfig(..., pooling='none'), "
-            "or pool it with SUM or MEAN"
+            f"{where}: {type(c).__name__} with pooling {pooling.upper()} is not an embshard table: pool it with SUM "
+            "or MEAN, or make it an EmbeddingConfig of an EmbeddingCollection (a sequence table, one embedding per id)"
         )
     data_type = c.data_type.name.lower()
     if data_type not in ("fp32", "fp16"):

@@ -44,6 +44,9 @@ class StepOutput:
     scores: torch.Tensor | None
     labels: torch.Tensor | None
     hits: dict[int, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Evaluation: {name: sum over the local samples} of per-sample metrics (e.g. hr@10); reported as the mean
+    over every rank's samples."""
     dense_updated: bool = False
     """The dense parameters are already updated (a replayed CUDA graph did the step): backward of `loss` only."""
     updated: bool = False

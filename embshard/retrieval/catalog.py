@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard.retrieval.gather import gather_rows, gather_sizes
+from embshard.retrieval.gather import gather_rows, gather_sizes, scatter_sum_rows
 from embshard.retrieval.sampler import BlockSampler, negatives_per_rank
 from embshard.retrieval.softmax import Candidates, block_targets, sharded_softmax_loss
 from embshard.retrieval.topk import recall_hits
 from embshard.runtime.comm import world_and_rank
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.plan import ShardingPlan
-from embshard.spec.tables import ConfigError, TableConfig
+from embshard.spec.tables import ConfigError, Pooling, TableConfig
 
 ROW_BLOCK_TYPES = ("row_wise", "table_wise", "table_row_wise")
 
@@ -77,7 +77,9 @@ class Catalog(nn.Module):
             )
         sub = replace(plan, tables=(tp,))
         self.table, self.feature = table, table.feature_names[0]
-        self.ebc = ShardedEmbeddingBagCollection([table], sub, optimizer, device=device, group=group, seed=seed)
+        # every lookup of the catalog is of bags of one id (one row each): a sequence table (pooling none) is one
+        bags = replace(table, pooling=Pooling.SUM) if table.pooling is Pooling.NONE else table
+        self.ebc = ShardedEmbeddingBagCollection([bags], sub, optimizer, device=device, group=group, seed=seed)
         self.group, self.chunk_mib, self.device = group, chunk_mib, self.ebc.device
         self.world_size, self.rank = world_and_rank(group)
         blocks = {s.rank: (s.row_offset, s.num_rows) for s in tp.shards}
@@ -112,8 +114,11 @@ class Catalog(nn.Module):
         return self.ebc(kjt).values().float()
 
     def _gather(self, query_BD: torch.Tensor, target_B: torch.Tensor):
-        sizes = gather_sizes(query_BD.shape[0], query_BD.device, self.group)
-        Q = gather_rows(query_BD.float(), sizes, self.group)
+        sizes, T = self._gather_ids(target_B)
+        return sizes, gather_rows(query_BD.float(), sizes, self.group), T
+
+    def _gather_ids(self, target_B: torch.Tensor):
+        sizes = gather_sizes(target_B.shape[0], target_B.device, self.group)
         T = gather_rows(target_B.to(torch.int64), sizes, self.group)
         bad = (T < 0) | (T >= self.table.num_embeddings)
         if bool(bad.any()):  # every rank sees every target: all raise together
@@ -122,13 +127,35 @@ class Catalog(nn.Module):
                 f"{self.table.name!r} ({self.table.num_embeddings} rows): map the ids into [0, num_embeddings) or "
                 "enlarge the table"
             )
-        return sizes, Q, T
+        return sizes, T
+
+    def block(self) -> torch.Tensor:
+        """This rank's block of rows `[R_r, D]` (differentiable: one lookup, one fused optimizer step in the
+        backward). Pass it to `full_softmax_loss(rows=)` and `block_vectors` to read the block once a step."""
+        return self.ebc.local_rows(self.table.name)[1]
+
+    def block_vectors(self, ids_N: torch.Tensor, block_RD: torch.Tensor) -> torch.Tensor:
+        """The rows of item ids `[N]` `[N, D]` read from every rank's `block()` (each rank's ids all-gathered, each
+        block contributes the rows it holds, one reduce-scatter sums them; collective). Differentiable into the
+        blocks, so a model whose input and output item vectors are the same rows (tied) takes one optimizer step
+        a step. Traffic: the global ids and `[N_global, D]` floats per rank (a row-routed lookup sends 1/W of it)."""
+        sizes, T = self._gather_ids(ids_N)
+        local = T - self.row_offset
+        inside = (local >= 0) & (local < self.num_rows)
+        if self.num_rows:
+            partial = block_RD.float().index_select(0, torch.where(inside, local, 0)) * inside.unsqueeze(1)
+        else:
+            partial = torch.zeros(T.shape[0], self.table.embedding_dim, device=self.device)
+        return scatter_sum_rows(partial, sizes, self.group)
 
     # ---- losses ---------------------------------------------------------------------------------------------
-    def full_softmax_loss(self, query_BD: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy `[B_r]` of each local query's target item against every item of the catalog."""
+    def full_softmax_loss(
+        self, query_BD: torch.Tensor, target_B: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Cross-entropy `[B_r]` of each local query's target item against every item of the catalog. `rows`: this
+        step's `block()` (read here if None)."""
         sizes, Q, T = self._gather(query_BD, target_B)
-        _, rows = self.ebc.local_rows(self.table.name)
+        rows = self.block() if rows is None else rows
         cands = Candidates(rows, rows.shape[0], block_targets(T, self.row_offset, self.num_rows), True)
         return sharded_softmax_loss(Q, cands, sizes, self.group, self.chunk_mib)
 

@@ -193,8 +193,9 @@ class Reporter:
 
 @torch.no_grad()
 def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, float]:
-    """Mean loss (weighted by samples), AUC (for models that score pairs) and recall@K (two-tower catalog mode)
-    over every rank's held-out batches. Collective: a rank with fewer batches feeds empty ones until every rank's
+    """Mean loss (weighted by samples), AUC (for models that score pairs), recall@K (two-tower catalog mode) and
+    the model's own per-sample metrics (StepOutput.metrics: HR@K, NDCG@K of kind hstu) over every rank's held-out
+    batches. Collective: a rank with fewer batches feeds empty ones until every rank's
     have ended (`pipeline.even_batches`, over `host_group` if given, else the default group)."""
     from torchmetrics.classification import BinaryAUROC
 
@@ -206,6 +207,7 @@ def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, 
     scored = False
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     hits: dict[int, torch.Tensor] = {}
+    named: dict[str, torch.Tensor] = {}
     for batch in even_batches(source.eval_batches(), empty_batch(model), host_group, device):
         out = model.step(batch.to(device))  # every rank steps, an empty batch too (the exchanges are collective)
         if batch.size:  # ranks whose held-out data ended first (or had bad rows skipped) step on empty batches
@@ -216,14 +218,18 @@ def evaluate(model, source, device: torch.device, host_group=None) -> dict[str, 
             scored = True
         for k, h in out.hits.items():
             hits[k] = hits.get(k, 0) + h.double()
-    ks = sorted(hits)
-    summed = torch.cat([totals, torch.stack([hits[k] for k in ks]).to(totals)]) if ks else totals
+        for name, v in out.metrics.items():  # every rank reports the same names (an empty batch: zeros)
+            named[name] = named.get(name, 0) + v.double()
+    ks, names = sorted(hits), sorted(named)
+    extra = [hits[k] for k in ks] + [named[n] for n in names]
+    summed = torch.cat([totals, torch.stack(extra).to(totals)]) if extra else totals
     if dist.is_initialized():
         dist.all_reduce(summed)
     result = {"loss": float(summed[0] / summed[1])}
     if scored:
         result["auc"] = float(auroc.compute())  # torchmetrics gathers every rank's scores
     result.update({f"recall@{k}": float(summed[2 + i] / summed[1]) for i, k in enumerate(ks)})
+    result.update({n: float(summed[2 + len(ks) + i] / summed[1]) for i, n in enumerate(names)})
     result["samples"] = int(summed[1])
     model.train()
     return result

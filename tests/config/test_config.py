@@ -54,7 +54,7 @@ def test_example_configs_load(path):
 
 def test_example_set_covers_every_model_kind():
     kinds = {load_config(p).model.kind for p in EXAMPLES}
-    assert kinds == {"dlrm", "dlrm_dcnv2", "two_tower"}
+    assert kinds == {"dlrm", "dlrm_dcnv2", "two_tower", "hstu"}
     assert any("criteo" in p.name for p in EXAMPLES)
 
 

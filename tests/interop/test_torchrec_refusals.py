@@ -1,6 +1,7 @@
 """What embshard cannot convert from TorchRec is refused where it is converted, with an error naming the module,
-table, file or field: embedding modules other than one plain EmbeddingBagCollection, sequence tables, plans for
-other tables, hand-edited plan files, plans and checkpoints that do not say their world size. And the one thing
+table, file or field: embedding modules other than one plain EmbeddingBagCollection, bag tables of pooling NONE (a
+sequence collection gives sequence tables, which an embedding-bag collection refuses), plans for other tables,
+hand-edited plan files, plans and checkpoints that do not say their world size. And the one thing
 TorchRec's collection tolerates that embshard refuses by default: batch features no table uses (an option)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import pytest
 import torch
 
-from embshard import FusedOptimizerConfig, LookupOptions, TableConfig, simple_plan
+from embshard import FusedOptimizerConfig, LookupOptions, ShardedEmbeddingBagCollection, TableConfig, simple_plan
 from embshard.interop import (
     from_torchrec_plan,
     load_torchrec_checkpoint,
@@ -21,7 +22,7 @@ from embshard.interop import (
     to_torchrec_plan,
 )
 from embshard.spec.plan import Shard, ShardingPlan, TablePlan
-from embshard.spec.tables import ConfigError
+from embshard.spec.tables import ConfigError, Pooling
 
 META = torch.device("meta")
 TABLES = [TableConfig("a", 40, 8, ("fa",)), TableConfig("b", 30, 8, ("fb",))]
@@ -75,11 +76,20 @@ def test_feature_processed_managed_collision_and_sequence_modules_are_refused():
     ):
         with pytest.raises(ConfigError, match=match + r".*exactly one plain TorchRec EmbeddingBagCollection"):
             rec_model_from_torchrec(model, plan, torch.device("cpu"))
-    # A sequence collection or its configs are never turned into pooled bags.
-    with pytest.raises(ConfigError, match=r"EmbeddingCollection holds sequence tables.*\['s'\].*not supported"):
-        tables_from_torchrec(ec)
-    with pytest.raises(ConfigError, match=r"TorchRec table 's' \(EmbeddingConfig\) has no pooling.*not supported"):
-        tables_from_torchrec(ec.embedding_configs())
+    # A sequence collection or its configs become sequence tables (pooling none), never pooled bags, which an
+    # embedding-bag collection refuses.
+    for source in (ec, ec.embedding_configs()):
+        (table,) = tables_from_torchrec(source)
+        assert (table.name, table.pooling, table.feature_names, table.weighted) == ("s", Pooling.NONE, ("g",), False)
+        assert (table.num_embeddings, table.embedding_dim) == (16, 8)
+    with pytest.raises(
+        ConfigError,
+        match=r"table 's' \(pooling none\) is a sequence table, but ShardedEmbeddingBagCollection takes only pooled",
+    ):
+        ShardedEmbeddingBagCollection([table], simple_plan([table], 1), FusedOptimizerConfig(kind="sgd", lr=0.1))
+    positions = EmbeddingConfig(name="p", num_embeddings=4, embedding_dim=4, feature_names=["h"], need_pos=True)
+    with pytest.raises(ConfigError, match=r"TorchRec table 'p' \(EmbeddingConfig\) has need_pos=True"):
+        tables_from_torchrec([positions])
     with pytest.raises(ConfigError, match="not a dict"):
         tables_from_torchrec({"t": 1})
 

@@ -91,7 +91,22 @@ def worker(rank, world, device):
     out["recall"] = recall_worker(rank, world, device)
     out["in_batch"] = in_batch_worker(rank, world, device)
     out["local_rows"] = local_rows_worker(rank, world, device)
+    out["block_vectors"] = block_vectors_worker(rank, world, device)
     return out
+
+
+def block_vectors_worker(rank, world, device):
+    """Rows of arbitrary ids read from every rank's catalog block (Catalog.block_vectors), then one SGD step of the
+    block: the rows, and the table before and after."""
+    cat = make_catalog(world, device)
+    before = cat.ebc.full_weights()["t_item"]
+    gen = torch.Generator().manual_seed(7)
+    every = [torch.randint(0, CATALOG.num_embeddings, (n,), generator=gen) for n in SIZES[world]]
+    ups = [torch.randn(n, CATALOG.embedding_dim, generator=gen) for n in SIZES[world]]
+    block = cat.block()
+    rows = cat.block_vectors(every[rank].to(device), block)
+    (rows * ups[rank].to(device)).sum().backward()
+    return {"ids": every, "ups": ups, "rows": rows.detach().cpu(), "before": before, "after": cat.ebc.full_weights()}
 
 
 @pytest.fixture(
@@ -249,6 +264,18 @@ def test_local_rows_read_the_block_and_train_it(ranks):
     for res in results:
         close(res["after"]["a"], want_a)
         close(res["after"]["b"], want_b)
+
+
+def test_block_vectors_read_any_rows_and_train_them_once(ranks):
+    world, all_results = ranks
+    results = [res["block_vectors"] for res in all_results]
+    before, ids, ups = results[0]["before"], results[0]["ids"], results[0]["ups"]
+    want = before.clone()
+    for r in range(world):
+        close(results[r]["rows"], before[ids[r]])
+        want.index_add_(0, ids[r], -LR * ups[r])  # SGD: every rank's uses of a row add up, in one step
+    for res in results:
+        close(res["after"]["t_item"], want)
 
 
 def test_sampler_draws_follow_the_smoothed_counts():

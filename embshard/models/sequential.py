@@ -1,0 +1,231 @@
+"""Generative sequential recommender (model kind `hstu`): causal HSTU layers over each user's item sequence predict
+the next item at every position, trained with the softmax over the whole row-sharded item catalog.
+
+HSTU (Zhai et al. 2024, "Actions Speak Louder than Words") rather than SASRec: its pointwise attention (SiLU of
+the scores, divided by the number of attended items, no softmax) with a learned relative position bias is the
+architecture that scales with data in that work, and it costs the same code as SASRec here (one projection to
+U, V, Q, K, one gated output). Per layer, on the padded `[B, L, D]` batch:
+
+    U, V, Q, K = split(SiLU(Linear(LayerNorm(X))))                    [B, L, D] each, H heads of D / H
+    A = SiLU(Q K^T / sqrt(D / H) + rab[i - j]) * causal_and_valid / (i + 1)       [B, H, L, L]
+    X = X + Linear(LayerNorm(A V) * U)
+
+The input of position i is item i's catalog row (input and output item vectors are tied, as in SASRec) plus a
+projection of the user's pooled context features; the output of position i, LayerNorm-ed and divided by the
+temperature, scores the catalog for item i + 1: `Catalog.full_softmax_loss` (fused cross-entropy, never a
+`[positions, items]` tensor) or `sampled_softmax_loss`.
+
+Jagged histories are padded to the batch's longest sequence (the padding is masked): the attention is pointwise,
+not a softmax, so torch's flex_attention and nested-tensor SDPA (softmax kernels) do not compute it; a fused
+jagged HSTU kernel would remove the padding's quadratic cost (the histories here are at most max_length long).
+Timestamps are not used (no time bias).
+
+The history's item vectors come from one adapter, `history_vectors`: with the full softmax, from this step's
+catalog block (`Catalog.block_vectors`: the same rows the softmax reads, one optimizer step a step); with the
+sampled softmax, from the catalog's own lookup of the ids (`Catalog.vectors`, a second lookup: its own optimizer
+step). A sharded sequence collection (per-id rows of a jagged feature) plugs in there.
+
+Loss scaling: rank r's loss is (its positions' summed cross-entropy) * W / (positions of the global batch), so the
+mean over ranks (what DistributedDataParallel's average of the dense gradients and the printed loss see) is the
+mean over every position of the global batch, as on one process with the whole batch. The item rows receive the
+sum over ranks (W times that gradient; Adagrad, row-wise Adagrad and Adam updates do not change with the scale up
+to eps).
+
+Evaluation (each user's last item, predicted from the items before it): HR@K (the item is among the catalog's K
+best-scored items, by sharded top-k) and NDCG@K (1 / log2(2 + its place)), beside the popularity baseline (the K
+items most often a training target so far, counted on every rank and summed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embshard.config.model import ModelConfig
+from embshard.data.common import Batch
+from embshard.models.registry import ModelKind, StepOutput, feature_widths, register
+from embshard.retrieval.catalog import Catalog
+from embshard.retrieval.gather import gather_rows, gather_sizes
+from embshard.retrieval.topk import sharded_topk
+from embshard.runtime.comm import start_all_reduce, world_and_rank
+
+
+class HSTULayer(nn.Module):
+    """One HSTU layer (module docstring) on a padded batch `[B, L, D]`."""
+
+    def __init__(self, width: int, heads: int, max_length: int) -> None:
+        super().__init__()
+        self.heads, self.max_length = heads, max_length
+        self.norm = nn.LayerNorm(width)
+        self.uvqk = nn.Linear(width, 4 * width)
+        self.attn_norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, width)
+        self.rel_bias = nn.Parameter(torch.zeros(heads, max_length))
+
+    def forward(self, x_BLD: torch.Tensor, weight_BLL: torch.Tensor) -> torch.Tensor:
+        """`weight_BLL`: 1 / (i + 1) where key j <= query i is a real item of the sequence, else 0."""
+        B, L, D = x_BLD.shape
+        H = self.heads
+        u, v, q, k = F.silu(self.uvqk(self.norm(x_BLD))).split(D, dim=-1)
+        q, k, v = (t.reshape(B, L, H, D // H).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D/H]
+        ij = torch.arange(L, device=x_BLD.device)
+        distance_LL = (ij.unsqueeze(1) - ij.unsqueeze(0)).clamp(0, self.max_length - 1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(D // H) + self.rel_bias[:, distance_LL].unsqueeze(0)
+        attn = F.silu(scores) * weight_BLL.unsqueeze(1)
+        y = (attn @ v).transpose(1, 2).reshape(B, L, D)
+        return x_BLD + self.out(self.attn_norm(y) * u)
+
+
+class HSTUDense(nn.Module):
+    """The dense part: the context projection, the HSTU layers and the final LayerNorm. Input: the jagged
+    history's item vectors `[N, D]` (users' items one after another), the users' lengths `[B]` and their pooled
+    context `[B, C]`; output: one query `[N, D]` per position (position i scores item i + 1)."""
+
+    def __init__(self, width: int, context_width: int, layers: int, heads: int, max_length: int) -> None:
+        super().__init__()
+        self.max_length = max_length
+        self.context = nn.Linear(context_width, width)
+        self.layers = nn.ModuleList(HSTULayer(width, heads, max_length + 1) for _ in range(layers))
+        self.final = nn.LayerNorm(width)
+
+    def forward(self, items_ND: torch.Tensor, lengths_B: torch.Tensor, context_BC: torch.Tensor) -> torch.Tensor:
+        B, device = lengths_B.shape[0], items_ND.device
+        L = int(lengths_B.max()) if B else 1  # one host sync: the padded length
+        if L > self.max_length + 1:  # max_length items of history and the item they predict
+            raise ValueError(
+                f"a sequence of {L} items is longer than sequential.max_length + 1 = {self.max_length + 1}: keep "
+                "each user's last max_length + 1 items (data.sequences.max_length) or raise the model's max_length"
+            )
+        user_N, pos_N = jagged_positions(lengths_B)
+        x = items_ND.new_zeros(B, max(L, 1), items_ND.shape[1]).index_put((user_N, pos_N), items_ND)
+        x = x + self.context(context_BC).unsqueeze(1)
+        ij = torch.arange(max(L, 1), device=device)
+        allowed = (ij.view(1, 1, -1) <= ij.view(1, -1, 1)) & (ij.view(1, 1, -1) < lengths_B.view(-1, 1, 1))
+        weight_BLL = allowed.to(x.dtype) / (ij.view(1, -1, 1) + 1).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, weight_BLL)
+        return self.final(x)[user_N, pos_N]
+
+
+def jagged_positions(lengths_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(user `[N]`, position within its sequence `[N]`) of every item of a jagged batch with `lengths_B`."""
+    lengths = lengths_B.to(torch.int64)
+    user_N = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths)
+    starts_B = torch.cumsum(lengths, 0) - lengths
+    pos_N = torch.arange(user_N.shape[0], device=lengths.device) - starts_B.index_select(0, user_N)
+    return user_N, pos_N
+
+
+class SequenceCatalog(Catalog):
+    """The item catalog, counting each item's training targets on this rank for the popularity baseline."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.target_counts = torch.zeros(self.table.num_embeddings, dtype=torch.float64, device=self.device)
+
+    def observe(self, targets_N: torch.Tensor) -> None:
+        self.target_counts.index_add_(0, targets_N, torch.ones_like(targets_N, dtype=torch.float64))
+
+    @torch.no_grad()
+    def popular(self, k: int) -> torch.Tensor:
+        """The k items most often a training target so far, over every rank (collective: one all-reduce)."""
+        counts = start_all_reduce(self.target_counts.clone(), self.group).wait()
+        return counts.topk(min(k, counts.shape[0])).indices
+
+
+def sequential_groups(cfg: ModelConfig) -> dict[str, list[str]]:
+    """The embedding-bag collection serves the context features (the item catalog has a collection of its own)."""
+    return {"context": list(cfg.sequential.context_features)}
+
+
+def sequential_dense(cfg: ModelConfig, num_dense: int) -> HSTUDense:
+    sq, width = cfg.sequential, feature_widths(cfg)
+    return HSTUDense(
+        width[sq.item_feature],
+        sum(width[f] for f in sq.context_features),
+        sq.num_layers,
+        sq.num_heads,
+        sq.max_length,
+    )
+
+
+def sequential_catalog(cfg: ModelConfig, plan, sparse_optimizer, device: torch.device, seed: int) -> SequenceCatalog:
+    sq = cfg.sequential
+    table = next(t for t in cfg.tables if sq.item_feature in t.feature_names)
+    extra = {}
+    if sq.sampled_softmax is not None:
+        s = sq.sampled_softmax
+        extra = {"sampler": s.sampler, "num_negatives": s.num_negatives, "smoothing": s.smoothing}
+    return SequenceCatalog(table, plan, sparse_optimizer, device, seed=seed, chunk_mib=sq.chunk_mib, **extra)
+
+
+def history_vectors(catalog: Catalog, ids_N: torch.Tensor, block: torch.Tensor | None) -> torch.Tensor:
+    """The history's item vectors `[N, D]`: from this step's catalog block when there is one (tied, one optimizer
+    step), else the catalog's lookup of the ids (module docstring)."""
+    if block is not None:
+        return catalog.block_vectors(ids_N, block)
+    return catalog.vectors(ids_N)
+
+
+def sequential_step(model, batch: Batch) -> StepOutput:
+    """Training: the softmax loss of every position's next item (module docstring's scaling). Evaluation: each
+    user's last item from the items before it: the full-softmax loss, HR@K and NDCG@K, and the popularity
+    baseline's."""
+    sq, catalog = model.cfg.sequential, model.catalog
+    kjt = batch.sparse
+    keys = list(kjt.keys())
+    seq = kjt[sq.item_feature]
+    ids_N, lengths_B = seq.values().to(torch.int64), seq.lengths()
+    context_BC = model.ebc(kjt.permute([keys.index(f) for f in sq.context_features]))["context"]
+    full = not model.training or sq.loss == "full_softmax"
+    block = catalog.block() if full else None
+    query_ND = model.dense(history_vectors(catalog, ids_N, block), lengths_B, context_BC.float())
+    user_N, pos_N = jagged_positions(lengths_B)
+    last_N = pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 1
+    if model.training:
+        q = query_ND[~last_N] / sq.temperature  # every position but a user's last predicts the next item
+        targets = ids_N[pos_N > 0]
+        sizes = gather_sizes(targets.shape[0], targets.device, catalog.group)
+        if sq.loss == "full_softmax":
+            losses = catalog.full_softmax_loss(q, targets, rows=block)
+        else:
+            losses = catalog.sampled_softmax_loss(q, targets)
+        catalog.observe(targets)
+        world, _ = world_and_rank(catalog.group)
+        return StepOutput(losses.sum() * world / max(sum(sizes), 1), None, None)
+    # the query of position n - 2 predicts item n - 1 (causal: the held-out item is not seen)
+    before_last = pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 2
+    q, targets = query_ND[before_last] / sq.temperature, ids_N[last_N & (pos_N > 0)]
+    loss = catalog.full_softmax_loss(q, targets, rows=block)
+    metrics = ranking_metrics(catalog, q, targets, block, sq.metrics_at)
+    return StepOutput(loss.mean() if loss.numel() else loss.sum(), None, None, metrics=metrics)
+
+
+@torch.no_grad()
+def ranking_metrics(
+    catalog: SequenceCatalog, query_BD: torch.Tensor, target_B: torch.Tensor, block: torch.Tensor, ks: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    """{hr@K, ndcg@K, pop_hr@K, pop_ndcg@K: sums over the local queries} (collective: top-k over every block)."""
+    K = max(ks)
+    sizes = gather_sizes(query_BD.shape[0], query_BD.device, catalog.group)
+    Q = gather_rows(query_BD.detach().float(), sizes, catalog.group)
+    _, ids = sharded_topk(Q, block.detach(), catalog.row_offset, K, catalog.group, catalog.chunk_mib)
+    _, rank = world_and_rank(catalog.group)
+    off = sum(sizes[:rank])
+    model_BK = ids[off : off + sizes[rank]]
+    popular_BK = catalog.popular(K).unsqueeze(0).expand(target_B.shape[0], -1)
+    out = {}
+    for name, top in (("", model_BK), ("pop_", popular_BK)):
+        for k in ks:
+            match = top[:, :k] == target_B.unsqueeze(1)  # at most one place matches
+            places = torch.arange(match.shape[1], device=match.device, dtype=torch.float64)
+            gain = 1.0 / torch.log2(places + 2.0)
+            out[f"{name}hr@{k}"] = match.any(1).sum().double()
+            out[f"{name}ndcg@{k}"] = (match.double() * gain).sum()
+    return out
+
+
+register("hstu", ModelKind(sequential_dense, sequential_step, sequential_groups, sequential_catalog))
