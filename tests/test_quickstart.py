@@ -14,6 +14,8 @@ here; their rule says which test runs them or what is checked instead:
   `.venv/bin/embshard plan ...` the same, and the program must be where `make install` puts it.
 - `embshard calibrate`, `embshard checkpoint inspect/export`: `--help` (calibrate measures the machine for
   minutes; tests/checkpoint/test_checkpoint.py::test_inspect_and_export runs inspect and export on checkpoints).
+- `embshard export serving`, `embshard predict`, `embshard serve`: `--help` (tests/serving exports checkpoints, scores
+  data with `embshard predict` and posts requests to `embshard serve`).
 - `launch/torchrun.sh ...`: run with DRY_RUN=1 and a PATH without the environment (as in a shell where .venv is
   not active): it must find a torchrun and print the command; the config and overrides load.
 - `torchx run ...`: the torchx command and the component exist; tests/test_train.py::test_torchx_component_runs_on_cpu
@@ -136,6 +138,8 @@ def test_every_readme_command_works(tmp_path):
             in_process.append(("config", train_args(tokens[2:])))
         elif head == ["embshard", "plan"]:
             in_process.append(("cli", tokens[1:]))
+        elif head in (["embshard", "export"], ["embshard", "predict"], ["embshard", "serve"]):
+            in_process.append(("cli", [*tokens[1 : 3 if tokens[1] == "export" else 2], "--help"]))
         elif head in (["embshard", "calibrate"], ["embshard", "checkpoint"]):
             in_process.append(("cli", [*tokens[1 : 3 if tokens[1] == "checkpoint" else 2], "--help"]))
         elif tokens[0] == "launch/torchrun.sh":
@@ -174,7 +178,7 @@ def test_every_readme_command_works(tmp_path):
     assert not failed, "\n\n".join(f"{r['args']}: exit {r['code']}\n{r['output']}" for r in failed)
     plans = [r for r in results if r["args"][0] == "plan"]
     reports = [r for r in plans if "torchrec" not in r["args"]]  # --format torchrec writes the file, no report
-    assert reports and all("predicted step time" in r["output"] for r in reports), reports
+    assert reports and all("predicted step" in r["output"] for r in reports), reports  # the end of each report
     out = tmp_path / "runs" / "plan"  # the default output folder of `embshard plan --out --plot`
     assert (out / "plan.yaml").is_file() and (out / "plan.png").is_file()
     assert json.loads((out / "plan.torchrec.json").read_text())  # the TorchRec plan file, readable JSON
