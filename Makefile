@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NPROC  ?= 2
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-fast demo docs lint format clean
 
@@ -18,16 +19,17 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/torchrec.txt
 	$(PY) -c "import torch, fbgemm_gpu, torchrec, embshard; print('installed: torch', torch.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__, 'torchrec', torchrec.__version__)"
 	touch $@
 
-# The whole CPU suite, 4 to 10 minutes on 2 cores (584 s on 2 shared cores, 2026-12-07) (per-folder times: tests/README.md).
+# The whole CPU suite, spread over TEST_WORKERS pytest-xdist workers (tests/conftest.py: a module's shared set-up on
+# one worker, longest first). Its time on 2 cores: tests/README.md.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # 1 to 2 minutes on 2 cores (130 s on 2 shared cores, 2026-12-07): the core parity paths against the unsharded reference: every sharding type alone and
 # mixed at 1-4 ranks with every optimizer, table-wise output groups, data-parallel (tests/sharding), the tiers'
 # lookup options, raw ids, the sharded softmax, the fuzzer's covering cases and collective scenarios, the exchanges,
 # checkpoints loaded under other world sizes and plans, and the small-table kernels' torch path.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/sharding tests/lookup tests/retrieval tests/rawids/test_raw_parity.py tests/test_fuzz.py \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests/sharding tests/lookup tests/retrieval tests/rawids/test_raw_parity.py tests/test_fuzz.py \
 		tests/test_comm.py tests/checkpoint/test_checkpoint.py tests/kernels/test_kernels_small_tables.py \
 		tests/kernels/test_kernels_data_parallel.py
 

@@ -1,7 +1,8 @@
-"""2D sharding across two launchers: two torchrun launchers on this machine (node ranks 0 and 1, a c10d rendezvous),
-2 processes each, train a tiny DLRM for a few steps as 4 ranks in 2 sharding groups of 2 (one per "host"), exact
-mode; both exit 0, and the run's end reports the two groups' tables (weights and optimizer state) identical. About a
-minute on 2 CPU cores: not in `make test-fast`. With EMBSHARD_TEST_DEVICE=cuda on 4 GPUs each launcher gets 2."""
+"""2D sharding across two launchers: two torchrun launchers on this machine (node ranks 0 and 1, a c10d rendezvous)
+train a tiny DLRM for a few steps in 2 sharding groups, one per "host", exact mode; both exit 0, and the run's end
+reports the two groups' tables (weights and optimizer state) identical. On the CPU each launcher starts 1 process
+(groups of 1: the cross-group batch gathers and replica checks, at the least process start-up cost; sharding inside
+a group is tests/twod/test_twod_parity.py's); with EMBSHARD_TEST_DEVICE=cuda on 4 GPUs each launcher gets 2."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
 GPUS = os.environ.get("EMBSHARD_TEST_DEVICE", "cpu") == "cuda" and torch.cuda.device_count() >= 4
+PER_NODE = 2 if GPUS else 1  # processes per launcher (= ranks per sharding group)
 ARGS = [
     "configs/dlrm_synthetic.yaml",
     "schedule.steps=4",
@@ -28,7 +30,7 @@ ARGS = [
     "logging.tensorboard_dir=null",
     "logging.progress_bar=false",
     "planner.strategy=simple",
-    "sharding.group_size=2",
+    f"sharding.group_size={PER_NODE}",
     "sharding.replica_sync=exact",
 ]
 
@@ -41,7 +43,7 @@ def test_two_torchrun_launchers_train_2d_exact(tmp_path):
     for node in (0, 1):
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env["CUDA_VISIBLE_DEVICES"] = ("0,1" if node == 0 else "2,3") if GPUS else ""
-        cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2"]
+        cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", str(PER_NODE)]
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"twod_{port}"]
         cmd += ["-m", "embshard.cli", "train", *ARGS]
         launchers.append(
@@ -51,6 +53,6 @@ def test_two_torchrun_launchers_train_2d_exact(tmp_path):
     for node, (a, log) in enumerate(zip(launchers, logs)):
         assert a.returncode == 0, f"launcher {node}:\n{log[-4000:]}"
     out = logs[0]  # rank 0 reports, under the launcher of node rank 0
-    assert "4 ranks on" in out and "sharding_group_size=2 (2 replicas" in out, out[-3000:]
-    assert "2D: 2 sharding groups of 2 ranks, replica_sync exact; replicas identical" in out, out[-3000:]
+    assert f"{2 * PER_NODE} ranks on" in out and f"sharding_group_size={PER_NODE} (2 replicas" in out, out[-3000:]
+    assert f"2D: 2 sharding groups of {PER_NODE} ranks, replica_sync exact; replicas identical" in out, out[-3000:]
     assert "train step      4" in out
