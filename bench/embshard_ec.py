@@ -80,15 +80,11 @@ def floor_ms(parts: dict[str, list[float]], cuda: bool, world: int) -> float:
     return max(h / mem_bw + link / topo.intra_host_bw for h, link in zip(parts["hbm"], parts["link"])) * 1e3
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+def run(args: argparse.Namespace, dev: torch.device) -> str | None:
+    """Plan, build and time the workload on the default process group's ranks; rank 0 prints the plan, times and
+    floor, and returns the RESULT line (other ranks: None)."""
+    cuda = dev.type == "cuda"
     rank, ws = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-
     from torchrec import KeyedJaggedTensor
 
     from embshard import FusedOptimizerConfig, TableConfig
@@ -165,9 +161,21 @@ def main(argv: list[str] | None = None) -> None:
               f"{n_ids:,.0f} ids per rank-step, peak {mem:.1f} GiB")  # fmt: skip
         print(f"floor {floor:.3f} ms/step (per rank GB: looked up {[round(v / 1e9, 4) for v in parts['hbm']]}, "
               f"exchanged {[round(v / 1e9, 4) for v in parts['link']]}); measured / floor {ms / floor:.1f}x")  # fmt: skip
-        print(f"RESULT framework=embshard module=ec workload={args.workload} world={ws} batch_per_rank={batch} "
-              f"ids={args.ids} dedup={int(args.dedup)} ms_per_step={ms:.3f} ids_per_s={ws * n_ids / ms * 1e3:.0f} "
-              f"peak_gib={mem:.2f} floor_ms={floor:.4f} {floors.fields(parts)}")  # fmt: skip
+        line = (f"RESULT framework=embshard module=ec workload={args.workload} world={ws} batch_per_rank={batch} "
+                f"ids={args.ids} dedup={int(args.dedup)} ms_per_step={ms:.3f} ids_per_s={ws * n_ids / ms * 1e3:.0f} "
+                f"peak_gib={mem:.2f} floor_ms={floor:.4f} {floors.fields(parts)}")  # fmt: skip
+        print(line)
+        return line
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    run(args, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
     dist.destroy_process_group()
 
 
