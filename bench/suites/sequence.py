@@ -15,7 +15,7 @@ ID_LAWS = ("uniform", "zipf")
 
 def seq_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
     """Round 1 of every (id law, dedup) for both frameworks, then round 2, ...: a time limit still leaves one of
-    each."""
+    each. --cpu: tiny, and TorchRec without dedup only (its dedup has no CPU kernel)."""
     n = nproc(args, m)
     rounds = args.pairs or (1 if args.cpu else 2)
     workload = "tiny" if args.cpu else "seq4"
@@ -35,6 +35,8 @@ def seq_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
                     ("TorchRec", ["bench/baselines/torchrec_ec.py"]),
                     ("embshard", ["-m", "bench.embshard_ec"]),
                 ):
+                    if who == "TorchRec" and dedup and args.cpu:
+                        continue  # TorchRec's dedup needs fbgemm's jagged_unique_indices, which has no CPU kernel
                     argv = torchrun(n) + script + common
                     out.append(Step(f"{who} {tag}", argv, timeout=300, needs_gpus=n, exit_after_result_s=45))
     return out

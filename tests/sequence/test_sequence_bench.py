@@ -54,6 +54,9 @@ def test_seq_suite_interleaves_both_frameworks_and_compares_their_best():
     labels = [s.label for s in steps]
     assert len(steps) == 16 and labels[0].startswith("TorchRec seq4 uniform") and labels[1].startswith("embshard")
     assert sum("--dedup" in s.argv for s in steps) == 8 and all("--nproc-per-node=1" in s.argv for s in steps)
+    cpu = SUITES["seq"].steps(argparse.Namespace(**{**vars(args), "cpu": True, "pairs": 1}), Machine())
+    assert not [s.label for s in cpu if s.label.startswith("TorchRec") and "--dedup" in s.argv]  # no CPU kernel
+    assert all("tiny" in s.argv for s in cpu) and sum(s.label.startswith("embshard") for s in cpu) == 4
     log = "\n".join(
         f"RESULT framework={fw} module=ec workload=seq4 world=1 ids=uniform dedup={d} ms_per_step={ms}"
         + (" floor_ms=1.5" if fw == "embshard" else "")
