@@ -87,6 +87,47 @@ def embedding_bytes(tables: Sequence, plan, batch: int, pooled_bytes: int = 4) -
     return {"hbm": hbm, "link": link, "host": host}
 
 
+def sequence_bytes(
+    tables: Sequence, plan, batch: int, dedup: bool = False, out_bytes: int = 4
+) -> dict[str, list[float]]:
+    """Bytes per rank and step {hbm, link} of sharded sequence tables (one row per id, bench/embshard_ec.py):
+    every id's row read (with `dedup`, each source rank's distinct ids per shard: r(1 - exp(-m/r)) of m ids over
+    r rows) and every touched row read and written by the fused optimizer; over the links, the ids sent to each
+    shard and a row of `out_bytes` per column back (gradients the other way; the larger direction, twice);
+    data-parallel tables as embedding_bytes counts them. Uniform ids; `tables` and `plan` as embedding_bytes."""
+    world = plan.world_size
+    by_name = {tp.table: tp for tp in plan.tables}
+    hbm = [0.0] * world
+    out_rows, in_rows, in_ids, out_ids, reduce = ([0.0] * world for _ in range(5))
+    for t in tables:
+        tp = by_name[t.name]
+        local = batch * len(t.feature_names) * float(t.ids_per_bag)
+        rows = t.num_embeddings
+        if _kind(tp) == "data_parallel":
+            rb = t.embedding_dim * 4
+            for s in tp.shards:
+                hbm[s.rank] += 2 * local * rb + 3 * rows * rb
+                reduce[s.rank] += 2 * (world - 1) / world * rows * rb
+            continue
+        elem = t.data_type.bytes
+        for s in tp.shards:
+            if not s.num_rows:
+                continue
+            m = local * s.num_rows / rows  # ids one source rank sends this shard
+            sent = s.num_rows * -math.expm1(-m / s.num_rows) if dedup else m
+            u = s.num_rows * -math.expm1(-world * m / s.num_rows)
+            hbm[s.rank] += world * sent * s.num_cols * elem + 2 * u * s.num_cols * elem
+            row = sent * s.num_cols * out_bytes
+            out_rows[s.rank] += (world - 1) * row
+            in_ids[s.rank] += (world - 1) * sent * ID_BYTES
+            for r in range(world):
+                if r != s.rank:
+                    in_rows[r] += row
+                    out_ids[r] += sent * ID_BYTES
+    link = [2 * max(o, i) + max(a, b) + c for o, i, a, b, c in zip(out_rows, in_rows, in_ids, out_ids, reduce)]
+    return {"hbm": hbm, "link": link}
+
+
 def batch_copy_bytes(tables: Sequence, batch: int, num_dense: int) -> float:
     """Bytes of one rank's batch copied host to GPU: dense features and label (fp32), ids (int64), lengths."""
     ids = sum(len(t.feature_names) * float(t.ids_per_bag) for t in tables)

@@ -6,14 +6,17 @@ scenarios, trained in the same spawns as the random cases), and invalid setups d
 
 By default the suite trains the few of the first CANDIDATES random cases that together cover everything those
 cover (fuzz_cases.case_tags: every sharding type x world size x optimizer, the tiers, options and data shapes;
-about 30 of 400, seconds on 2 CPU cores), and the scenarios on 2 of the 4 optimizers per world size (all 4 per
-scenario); EMBSHARD_FUZZ_CASES trains every case drawn and every scenario with every optimizer.
+about 30 of 400, seconds on 2 CPU cores), the scenarios on 2 of the 4 optimizers per world size (all 4 per
+scenario; the hierarchical one on rowwise_adagrad and adam), and SEQ_CASES random sequence cases
+(fuzz_sequence.py); EMBSHARD_FUZZ_CASES trains every case drawn and every scenario with every optimizer.
 
 Environment:
   EMBSHARD_FUZZ_CASES=N     random cases to run: the first N (default: the covering subset of CANDIDATES)
   EMBSHARD_FUZZ_SEED=S      run only random case S (a failure prints its seed)
   EMBSHARD_FUZZ_FIRST_SEED  seed of the first random case (default FIRST_SEED; others explore new cases)
   EMBSHARD_FUZZ_WORLDS=1,2  world sizes to draw from (default 1-4 on CPU, 1 and 2 GPUs where present)
+  EMBSHARD_FUZZ_SEQ_CASES=N random sequence cases (ShardedEmbeddingCollection, fuzz_sequence.py; default
+                            SEQ_CASES); EMBSHARD_FUZZ_SEQ_SEED=S runs only sequence case S
   EMBSHARD_FUZZ_TIMEOUT=T   seconds a collective may wait before its case counts as hung (default 30)
   EMBSHARD_FUZZ_CORNERS=P   share of random cases pushed into the corners where ranks hold or see different
                             things (fuzz_cases.to_corners; default DEFAULT_CORNERS)
@@ -32,6 +35,7 @@ import torch
 from dist_harness import device_kind as device_kind
 from fuzz_cases import CW, DP, RW, TW, TWRW, Case, case_tags, covering_cases, draw_case
 from fuzz_check import run_cases
+from fuzz_sequence import draw_sequence_case, run_sequence_cases
 from parity import to_kjt
 
 from embshard import ConfigError, FusedOptimizerConfig, LookupOptions, ShardingPlan, TableConfig
@@ -43,6 +47,8 @@ pytestmark = pytest.mark.xdist_group("fuzz")
 CANDIDATES = 400  # random cases drawn by default, of which the suite trains a covering subset
 DEFAULT_CORNERS = 0.3  # share of random cases drawn into the corners (to_corners): the collective-desync class
 FIRST_SEED = 1000  # random case i has seed FIRST_SEED + i
+SEQ_CASES = 8  # random sequence cases (world sizes in turn)
+SEQ_FIRST_SEED = 50_000  # sequence case i has seed SEQ_FIRST_SEED + i
 
 
 def _worlds() -> list[int]:
@@ -171,8 +177,8 @@ def fuzz_run():
                 for opt in opts:
                     spec[len(cases)] = sc
                     cases.append(spec_case(sc, opt, W, device, seed=len(spec)))
-        if 4 in worlds:  # in the spawn of world 4's random cases
-            for opt in SPEC_OPTIMIZERS:
+        if 4 in worlds:  # in the spawn of world 4's random cases; covering: the 2 optimizers with state per row
+            for opt in SPEC_OPTIMIZERS[2:] if _covering() else SPEC_OPTIMIZERS:
                 spec[len(cases)] = HIERARCHICAL
                 cases.append(hierarchical_case(opt, device, seed=len(spec)))
     t0 = time.perf_counter()
@@ -209,6 +215,22 @@ def test_every_rank_enters_every_collective(fuzz_run, scenario):
     ran = [i for i, sc in spec.items() if sc == scenario]
     failures = [outcome[i] for i in ran if outcome[i] is not None]
     assert ran and not failures, f"{len(failures)} of {len(ran)} cases failed:\n\n" + "\n".join(failures)
+
+
+# ---- sequence tables: random ShardedEmbeddingCollection cases against the reference -----------------------------
+def test_fuzz_sequence_parity():
+    """Random sequence tables (every sharding type, dedup on, off or per table, every optimizer, max_length cuts,
+    empty local batches) on the world sizes in turn: rows and lengths every step, then weights, as tests/sequence."""
+    worlds = _worlds()
+    if os.environ.get("EMBSHARD_FUZZ_SEQ_SEED"):
+        seed = int(os.environ["EMBSHARD_FUZZ_SEQ_SEED"])
+        cases = [draw_sequence_case(seed, worlds[(seed - SEQ_FIRST_SEED) % len(worlds)])]
+    else:
+        n = int(os.environ.get("EMBSHARD_FUZZ_SEQ_CASES", SEQ_CASES))
+        cases = [draw_sequence_case(SEQ_FIRST_SEED + i, worlds[i % len(worlds)]) for i in range(n)]
+    failures = [f for f in run_sequence_cases(cases).values() if f is not None]
+    rerun = "rerun one with EMBSHARD_FUZZ_SEQ_SEED=<seed>"
+    assert not failures, f"{len(failures)} sequence fuzz cases failed ({rerun}):\n\n" + "\n".join(failures)
 
 
 # ---- invalid setups raise ConfigError naming the item, the value and the fix ------------------------------------

@@ -1,12 +1,12 @@
 """The suites of `python -m bench.run`: a registry of named suites, each one's commands and summary in a module of
-this package (checks, training, embedding, rawids, single, exchange), and the suites table of bench/README.md
+this package (checks, training, embedding, sequence, rawids, single, exchange), and the suites table of bench/README.md
 generated from it (`python -m bench.suites --update bench/README.md`; tests/test_bench.py checks it is current)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.suites import checks, embedding, exchange, rawids, single, training
+from bench.suites import checks, embedding, exchange, rawids, sequence, single, training
 from bench.suites.common import Machine, Step, Suite
 
 __all__ = ["SUITES", "Machine", "Step", "Suite", "readme_table", "replace_table"]
@@ -65,6 +65,19 @@ SUITES: dict[str, Suite] = {
             "9.5 min (the limit may cut the last pair)",
             embedding.emb_steps,
             training.compare_summary,
+        ),
+        Suite(
+            "seq",
+            "sequence embeddings (one row per id): bench/embshard_ec.py (ShardedEmbeddingCollection, automatic "
+            "plan) against bench/baselines/torchrec_ec.py (TorchRec's EmbeddingCollection under DMP) on seq4 "
+            "(20M/5M/100k/1000 rows x 128, histories 1 + Poisson(99) capped at 512, batch 1024 per rank), uniform "
+            "and Zipf ids, dedup off and on for both (each framework's best of the two compared), interleaved "
+            "rounds; embshard's physical floor per run",
+            "python -m bench.run seq --out DIR --nproc 1 [--pairs 2 --suite-minutes 20]",
+            "1-2",
+            "8 runs a round; 10-20 min for 2 rounds (estimate)",
+            sequence.seq_steps,
+            sequence.seq_summary,
         ),
         Suite(
             "soak",

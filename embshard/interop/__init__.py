@@ -1,6 +1,7 @@
 """Adopting embshard one piece at a time alongside TorchRec (docs/torchrec.md).
 
 - plan_out.py: an embshard plan as TorchRec's ShardingPlan, and the JSON plan file (`load_torchrec_plan`)
+- plan_ec.py: an embshard plan of sequence tables as TorchRec's ShardingPlan for an EmbeddingCollection
 - plan_file.py: the plan file checked field by field, and a plan checked against the TorchRec model's tables
 - plan_in.py: TorchRec's ShardingPlan as an embshard plan
 - tables_in.py: EmbeddingBagConfig, ParameterConstraints and the fused optimizer as embshard's configuration
@@ -21,6 +22,8 @@ _NAMES = {
     "to_torchrec_plan": "plan_out",
     "save_torchrec_plan": "plan_out",
     "load_torchrec_plan": "plan_out",
+    "to_torchrec_ec_plan": "plan_ec",
+    "save_torchrec_ec_plan": "plan_ec",
     "from_torchrec_plan": "plan_in",
     "tables_from_torchrec": "tables_in",
     "constraints_from_torchrec": "tables_in",

@@ -8,7 +8,9 @@
 (`model_key` / `optim_key` name other top-level keys; None: at the top). `model` is a RecModel from
 `rec_model_from_torchrec` (tables and dense part; `module_path`: where the TorchRec model given to it sits in the
 module DMP wrapped, '' for the module itself, 'model' for a DLRMTrain) or a ShardedEmbeddingBagCollection
-(`module_path`: the path of TorchRec's EmbeddingBagCollection). The in-memory form takes the state dicts of every
+(`module_path`: the path of TorchRec's EmbeddingBagCollection) or a ShardedEmbeddingCollection (sequence tables;
+`module_path`: the path of TorchRec's EmbeddingCollection, whose tables DMP holds as `embeddings.T.weight`). The
+in-memory form takes the state dicts of every
 rank (ShardedTensors: their local shards; torch.load of per-rank torch.save files gives them back) or unsharded
 ones; it gathers every rank's shards on every rank, so it is for models that fit one host's memory: use DCP for
 large ones.
@@ -35,7 +37,16 @@ import torch.distributed as dist
 
 from embshard.checkpoint.layout import PER_BLOCK, Piece, row_state_layout
 from embshard.interop.checkpoint_world import world_evidence
-from embshard.interop.common import default_world_size, flatten, join, state_key, state_scale, weight_key
+from embshard.interop.common import (
+    BAGS,
+    SEQUENCES,
+    default_world_size,
+    flatten,
+    join,
+    state_key,
+    state_scale,
+    weight_key,
+)
 from embshard.spec.optim import OptimizerKind
 from embshard.spec.plan import ShardingType
 from embshard.spec.tables import ConfigError
@@ -205,6 +216,14 @@ def _row_state_reads(ebc: Any, name: str, sh: Any, s: torch.Tensor, skey: str, b
     return [(wt, Piece(skey, (R * n,), (b * R + r0,), torch.empty(s.shape[0]))) for b, wt in enumerate(weights) if wt]
 
 
+def _attr(ebc: Any) -> str:
+    """Where TorchRec keeps the collection's tables: `embeddings` for sequence tables (a ShardedEmbeddingCollection,
+    TorchRec's EmbeddingCollection), else `embedding_bags`."""
+    from embshard.collection.sequence import ShardedEmbeddingCollection
+
+    return SEQUENCES if isinstance(ebc, ShardedEmbeddingCollection) else BAGS
+
+
 def _agree(ebc: Any, error: str | None) -> None:
     """Every rank of the collection raises if any rank found an error (one all-gather of the ranks' errors): a
     mismatch seen only where a table's shards are raises on every rank, before any rank returns."""
@@ -223,7 +242,7 @@ def _check_tables(source: Any, ebc: Any, ebc_path: str, model_key: str | None) -
     """Every table of the collection (not only this rank's) is in the checkpoint with the model's shape."""
     for t in ebc.tables:
         R, D = t.num_embeddings, t.embedding_dim
-        key = weight_key(ebc_path, t.name, model_key)
+        key = weight_key(ebc_path, t.name, model_key, _attr(ebc))
         found = source.chunks(key)
         if found is None or found[0] != (R, D):
             got = f"{found[0][0]} rows x {found[0][1]} columns" if found and len(found[0]) == 2 else found and found[0]
@@ -249,7 +268,10 @@ def _load(
     try:
         _check_tables(source, ebc, ebc_path, model_key)
         kinds = [k for k in ("m", "v") if ebc.optimizer.kind is not OptimizerKind.SGD]
-        has_state = any(source.chunks(state_key(ebc_path, t.name, k, optim_key)) for t in ebc.tables for k in kinds)
+        attr = _attr(ebc)
+        has_state = any(
+            source.chunks(state_key(ebc_path, t.name, k, optim_key, attr)) for t in ebc.tables for k in kinds
+        )
         ws = scale_ws() if has_state else 1
         pieces, states, notes = _plan_reads(source, ebc, ebc_path, model_key, optim_key, ws)
     except ConfigError as e:
@@ -283,12 +305,12 @@ def _plan_reads(
     notes: set[str] = set()
     for (name, sh, w), (_, _, state) in zip(ebc.local_shards(), ebc.local_optimizer_states()):
         R, D = configs[name].num_embeddings, configs[name].embedding_dim
-        key = weight_key(ebc_path, name, model_key)
+        key = weight_key(ebc_path, name, model_key, _attr(ebc))
         found = source.chunks(key)
         pieces.append(Piece(key, (R, D), (sh.row_offset, sh.col_offset), w))
         blocks = sorted({(o[1], s[1]) for o, s in found[1] if s[0] > 0 and s[1] > 0})
         for k, s in state.items():
-            skey = state_key(ebc_path, name, k, optim_key)
+            skey = state_key(ebc_path, name, k, optim_key, _attr(ebc))
             saved = source.chunks(skey)
             if saved is None:
                 notes.add(f"table {name!r}: the checkpoint has no {skey!r}: its {k} state starts from zero")

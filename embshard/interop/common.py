@@ -7,7 +7,8 @@ for a DLRMTrain, '' for a bare collection) holds table T as `{module_path}.embed
 optimizer (`dmp.fused_optimizer.state_dict()`) holds the state of that parameter under the same name, in
 `state[param]['T.momentum1']` (the first state: row-wise Adagrad's `[rows]` sum, Adagrad's sum, Adam's first moment)
 and `state[param]['T.exp_avg_sq']` (Adam's second moment). DCP flattens `{'model': sd, 'optim': osd}` by joining
-the dict keys with '.': 'model.{param}' and 'optim.state.{param}.T.momentum1'.
+the dict keys with '.': 'model.{param}' and 'optim.state.{param}.T.momentum1'. An EmbeddingCollection (sequence
+tables) is the same with `embeddings` in place of `embedding_bags`.
 """
 
 from __future__ import annotations
@@ -45,19 +46,24 @@ def join(*parts: str) -> str:
     return ".".join(p.strip(".") for p in parts if p and p.strip("."))
 
 
-def weight_param(module_path: str, table: str) -> str:
-    """The DMP parameter name of table `table` of the EmbeddingBagCollection at `module_path`."""
-    return join(module_path, f"embedding_bags.{table}.weight")
+BAGS, SEQUENCES = "embedding_bags", "embeddings"
+"""The attribute holding the tables of TorchRec's EmbeddingBagCollection and of its EmbeddingCollection."""
 
 
-def weight_key(module_path: str, table: str, model_key: str | None) -> str:
+def weight_param(module_path: str, table: str, attr: str = BAGS) -> str:
+    """The DMP parameter name of table `table` of the EmbeddingBagCollection (`attr` SEQUENCES: the
+    EmbeddingCollection) at `module_path`."""
+    return join(module_path, f"{attr}.{table}.weight")
+
+
+def weight_key(module_path: str, table: str, model_key: str | None, attr: str = BAGS) -> str:
     """The flattened checkpoint key of the table's weights (under `model_key`, e.g. 'model', or at the top)."""
-    return join(model_key or "", weight_param(module_path, table))
+    return join(model_key or "", weight_param(module_path, table, attr))
 
 
-def state_key(module_path: str, table: str, state: str, optim_key: str | None) -> str:
+def state_key(module_path: str, table: str, state: str, optim_key: str | None, attr: str = BAGS) -> str:
     """The flattened checkpoint key of embshard optimizer state `state` ('m' or 'v') of the table."""
-    return join(optim_key or "", "state", weight_param(module_path, table), f"{table}.{STATE_NAMES[state]}")
+    return join(optim_key or "", "state", weight_param(module_path, table, attr), f"{table}.{STATE_NAMES[state]}")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
