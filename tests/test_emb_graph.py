@@ -22,7 +22,7 @@ TABLES = (
     TableConfig("g_w", 211, 8, ("g_d",), weighted=True, ids_per_bag=4),
     TableConfig("g_dp", 12, 8, ("g_e",), ids_per_bag=2),
 )
-TYPES = {"g_dp": ShardingType.DATA_PARALLEL}
+TYPES = {"g_dp": ShardingType.DATA_PARALLEL, "g_w": ShardingType.COLUMN_WISE}
 # data-parallel tables on the small-table kernels (one weighted), between and after table-wise ones: their
 # features get no fillers in a padded batch (runs of padded and unpadded features alternate)
 SMALL_TABLES = (

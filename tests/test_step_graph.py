@@ -29,7 +29,8 @@ TABLES = (
     TableConfig("s_w", 211, 8, ("h_d",), weighted=True, ids_per_bag=4),
     TableConfig("s_dp", 12, 8, ("h_e",), ids_per_bag=2),
 )
-TYPES = {"s_dp": ShardingType.DATA_PARALLEL}  # the rest table-wise
+# s_tw2 column-wise (two column blocks: on both ranks at world 2), the rest table-wise
+TYPES = {"s_dp": ShardingType.DATA_PARALLEL, "s_tw2": ShardingType.COLUMN_WISE}
 STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 have other counts (rank 1 feeds empty batches)
 
 
@@ -119,6 +120,27 @@ def test_whole_step_graph_trains_like_the_eager_step():
         _close(state["tables"], eager_state["tables"], *fp32)
 
 
+def _one_rank_worker(rank, world, device):
+    return {
+        (whole, bags): _train(rank, world, device, whole, "fp32", bags)
+        for whole in (False, True)
+        for bags in ("fixed", "poisson")
+    }
+
+
+def test_whole_step_graph_on_one_rank_trains_like_the_eager_step():
+    """World 1 (both column blocks of the column-wise table on one rank): fixed bags and padded ragged bags."""
+    ((res),) = run_distributed(_one_rank_worker, 1)
+    fp32 = (1e-5, 1e-6) if device_kind() != "cuda" else (1e-4, 1e-5)
+    for bags in ("fixed", "poisson"):
+        eager_losses, eager_state, _ = res[(False, bags)]
+        losses, state, (whole_steps, _, _, given_up, _) = res[(True, bags)]
+        assert given_up is None and whole_steps >= min(STEPS) - 6, (bags, whole_steps, given_up)
+        _close(torch.tensor(losses), torch.tensor(eager_losses), *fp32)
+        _close(state["dense"], eager_state["dense"], *fp32)
+        _close(state["tables"], eager_state["tables"], *fp32)
+
+
 def _refusal_worker(rank, world, device):
     from embshard.training.step_graph import StepGraph, refusal
 
@@ -131,7 +153,7 @@ def _refusal_worker(rank, world, device):
 
 def test_whole_step_graph_refuses_a_plan_sized_on_the_device():
     (why, _) = run_distributed(_refusal_worker, 2)
-    assert "['row_wise'] tables" in why and "table_wise and data_parallel only" in why, why
+    assert "['row_wise'] tables" in why and "table_wise, column_wise and data_parallel only" in why, why
 
 
 def test_graph_scope_is_a_config_field():
