@@ -47,7 +47,7 @@ def plan_refusal(
             f"the plan has {kinds} tables, whose exchanges are sized on the device (table_wise, column_wise and "
             f"data_parallel only): table {first.table!r} is {first.sharding_type.value}"
             + (f" ({len(other) - 1} more)" if len(other) > 1 else ""),
-            f"planner.constraints.{first.table}.sharding_types=[table_wise, column_wise]"
+            f"planner.constraints.{first.table}.sharding_types=[table_wise]"
             + (f" (and the same for {names[1:4]}{' ...' if len(names) > 4 else ''})" if len(names) > 1 else "")
             + ", or let the planner choose (no plan_file, no such constraints)",
         )
