@@ -1,5 +1,6 @@
-"""The sharded collection's step as one CUDA graph (embshard/collection/emb_graph.py) trains like its eager step: table-wise
-and data-parallel tables (one weighted), row-wise Adagrad, ragged bags drawn fresh every step, 1 and 2 processes.
+"""The sharded collection's step as one CUDA graph (embshard/collection/emb_graph.py) trains like its eager step: table-wise,
+column-wise (the weighted table, two column blocks under the exact row-wise Adagrad update) and data-parallel tables,
+row-wise Adagrad, ragged bags drawn fresh every step, 1 and 2 processes.
 Losses and every table's weights after each step match the eager collection's; the capacity grows when a batch
 exceeds it. On the CPU, where CUDA graphs do not exist, the padded step runs without capture
 (`EmbeddingStepGraph(capture=False)`: the same padded batch, exchanges sized from the padded counts, lookups with
@@ -22,7 +23,7 @@ TABLES = (
     TableConfig("g_w", 211, 8, ("g_d",), weighted=True, ids_per_bag=4),
     TableConfig("g_dp", 12, 8, ("g_e",), ids_per_bag=2),
 )
-TYPES = {"g_dp": ShardingType.DATA_PARALLEL}
+TYPES = {"g_dp": ShardingType.DATA_PARALLEL, "g_w": ShardingType.COLUMN_WISE}
 # data-parallel tables on the small-table kernels (one weighted), between and after table-wise ones: their
 # features get no fillers in a padded batch (runs of padded and unpadded features alternate)
 SMALL_TABLES = (

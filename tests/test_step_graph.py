@@ -1,5 +1,6 @@
 """The whole training step as one CUDA graph (embshard/training/step_graph.py, training.graph_scope step) trains like the
-eager step, on 2 processes, for 20 steps of fixed bags (the first eager, the second warms up on the capture stream
+eager step, with a column-wise table (two column blocks, the exact row-wise Adagrad update) beside table-wise and
+data-parallel ones, on 2 processes (and on 1: both blocks on one rank), for 20 steps of fixed bags (the first eager, the second warms up on the capture stream
 and captures, then replays) and through the steps where one rank's data has ended (other counts: eager again);
 fp32 and bf16. With ragged bags the graph is given up after `max_changes` steps of changing counts and training
 goes on the other way, with the same losses, where the batches cannot be padded (mean pooling); where they can, the
@@ -29,7 +30,8 @@ TABLES = (
     TableConfig("s_w", 211, 8, ("h_d",), weighted=True, ids_per_bag=4),
     TableConfig("s_dp", 12, 8, ("h_e",), ids_per_bag=2),
 )
-TYPES = {"s_dp": ShardingType.DATA_PARALLEL}  # the rest table-wise
+# s_tw2 column-wise (two column blocks: on both ranks at world 2), the rest table-wise
+TYPES = {"s_dp": ShardingType.DATA_PARALLEL, "s_tw2": ShardingType.COLUMN_WISE}
 STEPS = [22, 20]  # batches of rank 0 and rank 1: steps 21 and 22 have other counts (rank 1 feeds empty batches)
 
 
@@ -119,6 +121,29 @@ def test_whole_step_graph_trains_like_the_eager_step():
         _close(state["tables"], eager_state["tables"], *fp32)
 
 
+def _one_rank_worker(rank, world, device):
+    return {
+        (whole, bags): _train(rank, world, device, whole, "fp32", bags)
+        for whole in (False, True)
+        for bags in ("fixed", "poisson")
+    }
+
+
+def test_whole_step_graph_on_one_rank_trains_like_the_eager_step():
+    """World 1 (both column blocks of the column-wise table on one rank): fixed bags and padded ragged bags."""
+    ((res),) = run_distributed(_one_rank_worker, 1)
+    cuda = device_kind() == "cuda"
+    fp32 = (1e-4, 1e-5) if cuda else (1e-5, 1e-6)
+    for bags in ("fixed", "poisson"):
+        eager_losses, eager_state, _ = res[(False, bags)]
+        losses, state, (whole_steps, replays, captures, given_up, _) = res[(True, bags)]
+        assert given_up is None and whole_steps >= min(STEPS) - 6, (bags, whole_steps, given_up)
+        assert (replays > 0 and captures >= 1) if cuda else (replays, captures) == (0, 0), (bags, replays, captures)
+        _close(torch.tensor(losses), torch.tensor(eager_losses), *fp32)
+        _close(state["dense"], eager_state["dense"], *fp32)
+        _close(state["tables"], eager_state["tables"], *fp32)
+
+
 def _refusal_worker(rank, world, device):
     from embshard.training.step_graph import StepGraph, refusal
 
@@ -131,7 +156,7 @@ def _refusal_worker(rank, world, device):
 
 def test_whole_step_graph_refuses_a_plan_sized_on_the_device():
     (why, _) = run_distributed(_refusal_worker, 2)
-    assert "['row_wise'] tables" in why and "table_wise and data_parallel only" in why, why
+    assert "['row_wise'] tables" in why and "table_wise, column_wise and data_parallel only" in why, why
 
 
 def test_graph_scope_is_a_config_field():

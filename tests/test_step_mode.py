@@ -58,7 +58,9 @@ def test_plans_the_whole_step_graph_cannot_hold_keep_the_dense_graph_and_say_whi
     tables = [t.name for t in cfg.model.tables]
     dp = resolve_step_mode(cfg, "cuda", _plan(cfg, types={tables[3]: ShardingType.DATA_PARALLEL}))
     assert dp.line() == FAST  # table-wise and data-parallel: the graph holds them
-    for kind in (ShardingType.ROW_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_ROW_WISE):
+    cw = resolve_step_mode(cfg, "cuda", _plan(cfg, types={tables[0]: ShardingType.COLUMN_WISE}))
+    assert cw.line() == FAST  # column-wise: the graph holds it too
+    for kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         mode = resolve_step_mode(cfg, "cuda", _plan(cfg, types={tables[0]: kind, tables[5]: kind}))
         line = mode.line()
         assert mode.scope == "dense" and line.startswith(

@@ -20,7 +20,8 @@ then captures it; the later steps replay. A batch over the capacity grows it (an
 at most `max_captures` times. Every rank must call `step` with the same counts (the `host_counts` rows of every
 rank, gathered on the host: `parse_counts`), so every rank replays, and runs the same collectives, together.
 
-What it takes (`refusal`): table-wise and data-parallel tables (their exchanges are sized from the host's counts),
+What it takes (`refusal`): table-wise, column-wise and data-parallel tables (their exchanges are sized from the host's
+counts; column-wise row-wise Adagrad's exact update is sized from them too),
 HBM or UVM tiers (not UVM-caching, whose prefetch runs on the host's schedule), static ids, out-of-range ids as an
 error (drop mode drops on the device), and an update rule that leaves a row with a zero gradient as it is (the
 fillers: sgd, adagrad, row-wise adagrad without weight decay; sum pooling). The sparse learning rate is a constant

@@ -70,7 +70,7 @@ class TrainingConfig:
     max-autotune-no-cudagraphs, the graph holds the compiled forward's and backward's kernels."""
     graph_scope: Literal["step", "dense"] = "step"
     """What training.cuda_graph captures: step, the whole step (id exchange, lookups, pooled exchange, dense step,
-    embedding backward with the fused update) where the plan is table-wise and data-parallel in HBM/UVM, for fixed
+    embedding backward with the fused update) where the plan is table-wise, column-wise and data-parallel in HBM/UVM, for fixed
     bags as they are and for ragged bags padded to a capacity (sum pooling, sgd/adagrad/rowwise_adagrad without
     weight decay; embshard/training/step_graph.py), else the dense step alone; dense, the dense step alone. The step scope on
     GPUs sets NCCL_GRAPH_MIXING_SUPPORT=0 (unless the environment sets it): its two communicators' captured

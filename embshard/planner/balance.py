@@ -1,13 +1,16 @@
 """How evenly a plan spreads the lookups over the ranks, and the hot tables a rank cannot carry alone.
 
-Weak scaling (the batch per rank fixed, W ranks): a table-wise or column-wise shard looks up its table's ids of the
-whole global batch, W*B*F*L, so the rank that holds a hot table does more work the more ranks there are; a row-wise
-or table-row-wise block of r of the table's R rows looks up W*B*F*L * r/R (row-wise over the W ranks of a sharding
-group: B*F*L, constant in W); a data-parallel replica B*F*L. A balanced rank looks up B * sum(F*L) whatever W is.
+Weak scaling (the batch per rank fixed, W ranks): a table-wise shard looks up its table's ids of the whole global
+batch, W*B*F*L, so the rank that holds a hot table does more work the more ranks there are; a column block of width
+d of a D-wide table looks up every one of those ids at d/D of the bytes, which counts as W*B*F*L * d/D ids (the cost
+model's price: cost.py); a row-wise or table-row-wise block of r of the table's R rows looks up W*B*F*L * r/R
+(row-wise over the W ranks of a sharding group: B*F*L, constant in W); a data-parallel replica B*F*L. A balanced
+rank looks up B * sum(F*L) whatever W is.
 
 `rank_ids` counts each rank's ids under a plan (cost.py's n, summed per rank); `hot_tables` names the tables whose
 whole-table lookups exceed a balanced rank's share, which the search splits (search.py's hot start; row-wise
-blocks or, over several hosts, 2D sharding: twod.py).
+blocks, column blocks where the step is one CUDA graph (its exchanges are sized from the host's counts, which
+row-wise bucketing is not), or, over several hosts, 2D sharding: twod.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def table_ids_per_sample(t: TableConfig) -> float:
 
 def rank_ids(plan: ShardingPlan, tables: Sequence[TableConfig], batch_size: int) -> list[float]:
     """Ids each rank of one sharding group looks up per step (forward), for `batch_size` samples per rank: a list
-    of plan.shard_world_size numbers (cost.py's n, summed over the rank's shards)."""
+    of plan.shard_world_size numbers (cost.py's n, summed over the rank's shards; a column block's ids weighed by
+    its share of the table's columns)."""
     W = plan.shard_world_size
     out = [0.0] * W
     by_name = {t.name: t for t in tables}
@@ -42,6 +46,8 @@ def rank_ids(plan: ShardingPlan, tables: Sequence[TableConfig], batch_size: int)
             continue
         for s in tp.shards:
             share = s.num_rows / t.num_embeddings if tp.sharding_type in _ROW_SPLITS else 1.0
+            if tp.sharding_type is ShardingType.COLUMN_WISE:
+                share = s.num_cols / t.embedding_dim
             out[s.rank] += W * per * share
     return out
 

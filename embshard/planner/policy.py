@@ -148,8 +148,8 @@ def search_plan(
             except (PlanningError, ConfigError) as e:
                 why = str(e).strip().splitlines()[0]
         (say or (lambda _text: None))(
-            "planner: no plan that the whole-step CUDA graph can hold fits (table_wise and data_parallel tables, "
-            f"no uvm_caching): {why}; planning with every option, so the step runs without "
+            "planner: no plan that the whole-step CUDA graph can hold fits (table_wise, column_wise and data_parallel "
+            f"tables, no uvm_caching): {why}; planning with every option, so the step runs without "
             "the whole-step graph"
         )
         settings = replace(settings, whole_step_graph=False)  # the step runs eagerly: priced so

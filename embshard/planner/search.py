@@ -204,13 +204,14 @@ def _cheapest(p: Problem) -> None:
 
 def _row_split_only(p: Problem, it: Any, usable: list[int]) -> list[int]:
     """The usable options of a hot item (balance.hot_tables) whose blocks each look up at most a balanced rank's
-    ids (W x its ids per sample / blocks for row splits, B x its ids per sample data-parallel): row-wise, and
-    table-row-wise or column-wise where their blocks stay within that; all of `usable` (with a note) when none of
-    those fits."""
+    ids (W x its ids per sample / blocks for row and column splits, a column block of width D/k looking up every
+    id at 1/k of the bytes; B x its ids per sample data-parallel): row-wise, and table-row-wise or column-wise where
+    their blocks stay within that (column-wise alone where the step is one CUDA graph: `graph_settings`); all of
+    `usable` (with a note) when none of those fits."""
     W = p.topology.world_size
     even = balance.HOT_SHARE * sum(balance.table_ids_per_sample(t) for t in p.tables)
     mine = sum(balance.table_ids_per_sample(p.tables[ti]) for ti in it.tables)
-    row_split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+    row_split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.COLUMN_WISE)
 
     def block_ids(c: int) -> float:
         sharding = it.options[c].sharding

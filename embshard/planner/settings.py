@@ -57,8 +57,8 @@ class PlannerSettings:
     or device (gathered on the GPUs: the topology's host_sync_s, 0.63 ms a step, charged); unset: as the training
     job runs (host unless training.pipeline is none, lookup.bounds_check drop or a retrieval catalog), else host."""
     whole_step_graph: bool | None = None
-    """Look first for a plan whose whole training step can be one CUDA graph (table-wise and data-parallel tables,
-    no UVM caching); if none fits, plan without those limits (the log says why); unset: as the
+    """Look first for a plan whose whole training step can be one CUDA graph (table-wise, column-wise and
+    data-parallel tables, no UVM caching); if none fits, plan without those limits (the log says why); unset: as the
     training job runs (training.cuda_graph true, or auto with training.precision bf16, with graph_scope step on CUDA
     GPUs), else false."""
 

@@ -58,6 +58,13 @@ PER_BLOCK_STATE_TIERS = frozenset({MemoryTier.UVM_CACHING})
 stale rows under the exact update)."""
 
 
+def _first_slots(seg_N: torch.Tensor) -> torch.Tensor:
+    """The index of each segment's first sorted id, in slots 0..N-1 (past the last segment: the last id)."""
+    n = seg_N.numel()
+    first = torch.full((n,), n - 1, dtype=torch.long, device=seg_N.device)
+    return first.scatter_reduce_(0, seg_N, torch.arange(n, device=seg_N.device), "amin")
+
+
 def shares_row_state(optimizer: FusedOptimizerConfig, options: LookupOptions, tier: MemoryTier | str) -> bool:
     """Whether the column blocks of a row-wise Adagrad table each hold the table's own per-row state (exact mode:
     identical copies, equal to the unsharded table's) rather than a per-block state of their own (TorchRec's
@@ -168,41 +175,47 @@ class ExactColumnSharding(RoutedSharding):
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
     def exact_update(self, inp: LookupInput, grad_BD: torch.Tensor, label: str = "row norms") -> None:
-        """Per table of mine: gradient per touched row, squared norms swapped among the block ranks, update."""
+        """Per table of mine: gradient per touched row, squared norms swapped among the block ranks, update.
+
+        Every size comes from the host's id counts (no device sync, so a captured step can hold it): a table's N ids
+        sorted by row, one slot per id; the sums of a row's ids land in the slot of its segment (the row's first
+        sorted id; the other slots stay zero), and every id of a row writes the row's same new weights and state."""
         Bg, grads = inp.global_batch, {}
         sq_local: dict[int, torch.Tensor] = {}
         for t, blocks in sorted(self._mine.items()) if Bg else []:
-            rows, inverse, bag, weight = self._touched(inp, blocks[0])
-            # Deterministic sums per touched row (no atomics): ids in row order, one segment per row.
-            order = torch.argsort(inverse, stable=True)
-            counts_U = torch.bincount(inverse, minlength=rows.numel())
-            bag, weight = bag[order], weight[order] if weight is not None else None
+            rows_N, seg_N, len_N, bag_N, weight_N = self._touched(inp, blocks[0])
             g_per_block = []
             for i, j, _, cols in blocks:
                 w_RD = self.lookups[i].shard_weights()[j]
                 width = w_RD.shape[1]
-                per_id = torch.cat([grad_BD[:, c : c + width] for c in cols], dim=0).float()[bag]
-                if weight is not None:
-                    per_id = per_id * weight.unsqueeze(1)
-                g_UD = torch.segment_reduce(per_id, "sum", lengths=counts_U) if rows.numel() else per_id[:0]
+                per_id = torch.cat([grad_BD[:, c : c + width] for c in cols], dim=0).float()[bag_N]
+                if weight_N is not None:
+                    per_id = per_id * weight_N.unsqueeze(1)
+                # deterministic sums per row segment (no atomics), in slots 0..rows-1, zero after
+                g_SD = torch.segment_reduce(per_id, "sum", lengths=len_N, unsafe=True) if len(per_id) else per_id
+                g_ND = g_SD[seg_N]  # each id's row gradient
                 if self._opt.weight_decay:
-                    g_UD = g_UD + self._opt.weight_decay * w_RD[rows].float()
-                g_per_block.append(g_UD)
-            grads[t] = (rows, g_per_block)
-            sq_local[t] = sum(g.square().sum(1) for g in g_per_block)
+                    g_ND = g_ND + self._opt.weight_decay * w_RD[rows_N].float()
+                g_per_block.append((g_SD, g_ND))
+            grads[t] = (rows_N, seg_N, [g for _, g in g_per_block])
+            sq_local[t] = sum(g.square().sum(1) for g, _ in g_per_block)
+            if self._opt.weight_decay:  # the decayed gradient's norm, per segment
+                sq_local[t] = sum(g[_first_slots(seg_N)].square().sum(1) for _, g in g_per_block)
         totals = self._swap_squares(sq_local, label)
-        for t, (rows, g_per_block) in grads.items():
-            for (i, j, _, _), g_UD in zip(self._mine[t], g_per_block):
+        for t, (rows_N, seg_N, g_per_block) in grads.items():
+            for (i, j, _, _), g_ND in zip(self._mine[t], g_per_block):
                 lk = self.lookups[i]
                 w_RD, m_R = lk.shard_weights()[j], lk.shard_optimizer_states()[j]["m"]
-                m_U = m_R[rows] + totals[t] / lk.shards[j].table.embedding_dim
-                m_R[rows] = m_U
-                step = g_UD * (self._opt.lr / (m_U.sqrt() + self._opt.eps)).unsqueeze(1)
-                w_RD[rows] = (w_RD[rows].float() - step).to(w_RD.dtype)
+                m_N = m_R[rows_N] + totals[t][seg_N] / lk.shards[j].table.embedding_dim
+                m_R[rows_N] = m_N  # every id of a row writes the same value
+                step = g_ND * (self._opt.lr / (m_N.sqrt() + self._opt.eps)).unsqueeze(1)
+                w_RD[rows_N] = (w_RD[rows_N].float() - step).to(w_RD.dtype)
 
     def _touched(self, inp: LookupInput, block) -> tuple:
-        """(rows, inverse, bag, weight) of one table: its sorted touched rows, each id's index into them, each id's
-        bag (the table's features' bags stacked: bag p * B_global + b for its p-th feature), and its weight."""
+        """(rows_N, seg_N, len_N, bag_N, weight_N) of one table's N ids sorted by row: each id's row, its row's
+        segment (0, 1, ... in row order), the ids per segment (zero past the last), its bag (the table's features'
+        bags stacked: bag p * B_global + b for its p-th feature) and its weight (None: unweighted). Sized from the
+        host's counts alone."""
         i, _, positions, _ = block
         values, offsets, weights = inp.parts[i]
         Bg = inp.global_batch
@@ -210,10 +223,20 @@ class ExactColumnSharding(RoutedSharding):
         v0, v1 = int(ends[positions[0]]), int(ends[positions[-1] + 1])
         lo, hi = positions[0] * Bg, (positions[-1] + 1) * Bg
         lengths = offsets[lo + 1 : hi + 1] - offsets[lo:hi]
-        bag = torch.repeat_interleave(torch.arange(hi - lo, device=values.device), lengths, output_size=v1 - v0)
-        weight = weights[v0:v1].float() if weights is not None and self.lookups[i].weighted else None
-        rows, inverse = torch.unique(values[v0:v1].long(), sorted=True, return_inverse=True)
-        return rows, inverse, bag, weight
+        n, dev = v1 - v0, values.device
+        bag = torch.repeat_interleave(torch.arange(hi - lo, device=dev), lengths, output_size=n)
+        lk = self.lookups[i]
+        weighted = weights is not None and (lk.weighted or getattr(lk, "every_id_weighted", False))
+        ids = values[v0:v1].long()
+        order = torch.argsort(ids, stable=True)
+        rows = ids[order]
+        first = torch.ones(n, dtype=torch.bool, device=dev)
+        if n > 1:
+            first[1:] = rows[1:] != rows[:-1]
+        seg = torch.cumsum(first, 0) - 1
+        len_N = torch.zeros(n, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))
+        weight = weights[v0:v1].float()[order] if weighted else None
+        return rows, seg, len_N, bag[order], weight
 
     def _swap_squares(self, sq_local: dict[int, torch.Tensor], label: str) -> dict[int, torch.Tensor]:
         """Every block rank's squared row norms of each table, summed in the tables' column order (identical

@@ -33,7 +33,9 @@ def plan_refusal(
     tables: Sequence[TableConfig], plan: ShardingPlan, bounds_check: BoundsCheck | str = BoundsCheck.ERROR
 ) -> Refusal | None:
     """Why a step of `tables` under `plan` cannot be captured with its exchanges sized from the host's counts, or
-    None if it can: only table-wise and data-parallel tables (row-wise bucketing sizes its exchange on the device),
+    None if it can: only table-wise, column-wise and data-parallel tables (`GRAPH_SHARDING_TYPES`: each table or
+    column block on one rank that receives every id of its features; row-wise bucketing sizes its exchange on the
+    device),
     no UVM-caching tier (its prefetch runs on the host's schedule), and `tables_refusal`'s rules."""
     graph_types = {t.value for t in GRAPH_SHARDING_TYPES}
     other = [tp for tp in plan.tables if tp.sharding_type.value not in graph_types]
@@ -42,8 +44,8 @@ def plan_refusal(
         first = other[0]
         names = [tp.table for tp in other]
         return Refusal(
-            f"the plan has {kinds} tables, whose exchanges are sized on the device (table_wise and data_parallel "
-            f"only): table {first.table!r} is {first.sharding_type.value}"
+            f"the plan has {kinds} tables, whose exchanges are sized on the device (table_wise, column_wise and "
+            f"data_parallel only): table {first.table!r} is {first.sharding_type.value}"
             + (f" ({len(other) - 1} more)" if len(other) > 1 else ""),
             f"planner.constraints.{first.table}.sharding_types=[table_wise]"
             + (f" (and the same for {names[1:4]}{' ...' if len(names) > 4 else ''})" if len(names) > 1 else "")

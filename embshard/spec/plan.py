@@ -43,9 +43,10 @@ class Exchange(str, enum.Enum):
     HIERARCHICAL = "hierarchical"  # reduce within the host first, then one all-to-all between hosts' peer ranks
 
 
-GRAPH_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
+GRAPH_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.DATA_PARALLEL)
 """The sharding types a whole training step captured as one CUDA graph can hold (embshard/training/step_graph.py): their
-exchanges are sized from the host's counts."""
+exchanges are sized from the host's counts (a column-wise table's blocks are routed like table-wise tables: each
+block's rank receives every id of its features)."""
 
 
 class ReplicaSync(str, enum.Enum):

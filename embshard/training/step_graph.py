@@ -33,8 +33,8 @@ a new capture). Where padding does not apply (`padding_refusal`: mean pooling, a
 decay), counts that keep changing are noticed after `max_changes` eligible steps and the graph is
 given up (`given_up` says why): the pipeline then runs the id exchange ahead again.
 
-What it takes (`refusal` says what is missing): table-wise and data-parallel tables only (their exchanges are
-sized from the host's counts; row-wise bucketing sizes its exchange on the device), HBM or UVM tiers (not
+What it takes (`refusal` says what is missing): table-wise, column-wise and data-parallel tables only (their
+exchanges are sized from the host's counts; row-wise bucketing sizes its exchange on the device), HBM or UVM tiers (not
 UVM-caching: its prefetch runs on the host's schedule), static ids (not raw ids), out-of-range ids as an error
 (the host's counts check them; drop mode drops on the device), no retrieval catalog. The sparse optimizer's
 learning rate is a constant of the captured TBE launches (embshard has no sparse schedule); a dense learning rate

@@ -59,7 +59,7 @@ def test_rank_ids_counts_each_sharding_type() -> None:
     cases = {
         ShardingType.TABLE_WISE: ((Shard(2, 0, 100, 0, 8),), [0, 0, W * B * 6, 0]),
         ShardingType.ROW_WISE: (shards_rw, [B * 6] * W),
-        ShardingType.COLUMN_WISE: ((Shard(1, 0, 100, 0, 4), Shard(3, 0, 100, 4, 4)), [0, W * B * 6, 0, W * B * 6]),
+        ShardingType.COLUMN_WISE: ((Shard(1, 0, 100, 0, 4), Shard(3, 0, 100, 4, 4)), [0, W * B * 3, 0, W * B * 3]),
         ShardingType.DATA_PARALLEL: (tuple(Shard(r, 0, 100, 0, 8) for r in range(W)), [B * 6] * W),
     }
     for st, (shards, want) in cases.items():

@@ -491,8 +491,8 @@ def test_a_graphed_step_is_priced_without_the_per_bag_term_and_a_fallback_as_eag
     assert h100.host_step_time_s > 0 and line in h100.summary()
     cpu = plan_with_report(tables[:3], Topology.preset("cpu", world_size=2), 64, ROWWISE)[1]
     assert "step:" not in cpu.summary()
-    # only column-wise allowed: no plan the graph holds; planned and priced as the eager step
-    cw = PlannerSettings(whole_step_graph=True, sharding_types=(ShardingType.COLUMN_WISE,))
+    # only row-wise allowed: no plan the graph holds; planned and priced as the eager step
+    cw = PlannerSettings(whole_step_graph=True, sharding_types=(ShardingType.ROW_WISE,))
     said = []
     mid = tables[:20]
     fallback = search_plan(mid, topo, 8192, ROWWISE, None, cw, say=said.append)
