@@ -64,12 +64,16 @@ NARROW = 32
 """Widths up to which phase_max_sum reduces all phases in one call (faster there; the loop is faster beyond)."""
 
 
-def phase_max_sum(loads: np.ndarray, per_phase: np.ndarray | None = None) -> np.ndarray:
+def phase_max_sum(loads: np.ndarray, per_phase: np.ndarray | None = None, narrow: bool | None = None) -> np.ndarray:
     """[n]: for each column of loads [NROWS, n], the sum over phases of its busiest row in the phase: the same
     numbers as `phase_times(loads).sum(axis=0)` (phases added in order), without reduceat along the rows, which
     is slow for wide matrices. `per_phase` [phases]: added to each phase's maximum before the sum: the same
-    numbers as adding it to every row of the phase first (adding one value keeps the order of a phase's rows)."""
-    if 2 <= loads.shape[1] <= NARROW:
+    numbers as adding it to every row of the phase first (adding one value keeps the order of a phase's rows).
+    `narrow`: reduce as for narrow (True) or wide (False) matrices whatever the width (None: by the width), so that
+    some columns of a matrix get the very numbers the whole matrix would."""
+    if narrow is None:
+        narrow = 2 <= loads.shape[1] <= NARROW
+    if narrow:
         # narrow: one reduceat and one sum over the phases, which adds the phases' rows one after another (as
         # below) for two or more columns; a single column would be summed pairwise, in another order
         m = np.ascontiguousarray(np.maximum.reduceat(loads, PHASE_START, axis=0))
