@@ -362,7 +362,7 @@ class State:
         ties = np.flatnonzero(rounded == rounded.min())
         if len(ties) > 1:
             # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
-            own_t = loads.phase_max_sum(own[:, ties], narrow=2 <= self.W <= loads.NARROW)
+            own_t = loads.phase_max_sum(own[:, ties])
             ties = ties[own_t == own_t.min()]
             if len(ties) > 1:
                 free = self.hbm_free[ties]
