@@ -50,10 +50,14 @@ class HostStats:
     def drop(self) -> None:
         self.key = None
 
-    def _compute(self, matrix: np.ndarray) -> None:
+    def of(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(top, second, arg) [rows, H] of `matrix` [rows, W], computed afresh and not kept."""
         n = matrix.shape[0]
         top, second, arg = self._of(matrix.reshape(n * self.H, self.lws))
-        self.top, self.second, self.arg = top.reshape(n, self.H), second.reshape(n, self.H), arg.reshape(n, self.H)
+        return top.reshape(n, self.H), second.reshape(n, self.H), arg.reshape(n, self.H)
+
+    def _compute(self, matrix: np.ndarray) -> None:
+        self.top, self.second, self.arg = self.of(matrix)
 
     def _of(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[k] each: top, second and arg of the rows of `groups` [k, lws]."""

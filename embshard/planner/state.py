@@ -459,8 +459,11 @@ class State:
         if got is not None:
             return got
         H, lws = self.H, self.lws
-        top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
-        host_top, second, arg = top[rows], second[rows], arg[rows]
+        if H > 1:  # kept across moves (a single block's move changes one host's order)
+            top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
+            host_top, second, arg = top[rows], second[rows], arg[rows]
+        else:  # one host: every move changes its order; the rows asked for alone
+            host_top, second, arg = self._hosts.of(self.loads[rows])
         other_top = None
         if H > 1:
             part = np.partition(host_top, H - 2, axis=1)
