@@ -144,6 +144,24 @@ class ChoiceTable:
     """Lookup forward + backward of all blocks, the part that depends on the kernel (s)."""
     blocks: np.ndarray
     """Blocks (int)."""
+    floor: np.ndarray
+    """What the choice adds to the mean rank's time in the phases of one row (the lookups forward and backward,
+    the data-parallel all-reduce and update), summed (s): a lower bound of the step of every plan is the batch's
+    loads there plus each item's least (`step_floor`); 0 for co-located items."""
+
+
+SINGLE_ROW_PHASES = np.array(
+    [int(a) for a, b in zip(loads.PHASE_START, [*loads.PHASE_START[1:], loads.NROWS]) if b - a == 1]
+)
+"""The rows that are phases of their own: a phase lasts at least its mean rank's load there."""
+
+
+def step_floor(base: np.ndarray, items: Sequence[Item], table: ChoiceTable) -> float:
+    """A lower bound of the step time of every placement of the items (any of their choices) with the loads
+    `base` [NROWS] on every rank: in a phase of one row the busiest rank does at least the mean rank's work, and
+    loads only add up (fixed costs included)."""
+    least = np.minimum.reduceat(table.floor, [it.base for it in items]) if items else np.zeros(0)
+    return float(base[SINGLE_ROW_PHASES].sum() + least.sum())
 
 
 def balanced_cost(total: np.ndarray, world_size: int) -> np.ndarray:
@@ -233,14 +251,16 @@ def build_choices(
         total = count[:, None] * (owner + (lws - 1) * same + (W - lws) * other)
         starts = np.flatnonzero(np.r_[True, (ti[1:] != ti[:-1]) | (oj[1:] != oj[:-1])])
         ends = np.r_[starts[1:], len(ti)]
+        summed = np.add.reduceat(total, starts, axis=0)
         agg = (
-            balanced_cost(np.add.reduceat(total, starts, axis=0), W),
+            balanced_cost(summed, W),
             np.add.reduceat(count, starts).astype(int),
             np.maximum.reduceat(hbm, starts),
             np.maximum.reduceat(ddr, starts),
             np.add.reduceat(hbm * count, starts),
             np.add.reduceat(ddr * count, starts),
             np.add.reduceat(look * count, starts),
+            summed[:, SINGLE_ROW_PHASES].sum(axis=1) / W,
         )
         kinds.append(
             ((owner, same, other, hbm, ddr, step, hot, look), ti[starts], oj[starts], starts, ends, count, agg)
@@ -292,7 +312,7 @@ def build_choices(
         items.append(item)
     # The flat table: singleton items' numbers straight from the kinds' aggregates, co-located ones from their
     # (few) choices.
-    cols = [np.empty(base) for _ in range(6)] + [np.empty(base, dtype=np.int64)]
+    cols = [np.empty(base) for _ in range(6)] + [np.empty(base, dtype=np.int64), np.zeros(base)]
     if flat_items:
         t_idx = np.array([i for i, _ in flat_items])
         i_base = np.array([it.base for _, it in flat_items])
@@ -302,8 +322,8 @@ def build_choices(
         ks, ps = kind_of[src], pair_of[src]
         for k, (*_x, agg) in enumerate(kinds):
             sel = ks == k
-            avg, blocks, hbm_max, ddr_max, total_hbm, total_ddr, look = agg
-            for col, values in zip(cols, (avg, hbm_max, ddr_max, total_hbm, total_ddr, look, blocks)):
+            avg, blocks, hbm_max, ddr_max, total_hbm, total_ddr, look, floor = agg
+            for col, values in zip(cols, (avg, hbm_max, ddr_max, total_hbm, total_ddr, look, blocks, floor)):
                 col[dst[sel]] = values[ps[sel]]
     for it in items:
         if len(it.tables) > 1:

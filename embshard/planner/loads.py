@@ -61,20 +61,34 @@ PHASE_OF_ROW = np.repeat(np.arange(len(PHASES)), np.diff([*PHASE_START, NROWS]))
 
 
 NARROW = 32
-"""Widths up to which phase_max_sum reduces all phases in one call (faster there; the loop is faster beyond)."""
+"""Widths up to which phase_max_sum reduces all phases in one reduceat (fastest there)."""
+GATHERED = 1024
+"""Widths up to which phase_max_sum reduces the phases' rows gathered four per phase (fastest there; the loop over
+the phases is faster beyond)."""
+PHASE_FOUR = np.array([(rows + rows[-1:] * 4)[:4] for rows in PHASE_ROWS]).T.copy()
+"""[4, phases]: four rows of each phase (its last row repeated where it has fewer: the maximum is the same)."""
 
 
 def phase_max_sum(loads: np.ndarray, per_phase: np.ndarray | None = None) -> np.ndarray:
     """[n]: for each column of loads [NROWS, n], the sum over phases of its busiest row in the phase: the same
     numbers as `phase_times(loads).sum(axis=0)` (phases added in order), without reduceat along the rows, which
     is slow for wide matrices. `per_phase` [phases]: added to each phase's maximum before the sum: the same
-    numbers as adding it to every row of the phase first (adding one value keeps the order of a phase's rows)."""
-    if 2 <= loads.shape[1] <= NARROW:
-        # narrow: one reduceat and one sum over the phases, which adds the phases' rows one after another (as
-        # below) for two or more columns; a single column would be summed pairwise, in another order
-        m = np.ascontiguousarray(np.maximum.reduceat(loads, PHASE_START, axis=0))
+    numbers as adding it to every row of the phase first (adding one value keeps the order of a phase's rows).
+    For two or more columns every width's way gives the same numbers (exact maxima, the phases added one after
+    another), so some columns of a matrix get the very numbers the whole matrix would."""
+    n = loads.shape[1]
+    if 2 <= n <= GATHERED:
+        if n <= NARROW:  # one reduceat
+            m = np.ascontiguousarray(np.maximum.reduceat(loads, PHASE_START, axis=0))
+        else:  # [4, phases, n]: each phase's maximum in three element-wise calls
+            four = np.take(loads, PHASE_FOUR, axis=0)
+            m = np.maximum(four[0], four[1])
+            np.maximum(m, four[2], out=m)
+            np.maximum(m, four[3], out=m)
         if per_phase is not None:
             m += per_phase[:, None]
+        # the sum over the phases adds their rows one after another (as below) for two or more columns; a single
+        # column would be summed pairwise, in another order
         return m.sum(axis=0)
     out = None
     for p, sl in enumerate(PHASE_SLICES):

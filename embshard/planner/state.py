@@ -14,6 +14,7 @@ import numpy as np
 from embshard.planner import loads
 from embshard.planner.choices import Choice, Item
 from embshard.planner.cost import CostModel
+from embshard.planner.host_stats import HostStats
 from embshard.spec.plan import LookupKernel, ShardingType
 
 
@@ -35,12 +36,15 @@ class State:
         self.ddr_free = np.full(self.W, float(ddr_budget))
         self.group_count: dict[tuple, np.ndarray] = {}
         self.scheme_count: dict[ShardingType, list[int]] = {}  # [items, weighted items]
+        self._scheme_sig: tuple = ()  # scheme_count with counts capped at 2: all the schemes' fixed costs depend on
+        self._schemes: dict[tuple, object] = {}  # _scheme_delta / _scheme_join per signature
         self.placed: dict[int, tuple[int, tuple[int, ...]]] = {}  # item -> (choice index, ranks)
         self.hot: dict[tuple, list[list[float]]] = {}  # small-kernel group -> per rank, its blocks' hot chains
         self.hot_max: dict[tuple, np.ndarray] = {}  # small-kernel group -> [W] longest chain per rank
         self._buf_own = np.empty((loads.NROWS, self.W))  # scratch of _best_single
         self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
         self._buf_new = np.empty((loads.NROWS, self.W))
+        self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads, kept across moves
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
@@ -91,13 +95,17 @@ class State:
     def _scheme_delta(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         """Change of the scheme's collective latencies (all ranks) if the item joins (+1) or leaves (-1), and of
         the once-per-step host sync (device counts) when the plan gains its first or loses its last model-parallel
-        table. Kept until the loads change (every move changes them)."""
-        cache = self._fresh()
-        key = ("scheme", ch.option.sharding, item.weighted, sign)
-        got = cache.get(key)
+        table. Kept per `_scheme_sig` (what the change depends on)."""
+        key = ("scheme", ch.option.sharding, item.weighted, sign, self._scheme_sig)
+        got = self._schemes.get(key)
         if got is None:
-            got = cache[key] = self._scheme_change(item, ch, sign)
+            got = self._schemes[key] = self._scheme_change(item, ch, sign)
         return got
+
+    def _signature(self) -> tuple:
+        """The scheme counts as far as the fixed costs of a join or a leave tell them apart: each scheme's items
+        and weighted items, capped at 2 (a change matters only where a count reaches or leaves 0)."""
+        return tuple((s, min(n, 2), min(nw, 2)) for s, (n, nw) in self.scheme_count.items())
 
     def _scheme_change(self, item: Item, ch: Choice, sign: int) -> np.ndarray:
         st = ch.option.sharding
@@ -162,8 +170,7 @@ class State:
     def apply(self, i: int, item: Item, c: int, ranks: Sequence[int]) -> None:
         """Place choice c of item i on `ranks` (one per block)."""
         ch = item.choices[c]
-        self.loads += self.delta(item, ch, ranks, +1)
-        self.version += 1
+        self._add_loads(self.delta(item, ch, ranks, +1), ranks)
         key = self._group(ch)
         if key not in self.group_count:
             self.group_count[key] = np.zeros(self.W, dtype=int)
@@ -173,14 +180,16 @@ class State:
             self.hbm_free[q] -= ch.hbm[0]
             self.ddr_free[q] -= ch.ddr[0]
             counts[q] += 1
+            self._launches_at(key, q, counts[q])
         else:
             np.subtract.at(self.hbm_free, np.asarray(ranks), ch.hbm)
             np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
             np.add.at(counts, list(ranks), 1)
-        self._launches.pop(key, None)
+            self._launches.pop(key, None)
         sc = self.scheme_count.setdefault(ch.option.sharding, [0, 0])
         sc[0] += 1
         sc[1] += int(item.weighted)
+        self._scheme_sig = self._signature()
         self.placed[i] = (c, tuple(int(r) for r in ranks))
         if ch.option.kernel is LookupKernel.SMALL:
             self._track_hot(ch, self.placed[i][1], +1)
@@ -189,25 +198,44 @@ class State:
         """Take item i off its ranks; returns where it was."""
         c, ranks = self.placed.pop(i)
         ch = item.choices[c]
-        self.loads += self.delta(item, ch, ranks, -1)
-        self.version += 1
+        self._add_loads(self.delta(item, ch, ranks, -1), ranks)
         key = self._group(ch)
         if len(ranks) == 1:
             q = ranks[0]
             self.hbm_free[q] += ch.hbm[0]
             self.ddr_free[q] += ch.ddr[0]
             self.group_count[key][q] -= 1
+            self._launches_at(key, q, self.group_count[key][q])
         else:
             np.add.at(self.hbm_free, np.asarray(ranks), ch.hbm)
             np.add.at(self.ddr_free, np.asarray(ranks), ch.ddr)
             np.subtract.at(self.group_count[key], list(ranks), 1)
-        self._launches.pop(key, None)
+            self._launches.pop(key, None)
         sc = self.scheme_count[ch.option.sharding]
         sc[0] -= 1
         sc[1] -= int(item.weighted)
+        self._scheme_sig = self._signature()
         if ch.option.kernel is LookupKernel.SMALL:
             self._track_hot(ch, ranks, -1)
         return c, ranks
+
+    def _launches_at(self, group: tuple, q: int, count: int) -> None:
+        """Keep the group's launches where it is absent (`_own_extra`) after its count on rank q became `count`."""
+        launches = self._launches.get(group)
+        if launches is None:
+            self._launches.pop(group, None)  # none absent before (or not made): made again when asked for
+        elif count == 0:
+            launches[:, q] = self.model.group_fixed(*group)
+        elif count == 1:
+            launches[:, q] = 0.0
+
+    def _add_loads(self, d: np.ndarray, ranks: Sequence[int]) -> None:
+        """Add a move's loads `d` [NROWS, W]; a single block's keeps the per-host statistics (host_stats.py)."""
+        keep = self.H > 1 and len(ranks) == 1 and self._hosts.valid((id(self.loads), self.version))
+        self.loads += d
+        self.version += 1
+        if keep:
+            self._hosts.shift(self.loads, d, int(ranks[0]), (id(self.loads), self.version))
 
     def objective(self) -> float:
         """Predicted step time of the current loads (s)."""
@@ -334,7 +362,7 @@ class State:
         ties = np.flatnonzero(rounded == rounded.min())
         if len(ties) > 1:
             # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
-            own_t = loads.phase_max_sum(own)[ties]
+            own_t = loads.phase_max_sum(own[:, ties])
             ties = ties[own_t == own_t.min()]
             if len(ties) > 1:
                 free = self.hbm_free[ties]
@@ -353,15 +381,14 @@ class State:
 
     def _scheme_join(self, item: Item, ch: Choice) -> tuple[np.ndarray | None, np.ndarray | None]:
         """What the item's first block adds to the scheme's fixed costs on every rank, as (per row, or None where
-        it is one value per phase or nothing, per phase or None), kept until the loads change."""
-        cache = self._fresh()
-        key = ("join", ch.option.sharding, item.weighted)
-        got = cache.get(key)
+        it is one value per phase or nothing, per phase or None), kept per `_scheme_sig`."""
+        key = ("join", ch.option.sharding, item.weighted, self._scheme_sig)
+        got = self._schemes.get(key)
         if got is None:
             scheme, phase_add = self._scheme_delta(item, ch, +1), None
             if scheme.any():
                 phase_add = loads.per_phase(scheme)
-            got = cache[key] = (scheme if phase_add is None and scheme.any() else None, phase_add)
+            got = self._schemes[key] = (scheme if phase_add is None and scheme.any() else None, phase_add)
         return got
 
     def _own_extra(self, ch: Choice, b: int, group: tuple) -> tuple[np.ndarray | None, np.ndarray | float]:
@@ -394,7 +421,11 @@ class State:
         """[NROWS]: each row's largest load over the ranks (cached until the loads change)."""
         cache = self._fresh()
         if "max" not in cache:
-            cache["max"] = self.loads.max(axis=1)
+            key = (id(self.loads), self.version)
+            if self.H > 1 and self._hosts.valid(key):  # the hosts' tops: the same numbers, fewer to read
+                cache["max"] = self._hosts.get(self.loads, key)[0].max(axis=1)
+            else:
+                cache["max"] = self.loads.max(axis=1)
         return cache["max"]
 
     def _add_peers(self, new: np.ndarray, own: np.ndarray, rows: np.ndarray, a: np.ndarray, x: np.ndarray) -> None:
@@ -420,24 +451,19 @@ class State:
 
     def _host_stats(self, rows: np.ndarray) -> tuple:
         """For the rows `rows`, per host ([m, H] each): its busiest rank's load, the largest load of its other
-        ranks (-inf alone on its host), the largest load on the other hosts (None on one host), and the busiest
-        rank (its index in the rank order; the first on ties). Cached until the loads change."""
+        ranks (-inf alone on its host), the largest load on the other hosts (None on one host), and a busiest
+        rank (its index in the rank order; host_stats.py). Cached until the loads change."""
         cache = self._fresh()
         key = tuple(rows.tolist())
         got = cache.get(key)
         if got is not None:
             return got
-        m, H, lws = len(rows), self.H, self.lws
-        by_host = self.loads[rows].reshape(m * H, lws)  # a copy: rows is an index array
-        arg = by_host.argmax(axis=1)
-        flat = np.arange(m * H)
-        host_top = by_host[flat, arg].reshape(m, H)
-        if lws > 1:
-            by_host[flat, arg] = -np.inf
-            second = by_host.max(axis=1).reshape(m, H)
-        else:
-            second = np.full_like(host_top, -np.inf)
-        arg = arg.reshape(m, H)
+        H, lws = self.H, self.lws
+        if H > 1:  # kept across moves (a single block's move changes one host's order)
+            top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
+            host_top, second, arg = top[rows], second[rows], arg[rows]
+        else:  # one host: every move changes its order; the rows asked for alone
+            host_top, second, arg = self._hosts.of(self.loads[rows])
         other_top = None
         if H > 1:
             part = np.partition(host_top, H - 2, axis=1)

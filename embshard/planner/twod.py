@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 
 from embshard.planner import balance
 from embshard.planner.access import distinct_rows
-from embshard.planner.constraints import ParameterConstraints
+from embshard.planner.choices import build_choices, step_floor
+from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.cost import CostModel
 from embshard.planner.dense import DenseSpec, dense_allreduce_s, dense_compute_s, ring_allreduce_s
 from embshard.planner.errors import PlanningError
@@ -242,6 +243,21 @@ def sync_floor_s(
     return ring_allreduce_s(max(0.0, total) / group_size, R, max(1, L // group_size), topo)
 
 
+def embedding_floor_s(
+    tables: Sequence[TableConfig],
+    topo: Topology,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    constraints: Mapping[str, ParameterConstraints | Mapping] | None,
+    settings: PlannerSettings,
+) -> float:
+    """A lower bound of the embedding step of every plan of the tables on `topo` (one group), without placing:
+    the batch's loads and each table's least work in the phases of one row, spread evenly (choices.step_floor)."""
+    model = CostModel(topo, batch_size, optimizer, settings)
+    items, table = build_choices(model, tables, resolve_constraints(tables, constraints, topo.world_size))
+    return step_floor(model.batch_loads(tables), items, table)
+
+
 def plan_at_scale(
     tables: Sequence[TableConfig],
     topology: Topology,
@@ -291,16 +307,16 @@ def plan_at_scale(
         gtopo = topology.with_sizes(G, min(L, G))
         why, hbm = _fits(tables, gtopo, batch_size, optimizer, settings) if G < W else ("", 0.0)  # W: the search's
         if not why and best is not None:
-            floor = (
-                dense_s
-                + ar_s
-                + sync_floor_s(
-                    tables, topology, G, batch_size, optimizer, settings, hbm, replica_sync, replica_sync_every
-                )
+            sync = sync_floor_s(
+                tables, topology, G, batch_size, optimizer, settings, hbm, replica_sync, replica_sync_every
             )
+            floor, what = dense_s + ar_s + sync, "its replica sync alone"
+            if floor < best.step_s:  # the embedding step's floor too (the group's choices, no placement)
+                floor += embedding_floor_s(tables, gtopo, batch_size, optimizer, constraints, settings)
+                what = "its replica sync and its embedding step's floor"
             if floor >= best.step_s:
                 c.skipped = (
-                    f"not planned: at least {floor * 1e3:.3f} ms with its replica sync alone, group "
+                    f"not planned: at least {floor * 1e3:.3f} ms with {what}, group "
                     f"{best.group_size} predicts {best.step_s * 1e3:.3f} ms"
                 )
                 worse += 1

@@ -193,3 +193,20 @@ def test_cli_prints_the_group_size_and_writes_the_2d_plan(tmp_path, capsys) -> N
         main([MLPERF, "--world-size", "64", "--device", "h100", "--group-size", "12"])
     err = capsys.readouterr().err
     assert "--group-size 12 is invalid with --world-size 64 and 8 ranks per host" in err and "--group-size 8" in err
+
+
+def test_embedding_floor_bounds_every_plan_from_below() -> None:
+    """The group-size search skips a group whose replica sync floor plus its embedding step's floor reaches the
+    best step: the floor (no placement) must stay under the planned step of every model and group."""
+    from bench.planner_scale import mixed_tables
+    from embshard.planner.twod import embedding_floor_s
+
+    opt, s = FusedOptimizerConfig(), PlannerSettings()
+    for n, W, L, seed in ((40, 8, 8, 0), (60, 16, 8, 1), (30, 4, 2, 2)):
+        tables = mixed_tables(n, seed=seed, world_size=W)
+        for G in group_sizes(W, L):
+            topo = Topology.preset("h100", G, min(L, G))
+            _, rep = plan_with_report(tables, topo, 512, opt, None, s)
+            floor = embedding_floor_s(tables, topo, 512, opt, None, s)
+            assert 0 < floor <= rep.step_time_s, (n, W, G, floor, rep.step_time_s)
+            assert floor <= rep.search_step_time_s or rep.search_step_time_s is None
