@@ -1,7 +1,7 @@
 """Sequence tables (`pooling: none`) in YAML models: RecModel serves them with a ShardedEmbeddingCollection beside the
 embedding bags (model.ec, `RecModel.sequences`), a registered kind reads them (outputs and SGD updates against a
 plain lookup of the full tables at 1 and 2 ranks, a history over an error-mode max_length refused naming the
-feature), kind hstu adds its side features to the item vectors (empty histories, empty batches, the side ids
+feature, the training pipeline running the exchanges in the forward, semi_sync refused), kind hstu adds its side features to the item vectors (empty histories, empty batches, the side ids
 changing the loss, only the side rows of the batch updated), config errors name the key, and
 configs/sequential_side.yaml trains on 2 processes like on 1 and resumes on 1 process from a 2-process checkpoint
 (the sequence collection saved and loaded)."""
@@ -121,6 +121,19 @@ def _probe(rank: int, world: int, device: torch.device) -> dict:
         out["error"] = ""
     except ValueError as e:
         out["error"] = str(e)
+    from embshard.training.pipeline import TrainPipeline
+
+    opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    try:
+        TrainPipeline(model, opt, "semi_sync")
+        out["semi_sync"] = ""
+    except ConfigError as e:
+        out["semi_sync"] = str(e)
+    pipe = TrainPipeline(model, opt, "sparse_dist")
+    out["ahead"] = [pipe.dist_ahead, pipe.host_counts]
+    batches = iter([Batch(torch.zeros(B, 0), kjt, torch.ones(B))] * (2 + rank))  # rank 1 has one batch more
+    steps = [pipe.progress(batches) for _ in range(4)]
+    out["pipeline_steps"] = [s is not None for s in steps]
     return out
 
 
@@ -133,6 +146,9 @@ def test_registered_kind_reads_sequence_tables_like_a_plain_lookup(world):
             assert re.search(r"feature 'hist': sample 1 has 6 ids, more than table 't_hist'.s max_length=5", r["error"])
         else:
             assert "every rank stops here" in r["error"]
+        assert "semi_sync" in r["semi_sync"] and "sequence tables (looked up in the forward)" in r["semi_sync"]
+        assert r["ahead"] == [False, False]  # the exchanges run in the forward, the counts gathered there
+        assert r["pipeline_steps"] == [True] * (1 + world) + [False] * (3 - world), r["pipeline_steps"]
 
 
 def _hstu(rank: int, world: int, device: torch.device) -> dict:
