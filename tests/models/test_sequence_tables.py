@@ -274,3 +274,15 @@ def test_side_features_train_on_two_processes_like_one_and_resume_on_one(tmp_pat
     # Later steps also depend on the optimizer states, which a run on 2 ranks builds from row gradients summed over
     # the ranks (2 x those of 1 rank: the module docstring of embshard/models/sequential.py), so they differ a little
     np.testing.assert_allclose([l3[5], l3[6]], [l1[5], l1[6]], rtol=3e-2)
+
+
+def test_sequences_source_emits_each_items_category_for_side_features():
+    from embshard.data.sequences import SequenceSource
+
+    cfg = load_config(SIDE, TINY)
+    src = SequenceSource(cfg.data.sequences, list(cfg.model.tables), 8, seed=3, rank=0, world_size=1)
+    kjt = next(src.train_batches(0)).sparse
+    assert list(kjt.keys()) == ["item", "user", "category"]
+    items, cats = kjt["item"], kjt["category"]
+    assert torch.equal(cats.lengths(), items.lengths()) and torch.equal(cats.values(), items.values() % 50)
+    assert torch.equal(kjt["user"].lengths(), torch.ones(8, dtype=kjt["user"].lengths().dtype))
