@@ -145,6 +145,6 @@ class RecModel(nn.Module):
 def _plan_of(plan: ShardingPlan, tables: list[TableConfig]) -> ShardingPlan:
     """`plan` cut to `tables`' entries (each collection checks the plan of its own tables); `plan` itself when it has
     exactly those."""
-    if [t.table for t in plan.tables] == [t.name for t in tables]:
+    if {t.table for t in plan.tables} == {t.name for t in tables}:
         return plan
     return replace(plan, tables=tuple(plan[t.name] for t in tables))
