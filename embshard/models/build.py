@@ -61,6 +61,11 @@ class RecModel(nn.Module):
         self.catalog = build_catalog(cfg, plan, sparse_optimizer, device, seed) if build_catalog else None
         if self.catalog is not None:
             tables = [t for t in tables if t.name != self.catalog.table.name]
+        unplanned = sorted({t.table for t in plan.tables} - {t.name for t in cfg.tables})
+        if unplanned:
+            raise ConfigError(
+                f"the plan has tables {unplanned} that model.tables does not list: plan again for the model's tables"
+            )
         sequence = [t for t in tables if t.sequence]
         tables = [t for t in tables if not t.sequence]
         if sequence and not tables:
