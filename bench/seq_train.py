@@ -5,6 +5,7 @@ and NDCG@10 against the popularity baseline at the end.
     python -m bench.seq_train --out DIR                  # every visible GPU (embshard train --nproc N), ~2 minutes
     python -m bench.seq_train --out DIR --items 1000000 --batch 2048 --max-length 200
     python -m bench.seq_train --out DIR --cpu            # 2 CPU processes, the config's own small size
+    python -m bench.seq_train --out DIR --side           # configs/sequential_side.yaml: a per-position category
 
 One `embshard train` run with the sizes overridden; the rate is the training loop's samples/s (samples are user
 sequences) of its last log line, measured from the first step (so it includes the warm-up); ids/s is that times the
@@ -28,12 +29,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/sequential_synthetic.yaml"
+SIDE_CONFIG = "configs/sequential_side.yaml"  # its tables[2] (the categories) has the catalog's width
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for seq_train.md and the metrics file")
     p.add_argument("--cpu", action="store_true", help="2 CPU processes at the config's own size")
+    p.add_argument(
+        "--side", action="store_true", help="configs/sequential_side.yaml: item categories through the sequence tables"
+    )
     p.add_argument("--nproc", type=int, default=None, help="processes (default: every visible GPU; --cpu: 2)")
     p.add_argument("--items", type=int, default=100_000, help="catalog rows")
     p.add_argument("--dim", type=int, default=64, help="model width (the catalog's embedding_dim)")
@@ -44,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--margin", type=float, default=0.2, help="PASS: HR@10 at least this above popularity's")
     args = p.parse_args(argv)
     args.steps = args.steps or (200 if args.cpu else 300)
+    args.config = SIDE_CONFIG if args.side else CONFIG
     return args
 
 
@@ -62,6 +68,10 @@ def overrides(args: argparse.Namespace, metrics: str) -> list[str]:
         *common,
         f"model.tables[0].num_embeddings={args.items}",
         f"model.tables[0].embedding_dim={args.dim}",
+        *(
+            [f"model.tables[2].embedding_dim={args.dim}", f"model.tables[2].max_length={args.max_length + 1}"]
+            * args.side
+        ),
         f"model.sequential.max_length={args.max_length}",
         f"model.sequential.num_layers={args.layers}",
         f"data.sequences.max_length={args.max_length}",
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         device = torch.cuda.get_device_name(0)
     nproc = args.nproc or (2 if args.cpu else torch.cuda.device_count())
-    cmd = [sys.executable, "-m", "embshard.cli", "train", CONFIG, "--nproc", str(nproc), *overrides(args, metrics)]
+    cmd = [sys.executable, "-m", "embshard.cli", "train", args.config, "--nproc", str(nproc), *overrides(args, metrics)]
     print("command:", shlex.join(cmd), flush=True)
     t0 = time.time()
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -103,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     seqs_per_s = float(train[-1][2].replace(",", ""))
     from embshard.config import load_config
 
-    cfg = load_config(ROOT / CONFIG, overrides(args, metrics))
+    cfg = load_config(ROOT / args.config, overrides(args, metrics))
     sq = cfg.data.sequences
     mean_items = (sq.min_length + sq.max_length + 1) / 2
     lines = [

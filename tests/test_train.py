@@ -104,8 +104,9 @@ def metrics(tmp: Path) -> list[dict]:
 # Trained by test_train_e2e_benchmark_trains_scaled_down_on_cpu (bench/train_e2e.py, the same pipeline).
 E2E_TESTED = {"dlrm_dcnv2_mlperf.yaml"}
 # tests/models/test_sequential.py: sequential_synthetic trained on 1 and 2 processes; sequential_movielens (it needs
-# MovieLens-1M's ratings) loaded and read from a file of its layout.
-SEQUENTIAL_TESTED = {"sequential_synthetic.yaml", "sequential_movielens.yaml"}
+# MovieLens-1M's ratings) loaded and read from a file of its layout; tests/models/test_sequence_tables.py:
+# sequential_side trained on 1 and 2 processes.
+SEQUENTIAL_TESTED = {"sequential_synthetic.yaml", "sequential_movielens.yaml", "sequential_side.yaml"}
 
 
 def test_examples_are_all_tested():

@@ -44,8 +44,11 @@ class TrainState:
 
     @classmethod
     def of_model(cls, model: Any, dense_optimizer: torch.optim.Optimizer | None) -> TrainState:
-        """A RecModel's state: its collection 'ebc', in catalog mode 'catalog' and the catalog sampler's counts."""
+        """A RecModel's state: its collection 'ebc', with sequence tables 'sequences' (its sequence collection), in
+        catalog mode 'catalog' and the catalog sampler's counts."""
         collections = {"ebc": model.ebc}
+        if getattr(model, "ec", None) is not None:
+            collections["sequences"] = model.ec
         rows: list[Piece] = []
         counters: dict[str, Counter] = {}
         catalog = getattr(model, "catalog", None)

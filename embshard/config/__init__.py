@@ -144,9 +144,10 @@ class TrainConfig:
         """Where this job's training steps take their batch counts from: 'host' (the training pipeline counts each
         batch on the CPU: no device sync) or 'device' (the forward gathers them on the GPUs and syncs once a step):
         `embshard.spec.options.counts_on_host` of training.pipeline, lookup.bounds_check and the retrieval catalog
-        (two_tower with item_mlp: []). The planner prices the step so unless planner.settings.batch_counts is set."""
+        (two_tower with item_mlp: []) or sequence tables. The planner prices the step so unless planner.settings.batch_counts is set."""
         tt = self.model.two_tower
         catalog = (self.model.kind == "two_tower" and tt is not None and tt.catalog_mode) or self.model.kind == "hstu"
+        catalog = catalog or any(t.sequence for t in self.model.tables)  # sequence tables: looked up in the forward
         return "host" if counts_on_host(self.training.pipeline, self.lookup.bounds_check, catalog) else "device"
 
     @property

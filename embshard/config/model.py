@@ -182,6 +182,10 @@ class SequentialConfig:
     context_features: tuple[str, ...]
     """Pooled features of the user (e.g. the user id): projected and added to every position's input (at least
     one: they are the model's embedding-bag collection)."""
+    side_features: tuple[str, ...] = ()
+    """Per-position side features (e.g. each history item's category or the action taken on it): features of
+    sequence tables (pooling: none) with one id per item of the history, looked up by the model's sharded sequence
+    collection and added to the item's vector at its position; their tables' embedding_dim is the catalog's."""
     num_layers: int = 2
     """HSTU layers (count)."""
     num_heads: int = 2
@@ -228,7 +232,9 @@ class ModelConfig:
     """Architecture: dlrm (dot interaction), dlrm_dcnv2 (low-rank cross network), two_tower (retrieval), or a kind
     registered from Python with embshard.models.register_model (in the process that reads the config)."""
     tables: tuple[TableConfig, ...]
-    """The embedding-bag tables; each lists the sparse features that look it up."""
+    """The embedding tables; each lists the sparse features that look it up. Pooled tables (pooling sum or mean) form
+    the embedding-bag collection; sequence tables (pooling: none, one row per id) the sequence collection (kind hstu's
+    side features, or a registered kind's)."""
     dlrm: DLRMConfig | None = None
     """Bottom and top MLPs; used by kind dlrm and dlrm_dcnv2 (defaults apply when omitted)."""
     dcn: DCNConfig | None = None
@@ -291,6 +297,15 @@ class ModelConfig:
                         f"DLRM's dot interaction needs equal widths: table {t.name!r} differs from the first table's "
                         f"{d0}; make them equal or use kind dlrm_dcnv2",
                     )
+        sequence = [t.name for t in self.tables if t.sequence]
+        if sequence and self.kind in ("dlrm", "dlrm_dcnv2", "two_tower"):
+            raise FieldError(
+                "tables",
+                sequence,
+                f"model kind {self.kind!r} pools every feature, but these tables have pooling: none (sequence tables, "
+                "one row per id): give them pooling sum or mean, or use kind hstu (side_features) or a kind "
+                "registered with embshard.models.register_model that reads RecModel.sequences",
+            )
         if self.kind == "hstu":
             check_sequential(self)
         if self.kind == "two_tower":
@@ -342,7 +357,12 @@ def check_sequential(cfg: ModelConfig) -> None:
     if sq is None:
         raise FieldError("sequential", None, "kind hstu needs a sequential section (item_feature, context_features)")
     known = {f: (i, t) for i, t in enumerate(cfg.tables) for f in t.feature_names}
-    for key, names in (("item_feature", [sq.item_feature]), ("context_features", list(sq.context_features))):
+    named = (
+        ("item_feature", [sq.item_feature]),
+        ("context_features", list(sq.context_features)),
+        ("side_features", list(sq.side_features)),
+    )
+    for key, names in named:
         for f in names:
             if f not in known:
                 raise FieldError(f"sequential.{key}", f, f"no table lists this feature; known: {sorted(known)}")
@@ -372,7 +392,44 @@ def check_sequential(cfg: ModelConfig) -> None:
                 "none",
                 f"table {c.name!r} feeds a context feature, pooled per user: sum or mean",
             )
-    used = {sq.item_feature, *sq.context_features}
+    check_side_features(cfg, known)
+    used = {sq.item_feature, *sq.context_features, *sq.side_features}
     unused = [f for f in known if f not in used]
     if unused:
-        raise FieldError("tables", sorted(known), f"features {unused} are used by neither item_feature nor context")
+        raise FieldError(
+            "tables", sorted(known), f"features {unused} are used by none of item_feature, context and side features"
+        )
+
+
+def check_side_features(cfg: ModelConfig, known: dict[str, tuple[int, TableConfig]]) -> None:
+    """Kind hstu's side features: sequence tables of the catalog's width, other than the item and context features,
+    that keep every id of a history (max_length at least the model's max_length + 1)."""
+    sq = cfg.sequential
+    width = known[sq.item_feature][1].embedding_dim
+    for k, f in enumerate(sq.side_features):
+        if f == sq.item_feature or f in sq.context_features or f in sq.side_features[:k]:
+            raise FieldError(
+                f"sequential.side_features[{k}]", f, "it is already the item feature, a context or a side feature"
+            )
+        i, t = known[f]
+        if not t.sequence:
+            raise FieldError(
+                f"tables[{i}].pooling",
+                t.pooling.value,
+                f"table {t.name!r} feeds side feature {f!r}, one id per history position: give it pooling: none",
+            )
+        if t.embedding_dim != width:
+            raise FieldError(
+                f"tables[{i}].embedding_dim",
+                t.embedding_dim,
+                f"table {t.name!r} feeds side feature {f!r}, added to the item vectors: make it the catalog's "
+                f"width {width}",
+            )
+        if t.max_length is not None and t.max_length < sq.max_length + 1:
+            raise FieldError(
+                f"tables[{i}].max_length",
+                t.max_length,
+                f"table {t.name!r} feeds side feature {f!r}, one id per history position, but the model reads "
+                f"histories of up to sequential.max_length + 1 = {sq.max_length + 1} items: raise it to "
+                f"{sq.max_length + 1} or more (or remove it)",
+            )

@@ -1,7 +1,9 @@
 """Per-user item sequences, oldest first, for sequential recommenders (model kind hstu): `data.source: sequences`.
 
 A batch holds B users: the item feature is each user's sequence (a jagged bag, oldest item first), every context
-feature one id per user; labels are ones and there are no dense features. The model predicts each item from the
+feature one id per user, every side feature (a feature of a sequence table, `pooling: none`, other than the item's)
+one id per item of the sequence: the item's category, item % (its table's rows); labels are ones and there are
+no dense features. The model predicts each item from the
 items before it; evaluation scores each held-out user's last item from the items before it.
 
 - synthetic (no path): a Markov chain over Zipf-popular items with planted sequential structure. Item i has a fixed
@@ -73,7 +75,10 @@ class SequenceSource:
                 f"data.sequences.item_feature={cfg.item_feature!r} is no table's feature; features: {self.keys}"
             )
         self.items = rows[cfg.item_feature]
-        self.context = [(f, rows[f]) for f in self.keys if f != cfg.item_feature]
+        sequence = {f for t in tables if t.sequence for f in t.feature_names if f != cfg.item_feature}
+        self.side = [(f, rows[f]) for f in self.keys if f in sequence]
+        """Side features: (feature, categories); each position's id is its item's category, item % categories."""
+        self.context = [(f, rows[f]) for f in self.keys if f != cfg.item_feature and f not in sequence]
         for f, n in self.context:
             if n < 2:
                 raise ConfigError(f"context feature {f!r}: its table needs >= 2 rows (row 0 is the missing value)")
@@ -189,10 +194,12 @@ class SequenceSource:
 
         B = len(sequences)
         lengths, values = [], []
+        side = dict(self.side)
         for f in self.keys:
-            if f == self.cfg.item_feature:
+            if f == self.cfg.item_feature or f in side:
                 lengths.append(np.array([s.size for s in sequences], dtype=np.int32))
-                values.append(np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64))
+                items = np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64)
+                values.append(items % side[f] if f in side else items)
             else:
                 lengths.append(np.ones(B, dtype=np.int32))
                 values.append(context[f][:B])

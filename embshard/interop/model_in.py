@@ -11,6 +11,13 @@ DLRM_Projection; for DLRMTrain pass its `.model`). The dense part is a copy of t
 replaced by a pass-through: it receives the KeyedTensor of pooled embeddings that embshard's collection returns (the
 same keys, order and widths as TorchRec's) where TorchRec's collection would have returned it. The loss is binary
 cross-entropy of the logits (DLRMTrain's). The user's model is left as it was.
+
+A model with one EmbeddingCollection (sequence embeddings) beside its EmbeddingBagCollection is taken too: the
+collection's tables become the RecModel's sequence tables (`pooling: none`, served by its ShardedEmbeddingCollection
+under the same plan, trained with the same sparse optimizer), and in the dense copy each TorchRec collection is
+replaced by a module that returns embshard's output for this batch (the KeyedTensor, and the `{feature:
+JaggedTensor}` of the sequence features, as TorchRec's collections return them), whatever the model passes it: the
+model's forward gets the batch's KeyedJaggedTensor and may call each collection once, on any of its features.
 """
 
 from __future__ import annotations
@@ -47,13 +54,58 @@ class TorchRecDense(nn.Module):
         return self.model(dense_BN, pooled).reshape(-1)
 
 
+class Injected(nn.Module):
+    """Stands in for a TorchRec collection in the dense copy: returns the output embshard set for this forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.output is None:
+            raise RuntimeError("the collection's output was not set: call the dense part through TorchRecSeqDense")
+        return self.output
+
+
+class TorchRecSeqDense(nn.Module):
+    """A TorchRec model without its EmbeddingBagCollection and EmbeddingCollection (each replaced by an `Injected`):
+    `forward(dense_BN, kjt, pooled KeyedTensor, {feature: JaggedTensor})` -> logits `[B]`."""
+
+    def __init__(self, model: nn.Module, ebc_path: str, ec_path: str) -> None:
+        super().__init__()
+        self.model = model
+        self.ebc_path, self.ec_path = ebc_path, ec_path
+
+    def forward(self, dense_BN: torch.Tensor, kjt: Any, pooled: Any, sequences: Any) -> torch.Tensor:
+        ebc, ec = self.model.get_submodule(self.ebc_path), self.model.get_submodule(self.ec_path)
+        ebc.output, ec.output = pooled, dict(sequences)
+        try:
+            return self.model(dense_BN, kjt).reshape(-1)
+        finally:
+            ebc.output = ec.output = None
+
+
 def find_ebc(model: nn.Module) -> tuple[str, nn.Module]:
-    """(path, module) of the one TorchRec EmbeddingBagCollection in `model`. Refused, naming the module's path: a
-    model with embedding modules embshard cannot run (feature-processed or managed-collision collections, sequence
-    EmbeddingCollections, quantized or other EmbeddingBagCollection kinds), and one with no or several collections."""
+    """(path, module) of the one TorchRec EmbeddingBagCollection in `model`, which has no other embedding module
+    (`find_collections` for one with an EmbeddingCollection too)."""
+    path, ebc, ec_path, _ = find_collections(model)
+    if ec_path is not None:
+        raise ConfigError(
+            f"EmbeddingCollection at {ec_path!r} of {type(model).__name__}: sequence embeddings beside the "
+            f"EmbeddingBagCollection need rec_model_from_torchrec. {_SUPPORTED}"
+        )
+    return path, ebc
+
+
+def find_collections(model: nn.Module) -> tuple[str, nn.Module, str | None, nn.Module | None]:
+    """(path, module) of the one TorchRec EmbeddingBagCollection in `model`, then of its one plain EmbeddingCollection
+    (None, None without one). Refused, naming the module's path: a model with embedding modules embshard cannot run
+    (feature-processed or managed-collision collections, quantized or other collection kinds), and one with no or
+    several EmbeddingBagCollections or several EmbeddingCollections."""
     from torchrec.modules.embedding_modules import (
         EmbeddingBagCollection,
         EmbeddingBagCollectionInterface,
+        EmbeddingCollection,
         EmbeddingCollectionInterface,
     )
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
@@ -62,9 +114,8 @@ def find_ebc(model: nn.Module) -> tuple[str, nn.Module]:
     refused = (
         (FeatureProcessedEmbeddingBagCollection, "its feature processors change ids and weights before the lookup"),
         (BaseManagedCollisionEmbeddingCollection, "managed collision remaps raw ids to rows before the lookup"),
-        (EmbeddingCollectionInterface, "sequence embeddings (one per id, not pooled) are not supported yet"),
     )
-    found = []
+    found, sequence = [], []
     for name, m in model.named_modules():
         where = f"{type(m).__name__} at {name or '(the model itself)'!r} of {type(model).__name__}"
         for cls, why in refused:
@@ -74,16 +125,27 @@ def find_ebc(model: nn.Module) -> tuple[str, nn.Module]:
             found.append((name, m))
         elif isinstance(m, EmbeddingBagCollectionInterface):
             raise ConfigError(f"{where} is not TorchRec's EmbeddingBagCollection. {_SUPPORTED}")
+        elif type(m) is EmbeddingCollection:
+            sequence.append((name, m))
+        elif isinstance(m, EmbeddingCollectionInterface):
+            raise ConfigError(f"{where} is not TorchRec's plain EmbeddingCollection. {_SUPPORTED}")
     if len(found) != 1:
         raise ConfigError(
             f"{type(model).__name__} has {len(found)} EmbeddingBagCollections ({[n for n, _ in found]}). {_SUPPORTED}"
         )
-    return found[0]
+    if len(sequence) > 1:
+        raise ConfigError(
+            f"{type(model).__name__} has {len(sequence)} EmbeddingCollections ({[n for n, _ in sequence]}). "
+            f"{_SUPPORTED}"
+        )
+    ec_path, ec = sequence[0] if sequence else (None, None)
+    return found[0][0], found[0][1], ec_path, ec
 
 
 _SUPPORTED = (
     "embshard takes a model with exactly one plain TorchRec EmbeddingBagCollection (pooled SUM or MEAN tables, "
-    "called on the KeyedJaggedTensor) and no other embedding module; keep this model in TorchRec"
+    "called on the KeyedJaggedTensor), at most one plain EmbeddingCollection beside it, and no other embedding "
+    "module; keep this model in TorchRec"
 )
 
 
@@ -115,9 +177,31 @@ def load_weights(ebc: Any, weights: Mapping[str, torch.Tensor]) -> None:
             w.copy_(block.to(device=w.device, dtype=w.dtype))
 
 
+def seq_dense_copy(model: nn.Module, ebc_path: str, ec_path: str) -> TorchRecSeqDense:
+    """The dense part of a model with both collections: a deep copy with each replaced by an `Injected`."""
+    parts = []
+    for path in (ebc_path, ec_path):
+        parent_path, _, attr = path.rpartition(".")
+        parts.append((model.get_submodule(parent_path) if parent_path else model, attr))
+    kept = [getattr(parent, attr) for parent, attr in parts]
+    try:
+        for parent, attr in parts:
+            setattr(parent, attr, Injected())
+        dense = copy.deepcopy(model)
+    finally:
+        for (parent, attr), module in zip(parts, kept):
+            setattr(parent, attr, module)
+    return TorchRecSeqDense(dense, ebc_path, ec_path)
+
+
 def torchrec_step(model: Any, batch: Any) -> StepOutput:
-    """BCE of the TorchRec model's logits, fed the dense features and embshard's pooled KeyedTensor."""
-    return bce_output(model.dense(batch.dense, model.ebc(batch.sparse)), batch.labels)
+    """BCE of the TorchRec model's logits, fed the dense features and embshard's pooled KeyedTensor (and, with an
+    EmbeddingCollection, the batch's KeyedJaggedTensor and embshard's sequence output)."""
+    if model.ec is None:
+        return bce_output(model.dense(batch.dense, model.ebc(batch.sparse)), batch.labels)
+    kjt = batch.sparse
+    sequences = model.sequences(kjt)
+    return bce_output(model.dense(batch.dense, kjt, model.ebc(model.pooled(kjt)), sequences), batch.labels)
 
 
 def _no_builder(cfg: ModelConfig, num_dense: int) -> nn.Module:
@@ -143,11 +227,13 @@ def rec_model_from_torchrec(
     apply_optimizer_in_backward attached to the collection, with TorchRec's updates at the plan's world size
     (`optimizer_from_torchrec(ebc, world_size=plan.world_size)`). `num_dense`: dense features per sample, default the
     input width of the model's `dense_arch`. A materialized collection's weights are loaded; a meta one's tables
-    start from embshard's deterministic initialisation (`seed`)."""
-    path, ebc = find_ebc(model)
-    tables = tables_from_torchrec(ebc)
+    start from embshard's deterministic initialisation (`seed`). A model with an EmbeddingCollection too (module
+    docstring): `plan` covers both collections' tables, and the sparse optimizer (the EmbeddingBagCollection's by
+    default) trains both."""
+    path, ebc, ec_path, ec = find_collections(model)
+    tables = tables_from_torchrec(ebc) + (tables_from_torchrec(ec) if ec is not None else [])
     optimizer = sparse_optimizer or optimizer_from_torchrec(ebc, world_size=plan.world_size)
-    dense = dense_copy(model)
+    dense = dense_copy(model) if ec is None else seq_dense_copy(model, path, ec_path)
     if num_dense is None:
         arch = getattr(model, "dense_arch", None)
         linears = [m for m in (arch.modules() if arch is not None else []) if isinstance(m, nn.Linear)]
@@ -159,4 +245,8 @@ def rec_model_from_torchrec(
     weights = {name: bag.weight for name, bag in ebc.embedding_bags.items()}
     if not any(w.is_meta for w in weights.values()):
         load_weights(rec.ebc, weights)
+    if ec is not None:
+        rows = {name: emb.weight for name, emb in ec.embeddings.items()}
+        if not any(w.is_meta for w in rows.values()):
+            load_weights(rec.ec, rows)
     return rec

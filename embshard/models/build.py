@@ -5,6 +5,7 @@ groups, a retrieval catalog, the dense part, the loss) comes from the kind's fil
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,8 +15,12 @@ from embshard.data.common import Batch
 from embshard.models.registry import StepOutput, model_kind
 from embshard.runtime.guard import check_finite as check_all_finite
 from embshard.spec.optim import FusedOptimizerConfig
-from embshard.spec.options import LookupOptions
+from embshard.spec.options import BoundsCheck, LookupOptions
 from embshard.spec.plan import ShardingPlan
+from embshard.spec.tables import ConfigError, TableConfig
+
+if TYPE_CHECKING:
+    from embshard.collection.sequence import SequenceOutput
 
 __all__ = ["RecModel", "StepOutput"]
 
@@ -25,7 +30,12 @@ class RecModel(nn.Module):
     `catalog`: a retrieval catalog serving one table in a collection of its own, or None; `dense`: the dense part,
     wrapped in DistributedDataParallel when world_size > 1 (optimize `dense_parameters()` with torch.optim). Pass
     `dense` to use a dense module built elsewhere (e.g. a TorchRec model's, embshard.interop) instead of the kind's
-    `build_dense`."""
+    `build_dense`.
+
+    Sequence tables (`pooling: none`) other than a catalog's are served by `ec`, a ShardedEmbeddingCollection under
+    the same plan (its tables' entries), trained with the same fused optimizer; None without any. A kind's step
+    reads them with `sequences(kjt)` (a SequenceOutput of the batch's sequence features) and hands `ebc` the
+    pooled features only (`pooled(kjt)`)."""
 
     def __init__(
         self,
@@ -40,6 +50,7 @@ class RecModel(nn.Module):
         dense: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        from embshard.collection.sequence import ShardedEmbeddingCollection
         from embshard.collection.sharded import ShardedEmbeddingBagCollection
 
         self.cfg = cfg
@@ -50,10 +61,37 @@ class RecModel(nn.Module):
         self.catalog = build_catalog(cfg, plan, sparse_optimizer, device, seed) if build_catalog else None
         if self.catalog is not None:
             tables = [t for t in tables if t.name != self.catalog.table.name]
-            plan = replace(plan, tables=tuple(plan[t.name] for t in tables))
+        unplanned = sorted({t.table for t in plan.tables} - {t.name for t in cfg.tables})
+        if unplanned:
+            raise ConfigError(
+                f"the plan has tables {unplanned} that model.tables does not list: plan again for the model's tables"
+            )
+        sequence = [t for t in tables if t.sequence]
+        tables = [t for t in tables if not t.sequence]
+        if sequence and not tables:
+            raise ConfigError(
+                f"model.tables: every table {[t.name for t in sequence]} is a sequence table (pooling: none); the "
+                "model needs at least one pooled table (pooling: sum or mean) for its embedding-bag collection"
+            )
+        self.ec = None
+        if sequence:
+            seq_options = replace(options or LookupOptions(), bounds_check=BoundsCheck.ERROR)
+            self.ec = ShardedEmbeddingCollection(
+                sequence, _plan_of(plan, sequence), sparse_optimizer, device=device, seed=seed, options=seq_options
+            )
+        self.sequence_features = [f for t in sequence for f in t.feature_names]
+        """The features served by `ec`, in table order (empty without sequence tables)."""
+        self.pooled_features = [f for t in tables for f in t.feature_names]
+        """The features served by `ebc`, in table order."""
         groups = self.kind.output_groups(cfg) if self.kind.output_groups else None
         self.ebc = ShardedEmbeddingBagCollection(
-            tables, plan, sparse_optimizer, output_groups=groups, device=device, seed=seed, options=options
+            tables,
+            _plan_of(plan, tables),
+            sparse_optimizer,
+            output_groups=groups,
+            device=device,
+            seed=seed,
+            options=options,
         )
         torch.manual_seed(seed)  # identical dense initialisation on every rank
         dense = (dense if dense is not None else self.kind.build_dense(cfg, num_dense)).to(device)
@@ -74,8 +112,24 @@ class RecModel(nn.Module):
         return list(self.dense.parameters())
 
     def collections(self) -> list[nn.Module]:
-        """The sharded embedding collections (the catalog's last, in catalog mode), for checkpoints."""
-        return [self.ebc] + ([self.catalog.ebc] if self.catalog is not None else [])
+        """The sharded embedding collections (then the sequence collection, then the catalog's), for checkpoints."""
+        ec = [self.ec] if self.ec is not None else []
+        return [self.ebc, *ec] + ([self.catalog.ebc] if self.catalog is not None else [])
+
+    def pooled(self, kjt):
+        """`kjt`'s pooled features (those `ebc` looks up), in table order: `kjt` itself when it has no others."""
+        keys = list(kjt.keys())
+        if keys == self.pooled_features:
+            return kjt
+        return kjt.permute([keys.index(f) for f in self.pooled_features])
+
+    def sequences(self, kjt) -> SequenceOutput | None:
+        """The sequence collection's output for `kjt`'s sequence features ({feature: JaggedTensor}; collective, on
+        every rank, empty batches included), or None when the model has no sequence tables."""
+        if self.ec is None:
+            return None
+        keys = list(kjt.keys())
+        return self.ec(kjt.permute([keys.index(f) for f in self.sequence_features]))
 
     def step(self, batch: Batch, check_finite: bool = False) -> StepOutput:
         """Forward and loss on this rank's batch. `check_finite`: raise `guard.NonFiniteError` on every rank
@@ -91,3 +145,11 @@ class RecModel(nn.Module):
             hook.remove()
         check_all_finite(step, out.loss, self.ebc, seen[-1])
         return out
+
+
+def _plan_of(plan: ShardingPlan, tables: list[TableConfig]) -> ShardingPlan:
+    """`plan` cut to `tables`' entries (each collection checks the plan of its own tables); `plan` itself when it has
+    exactly those."""
+    if {t.table for t in plan.tables} == {t.name for t in tables}:
+        return plan
+    return replace(plan, tables=tuple(plan[t.name] for t in tables))

@@ -60,7 +60,9 @@ class ModelKind:
     build_dense: Callable[[ModelConfig, int], nn.Module]
     """(model config, dense features per sample) -> the dense part (wrapped in DistributedDataParallel later)."""
     step: Callable[[Any, Batch], StepOutput]
-    """(the RecModel: its `ebc`, `dense`, `catalog`, `cfg`, `training`; a batch) -> the loss (and scores)."""
+    """(the RecModel: its `ebc`, `dense`, `catalog`, `cfg`, `training`; a batch) -> the loss (and scores). With
+    sequence tables (`pooling: none`) the step hands `ebc` the pooled features, `model.ebc(model.pooled(kjt))`, and
+    reads the sequence features' rows with `model.sequences(kjt)` (a SequenceOutput; on every rank every step)."""
     output_groups: Callable[[ModelConfig], dict[str, list[str]]] | None = None
     """Feature groups the embeddings return, one tensor each (None: one KeyedTensor of every feature)."""
     build_catalog: Callable[..., nn.Module | None] | None = None

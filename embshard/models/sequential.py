@@ -23,7 +23,10 @@ Timestamps are not used (no time bias).
 The history's item vectors come from one adapter, `history_vectors`: with the full softmax, from this step's
 catalog block (`Catalog.block_vectors`: the same rows the softmax reads, one optimizer step a step); with the
 sampled softmax, from the catalog's own lookup of the ids (`Catalog.vectors`, a second lookup: its own optimizer
-step). A sharded sequence collection (per-id rows of a jagged feature) plugs in there.
+step). Side features (`sequential.side_features`: e.g. each history item's category or the action taken on it, one
+id per position) are rows of sequence tables looked up by the model's sharded sequence collection
+(`RecModel.sequences`, a ShardedEmbeddingCollection: any sharding type), added to the item vectors position by
+position before the HSTU layers; their rows are trained by that collection's fused optimizer.
 
 Loss scaling: rank r's loss is (its positions' summed cross-entropy) * W / (positions of the global batch), so the
 mean over ranks (what DistributedDataParallel's average of the dense gradients and the printed loss see) is the
@@ -182,7 +185,17 @@ def sequential_step(model, batch: Batch) -> StepOutput:
     context_BC = model.ebc(kjt.permute([keys.index(f) for f in sq.context_features]))["context"]
     full = not model.training or sq.loss == "full_softmax"
     block = catalog.block() if full else None
-    query_ND = model.dense(history_vectors(catalog, ids_N, block), lengths_B, context_BC.float())
+    items_ND = history_vectors(catalog, ids_N, block)
+    side = model.sequences(kjt)  # collective (every rank, every step): the side features' rows
+    for f in sq.side_features:
+        rows_ND = side[f].values()
+        if rows_ND.shape[0] != items_ND.shape[0]:
+            raise ValueError(
+                f"side feature {f!r} has {rows_ND.shape[0]} ids in this batch but {sq.item_feature!r} has "
+                f"{items_ND.shape[0]}: a side feature needs one id per history item, in the items' order"
+            )
+        items_ND = items_ND + rows_ND.to(items_ND.dtype)
+    query_ND = model.dense(items_ND, lengths_B, context_BC.float())
     user_N, pos_N = jagged_positions(lengths_B)
     last_N = pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 1
     if model.training:

@@ -12,7 +12,7 @@ fp32 or tf32) to the eager step, fp32 pooled outputs and the eager dense part. E
 
 Where a faster mode is not taken the mode says why and which setting would allow it (`Fallback`). The rules are the
 graphs' own: the plan's (embshard.spec.graph_rules: sharding types, tiers, raw ids, bounds check), the model's
-(`dense_refusal`: a model kind without a dense step of its own, a retrieval catalog), the pipeline's (semi_sync,
+(`dense_refusal`: a model kind without a dense step of its own, a retrieval catalog; sequence tables), the pipeline's (semi_sync,
 batch counts gathered on the device, runtime.nan_check). What only the built model can tell (the dense optimizer's
 capturable step, a capture that fails) is found by `build_model` (train.py), which then falls back
 (`StepMode.fallen_back`). The device type is a parameter: the mode of a GPU job is computed (and tested) on any
@@ -101,6 +101,18 @@ def dense_refusal(cfg: TrainConfig) -> Refusal | None:
     return None if why is None else Refusal(why)
 
 
+def _sequence_refusal(cfg: TrainConfig) -> Refusal | None:
+    """Why a model with sequence tables (pooling: none) runs its step eagerly: the sequence collection's exchanges,
+    sized from each batch's counts on the host, run in the forward (None: no sequence tables)."""
+    sequence = [t.name for t in cfg.model.tables if t.sequence]
+    if not sequence:
+        return None
+    return Refusal(
+        f"sequence tables {sequence} (pooling: none) are looked up in the forward, their exchanges sized on the host "
+        "each step"
+    )
+
+
 def _whole_step_refusal(cfg: TrainConfig, plan: ShardingPlan | None) -> Refusal | None:
     """Why the whole step cannot be one graph under this pipeline and plan (None: it can)."""
     t = cfg.training
@@ -178,7 +190,7 @@ def resolve_step_mode(cfg: TrainConfig, device_type: str, plan: ShardingPlan | N
             "sharding.group_size=null",
         )
     else:
-        why = dense_refusal(cfg)
+        why = dense_refusal(cfg) or _sequence_refusal(cfg)
     if why is None and world > 1 and cfg.batch_counts != "host":
         counts = _device_counts(cfg)
         why = Refusal(f"{counts.reason}, and {world} ranks replay only with counts agreed on the host", counts.fix)

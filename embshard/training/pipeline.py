@@ -23,7 +23,11 @@ Modes (`TrainPipeline(mode=...)`, YAML `training.pipeline`):
   before batch i's sparse update (batch i's backward runs after it); it sees every earlier update. Only rows
   touched by both batches differ from sparse_dist's values; the update of batch i+1 still lands on rows that
   include batch i's update (the fused optimizer applies gradients to the current rows). Dense weights are not
-  stale. Refused with UVM-caching tables and with a retrieval catalog.
+  stale. Refused with UVM-caching tables, with a retrieval catalog and with sequence tables.
+
+With sequence tables (`RecModel.ec`, a ShardedEmbeddingCollection) every exchange of a step runs in its forward:
+the sequence collection's and, as in catalog mode, the embedding-bag collection's (the batch counts are gathered
+on the device); host, agree and copy still run ahead.
 
 With the model's whole-step graph (`ModelGraphs.whole`, training.cuda_graph with graph_scope step;
 embshard/training/step_graph.py) a batch whose agreed counts equal the step before's is trained by one replay: dist,
@@ -218,13 +222,21 @@ class TrainPipeline:
         self.check_finite, self.prefetch_batches, self.ids_checked = check_finite, prefetch_batches, ids_checked
         self.step = start_step
         self._fetched = start_step  # batches taken from the source so far (the step of the last one)
-        # The id exchange runs ahead only where the model hands `ebc` the batch's own kjt (not in catalog mode).
-        self.dist_ahead = mode != "none" and model.catalog is None
-        self.host_counts = counts_on_host(mode, self.ebc.options.bounds_check, model.catalog is not None)
+        # The id exchange runs ahead only where the model hands `ebc` the batch's own kjt (not in catalog mode, nor
+        # with sequence tables: their collection's exchanges, and then the embedding-bag one, run in the forward).
+        own_kjt = model.catalog is None and getattr(model, "ec", None) is None
+        self.dist_ahead = mode != "none" and own_kjt
+        self.host_counts = counts_on_host(mode, self.ebc.options.bounds_check, not own_kjt)
         self.host_counts = self.host_counts and getattr(self.ebc, "twod", None) is None  # 2D: counted on the device
         cached = [t.name for t in self.ebc.tables if self.ebc.plan[t.name].tier is MemoryTier.UVM_CACHING]
-        if mode == "semi_sync" and (model.catalog is not None or cached):
-            why = "a retrieval catalog" if model.catalog is not None else f"UVM-caching tables {cached}"
+        if mode == "semi_sync" and (not own_kjt or cached):
+            why = (
+                f"UVM-caching tables {cached}"
+                if own_kjt
+                else "a retrieval catalog"
+                if model.catalog is not None
+                else "sequence tables (looked up in the forward)"
+            )
             raise ConfigError(
                 f"training.pipeline semi_sync runs a batch's lookup before the previous backward, which {why} cannot "
                 "take: use training.pipeline sparse_dist"

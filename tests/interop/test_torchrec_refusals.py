@@ -1,5 +1,6 @@
 """What embshard cannot convert from TorchRec is refused where it is converted, with an error naming the module,
-table, file or field: embedding modules other than one plain EmbeddingBagCollection, bag tables of pooling NONE (a
+table, file or field: embedding modules other than one plain EmbeddingBagCollection (and at most one plain
+EmbeddingCollection beside it), bag tables of pooling NONE (a
 sequence collection gives sequence tables, which an embedding-bag collection refuses), plans for other tables,
 hand-edited plan files, plans and checkpoints that do not say their world size. And the one thing
 TorchRec's collection tolerates that embshard refuses by default: batch features no table uses (an option)."""
@@ -68,11 +69,14 @@ def test_feature_processed_managed_collision_and_sequence_modules_are_refused():
     ec = EmbeddingCollection(
         tables=[EmbeddingConfig(name="s", num_embeddings=16, embedding_dim=8, feature_names=["g"])], device=META
     )
-    mixed = _Holder(EmbeddingBagCollection(tables=cfg, device=META), ec)
+    two_ecs = _Holder(EmbeddingBagCollection(tables=cfg, device=META), ec)  # one EmbeddingCollection is taken
+    two_ecs.seq2 = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="s2", num_embeddings=16, embedding_dim=8, feature_names=["g2"])], device=META
+    )
     for model, match in (
         (_Holder(fp), r"FeatureProcessedEmbeddingBagCollection at 'sparse'.*feature processors"),
         (_Holder(mc), r"ManagedCollisionEmbeddingBagCollection at 'sparse'.*managed collision"),
-        (mixed, r"EmbeddingCollection at 'seq'.*sequence embeddings"),
+        (two_ecs, r"_Holder has 2 EmbeddingCollections \(\['seq', 'seq2'\]\)"),
     ):
         with pytest.raises(ConfigError, match=match + r".*exactly one plain TorchRec EmbeddingBagCollection"):
             rec_model_from_torchrec(model, plan, torch.device("cpu"))
