@@ -17,7 +17,7 @@ from embshard.config import TrainConfig, load_config
 from embshard.config.doc import _dataclass_in, generate, rows
 from embshard.config.schema import field_docs
 from embshard.planner.policy import plan_for_job
-from embshard.spec.plan import MemoryTier, ShardingType
+from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier, ShardingType
 from embshard.spec.tables import ConfigError, TableConfig
 
 ROOT = paths.ROOT
@@ -468,7 +468,7 @@ def test_whole_step_graph_plan_first_then_every_option():
     assert (ShardingType.ROW_WISE, MemoryTier.HBM) in free and (ShardingType.TABLE_WISE, MemoryTier.UVM_CACHING) in free
     held, said = plan("true")
     assert not said
-    assert {st for st, _ in held} <= {ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL}
+    assert {st for st, _ in held} <= set(GRAPH_SHARDING_TYPES)  # table-wise, column-wise, data-parallel
     assert MemoryTier.UVM_CACHING not in {tier for _, tier in held}
     # 4 ranks of 18 GiB GPU and 30 GiB host memory hold one whole 40M-row table (19 GiB) each, not the fifth:
     # that one is split row-wise, and the log says why
