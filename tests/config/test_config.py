@@ -448,8 +448,8 @@ def test_the_plan_prices_the_batch_counts_the_job_uses(tmp_path):
 
 
 def test_whole_step_graph_plan_first_then_every_option():
-    """A job that captures its whole step asks the planner first for a plan the graph can hold (table-wise and
-    data-parallel, no UVM caching); where none fits it plans with every option and says why."""
+    """A job that captures its whole step asks the planner first for a plan the graph can hold (table-wise,
+    column-wise and data-parallel, no UVM caching); where none fits it plans with every option and says why."""
     from embshard.planner import Topology
     from embshard.planner.policy import search_plan
     from embshard.tools.plan_inputs import training_planner_input
@@ -457,8 +457,8 @@ def test_whole_step_graph_plan_first_then_every_option():
     config = str(ROOT / "configs" / "dlrm_dcnv2_mlperf.yaml")
     topo = Topology.preset("h100", 2, 2).with_sizes(hbm_gib=40)
 
-    def plan(graph: str, topo=topo):
-        inp, _ = training_planner_input(config, [f"training.cuda_graph={graph}", "training.precision=bf16"])
+    def plan(graph: str, topo=topo, more: tuple[str, ...] = ()):
+        inp, _ = training_planner_input(config, [f"training.cuda_graph={graph}", "training.precision=bf16", *more])
         said: list[str] = []
         out, _ = search_plan(inp.tables, topo, 8192, inp.optimizer, inp.constraints, inp.settings, said.append)
         return {(t.sharding_type, t.tier) for t in out.tables}, said
@@ -471,9 +471,12 @@ def test_whole_step_graph_plan_first_then_every_option():
     assert {st for st, _ in held} <= set(GRAPH_SHARDING_TYPES)  # table-wise, column-wise, data-parallel
     assert MemoryTier.UVM_CACHING not in {tier for _, tier in held}
     # 4 ranks of 18 GiB GPU and 30 GiB host memory hold one whole 40M-row table (19 GiB) each, not the fifth:
-    # that one is split row-wise, and the log says why
+    # the graph holds it split column-wise; without column-wise it is split row-wise, and the log says why
     small = Topology.preset("h100", 4, 4).with_sizes(hbm_gib=18, ddr_gib=30)
-    fallback, said = plan("true", small)
+    held, said = plan("true", small)
+    assert ShardingType.COLUMN_WISE in {st for st, _ in held} and not said
+    no_cw = ("planner.settings.sharding_types=[table_wise,row_wise,data_parallel]",)
+    fallback, said = plan("true", small, no_cw)
     assert ShardingType.ROW_WISE in {st for st, _ in fallback}
     assert said and "no plan that the whole-step CUDA graph can hold fits" in said[0]  # then the eager plan's notes
     # settings that allow none of the graph's options: said so, and planned with them as they are
