@@ -70,3 +70,20 @@ def test_auto_refuses_a_fixed_plan(topo_file):
     cfg = load_config(CONFIG, ["sharding.group_size=auto", "planner.strategy=simple"])
     with pytest.raises(ConfigError, match="sharding.group_size=auto with planner.strategy='simple'"):
         auto_group_plan_for_job(cfg, 8, 4, "cpu", print)
+
+
+def test_step_mode_follows_the_chosen_group_size():
+    """Before the plan, auto may mean 2D (no CUDA graphs); after it, only a 2D plan turns them off."""
+    from dataclasses import replace
+
+    from embshard import simple_plan
+    from embshard.training.mode import resolve_step_mode
+
+    cfg = load_config(CONFIG, ["sharding.group_size=auto", "training.cuda_graph=true"])
+    flat = simple_plan(list(cfg.model.tables), 4, 2)
+    twod = replace(simple_plan(list(cfg.model.tables), 2, 2), world_size=4, local_world_size=2, sharding_group_size=2)
+    why = "sharding.group_size (2D sharding)"
+    for plan, refused in ((None, True), (flat, False), (twod, True)):
+        mode = resolve_step_mode(cfg, "cuda", plan)
+        assert any(why in f.reason for f in mode.fallbacks) == refused, (plan, mode.fallbacks)
+        assert (mode.scope == "eager") == refused, mode
