@@ -334,6 +334,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--interop-no-tests", action="store_true", help="interop: skip tests/interop (the tests suite runs it too)"
     )
+    g.add_argument(
+        "--device", choices=["cpu", "cuda"], default="", help="serve: where the predictors run (default: cuda if any)"
+    )
     g.add_argument("--loader-workers", default="", help="loader: worker counts (default 0,8,16[,32] up to the CPUs)")
     args = p.parse_args(argv)
     unknown = [s for s in args.suites if s not in SUITES]

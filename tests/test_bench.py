@@ -564,3 +564,28 @@ def test_results_in_git_are_summaries_under_half_a_megabyte():
         (d / "summary.md").exists() for d in (ROOT / "bench" / "results").iterdir() if d.is_dir() and d.name != "raw"
     )
     assert sum(p.stat().st_size for p in kept) < 500_000
+
+
+def test_serve_suite_device_and_summary():
+    on_gpu = steps("serve")
+    assert [s.argv[2] for s in on_gpu] == ["bench.serve_latency", "bench.serve_quality"]
+    assert all("--device" in s.argv and s.argv[s.argv.index("--device") + 1] == "cuda" for s in on_gpu)
+    assert all(s.needs_gpus == 1 for s in on_gpu)
+    cpu = steps("serve", "--device", "cpu") + steps("serve", machine=suites.Machine(cpus=4))
+    assert all(s.argv[s.argv.index("--device") + 1] == "cpu" and s.needs_gpus == 0 for s in cpu)
+    log = "\n".join([
+        "PASS serve_latency same scores: max |embshard - torchrec| = 1.2e-05 (tolerance 0.002), int8, cuda",
+        "FAIL serve_latency cuda vs cpu scores: max difference 3.0e-03",
+        "RESULT serve_latency side=embshard batch=64 p50_ms=0.200 p99_ms=0.300 dtype=int8 device=cuda",
+        "RESULT serve_latency side=torchrec batch=64 p50_ms=0.500 p99_ms=0.700 dtype=int8 device=cuda",
+        "RESULT serve_latency side=embshard batch=8192 throughput=4000000/s p99_ms=3.000 dtype=int8 device=cuda",
+        "RESULT serve_latency side=torchrec batch=8192 throughput=1000000/s p99_ms=9.000 dtype=int8 device=cuda",
+        "RESULT serve_quality dtype=int4 auc=0.70100 delta_auc=-0.00200 table_bytes=10 size_ratio=6.40 score_s=0.10 "
+        "PASS",
+    ])  # fmt: skip
+    rows = dict(suites.SUITES["serve"].summary(log, args_for("serve")))
+    assert rows["checks"] == "1 PASS, 1 FAIL: serve_latency cuda vs cpu scores: max difference 3.0e-03"
+    assert "TorchRec/embshard p50 2.50x (embshard faster)" in rows["batch 64, int8 on cuda"]
+    assert "embshard/TorchRec 4.00x" in rows["batch 8192, int8 on cuda"]
+    assert rows["quality int4"] == "AUC 0.70100 (-0.00200 from fp32), tables 6.40x smaller: PASS"
+    assert suites.SUITES["serve"].summary("", args_for("serve")) == [("serve", "no RESULT lines (see serve.log)")]

@@ -1,12 +1,12 @@
 """The suites of `python -m bench.run`: a registry of named suites, each one's commands and summary in a module of
-this package (checks, training, embedding, sequence, rawids, single, exchange), and the suites table of bench/README.md
+this package (checks, training, embedding, sequence, serving, rawids, single, exchange), and the suites table of bench/README.md
 generated from it (`python -m bench.suites --update bench/README.md`; tests/test_bench.py checks it is current)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.suites import checks, embedding, exchange, rawids, sequence, single, training
+from bench.suites import checks, embedding, exchange, rawids, sequence, serving, single, training
 from bench.suites.common import Machine, Step, Suite
 
 __all__ = ["SUITES", "Machine", "Step", "Suite", "readme_table", "replace_table"]
@@ -78,6 +78,20 @@ SUITES: dict[str, Suite] = {
             "8 runs a round; 10-20 min for 2 rounds (estimate)",
             sequence.seq_steps,
             sequence.seq_summary,
+        ),
+        Suite(
+            "serve",
+            "serving: embshard's Predictor (FBGEMM's inference TBE, bench/serve_latency.py) against TorchRec's "
+            "quantized EmbeddingBagCollection on the same int8 rows and dense model (26 tables x 20,000 x 64): the"
+            " scores compared first (PASS/FAIL; on CUDA also against the CPU's and, with 2+ GPUs, the tables over "
+            "every GPU against one), then p50/p99 latency at batch 1, 64, 512 and throughput at 8192, interleaved "
+            "on the same batches; then bench/serve_quality.py: held-out AUC and table bytes of fp32, fp16, int8 "
+            "and int4 exports of a trained DLRM. `--device cpu|cuda` (default: cuda where there is a GPU)",
+            "python -m bench.run serve --out DIR [--device cuda]",
+            "0-1",
+            "2-4 min (estimate)",
+            serving.serve_steps,
+            serving.serve_summary,
         ),
         Suite(
             "soak",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from embshard.spec.tables import FieldError
 
@@ -15,9 +16,12 @@ class ShardingConfig:
     the GPUs of one host), each group holds one copy of the model-parallel tables, planned for `group_size` ranks,
     and the groups are data-parallel replicas of each other."""
 
-    group_size: int | None = None
+    group_size: int | Literal["auto"] | None = None
     """Ranks per sharding group: a divisor of the world size, a multiple or a divisor of the ranks per host (null: no
-    2D, every rank in one group). planner.plan_file, if set, is then one group's plan."""
+    2D, every rank in one group). planner.plan_file, if set, is then one group's plan. auto: the planner picks the
+    group size with the fastest predicted step (planner/twod.py plan_at_scale, priced with replica_sync and
+    replica_sync_every; a multiple of the ranks per host, or no 2D) and plans the group; the job prints the per-size
+    table."""
     replica_sync: str = "exact"
     """How the groups' replicas stay together: exact (every step the update of the whole world's batch, as without
     2D) or periodic (each group trains on its own ranks' batches; weights and optimizer state are averaged over the
@@ -27,8 +31,12 @@ class ShardingConfig:
 
     def __post_init__(self) -> None:
         g = self.group_size
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
-            raise FieldError("group_size", g, "it must be a number of ranks >= 1 dividing the world size, or null")
+        if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise FieldError(
+                "group_size",
+                g,
+                "it must be a number of ranks >= 1 dividing the world size, auto (the planner picks) or null (no 2D)",
+            )
         if self.replica_sync not in REPLICA_SYNCS:
             raise FieldError("replica_sync", self.replica_sync, f"choose one of {list(REPLICA_SYNCS)}")
         n = self.replica_sync_every

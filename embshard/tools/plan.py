@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args)
         plan_scale.check_args(args)
         inp, topo = load_input(args)
-        dense = plan_scale.dense_spec(getattr(args, "train_config", None))
+        train_cfg = getattr(args, "train_config", None)
+        plan_scale.apply_config(args, train_cfg)  # a training config's sharding section, where no flag is given
+        dense = plan_scale.dense_spec(train_cfg)
         scale = plan_at_scale(
             inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, dense,
             args.replica_sync, args.replica_sync_every, args.group_size, plan_scale.search_for(search_plan, inp),

@@ -27,10 +27,10 @@ from typing import Any
 
 from embshard.config import PlannerConfig, load_config
 from embshard.planner.constraints import ParameterConstraints
-from embshard.planner.policy import settings_for_counts, settings_for_graph, settings_for_lookup
 from embshard.planner.settings import PlannerSettings
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.tables import ConfigError, TableConfig, Tables, check_known_keys, validate_tables
+from embshard.training.group_plan import job_settings
 
 TOP_KEYS = ("batch_size", "device", "optimizer", "tables", "constraints", "settings")
 TABLE_KEYS = {f.name for f in fields(TableConfig)} - {"extra", "init_std"} | {"count"}
@@ -158,9 +158,7 @@ def training_planner_input_and_config(path: str | Path, overrides: Sequence[str]
     """training_planner_input's planner input, and the whole TrainConfig (read and checked once)."""
     cfg = load_config(path, overrides)
     p = cfg.planner
-    lookup = cfg.lookup.resolved(bf16=cfg.training.precision == "bf16")  # output_dtype auto as on GPUs
-    settings = settings_for_counts(settings_for_lookup(p.settings, lookup), cfg.batch_counts)  # as the job runs
-    settings = settings_for_graph(settings, cfg.whole_step_graph)
+    settings = job_settings(cfg)  # as the job runs
     inp = PlannerInput(
         tables=cfg.model.tables,
         batch_size=cfg.schedule.batch_size,

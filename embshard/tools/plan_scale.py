@@ -4,12 +4,15 @@ predicted step time and samples per second per GPU (embshard/planner/twod.py, de
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from embshard.planner.dense import DenseSpec, dlrm_dense
-from embshard.planner.twod import SYNC_MODES
+from embshard.planner.twod import SYNC_MODES, group_sizes
 from embshard.spec.tables import ConfigError
+from embshard.training.group_plan import dense_spec
+
+__all__ = ["add_args", "check_args", "dense_spec", "search_for"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -23,16 +26,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replica-sync",
         choices=list(SYNC_MODES),
-        default="exact",
         help="2D sharding: how the groups' replicas stay equal: exact (the touched rows' gradients every step) or "
-        "periodic (weights and state every --replica-sync-every steps)",
+        "periodic (weights and state every --replica-sync-every steps); default: a training config's "
+        "sharding.replica_sync, else exact",
     )
-    p.add_argument("--replica-sync-every", type=int, default=100, help="periodic replica sync: steps between syncs")
+    p.add_argument(
+        "--replica-sync-every",
+        type=int,
+        help="periodic replica sync: steps between syncs (default: a training config's sharding.replica_sync_every, "
+        "else 100)",
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
     """The group-size flags' values (ConfigError naming the flag, the value and the fix)."""
-    if args.replica_sync_every < 1:
+    if args.replica_sync_every is not None and args.replica_sync_every < 1:
         raise ConfigError(
             f"--replica-sync-every {args.replica_sync_every} is invalid: the steps between two periodic syncs, >= 1"
         )
@@ -46,23 +54,28 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
-def dense_spec(cfg: Any) -> DenseSpec | None:
-    """The dense part of a training config's (a TrainConfig's) DLRM or DLRM-DCNv2 model; None for planner inputs
-    (cfg None) and other kinds: the prediction is then the embedding step alone."""
-    if cfg is None:
-        return None
-    m = cfg.model
-    if m.kind not in ("dlrm", "dlrm_dcnv2") or m.dlrm is None:
-        return None
-    syn = cfg.data.synthetic
-    num_dense = syn.num_dense if syn is not None else 13
-    dims = {t.embedding_dim for t in m.tables}
-    dim = max(dims)
-    features = sum(len(t.feature_names) for t in m.tables)
-    dcn = m.dcn if m.kind == "dlrm_dcnv2" else None
-    layers, rank = (dcn.num_layers, dcn.low_rank) if dcn is not None else (0, 0)
-    precision = "bf16" if cfg.training.precision == "bf16" else "fp32"
-    return dlrm_dense(num_dense, dim, features, m.dlrm.bottom_mlp, m.dlrm.top_mlp, layers, rank, precision)
+def apply_config(args: argparse.Namespace, cfg: Any) -> None:
+    """The group-size flags left out, taken from a training config's (a TrainConfig's, None for planner inputs)
+    `sharding:` section: replica_sync and replica_sync_every, and group_size where it is a number of ranks the search
+    can price (auto and null: every group size is priced, as `embshard train` does for auto); else the defaults
+    (exact, every 100 steps)."""
+    twod = cfg.sharding if cfg is not None else None
+    if args.replica_sync is None:
+        args.replica_sync = twod.replica_sync if twod is not None else "exact"
+    if args.replica_sync_every is None:
+        args.replica_sync_every = twod.replica_sync_every if twod is not None else 100
+    g = twod.group_size if twod is not None else None
+    if args.group_size is None and isinstance(g, int):
+        W = args.world_size
+        L = args.local_world_size or min(W, 8)
+        if g in group_sizes(W, L):
+            args.group_size = g
+        else:
+            print(
+                f"note: sharding.group_size={g} is not a group size the search prices on {W} ranks of {L} per host "
+                f"(one of {group_sizes(W, L)}): pricing every group size",
+                file=sys.stderr,
+            )
 
 
 def search_for(search_plan: Callable, inp: Any) -> Callable:

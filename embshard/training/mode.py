@@ -184,7 +184,7 @@ def resolve_step_mode(cfg: TrainConfig, device_type: str, plan: ShardingPlan | N
         why = Refusal(
             "runtime.nan_check checks each step's loss and pooled embeddings eagerly", "runtime.nan_check=false"
         )
-    elif cfg.sharding.group_size is not None:
+    elif (plan.sharding_group_size if plan is not None else cfg.sharding.group_size) is not None:  # auto: 2D maybe
         why = Refusal(
             "sharding.group_size (2D sharding) gathers the replica sets' batches, sized on the host each step",
             "sharding.group_size=null",

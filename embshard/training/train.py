@@ -30,6 +30,7 @@ from embshard.runtime import comm
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.tables import AllRanksError, ConfigError
 from embshard.training import launch_checks
+from embshard.training.group_plan import auto_group_plan_for_job
 from embshard.training.mode import Fallback, StepMode, resolve_step_mode
 from embshard.training.schedule import past_schedule, run_schedule
 
@@ -44,6 +45,8 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     counts = cfg.batch_counts
     twod = cfg.sharding
+    if twod.group_size == "auto":  # the planner picks the group size (or no 2D) and plans the group
+        return plan_on_rank0(lambda: auto_group_plan_for_job(cfg, world, local_world, device.type, log))
     if twod.group_size is not None:  # 2D: plan one sharding group; the groups are its replicas
         if cfg.training.cuda_graph and device.type == "cuda":
             raise ConfigError(
@@ -69,19 +72,10 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
         return plan
     return plan_on_rank0(
         lambda: plan_for_job(
-            tables,
-            cfg.planner,
-            world,
-            local_world,
-            device.type,
-            batch,
-            cfg.sparse_optimizer,
-            log,
-            cfg.lookup,
-            counts,
-            whole_step_graph=cfg.whole_step_graph and device.type == "cuda",
+            tables, cfg.planner, world, local_world, device.type, batch, cfg.sparse_optimizer, log, cfg.lookup,
+            counts, whole_step_graph=cfg.whole_step_graph and device.type == "cuda",
         )
-    )
+    )  # fmt: skip
 
 
 def twod_local_world(group_size: int, world: int, local_world: int) -> int:
