@@ -45,6 +45,7 @@ class State:
         self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
         self._buf_new = np.empty((loads.NROWS, self.W))
         self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads, kept across moves
+        self._host_first = np.arange(self.H)[None, :] * self.lws  # [1, H]: each host's first rank
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
@@ -358,7 +359,7 @@ class State:
                 new += scheme[:, None]
         J = loads.phase_max_sum(new, phase_add)
         J[~feasible] = np.inf
-        rounded = np.round(J * 1e9)
+        rounded = np.rint(J * 1e9)  # np.round's numbers (decimals 0), without its wrappers
         ties = np.flatnonzero(rounded == rounded.min())
         if len(ties) > 1:
             # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
@@ -441,13 +442,16 @@ class State:
             reach = other_top + x_r
             np.maximum(e_most, reach, out=e_most)
             np.maximum(e_top, reach, out=e_top)
-        sub = new[rows]
+        first, end = int(rows[0]), int(rows[-1]) + 1
+        span = end - first == len(rows)  # consecutive rows: read and written in place
+        sub = new[first:end] if span else new[rows]
         by_host = sub.reshape(len(rows), self.H, self.lws)  # a view: each host's ranks take its e_most
         np.maximum(by_host, e_most[:, :, None], out=by_host)
         r_idx = np.arange(len(rows))[:, None]
         at_top = np.maximum(own[rows[:, None], top_pos], self._row_max()[rows][:, None])
         sub[r_idx, top_pos] = np.maximum(at_top, e_top, out=at_top)
-        new[rows] = sub
+        if not span:
+            new[rows] = sub
 
     def _host_stats(self, rows: np.ndarray) -> tuple:
         """For the rows `rows`, per host ([m, H] each): its busiest rank's load, the largest load of its other
@@ -458,7 +462,7 @@ class State:
         got = cache.get(key)
         if got is not None:
             return got
-        H, lws = self.H, self.lws
+        H = self.H
         if H > 1:  # kept across moves (a single block's move changes one host's order)
             top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
             host_top, second, arg = top[rows], second[rows], arg[rows]
@@ -469,6 +473,6 @@ class State:
             part = np.partition(host_top, H - 2, axis=1)
             first, second_h = part[:, -1:], part[:, -2:-1]
             other_top = np.where(host_top == first, second_h, first)  # a tie between hosts: second equals first
-        top_pos = arg + np.arange(H)[None, :] * lws
+        top_pos = arg + self._host_first
         cache[key] = (host_top, second, other_top, top_pos)
         return cache[key]
