@@ -233,10 +233,13 @@ def test_cuda_scores_equal_cpu(trained):
         cpu, gpus = load(root / dtype), [load(root / dtype, device="cuda")]
         if torch.cuda.device_count() >= 2:  # the tables over 2 GPUs, the biggest by rows
             gpus.append(load(root / dtype, "cuda:0", shard_over=["cuda:0", "cuda:1"], row_wise_gib=2000 / (1 << 30)))
+        # fp32 alike to rounding; the quantized types' CUDA kernels dequantize and sum in their own order (fp16
+        # scale and bias): pooled rows agree to 1e-3 (seen on 1 x H100: 1.8e-4 at most)
+        tol = 1e-4 if dtype == "fp32" else 1e-3
         for gpu in gpus:
             for batch in out["batches"]:
-                torch.testing.assert_close(gpu.pooled(batch).cpu(), cpu.pooled(batch), rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(gpu(batch).cpu(), cpu(batch), rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(gpu.pooled(batch).cpu(), cpu.pooled(batch), rtol=tol, atol=tol)
+                torch.testing.assert_close(gpu(batch).cpu(), cpu(batch), rtol=tol, atol=tol / 10)
 
 
 def _json_of(batch, lo: int, hi: int, weighted: tuple = ("query",)) -> dict:
