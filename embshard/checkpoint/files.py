@@ -23,6 +23,7 @@ import stat
 from types import TracebackType
 from typing import BinaryIO
 
+from embshard.spec.names import NAME_BYTES, escape, is_plain_name
 from embshard.spec.tables import ConfigError
 
 FIX = (
@@ -33,18 +34,8 @@ UNSAFE_FIX = (
     "this is not what torch.distributed.checkpoint or embshard writes: do not load it; take the checkpoint from a "
     "source you trust, or an earlier checkpoint"
 )
-NAME_BYTES = 200
-"""Longest name (UTF-8 bytes) that becomes a file name: room for the suffixes export adds within 255."""
 MAX_BYTES = {"COMMIT": 256 << 20, "manifest.json": 256 << 20, ".metadata": 1 << 30}
 """Largest COMMIT, manifest and DCP index read (far above what any save writes; a larger one is damage)."""
-
-
-def escape(text: str) -> str:
-    """`text` with every character that is not printable (terminal escapes, other controls, bidi marks) written
-    as a Python escape (`\\x1b`); line breaks are kept."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() or c == "\n" else ascii(c)[1:-1] for c in text)
 
 
 class CheckpointDamaged(ConfigError):
@@ -65,18 +56,6 @@ class CheckpointDamaged(ConfigError):
 class UnsafeCheckpoint(ConfigError):
     """A checkpoint file asks to run code or to reach outside its folder (a pickle names a global outside the
     allow-list or sets state it may not; a name that is not a plain file name)."""
-
-
-def is_plain_name(name: object) -> bool:
-    """Whether `name` is a plain file name: a non-empty printable string of at most NAME_BYTES bytes, without `/`,
-    `\\` or NUL, and not `.` or `..`."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and name.isprintable()
-        and not any(c in name for c in "/\\\0")
-        and len(name.encode("utf-8", "surrogatepass")) <= NAME_BYTES
-    )
 
 
 def plain_name(name: object, what: str, where: str) -> str:

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from embshard.spec.names import escape, is_plain_name
 from embshard.spec.tables import ConfigError
 
 FORMAT = "embshard-serving"
@@ -35,23 +36,6 @@ MODEL = "model.json"
 DENSE = "dense.safetensors"
 MAX_JSON_BYTES = 64 << 20
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8"}
-NAME_BYTES = 200
-
-
-def escape(text: str) -> str:
-    """`text` with every non-printable character written as a Python escape (no terminal escapes printed)."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-
-
-def is_plain_name(name: object) -> bool:
-    """A non-empty printable file name without '/', '\\' or NUL, not '.' or '..': it cannot leave its folder."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and name.isprintable()
-        and not any(c in name for c in "/\\\0")
-        and len(name.encode("utf-8", "surrogatepass")) <= NAME_BYTES
-    )
 
 
 def table_file(table: str) -> str:

@@ -47,12 +47,7 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
     twod = cfg.sharding
     if twod.group_size == "auto":  # the planner picks the group size (or no 2D) and plans the group
         return plan_on_rank0(lambda: auto_group_plan_for_job(cfg, world, local_world, device.type, log))
-    if twod.group_size is not None:  # 2D: plan one sharding group; the groups are its replicas
-        if cfg.training.cuda_graph and device.type == "cuda":
-            raise ConfigError(
-                "sharding.group_size (2D) with training.cuda_graph: a CUDA graph cannot hold the replica sets' batch "
-                "gathers (sized on the host each step): set training.cuda_graph false, or sharding.group_size null"
-            )
+    if twod.group_size is not None:  # 2D: plan one sharding group (the step mode above turned CUDA graphs off)
         group_local = twod_local_world(twod.group_size, world, local_world)
         plan = plan_on_rank0(
             lambda: plan_for_job(
