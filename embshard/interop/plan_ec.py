@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from embshard.interop.plan_out import plan_dict, plan_from_dict
+from embshard.interop.tables_in import tables_from_torchrec
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.options import LookupOptions
 from embshard.spec.plan import ShardingPlan, ShardingType
@@ -27,40 +28,18 @@ from embshard.spec.tables import ConfigError, Pooling, TableConfig
 
 EC_TYPES = (ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE)
 """The sharding types TorchRec's EmbeddingCollectionSharder offers."""
-_DTYPES = {"FP32": "fp32", "FP16": "fp16"}
 
 
 def sequence_tables(tables: Any) -> list[TableConfig]:
-    """embshard sequence TableConfigs (pooling none) of a TorchRec EmbeddingCollection, a list of its
-    EmbeddingConfigs, or embshard sequence TableConfigs (returned as they are)."""
-    if isinstance(tables, list | tuple) and tables and all(isinstance(t, TableConfig) for t in tables):
-        pooled = [t.name for t in tables if t.pooling is not Pooling.NONE]
-        if pooled:
-            raise ConfigError(
-                f"tables {pooled} are pooled: TorchRec's EmbeddingCollection holds sequence tables (pooling: none); "
-                "export pooled tables with to_torchrec_plan for an EmbeddingBagCollection"
-            )
-        return list(tables)
-    configs = tables.embedding_configs() if hasattr(tables, "embedding_configs") else list(tables)
-    out = []
-    for c in configs:
-        if hasattr(c, "pooling"):
-            raise ConfigError(
-                f"table {c.name!r} is an {type(c).__name__} (pooled): give an EmbeddingCollection or its "
-                "EmbeddingConfigs, or use to_torchrec_plan for an EmbeddingBagCollection"
-            )
-        dtype = getattr(getattr(c, "data_type", None), "name", "FP32")
-        if dtype not in _DTYPES:
-            raise ConfigError(f"table {c.name!r}: data_type {dtype} has no embshard equivalent: use FP32 or FP16")
-        out.append(
-            TableConfig(
-                c.name,
-                c.num_embeddings,
-                c.embedding_dim,
-                tuple(c.feature_names),
-                pooling="none",
-                data_type=_DTYPES[dtype],
-            )  # fmt: skip
+    """embshard sequence TableConfigs (pooling none) of a TorchRec EmbeddingCollection or a list of its
+    EmbeddingConfigs (converted by `tables_from_torchrec`), or embshard sequence TableConfigs (returned as they are)."""
+    given = isinstance(tables, list | tuple) and tables and all(isinstance(t, TableConfig) for t in tables)
+    out = list(tables) if given else tables_from_torchrec(tables)
+    pooled = [t.name for t in out if t.pooling is not Pooling.NONE]
+    if pooled:
+        raise ConfigError(
+            f"tables {pooled} are pooled: TorchRec's EmbeddingCollection holds sequence tables (pooling: none); "
+            "export pooled tables with to_torchrec_plan for an EmbeddingBagCollection"
         )
     return out
 
