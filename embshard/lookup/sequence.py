@@ -15,7 +15,6 @@ lookups have them (embshard/lookup/__init__.py), so a collection's state (checkp
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -45,10 +44,28 @@ class HostSequenceLookup(HostLookup):
         ]
 
 
+# Ids per bag handed to FBGEMM's no-bag TBE: its forward and its backward's index linearisation give one warp or
+# thread to a bag and walk the bag's ids in turn, so a shard's ids must be spread over many bags.
+BAG_IDS = 32
+
+
+def bag_offsets(sizes: Sequence[int]) -> torch.Tensor:
+    """TBE offsets `[T * B + 1]` (host, int64) for `sizes[t]` ids of each of T keys laid out key after key: every
+    key's ids cut into the same number B of bags (B = ceil(max(sizes) / BAG_IDS), at least 1) of
+    ceil(sizes[t] / B) ids at most (trailing bags empty). Rows come out in the ids' order whatever the cut."""
+    n_T = torch.tensor(list(sizes), dtype=torch.int64)
+    B = max(1, -(-max(sizes, default=0) // BAG_IDS))
+    chunk_T = (n_T + B - 1) // B
+    start_T = torch.cumsum(n_T, 0) - n_T
+    offsets_TB = torch.minimum(torch.arange(B, dtype=torch.int64)[None, :] * chunk_T[:, None], n_T[:, None])
+    return torch.cat([(offsets_TB + start_T[:, None]).flatten(), n_T.sum().reshape(1)])
+
+
 class TBESequenceLookup(TBELookup):
     """CUDA rows of each shard: one FBGEMM TBE with `PoolingMode.NONE` (every shard of the group one width), one
-    lookup key per shard; each shard's ids are one bag of its key (batch size 1), so the output is one row per id,
-    shard after shard. The fused optimizer updates the touched rows in the TBE's backward (repeated ids summed)."""
+    lookup key per shard; each shard's ids are cut into bags of at most BAG_IDS ids (`bag_offsets`), so the output is
+    one row per id, shard after shard. The fused optimizer updates the touched rows in the TBE's backward (repeated
+    ids summed)."""
 
     pooling_mode = "NONE"
 
@@ -56,7 +73,8 @@ class TBESequenceLookup(TBELookup):
         """`[n_i, D]` rows of each shard for its local row indices."""
         sizes = [int(ids.numel()) for ids in ids_per_shard]
         device = ids_per_shard[0].device
-        offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64).to(device, non_blocking=True)
+        offsets = bag_offsets(sizes)
+        offsets = offsets.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else offsets
         indices = torch.cat([ids.long() for ids in ids_per_shard])
         rows = super().forward(indices, offsets, None)  # [sum(sizes), D]
         return list(rows.split(sizes))
