@@ -37,7 +37,7 @@ from embshard.lookup.sequence import HostSequenceLookup, TBESequenceLookup
 from embshard.lookup.shards import LocalShard, group_shards
 from embshard.runtime.comm import start_all_to_all
 from embshard.runtime.ops import cached_tensor
-from embshard.sharding.base import ShardingContext, column_key
+from embshard.sharding.base import Ready, ShardingContext, column_key
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.optim import OptimizerKind
 from embshard.spec.plan import Shard, ShardingPlan, ShardingType, TablePlan
@@ -219,6 +219,8 @@ class RoutedSequenceSharding(nn.Module):
     def start_input_dist(self, ids: SegmentIds):
         """Send each destination its ids, destination-major, segment-major within; `wait()` gives them."""
         S = len(self.segments)
+        if self.W == 1:  # every id stays here: no exchange, no copy
+            return Ready(_joined(ids.send, 1) if S else self._empty_ids())
         pieces = [ids.send[j].split(ids.sent[:, j].tolist()) for j in range(S)]
         buf = torch.cat([pieces[j][d] for d in range(self.W) for j in range(S)]) if S else self._empty_ids()
         return start_all_to_all(
@@ -237,7 +239,7 @@ class RoutedSequenceSharding(nn.Module):
         pieces = received.split(recv.reshape(-1).tolist())  # (source, segment)
         per_lookup: list[list] = [[None] * len(lk.shards) for lk in self.lookups]
         for j, (li, pos) in self._where.items():
-            per_lookup[li][pos] = torch.cat([pieces[s * S + j] for s in range(self.W)])
+            per_lookup[li][pos] = _joined([pieces[s * S + j] for s in range(self.W)], self.W)
         rows_of: dict[int, list[torch.Tensor]] = {}
         for li, lk in enumerate(self.lookups):
             for pos, rows in enumerate(lk(per_lookup[li])):
@@ -245,7 +247,7 @@ class RoutedSequenceSharding(nn.Module):
                 rows_of[j] = list(rows.split(recv[:, j].tolist()))
         flat = [rows_of[j][s].reshape(-1) for s in range(self.W) for j in range(S) if j in rows_of]
         dtype = self._out_dtype()
-        out = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype, device=self.device)
+        out = _joined(flat, self.W) if flat else torch.zeros(0, dtype=dtype, device=self.device)
         return out if out.requires_grad or not torch.is_grad_enabled() else out.requires_grad_()
 
     def _out_dtype(self) -> torch.dtype:
@@ -257,6 +259,8 @@ class RoutedSequenceSharding(nn.Module):
         dims = np.array([s.num_cols for s in self.segments], dtype=np.int64)
         send = (ids.received * dims).sum(axis=1).tolist() if len(dims) else [0] * self.W
         recv = (ids.sent * dims).sum(axis=1).tolist() if len(dims) else [0] * self.W
+        if self.W == 1:  # every row stays here: no exchange, no copy (autograd passes straight through)
+            return Ready(rows)
         return start_all_to_all(rows, send, recv, self.group, f"{self.label} rows")
 
     # ---- 5. rows in the ids' order, per feature ----------------------------------------------------------------
@@ -267,7 +271,7 @@ class RoutedSequenceSharding(nn.Module):
         pieces = back.split([int(ids.sent[d, j]) * dims[j] for d in range(self.W) for j in range(S)])
         out: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for j, seg in enumerate(self.segments):
-            rows = torch.cat([pieces[d * S + j].view(-1, dims[j]) for d in range(self.W)])
+            rows = _joined([pieces[d * S + j].view(-1, dims[j]) for d in range(self.W)], self.W)
             if ids.order[j] is not None:  # undo the sort by destination
                 perm = ids.order[j]
                 undo = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
@@ -277,6 +281,27 @@ class RoutedSequenceSharding(nn.Module):
             for f, part in zip(self.features[j], rows.split(ids.feature_ids[j])):
                 out.setdefault(f, []).append((seg.col_offset, part))
         return out
+
+
+def _joined(parts: Sequence[torch.Tensor], world_size: int) -> torch.Tensor:
+    """`torch.cat(parts)` without the copy where there is nothing to join: one part, or (on one rank, where no
+    exchange follows) parts that are, in order, the whole of one contiguous tensor (the split views of a lookup's
+    output): then a view of that tensor, so autograd reaches it directly."""
+    if len(parts) == 1:
+        return parts[0]
+    if world_size > 1:
+        return torch.cat(parts)
+    base = parts[0]._base
+    if base is None or not base.is_contiguous() or any(p._base is not base or not p.is_contiguous() for p in parts):
+        return torch.cat(parts)
+    at, size = base.data_ptr(), base.element_size()
+    for p in parts:
+        if p.data_ptr() != at:
+            return torch.cat(parts)
+        at += p.numel() * size
+    if at != base.data_ptr() + base.numel() * size:
+        return torch.cat(parts)
+    return base.view(-1, *parts[0].shape[1:])
 
 
 def _use_host(ctx: ShardingContext) -> bool:
