@@ -120,7 +120,7 @@ def build_model(
     compiled = None if mode.compile == "none" else mode.compile
     if mode.scope != "eager":
         bf16 = cfg.training.precision == "bf16"
-        why_not = graphs.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
+        why_not = graphs.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled, mode.scope == "dense")
         if why_not is not None:
             mode = mode.fallen_back("eager", Fallback("CUDA graphs off", why_not, "", "training.cuda_graph=false"))
         elif mode.scope == "step":
