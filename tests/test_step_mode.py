@@ -193,6 +193,9 @@ def test_the_planners_choice_of_graph_or_eager_step_is_in_the_step_line():
         "chose the eager step's plan, predicted 5.10 ms a step eager against 6.71 ms with the whole-step CUDA graph's "
         "plan — set training.cuda_graph=true, or training.graph_scope=dense to silence)"
     ), eager.line()
+    forced = _cfg("training.precision=bf16", "training.cuda_graph=true", "planner.settings.whole_step_graph=auto")
+    line = resolve_step_mode(forced, "cuda", row, GraphChoice(False, 6.71e-3, 5.1e-3)).line()
+    assert "the planner chose the eager step's plan" in line and "set planner.settings.whole_step_graph=true" in line
     unfit = resolve_step_mode(cfg, "cuda", row, GraphChoice(False, None, 5.1e-3, why_no_graph="too big")).line()
     assert "whole-step graph off: the plan has ['row_wise'] tables" in unfit  # the plan's own reason and fix
     # what each setting asks the planner for: auto the choice, explicit values what they say

@@ -207,7 +207,8 @@ def resolve_step_mode(
     why = _whole_step_refusal(cfg, plan)
     if why is not None:
         if choice is not None and not choice.graph and choice.graph_step_s is not None:  # the planner's choice
-            why = Refusal(f"the planner chose the eager step's plan, {choice.reason()}", choice.force())
+            fix = choice.force() if t.cuda_graph == "auto" else "planner.settings.whole_step_graph=true"
+            why = Refusal(f"the planner chose the eager step's plan, {choice.reason()}", fix)
         return mode.fallen_back(
             "dense", Fallback("whole-step graph off", why.reason, why.fix, "training.graph_scope=dense")
         )
