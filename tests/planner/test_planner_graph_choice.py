@@ -84,6 +84,13 @@ def test_no_graph_plan_that_fits_is_the_eager_plan_and_says_why() -> None:
     assert not choice.graph and choice.graph_step_s is None and "none of which the graph holds" in choice.why_no_graph
     assert {tp.sharding_type for tp in plan.tables} == {ShardingType.ROW_WISE} and choice.force() == ""
     assert "no plan the whole-step CUDA graph holds fits" in choice.line()
+    # the graph's options allowed but none fits: the hot table (2 GiB) whole on no rank of 1.5 GiB, no column blocks
+    small = H100.with_sizes(hbm_gib=1.5, ddr_gib=1.0)
+    settings = replace(settings, sharding_types=(ShardingType.TABLE_WISE, ShardingType.ROW_WISE))
+    plan, report = search_plan(TABLES, small, 4096, OPT, None, settings)
+    choice = report.graph_choice
+    assert not choice.graph and choice.graph_step_s is None and "table(s) ['hot']" in choice.why_no_graph
+    assert plan["hot"].sharding_type is ShardingType.ROW_WISE and choice.eager_step_s == report.step_time_s
 
 
 def test_the_setting_takes_auto_and_names_itself_when_wrong() -> None:
