@@ -214,6 +214,33 @@ def test_the_planners_choice_of_graph_or_eager_step_is_in_the_step_line():
     assert graph_request(nan, resolve_step_mode(nan, "cuda").applied(nan)) is False
 
 
+def _plan_job_worker(rank, world, device, topology_file):
+    from types import SimpleNamespace
+
+    from embshard.training.train import plan_job_and_choice
+
+    gpu = SimpleNamespace(type="cuda")  # a GPU job's planning (the planner itself needs no GPU)
+    cfg = _cfg("training.precision=bf16", f"planner.topology_file={topology_file}")
+    plan, choice = plan_job_and_choice(cfg, gpu, 8, 8, lambda _line: None)
+    return choice, resolve_step_mode(cfg, "cuda", plan, choice).line(), plan.world_size
+
+
+def test_a_gpu_jobs_plan_comes_with_the_planners_choice_for_its_step_line(tmp_path):
+    """`plan_job_and_choice` (what `embshard train` runs) on rank 0 of a group, broadcast: the MLPerf-shaped bf16 job
+    on 8 H100s (the preset as its topology file) gets the eager step's plan under training.cuda_graph auto, and the
+    step line says so with both predictions."""
+    from embshard.planner import Topology
+
+    topology = tmp_path / "h100.yaml"
+    Topology.preset("h100", world_size=8).save(topology)
+    [(choice, line, world)] = run_distributed(_plan_job_worker, 1, str(topology))
+    assert world == 8 and not choice.graph and choice.eager_step_s < choice.graph_step_s
+    assert line.startswith(
+        "step: dense-step CUDA graph, bf16 pooled outputs, compiled dense (auto; whole-step graph off: "
+    )
+    assert f"the planner chose the eager step's plan, {choice.reason()} — set training.cuda_graph=true" in line, line
+
+
 def _build_worker(rank, world, device):
     from embshard.training.mode import StepMode
     from embshard.training.train import build_model
