@@ -9,8 +9,10 @@
    and replays (tests/test_step_graph.py at world 1, and at world 2 when 2 GPUs are visible); the collection's own
    step graph likewise (tests/test_emb_graph.py). One `PASS name seconds` or `FAIL name: last lines` per test.
 2. The planner's plans for the graphed MLPerf model (configs/dlrm_dcnv2_mlperf.yaml, bf16) at 2, 4 and 8 H100s: each
-   rank's lookups over a balanced rank's, the predicted step, and how the hot tables are placed; `PASS` when every
-   plan is one the graph holds and the busiest share is under 1.2 at 2 and 4 GPUs (1.35 at 8).
+   rank's lookups over a balanced rank's, the predicted step, the slowest rank's predicted time over the mean rank's,
+   and how the hot tables are placed; `PASS` when every plan is one the graph holds and the busiest share is under
+   1.2 at 2 and 4 GPUs (1.35 at 8). Then `auto` (what training.cuda_graph auto asks for): the plan taken, both
+   predictions; `PASS` when it is the faster of the graph's plan and the eager step's.
 3. `--e2e`: bench/run.py's e2e suite with `--timeline` at bf16 on --nproc GPUs: its timeline_bf16.png and the GPU
    busy share per stream (bench/timeline.py) to compare the ranks (before: rank 0 busy 91.9%, rank 1 88.7% on 2 H100s,
    the hot tables whole on one rank).
@@ -61,6 +63,14 @@ def parity(lines: list[str]) -> int:
     return failures
 
 
+def time_shares(report) -> list[float]:
+    """Each rank's predicted time over the mean rank's (what the cost model balances: a column block of width d
+    costs its rank every id's and every touched row's work of the table, not d/D of it)."""
+    times = [r.time_s for r in report.ranks]
+    mean = sum(times) / len(times)
+    return [t / mean for t in times]
+
+
 def planner_shares(lines: list[str]) -> int:
     from embshard.planner import Topology
     from embshard.planner.balance import busy_shares, hot_tables
@@ -73,21 +83,31 @@ def planner_shares(lines: list[str]) -> int:
     failures = 0
     for W, limit in ((2, 1.2), (4, 1.2), (8, 1.35)):
         topo = Topology.preset("h100", world_size=W)
-        for graphed in (False, True):
+        predicted = {}
+        for graphed in (False, True, "auto"):
             said: list[str] = []
             settings = replace(inp.settings, whole_step_graph=graphed)
             plan, report = search_plan(
                 inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, settings, said.append
             )
-            shares = busy_shares(plan, inp.tables, inp.batch_size)
+            predicted[graphed] = report.step_time_s
+            shares, times = busy_shares(plan, inp.tables, inp.batch_size), time_shares(report)
             hot = {n: f"{plan[n].sharding_type.value}/{len(plan[n].shards)}" for n in hot_tables(inp.tables, W)}
+            name = {False: "eager  ", True: "graphed", "auto": "auto   "}[graphed]
             text = (
-                f"{W} GPUs {'graphed' if graphed else 'eager  '}: busiest {max(shares):.2f} "
-                f"({' '.join(f'{s:.2f}' for s in shares)}), predicted step {report.step_time_s * 1e3:.3f} ms, "
-                f"hot tables {hot}"
+                f"{W} GPUs {name}: busiest {max(shares):.2f} ({' '.join(f'{s:.2f}' for s in shares)}), predicted "
+                f"step {report.step_time_s * 1e3:.3f} ms, slowest rank's time {max(times):.2f} x the mean, hot "
+                f"tables {hot}"
             )
-            if not graphed:
+            if graphed is False:
                 lines.append(f"INFO {text}")
+            elif graphed == "auto":  # the faster of the two, as training.cuda_graph auto takes it
+                choice = report.graph_choice
+                text += f"; {choice.line().strip()}"
+                right = choice.graph is (predicted[True] <= predicted[False] or choice.same_plan)
+                ok = right and report.step_time_s <= min(predicted[True], predicted[False]) * (1 + 1e-9)
+                failures += not ok
+                lines.append(f"{'PASS' if ok else 'FAIL'} planner {text}")
             elif said or plan_refusal(inp.tables, plan) is not None or max(shares) >= limit:
                 failures += 1
                 lines.append(f"FAIL planner {text}; {said[:1]}")

@@ -7,6 +7,7 @@ per case, each in its own processes, and checks the step-mode line it prints (em
 RESULT line (whole_step, cuda_graph, compile, pooled) against what the case expects:
 
     default     --precision bf16 alone: the whole step as one CUDA graph, bf16 pooled outputs, the compiled dense part
+                (the line gives the planner's predictions of the graph's plan and the eager step's)
     explicit    the four settings that used to be needed (lookup.output_dtype=bf16 training.cuda_graph=true
                 training.compile=default): the same mode
     eager       bf16 with training.cuda_graph=false training.compile=none: the eager step (for debugging)
@@ -28,7 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/dlrm_dcnv2_mlperf.yaml"
-FAST = "step: whole-step CUDA graph, bf16 pooled outputs, compiled dense (auto)"
+FAST = "step: whole-step CUDA graph, bf16 pooled outputs, compiled dense (auto; the planner's choice: predicted "
+"""training.cuda_graph auto: the planner prices the graph's plan against the eager step's and says so (2 GPUs, no
+hot table: the graph's)."""
 
 CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     # case: (train_e2e arguments, RESULT fields expected, texts expected in the output)

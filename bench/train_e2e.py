@@ -204,8 +204,9 @@ def run(args: argparse.Namespace) -> None:
     from embshard.data import build_source
     from embshard.runtime import comm
     from embshard.runtime.distributed import init_distributed
+    from embshard.training.mode import resolve_step_mode
     from embshard.training.pipeline import TrainPipeline
-    from embshard.training.train import build_model, evaluate, plan_job
+    from embshard.training.train import build_model, evaluate, plan_job_and_choice
 
     cuda = torch.cuda.is_available()
     cfg = load_config(args.config, args.overrides)
@@ -226,9 +227,10 @@ def run(args: argparse.Namespace) -> None:
     lines: list[str] = []
     dist.barrier()
     t0 = time.perf_counter()
-    plan = plan_job(cfg, device, world, local_world, lines.append)
+    plan, choice = plan_job_and_choice(cfg, device, world, local_world, lines.append)
     plan_s = time.perf_counter() - t0
-    model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, lines.append)
+    mode = resolve_step_mode(cfg, device.type, plan, choice)  # as `embshard train`: the planner's graph or eager
+    model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, lines.append, mode)
     cfg = mode.applied(cfg)  # the auto settings as the job runs them
     sync()
     dist.barrier()

@@ -12,9 +12,11 @@ from dist_harness import device_kind, run_distributed
 
 from embshard.config import load_config
 from embshard.planner.simple import simple_plan
+from embshard.planner.step_choice import GraphChoice
 from embshard.spec.options import OutputDtype
 from embshard.spec.plan import MemoryTier, ShardingType
 from embshard.spec.tables import ConfigError
+from embshard.training.group_plan import graph_request, job_settings
 from embshard.training.mode import Fallback, resolve_step_mode
 
 MLPERF = "configs/dlrm_dcnv2_mlperf.yaml"
@@ -169,6 +171,74 @@ def test_before_the_plan_the_mode_is_what_the_planner_is_asked_for():
     assert resolve_step_mode(cfg, "cuda").line() == FAST  # the plan's rules are checked once it is made
     asked = resolve_step_mode(cfg, "cuda").applied(cfg)
     assert asked.whole_step_graph and asked.lookup.output_dtype is OutputDtype.BF16
+
+
+def test_the_planners_choice_of_graph_or_eager_step_is_in_the_step_line():
+    """training.cuda_graph auto on GPUs: the planner prices the whole-step graph's plan against the eager step's
+    (tests/planner/test_planner_graph_choice.py); the step line says which it took, both predictions and the setting
+    for the other. Explicit settings ask the planner for what they say."""
+    cfg = _cfg("training.precision=bf16")
+    tables = [t.name for t in cfg.model.tables]
+    held, row = _plan(cfg), _plan(cfg, types={tables[20]: ShardingType.ROW_WISE})
+    graph = resolve_step_mode(cfg, "cuda", held, GraphChoice(True, 3.07e-3, 4.6e-3))
+    assert graph.scope == "step" and graph.line() == FAST[:-1] + (
+        "; the planner's choice: predicted 3.07 ms a step with the whole-step CUDA graph's plan against 4.60 ms "
+        "eager — set training.cuda_graph=false for the eager step)"
+    ), graph.line()
+    same = resolve_step_mode(cfg, "cuda", held, GraphChoice(True, 2.95e-3, 4.6e-3, same_plan=True)).line()
+    assert "predicted 2.95 ms a step with the whole-step CUDA graph against 4.60 ms eager (the same plan)" in same
+    eager = resolve_step_mode(cfg, "cuda", row, GraphChoice(False, 6.71e-3, 5.1e-3))
+    assert eager.scope == "dense" and eager.line() == (
+        "step: dense-step CUDA graph, bf16 pooled outputs, compiled dense (auto; whole-step graph off: the planner "
+        "chose the eager step's plan, predicted 5.10 ms a step eager against 6.71 ms with the whole-step CUDA graph's "
+        "plan — set training.cuda_graph=true, or training.graph_scope=dense to silence)"
+    ), eager.line()
+    forced = _cfg("training.precision=bf16", "training.cuda_graph=true", "planner.settings.whole_step_graph=auto")
+    line = resolve_step_mode(forced, "cuda", row, GraphChoice(False, 6.71e-3, 5.1e-3)).line()
+    assert "the planner chose the eager step's plan" in line and "set planner.settings.whole_step_graph=true" in line
+    unfit = resolve_step_mode(cfg, "cuda", row, GraphChoice(False, None, 5.1e-3, why_no_graph="too big")).line()
+    assert "whole-step graph off: the plan has ['row_wise'] tables" in unfit  # the plan's own reason and fix
+    # what each setting asks the planner for: auto the choice, explicit values what they say
+    assert graph_request(cfg) == "auto" and job_settings(cfg).whole_step_graph == "auto"
+    for overrides, asked in [
+        (["training.cuda_graph=true"], True),
+        (["training.cuda_graph=false"], False),
+        (["training.graph_scope=dense"], False),
+        (["training.precision=fp32"], False),
+        (["planner.settings.whole_step_graph=true"], True),
+        (["planner.settings.whole_step_graph=false"], False),
+    ]:
+        job = _cfg("training.precision=bf16", *overrides)
+        assert job_settings(job).whole_step_graph is asked, overrides
+    nan = _cfg("training.precision=bf16", "runtime.nan_check=true")  # the step mode turns the graphs off first
+    assert graph_request(nan, resolve_step_mode(nan, "cuda").applied(nan)) is False
+
+
+def _plan_job_worker(rank, world, device, topology_file):
+    from types import SimpleNamespace
+
+    from embshard.training.train import plan_job_and_choice
+
+    gpu = SimpleNamespace(type="cuda")  # a GPU job's planning (the planner itself needs no GPU)
+    cfg = _cfg("training.precision=bf16", f"planner.topology_file={topology_file}")
+    plan, choice = plan_job_and_choice(cfg, gpu, 8, 8, lambda _line: None)
+    return choice, resolve_step_mode(cfg, "cuda", plan, choice).line(), plan.world_size
+
+
+def test_a_gpu_jobs_plan_comes_with_the_planners_choice_for_its_step_line(tmp_path):
+    """`plan_job_and_choice` (what `embshard train` runs) on rank 0 of a group, broadcast: the MLPerf-shaped bf16 job
+    on 8 H100s (the preset as its topology file) gets the eager step's plan under training.cuda_graph auto, and the
+    step line says so with both predictions."""
+    from embshard.planner import Topology
+
+    topology = tmp_path / "h100.yaml"
+    Topology.preset("h100", world_size=8).save(topology)
+    [(choice, line, world)] = run_distributed(_plan_job_worker, 1, str(topology))
+    assert world == 8 and not choice.graph and choice.eager_step_s < choice.graph_step_s
+    assert line.startswith(
+        "step: dense-step CUDA graph, bf16 pooled outputs, compiled dense (auto; whole-step graph off: "
+    )
+    assert f"the planner chose the eager step's plan, {choice.reason()} — set training.cuda_graph=true" in line, line
 
 
 def _build_worker(rank, world, device):

@@ -351,7 +351,7 @@ class CostModel(MemoryModel):
             v[loads.BWD] = bwd + 2 * pooled / bw
         # whatever the plan; a step replayed as one CUDA graph (settings.whole_step_graph, a plan it holds) does
         # without the per-bag term: fitted on eager steps, it stands for work their host does per feature and bag
-        bag_term = 0.0 if self.settings.whole_step_graph else bags * self.topo.batch_bag_s
+        bag_term = 0.0 if self.settings.whole_step_graph is True else bags * self.topo.batch_bag_s
         v[loads.PHASE_ROWS[0]] += self.topo.step_overhead_s + bag_term
         return v
 

@@ -15,11 +15,14 @@ from typing import Literal
 
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
 from embshard.planner.errors import PlanningError
+from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
 from embshard.planner.search import plan_with_report
 from embshard.planner.settings import PlannerSettings
 from embshard.planner.simple import simple_plan
+from embshard.planner.step_choice import GraphChoice
 from embshard.planner.topology import Topology
+from embshard.spec.graph_rules import plan_refusal
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.plan import GRAPH_SHARDING_TYPES, MemoryTier, ShardingPlan, ShardingType
 from embshard.spec.tables import ConfigError, FieldError, TableConfig, validate_tables
@@ -100,9 +103,10 @@ def settings_for_counts(settings: PlannerSettings, batch_counts: str | None) -> 
     return replace(settings, batch_counts=batch_counts)
 
 
-def settings_for_graph(settings: PlannerSettings, whole_step_graph: bool) -> PlannerSettings:
+def settings_for_graph(settings: PlannerSettings, whole_step_graph: bool | Literal["auto"]) -> PlannerSettings:
     """`settings` with `whole_step_graph` taken from a job (whether its training step is captured whole:
-    training.cuda_graph with graph_scope step on CUDA GPUs) where the config leaves it unset."""
+    training.cuda_graph with graph_scope step on CUDA GPUs; "auto": training.cuda_graph auto, the faster of the
+    two) where the config leaves it unset."""
     if settings.whole_step_graph is not None:
         return settings
     return replace(settings, whole_step_graph=whole_step_graph)
@@ -131,13 +135,19 @@ def search_plan(
     say: Callable[[str], None] | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """The search's (plan, report); with settings.whole_step_graph, first among the options a whole-step graph can
-    hold (`graph_settings`), then, if none of those fits, among all (`say` gets why). An eager plan whose step the
-    host sets and whose data-parallel tables cost the host most is planned again without them, and the faster kept
-    (`_without_replicas_if_faster`)."""
+    hold (`graph_settings`), then, if none of those fits, among all (`say` gets why); with whole_step_graph auto on
+    GPUs, both ways, the faster kept (`_graph_or_eager`: the report's graph_choice says which). An eager plan whose
+    step the host sets and whose data-parallel tables cost the host most is planned again without them, and the
+    faster kept (`_without_replicas_if_faster`)."""
     tables = validate_tables(tables)  # once for every search below
 
     def search(s: PlannerSettings) -> tuple[ShardingPlan, PlanReport]:
         return plan_with_report(tables, topo, batch_size, optimizer, constraints, s)
+
+    if settings.whole_step_graph == "auto":
+        if topo.is_gpu:
+            return _graph_or_eager(tables, topo, batch_size, optimizer, constraints, settings, search, say)
+        settings = replace(settings, whole_step_graph=False)  # CPUs run no CUDA graph
 
     if settings.whole_step_graph:
         narrowed = graph_settings(settings)
@@ -154,6 +164,53 @@ def search_plan(
         )
         settings = replace(settings, whole_step_graph=False)  # the step runs eagerly: priced so
     return _without_replicas_if_faster(search(settings), settings, search, say)
+
+
+def _graph_or_eager(
+    tables: Sequence[TableConfig],
+    topo: Topology,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    constraints: dict[str, ParameterConstraints] | None,
+    settings: PlannerSettings,
+    search: Callable[[PlannerSettings], tuple[ShardingPlan, PlanReport]],
+    say: Callable[[str], None] | None,
+) -> tuple[ShardingPlan, PlanReport]:
+    """settings.whole_step_graph auto on GPUs: the best plan the whole-step graph holds, priced as one replay, and
+    the best plan with every option, priced as an eager step (the host's floor included); the faster is kept, and its
+    report's `graph_choice` says which and why. An eager winner that the graph holds as well is priced as a replay
+    (it runs graphed). Without a graph plan that fits, the eager plan (as `search_plan` with whole_step_graph true)."""
+    narrowed = graph_settings(settings)
+    why = narrowed if isinstance(narrowed, str) else None
+    graphed = None
+    if why is None:
+        try:
+            graphed = search(replace(narrowed, whole_step_graph=True))
+        except (PlanningError, ConfigError) as e:
+            why = str(e).strip().splitlines()[0]
+    eager_settings = replace(settings, whole_step_graph=False)
+    try:
+        eager = _without_replicas_if_faster(search(eager_settings), eager_settings, search, say)
+    except (PlanningError, ConfigError):
+        if graphed is None:
+            raise
+        eager = None
+    same = False
+    if eager is not None and plan_refusal(tables, eager[0]) is None:  # the graph holds it: replayed, it may win
+        notes = {t.name: t.notes for t in eager[1].tables}
+        replayed = replace(settings, whole_step_graph=True)
+        report = predict(eager[0], tables, topo, batch_size, optimizer, constraints, replayed, notes)
+        if graphed is None or report.step_time_s < graphed[1].step_time_s:
+            graphed, same = (eager[0], report), True
+    if graphed is None:
+        choice = GraphChoice(False, None, eager[1].step_time_s, why_no_graph=why or "")
+    else:
+        eager_s = None if eager is None else eager[1].step_time_s
+        faster = eager_s is None or graphed[1].step_time_s <= eager_s
+        choice = GraphChoice(faster, graphed[1].step_time_s, eager_s, same)
+    plan, report = graphed if choice.graph else eager
+    report.graph_choice = choice
+    return plan, report
 
 
 def _without_replicas_if_faster(
@@ -197,7 +254,8 @@ def plan_for_job(
     log: Callable[[str], None] | None = None,
     lookup=None,
     batch_counts: str | None = None,
-    whole_step_graph: bool = False,
+    whole_step_graph: bool | Literal["auto"] = False,
+    on_report: Callable[[PlanReport], None] | None = None,
 ) -> ShardingPlan:
     """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
     (strategy auto: the search on the topology of planner.topology_file or of this machine, for `batch_size`
@@ -208,9 +266,10 @@ def plan_for_job(
     (`settings_for_lookup`); `batch_counts`: where the job's steps take their batch counts from
     (TrainConfig.batch_counts, 'host' or 'device'), which says whether the step pays the device sync, unless
     planner.settings.batch_counts is set (`settings_for_counts`); `whole_step_graph`: the job captures its whole
-    step as one CUDA graph, so a plan that the graph can hold is looked for first, unless
-    planner.settings.whole_step_graph is set (`settings_for_graph`). Deterministic; a training job still makes it on
-    rank 0 only and broadcasts it (train.plan_on_rank0)."""
+    step as one CUDA graph, so a plan that the graph can hold is looked for first ("auto": both ways, the faster
+    kept), unless planner.settings.whole_step_graph is set (`settings_for_graph`); `on_report` gets the search's
+    PlanReport (not called for a loaded or simple plan). Deterministic; a training job still makes it on rank 0 only
+    and broadcasts it (train.plan_on_rank0)."""
     say = log or (lambda _text: None)
     tables = validate_tables(tables)  # once: the planner and the plan's checks take these Tables as they are
     if planner_cfg.plan_file:
@@ -255,6 +314,8 @@ def plan_for_job(
     say(str(plan))
     say(report.format_ranks())
     say(report.summary())
+    if on_report is not None:
+        on_report(report)
     return plan
 
 

@@ -228,7 +228,7 @@ def host_times(model: CostModel, groups: set[tuple]) -> np.ndarray:
     topo = model.topo
     W = topo.world_size
     priced = topo.host_step_s or topo.host_group_s or topo.host_dp_group_s
-    if not topo.is_gpu or model.settings.whole_step_graph or not priced:
+    if not topo.is_gpu or model.settings.whole_step_graph is True or not priced:
         return np.zeros(W)
     out = np.full(W, topo.host_step_s)
     for st, _tier, kernel, _raw, r in groups:

@@ -14,6 +14,7 @@ import numpy as np
 from embshard.planner.loads import PHASES
 from embshard.planner.memory import Storage
 from embshard.planner.settings import PlannerSettings
+from embshard.planner.step_choice import GraphChoice
 from embshard.planner.topology import GIB, Topology
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.plan import ShardingPlan, ranks_text
@@ -115,6 +116,9 @@ class PlanReport:
     exchange_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
     """With exchange_step_s: bytes the table-row-wise output exchange moves per step and direction, summed over
     the ranks, under each exchange: {"flat": {"intra_host": ..., "cross_host": ...}, "hierarchical": ...}."""
+    graph_choice: GraphChoice | None = None
+    """settings.whole_step_graph auto (training.cuda_graph auto on GPUs): the whole-step graph's plan against the
+    eager step's, both predicted, and which this plan is (step_choice.py); None otherwise."""
 
     def table(self, name: str) -> TableReport:
         """The report of one table."""
@@ -151,6 +155,8 @@ class PlanReport:
         ]
         if self.topology.is_gpu:
             lines.append(self.step_line())
+        if self.graph_choice is not None:
+            lines.append(self.graph_choice.line())
         if self.exchange_step_s:
             lines.append(self.exchange_line())
         if self.over_budget:
@@ -165,7 +171,7 @@ class PlanReport:
     def step_line(self) -> str:
         """How the step is priced on GPUs: as one CUDA graph replay (settings.whole_step_graph), or eager: the
         GPUs' time, or the host's where it issues the step slower (the topology's host constants)."""
-        if self.settings.whole_step_graph:
+        if self.settings.whole_step_graph is True:
             return "  step: one CUDA graph replay (the host's work per operator and bag not charged)"
         graph = (
             "the whole-step CUDA graph (training.cuda_graph with graph_scope step; planner.settings.whole_step_graph) "
@@ -277,6 +283,7 @@ class PlanReport:
                 "step_ms": {k: v * 1e3 for k, v in self.exchange_step_s.items()},
                 "bytes": self.exchange_bytes,
             },
+            "graph_choice": None if self.graph_choice is None else self.graph_choice.to_dict(),
             "topology": self.topology.to_dict(),
             "ranks": [
                 {

@@ -56,11 +56,12 @@ class PlannerSettings:
     """Where each step's batch counts come from: host (counted on the CPU by the training pipeline: no device sync)
     or device (gathered on the GPUs: the topology's host_sync_s, 0.63 ms a step, charged); unset: as the training
     job runs (host unless training.pipeline is none, lookup.bounds_check drop or a retrieval catalog), else host."""
-    whole_step_graph: bool | None = None
+    whole_step_graph: bool | Literal["auto"] | None = None
     """Look first for a plan whose whole training step can be one CUDA graph (table-wise, column-wise and
-    data-parallel tables, no UVM caching); if none fits, plan without those limits (the log says why); unset: as the
-    training job runs (training.cuda_graph true, or auto with training.precision bf16, with graph_scope step on CUDA
-    GPUs), else false."""
+    data-parallel tables, no UVM caching); if none fits, plan without those limits (the log says why); auto (GPUs):
+    plan both ways, price the graph's plan as one replay and the other as an eager step, and keep the faster (the
+    report's `graph_choice`); unset: as the training job runs (training.cuda_graph true: true; auto with
+    training.precision bf16, with graph_scope step on CUDA GPUs: auto), else false."""
 
     split_hot_tables: bool = True
     """Hot tables, whose whole-table lookups (world size x ids per sample) exceed a balanced rank's (the ids per
@@ -102,8 +103,11 @@ class PlannerSettings:
         object.__setattr__(self, "table_row_wise_exchange", value)
         if self.batch_counts not in (None, "host", "device"):
             raise bad("batch_counts", "choose host (the training pipeline's) or device (one device sync a step)")
-        if self.whole_step_graph not in (None, True, False):
-            raise bad("whole_step_graph", "it must be true or false (or unset: as the training job runs)")
+        if self.whole_step_graph not in (None, True, False, "auto"):
+            raise bad(
+                "whole_step_graph",
+                "it must be true, false or auto (plan both ways, keep the faster; or unset: as the training job runs)",
+            )
         object.__setattr__(self, "sharding_types", tuple(ShardingType(s) for s in self.sharding_types))
         object.__setattr__(self, "tiers", tuple(MemoryTier(t) for t in self.tiers))
 

@@ -7,7 +7,7 @@ section, dense model and replica sync, each candidate group planned by the job's
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from embshard.planner.dense import DenseSpec, dlrm_dense
 from embshard.planner.policy import (
@@ -26,10 +26,21 @@ from embshard.spec.tables import ConfigError
 
 def job_settings(cfg: Any) -> PlannerSettings:
     """The planner settings of a training config (a TrainConfig) as its job runs: planner.settings with
-    pooled_bytes, batch_counts and whole_step_graph taken from the job where unset (`policy.settings_for_*`)."""
+    pooled_bytes, batch_counts and whole_step_graph (`graph_request`) taken from the job where unset
+    (`policy.settings_for_*`)."""
     lookup = cfg.lookup.resolved(bf16=cfg.training.precision == "bf16")  # output_dtype auto as on GPUs
     settings = settings_for_counts(settings_for_lookup(cfg.planner.settings, lookup), cfg.batch_counts)
-    return settings_for_graph(settings, cfg.whole_step_graph)
+    return settings_for_graph(settings, graph_request(cfg))
+
+
+def graph_request(cfg: Any, asked: Any = None) -> bool | Literal["auto"]:
+    """What a training job (a TrainConfig) asks the planner for about the whole-step CUDA graph: "auto" where
+    training.cuda_graph is auto and the job would take the graph (the planner then plans both ways and keeps the
+    faster: policy.search_plan), else whether it asks for the graph (`cfg.whole_step_graph`: true, or false).
+    `asked`: the config with the step mode's auto settings applied (`StepMode.applied`), whose whole_step_graph
+    then says whether the graph is wanted at all; default `cfg`."""
+    wanted = (asked if asked is not None else cfg).whole_step_graph
+    return "auto" if wanted and cfg.training.cuda_graph == "auto" else wanted
 
 
 def dense_spec(cfg: Any) -> DenseSpec | None:

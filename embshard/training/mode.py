@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from embshard.config import TrainConfig
+from embshard.planner.step_choice import GraphChoice
 from embshard.spec.graph_rules import Refusal, padding_refusal, plan_refusal, tables_refusal
 from embshard.spec.options import OutputDtype
 from embshard.spec.plan import ShardingPlan
@@ -139,11 +140,15 @@ def _device_counts(cfg: TrainConfig) -> Refusal:
     )
 
 
-def resolve_step_mode(cfg: TrainConfig, device_type: str, plan: ShardingPlan | None = None) -> StepMode:
+def resolve_step_mode(
+    cfg: TrainConfig, device_type: str, plan: ShardingPlan | None = None, choice: GraphChoice | None = None
+) -> StepMode:
     """The step mode of the job `cfg` on `device_type` ("cuda" or "cpu") with the sharding `plan` (None: before the
     plan, as the planner is asked: the plan's own rules are then not checked). training.cuda_graph, training.compile
     and lookup.output_dtype auto resolve to the whole-step graph, bf16 pooled outputs and the compiled dense part
-    where training.precision is bf16 on CUDA GPUs and the job allows them, else to the fastest mode that works."""
+    where training.precision is bf16 on CUDA GPUs and the job allows them, else to the fastest mode that works.
+    `choice`: the planner's choice between the whole-step graph's plan and the eager step's (training.cuda_graph
+    auto: `plan` is the one it took), which the step line repeats with both predictions."""
     t = cfg.training
     cuda = device_type == "cuda"
     fast = cuda and t.precision == "bf16"  # what the auto settings resolve to the fast step for
@@ -201,9 +206,19 @@ def resolve_step_mode(cfg: TrainConfig, device_type: str, plan: ShardingPlan | N
         return mode
     why = _whole_step_refusal(cfg, plan)
     if why is not None:
+        if choice is not None and not choice.graph and choice.graph_step_s is not None:  # the planner's choice
+            fix = choice.force() if t.cuda_graph == "auto" else "planner.settings.whole_step_graph=true"
+            why = Refusal(f"the planner chose the eager step's plan, {choice.reason()}", fix)
         return mode.fallen_back(
             "dense", Fallback("whole-step graph off", why.reason, why.fix, "training.graph_scope=dense")
         )
+    notes = []
+    if choice is not None and choice.graph:
+        force = choice.force()
+        notes.append(
+            f"the planner's choice: {choice.reason()}" + (f" — set {force} for the eager step" if force else "")
+        )
     pad = padding_refusal(list(cfg.model.tables), cfg.sparse_optimizer)
-    notes = (f"ragged bags are not padded, fixed bags only: {pad.reason}",) if pad is not None else ()
-    return replace(mode, scope="step", notes=notes)
+    if pad is not None:
+        notes.append(f"ragged bags are not padded, fixed bags only: {pad.reason}")
+    return replace(mode, scope="step", notes=tuple(notes))

@@ -14,6 +14,8 @@ loss (embshard/models/build.py):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -36,11 +38,21 @@ class ModelGraphs:
         self.whole: StepGraph | None = None
 
     def capture_dense_step(
-        self, optimizer: torch.optim.Optimizer, batch_size: int, bf16: bool, compile: str | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        batch_size: int,
+        bf16: bool,
+        compile: str | None = None,
+        alone: bool = False,
     ) -> str | None:
         """Replay the dense part's training step as one CUDA graph for batches of `batch_size` (training.cuda_graph,
         embshard/training/dense_graph.py), its forward and loss compiled in mode `compile` if given
-        (training.compile). Returns None if it will, else why not (it then runs eagerly)."""
+        (training.compile). Returns None if it will, else why not (it then runs eagerly). `alone`: the dense
+        step's graph is the step's only one (no `capture_whole_step`); where NCCL's graph mixing support is off
+        (`init_distributed` turns it off for a job that asked for the whole-step graph, before its plan said the
+        eager step is faster), its all-reduce then gets a communicator of its own (made here, collectively: every
+        rank calls this in the same mode), so the embeddings' eager exchanges after a replay do not wait on the host
+        for it (`comm.wait_for_graphs` waits only for replays holding the collective's communicator)."""
         model = self.model
         if model.ebc.device.type != "cuda":
             return "CUDA graphs need a CUDA GPU"
@@ -51,6 +63,9 @@ class ModelGraphs:
             self.dense = DenseGraphStep(model.dense_module(), optimizer, batch_size, bf16, compile=compile)
         except ValueError as e:  # the optimizer has no capturable step
             return str(e)
+        dense = self.dense
+        if alone and dense.world > 1 and os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
+            dense.group = dist.new_group(ranks=dist.get_process_group_ranks(dense.group or dist.group.WORLD))
         return None
 
     def capture_whole_step(self, overlap: bool = True) -> str | None:

@@ -26,27 +26,37 @@ import torch.distributed as dist
 
 from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, load_config
 from embshard.planner.policy import plan_for_job
+from embshard.planner.step_choice import GraphChoice
 from embshard.runtime import comm
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.tables import AllRanksError, ConfigError
 from embshard.training import launch_checks
-from embshard.training.group_plan import auto_group_plan_for_job
+from embshard.training.group_plan import auto_group_plan_for_job, graph_request
 from embshard.training.mode import Fallback, StepMode, resolve_step_mode
 from embshard.training.schedule import past_schedule, run_schedule
 
 
 def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: int, log: Callable[[str], None]):
+    """The job's sharding plan: `plan_job_and_choice`'s plan."""
+    return plan_job_and_choice(cfg, device, world, local_world, log)[0]
+
+
+def plan_job_and_choice(
+    cfg: TrainConfig, device: torch.device, world: int, local_world: int, log: Callable[[str], None]
+) -> tuple[ShardingPlan, GraphChoice | None]:
     """The job's sharding plan (planner.*, priced for schedule.batch_size per rank, the lookups' output dtype and
-    where the pipeline takes each step's batch counts from: cfg.batch_counts, host unless training.pipeline is none,
-    lookup.bounds_check drop or a retrieval catalog; a plan the whole-step CUDA graph can hold first where the job
-    captures its step whole: cfg.whole_step_graph), made on rank 0 and broadcast to every rank (`plan_on_rank0`). The
-    auto settings are those of the job's step mode before the plan (`resolve_step_mode`)."""
-    cfg = resolve_step_mode(cfg, device.type).applied(cfg)  # what the planner is asked for: the auto settings resolved
+    cfg.batch_counts; a plan the whole-step CUDA graph holds first where the job asks for it, or with
+    training.cuda_graph auto on GPUs the faster of that and the eager step's: `graph_request`), made on rank 0 and
+    broadcast (`plan_on_rank0`), and the planner's choice between the two (None: none made; for `resolve_step_mode`).
+    The auto settings are those of the job's step mode before the plan (`resolve_step_mode`)."""
+    asked = resolve_step_mode(cfg, device.type).applied(cfg)  # what the planner is asked for: auto settings resolved
+    request = graph_request(cfg, asked) if device.type == "cuda" else False  # auto: graphed or eager, the faster
+    cfg = asked
     tables, batch = list(cfg.model.tables), cfg.schedule.batch_size
     counts = cfg.batch_counts
     twod = cfg.sharding
     if twod.group_size == "auto":  # the planner picks the group size (or no 2D) and plans the group
-        return plan_on_rank0(lambda: auto_group_plan_for_job(cfg, world, local_world, device.type, log))
+        return plan_on_rank0(lambda: auto_group_plan_for_job(cfg, world, local_world, device.type, log)), None
     if twod.group_size is not None:  # 2D: plan one sharding group (the step mode above turned CUDA graphs off)
         group_local = twod_local_world(twod.group_size, world, local_world)
         plan = plan_on_rank0(
@@ -56,21 +66,21 @@ def plan_job(cfg: TrainConfig, device: torch.device, world: int, local_world: in
             )
         )  # fmt: skip
         plan = replace(
-            plan,
-            world_size=world,
-            local_world_size=local_world,
-            sharding_group_size=twod.group_size,
-            replica_sync=twod.replica_sync,
-            replica_sync_every=twod.replica_sync_every,
-        )
+            plan, world_size=world, local_world_size=local_world, sharding_group_size=twod.group_size,
+            replica_sync=twod.replica_sync, replica_sync_every=twod.replica_sync_every,
+        )  # fmt: skip
         log(str(plan))
-        return plan
-    return plan_on_rank0(
-        lambda: plan_for_job(
+        return plan, None
+
+    def make() -> tuple[ShardingPlan, GraphChoice | None]:
+        reports: list = []
+        plan = plan_for_job(
             tables, cfg.planner, world, local_world, device.type, batch, cfg.sparse_optimizer, log, cfg.lookup,
-            counts, whole_step_graph=cfg.whole_step_graph and device.type == "cuda",
-        )
-    )  # fmt: skip
+            counts, whole_step_graph=request, on_report=reports.append,
+        )  # fmt: skip
+        return plan, (reports[0].graph_choice if reports else None)
+
+    return plan_on_rank0(make)
 
 
 def twod_local_world(group_size: int, world: int, local_world: int) -> int:
@@ -110,7 +120,7 @@ def build_model(
     compiled = None if mode.compile == "none" else mode.compile
     if mode.scope != "eager":
         bf16 = cfg.training.precision == "bf16"
-        why_not = graphs.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled)
+        why_not = graphs.capture_dense_step(dense_opt, cfg.schedule.batch_size, bf16, compiled, mode.scope == "dense")
         if why_not is not None:
             mode = mode.fallen_back("eager", Fallback("CUDA graphs off", why_not, "", "training.cuda_graph=false"))
         elif mode.scope == "step":
@@ -123,9 +133,9 @@ def build_model(
     return model, dense_opt, graphs, mode
 
 
-def plan_on_rank0(make: Callable[[], ShardingPlan]) -> ShardingPlan:
-    """Run `make` on rank 0 and broadcast its plan (or its ConfigError) to every rank, so all ranks train with
-    the same plan even when they would detect slightly different free memory; every rank raises on an error."""
+def plan_on_rank0(make: Callable[[], Any]) -> Any:
+    """Run `make` on rank 0 and broadcast its plan (with what else it returns; or its ConfigError) to every rank, so
+    all ranks train with the same plan even where free memory differs; every rank raises on an error."""
     payload: list = [None, None]
     failure: BaseException | None = None
     if dist.get_rank() == 0:
@@ -267,9 +277,10 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (torchrec's import: not start-up time)
 
     t_build = time.time()
-    plan = plan_job(cfg, device, world, local_world, report.line)
+    plan, choice = plan_job_and_choice(cfg, device, world, local_world, report.line)
     source = build_source(cfg.data, tables, sched.batch_size, cfg.seed, rank, world)
-    model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, report.line)
+    mode = resolve_step_mode(cfg, device.type, plan, choice)  # the planner's choice of graph or eager step
+    model, dense_opt, graphs, mode = build_model(cfg, plan, source.num_dense, device, world, report.line, mode)
     cfg = mode.applied(cfg)  # the settings as the job runs them
     report.line(mode.line())
     report.line(f"plan and model built in {time.time() - t_build:.1f} s")

@@ -1,0 +1,114 @@
+"""The whole-step CUDA graph or the eager step (planner.settings.whole_step_graph auto, what training.cuda_graph auto
+asks for on GPUs): the planner plans both ways, prices the graph's plan as one replay and the other as an eager step
+(the host's floor included), and keeps the faster; the report's graph_choice says which, with both predictions.
+Explicit settings plan as before; CPUs plan the eager step."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from embshard.planner import PlannerSettings, Topology
+from embshard.planner.policy import search_plan
+from embshard.planner.step_choice import GraphChoice
+from embshard.spec.graph_rules import plan_refusal
+from embshard.spec.optim import FusedOptimizerConfig
+from embshard.spec.plan import ShardingType
+from embshard.spec.tables import ConfigError, TableConfig
+
+OPT = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
+# one hot table (60 ids a sample: 4 ranks looking it up whole is more than a balanced rank's share) beside six small
+TABLES = [TableConfig(name="hot", num_embeddings=4_000_000, embedding_dim=128, feature_names=["hot"], ids_per_bag=60)]
+TABLES += [
+    TableConfig(name=f"t{i}", num_embeddings=200_000, embedding_dim=64, feature_names=[f"f{i}"], ids_per_bag=2)
+    for i in range(6)
+]
+H100 = Topology.preset("h100", world_size=4)
+NO_HOST = replace(H100, host_step_s=0.0, host_group_s=0.0, host_dp_group_s=0.0)  # a host that never holds a step
+
+
+def _search(topo: Topology, graph, batch: int = 4096):
+    said: list[str] = []
+    plan, report = search_plan(TABLES, topo, batch, OPT, None, PlannerSettings(whole_step_graph=graph), said.append)
+    return plan, report, said
+
+
+@pytest.mark.parametrize("topo, graph_wins", [(H100, True), (NO_HOST, False)], ids=["host-floor", "no-host-floor"])
+def test_auto_keeps_the_faster_of_the_graphs_plan_and_the_eager_plan(topo, graph_wins) -> None:
+    plan, report, _ = _search(topo, "auto")
+    graphed_plan, graphed, _ = _search(topo, True)
+    eager_plan, eager, _ = _search(topo, False)
+    choice = report.graph_choice
+    assert isinstance(choice, GraphChoice) and not choice.same_plan
+    # both predictions are those of the explicit searches, and the faster is taken
+    assert choice.graph_step_s == pytest.approx(graphed.step_time_s, rel=1e-12)
+    assert choice.eager_step_s == pytest.approx(eager.step_time_s, rel=1e-12)
+    assert choice.graph is (graphed.step_time_s <= eager.step_time_s) is graph_wins
+    assert report.step_time_s == pytest.approx(min(graphed.step_time_s, eager.step_time_s), rel=1e-12)
+    assert plan == (graphed_plan if graph_wins else eager_plan)
+    assert report.settings.whole_step_graph is graph_wins  # priced as it runs: one replay, or eager
+    assert (plan_refusal(TABLES, plan) is None) is graph_wins
+    hot = plan["hot"].sharding_type
+    assert hot is (ShardingType.COLUMN_WISE if graph_wins else ShardingType.ROW_WISE), hot  # no row split in a graph
+    line = report.summary().splitlines()
+    [text] = [ln for ln in line if "step choice (training.cuda_graph auto)" in ln]
+    ms = [float(x) for x in re.findall(r"([0-9.]+) ms", text)]
+    if graph_wins:
+        assert (
+            "the whole-step CUDA graph, predicted" in text and "training.cuda_graph=false plans for the other" in text
+        )
+        assert ms == pytest.approx([graphed.step_time_s * 1e3, eager.step_time_s * 1e3], abs=0.006)
+    else:
+        assert "the eager step, predicted" in text and "training.cuda_graph=true plans for the other" in text
+        assert ms == pytest.approx([eager.step_time_s * 1e3, graphed.step_time_s * 1e3], abs=0.006)
+    assert report.to_dict()["graph_choice"]["graph"] is graph_wins
+
+
+def test_explicit_settings_and_cpus_make_no_choice() -> None:
+    for graph in (True, False, None):
+        plan, report, _ = _search(H100, graph)
+        assert report.graph_choice is None and "step choice" not in report.summary()
+        assert report.to_dict()["graph_choice"] is None
+    cpu = Topology.preset("cpu", world_size=2)
+    plan, report, _ = _search(cpu, "auto", batch=256)
+    eager_plan, eager, _ = _search(cpu, False, batch=256)
+    assert report.graph_choice is None and plan == eager_plan and report.step_time_s == eager.step_time_s
+
+
+def test_no_graph_plan_that_fits_is_the_eager_plan_and_says_why() -> None:
+    settings = PlannerSettings(whole_step_graph="auto", sharding_types=(ShardingType.ROW_WISE,))
+    plan, report = search_plan(TABLES, H100, 4096, OPT, None, settings)
+    choice = report.graph_choice
+    assert not choice.graph and choice.graph_step_s is None and "none of which the graph holds" in choice.why_no_graph
+    assert {tp.sharding_type for tp in plan.tables} == {ShardingType.ROW_WISE} and choice.force() == ""
+    assert "no plan the whole-step CUDA graph holds fits" in choice.line()
+    # the graph's options allowed but none fits: the hot table (2 GiB) whole on no rank of 1.5 GiB, no column blocks
+    small = H100.with_sizes(hbm_gib=1.5, ddr_gib=1.0)
+    settings = replace(settings, sharding_types=(ShardingType.TABLE_WISE, ShardingType.ROW_WISE))
+    plan, report = search_plan(TABLES, small, 4096, OPT, None, settings)
+    choice = report.graph_choice
+    assert not choice.graph and choice.graph_step_s is None and "table(s) ['hot']" in choice.why_no_graph
+    assert plan["hot"].sharding_type is ShardingType.ROW_WISE and choice.eager_step_s == report.step_time_s
+
+
+def test_the_setting_takes_auto_and_names_itself_when_wrong() -> None:
+    assert PlannerSettings.from_dict({"whole_step_graph": "auto"}).whole_step_graph == "auto"
+    with pytest.raises(ConfigError, match=r"whole_step_graph='always' is invalid: it must be true, false or auto"):
+        PlannerSettings.from_dict({"whole_step_graph": "always"}, "planner.settings")
+
+
+def test_embshard_plan_shows_the_choice_for_a_training_config(capsys) -> None:
+    """The MLPerf-shaped bf16 job on 8 H100s: its graph's plan (hot tables in column blocks) is predicted slower
+    than the eager plan (row-wise), which auto then takes; with training.cuda_graph=true it plans for the graph."""
+    from embshard.tools.plan import main
+
+    args = ["configs/dlrm_dcnv2_mlperf.yaml", "--device", "h100", "--world-size", "8", "training.precision=bf16"]
+    main(args)
+    out = capsys.readouterr().out
+    [text] = [ln for ln in out.splitlines() if "step choice" in ln]
+    eager_ms, graph_ms = (float(x) for x in re.findall(r"([0-9.]+) ms", text))
+    assert text.strip().startswith("step choice (training.cuda_graph auto): the eager step, predicted")
+    assert eager_ms < graph_ms and "training.cuda_graph=true plans for the other" in text
+    assert f"predicted step time {eager_ms:.2f}" in out
