@@ -41,14 +41,12 @@ items most often a training target so far, counted on every rank and summed).
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from embshard.config.model import ModelConfig
 from embshard.data.common import Batch
+from embshard.models.hstu_attention import HSTULayer, JaggedAttention, PaddedAttention, host_positions, query_times
 from embshard.models.registry import ModelKind, StepOutput, feature_widths, register
 from embshard.retrieval.catalog import Catalog
 from embshard.retrieval.gather import gather_rows, gather_sizes
@@ -56,60 +54,73 @@ from embshard.retrieval.topk import sharded_topk
 from embshard.runtime.comm import start_all_reduce, world_and_rank
 
 
-class HSTULayer(nn.Module):
-    """One HSTU layer (module docstring) on a padded batch `[B, L, D]`."""
-
-    def __init__(self, width: int, heads: int, max_length: int) -> None:
-        super().__init__()
-        self.heads, self.max_length = heads, max_length
-        self.norm = nn.LayerNorm(width)
-        self.uvqk = nn.Linear(width, 4 * width)
-        self.attn_norm = nn.LayerNorm(width)
-        self.out = nn.Linear(width, width)
-        self.rel_bias = nn.Parameter(torch.zeros(heads, max_length))
-
-    def forward(self, x_BLD: torch.Tensor, weight_BLL: torch.Tensor) -> torch.Tensor:
-        """`weight_BLL`: 1 / (i + 1) where key j <= query i is a real item of the sequence, else 0."""
-        B, L, D = x_BLD.shape
-        H = self.heads
-        u, v, q, k = F.silu(self.uvqk(self.norm(x_BLD))).split(D, dim=-1)
-        q, k, v = (t.reshape(B, L, H, D // H).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D/H]
-        ij = torch.arange(L, device=x_BLD.device)
-        distance_LL = (ij.unsqueeze(1) - ij.unsqueeze(0)).clamp(0, self.max_length - 1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(D // H) + self.rel_bias[:, distance_LL].unsqueeze(0)
-        attn = F.silu(scores) * weight_BLL.unsqueeze(1)
-        y = (attn @ v).transpose(1, 2).reshape(B, L, D)
-        return x_BLD + self.out(self.attn_norm(y) * u)
-
-
 class HSTUDense(nn.Module):
     """The dense part: the context projection, the HSTU layers and the final LayerNorm. Input: the jagged
-    history's item vectors `[N, D]` (users' items one after another), the users' lengths `[B]` and their pooled
-    context `[B, C]`; output: one query `[N, D]` per position (position i scores item i + 1)."""
+    history's item vectors `[N, D]` (users' items one after another), the users' lengths `[B]`, their pooled
+    context `[B, C]` and, with the time bias, each item's time `[N]` (int64 seconds); output: one query `[N, D]`
+    per position (position i scores item i + 1). `attention`: jagged (tiles of `tile` positions) or padded
+    (hstu_attention.py); both compute the same function."""
 
-    def __init__(self, width: int, context_width: int, layers: int, heads: int, max_length: int) -> None:
+    def __init__(
+        self,
+        width: int,
+        context_width: int,
+        layers: int,
+        heads: int,
+        max_length: int,
+        attention: str = "jagged",
+        tile: int = 64,
+        time_bias: bool = False,
+    ) -> None:
         super().__init__()
-        self.max_length = max_length
+        if attention not in ("jagged", "padded"):
+            raise ValueError(f"attention={attention!r}: give jagged or padded")
+        self.max_length, self.attention, self.tile, self.use_time = max_length, attention, tile, time_bias
         self.context = nn.Linear(context_width, width)
-        self.layers = nn.ModuleList(HSTULayer(width, heads, max_length + 1) for _ in range(layers))
+        self.layers = nn.ModuleList(HSTULayer(width, heads, max_length + 1, time_bias) for _ in range(layers))
         self.final = nn.LayerNorm(width)
 
-    def forward(self, items_ND: torch.Tensor, lengths_B: torch.Tensor, context_BC: torch.Tensor) -> torch.Tensor:
-        B, device = lengths_B.shape[0], items_ND.device
-        L = int(lengths_B.max()) if B else 1  # one host sync: the padded length
+    def forward(
+        self,
+        items_ND: torch.Tensor,
+        lengths_B: torch.Tensor,
+        context_BC: torch.Tensor,
+        times_N: torch.Tensor | None = None,
+        lengths_host: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`lengths_host`: `lengths_B` on the host when the caller has it (else read here: one host sync)."""
+        device = items_ND.device
+        n = lengths_B.cpu() if lengths_host is None else lengths_host  # the batch's one host sync
+        L = int(n.max()) if n.numel() else 1
         if L > self.max_length + 1:  # max_length items of history and the item they predict
             raise ValueError(
                 f"a sequence of {L} items is longer than sequential.max_length + 1 = {self.max_length + 1}: keep "
                 "each user's last max_length + 1 items (data.sequences.max_length) or raise the model's max_length"
             )
-        user_N, pos_N = jagged_positions(lengths_B)
-        x = items_ND.new_zeros(B, max(L, 1), items_ND.shape[1]).index_put((user_N, pos_N), items_ND)
-        x = x + self.context(context_BC).unsqueeze(1)
-        ij = torch.arange(max(L, 1), device=device)
-        allowed = (ij.view(1, 1, -1) <= ij.view(1, -1, 1)) & (ij.view(1, 1, -1) < lengths_B.view(-1, 1, 1))
-        weight_BLL = allowed.to(x.dtype) / (ij.view(1, -1, 1) + 1).to(x.dtype)
+        if self.use_time and times_N is None:
+            raise ValueError("this model has the time bias (sequential.time_bias: true) but the batch has no times")
+        user_N, pos_N = host_positions(n, device)
+        qtimes_N = None
+        if self.use_time:
+            times_N = times_N.to(torch.int64)
+            qtimes_N = query_times(times_N, pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 1)
+        else:
+            times_N = None
+        context_ND = self.context(context_BC).index_select(0, user_N)
+        if self.attention == "jagged":
+            attention = JaggedAttention(n, max(1, min(self.tile, L)), device, qtimes_N, times_N)
+            x = items_ND + context_ND
+            for layer in self.layers:
+                x = layer(x, attention)
+            return self.final(x)
+        B, L = n.shape[0], max(L, 1)
+        pad = lambda t: t.new_zeros(B, L, *t.shape[1:]).index_put((user_N, pos_N), t)  # noqa: E731
+        padded = PaddedAttention(
+            lengths_B, L, pad(qtimes_N) if self.use_time else None, pad(times_N) if self.use_time else None
+        )
+        x = pad(items_ND + context_ND)
         for layer in self.layers:
-            x = layer(x, weight_BLL)
+            x = layer(x, padded)
         return self.final(x)[user_N, pos_N]
 
 
@@ -152,6 +163,9 @@ def sequential_dense(cfg: ModelConfig, num_dense: int) -> HSTUDense:
         sq.num_layers,
         sq.num_heads,
         sq.max_length,
+        attention=sq.attention,
+        tile=sq.attention_tile,
+        time_bias=sq.time_bias,
     )
 
 
@@ -195,8 +209,17 @@ def sequential_step(model, batch: Batch) -> StepOutput:
                 f"{items_ND.shape[0]}: a side feature needs one id per history item, in the items' order"
             )
         items_ND = items_ND + rows_ND.to(items_ND.dtype)
-    query_ND = model.dense(items_ND, lengths_B, context_BC.float())
-    user_N, pos_N = jagged_positions(lengths_B)
+    times_N = batch.times if sq.time_bias else None
+    if sq.time_bias and times_N is None and ids_N.numel() == 0:  # an empty batch (this rank's data has ended)
+        times_N = ids_N
+    if sq.time_bias and times_N is None:
+        raise ValueError(
+            "model.sequential.time_bias is on but the batch has no times: use data.source sequences (its file's "
+            "data.sequences.time_column, or the synthetic histories) or set model.sequential.time_bias: false"
+        )
+    n_host = lengths_B.cpu()  # the step's one host sync: the lengths lay out the attention
+    user_N, pos_N = host_positions(n_host, ids_N.device)
+    query_ND = model.dense(items_ND, lengths_B, context_BC.float(), times_N, n_host)
     last_N = pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 1
     if model.training:
         q = query_ND[~last_N] / sq.temperature  # every position but a user's last predicts the next item
