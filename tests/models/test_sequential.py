@@ -77,6 +77,16 @@ def test_synthetic_chain_has_planted_structure_and_is_world_invariant():
     assert 0.88 < follows.mean() < 0.95  # 0.9 planted, plus jumps that land in the set by chance
     first = np.bincount([s[0] for s in seqs], minlength=300)
     assert first.max() > 20 * np.median(first[first > 0])  # Zipf-popular first items
+    assert torch.equal(b.times, torch.cat([h.times for h in halves])) and b.times.shape == items.values().shape
+    # times: each user's gaps around a mean of its own; with session_gap, a long gap starts afresh (no successor)
+    timed = _source(session_gap=3600.0)
+    seqs, times = timed.synthetic_histories(7, np.arange(3000))
+    assert [s.tolist() for s in seqs[:50]] != [s.tolist() for s in one.synthetic_sequences(7, np.arange(50))]
+    gaps = np.concatenate([np.diff(t) for t in times])
+    assert gaps.min() >= 1 and 0.3 < (gaps <= 3600).mean() < 0.7
+    prev, nxt = np.concatenate([s[:-1] for s in seqs]), np.concatenate([s[1:] for s in seqs])
+    follows = (timed.successors[prev] == nxt[:, None]).any(1)
+    assert 0.88 < follows[gaps <= 3600].mean() < 0.95 and follows[gaps > 3600].mean() < 0.2
     ev = [next(iter(_source(rank=r, world=1).eval_batches())) for r in range(1)]
     assert not torch.equal(ev[0].sparse["item"].values()[:20], items.values()[:20])  # held-out users are others
 
@@ -93,10 +103,13 @@ def test_csv_histories_are_ordered_by_time_with_the_last_item_held_out(tmp_path)
     assert len(train) == 1 and train[0].size == 1  # user 1 only (3 or more items)
     seq = train[0].sparse["item"].values().tolist()
     assert len(seq) == 3 and seq[2] == 0  # its last max_length + 1 items before the held-out 13: 11, 12, 10
+    assert train[0].times.tolist() == [100, 200, 300]  # each item's time, in the ids' order
     ev = list(src.eval_batches())
     by_len = {len(s): s for s in _sequences(ev[0])}
     assert sorted(by_len) == [2, 3]  # user 2: (14, 10); user 1: its last 3, (12, 10, 13)
     assert by_len[2][1] == 0 and by_len[3][1] == 0 and by_len[3][0] == seq[1]
+    held_times = ev[0].times.split(ev[0].sparse["item"].lengths().tolist())
+    assert sorted(t.tolist() for t in held_times) == [[1, 5], [200, 300, 400]]  # user 2's 2 items, user 1's last 3
     assert len({seq[0], seq[1], by_len[3][2], by_len[2][0]}) == 4 and 0 not in (seq[0], by_len[2][0])
     u = ev[0].sparse["user_id"].values()
     assert bool((u >= 1).all()) and bool((u < 50).all())
