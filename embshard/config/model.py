@@ -211,7 +211,8 @@ class SequentialConfig:
     attention_tile positions, work ~ sum of squared lengths) or padded (to the batch's longest history, work
     ~ batch x longest^2: the reference). Both compute the same function."""
     attention_tile: int = 64
-    """Jagged attention: positions per tile (count); a batch whose longest history is shorter uses that length."""
+    """Jagged attention: positions per tile (count); a batch whose longest history fits in one tile is laid out
+    padded (the same work, without the tiles' gathers)."""
     time_bias: bool = False
     """Add a learned bias per head over log-bucketed time gaps between the query's time (that of the item it
     predicts) and each key's to the attention scores (HSTU's relative time bias); needs data with timestamps."""

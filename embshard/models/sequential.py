@@ -28,11 +28,14 @@ id per position) are rows of sequence tables looked up by the model's sharded se
 (`RecModel.sequences`, a ShardedEmbeddingCollection: any sharding type), added to the item vectors position by
 position before the HSTU layers; their rows are trained by that collection's fused optimizer.
 
-Loss scaling: rank r's loss is (its positions' summed cross-entropy) * W / (positions of the global batch), so the
-mean over ranks (what DistributedDataParallel's average of the dense gradients and the printed loss see) is the
-mean over every position of the global batch, as on one process with the whole batch. The item rows receive the
-sum over ranks (W times that gradient; Adagrad, row-wise Adagrad and Adam updates do not change with the scale up
-to eps).
+Loss scaling: rank r's loss is (its positions' summed cross-entropy) * W / (positions of the global batch), so
+the mean over ranks (what DistributedDataParallel's average of the dense gradients and the printed loss see) is the
+mean over every position of the global batch, as on one process with the whole batch. The embedding rows (catalog,
+context bags, side features) receive the sum over ranks of their gradients, so each rank's rows enter the step
+through `scale_grad(rows, 1 / W)`: every row's gradient is that of one process with the whole batch, and so are
+the optimizer states (Adagrad's sums of squares, Adam's moments) a checkpoint saves. A run resumed on another
+number of ranks then continues the run that never stopped, to round-off (with the full softmax; the sampled
+softmax draws each rank's negatives from its own block, so its negatives depend on the number of ranks).
 
 Evaluation (each user's last item, predicted from the items before it): HR@K (the item is among the catalog's K
 best-scored items, by sharded top-k) and NDCG@K (1 / log2(2 + its place)), beside the popularity baseline (the K
@@ -52,13 +55,15 @@ from embshard.retrieval.catalog import Catalog
 from embshard.retrieval.gather import gather_rows, gather_sizes
 from embshard.retrieval.topk import sharded_topk
 from embshard.runtime.comm import start_all_reduce, world_and_rank
+from embshard.runtime.ops import scale_grad
 
 
 class HSTUDense(nn.Module):
     """The dense part: the context projection, the HSTU layers and the final LayerNorm. Input: the jagged
     history's item vectors `[N, D]` (users' items one after another), the users' lengths `[B]`, their pooled
     context `[B, C]` and, with the time bias, each item's time `[N]` (int64 seconds); output: one query `[N, D]`
-    per position (position i scores item i + 1). `attention`: jagged (tiles of `tile` positions) or padded
+    per position (position i scores item i + 1). `attention`: jagged (tiles of `tile` positions; a batch whose
+    longest history fits in one tile is laid out padded, the same work without the tiles' gathers) or padded
     (hstu_attention.py); both compute the same function."""
 
     def __init__(
@@ -107,8 +112,8 @@ class HSTUDense(nn.Module):
         else:
             times_N = None
         context_ND = self.context(context_BC).index_select(0, user_N)
-        if self.attention == "jagged":
-            attention = JaggedAttention(n, max(1, min(self.tile, L)), device, qtimes_N, times_N)
+        if self.attention == "jagged" and L > self.tile:  # else one tile holds every history: the padded layout
+            attention = JaggedAttention(n, self.tile, device, qtimes_N, times_N)
             x = items_ND + context_ND
             for layer in self.layers:
                 x = layer(x, attention)
@@ -134,19 +139,25 @@ def jagged_positions(lengths_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 class SequenceCatalog(Catalog):
-    """The item catalog, counting each item's training targets on this rank for the popularity baseline."""
+    """The item catalog, counting how often each of this rank's rows was a training target (over the global batch)
+    for the popularity baseline: row state that checkpoints save and reshard like the rows."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.target_counts = torch.zeros(self.table.num_embeddings, dtype=torch.float64, device=self.device)
+        self.target_counts = torch.zeros(self.num_rows, dtype=torch.float64, device=self.device)
 
-    def observe(self, targets_N: torch.Tensor) -> None:
-        self.target_counts.index_add_(0, targets_N, torch.ones_like(targets_N, dtype=torch.float64))
+    def observe(self, targets_N: torch.Tensor, sizes: list[int]) -> None:
+        """Count the global batch's targets (each rank's `targets_N`, `sizes` of them: collective) in this block."""
+        T = gather_rows(targets_N.to(torch.int64), sizes, self.group) - self.row_offset
+        mine = T[(T >= 0) & (T < self.num_rows)]
+        self.target_counts.index_add_(0, mine, torch.ones_like(mine, dtype=torch.float64))
 
     @torch.no_grad()
     def popular(self, k: int) -> torch.Tensor:
-        """The k items most often a training target so far, over every rank (collective: one all-reduce)."""
-        counts = start_all_reduce(self.target_counts.clone(), self.group).wait()
+        """The k items most often a training target so far (collective: one all-reduce)."""
+        counts = torch.zeros(self.table.num_embeddings, dtype=torch.float64, device=self.device)
+        counts[self.row_offset : self.row_offset + self.num_rows] = self.target_counts
+        counts = start_all_reduce(counts, self.group).wait()
         return counts.topk(min(k, counts.shape[0])).indices
 
 
@@ -196,13 +207,17 @@ def sequential_step(model, batch: Batch) -> StepOutput:
     keys = list(kjt.keys())
     seq = kjt[sq.item_feature]
     ids_N, lengths_B = seq.values().to(torch.int64), seq.lengths()
-    context_BC = model.ebc(kjt.permute([keys.index(f) for f in sq.context_features]))["context"]
+    world, _ = world_and_rank(catalog.group)
+    rows = 1.0 / world if model.training else 1.0  # every row's gradient: one process's (module docstring)
+    context_BC = scale_grad(model.ebc(kjt.permute([keys.index(f) for f in sq.context_features]))["context"], rows)
     full = not model.training or sq.loss == "full_softmax"
-    block = catalog.block() if full else None
+    block = scale_grad(catalog.block(), rows) if full else None
     items_ND = history_vectors(catalog, ids_N, block)
+    if block is None:
+        items_ND = scale_grad(items_ND, rows)
     side = model.sequences(kjt)  # collective (every rank, every step): the side features' rows
     for f in sq.side_features:
-        rows_ND = side[f].values()
+        rows_ND = scale_grad(side[f].values(), rows)
         if rows_ND.shape[0] != items_ND.shape[0]:
             raise ValueError(
                 f"side feature {f!r} has {rows_ND.shape[0]} ids in this batch but {sq.item_feature!r} has "
@@ -228,9 +243,8 @@ def sequential_step(model, batch: Batch) -> StepOutput:
         if sq.loss == "full_softmax":
             losses = catalog.full_softmax_loss(q, targets, rows=block)
         else:
-            losses = catalog.sampled_softmax_loss(q, targets)
-        catalog.observe(targets)
-        world, _ = world_and_rank(catalog.group)
+            losses = catalog.sampled_softmax_loss(q, targets, row_grad_scale=rows)
+        catalog.observe(targets, sizes)
         return StepOutput(losses.sum() * world / max(sum(sizes), 1), None, None)
     # the query of position n - 2 predicts item n - 1 (causal: the held-out item is not seen)
     before_last = pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 2

@@ -169,7 +169,7 @@ def _losses(out: str) -> tuple[list[float], dict[str, float]]:
 @pytest.mark.timeout(240)
 def test_two_processes_train_like_one():
     """The global batch of every step is the same for 1 x 16 and 2 x 8 users: the training losses, the held-out loss
-    and the metrics agree (the item rows' gradient is summed over ranks: equal under row-wise Adagrad up to eps).
+    and the metrics agree to the printed digits (every row's gradient is one process's, whatever the number of ranks).
     That HR@10 beats the popularity baseline is checked by bench/seq_train.py (longer training)."""
     config = "configs/sequential_synthetic.yaml"
     steps = ["schedule.steps=8", "data.sequences.eval_batches=1"]
@@ -182,11 +182,11 @@ def test_two_processes_train_like_one():
     l1, m1 = _losses(one.stdout)
     l2, m2 = _losses(two.stdout)
     assert len(l1) == len(l2) == 8
-    np.testing.assert_allclose(l2, l1, rtol=2e-3)
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=1.01e-4)  # to the printed digits
     assert l1[-1] < l1[0] - 0.5
     assert set(m1) == {"loss", "hr@10", "ndcg@10", "pop_hr@10", "pop_ndcg@10"}
     for k in m1:
-        assert abs(m1[k] - m2[k]) < 0.02, (k, m1, m2)
+        assert abs(m1[k] - m2[k]) <= 1.01e-4, (k, m1, m2)
 
 
 def test_movielens_config_reads_a_file_of_its_layout(tmp_path):
