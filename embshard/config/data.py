@@ -242,8 +242,6 @@ class SyntheticConfig:
     def __post_init__(self) -> None:
         if self.num_dense < 0:
             raise FieldError("num_dense", self.num_dense, "it must be >= 0")
-        if self.session_gap is not None and not self.session_gap > 0:
-            raise FieldError("session_gap", self.session_gap, "it must be > 0 seconds (or null: times carry no signal)")
         if not self.zipf_exponent >= 0:
             raise FieldError("zipf_exponent", self.zipf_exponent, "it must be >= 0 (0 means uniform)")
         for f, p in (self.pooling or {}).items():

@@ -44,6 +44,7 @@ items most often a training target so far, counted on every rank and summed).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -91,11 +92,11 @@ class HSTUDense(nn.Module):
         lengths_B: torch.Tensor,
         context_BC: torch.Tensor,
         times_N: torch.Tensor | None = None,
-        lengths_host: torch.Tensor | None = None,
+        lengths_host: np.ndarray | None = None,
     ) -> torch.Tensor:
         """`lengths_host`: `lengths_B` on the host when the caller has it (else read here: one host sync)."""
         device = items_ND.device
-        n = lengths_B.cpu() if lengths_host is None else lengths_host  # the batch's one host sync
+        n = lengths_B.cpu() if lengths_host is None else torch.from_numpy(np.asarray(lengths_host))  # one host sync
         L = int(n.max()) if n.numel() else 1
         if L > self.max_length + 1:  # max_length items of history and the item they predict
             raise ValueError(
@@ -127,15 +128,6 @@ class HSTUDense(nn.Module):
         for layer in self.layers:
             x = layer(x, padded)
         return self.final(x)[user_N, pos_N]
-
-
-def jagged_positions(lengths_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(user `[N]`, position within its sequence `[N]`) of every item of a jagged batch with `lengths_B`."""
-    lengths = lengths_B.to(torch.int64)
-    user_N = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths)
-    starts_B = torch.cumsum(lengths, 0) - lengths
-    pos_N = torch.arange(user_N.shape[0], device=lengths.device) - starts_B.index_select(0, user_N)
-    return user_N, pos_N
 
 
 class SequenceCatalog(Catalog):
@@ -232,13 +224,15 @@ def sequential_step(model, batch: Batch) -> StepOutput:
             "model.sequential.time_bias is on but the batch has no times: use data.source sequences (its file's "
             "data.sequences.time_column, or the synthetic histories) or set model.sequential.time_bias: false"
         )
-    n_host = lengths_B.cpu()  # the step's one host sync: the lengths lay out the attention
-    user_N, pos_N = host_positions(n_host, ids_N.device)
-    query_ND = model.dense(items_ND, lengths_B, context_BC.float(), times_N, n_host)
-    last_N = pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 1
+    n_host = lengths_B.cpu()  # the step's one host sync: the lengths lay out the attention and pick the positions
+    user, pos = host_positions(n_host, torch.device("cpu"))
+    before = pos - (n_host.to(torch.int64)[user] - 1)  # 0 at a history's last item, -1 before it, ...
+    pick = lambda mask: torch.nonzero(mask).squeeze(1).to(ids_N.device, non_blocking=True)  # noqa: E731
+    # a numpy array: DistributedDataParallel moves tensor arguments to the device (a host sync to read them back)
+    query_ND = model.dense(items_ND, lengths_B, context_BC.float(), times_N, n_host.numpy())
     if model.training:
-        q = query_ND[~last_N] / sq.temperature  # every position but a user's last predicts the next item
-        targets = ids_N[pos_N > 0]
+        q = query_ND.index_select(0, pick(before < 0)) / sq.temperature  # every position but the last predicts
+        targets = ids_N.index_select(0, pick(pos > 0))
         sizes = gather_sizes(targets.shape[0], targets.device, catalog.group)
         if sq.loss == "full_softmax":
             losses = catalog.full_softmax_loss(q, targets, rows=block)
@@ -247,8 +241,8 @@ def sequential_step(model, batch: Batch) -> StepOutput:
         catalog.observe(targets, sizes)
         return StepOutput(losses.sum() * world / max(sum(sizes), 1), None, None)
     # the query of position n - 2 predicts item n - 1 (causal: the held-out item is not seen)
-    before_last = pos_N == lengths_B.to(torch.int64).index_select(0, user_N) - 2
-    q, targets = query_ND[before_last] / sq.temperature, ids_N[last_N & (pos_N > 0)]
+    q = query_ND.index_select(0, pick(before == -1)) / sq.temperature
+    targets = ids_N.index_select(0, pick((before == 0) & (pos > 0)))
     loss = catalog.full_softmax_loss(q, targets, rows=block)
     metrics = ranking_metrics(catalog, q, targets, block, sq.metrics_at)
     return StepOutput(loss.mean() if loss.numel() else loss.sum(), None, None, metrics=metrics)

@@ -252,11 +252,12 @@ def test_side_features_train_on_two_processes_like_one_and_resume_on_one(tmp_pat
     """The global batch of every step is the same for 1 x 16 and 2 x 8 users: equal training losses, held-out loss
     and metrics. One process resumed from the 2-process run's step-3 checkpoint (every collection resharded: the
     catalog, the context bags, the sequence collection's side rows, the optimizer states, the popularity counts)
-    trains steps 4-6 with the same losses and evaluates the same as the run that never stopped."""
+    trains steps 4-6 with the same losses and evaluates the same as the run that never stopped; 2 processes resumed
+    from the 1-process run's checkpoint likewise."""
     run = ["configs/sequential_side.yaml", *TINY, "schedule.steps=6", "data.sequences.eval_batches=1"]
-    one = embshard_train([*run, "schedule.batch_size=16"], 1)
-    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.every=3", "checkpoint.async_save=false"]
-    two = embshard_train([*run, "schedule.batch_size=8", *ck], 2)
+    ck = ["checkpoint.every=3", "checkpoint.async_save=false"]
+    one = embshard_train([*run, "schedule.batch_size=16", f"checkpoint.dir={tmp_path}/ck1", *ck], 1)
+    two = embshard_train([*run, "schedule.batch_size=8", f"checkpoint.dir={tmp_path}/ck", *ck], 2)
     l1, m1 = _losses(one.stdout)
     l2, m2 = _losses(two.stdout)
     assert sorted(l1) == sorted(l2) == list(range(1, 7))
@@ -279,6 +280,17 @@ def test_side_features_train_on_two_processes_like_one_and_resume_on_one(tmp_pat
     assert set(m3) == set(m1)
     for k in m1:
         assert abs(m3[k] - m1[k]) <= 1.01e-4, (k, m3, m1)
+    # and the other way: 2 processes resumed from the 1-process run's step-3 checkpoint continue the 2-process run
+    shutil.copytree(tmp_path / "ck1" / "step_3", tmp_path / "resumed2" / "step_3")
+    resumed2 = embshard_train(
+        [*run, "schedule.batch_size=8", f"checkpoint.dir={tmp_path}/resumed2", "checkpoint.resume_from=latest"], 2
+    )
+    l4, m4 = _losses(resumed2.stdout)
+    assert sorted(l4) == [4, 5, 6], resumed2.stdout
+    for s in (4, 5, 6):
+        assert abs(l4[s] - l2[s]) <= 1.01e-4, (s, l4, l2)
+    for k in m2:
+        assert abs(m4[k] - m2[k]) <= 1.01e-4, (k, m4, m2)
 
 
 def test_sequences_source_emits_each_items_category_for_side_features():

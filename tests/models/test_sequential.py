@@ -17,7 +17,8 @@ from train_job import embshard_train
 
 from embshard.config.data import SequencesConfig
 from embshard.data.sequences import SequenceSource
-from embshard.models.sequential import HSTUDense, jagged_positions
+from embshard.models.hstu_attention import host_positions
+from embshard.models.sequential import HSTUDense
 from embshard.spec.tables import ConfigError, TableConfig
 
 # Under EMBSHARD_TEST_DEVICE=cuda the model runs on a GPU, and the training runs on 1 and 2 GPUs (NCCL).
@@ -47,7 +48,7 @@ def test_hstu_is_causal_and_padding_does_not_leak():
     out2 = model(changed, lengths, context)
     torch.testing.assert_close(out2[5:9], out[5:9])
     assert not torch.allclose(out2[9:], out[9:])
-    user, pos = jagged_positions(lengths)
+    user, pos = host_positions(lengths.cpu(), DEVICE)
     assert user.tolist() == [0, 0, 0, 0, 1, 3, 3, 3, 3, 3, 3, 3] and pos.tolist() == [0, 1, 2, 3, 0, *range(7)]
     with pytest.raises(ValueError, match="longer than sequential.max_length"):
         model(torch.randn(8, 8, device=DEVICE), torch.tensor([8], device=DEVICE), context[:1])
@@ -143,6 +144,14 @@ def test_config_errors_name_the_key():
         load_config(base, ["data.sequences.item_feature=user"])
     with pytest.raises(ConfigError, match=r"tables\[1\].pooling=.none.*context feature"):
         load_config(base, ["model.tables[1].pooling=none"])
+    with pytest.raises(ConfigError, match=r"sequential_synthetic.yaml.*attention='dense'"):
+        load_config(base, ["model.sequential.attention=dense"])
+    with pytest.raises(ConfigError, match=r"attention_tile=0.*>= 1"):
+        load_config(base, ["model.sequential.attention_tile=0"])
+    with pytest.raises(ConfigError, match=r"session_gap=-1.0.*> 0 seconds"):
+        load_config(base, ["data.sequences.session_gap=-1"])
+    with pytest.raises(ConfigError, match=r"time_bias=True.*data.source 'synthetic' has no timestamps"):
+        load_config(base, ["data.source=synthetic", "data.sequences=null", "model.sequential.time_bias=true"])
 
 
 TINY = [
@@ -168,11 +177,14 @@ def _losses(out: str) -> tuple[list[float], dict[str, float]]:
 
 @pytest.mark.timeout(240)
 def test_two_processes_train_like_one():
-    """The global batch of every step is the same for 1 x 16 and 2 x 8 users: the training losses, the held-out loss
+    """The global batch of every step is the same for 1 x 16 and 2 x 8 users (jagged attention, time bias): the
+    training losses, the held-out loss
     and the metrics agree to the printed digits (every row's gradient is one process's, whatever the number of ranks).
     That HR@10 beats the popularity baseline is checked by bench/seq_train.py (longer training)."""
     config = "configs/sequential_synthetic.yaml"
     steps = ["schedule.steps=8", "data.sequences.eval_batches=1"]
+    # the jagged attention in tiles of 4 positions (histories of 4..11 items) and the time bias on timed sessions
+    steps += ["model.sequential.attention_tile=4", "model.sequential.time_bias=true", "data.sequences.session_gap=3600"]
     env = None
     if CUDA and torch.cuda.device_count() >= 2:  # the command line on the GPUs (else: the CPU)
         env = dict(paths.cpu_subprocess_env())
