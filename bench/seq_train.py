@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="data.sequences.session_gap: seconds after which the synthetic chain starts a new session afresh",
     )
     p.add_argument("--time-bias", action="store_true", help="model.sequential.time_bias: true")
+    p.add_argument("--eval-batches", type=int, default=None, help="data.sequences.eval_batches (held-out batches)")
     p.add_argument("--attention", choices=["jagged", "padded"], default=None, help="model.sequential.attention")
     args = p.parse_args(argv)
     args.steps = args.steps or (200 if args.cpu else 300)
@@ -75,6 +76,8 @@ def overrides(args: argparse.Namespace, metrics: str) -> list[str]:
         common.append(f"data.sequences.session_gap={args.session_gap}")
     if args.time_bias:
         common.append("model.sequential.time_bias=true")
+    if args.eval_batches:
+        common.append(f"data.sequences.eval_batches={args.eval_batches}")
     if args.attention:
         common.append(f"model.sequential.attention={args.attention}")
     if args.cpu:

@@ -3,13 +3,17 @@
 A batch holds B users: the item feature is each user's sequence (a jagged bag, oldest item first), every context
 feature one id per user, every side feature (a feature of a sequence table, `pooling: none`, other than the item's)
 one id per item of the sequence: the item's category, item % (its table's rows); labels are ones and there are
-no dense features. The model predicts each item from the
-items before it; evaluation scores each held-out user's last item from the items before it.
+no dense features; `Batch.times` holds each item's time (int64 seconds, in the item feature's order). The model
+predicts each item from the items before it; evaluation scores each held-out user's last item from the items
+before it.
 
 - synthetic (no path): a Markov chain over Zipf-popular items with planted sequential structure. Item i has a fixed
   successor set of `successors` Zipf-drawn items; a user's first item is a Zipf draw, and each next item is, with
   probability `strength`, a uniform pick from the current item's successors, else a fresh Zipf draw (popularity
   ranks scrambled over the rows as in data/synthetic.py). Lengths are uniform in [min_length, max_length + 1].
+  Times: a user's first item at a uniform time within a year after T0; each user has a mean gap of its own,
+  log-uniform in [GAP_MIN, GAP_MAX], and its gaps are exponential around it (at least 1 s). With `session_gap`,
+  an item whose gap exceeds it starts a new session: a fresh Zipf draw, never the chain's successor.
   Every number is a hash of (seed, stream, global user index, position): the global batch of step t is the same
   for any number of ranks (rank r holds users [r B, (r + 1) B) of it), so a run on W ranks with batch B trains on
   exactly the data of a run on one rank with batch W B. Training users are fresh at every step; held-out users come
@@ -17,7 +21,8 @@ items before it; evaluation scores each held-out user's last item from the items
 - file (path): a CSV with a header (the MovieLens layout: user_id, movie_id, timestamp, ...): rows grouped by user
   and ordered by time; items get catalog rows by a vocabulary of the file (most frequent first: row 0, 1, ...);
   context features are the columns of their names (the user's first row's value, hashed into the table's rows
-  1..N-1 as data/hashing.py does). A user's last max_length + 1 items are kept. Training: each user with 3 or more
+  1..N-1 as data/hashing.py does); the time column gives each item's time (rounded to whole units). A user's last
+  max_length + 1 items are kept. Training: each user with 3 or more
   items, without the last one; held out: every user with 2 or more items, the last one predicted. Users are split
   over the ranks by a hash of the user id; every rank yields the same number of training batches per epoch (the
   last may be short or empty), shuffled by (seed, epoch, rank).

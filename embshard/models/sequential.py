@@ -4,10 +4,10 @@ the next item at every position, trained with the softmax over the whole row-sha
 HSTU (Zhai et al. 2024, "Actions Speak Louder than Words") rather than SASRec: its pointwise attention (SiLU of
 the scores, divided by the number of attended items, no softmax) with a learned relative position bias is the
 architecture that scales with data in that work, and it costs the same code as SASRec here (one projection to
-U, V, Q, K, one gated output). Per layer, on the padded `[B, L, D]` batch:
+U, V, Q, K, one gated output). Per layer (embshard/models/hstu_attention.py has the layer and its attention):
 
-    U, V, Q, K = split(SiLU(Linear(LayerNorm(X))))                    [B, L, D] each, H heads of D / H
-    A = SiLU(Q K^T / sqrt(D / H) + rab[i - j]) * causal_and_valid / (i + 1)       [B, H, L, L]
+    U, V, Q, K = split(SiLU(Linear(LayerNorm(X))))                    [N, D] each, H heads of D / H
+    A[i, j] = SiLU(Q_i . K_j / sqrt(D / H) + rab_pos[i - j] + rab_time[bucket(t_i - t_j)]) / (i + 1), j <= i
     X = X + Linear(LayerNorm(A V) * U)
 
 The input of position i is item i's catalog row (input and output item vectors are tied, as in SASRec) plus a
@@ -15,10 +15,12 @@ projection of the user's pooled context features; the output of position i, Laye
 temperature, scores the catalog for item i + 1: `Catalog.full_softmax_loss` (fused cross-entropy, never a
 `[positions, items]` tensor) or `sampled_softmax_loss`.
 
-Jagged histories are padded to the batch's longest sequence (the padding is masked): the attention is pointwise,
-not a softmax, so torch's flex_attention and nested-tensor SDPA (softmax kernels) do not compute it; a fused
-jagged HSTU kernel would remove the padding's quadratic cost (the histories here are at most max_length long).
-Timestamps are not used (no time bias).
+The histories stay jagged (`[N, D]`, users' items one after another) through the projections; the attention is
+pointwise, not a softmax, so torch's flex_attention and nested-tensor SDPA (softmax kernels) do not compute it,
+and `sequential.attention` picks one of two plain-torch layouts: jagged (causal pairs of tiles inside each history,
+work ~ sum of squared lengths) or padded (to the batch's longest history: the reference). The time bias
+(`sequential.time_bias`, HSTU's rab_time) buckets the log of the gap between the time of the item a position
+predicts (the request time) and each key's time: the batch's `times`, each item's time from the sequences source.
 
 The history's item vectors come from one adapter, `history_vectors`: with the full softmax, from this step's
 catalog block (`Catalog.block_vectors`: the same rows the softmax reads, one optimizer step a step); with the
@@ -39,7 +41,8 @@ softmax draws each rank's negatives from its own block, so its negatives depend 
 
 Evaluation (each user's last item, predicted from the items before it): HR@K (the item is among the catalog's K
 best-scored items, by sharded top-k) and NDCG@K (1 / log2(2 + its place)), beside the popularity baseline (the K
-items most often a training target so far, counted on every rank and summed).
+items most often a training target so far: counts of each catalog row, kept by the rank holding the row and saved
+in checkpoints with the rows).
 """
 
 from __future__ import annotations
