@@ -12,8 +12,8 @@ before it.
   probability `strength`, a uniform pick from the current item's successors, else a fresh Zipf draw (popularity
   ranks scrambled over the rows as in data/synthetic.py). Lengths are uniform in [min_length, max_length + 1].
   Times: a user's first item at a uniform time within a year after T0; each user has a mean gap of its own,
-  log-uniform in [GAP_MIN, GAP_MAX], and its gaps are exponential around it (at least 1 s). With `session_gap`,
-  an item whose gap exceeds it starts a new session: a fresh Zipf draw, never the chain's successor.
+  log-uniform in [GAP_MIN, GAP_MAX], and its gaps are exponential around it (at least 1 s). With `visit_gap`,
+  an item whose gap exceeds it starts a new visit: a fresh Zipf draw, never the chain's successor.
   Every number is a hash of (seed, stream, global user index, position): the global batch of step t is the same
   for any number of ranks (rank r holds users [r B, (r + 1) B) of it), so a run on W ranks with batch B trains on
   exactly the data of a run on one rank with batch W B. Training users are fresh at every step; held-out users come
@@ -125,8 +125,8 @@ class SequenceSource:
             follow = self.successors[seq[:, p - 1], pick]
             jump = self._scramble(zipf_of_uniform(u(p, 3), self.items, c.zipf_exponent))
             chained = u(p, 1) < c.strength
-            if c.session_gap is not None:  # a new session starts afresh
-                chained &= gap <= c.session_gap
+            if c.visit_gap is not None:  # a new visit starts afresh
+                chained &= gap <= c.visit_gap
             seq[:, p] = np.where(chained, follow, jump)
         return [seq[i, : lengths[i]] for i in range(n)], [times[i, : lengths[i]] for i in range(n)]
 

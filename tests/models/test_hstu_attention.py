@@ -1,5 +1,5 @@
 """The HSTU layers' two attention layouts (embshard/models/hstu_attention.py): the jagged tile-pair attention
-equals the padded reference on outputs and on every gradient (fp32, 1e-5), for length mixes with histories of 1
+equals the padded reference on outputs and on every gradient (fp32, 1e-5; 5e-5 on a GPU), for length mixes with histories of 1
 item and of the longest allowed, several tile sizes, with and without the time bias; time buckets; the tile pairs
 cover only each history's own causal tiles."""
 
@@ -14,6 +14,7 @@ from embshard.models.sequential import HSTUDense
 CUDA = device_kind() == "cuda" and torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 MAX = 9  # model max_length: histories of up to 10 items
+TOL = 1e-5 if DEVICE.type == "cpu" else 5e-5  # a GPU's fp32 matmuls may sum in other orders
 
 
 def _run(model: HSTUDense, items, lengths, context, times, weights):
@@ -44,12 +45,12 @@ def test_jagged_attention_equals_padded_on_outputs_and_gradients():
         times = torch.cumsum(torch.randint(0, 10**6, (N,), device=DEVICE), 0) + 10**9
         weights = torch.randn(N, 8, device=DEVICE)
         ref, got = (_run(m, items, lengths, context, times, weights) for m in (padded, jagged))
-        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], ref[0], rtol=TOL, atol=TOL)
+        torch.testing.assert_close(got[1], ref[1], rtol=TOL, atol=TOL)
         assert got[2].keys() == ref[2].keys()
         assert ("layers.0.time_bias" in ref[2]) == time_bias
         for name in ref[2]:
-            torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(got[2][name], ref[2][name], rtol=TOL, atol=TOL, msg=name)
 
 
 def test_time_buckets_and_tile_pairs():

@@ -79,8 +79,8 @@ def test_synthetic_chain_has_planted_structure_and_is_world_invariant():
     first = np.bincount([s[0] for s in seqs], minlength=300)
     assert first.max() > 20 * np.median(first[first > 0])  # Zipf-popular first items
     assert torch.equal(b.times, torch.cat([h.times for h in halves])) and b.times.shape == items.values().shape
-    # times: each user's gaps around a mean of its own; with session_gap, a long gap starts afresh (no successor)
-    timed = _source(session_gap=3600.0)
+    # times: each user's gaps around a mean of its own; with visit_gap, a long gap starts afresh (no successor)
+    timed = _source(visit_gap=3600.0)
     seqs, times = timed.synthetic_histories(7, np.arange(3000))
     assert [s.tolist() for s in seqs[:50]] != [s.tolist() for s in one.synthetic_sequences(7, np.arange(50))]
     gaps = np.concatenate([np.diff(t) for t in times])
@@ -148,8 +148,8 @@ def test_config_errors_name_the_key():
         load_config(base, ["model.sequential.attention=dense"])
     with pytest.raises(ConfigError, match=r"attention_tile=0.*>= 1"):
         load_config(base, ["model.sequential.attention_tile=0"])
-    with pytest.raises(ConfigError, match=r"session_gap=-1.0.*> 0 seconds"):
-        load_config(base, ["data.sequences.session_gap=-1"])
+    with pytest.raises(ConfigError, match=r"visit_gap=-1.0.*> 0 seconds"):
+        load_config(base, ["data.sequences.visit_gap=-1"])
     with pytest.raises(ConfigError, match=r"time_bias=True.*data.source 'synthetic' has no timestamps"):
         load_config(base, ["data.source=synthetic", "data.sequences=null", "model.sequential.time_bias=true"])
 
@@ -183,8 +183,8 @@ def test_two_processes_train_like_one():
     That HR@10 beats the popularity baseline is checked by bench/seq_train.py (longer training)."""
     config = "configs/sequential_synthetic.yaml"
     steps = ["schedule.steps=8", "data.sequences.eval_batches=1"]
-    # the jagged attention in tiles of 4 positions (histories of 4..11 items) and the time bias on timed sessions
-    steps += ["model.sequential.attention_tile=4", "model.sequential.time_bias=true", "data.sequences.session_gap=3600"]
+    # the jagged attention in tiles of 4 positions (histories of 4..11 items) and the time bias on timed visits
+    steps += ["model.sequential.attention_tile=4", "model.sequential.time_bias=true", "data.sequences.visit_gap=3600"]
     env = None
     if CUDA and torch.cuda.device_count() >= 2:  # the command line on the GPUs (else: the CPU)
         env = dict(paths.cpu_subprocess_env())
