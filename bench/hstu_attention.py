@@ -9,7 +9,8 @@ parameter gradients of the jagged layout against the padded one, fp32, with the 
 largest difference over the largest value of each tensor, at most 1e-5 on the CPU and 1e-4 on a GPU, whose matmuls
 may use other summation orders), then
 the shortest time of a forward + backward of each layout (the two taken in turn): `TIME case padded X ms jagged Y ms (Z x)`. Writes the lines
-to DIR/hstu_attention.txt.
+to DIR/hstu_attention.txt. On a GPU first: `PASS`/`FAIL no host sync` (a forward + backward of the jagged
+layout with the lengths given on the host, under torch's sync debug mode "error").
 """
 
 from __future__ import annotations
@@ -94,6 +95,27 @@ def case(B: int, lo: int, hi: int, D: int, tile: int, device: torch.device, reps
     return lines
 
 
+def no_host_sync(device: torch.device) -> str:
+    """PASS/FAIL line: a forward + backward of the jagged layout (time bias on) given the lengths on the host makes
+    no host sync (torch's sync debug mode set to error; GPU only)."""
+    torch.manual_seed(0)
+    model = HSTUDense(16, 3, 2, 2, 100, attention="jagged", tile=16, time_bias=True).to(device)
+    lengths = torch.tensor([1, 101, 7, 0, 40, 33], device=device)
+    N = int(lengths.sum())
+    items, context = torch.randn(N, 16, device=device), torch.randn(6, 3, device=device)
+    times = torch.cumsum(torch.randint(0, 10**6, (N,), device=device), 0)
+    host = lengths.cpu().numpy()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(items, lengths, context, times, host).sum().backward()
+    except RuntimeError as e:
+        return f"FAIL no host sync in the jagged forward + backward: {str(e).splitlines()[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return "PASS no host sync in the jagged forward + backward (lengths given on the host)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for hstu_attention.txt")
@@ -106,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name(0) if gpu else "CPU (1 thread)"
     lines = [f"device: {where}"]
     print(lines[0], flush=True)
+    if gpu:
+        lines.append(no_host_sync(device))
+        print(lines[-1], flush=True)
     for c in GPU_CASES if gpu else CPU_CASES:
         for line in case(*c, device=device, reps=10 if gpu else 5):
             print(line, flush=True)

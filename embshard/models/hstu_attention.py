@@ -49,6 +49,13 @@ def query_times(times_N: torch.Tensor, last_N: torch.Tensor) -> torch.Tensor:
     return torch.where(last_N, times_N, nxt)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on a GPU, copied from page-locked memory without waiting (no host sync)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def host_positions(lengths: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(user `[N]`, position within its history `[N]`) of every item, built from the lengths on the host (int64
     `[B]`, no host sync) and sent to `device`."""
@@ -56,7 +63,7 @@ def host_positions(lengths: torch.Tensor, device: torch.device) -> tuple[torch.T
     N = int(n.sum())
     user_N = torch.repeat_interleave(torch.arange(n.shape[0]), n, output_size=N)
     pos_N = torch.arange(N) - (torch.cumsum(n, 0) - n)[user_N]
-    return user_N.to(device, non_blocking=True), pos_N.to(device, non_blocking=True)
+    return to_device(user_N, device), to_device(pos_N, device)
 
 
 class HSTULayer(nn.Module):
@@ -141,13 +148,14 @@ class JaggedAttention:
         user_N = torch.repeat_interleave(torch.arange(n.shape[0]), n, output_size=N)
         pos_N = torch.arange(N) - start_B[user_N]
         slot_N = first_B[user_N] * T + pos_N
-        to = dict(device=device, non_blocking=True)
-        self.pair_q, self.delta_P = pair_q.to(**to), delta_P.to(**to)
-        self.rows_q, self.rows_k = rows_tT[pair_q].to(**to), rows_tT[pair_k].to(**to)  # [P, T]
-        self.slot_N = slot_N.to(**to)
-        qpos_PT, kpos_PT = pos_tT[pair_q].to(**to), pos_tT[pair_k].to(**to)
-        kvalid_PT, qvalid_PT = valid_tT[pair_k].to(**to), valid_tT[pair_q].to(**to)
-        allowed = (kpos_PT.unsqueeze(1) <= qpos_PT.unsqueeze(2)) & kvalid_PT.unsqueeze(1) & qvalid_PT.unsqueeze(2)
+        self.pair_q, self.delta_P = to_device(pair_q, device), to_device(delta_P, device)
+        self.rows_q, self.rows_k = to_device(rows_tT[pair_q], device), to_device(rows_tT[pair_k], device)  # [P, T]
+        self.slot_N = to_device(slot_N, device)
+        qpos_PT, kpos_PT = to_device(pos_tT[pair_q], device), to_device(pos_tT[pair_k], device)
+        kvalid_PT = self.rows_k < N
+        allowed = (
+            (kpos_PT.unsqueeze(1) <= qpos_PT.unsqueeze(2)) & kvalid_PT.unsqueeze(1) & (self.rows_q < N).unsqueeze(2)
+        )
         self.weight_PTT = allowed.float() / (qpos_PT.unsqueeze(2) + 1).float()
         a = torch.arange(T, device=device)
         deltas = torch.arange(int(tiles_B.max()) if n.numel() else 1, device=device)

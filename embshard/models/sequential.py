@@ -53,7 +53,14 @@ from torch import nn
 
 from embshard.config.model import ModelConfig
 from embshard.data.common import Batch
-from embshard.models.hstu_attention import HSTULayer, JaggedAttention, PaddedAttention, host_positions, query_times
+from embshard.models.hstu_attention import (
+    HSTULayer,
+    JaggedAttention,
+    PaddedAttention,
+    host_positions,
+    query_times,
+    to_device,
+)
 from embshard.models.registry import ModelKind, StepOutput, feature_widths, register
 from embshard.retrieval.catalog import Catalog
 from embshard.retrieval.gather import gather_rows, gather_sizes
@@ -230,7 +237,7 @@ def sequential_step(model, batch: Batch) -> StepOutput:
     n_host = lengths_B.cpu()  # the step's one host sync: the lengths lay out the attention and pick the positions
     user, pos = host_positions(n_host, torch.device("cpu"))
     before = pos - (n_host.to(torch.int64)[user] - 1)  # 0 at a history's last item, -1 before it, ...
-    pick = lambda mask: torch.nonzero(mask).squeeze(1).to(ids_N.device, non_blocking=True)  # noqa: E731
+    pick = lambda mask: to_device(torch.nonzero(mask).squeeze(1), ids_N.device)  # noqa: E731
     # a numpy array: DistributedDataParallel moves tensor arguments to the device (a host sync to read them back)
     query_ND = model.dense(items_ND, lengths_B, context_BC.float(), times_N, n_host.numpy())
     if model.training:
