@@ -151,8 +151,9 @@ class SequenceCatalog(Catalog):
     def observe(self, targets_N: torch.Tensor, sizes: list[int]) -> None:
         """Count the global batch's targets (each rank's `targets_N`, `sizes` of them: collective) in this block."""
         T = gather_rows(targets_N.to(torch.int64), sizes, self.group) - self.row_offset
-        mine = T[(T >= 0) & (T < self.num_rows)]
-        self.target_counts.index_add_(0, mine, torch.ones_like(mine, dtype=torch.float64))
+        if self.num_rows:  # no boolean indexing: no host sync
+            inside = (T >= 0) & (T < self.num_rows)
+            self.target_counts.index_add_(0, torch.where(inside, T, 0), inside.to(torch.float64))
 
     @torch.no_grad()
     def popular(self, k: int) -> torch.Tensor:
@@ -209,23 +210,6 @@ def sequential_step(model, batch: Batch) -> StepOutput:
     keys = list(kjt.keys())
     seq = kjt[sq.item_feature]
     ids_N, lengths_B = seq.values().to(torch.int64), seq.lengths()
-    world, _ = world_and_rank(catalog.group)
-    rows = 1.0 / world if model.training else 1.0  # every row's gradient: one process's (module docstring)
-    context_BC = scale_grad(model.ebc(kjt.permute([keys.index(f) for f in sq.context_features]))["context"], rows)
-    full = not model.training or sq.loss == "full_softmax"
-    block = scale_grad(catalog.block(), rows) if full else None
-    items_ND = history_vectors(catalog, ids_N, block)
-    if block is None:
-        items_ND = scale_grad(items_ND, rows)
-    side = model.sequences(kjt)  # collective (every rank, every step): the side features' rows
-    for f in sq.side_features:
-        rows_ND = scale_grad(side[f].values(), rows)
-        if rows_ND.shape[0] != items_ND.shape[0]:
-            raise ValueError(
-                f"side feature {f!r} has {rows_ND.shape[0]} ids in this batch but {sq.item_feature!r} has "
-                f"{items_ND.shape[0]}: a side feature needs one id per history item, in the items' order"
-            )
-        items_ND = items_ND + rows_ND.to(items_ND.dtype)
     times_N = batch.times if sq.time_bias else None
     if sq.time_bias and times_N is None and ids_N.numel() == 0:  # an empty batch (this rank's data has ended)
         times_N = ids_N
@@ -234,6 +218,23 @@ def sequential_step(model, batch: Batch) -> StepOutput:
             "model.sequential.time_bias is on but the batch has no times: use data.source sequences (its file's "
             "data.sequences.time_column, or the synthetic histories) or set model.sequential.time_bias: false"
         )
+    world, _ = world_and_rank(catalog.group)
+    row_scale = 1.0 / world if model.training else 1.0  # every row's gradient: one process's (module docstring)
+    context_BC = scale_grad(model.ebc(kjt.permute([keys.index(f) for f in sq.context_features]))["context"], row_scale)
+    full = not model.training or sq.loss == "full_softmax"
+    block = scale_grad(catalog.block(), row_scale) if full else None
+    items_ND = history_vectors(catalog, ids_N, block)
+    if block is None:
+        items_ND = scale_grad(items_ND, row_scale)
+    side = model.sequences(kjt)  # collective (every rank, every step): the side features' rows
+    for f in sq.side_features:
+        rows_ND = scale_grad(side[f].values(), row_scale)
+        if rows_ND.shape[0] != items_ND.shape[0]:
+            raise ValueError(
+                f"side feature {f!r} has {rows_ND.shape[0]} ids in this batch but {sq.item_feature!r} has "
+                f"{items_ND.shape[0]}: a side feature needs one id per history item, in the items' order"
+            )
+        items_ND = items_ND + rows_ND.to(items_ND.dtype)
     n_host = lengths_B.cpu()  # the step's one host sync: the lengths lay out the attention and pick the positions
     user, pos = host_positions(n_host, torch.device("cpu"))
     before = pos - (n_host.to(torch.int64)[user] - 1)  # 0 at a history's last item, -1 before it, ...
@@ -247,7 +248,7 @@ def sequential_step(model, batch: Batch) -> StepOutput:
         if sq.loss == "full_softmax":
             losses = catalog.full_softmax_loss(q, targets, rows=block)
         else:
-            losses = catalog.sampled_softmax_loss(q, targets, row_grad_scale=rows)
+            losses = catalog.sampled_softmax_loss(q, targets, row_grad_scale=row_scale)
         catalog.observe(targets, sizes)
         return StepOutput(losses.sum() * world / max(sum(sizes), 1), None, None)
     # the query of position n - 2 predicts item n - 1 (causal: the held-out item is not seen)
