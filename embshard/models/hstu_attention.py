@@ -37,9 +37,10 @@ TIME_BUCKETS = 128
 
 
 def time_buckets(gap: torch.Tensor) -> torch.Tensor:
-    """The bucket of each time gap (int64 seconds): floor(ln(max(|gap|, 1)) / 0.301), at most TIME_BUCKETS - 1."""
+    """The bucket of each time gap (int64 seconds): floor(ln(max(|gap|, 1)) / 0.301), at most TIME_BUCKETS - 1
+    (int32: an index of half the memory of int64; the per-pair buckets are the time bias's largest tensor)."""
     g = gap.abs().clamp(min=1).to(torch.float64)
-    return (torch.log(g) / 0.301).floor().clamp(max=TIME_BUCKETS - 1).to(torch.int64)
+    return (torch.log(g) / 0.301).floor().clamp(max=TIME_BUCKETS - 1).to(torch.int32)
 
 
 def query_times(times_N: torch.Tensor, last_N: torch.Tensor) -> torch.Tensor:
