@@ -4,13 +4,13 @@ reference, forward + backward of the dense part (HSTUDense: 2 layers), on the CP
     python -m bench.hstu_attention --out DIR              # a GPU when one is visible, else the CPU
     python -m bench.hstu_attention --out DIR --cpu        # the CPU (small sizes: 1 thread, a few repeats)
 
-For each case (batch, lengths uniform in [lo, hi], width, tile): first parity (outputs and the input and
-parameter gradients of the jagged layout against the padded one, fp32, with the time bias: `PASS`/`FAIL` lines; the
-largest difference over the largest value of each tensor, at most 1e-5 on the CPU and 1e-4 on a GPU, whose matmuls
-may use other summation orders), then
-the shortest time of a forward + backward of each layout (the two taken in turn): `TIME case padded X ms jagged Y ms (Z x)`. Writes the lines
-to DIR/hstu_attention.txt. On a GPU first: `PASS`/`FAIL no host sync` (a forward + backward of the jagged
-layout with the lengths given on the host, under torch's sync debug mode "error").
+On a GPU first: `PASS`/`FAIL no host sync` (a forward + backward of the jagged layout with the lengths given on
+the host, under torch's sync debug mode "error"). Then for each case (batch, lengths uniform in [lo, hi], width,
+tile): parity (outputs and the input and parameter gradients of the jagged layout against the padded one, fp32,
+with the time bias: `PASS`/`FAIL` lines; the largest difference over the largest value of each tensor, at most
+1e-5 on the CPU and 1e-4 on a GPU, whose matmuls may use other summation orders), then the shortest time of a
+forward + backward of each layout (the two taken in turn): `TIME case: padded X ms jagged Y ms (Z x; score
+entries ...)`. Writes the lines to DIR/hstu_attention.txt.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The HSTU layers' two attention layouts (embshard/models/hstu_attention.py): the jagged tile-pair attention
-equals the padded reference on outputs and on every gradient (fp32, 1e-5; 5e-5 on a GPU), for length mixes with histories of 1
-item and of the longest allowed, several tile sizes, with and without the time bias; time buckets; the tile pairs
-cover only each history's own causal tiles."""
+equals the padded reference on outputs and on every gradient (fp32, 1e-5; 5e-5 on a GPU), for length mixes with
+histories of 1 item and of the longest allowed, several tile sizes, with and without the time bias; time buckets;
+the tile pairs cover only each history's own causal tiles."""
 
 from __future__ import annotations
 
