@@ -81,7 +81,7 @@ def test_synthetic_chain_has_planted_structure_and_is_world_invariant():
     assert torch.equal(b.times, torch.cat([h.times for h in halves])) and b.times.shape == items.values().shape
     # times: each user's gaps around a mean of its own; with visit_gap, a long gap starts afresh (no successor)
     timed = _source(visit_gap=3600.0)
-    seqs, times = timed.synthetic_histories(7, np.arange(3000))
+    seqs, times = timed.synthetic_histories(7, np.arange(2000))
     assert [s.tolist() for s in seqs[:50]] != [s.tolist() for s in one.synthetic_sequences(7, np.arange(50))]
     gaps = np.concatenate([np.diff(t) for t in times])
     assert gaps.min() >= 1 and 0.3 < (gaps <= 3600).mean() < 0.7
