@@ -6,6 +6,7 @@ and NDCG@10 against the popularity baseline at the end.
     python -m bench.seq_train --out DIR --items 1000000 --batch 2048 --max-length 200
     python -m bench.seq_train --out DIR --cpu            # 2 CPU processes, the config's own small size
     python -m bench.seq_train --out DIR --side           # configs/sequential_side.yaml: a per-position category
+    python -m bench.seq_train --out DIR --cpu --visit-gap 3600 [--time-bias]   # visits in time; the time bias
 
 One `embshard train` run with the sizes overridden; the rate is the training loop's samples/s (samples are user
 sequences) of its last log line, measured from the first step (so it includes the warm-up); ids/s is that times the
@@ -47,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="HSTU layers")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: 300; --cpu: 200)")
     p.add_argument("--margin", type=float, default=0.2, help="PASS: HR@10 at least this above popularity's")
+    p.add_argument(
+        "--visit-gap",
+        type=float,
+        default=None,
+        help="data.sequences.visit_gap: seconds after which the synthetic chain starts a new visit afresh",
+    )
+    p.add_argument("--time-bias", action="store_true", help="model.sequential.time_bias: true")
+    p.add_argument("--eval-batches", type=int, default=None, help="data.sequences.eval_batches (held-out batches)")
+    p.add_argument("--attention", choices=["jagged", "padded"], default=None, help="model.sequential.attention")
     args = p.parse_args(argv)
     args.steps = args.steps or (200 if args.cpu else 300)
     args.config = SIDE_CONFIG if args.side else CONFIG
@@ -62,6 +72,14 @@ def overrides(args: argparse.Namespace, metrics: str) -> list[str]:
         f"logging.metrics_file={metrics}",
         "logging.progress_bar=false",
     ]
+    if args.visit_gap is not None:
+        common.append(f"data.sequences.visit_gap={args.visit_gap}")
+    if args.time_bias:
+        common.append("model.sequential.time_bias=true")
+    if args.eval_batches:
+        common.append(f"data.sequences.eval_batches={args.eval_batches}")
+    if args.attention:
+        common.append(f"model.sequential.attention={args.attention}")
     if args.cpu:
         return common
     return [

@@ -1,7 +1,7 @@
 """What a training run's checkpoint holds besides the tables: the dense model and its optimizer (DCP's
 `get_state_dict` / `set_state_dict`, replicated on every rank, written once), Adam's step count of each
-collection, extra per-row tensors (a retrieval catalog's sampler counts), and per rank its data position and
-random number generator states (torch CPU and CUDA, numpy, Python's `random`)."""
+collection, extra per-row tensors (a retrieval catalog's sampler counts and target counts), and per rank its data
+position and random number generator states (torch CPU and CUDA, numpy, Python's `random`)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,10 @@ class TrainState:
                 counters["catalog/sampler_step"] = Counter(
                     lambda: catalog.sampler_step, lambda v: setattr(catalog, "sampler_step", v)
                 )
+            counts = getattr(catalog, "target_counts", None)
+            if counts is not None and catalog.num_rows > 0:  # a catalog's count of training targets per row
+                key = f"catalog/{catalog.table.name}/target_counts"
+                rows.append(Piece(key, (catalog.table.num_embeddings,), (catalog.row_offset,), counts))
         return cls(collections, model.dense, dense_optimizer, rows, counters)
 
 

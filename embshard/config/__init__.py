@@ -121,6 +121,12 @@ class TrainConfig:
             raise FieldError(f"data.{e.key}", e.value, e.rule) from None
         if self.data.source == "sequences":
             check_sequences(self)
+        elif self.model.sequential is not None and self.model.sequential.time_bias:
+            raise FieldError(
+                "model.sequential.time_bias",
+                True,
+                f"data.source {self.data.source!r} has no timestamps: use data.source sequences or set it to false",
+            )
         if self.data.source == "synthetic":
             if self.schedule.epochs is not None:
                 raise FieldError("schedule.epochs", self.schedule.epochs, "synthetic data has no epochs: set steps")

@@ -284,6 +284,10 @@ class SequencesConfig:
     """Synthetic: skew of the item popularity, P(k-th most popular) ~ 1 / k^exponent."""
     eval_batches: int = 4
     """Synthetic: held-out batches of users per rank per evaluation (count)."""
+    visit_gap: float | None = None
+    """Synthetic: each item has a time (each user's gaps are exponential around a mean of its own, log-uniform
+    from a minute to a week); a gap longer than this (seconds) starts a new visit whose item is a fresh Zipf draw
+    rather than a successor; null: the chain ignores the times."""
 
     def __post_init__(self) -> None:
         if self.max_length < 1:
@@ -296,6 +300,8 @@ class SequencesConfig:
             raise FieldError("successors", self.successors, "it must be >= 1 item")
         if not 0 <= self.strength <= 1:
             raise FieldError("strength", self.strength, "it is a probability: give a value in [0, 1]")
+        if self.visit_gap is not None and not self.visit_gap > 0:
+            raise FieldError("visit_gap", self.visit_gap, "it must be > 0 seconds (or null: times carry no signal)")
         if not self.zipf_exponent >= 0:
             raise FieldError("zipf_exponent", self.zipf_exponent, "it must be >= 0 (0 means uniform)")
         if self.eval_batches < 1:

@@ -206,11 +206,21 @@ class SequentialConfig:
     metrics_at: tuple[int, ...] = (10,)
     """Evaluation reports HR@K and NDCG@K of each user's held-out last item, and the popularity baseline's, for
     each K (count of items)."""
+    attention: Literal["jagged", "padded"] = "jagged"
+    """How the HSTU layers lay out the batch's histories: jagged (each history padded only to a multiple of
+    attention_tile positions, work ~ sum of squared lengths) or padded (to the batch's longest history, work
+    ~ batch x longest^2: the reference). Both compute the same function."""
+    attention_tile: int = 64
+    """Jagged attention: positions per tile (count); a batch whose longest history fits in one tile is laid out
+    padded (the same work, without the tiles' gathers)."""
+    time_bias: bool = False
+    """Add a learned bias per head over log-bucketed time gaps between the query's time (that of the item it
+    predicts) and each key's to the attention scores (HSTU's relative time bias); needs data with timestamps."""
 
     def __post_init__(self) -> None:
         if not self.context_features:
             raise FieldError("context_features", [], "list at least one pooled feature of the user (e.g. user_id)")
-        for key in ("num_layers", "num_heads", "max_length"):
+        for key in ("num_layers", "num_heads", "max_length", "attention_tile"):
             if getattr(self, key) < 1:
                 raise FieldError(key, getattr(self, key), "it must be >= 1")
         if not self.temperature > 0:

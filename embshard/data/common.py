@@ -15,13 +15,15 @@ import torch
 @dataclass
 class Batch:
     """One rank's batch: dense `[B, num_dense]` float32, sparse KeyedJaggedTensor (keys in table order, lengths
-    `[F * B]` int32, ids int64), labels `[B]` float32, and `position` (the source position after this batch, a small
-    dict for checkpoints; None for evaluation and synthetic batches)."""
+    `[F * B]` int32, ids int64), labels `[B]` float32, `position` (the source position after this batch, a small
+    dict for checkpoints; None for evaluation and synthetic batches) and `times` (sequence sources: each id of the
+    sequence feature's time, int64 seconds in the ids' order; else None)."""
 
     dense: torch.Tensor
     sparse: object  # torchrec KeyedJaggedTensor
     labels: torch.Tensor
     position: dict | None = None
+    times: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -34,14 +36,18 @@ class Batch:
             self.sparse.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
             self.position,
+            None if self.times is None else self.times.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:
         """The batch in page-locked host memory (needs CUDA; a copy)."""
-        return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory(), self.position)
+        times = None if self.times is None else self.times.pin_memory()
+        return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory(), self.position, times)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Mark the batch's device tensors as used on `stream` (when it was copied on another stream)."""
         self.dense.record_stream(stream)
         self.sparse.record_stream(stream)
         self.labels.record_stream(stream)
+        if self.times is not None:
+            self.times.record_stream(stream)

@@ -3,13 +3,17 @@
 A batch holds B users: the item feature is each user's sequence (a jagged bag, oldest item first), every context
 feature one id per user, every side feature (a feature of a sequence table, `pooling: none`, other than the item's)
 one id per item of the sequence: the item's category, item % (its table's rows); labels are ones and there are
-no dense features. The model predicts each item from the
-items before it; evaluation scores each held-out user's last item from the items before it.
+no dense features; `Batch.times` holds each item's time (int64 seconds, in the item feature's order). The model
+predicts each item from the items before it; evaluation scores each held-out user's last item from the items
+before it.
 
 - synthetic (no path): a Markov chain over Zipf-popular items with planted sequential structure. Item i has a fixed
   successor set of `successors` Zipf-drawn items; a user's first item is a Zipf draw, and each next item is, with
   probability `strength`, a uniform pick from the current item's successors, else a fresh Zipf draw (popularity
   ranks scrambled over the rows as in data/synthetic.py). Lengths are uniform in [min_length, max_length + 1].
+  Times: a user's first item at a uniform time within a year after T0; each user has a mean gap of its own,
+  log-uniform in [GAP_MIN, GAP_MAX], and its gaps are exponential around it (at least 1 s). With `visit_gap`,
+  an item whose gap exceeds it starts a new visit: a fresh Zipf draw, never the chain's successor.
   Every number is a hash of (seed, stream, global user index, position): the global batch of step t is the same
   for any number of ranks (rank r holds users [r B, (r + 1) B) of it), so a run on W ranks with batch B trains on
   exactly the data of a run on one rank with batch W B. Training users are fresh at every step; held-out users come
@@ -17,7 +21,8 @@ items before it; evaluation scores each held-out user's last item from the items
 - file (path): a CSV with a header (the MovieLens layout: user_id, movie_id, timestamp, ...): rows grouped by user
   and ordered by time; items get catalog rows by a vocabulary of the file (most frequent first: row 0, 1, ...);
   context features are the columns of their names (the user's first row's value, hashed into the table's rows
-  1..N-1 as data/hashing.py does). A user's last max_length + 1 items are kept. Training: each user with 3 or more
+  1..N-1 as data/hashing.py does); the time column gives each item's time (rounded to whole units). A user's last
+  max_length + 1 items are kept. Training: each user with 3 or more
   items, without the last one; held out: every user with 2 or more items, the last one predicted. Users are split
   over the ranks by a hash of the user id; every rank yields the same number of training batches per epoch (the
   last may be short or empty), shuffled by (seed, epoch, rank).
@@ -40,6 +45,8 @@ from embshard.data.synthetic import scramble_multiplier, zipf_of_uniform
 from embshard.spec.tables import ConfigError, TableConfig
 
 _EVAL_STREAM = 1 << 40
+T0 = 1_600_000_000  # synthetic times: seconds, the first item of each user in the year after this
+GAP_MIN, GAP_MAX = 60.0, 7 * 86_400.0  # synthetic: the range of the users' mean gaps between items (seconds)
 _PURPOSES = 8  # independent draws per (user, position)
 
 
@@ -97,18 +104,31 @@ class SequenceSource:
 
     def synthetic_sequences(self, stream: int, users: np.ndarray) -> list[np.ndarray]:
         """The item sequences of global users `users` in stream `stream` (a training step, or a held-out batch)."""
+        return self.synthetic_histories(stream, users)[0]
+
+    def synthetic_histories(self, stream: int, users: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(item sequences, their times: int64 seconds) of global users `users` in stream `stream`."""
         c, n = self.cfg, users.size
         u = lambda pos, purpose: uniforms(self.seed, stream, users, pos, purpose)  # noqa: E731
         lengths = c.min_length + np.floor(u(0, 4) * (c.max_length + 2 - c.min_length)).astype(np.int64)
         longest = int(lengths.max()) if n else 0
         seq = np.zeros((n, max(longest, 1)), dtype=np.int64)
+        times = np.zeros((n, max(longest, 1)), dtype=np.int64)
         seq[:, 0] = self._scramble(zipf_of_uniform(u(0, 0), self.items, c.zipf_exponent))
+        # each user's mean gap, log-uniform in [GAP_MIN, GAP_MAX]; gaps exponential around it
+        scale = GAP_MIN * (GAP_MAX / GAP_MIN) ** u(0, 6)
+        times[:, 0] = T0 + np.floor(u(0, 7) * 86_400 * 365).astype(np.int64)
         for p in range(1, longest):
+            gap = np.ceil(-np.log1p(-u(p, 5)) * scale).astype(np.int64)
+            times[:, p] = times[:, p - 1] + gap
             pick = np.minimum((u(p, 2) * c.successors).astype(np.int64), c.successors - 1)
             follow = self.successors[seq[:, p - 1], pick]
             jump = self._scramble(zipf_of_uniform(u(p, 3), self.items, c.zipf_exponent))
-            seq[:, p] = np.where(u(p, 1) < c.strength, follow, jump)
-        return [seq[i, : lengths[i]] for i in range(n)]
+            chained = u(p, 1) < c.strength
+            if c.visit_gap is not None:  # a new visit starts afresh
+                chained &= gap <= c.visit_gap
+            seq[:, p] = np.where(chained, follow, jump)
+        return [seq[i, : lengths[i]] for i in range(n)], [times[i, : lengths[i]] for i in range(n)]
 
     def _synthetic_batch(self, stream: int) -> Batch:
         B = self.batch_size
@@ -117,7 +137,7 @@ class SequenceSource:
             f: 1 + (fmix64((users + stream * 7919 + i * 104729).astype(np.uint64)) % np.uint64(n - 1)).astype(np.int64)
             for i, (f, n) in enumerate(self.context)
         }
-        return self._batch(self.synthetic_sequences(stream, users), context)
+        return self._batch(*self.synthetic_histories(stream, users), context)
 
     # ---- file -----------------------------------------------------------------------------------------------
     def _read(self, path: str) -> None:
@@ -155,7 +175,7 @@ class SequenceSource:
         item = row_of[inverse.reshape(-1)]
         ctx = {f: hash_rows(hash_values(table[f].combine_chunks()), n).astype(np.int64) for f, n in self.context}
         by = np.lexsort((np.arange(user.size), time, user))  # user, then time, then file order
-        user, item = user[by], item[by]
+        user, item, time = user[by], item[by], np.rint(time[by]).astype(np.int64)
         ctx = {f: v[by] for f, v in ctx.items()}
         starts = np.flatnonzero(np.r_[True, user[1:] != user[:-1]])
         ends = np.r_[starts[1:], user.size]
@@ -166,16 +186,20 @@ class SequenceSource:
         for r in range(self.world):
             at = np.flatnonzero(mine == r)
             train = [
-                (item[max(starts[i], ends[i] - keep - 1) : ends[i] - 1], starts[i])
+                (item[max(starts[i], ends[i] - keep - 1) : ends[i] - 1], starts[i], max(starts[i], ends[i] - keep - 1))
                 for i in at
                 if ends[i] - starts[i] >= 3
             ]
-            held = [(item[max(starts[i], ends[i] - keep) : ends[i]], starts[i]) for i in at if ends[i] - starts[i] >= 2]
+            held = [
+                (item[max(starts[i], ends[i] - keep) : ends[i]], starts[i], max(starts[i], ends[i] - keep))
+                for i in at
+                if ends[i] - starts[i] >= 2
+            ]
             per_rank[0].append(len(train))
             per_rank[1].append(len(held))
             if r == self.rank:
                 self.train_users, self.eval_users = train, held
-        self.file_context = ctx
+        self.file_context, self.file_times = ctx, time
         self.steps_per_epoch = max(1, math.ceil(max(per_rank[0]) / self.batch_size))
         self.eval_steps = max(1, math.ceil(max(per_rank[1]) / self.batch_size))
         if sum(per_rank[0]) == 0:
@@ -184,12 +208,14 @@ class SequenceSource:
                 "without the held-out last item, predicting at least one item): give a file with longer histories"
             )
 
-    def _file_batch(self, users: list[tuple[np.ndarray, int]]) -> Batch:
-        context = {f: np.array([v[s] for _, s in users], dtype=np.int64) for f, v in self.file_context.items()}
-        return self._batch([seq for seq, _ in users], context)
+    def _file_batch(self, users: list[tuple[np.ndarray, int, int]]) -> Batch:
+        """users: (items, the user's first row, the first kept row) each, rows of the file sorted by user and time."""
+        context = {f: np.array([v[s] for _, s, _ in users], dtype=np.int64) for f, v in self.file_context.items()}
+        times = [self.file_times[k : k + seq.size] for seq, _, k in users]
+        return self._batch([seq for seq, _, _ in users], times, context)
 
     # ---- batches --------------------------------------------------------------------------------------------
-    def _batch(self, sequences: list[np.ndarray], context: dict[str, np.ndarray]) -> Batch:
+    def _batch(self, sequences: list[np.ndarray], times: list[np.ndarray], context: dict[str, np.ndarray]) -> Batch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         B = len(sequences)
@@ -210,7 +236,8 @@ class SequenceSource:
             stride=B,
             length_per_key=[int(v.size) for v in values],
         )
-        return Batch(torch.zeros(B, 0), kjt, torch.ones(B))
+        stamps = np.concatenate(times) if times else np.zeros(0, dtype=np.int64)
+        return Batch(torch.zeros(B, 0), kjt, torch.ones(B), times=torch.from_numpy(stamps.astype(np.int64)))
 
     def train_batches(self, start_step: int | dict | None = 0) -> Iterator[Batch]:
         """Batches for steps start_step, start_step + 1, ... (endless; file data: epoch after epoch)."""

@@ -28,6 +28,7 @@ from embshard.retrieval.sampler import BlockSampler, negatives_per_rank
 from embshard.retrieval.softmax import Candidates, block_targets, sharded_softmax_loss
 from embshard.retrieval.topk import recall_hits
 from embshard.runtime.comm import world_and_rank
+from embshard.runtime.ops import scale_grad
 from embshard.spec.optim import FusedOptimizerConfig
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.tables import ConfigError, Pooling, TableConfig
@@ -159,9 +160,12 @@ class Catalog(nn.Module):
         cands = Candidates(rows, rows.shape[0], block_targets(T, self.row_offset, self.num_rows), True)
         return sharded_softmax_loss(Q, cands, sizes, self.group, self.chunk_mib)
 
-    def sampled_softmax_loss(self, query_BD: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
+    def sampled_softmax_loss(
+        self, query_BD: torch.Tensor, target_B: torch.Tensor, row_grad_scale: float = 1.0
+    ) -> torch.Tensor:
         """Cross-entropy `[B_r]` of each local query's target against the step's sampled negatives (shared by the
-        global batch), logQ-corrected, accidental hits removed. Advances the sampler (one step, then counts T)."""
+        global batch), logQ-corrected, accidental hits removed. Advances the sampler (one step, then counts T).
+        `row_grad_scale`: the looked-up rows' gradient is multiplied by it (their loss's scale, when it differs)."""
         if self.sampler is None:
             raise ValueError("sampled_softmax_loss needs the catalog built with num_negatives (its sampler)")
         sizes, Q, T = self._gather(query_BD, target_B)
@@ -172,6 +176,7 @@ class Catalog(nn.Module):
         t_rows = pos[mine]  # the block's targets, in batch order (a host sync: only rows in use are looked up)
         if self.num_rows:
             _, rows = self.ebc.local_rows(self.table.name, torch.cat([neg, t_rows]))
+            rows = scale_grad(rows, row_grad_scale)
         else:
             rows = torch.zeros(0, self.table.embedding_dim, device=self.device, requires_grad=True)
         cands = Candidates(

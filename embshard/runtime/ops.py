@@ -88,3 +88,19 @@ def complete_cumsum(lengths: torch.Tensor) -> torch.Tensor:
     if lengths.numel() == 0:
         return lengths.new_zeros(1)
     return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """`x` in the forward; its gradient times `scale` in the backward (`x` itself when scale is 1)."""
+    return x if scale == 1 else _ScaleGrad.apply(x, scale)
