@@ -34,7 +34,8 @@ def train(out: Path, steps: int, device: torch.device, eval_batches: int) -> tup
                       ["planner={}", f"data.synthetic.eval_batches={eval_batches}", "schedule.batch_size=256"])  # fmt: skip
     tables = list(cfg.model.tables)
     source = build_source(cfg.data, tables, cfg.schedule.batch_size, cfg.seed, 0, 1, workers=0)
-    model = RecModel(cfg.model, source.num_dense, simple_plan(tables, 1, 1), cfg.sparse_optimizer, device, 1, cfg.seed)
+    plan = simple_plan(tables, 1, 1, tier="hbm" if device.type == "cuda" else "host")  # host tier: CPU compute only
+    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, 1, cfg.seed)
     opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     batches = source.train_batches(0)
     start = time.perf_counter()
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"trained model (eval forward) AUC {results['trained_model_auc']:.5f} on {len(labels)} held-out samples")
     print("PASS serve_quality" if ok else "FAIL serve_quality")
     (out / "serve_quality.json").write_text(json.dumps(results, indent=1))
+    if not ok:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
