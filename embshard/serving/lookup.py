@@ -106,9 +106,12 @@ class TableLookup:
         # one device, every table whole, features in order: the batch's ids go to the TBE as they are
         self.direct = len(self.devices) == 1 and [s[0] for s in self.slots[0]] == list(range(len(self.features)))
         weighted_F = [s[3] for s in self.slots[0]] if self.direct else []
+        # one entry more than the features: ids past the last bag (a padded batch's buffer) fall on it
         self.weighted_F = (
-            torch.tensor(weighted_F, dtype=torch.bool, device=self.devices[0]) if any(weighted_F) else None
+            torch.tensor([*weighted_F, False], dtype=torch.bool, device=self.devices[0]) if any(weighted_F) else None
         )
+        big = torch.iinfo(torch.int64).max
+        self._rows_F = torch.tensor([*self.feature_rows, big], dtype=torch.int64, device=self.devices[0])
 
     def __call__(self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         if self.direct:
@@ -150,17 +153,33 @@ class TableLookup:
         return out
 
     def _direct(self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The one-TBE lookup, with no host sync. `values` (and `weights`) may run past the last bag's end (a padded
+        batch's buffers): those ids are not read."""
         device = self.devices[0]
         B = lengths_FB.shape[1]
-        offsets = torch.zeros(lengths_FB.numel() + 1, dtype=torch.int64, device=device)
-        torch.cumsum(lengths_FB.flatten().to(device), 0, out=offsets[1:])
+        lengths = lengths_FB.flatten().to(device, torch.int64)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
         per_id = None
         if self.weighted_F is not None:  # weighted features take their weights, the others 1
             ones = torch.ones(values.numel(), dtype=torch.float32, device=device)
             if weights is not None:
-                mask = self.weighted_F.repeat_interleave(lengths_FB.sum(1).to(device), output_size=values.numel())
+                mask = self.weighted_F.index_select(0, self._feature_of_ids(lengths_FB, values.numel()))
                 per_id = torch.where(mask, weights.to(device, torch.float32), ones)
             else:
                 per_id = ones
         out = self.tbes[0](values.to(device, torch.int64), offsets, per_id)
         return out.view(B, -1).to(self.out_device, torch.float32)
+
+    def _feature_of_ids(self, lengths_FB: torch.Tensor, n: int) -> torch.Tensor:
+        """The feature of each of `n` ids laid out feature-major (F for those past the last bag); no host sync."""
+        ends_F = lengths_FB.to(self.devices[0]).sum(1, dtype=torch.int64).cumsum(0)
+        return torch.searchsorted(ends_F, torch.arange(n, device=self.devices[0]), right=True)
+
+    def bad_ids(self, lengths_FB: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`[1]` count of the bags' ids outside their feature's table (ids past the last bag not counted); no host
+        sync. One device only (`direct`)."""
+        feature = self._feature_of_ids(lengths_FB, values.numel())
+        v = values.to(self.devices[0])
+        bad = ((v < 0) & (feature < len(self.features))) | (v >= self._rows_F.index_select(0, feature))
+        return bad.sum(dtype=torch.int64).reshape(1)
