@@ -176,10 +176,11 @@ class TableLookup:
         ends_F = lengths_FB.to(self.devices[0]).sum(1, dtype=torch.int64).cumsum(0)
         return torch.searchsorted(ends_F, torch.arange(n, device=self.devices[0]), right=True)
 
-    def bad_ids(self, lengths_FB: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """`[1]` count of the bags' ids outside their feature's table (ids past the last bag not counted); no host
-        sync. One device only (`direct`)."""
+    def safe_ids(self, lengths_FB: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ids with those outside their feature's table replaced by row 0, so that no lookup reads past a
+        table; `[1]` count of those, ids past the last bag not counted); no host sync. One device only
+        (`direct`)."""
         feature = self._feature_of_ids(lengths_FB, values.numel())
-        v = values.to(self.devices[0])
+        v = values.to(self.devices[0], torch.int64)
         bad = ((v < 0) & (feature < len(self.features))) | (v >= self._rows_F.index_select(0, feature))
-        return bad.sum(dtype=torch.int64).reshape(1)
+        return v.masked_fill(bad, 0), bad.sum(dtype=torch.int64).reshape(1)

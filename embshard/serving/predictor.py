@@ -209,11 +209,13 @@ class Predictor(nn.Module):
         self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None, dense_BN: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The scoring of a batch on the device, with no host sync (what a CUDA graph captures; graphed.py):
-        (logits `[B]`, `[1]` count of the ids outside their tables, which are not checked here). One device only;
-        `values` and `weights` may run past the last bag (never read)."""
+        (logits `[B]`, `[1]` count of the ids outside their tables: they read row 0 here, and the caller scores
+        such a batch again eagerly under the bounds policy). One device only; `values` and `weights` may run past
+        the last bag (never read)."""
+        values, bad_1 = self.lookup.safe_ids(lengths_FB, values)
         pooled_BS = self._mean_pooled(lengths_FB, self.lookup(lengths_FB, values, weights))
         logits_B = self.dense(dense_BN, SPARSE_INPUT[self.kind](pooled_BS, self.cfg)).reshape(-1)
-        return logits_B, self.lookup.bad_ids(lengths_FB, values)
+        return logits_B, bad_1
 
     @torch.inference_mode()
     def logits(self, batch: Batch) -> torch.Tensor:
