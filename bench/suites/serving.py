@@ -10,7 +10,12 @@ import re
 from bench import runs
 from bench.suites.common import Machine, Step, py
 
-SIDES = (("embshard", "embshard"), ("TorchRec", "torchrec"), ("embshard over every GPU", "embshard_sharded"))
+SIDES = (
+    ("embshard", "embshard"),
+    ("TorchRec", "torchrec"),
+    ("embshard eager", "embshard_eager"),
+    ("embshard over every GPU", "embshard_sharded"),
+)
 """(name in the summary, `side=` of bench/serve_latency.py's RESULT lines)."""
 
 

@@ -10,8 +10,8 @@ every row is scored on its own). Ids on the host go through pinned memory with n
 the GPU are copied on the device. Nothing in a call waits for the GPU, except the one read of the id check's count
 when the ids arrive on the GPU (see `GraphedScorer.run`).
 
-Where no graph is used, `run` returns None and says why in `last_fallback`: a batch over `max_batch` samples, or
-`max_graphs` buckets already captured. On the CPU (`capture=False`) the same padded buffers are scored eagerly, so
+Where no graph is used, `run` returns None and says why in `last_fallback`: a batch over `max_batch` samples,
+`max_graphs` buckets already captured, or a capture that failed (then no more are tried: `broken`). On the CPU (`capture=False`) the same padded buffers are scored eagerly, so
 the bucketing, padding and slicing run and are tested there.
 """
 
@@ -120,12 +120,15 @@ class GraphedScorer:
         self.device, self.max_batch, self.max_graphs, self.capture = device, max_batch, max_graphs, capture
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.last_fallback: str | None = None
+        self.broken: str | None = None
         self.replays = 0
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device) if capture else None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def describe(self) -> str:
+        if self.broken:
+            return f"eager: {self.broken}"
         what = "CUDA graphs" if self.capture else "padded buckets (no graph: CPU)"
         return (f"{what} per bucket of batch size (powers of two up to {self.max_batch} samples) and id count; "
                 f"{len(self.buckets)} of at most {self.max_graphs} made")  # fmt: skip
@@ -142,6 +145,9 @@ class GraphedScorer:
         F, B = lengths_FB.shape
         if F != self.features:
             raise ValueError(f"lengths of {F} features, the scorer has {self.features}")
+        if self.broken:
+            self.last_fallback = self.broken
+            return None
         if B > self.max_batch:
             self.last_fallback = f"a batch of {B} samples is over the graphs' largest ({self.max_batch})"
             return None
@@ -153,7 +159,11 @@ class GraphedScorer:
                 if len(self.buckets) >= self.max_graphs:
                     self.last_fallback = f"{self.max_graphs} buckets are made already (max_graphs); {key} is not"
                     return None
-                bucket = self.buckets[key] = self._make(*key)
+                try:
+                    bucket = self.buckets[key] = self._make(*key)
+                except RuntimeError as e:  # an operation CUDA cannot capture: every call runs eagerly from now on
+                    self.broken = self.last_fallback = f"the capture of bucket {key} failed ({e})"
+                    return None
             bucket.inputs.fill(lengths_FB, values, weights, dense_BN)
             if bucket.graph is not None:
                 bucket.graph.replay()
