@@ -48,8 +48,10 @@ def id_bucket(ids: int, batch_bucket: int, features: int) -> int:
     return size
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` ready for a non-blocking copy to `device`: pinned when it is on the host and `device` a GPU."""
+def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`t` ready for a non-blocking copy into a `dtype` tensor on `device`: of that dtype already (a conversion
+    in the copy would stage it in pageable memory, and wait), pinned when it is on the host and `device` a GPU."""
+    t = t.to(dtype)
     return t.pin_memory() if t.device.type == "cpu" and device.type == "cuda" else t
 
 
@@ -70,17 +72,17 @@ class PaddedInputs:
         B, V = lengths_FB.shape[1], values.numel()
         if B > self.Bb or V > self.Vb:
             raise ValueError(f"a batch of {B} samples and {V} ids does not fit a bucket of {self.Bb} and {self.Vb}")
-        self.lengths_FB[:, :B].copy_(_on(lengths_FB, self.device), non_blocking=True)
+        self.lengths_FB[:, :B].copy_(_on(lengths_FB, self.device, torch.int64), non_blocking=True)
         if B < self.Bb:
             self.lengths_FB[:, B:].zero_()
         if V:
-            self.values_V[:V].copy_(_on(values, self.device), non_blocking=True)
+            self.values_V[:V].copy_(_on(values, self.device, torch.int64), non_blocking=True)
         if self.weights_V is not None and V:
             if weights is None:
                 self.weights_V[:V].fill_(1.0)
             else:
-                self.weights_V[:V].copy_(_on(weights, self.device), non_blocking=True)
-        self.dense_BN[:B].copy_(_on(dense_BN, self.device), non_blocking=True)
+                self.weights_V[:V].copy_(_on(weights, self.device, torch.float32), non_blocking=True)
+        self.dense_BN[:B].copy_(_on(dense_BN, self.device, torch.float32), non_blocking=True)
 
     def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         return self.lengths_FB, self.values_V, self.weights_V, self.dense_BN
