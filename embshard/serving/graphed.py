@@ -50,7 +50,7 @@ def id_bucket(ids: int, batch_bucket: int, features: int) -> int:
 
 def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """`t` ready for a non-blocking copy into a `dtype` tensor on `device`: of that dtype already (a conversion
-    in the copy would stage it in pageable memory, and wait), pinned when it is on the host and `device` a GPU."""
+    inside the copy would go through pageable memory, and wait), pinned when it is on the host and `device` a GPU."""
     t = t.to(dtype)
     return t.pin_memory() if t.device.type == "cpu" and device.type == "cuda" else t
 
