@@ -9,7 +9,8 @@ On CUDA it also checks the GPU's scores against the CPU's; the CUDA-graph path (
 eager one (`cuda_graphs=False`) at several batch sizes, padded ones included, with the ids on the GPU and on the
 host; that a call with host ids makes no host sync and one with GPU ids one (the read of the graph's id check)
 (`torch.cuda.set_sync_debug_mode`); with 2 or more GPUs the tables spread over all of them (`shard_over`, the
-biggest split by rows) against one GPU. It times the eager path and the spread tables as extra sides.
+biggest split by rows) against one GPU. It times the eager path, the dense part in fp16 (`dense_dtype="fp16"`)
+and the spread tables as extra sides.
 
 A random-initialised DLRM is saved as a checkpoint and exported (fp32 and --dtype); TorchRec's float collection gets
 the fp32 rows and is quantized to the same type. First a check: both give the same scores on the same batches
@@ -184,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         eager = load(out / args.dtype, device, cuda_graphs=False)
         graph_checks(cfg, predictor, eager, args, rng)
         sides["embshard_eager"] = eager
+        half = load(out / args.dtype, device, dense_dtype="fp16")  # fp16 TBE output and dense part
+        gap = max((half(b) - predictor(b)).abs().max().item() for b in check)
+        print(f"{'PASS' if gap <= 1e-2 else 'FAIL'} serve_latency fp16 dense part vs fp32: max score difference "
+              f"{gap:.2e} (tolerance 1e-2; its AUC: bench/serve_quality.py)", flush=True)  # fmt: skip
+        sides["embshard_fp16dense"] = half
         if torch.cuda.device_count() >= 2:
             gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
             limit = args.rows * args.dim / (1 << 30)  # under one table's bytes (all of one size): all row-wise

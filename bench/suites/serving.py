@@ -14,6 +14,7 @@ SIDES = (
     ("embshard", "embshard"),
     ("TorchRec", "torchrec"),
     ("embshard eager", "embshard_eager"),
+    ("embshard fp16 dense", "embshard_fp16dense"),
     ("embshard over every GPU", "embshard_sharded"),
 )
 """(name in the summary, `side=` of bench/serve_latency.py's RESULT lines)."""

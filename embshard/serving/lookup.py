@@ -52,7 +52,8 @@ def place(tables: Sequence[TableConfig], nbytes: dict[str, int], devices: int, r
 
 
 class TableLookup:
-    """`lookup(lengths_FB, values, weights) -> pooled [B, sum of widths]` on `out_device` (see the module docstring).
+    """`lookup(lengths_FB, values, weights) -> pooled [B, sum of widths]` on `out_device` in `out_dtype` (fp32, fp16
+    or bf16: on a GPU the TBE's own output type; on the CPU fp32, then cast) (see the module docstring).
     `rows`: each table's stored rows (quantize.py), `types`: each table's type; `devices`: where the TBEs go."""
 
     def __init__(
@@ -63,13 +64,15 @@ class TableLookup:
         devices: Sequence[torch.device],
         out_device: torch.device,
         row_wise_bytes: float = float("inf"),
+        out_dtype: torch.dtype = torch.float32,
     ) -> None:
         from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
         sparse = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
-        self.out_device, self.devices = out_device, list(devices)
+        self.out_device, self.devices, self.out_dtype = out_device, list(devices), out_dtype
+        tbe_out = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16, torch.bfloat16: SparseType.BF16}
         self.features = [f for t in tables for f in t.feature_names]
         self.widths = [t.embedding_dim for t in tables for _ in t.feature_names]
         self.starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
@@ -96,7 +99,8 @@ class TableLookup:
                     slots.append((self.features.index(f), b.r0, b.r1, t.weighted))
             tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
                 specs, feature_table_map=ftm, pooling_mode=PoolingMode.SUM, device=device,
-                output_dtype=SparseType.FP32, bounds_check_mode=BoundsCheckMode.NONE,
+                output_dtype=tbe_out[out_dtype] if device.type == "cuda" else SparseType.FP32,
+                bounds_check_mode=BoundsCheckMode.NONE,
             )  # fmt: skip
             tbe.initialize_weights()
             tbe.assign_embedding_weights([(w.to(device), None if s is None else s.to(device)) for w, s in weights])
@@ -150,7 +154,7 @@ class TableLookup:
                 D = self.widths[f]
                 out[:, self.starts[f] : self.starts[f] + D] += pooled[:, at : at + D].float()
                 at += D
-        return out
+        return out.to(self.out_dtype)
 
     def _direct(self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """The one-TBE lookup, with no host sync. `values` (and `weights`) may run past the last bag's end (a padded
@@ -169,7 +173,7 @@ class TableLookup:
             else:
                 per_id = ones
         out = self.tbes[0](values.to(device, torch.int64), offsets, per_id)
-        return out.view(B, -1).to(self.out_device, torch.float32)
+        return out.view(B, -1).to(self.out_device, self.out_dtype)
 
     def _feature_of_ids(self, lengths_FB: torch.Tensor, n: int) -> torch.Tensor:
         """The feature of each of `n` ids laid out feature-major (F for those past the last bag); no host sync."""

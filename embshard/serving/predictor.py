@@ -36,6 +36,8 @@ from embshard.spec.tables import ConfigError, Pooling
 
 RUNNABLE = {"cpu": set(DTYPES), "cuda": set(DTYPES)}
 """Table types FBGEMM's inference TBE runs, per device type."""
+DENSE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""Types the dense part (and the pooled embeddings it takes) may run in."""
 
 
 class Predictor(nn.Module):
@@ -50,6 +52,7 @@ class Predictor(nn.Module):
         row_wise_gib: float | None = None,
         cuda_graphs: bool | None = None,
         max_graph_batch: int = MAX_BATCH,
+        dense_dtype: str = "fp32",
     ) -> None:
         super().__init__()
         folder = Path(folder)
@@ -65,6 +68,9 @@ class Predictor(nn.Module):
         if cuda_graphs and self.device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True: CUDA graphs need a CUDA device, not {str(self.device)!r}; leave "
                               "cuda_graphs unset (on for CUDA, off otherwise)")  # fmt: skip
+        if dense_dtype not in DENSE_DTYPES:
+            raise ConfigError(f"dense_dtype={dense_dtype!r}: give one of {', '.join(DENSE_DTYPES)}")
+        self.dense_dtype = DENSE_DTYPES[dense_dtype]
         if max_graph_batch < 1:
             raise ConfigError(f"max_graph_batch={max_graph_batch}: give the largest batch to score through a graph")
         man = artifact.read_manifest(folder)
@@ -116,7 +122,7 @@ class Predictor(nn.Module):
                 raise ConfigError(f"shard_over {[str(x) for x in devices]}: every device must be a {self.device.type} "
                                   "device of this machine (the output device's kind)")  # fmt: skip
         limit = float("inf") if row_wise_gib is None else row_wise_gib * (1 << 30)
-        self.lookup = TableLookup(self.tables, rows, types, devices, self.device, limit)
+        self.lookup = TableLookup(self.tables, rows, types, devices, self.device, limit, self.dense_dtype)
         self.mean = [self.table_of[f].pooling is Pooling.MEAN for f in self.features]
         self._mean_F = torch.tensor(self.mean, device=self.device)
         self._feature_of_col = torch.tensor(
@@ -145,7 +151,9 @@ class Predictor(nn.Module):
         how = f"eager ({self.eager_reason})" if self.graphs is None else self.graphs.describe()
         if self.graphs is not None and self.graphs.last_fallback:
             how += f"; the last call ran eagerly: {self.graphs.last_fallback}"
-        return f"{self.kind} on {self.device}: {len(self.tables)} tables ({tables}) in one TBE per device; {how}"
+        dense = str(self.dense_dtype).removeprefix("torch.")
+        return (f"{self.kind} on {self.device}: {len(self.tables)} tables ({tables}) in one TBE per device, dense "
+                f"part in {dense}; {how}")  # fmt: skip
 
     def _dense(self, folder: Path, man: dict) -> nn.Module:
         # made on its device: every tensor the module keeps (DLRM's pair indices too) is there
@@ -161,7 +169,7 @@ class Predictor(nn.Module):
             want = list(expected[k].shape) if k in expected else "none"
             raise artifact.ArtifactDamaged(folder, artifact.DENSE, f"tensor {k!r}: shape {got}, the model needs {want}")
         module.load_state_dict(state)
-        return module.to(self.device).eval()
+        return module.to(self.device, self.dense_dtype).eval()
 
     def _parts(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """(lengths `[F, B]`, ids, per-id weights, B) of the batch's features in the model's order, where the batch
@@ -193,7 +201,8 @@ class Predictor(nn.Module):
 
     @torch.inference_mode()
     def pooled(self, batch: Batch) -> torch.Tensor:
-        """The pooled embeddings of every feature side by side `[B, sum of widths]` (table order), fp32."""
+        """The pooled embeddings of every feature side by side `[B, sum of widths]` (table order), in the dense
+        part's type (fp32 unless `dense_dtype`)."""
         lengths_FB, values, w, B = self._ids(batch)
         return self._mean_pooled(lengths_FB, self.lookup(lengths_FB, values, w))
 
@@ -203,7 +212,7 @@ class Predictor(nn.Module):
             return pooled_BS
         scale_FB = torch.where(lengths_FB > 0, 1.0 / lengths_FB.clamp(min=1), 0.0).to(torch.float32)
         scale_FB = torch.where(self._mean_F[:, None], scale_FB, torch.ones_like(scale_FB))
-        return pooled_BS * scale_FB.t().index_select(1, self._feature_of_col)
+        return pooled_BS * scale_FB.t().index_select(1, self._feature_of_col).to(pooled_BS.dtype)
 
     def padded_logits(
         self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None, dense_BN: torch.Tensor
@@ -214,8 +223,8 @@ class Predictor(nn.Module):
         the last bag (never read)."""
         values, bad_1 = self.lookup.safe_ids(lengths_FB, values)
         pooled_BS = self._mean_pooled(lengths_FB, self.lookup(lengths_FB, values, weights))
-        logits_B = self.dense(dense_BN, SPARSE_INPUT[self.kind](pooled_BS, self.cfg)).reshape(-1)
-        return logits_B, bad_1
+        logits_B = self.dense(dense_BN.to(self.dense_dtype), SPARSE_INPUT[self.kind](pooled_BS, self.cfg))
+        return logits_B.reshape(-1).float(), bad_1
 
     @torch.inference_mode()
     def logits(self, batch: Batch) -> torch.Tensor:
@@ -234,7 +243,7 @@ class Predictor(nn.Module):
             if out is not None:
                 return out
         sparse = SPARSE_INPUT[self.kind](self.pooled(batch), self.cfg)
-        logits_B = self.dense(batch.dense.to(self.device, torch.float32), sparse).reshape(-1)
+        logits_B = self.dense(batch.dense.to(self.device, self.dense_dtype), sparse).reshape(-1).float()
         return logits_B if after is None else after(logits_B)
 
     def _graphed(self, batch: Batch, finish: Callable) -> torch.Tensor | None:
@@ -260,10 +269,13 @@ def load(
     row_wise_gib: float | None = None,
     cuda_graphs: bool | None = None,
     max_graph_batch: int = MAX_BATCH,
+    dense_dtype: str = "fp32",
 ) -> Predictor:
     """The Predictor of the serving artifact `folder` (every file checked first; see the module docstring).
     `shard_over`: devices of this process to spread the tables over (tables whole, least-loaded device first;
     tables over `row_wise_gib` GiB split by rows over all of them; serving/lookup.py); output on `device`.
     `cuda_graphs`: score through CUDA graphs per bucket of batch size (graphed.py; None: on for one CUDA device);
-    `max_graph_batch`: the largest batch scored through a graph (bigger ones run eagerly)."""
-    return Predictor(folder, device, bounds_check, shard_over, row_wise_gib, cuda_graphs, max_graph_batch)
+    `max_graph_batch`: the largest batch scored through a graph (bigger ones run eagerly). `dense_dtype`: fp32,
+    fp16 or bf16 for the dense part and the pooled embeddings (on a GPU the TBE's output type too); scores fp32."""
+    return Predictor(folder, device, bounds_check, shard_over, row_wise_gib, cuda_graphs, max_graph_batch,
+                     dense_dtype)  # fmt: skip
