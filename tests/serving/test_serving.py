@@ -398,6 +398,23 @@ def test_padded_buckets_score_as_the_eager_path(trained):
         load(root / "fp32", cuda_graphs=True)
 
 
+def test_dense_part_in_half_types(trained):
+    """dense_dtype fp16 / bf16: the pooled embeddings and the dense part in that type, the scores fp32 and near
+    the fp32 model's."""
+    root, out = trained
+    full = load(root / "fp32")
+    for dtype, torch_dtype, tol in (("fp16", torch.float16, 2e-3), ("bf16", torch.bfloat16, 2e-2)):
+        half = load(root / "fp32", dense_dtype=dtype)
+        assert f"dense part in {str(torch_dtype).removeprefix('torch.')}" in half.describe()
+        for batch in out["batches"]:
+            assert half.pooled(batch).dtype == torch_dtype
+            scores = half(batch)
+            assert scores.dtype == torch.float32
+            torch.testing.assert_close(scores, full(batch), rtol=tol, atol=tol)
+    with pytest.raises(ConfigError, match="dense_dtype='fp8': give one of fp32, fp16, bf16"):
+        load(root / "fp32", dense_dtype="fp8")
+
+
 @pytest.mark.skipif(device_kind() != "cuda", reason="CUDA: EMBSHARD_TEST_DEVICE=cuda")
 def test_cuda_graphs_score_as_eager(trained):
     """On the GPU, scores through the CUDA graphs equal the eager path's, with the ids on the host or on the GPU;
