@@ -374,7 +374,7 @@ def test_padded_buckets_score_as_the_eager_path(trained):
         assert predictor.graphs is None and "eager (cpu device" in predictor.describe()
         F = len(predictor.features)
         scorer = GraphedScorer(predictor.padded_logits, F, predictor.num_dense, True, torch.device("cpu"),
-                               max_batch=32, max_graphs=6, capture=False)  # fmt: skip
+                               max_batch=32, max_graphs=12, capture=False)  # fmt: skip
         for B in (32, 3, 1, 17, 5, 32):  # big batches first: the small ones' buffers hold stale ids and rows
             batch = _random_batch(predictor, B, gen)
             kjt = batch.sparse
@@ -394,6 +394,10 @@ def test_padded_buckets_score_as_the_eager_path(trained):
         assert bad == min(3, int(lengths_FB[0].sum())), bad
         assert scorer.run(torch.zeros(F, 33, dtype=torch.int64), values[:0], None, torch.zeros(33, 13)) is None
         assert "33 samples" in scorer.last_fallback
+    one = GraphedScorer(predictor.padded_logits, F, 13, False, torch.device("cpu"), max_graphs=1, capture=False)
+    assert one.run(torch.ones(F, 1, dtype=torch.int64), torch.zeros(F, dtype=torch.int64), None, torch.zeros(1, 13))
+    assert one.run(torch.zeros(F, 2, dtype=torch.int64), values[:0], None, torch.zeros(2, 13)) is None
+    assert "max_graphs" in one.last_fallback and "1 of at most 1" in one.describe()
     with pytest.raises(ConfigError, match="cuda_graphs=True: CUDA graphs need a CUDA device"):
         load(root / "fp32", cuda_graphs=True)
 
