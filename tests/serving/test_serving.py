@@ -297,6 +297,7 @@ def test_http_server_micro_batches_and_answers_errors(trained):
         with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
             health = json.loads(r.read())
         assert health["ok"] and health["features"] == predictor.features and health["num_dense"] == 13
+        assert health["scoring"] == predictor.describe() and "eager (cpu device" in health["scoring"]
         body = _json_of(batch, 0, 2)
         del body["sparse"]["user"]
         status, answer = post(body)
