@@ -3,14 +3,15 @@ EmbeddingBagCollection (`torchrec.inference.modules.quantize_embeddings`), same 
 model (DLRM), on the CPU or a CUDA GPU.
 
     python -m bench.serve_latency --out DIR [--device cpu|cuda] [--dtype int8] [--tables 26] [--rows 20000]
-        [--dim 64] [--ids 4] [--reps 30]
+        [--dim 64] [--ids 4] [--reps 30] [--compile-dense default|max-autotune-no-cudagraphs]
 
 On CUDA it also checks the GPU's scores against the CPU's; the CUDA-graph path (the default on CUDA) against the
 eager one (`cuda_graphs=False`) at several batch sizes, padded ones included, with the ids on the GPU and on the
 host; that a call with host ids makes no host sync and one with GPU ids one (the read of the graph's id check)
 (`torch.cuda.set_sync_debug_mode`); with 2 or more GPUs the tables spread over all of them (`shard_over`, the
 biggest split by rows) against one GPU. It times the eager path, the dense part in fp16 (`dense_dtype="fp16"`)
-and the spread tables as extra sides.
+and the spread tables as extra sides; with --compile-dense, the dense part under torch.compile too (its scores
+checked against the eager dense part's first).
 
 A random-initialised DLRM is saved as a checkpoint and exported (fp32 and --dtype); TorchRec's float collection gets
 the fp32 rows and is quantized to the same type. First a check: both give the same scores on the same batches
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ids", type=int, default=4, help="mean ids per bag")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--compile-dense", default=None, help="also time the dense part under this torch.compile mode")
     args = ap.parse_args(argv)
     from embshard.serving import load
 
@@ -190,6 +192,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'PASS' if gap <= 1e-2 else 'FAIL'} serve_latency fp16 dense part vs fp32: max score difference "
               f"{gap:.2e} (tolerance 1e-2; its AUC: bench/serve_quality.py)", flush=True)  # fmt: skip
         sides["embshard_fp16dense"] = half
+    if args.compile_dense:
+        start = time.perf_counter()
+        compiled = load(out / args.dtype, device, compile_dense=args.compile_dense)
+        gap = max((compiled(b) - predictor(b)).abs().max().item() for b in check)
+        print(f"{'PASS' if gap <= 1e-4 else 'FAIL'} serve_latency compiled dense part ({args.compile_dense}) vs eager: "
+              f"max score difference {gap:.2e} (first calls {time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+        sides["embshard_compiled"] = compiled
         if torch.cuda.device_count() >= 2:
             gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
             limit = args.rows * args.dim / (1 << 30)  # under one table's bytes (all of one size): all row-wise

@@ -15,6 +15,7 @@ SIDES = (
     ("TorchRec", "torchrec"),
     ("embshard eager", "embshard_eager"),
     ("embshard fp16 dense", "embshard_fp16dense"),
+    ("embshard compiled dense", "embshard_compiled"),
     ("embshard over every GPU", "embshard_sharded"),
 )
 """(name in the summary, `side=` of bench/serve_latency.py's RESULT lines)."""

@@ -38,6 +38,9 @@ RUNNABLE = {"cpu": set(DTYPES), "cuda": set(DTYPES)}
 """Table types FBGEMM's inference TBE runs, per device type."""
 DENSE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """Types the dense part (and the pooled embeddings it takes) may run in."""
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+"""torch.compile modes of the dense part (the modes that make CUDA graphs of their own are not: the scoring call
+is captured whole)."""
 
 
 class Predictor(nn.Module):
@@ -53,6 +56,7 @@ class Predictor(nn.Module):
         cuda_graphs: bool | None = None,
         max_graph_batch: int = MAX_BATCH,
         dense_dtype: str = "fp32",
+        compile_dense: str | None = None,
     ) -> None:
         super().__init__()
         folder = Path(folder)
@@ -71,6 +75,9 @@ class Predictor(nn.Module):
         if dense_dtype not in DENSE_DTYPES:
             raise ConfigError(f"dense_dtype={dense_dtype!r}: give one of {', '.join(DENSE_DTYPES)}")
         self.dense_dtype = DENSE_DTYPES[dense_dtype]
+        if compile_dense is not None and compile_dense not in COMPILE_MODES:
+            raise ConfigError(f"compile_dense={compile_dense!r}: give one of {', '.join(COMPILE_MODES)} (or None)")
+        self.compile_dense = compile_dense
         if max_graph_batch < 1:
             raise ConfigError(f"max_graph_batch={max_graph_batch}: give the largest batch to score through a graph")
         man = artifact.read_manifest(folder)
@@ -129,6 +136,8 @@ class Predictor(nn.Module):
             [f for f, w in enumerate(self.widths) for _ in range(w)], device=self.device
         )
         self.dense = self._dense(folder, man)
+        if compile_dense is not None:  # compiled at the first call of each shape (a graph's warm-up on CUDA)
+            self.dense = torch.compile(self.dense, mode=compile_dense)
         self.graphs: GraphedScorer | None = None
         self.eager_reason: str | None = None
         if self.device.type != "cuda":
@@ -152,6 +161,8 @@ class Predictor(nn.Module):
         if self.graphs is not None and self.graphs.last_fallback:
             how += f"; the last call ran eagerly: {self.graphs.last_fallback}"
         dense = str(self.dense_dtype).removeprefix("torch.")
+        if self.compile_dense:
+            dense += f" (torch.compile {self.compile_dense})"
         return (f"{self.kind} on {self.device}: {len(self.tables)} tables ({tables}) in one TBE per device, dense "
                 f"part in {dense}; {how}")  # fmt: skip
 
@@ -270,12 +281,14 @@ def load(
     cuda_graphs: bool | None = None,
     max_graph_batch: int = MAX_BATCH,
     dense_dtype: str = "fp32",
+    compile_dense: str | None = None,
 ) -> Predictor:
     """The Predictor of the serving artifact `folder` (every file checked first; see the module docstring).
     `shard_over`: devices of this process to spread the tables over (tables whole, least-loaded device first;
     tables over `row_wise_gib` GiB split by rows over all of them; serving/lookup.py); output on `device`.
     `cuda_graphs`: score through CUDA graphs per bucket of batch size (graphed.py; None: on for one CUDA device);
     `max_graph_batch`: the largest batch scored through a graph (bigger ones run eagerly). `dense_dtype`: fp32,
-    fp16 or bf16 for the dense part and the pooled embeddings (on a GPU the TBE's output type too); scores fp32."""
+    fp16 or bf16 for the dense part and the pooled embeddings (on a GPU the TBE's output type too); scores fp32.
+    `compile_dense`: a torch.compile mode for the dense part (COMPILE_MODES), or None: eager."""
     return Predictor(folder, device, bounds_check, shard_over, row_wise_gib, cuda_graphs, max_graph_batch,
-                     dense_dtype)  # fmt: skip
+                     dense_dtype, compile_dense)  # fmt: skip
