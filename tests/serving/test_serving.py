@@ -418,6 +418,8 @@ def test_dense_part_in_half_types(trained):
             torch.testing.assert_close(scores, full(batch), rtol=tol, atol=tol)
     with pytest.raises(ConfigError, match="dense_dtype='fp8': give one of fp32, fp16, bf16"):
         load(root / "fp32", dense_dtype="fp8")
+    with pytest.raises(ConfigError, match="compile_dense='reduce-overhead': give one of default, max-autotune-no"):
+        load(root / "fp32", compile_dense="reduce-overhead")  # it makes CUDA graphs of its own
 
 
 @pytest.mark.skipif(device_kind() != "cuda", reason="CUDA: EMBSHARD_TEST_DEVICE=cuda")
