@@ -49,10 +49,12 @@ def id_bucket(ids: int, batch_bucket: int, features: int) -> int:
 
 
 def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """`t` ready for a non-blocking copy into a `dtype` tensor on `device`: of that dtype already (a conversion
-    inside the copy would go through pageable memory, and wait), pinned when it is on the host and `device` a GPU."""
-    t = t.to(dtype)
-    return t.pin_memory() if t.device.type == "cpu" and device.type == "cuda" else t
+    """`t` ready for a non-blocking copy into a `dtype` tensor on `device`. From the host to a GPU: converted on
+    the host (a conversion inside the copy would go through pageable memory, and wait) and pinned. On the device
+    already: as it is (the copy converts it in the same kernel)."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.to(dtype).pin_memory()
+    return t
 
 
 class PaddedInputs:
