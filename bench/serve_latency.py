@@ -3,10 +3,15 @@ EmbeddingBagCollection (`torchrec.inference.modules.quantize_embeddings`), same 
 model (DLRM), on the CPU or a CUDA GPU.
 
     python -m bench.serve_latency --out DIR [--device cpu|cuda] [--dtype int8] [--tables 26] [--rows 20000]
-        [--dim 64] [--ids 4] [--reps 30]
+        [--dim 64] [--ids 4] [--reps 30] [--compile-dense default|max-autotune-no-cudagraphs]
 
-On CUDA it also checks the GPU's scores against the CPU's and, with 2 or more GPUs, the tables spread over all of
-them (`shard_over`, the biggest split by rows) against one GPU, and times that third side too.
+On CUDA it also checks the GPU's scores against the CPU's; the CUDA-graph path (the default on CUDA) against the
+eager one (`cuda_graphs=False`) at several batch sizes, padded ones included, with the ids on the GPU and on the
+host; that a call with host ids makes no host sync and one with GPU ids one (the read of the graph's id check)
+(`torch.cuda.set_sync_debug_mode`); with 2 or more GPUs the tables spread over all of them (`shard_over`, the
+biggest split by rows) against one GPU. It times the eager path, the dense part in fp16 (`dense_dtype="fp16"`)
+and the spread tables as extra sides; with --compile-dense, the dense part under torch.compile too (its scores
+checked against the eager dense part's first).
 
 A random-initialised DLRM is saved as a checkpoint and exported (fp32 and --dtype); TorchRec's float collection gets
 the fp32 rows and is quantized to the same type. First a check: both give the same scores on the same batches
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +107,42 @@ def random_batch(cfg, B: int, ids: int, rng: np.random.Generator, device: torch.
     return Batch(torch.randn(B, 13), kjt, torch.zeros(B)).to(device)
 
 
+def count_syncs(fn, batch) -> int:
+    """How many synchronizing CUDA operations `fn(batch)` makes (torch.cuda.set_sync_debug_mode's warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
+def graph_checks(cfg, predictor, eager, args: argparse.Namespace, rng: np.random.Generator) -> None:
+    """PASS/FAIL: graphed scores equal eager ones (GPU and host ids, padded batch sizes too); no host sync in a
+    call with host ids, one (the id check's read) with GPU ids."""
+    print(f"serve_latency embshard scoring: {predictor.describe()}", flush=True)
+    gap, sizes = 0.0, (1, 3, 64, 300, 512, 5000, 8192)
+    for B in sizes:
+        host = random_batch(cfg, B, args.ids, rng, torch.device("cpu"))
+        for b in (host, host.to(predictor.device)):
+            gap = max(gap, (predictor(b) - eager(b)).abs().max().item())
+    ok = gap <= 1e-5 and predictor.graphs is not None and predictor.graphs.last_fallback is None
+    print(f"{'PASS' if ok else 'FAIL'} serve_latency graphed vs eager scores: max difference {gap:.2e} at batches "
+          f"{list(sizes)} (tolerance 1e-5); {predictor.describe()}", flush=True)  # fmt: skip
+    host = random_batch(cfg, 512, args.ids, rng, torch.device("cpu"))
+    on_gpu = host.to(predictor.device)
+    predictor(host), predictor(on_gpu)  # the buckets captured before counting
+    n_host, n_gpu = count_syncs(predictor, host), count_syncs(predictor, on_gpu)
+    print(
+        f"{'PASS' if n_host == 0 and n_gpu <= 1 else 'FAIL'} serve_latency host syncs in a graphed call: {n_host} "
+        f"with host ids (expected 0), {n_gpu} with GPU ids (expected at most 1: the id check's count)",
+        flush=True,
+    )
+
+
 def _time(fn, batch, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -121,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ids", type=int, default=4, help="mean ids per bag")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--compile-dense", default=None, help="also time the dense part under this torch.compile mode")
     args = ap.parse_args(argv)
     from embshard.serving import load
 
@@ -141,6 +184,21 @@ def main(argv: list[str] | None = None) -> None:
         cpu = load(out / args.dtype, "cpu")
         gap = max((predictor(b).cpu() - cpu(b)).abs().max().item() for b in check)
         print(f"{'PASS' if gap <= 1e-4 else 'FAIL'} serve_latency cuda vs cpu scores: max difference {gap:.2e}")
+        eager = load(out / args.dtype, device, cuda_graphs=False)
+        graph_checks(cfg, predictor, eager, args, rng)
+        sides["embshard_eager"] = eager
+        half = load(out / args.dtype, device, dense_dtype="fp16")  # fp16 TBE output and dense part
+        gap = max((half(b) - predictor(b)).abs().max().item() for b in check)
+        print(f"{'PASS' if gap <= 1e-2 else 'FAIL'} serve_latency fp16 dense part vs fp32: max score difference "
+              f"{gap:.2e} (tolerance 1e-2; its AUC: bench/serve_quality.py)", flush=True)  # fmt: skip
+        sides["embshard_fp16dense"] = half
+    if args.compile_dense:
+        start = time.perf_counter()
+        compiled = load(out / args.dtype, device, compile_dense=args.compile_dense)
+        gap = max((compiled(b) - predictor(b)).abs().max().item() for b in check)
+        print(f"{'PASS' if gap <= 1e-4 else 'FAIL'} serve_latency compiled dense part ({args.compile_dense}) vs eager: "
+              f"max score difference {gap:.2e} (first calls {time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+        sides["embshard_compiled"] = compiled
         if torch.cuda.device_count() >= 2:
             gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
             limit = args.rows * args.dim / (1 << 30)  # under one table's bytes (all of one size): all row-wise
@@ -153,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     for B in (1, 64, 512, 8192):
         reps = args.reps if B < 8192 else max(5, args.reps // 3)
         times: dict[str, list[float]] = {k: [] for k in sides}
+        graphed = [fn for fn in sides.values() if getattr(fn, "graphs", None) is not None]
+        for _ in range(8):  # embshard's graphs of this batch size captured (a server does so when it starts)
+            warm = random_batch(cfg, B, args.ids, rng, device)
+            for fn in graphed:
+                fn(warm)
         for i in range(reps + 3):
             batch = random_batch(cfg, B, args.ids, rng, device)
             for name, fn in sides.items():  # A B A B on the same batch

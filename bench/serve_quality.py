@@ -6,6 +6,8 @@ int8 and int4, and scored on the same held-out samples; the AUC of each type aga
 
 PASS when |AUC - AUC fp32| is within 0.0002 (fp16), 0.001 (int8), 0.003 (int4), and the int8 / int4 tables are
 at least 3x / 5x smaller than fp32 (the 4 bytes of scale and bias per row keep them from 4x / 8x for narrow rows).
+The int8 artifact is also scored with the dense part in fp16 and in bf16 (`dense_dtype`; rows `int8+fp16dense`,
+`int8+bf16dense`), each within int8's 0.001 of fp32's AUC.
 Prints one RESULT line per type and writes DIR/serve_quality.json."""
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-LIMITS = {"fp16": 0.0002, "int8": 0.001, "int4": 0.003}
+LIMITS = {"fp16": 0.0002, "int8": 0.001, "int4": 0.003, "int8+fp16dense": 0.001, "int8+bf16dense": 0.001}
+DENSE = {"int8+fp16dense": "fp16", "int8+bf16dense": "bf16"}
+"""Rows scored from the int8 artifact with the dense part in another type."""
 RATIOS = {"int8": 3.0, "int4": 5.0}
 
 
@@ -34,7 +38,8 @@ def train(out: Path, steps: int, device: torch.device, eval_batches: int) -> tup
                       ["planner={}", f"data.synthetic.eval_batches={eval_batches}", "schedule.batch_size=256"])  # fmt: skip
     tables = list(cfg.model.tables)
     source = build_source(cfg.data, tables, cfg.schedule.batch_size, cfg.seed, 0, 1, workers=0)
-    model = RecModel(cfg.model, source.num_dense, simple_plan(tables, 1, 1), cfg.sparse_optimizer, device, 1, cfg.seed)
+    plan = simple_plan(tables, 1, 1, tier="hbm" if device.type == "cuda" else "host")  # host tier: CPU compute only
+    model = RecModel(cfg.model, source.num_dense, plan, cfg.sparse_optimizer, device, 1, cfg.seed)
     opt = make_dense_optimizer(cfg.dense_optimizer, model.dense_parameters())
     batches = source.train_batches(0)
     start = time.perf_counter()
@@ -68,16 +73,22 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         trained = torch.cat([torch.sigmoid(model.step(b.to(device)).scores).cpu() for b in held]).numpy()
     results, ok = {"trained_model_auc": binary_auc(trained, labels), "samples": len(labels)}, True
-    for dtype in ("fp32", "fp16", "int8", "int4"):
-        info = export_serving(out / "ck" / f"step_{args.steps}", out / dtype, dtype, say=lambda _s: None)
-        predictor = load(out / dtype, device)
+    infos: dict[str, dict] = {}
+    for dtype in ("fp32", "fp16", "int8", "int4", *DENSE):
+        if dtype in DENSE:
+            info = infos["int8"]
+            predictor = load(out / "int8", device, dense_dtype=DENSE[dtype])
+        else:
+            info = infos[dtype] = export_serving(out / "ck" / f"step_{args.steps}", out / dtype, dtype,
+                                                 say=lambda _s: None)  # fmt: skip
+            predictor = load(out / dtype, device)
         start = time.perf_counter()
         scores = torch.cat([predictor(b).cpu() for b in held]).numpy()
         seconds = time.perf_counter() - start
         auc = binary_auc(scores, labels)
         results[dtype] = {"auc": auc, "table_bytes": sum(t["bytes"] for t in info["tables"]), "score_s": seconds}
     base = results["fp32"]
-    for dtype in ("fp32", "fp16", "int8", "int4"):
+    for dtype in ("fp32", "fp16", "int8", "int4", *DENSE):
         r = results[dtype]
         r["delta_auc"] = r["auc"] - base["auc"]
         r["size_ratio"] = base["table_bytes"] / r["table_bytes"]
@@ -89,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"trained model (eval forward) AUC {results['trained_model_auc']:.5f} on {len(labels)} held-out samples")
     print("PASS serve_quality" if ok else "FAIL serve_quality")
     (out / "serve_quality.json").write_text(json.dumps(results, indent=1))
+    if not ok:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -83,10 +83,13 @@ SUITES: dict[str, Suite] = {
             "serve",
             "serving: embshard's Predictor (FBGEMM's inference TBE, bench/serve_latency.py) against TorchRec's "
             "quantized EmbeddingBagCollection on the same int8 rows and dense model (26 tables x 20,000 x 64): the"
-            " scores compared first (PASS/FAIL; on CUDA also against the CPU's and, with 2+ GPUs, the tables over "
-            "every GPU against one), then p50/p99 latency at batch 1, 64, 512 and throughput at 8192, interleaved "
-            "on the same batches; then bench/serve_quality.py: held-out AUC and table bytes of fp32, fp16, int8 "
-            "and int4 exports of a trained DLRM. `--device cpu|cuda` (default: cuda where there is a GPU)",
+            " scores compared first (PASS/FAIL; on CUDA also against the CPU's, the CUDA-graph path against the "
+            "eager one at padded and exact batch sizes, the host syncs of a call counted, and, with 2+ GPUs, the "
+            "tables over every GPU against one), then p50/p99 latency at batch 1, 64, 512 and throughput at 8192, "
+            "interleaved on the same batches (on CUDA the eager path and the fp16 dense part as extra sides); then "
+            "bench/serve_quality.py: held-out AUC and table bytes of fp32, fp16, int8 and int4 exports of a trained "
+            "DLRM, and of the int8 one with an fp16 and a bf16 dense part. `--device cpu|cuda` (default: cuda where "
+            "there is a GPU)",
             "python -m bench.run serve --out DIR [--device cuda]",
             "0-1",
             "2-4 min (estimate)",

@@ -10,7 +10,14 @@ import re
 from bench import runs
 from bench.suites.common import Machine, Step, py
 
-SIDES = (("embshard", "embshard"), ("TorchRec", "torchrec"), ("embshard over every GPU", "embshard_sharded"))
+SIDES = (
+    ("embshard", "embshard"),
+    ("TorchRec", "torchrec"),
+    ("embshard eager", "embshard_eager"),
+    ("embshard fp16 dense", "embshard_fp16dense"),
+    ("embshard compiled dense", "embshard_compiled"),
+    ("embshard over every GPU", "embshard_sharded"),
+)
 """(name in the summary, `side=` of bench/serve_latency.py's RESULT lines)."""
 
 

@@ -8,6 +8,7 @@
 - model.py: what serving needs of a model kind
 - predictor.py: `load(DIR) -> Predictor`; `predictor(batch) -> scores` on FBGEMM's inference TBE
 - lookup.py: the tables' TBEs, on one device or spread over several of one process (table-wise, row-wise)
+- graphed.py: a scoring call on one CUDA device as a CUDA graph per bucket of batch size and id count (padded)
 - http.py: `embshard serve`: JSON over HTTP with micro-batching
 - batch_scoring.py: `embshard predict`: a data source's batches scored into a Parquet file
 """

@@ -168,7 +168,8 @@ class Server:
                     return self._reply(404, {"error": "GET /health or POST /predict"})
                 p = server.predictor
                 tables = {t["name"]: t["dtype"] for t in p.info["tables"]}
-                self._reply(200, {"ok": True, "features": server.features, "num_dense": p.num_dense, "tables": tables})
+                self._reply(200, {"ok": True, "features": server.features, "num_dense": p.num_dense, "tables": tables,
+                                  "scoring": p.describe()})  # fmt: skip
 
             def do_POST(self) -> None:
                 if self.path != "/predict":

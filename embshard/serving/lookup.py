@@ -52,7 +52,8 @@ def place(tables: Sequence[TableConfig], nbytes: dict[str, int], devices: int, r
 
 
 class TableLookup:
-    """`lookup(lengths_FB, values, weights) -> pooled [B, sum of widths]` on `out_device` (see the module docstring).
+    """`lookup(lengths_FB, values, weights) -> pooled [B, sum of widths]` on `out_device` in `out_dtype` (fp32, fp16
+    or bf16: on a GPU the TBE's own output type; on the CPU fp32, then cast) (see the module docstring).
     `rows`: each table's stored rows (quantize.py), `types`: each table's type; `devices`: where the TBEs go."""
 
     def __init__(
@@ -63,13 +64,15 @@ class TableLookup:
         devices: Sequence[torch.device],
         out_device: torch.device,
         row_wise_bytes: float = float("inf"),
+        out_dtype: torch.dtype = torch.float32,
     ) -> None:
         from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
         sparse = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
-        self.out_device, self.devices = out_device, list(devices)
+        self.out_device, self.devices, self.out_dtype = out_device, list(devices), out_dtype
+        tbe_out = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16, torch.bfloat16: SparseType.BF16}
         self.features = [f for t in tables for f in t.feature_names]
         self.widths = [t.embedding_dim for t in tables for _ in t.feature_names]
         self.starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
@@ -96,7 +99,8 @@ class TableLookup:
                     slots.append((self.features.index(f), b.r0, b.r1, t.weighted))
             tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
                 specs, feature_table_map=ftm, pooling_mode=PoolingMode.SUM, device=device,
-                output_dtype=SparseType.FP32, bounds_check_mode=BoundsCheckMode.NONE,
+                output_dtype=tbe_out[out_dtype] if device.type == "cuda" else SparseType.FP32,
+                bounds_check_mode=BoundsCheckMode.NONE,
             )  # fmt: skip
             tbe.initialize_weights()
             tbe.assign_embedding_weights([(w.to(device), None if s is None else s.to(device)) for w, s in weights])
@@ -106,9 +110,12 @@ class TableLookup:
         # one device, every table whole, features in order: the batch's ids go to the TBE as they are
         self.direct = len(self.devices) == 1 and [s[0] for s in self.slots[0]] == list(range(len(self.features)))
         weighted_F = [s[3] for s in self.slots[0]] if self.direct else []
+        # one entry more than the features: ids past the last bag (a padded batch's buffer) fall on it
         self.weighted_F = (
-            torch.tensor(weighted_F, dtype=torch.bool, device=self.devices[0]) if any(weighted_F) else None
+            torch.tensor([*weighted_F, False], dtype=torch.bool, device=self.devices[0]) if any(weighted_F) else None
         )
+        big = torch.iinfo(torch.int64).max
+        self._rows_F = torch.tensor([*self.feature_rows, big], dtype=torch.int64, device=self.devices[0])
 
     def __call__(self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         if self.direct:
@@ -147,20 +154,37 @@ class TableLookup:
                 D = self.widths[f]
                 out[:, self.starts[f] : self.starts[f] + D] += pooled[:, at : at + D].float()
                 at += D
-        return out
+        return out.to(self.out_dtype)
 
     def _direct(self, lengths_FB: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The one-TBE lookup, with no host sync. `values` (and `weights`) may run past the last bag's end (a padded
+        batch's buffers): those ids are not read."""
         device = self.devices[0]
         B = lengths_FB.shape[1]
-        offsets = torch.zeros(lengths_FB.numel() + 1, dtype=torch.int64, device=device)
-        torch.cumsum(lengths_FB.flatten().to(device), 0, out=offsets[1:])
+        lengths = lengths_FB.flatten().to(device, torch.int64)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
         per_id = None
         if self.weighted_F is not None:  # weighted features take their weights, the others 1
             ones = torch.ones(values.numel(), dtype=torch.float32, device=device)
             if weights is not None:
-                mask = self.weighted_F.repeat_interleave(lengths_FB.sum(1).to(device), output_size=values.numel())
+                mask = self.weighted_F.index_select(0, self._feature_of_ids(lengths_FB, values.numel()))
                 per_id = torch.where(mask, weights.to(device, torch.float32), ones)
             else:
                 per_id = ones
         out = self.tbes[0](values.to(device, torch.int64), offsets, per_id)
-        return out.view(B, -1).to(self.out_device, torch.float32)
+        return out.view(B, -1).to(self.out_device, self.out_dtype)
+
+    def _feature_of_ids(self, lengths_FB: torch.Tensor, n: int) -> torch.Tensor:
+        """The feature of each of `n` ids laid out feature-major (F for those past the last bag); no host sync."""
+        ends_F = lengths_FB.to(self.devices[0]).sum(1, dtype=torch.int64).cumsum(0)
+        return torch.searchsorted(ends_F, torch.arange(n, device=self.devices[0]), right=True)
+
+    def safe_ids(self, lengths_FB: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ids with those outside their feature's table replaced by row 0, so that no lookup reads past a
+        table; `[1]` count of those, ids past the last bag not counted); no host sync. One device only
+        (`direct`)."""
+        feature = self._feature_of_ids(lengths_FB, values.numel())
+        v = values.to(self.devices[0], torch.int64)
+        bad = ((v < 0) & (feature < len(self.features))) | (v >= self._rows_F.index_select(0, feature))
+        return v.masked_fill(bad, 0), bad.sum(dtype=torch.int64).reshape(1)

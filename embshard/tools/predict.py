@@ -15,6 +15,21 @@ def shards(text: str | None) -> list[str] | None:
     return [d for d in text.split(",") if d] if text else None
 
 
+def add_gpu_options(ap: argparse.ArgumentParser) -> None:
+    """--no-cuda-graphs and --dense-dtype (docs/serving.md, "On a GPU")."""
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, score eagerly (no CUDA graphs)")
+    ap.add_argument("--dense-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                    help="type of the dense part and the pooled embeddings (scores stay fp32)")  # fmt: skip
+
+
+def load_predictor(args: argparse.Namespace) -> object:
+    """The Predictor of the parsed arguments (dir, device, bounds, shards, the GPU options)."""
+    from embshard.serving.predictor import load
+
+    return load(args.dir, args.device, args.bounds_check, shards(args.shard_over), args.row_wise_gib,
+                cuda_graphs=False if args.no_cuda_graphs else None, dense_dtype=args.dense_dtype)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="embshard predict", description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="serving artifact folder (embshard export serving)")
@@ -32,12 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bounds-check", choices=["error", "drop"], default=None,
                     help="ids outside their table (default: the training run's lookup.bounds_check)")  # fmt: skip
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_gpu_options(ap)
     args = ap.parse_args(argv)
     try:
         from embshard.serving.batch_scoring import data_config, score, source_batches
-        from embshard.serving.predictor import load
 
-        predictor = load(args.dir, args.device, args.bounds_check, shards(args.shard_over), args.row_wise_gib)
+        predictor = load_predictor(args)
         cfg, files = data_config(args.data, predictor.info.get("data"))
         batches = source_batches(cfg, files, predictor.tables, args.batch_size, args.split)
         done = score(predictor, batches, args.out, progress=not args.no_progress)

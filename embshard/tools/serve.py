@@ -8,6 +8,7 @@ import sys
 
 from embshard.checkpoint.files import escape
 from embshard.spec.tables import ConfigError
+from embshard.tools.predict import add_gpu_options, load_predictor
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,14 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=4096, help="most samples scored in one call")
     ap.add_argument("--max-wait-ms", type=float, default=2.0, help="wait for more requests after the first (ms)")
     ap.add_argument("--bounds-check", choices=["error", "drop"], default=None)
+    add_gpu_options(ap)
     args = ap.parse_args(argv)
     try:
         from embshard.serving.http import Server
-        from embshard.serving.predictor import load
-        from embshard.tools.predict import shards
 
-        server = Server(load(args.dir, args.device, args.bounds_check, shards(args.shard_over), args.row_wise_gib), args.host, args.port, args.max_batch,
-                        args.max_wait_ms)  # fmt: skip
+        server = Server(load_predictor(args), args.host, args.port, args.max_batch, args.max_wait_ms)
     except (ConfigError, OSError) as e:
         print(f"error: {escape(str(e))}", file=sys.stderr)
         sys.exit(2)

@@ -297,6 +297,7 @@ def test_http_server_micro_batches_and_answers_errors(trained):
         with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
             health = json.loads(r.read())
         assert health["ok"] and health["features"] == predictor.features and health["num_dense"] == 13
+        assert health["scoring"] == predictor.describe() and "eager (cpu device" in health["scoring"]
         body = _json_of(batch, 0, 2)
         del body["sparse"]["user"]
         status, answer = post(body)
@@ -340,3 +341,125 @@ def test_dcn_scores_equal_the_trained_model(tmp_path):
         assert predictor.kind == "dlrm_dcnv2"
         for batch, logits in zip(out["batches"], out["logits"]):
             torch.testing.assert_close(predictor(batch), torch.sigmoid(logits), rtol=tol, atol=tol)
+
+
+def _random_batch(predictor, B: int, gen: torch.Generator, empty: float = 0.3):
+    """A fresh batch of B samples for the predictor's features: 0..6 ids a bag (some bags empty), per-id weights."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from embshard.data.common import Batch
+
+    F = len(predictor.features)
+    lengths_FB = torch.randint(1, 7, (F, B), generator=gen) * (torch.rand(F, B, generator=gen) > empty)
+    values = torch.cat([torch.randint(0, predictor.table_of[f].num_embeddings, (int(n),), generator=gen)
+                        for f, n in zip(predictor.features, lengths_FB.sum(1))])  # fmt: skip
+    weights = torch.rand(values.numel(), generator=gen)
+    kjt = KeyedJaggedTensor(predictor.features, values, weights, lengths=lengths_FB.flatten(), stride=B)
+    return Batch(torch.randn(B, predictor.num_dense, generator=gen), kjt, torch.zeros(B))
+
+
+def test_padded_buckets_score_as_the_eager_path(trained):
+    """The CUDA-graph path's device-independent part on the CPU: batches padded with empty bags to their bucket of
+    batch size and id count (graphed.py, the capture off) score as the eager path, whatever an earlier batch left in
+    the buffers; the graph body counts the ids outside their tables; batches the graphs do not take fall back."""
+    from embshard.serving.graphed import GraphedScorer, batch_bucket, id_bucket
+
+    assert [batch_bucket(b) for b in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    assert [id_bucket(v, 4, 6) for v in (0, 24, 25, 48, 49, 200)] == [24, 24, 48, 48, 96, 384]
+    root, _ = trained
+    gen = torch.Generator().manual_seed(7)
+    for dtype in ("fp32", "int8"):
+        if not (root / dtype).exists():
+            export_serving(root / "ck" / "step_3", root / dtype, dtype, **QUIET)
+        predictor = load(root / dtype)
+        assert predictor.graphs is None and "eager (cpu device" in predictor.describe()
+        F = len(predictor.features)
+        scorer = GraphedScorer(predictor.padded_logits, F, predictor.num_dense, True, torch.device("cpu"),
+                               max_batch=32, max_graphs=12, capture=False)  # fmt: skip
+        for B in (32, 3, 1, 17, 5, 32):  # big batches first: the small ones' buffers hold stale ids and rows
+            batch = _random_batch(predictor, B, gen)
+            kjt = batch.sparse
+            lengths_FB = kjt.lengths().view(F, B)
+            got, bad = scorer.run(lengths_FB, kjt.values(), kjt.weights(), batch.dense, torch.sigmoid, True)
+            assert bad == 0 and got.shape == (B,)
+            torch.testing.assert_close(got, predictor(batch), rtol=1e-5, atol=1e-6)
+            logits, _ = scorer.run(lengths_FB, kjt.values(), None, batch.dense)  # no weights: every weight 1
+            plain = type(kjt)(kjt.keys(), kjt.values(), None, lengths=kjt.lengths(), stride=B)
+            torch.testing.assert_close(logits, predictor.logits(type(batch)(batch.dense, plain, batch.labels)),
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+        assert {b for b, _ in scorer.buckets} == {32, 4, 1, 8}, scorer.buckets
+        assert all(v % (b * F) == 0 and (v // (b * F)).bit_count() == 1 for b, v in scorer.buckets), scorer.buckets
+        values = kjt.values().clone()
+        values[:3] = torch.tensor([-1, 10**6, predictor.table_of[predictor.features[0]].num_embeddings])
+        _, bad = scorer.run(lengths_FB, values, None, batch.dense, count_bad=True)
+        assert bad == min(3, int(lengths_FB[0].sum())), bad
+        assert scorer.run(torch.zeros(F, 33, dtype=torch.int64), values[:0], None, torch.zeros(33, 13)) is None
+        assert "33 samples" in scorer.last_fallback
+    one = GraphedScorer(predictor.padded_logits, F, 13, False, torch.device("cpu"), max_graphs=1, capture=False)
+    assert one.run(torch.ones(F, 1, dtype=torch.int64), torch.zeros(F, dtype=torch.int64), None, torch.zeros(1, 13))
+    assert one.run(torch.zeros(F, 2, dtype=torch.int64), values[:0], None, torch.zeros(2, 13)) is None
+    assert "max_graphs" in one.last_fallback and "1 of at most 1" in one.describe()
+    with pytest.raises(ConfigError, match="cuda_graphs=True: CUDA graphs need a CUDA device"):
+        load(root / "fp32", cuda_graphs=True)
+
+
+def test_dense_part_in_half_types(trained):
+    """dense_dtype fp16 / bf16: the pooled embeddings and the dense part in that type, the scores fp32 and near
+    the fp32 model's."""
+    root, out = trained
+    full = load(root / "fp32")
+    for dtype, torch_dtype, tol in (("fp16", torch.float16, 2e-3), ("bf16", torch.bfloat16, 2e-2)):
+        half = load(root / "fp32", dense_dtype=dtype)
+        assert f"dense part in {str(torch_dtype).removeprefix('torch.')}" in half.describe()
+        for batch in out["batches"]:
+            assert half.pooled(batch).dtype == torch_dtype
+            scores = half(batch)
+            assert scores.dtype == torch.float32
+            torch.testing.assert_close(scores, full(batch), rtol=tol, atol=tol)
+    with pytest.raises(ConfigError, match="dense_dtype='fp8': give one of fp32, fp16, bf16"):
+        load(root / "fp32", dense_dtype="fp8")
+    with pytest.raises(ConfigError, match="compile_dense='reduce-overhead': give one of default, max-autotune-no"):
+        load(root / "fp32", compile_dense="reduce-overhead")  # it makes CUDA graphs of its own
+
+
+@pytest.mark.skipif(device_kind() != "cuda", reason="CUDA: EMBSHARD_TEST_DEVICE=cuda")
+def test_cuda_graphs_score_as_eager(trained):
+    """On the GPU, scores through the CUDA graphs equal the eager path's, with the ids on the host or on the GPU;
+    a call with host ids makes no host sync once its bucket is captured; an id outside its table still gets the
+    bounds policy's error."""
+    root, _ = trained
+    gen = torch.Generator().manual_seed(3)
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # a training run in this process may have turned it on
+    torch.backends.cuda.matmul.allow_tf32 = False  # padded and unpadded products then agree to rounding
+    try:
+        _graphed_as_eager(root, gen)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _graphed_as_eager(root: Path, gen: torch.Generator) -> None:
+    for dtype in ("fp32", "int8"):
+        if not (root / dtype).exists():
+            export_serving(root / "ck" / "step_3", root / dtype, dtype, **QUIET)
+        graphed, eager = load(root / dtype, "cuda"), load(root / dtype, "cuda", cuda_graphs=False)
+        assert graphed.graphs is not None and eager.graphs is None, graphed.describe()
+        for B in (1, 7, 64, 300):
+            batch = _random_batch(graphed, B, gen)
+            for b in (batch, batch.to("cuda")):
+                want = eager(b)
+                torch.testing.assert_close(graphed(b), want, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(graphed.logits(b), eager.logits(b), rtol=1e-5, atol=1e-5)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                graphed(batch)  # host ids, bucket captured: pinned copies and a replay, nothing waited for
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        assert graphed.graphs.replays >= 12 and graphed.graphs.last_fallback is None
+        kjt = batch.sparse
+        values = kjt.values().clone()
+        values[0] = 10**6
+        bad = type(kjt)(kjt.keys(), values, kjt.weights(), lengths=kjt.lengths(), stride=kjt.stride())
+        for b in (type(batch)(batch.dense, bad, batch.labels), type(batch)(batch.dense, bad, batch.labels).to("cuda")):
+            with pytest.raises(ValueError, match="id 1000000 is outside table"):
+                graphed(b)
