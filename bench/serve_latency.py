@@ -108,7 +108,9 @@ def random_batch(cfg, B: int, ids: int, rng: np.random.Generator, device: torch.
 
 
 def count_syncs(fn, batch) -> int:
-    """How many synchronizing CUDA operations `fn(batch)` makes (torch.cuda.set_sync_debug_mode's warnings)."""
+    """How many synchronizing CUDA operations `fn(batch)` makes once warm (torch.cuda.set_sync_debug_mode's
+    warnings): one call first, so a bucket's capture is not counted."""
+    fn(batch)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
