@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.planner import loads
+from embshard.planner import loads, rank_pick
 from embshard.planner.choices import Choice, Item
 from embshard.planner.cost import CostModel
 from embshard.planner.host_stats import HostStats
@@ -247,11 +247,20 @@ class State:
         """A floor under the step time of every placement of the choice on the current loads: each phase lasts
         at least as long as its busiest rank now and as the choice's busiest block on its own rank (a placement
         only adds loads)."""
+        return float(np.maximum(self._busiest(), ch.owner_peak).sum())
+
+    def _busiest(self) -> np.ndarray:
+        """[phases]: each phase's time now (its busiest rank's), cached until the loads change."""
         cache = self._fresh()
         busiest = cache.get("phases")
         if busiest is None:
             busiest = cache["phases"] = np.maximum.reduceat(self._row_max(), loads.PHASE_START)
-        return float(np.maximum(busiest, ch.owner_peak).sum())
+        return busiest
+
+    def _column(self, own: np.ndarray, q: int, rows: np.ndarray | None, a: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """[NROWS]: each row's new maximum with the block on rank q (rank_pick.column)."""
+        stats = None if rows is None else self._host_stats(rows)
+        return rank_pick.column(own[:, q], self._row_max(), q, q // self.lws, rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
         """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
@@ -348,22 +357,26 @@ class State:
             own += launches
         if isinstance(grow, np.ndarray) and grow.any():
             own[loads.BWD] += grow
-        new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
         rows = self._peer_rows(ch, b)
+        scheme, phase_add = self._scheme_join(item, ch) if b == 0 else (None, None)
+        own_all = None
+        if scheme is None and self.W > 1:  # the rank first by the lower bound, when its step meets the bound
+            q, least, own_all = rank_pick.bound_pick(own, self._busiest(), phase_add, feasible, self.hbm_free)
+            step = rank_pick.column_step(self._column(own, q, rows, a, x), phase_add)
+            if np.rint(step * 1e9) == least:
+                return step, q
+        new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
         if rows is not None:
             self._add_peers(new, own, rows, a, x)
-        phase_add = None
-        if b == 0:
-            scheme, phase_add = self._scheme_join(item, ch)
-            if scheme is not None:
-                new += scheme[:, None]
+        if scheme is not None:
+            new += scheme[:, None]
         J = loads.phase_max_sum(new, phase_add)
         J[~feasible] = np.inf
         rounded = np.rint(J * 1e9)  # np.round's numbers (decimals 0), without its wrappers
         ties = np.flatnonzero(rounded == rounded.min())
         if len(ties) > 1:
             # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
-            own_t = loads.phase_max_sum(own[:, ties])
+            own_t = own_all[ties] if own_all is not None else loads.phase_max_sum(own[:, ties])
             ties = ties[own_t == own_t.min()]
             if len(ties) > 1:
                 free = self.hbm_free[ties]
