@@ -34,12 +34,11 @@ class HostStats:
     def valid(self, key: tuple) -> bool:
         return self.key == key
 
-    def shift(self, matrix: np.ndarray, change: np.ndarray, rank: int, key: tuple) -> None:
-        """After `matrix` (already changed, now in state `key`) gained `change` [rows, W], equal over the ranks
-        outside `rank`'s host: shift the other hosts' statistics and read `rank`'s host again."""
+    def shift(self, matrix: np.ndarray, outside: np.ndarray, rank: int, key: tuple) -> None:
+        """After `matrix` (already changed, now in state `key`) gained `outside` [rows] on every rank outside
+        `rank`'s host (and anything on its host): shift the other hosts' statistics and read `rank`'s host again."""
         h = rank // self.lws
-        outside = self.lws if h == 0 else 0  # a rank of another host
-        c = change[:, outside, None]
+        c = outside[:, None]
         self.top += c
         self.second += c
         a = h * self.lws

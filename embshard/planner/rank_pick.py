@@ -54,26 +54,73 @@ def column_step(column: np.ndarray, phase_add: np.ndarray | None) -> float:
     return loads.column_sum(per_phase.tolist())
 
 
+def host_column(
+    top: np.ndarray, second: np.ndarray, arg: np.ndarray, rows: np.ndarray, h: int, lws: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From the per-host statistics [NROWS, H] (host_stats.py: top, second, arg), for the rows `rows` [m] and
+    host h: its busiest rank's load, its other ranks' largest, the other hosts' largest and its busiest rank."""
+    tops = top[rows]
+    host_top = tops[:, h].copy()
+    tops[:, h] = -np.inf
+    return host_top, second[rows, h], tops.max(axis=1), arg[rows, h] + h * lws
+
+
 def column(
     own_q: np.ndarray,
     row_max: np.ndarray,
     q: int,
-    h: int,
     rows: np.ndarray | None,
     a: np.ndarray,
     x: np.ndarray,
     stats: tuple | None,
 ) -> np.ndarray:
-    """[NROWS]: each row's new maximum with a block on rank q of host h (its column of the matrix that
+    """[NROWS]: each row's new maximum with a block on rank q (its column of the matrix that
     State._best_single evaluates for every rank, the same numbers): q's own new loads `own_q`, the row's current
     maximum, and in `rows` (the rows the block loads on other ranks) the largest of q's host's other ranks plus
-    `a` and the other hosts' plus `x`, from `stats` (State._host_stats: per host its top, second, the other
-    hosts' top and its busiest rank)."""
+    `a` and the other hosts' plus `x`, from `stats` [m] each (`host_column`: q's host's busiest rank's load,
+    its other ranks' largest, the other hosts' largest or None on one host, its busiest rank)."""
     col = np.maximum(own_q, row_max)
     if rows is not None:
         host_top, second, other_top, top_pos = stats
-        reach = np.where(top_pos[:, h] == q, second[:, h], host_top[:, h]) + a[rows]
+        reach = np.where(top_pos == q, second, host_top) + a[rows]
         if other_top is not None:
-            np.maximum(reach, other_top[:, h] + x[rows], out=reach)
+            np.maximum(reach, other_top + x[rows], out=reach)
         col[rows] = np.maximum(col[rows], reach)
     return col
+
+
+def add_peers(
+    new: np.ndarray,
+    own: np.ndarray,
+    rows: np.ndarray,
+    a: np.ndarray,
+    x: np.ndarray,
+    stats: tuple,
+    row_max: np.ndarray,
+    hosts: int,
+    lws: int,
+) -> None:
+    """Raise `new` [NROWS, W] (the rows' new maxima for a block on each rank) in `rows` by what the block
+    loads on the other ranks: on rank q of host h a row's other ranks reach the top of h's other ranks plus
+    `a` (same host) and the top of the other hosts plus `x`. For every rank but the busiest of its host (per row)
+    the top of h's other ranks is h's top; for the busiest it is h's second. `stats` ([m, H] each: per host its
+    top, second, the other hosts' top or None on one host, its busiest rank: State._host_stats); `own`: each
+    rank's own new loads; `row_max`: each row's current maximum."""
+    host_top, second, other_top, top_pos = stats
+    a_r, x_r = a[rows, None], x[rows, None]
+    e_most = host_top + a_r  # [m, H]: ranks that are not their host's busiest
+    e_top = second + a_r  # the host's busiest rank
+    if other_top is not None:
+        reach = other_top + x_r
+        np.maximum(e_most, reach, out=e_most)
+        np.maximum(e_top, reach, out=e_top)
+    first, end = int(rows[0]), int(rows[-1]) + 1
+    span = end - first == len(rows)  # consecutive rows: read and written in place
+    sub = new[first:end] if span else new[rows]
+    by_host = sub.reshape(len(rows), hosts, lws)  # a view: each host's ranks take its e_most
+    np.maximum(by_host, e_most[:, :, None], out=by_host)
+    r_idx = np.arange(len(rows))[:, None]
+    at_top = np.maximum(own[rows[:, None], top_pos], row_max[rows][:, None])
+    sub[r_idx, top_pos] = np.maximum(at_top, e_top, out=at_top)
+    if not span:
+        new[rows] = sub

@@ -171,7 +171,7 @@ class State:
     def apply(self, i: int, item: Item, c: int, ranks: Sequence[int]) -> None:
         """Place choice c of item i on `ranks` (one per block)."""
         ch = item.choices[c]
-        self._add_loads(self.delta(item, ch, ranks, +1), ranks)
+        self._add_loads(item, ch, ranks, +1)
         key = self._group(ch)
         if key not in self.group_count:
             self.group_count[key] = np.zeros(self.W, dtype=int)
@@ -199,7 +199,7 @@ class State:
         """Take item i off its ranks; returns where it was."""
         c, ranks = self.placed.pop(i)
         ch = item.choices[c]
-        self._add_loads(self.delta(item, ch, ranks, -1), ranks)
+        self._add_loads(item, ch, ranks, -1)
         key = self._group(ch)
         if len(ranks) == 1:
             q = ranks[0]
@@ -230,13 +230,43 @@ class State:
         elif count == 1:
             launches[:, q] = 0.0
 
-    def _add_loads(self, d: np.ndarray, ranks: Sequence[int]) -> None:
-        """Add a move's loads `d` [NROWS, W]; a single block's keeps the per-host statistics (host_stats.py)."""
-        keep = self.H > 1 and len(ranks) == 1 and self._hosts.valid((id(self.loads), self.version))
-        self.loads += d
+    def _add_loads(self, item: Item, ch: Choice, ranks: Sequence[int], sign: int) -> None:
+        """Add the loads of placing (+1) or removing (-1) the choice on `ranks` (`delta`'s numbers). A single
+        block's are added range of ranks by range of ranks, without making the matrix, and keep the per-host
+        statistics (host_stats.py)."""
+        key = (id(self.loads), self.version)
+        if len(ranks) > 1 or ch.blocks > 1:
+            self.loads += self.delta(item, ch, ranks, sign)
+            self.version += 1
+            return
+        q = int(ranks[0])
+        o, a, x = (ch.owner[0], ch.same[0], ch.other[0]) if sign > 0 else (-ch.owner[0], -ch.same[0], -ch.other[0])
+        group = self._group(ch)
+        counts = self.group_count.get(group)
+        n = 0 if counts is None else int(counts[q])
+        if (n > 0) != (n + sign > 0):  # the group's first block on q arrives, or its last leaves
+            fixed = self.model.group_fixed(*group)
+            o = o + (fixed if sign > 0 else -fixed)
+        scheme = self._scheme_delta(item, ch, sign)
+        if scheme.any():
+            o, a, x = o + scheme, a + scheme, x + scheme
+        if ch.option.kernel is LookupKernel.SMALL:  # the hot chain changes on q alone
+            o = o.copy()
+            o[loads.BWD] += self._hot_change(ch, ranks, sign)[q]
+        h0 = q // self.lws * self.lws
+        h1, L = h0 + self.lws, self.loads
+        if h0:
+            L[:, :h0] += x[:, None]
+        if h1 < self.W:
+            L[:, h1:] += x[:, None]
+        if q > h0:
+            L[:, h0:q] += a[:, None]
+        if q + 1 < h1:
+            L[:, q + 1 : h1] += a[:, None]
+        L[:, q] += o
         self.version += 1
-        if keep:
-            self._hosts.shift(self.loads, d, int(ranks[0]), (id(self.loads), self.version))
+        if self.H > 1 and self._hosts.valid(key):
+            self._hosts.shift(L, x, q, (id(L), self.version))
 
     def objective(self) -> float:
         """Predicted step time of the current loads (s)."""
@@ -259,8 +289,14 @@ class State:
 
     def _column(self, own: np.ndarray, q: int, rows: np.ndarray | None, a: np.ndarray, x: np.ndarray) -> np.ndarray:
         """[NROWS]: each row's new maximum with the block on rank q (rank_pick.column)."""
-        stats = None if rows is None else self._host_stats(rows)
-        return rank_pick.column(own[:, q], self._row_max(), q, q // self.lws, rows, a, x, stats)
+        h, stats = q // self.lws, None
+        if rows is not None and self.H > 1:  # the kept per-host statistics, read for q's host alone
+            top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
+            stats = rank_pick.host_column(top, second, arg, rows, h, self.lws)
+        elif rows is not None:
+            host_top, second, _, top_pos = self._host_stats(rows)
+            stats = (host_top[:, 0], second[:, 0], None, top_pos[:, 0])
+        return rank_pick.column(own[:, q], self._row_max(), q, rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
         """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
@@ -443,28 +479,8 @@ class State:
         return cache["max"]
 
     def _add_peers(self, new: np.ndarray, own: np.ndarray, rows: np.ndarray, a: np.ndarray, x: np.ndarray) -> None:
-        """Raise `new` [NROWS, W] (the rows' new maxima for a block on each rank) in `rows` by what the block
-        loads on the other ranks: on rank q of host h a row's other ranks reach the top of h's other ranks plus
-        `same` and the top of the other hosts plus `other`. For every rank but the busiest of its host (per row)
-        the top of h's other ranks is h's top; for the busiest it is h's second (`_host_stats`)."""
-        host_top, second, other_top, top_pos = self._host_stats(rows)
-        a_r, x_r = a[rows, None], x[rows, None]
-        e_most = host_top + a_r  # [m, H]: ranks that are not their host's busiest
-        e_top = second + a_r  # the host's busiest rank
-        if other_top is not None:
-            reach = other_top + x_r
-            np.maximum(e_most, reach, out=e_most)
-            np.maximum(e_top, reach, out=e_top)
-        first, end = int(rows[0]), int(rows[-1]) + 1
-        span = end - first == len(rows)  # consecutive rows: read and written in place
-        sub = new[first:end] if span else new[rows]
-        by_host = sub.reshape(len(rows), self.H, self.lws)  # a view: each host's ranks take its e_most
-        np.maximum(by_host, e_most[:, :, None], out=by_host)
-        r_idx = np.arange(len(rows))[:, None]
-        at_top = np.maximum(own[rows[:, None], top_pos], self._row_max()[rows][:, None])
-        sub[r_idx, top_pos] = np.maximum(at_top, e_top, out=at_top)
-        if not span:
-            new[rows] = sub
+        """Raise `new` [NROWS, W] in `rows` by what the block loads on the other ranks (rank_pick.add_peers)."""
+        rank_pick.add_peers(new, own, rows, a, x, self._host_stats(rows), self._row_max(), self.H, self.lws)
 
     def _host_stats(self, rows: np.ndarray) -> tuple:
         """For the rows `rows`, per host ([m, H] each): its busiest rank's load, the largest load of its other
