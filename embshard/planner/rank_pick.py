@@ -78,11 +78,14 @@ def column(
     State._best_single evaluates for every rank, the same numbers): q's own new loads `own_q`, the row's current
     maximum, and in `rows` (the rows the block loads on other ranks) the largest of q's host's other ranks plus
     `a` and the other hosts' plus `x`, from `stats` [m] each (`host_column`: q's host's busiest rank's load,
-    its other ranks' largest, the other hosts' largest or None on one host, its busiest rank)."""
+    its other ranks' largest, the other hosts' largest or None on one host, its busiest rank; or, on one host,
+    the largest of the ranks but q, None, None, None)."""
     col = np.maximum(own_q, row_max)
     if rows is not None:
         host_top, second, other_top, top_pos = stats
-        reach = np.where(top_pos == q, second, host_top) + a[rows]
+        if top_pos is not None:
+            host_top = np.where(top_pos == q, second, host_top)  # q's host's other ranks' largest
+        reach = host_top + a[rows]
         if other_top is not None:
             np.maximum(reach, other_top + x[rows], out=reach)
         col[rows] = np.maximum(col[rows], reach)

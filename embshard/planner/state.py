@@ -293,9 +293,10 @@ class State:
         if rows is not None and self.H > 1:  # the kept per-host statistics, read for q's host alone
             top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
             stats = rank_pick.host_column(top, second, arg, rows, h, self.lws)
-        elif rows is not None:
-            host_top, second, _, top_pos = self._host_stats(rows)
-            stats = (host_top[:, 0], second[:, 0], None, top_pos[:, 0])
+        elif rows is not None:  # one host: the largest of the other ranks, read directly
+            others = self.loads[rows]
+            others[:, q] = -np.inf
+            stats = (others.max(axis=1), None, None, None)
         return rank_pick.column(own[:, q], self._row_max(), q, rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
