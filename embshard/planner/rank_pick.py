@@ -54,40 +54,42 @@ def column_step(column: np.ndarray, phase_add: np.ndarray | None) -> float:
     return loads.column_sum(per_phase.tolist())
 
 
-def host_column(
-    top: np.ndarray, second: np.ndarray, arg: np.ndarray, rows: np.ndarray, h: int, lws: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """From the per-host statistics [NROWS, H] (host_stats.py: top, second, arg), for the rows `rows` [m] and
-    host h: its busiest rank's load, its other ranks' largest, the other hosts' largest and its busiest rank."""
-    tops = top[rows]
-    host_top = tops[:, h].copy()
-    tops[:, h] = -np.inf
-    return host_top, second[rows, h], tops.max(axis=1), arg[rows, h] + h * lws
+def others(peer_loads: np.ndarray, q: int, lws: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """For the rows of `peer_loads` [m, W] (a copy, changed here): the largest load of rank q's host's other
+    ranks, and of the other hosts' ranks (None on one host)."""
+    W = peer_loads.shape[1]
+    h0 = q // lws * lws
+    h1 = h0 + lws
+    peer_loads[:, q] = -np.inf
+    same = peer_loads[:, h0:h1].max(axis=1)
+    if W == lws:
+        return same, None
+    if h0 == 0:
+        return same, peer_loads[:, h1:].max(axis=1)
+    other = peer_loads[:, :h0].max(axis=1)
+    if h1 < W:
+        np.maximum(other, peer_loads[:, h1:].max(axis=1), out=other)
+    return same, other
 
 
 def column(
     own_q: np.ndarray,
     row_max: np.ndarray,
-    q: int,
     rows: np.ndarray | None,
     a: np.ndarray,
     x: np.ndarray,
-    stats: tuple | None,
+    stats: tuple[np.ndarray, np.ndarray | None] | None,
 ) -> np.ndarray:
-    """[NROWS]: each row's new maximum with a block on rank q (its column of the matrix that
-    State._best_single evaluates for every rank, the same numbers): q's own new loads `own_q`, the row's current
-    maximum, and in `rows` (the rows the block loads on other ranks) the largest of q's host's other ranks plus
-    `a` and the other hosts' plus `x`, from `stats` [m] each (`host_column`: q's host's busiest rank's load,
-    its other ranks' largest, the other hosts' largest or None on one host, its busiest rank; or, on one host,
-    the largest of the ranks but q, None, None, None)."""
+    """[NROWS]: each row's new maximum with a block on one rank (its column of the matrix that
+    State._best_single evaluates for every rank, the same numbers): the rank's own new loads `own_q`, the row's
+    current maximum, and in `rows` (the rows the block loads on other ranks) the largest of its host's other
+    ranks plus `a` and of the other hosts' ranks plus `x` (`stats`, from `others`)."""
     col = np.maximum(own_q, row_max)
     if rows is not None:
-        host_top, second, other_top, top_pos = stats
-        if top_pos is not None:
-            host_top = np.where(top_pos == q, second, host_top)  # q's host's other ranks' largest
-        reach = host_top + a[rows]
-        if other_top is not None:
-            np.maximum(reach, other_top + x[rows], out=reach)
+        same, other = stats
+        reach = same + a[rows]
+        if other is not None:
+            np.maximum(reach, other + x[rows], out=reach)
         col[rows] = np.maximum(col[rows], reach)
     return col
 

@@ -44,7 +44,7 @@ class State:
         self._buf_own = np.empty((loads.NROWS, self.W))  # scratch of _best_single
         self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
         self._buf_new = np.empty((loads.NROWS, self.W))
-        self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads, kept across moves
+        self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads (until they change)
         self._host_first = np.arange(self.H)[None, :] * self.lws  # [1, H]: each host's first rank
 
     # ---- fixed costs --------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class State:
     def apply(self, i: int, item: Item, c: int, ranks: Sequence[int]) -> None:
         """Place choice c of item i on `ranks` (one per block)."""
         ch = item.choices[c]
-        self._add_loads(item, ch, ranks, +1)
+        self._add_loads(self.delta(item, ch, ranks, +1), ranks)
         key = self._group(ch)
         if key not in self.group_count:
             self.group_count[key] = np.zeros(self.W, dtype=int)
@@ -199,7 +199,7 @@ class State:
         """Take item i off its ranks; returns where it was."""
         c, ranks = self.placed.pop(i)
         ch = item.choices[c]
-        self._add_loads(item, ch, ranks, -1)
+        self._add_loads(self.delta(item, ch, ranks, -1), ranks)
         key = self._group(ch)
         if len(ranks) == 1:
             q = ranks[0]
@@ -230,43 +230,10 @@ class State:
         elif count == 1:
             launches[:, q] = 0.0
 
-    def _add_loads(self, item: Item, ch: Choice, ranks: Sequence[int], sign: int) -> None:
-        """Add the loads of placing (+1) or removing (-1) the choice on `ranks` (`delta`'s numbers). A single
-        block's are added range of ranks by range of ranks, without making the matrix, and keep the per-host
-        statistics (host_stats.py)."""
-        key = (id(self.loads), self.version)
-        if len(ranks) > 1 or ch.blocks > 1:
-            self.loads += self.delta(item, ch, ranks, sign)
-            self.version += 1
-            return
-        q = int(ranks[0])
-        o, a, x = (ch.owner[0], ch.same[0], ch.other[0]) if sign > 0 else (-ch.owner[0], -ch.same[0], -ch.other[0])
-        group = self._group(ch)
-        counts = self.group_count.get(group)
-        n = 0 if counts is None else int(counts[q])
-        if (n > 0) != (n + sign > 0):  # the group's first block on q arrives, or its last leaves
-            fixed = self.model.group_fixed(*group)
-            o = o + (fixed if sign > 0 else -fixed)
-        scheme = self._scheme_delta(item, ch, sign)
-        if scheme.any():
-            o, a, x = o + scheme, a + scheme, x + scheme
-        if ch.option.kernel is LookupKernel.SMALL:  # the hot chain changes on q alone
-            o = o.copy()
-            o[loads.BWD] += self._hot_change(ch, ranks, sign)[q]
-        h0 = q // self.lws * self.lws
-        h1, L = h0 + self.lws, self.loads
-        if h0:
-            L[:, :h0] += x[:, None]
-        if h1 < self.W:
-            L[:, h1:] += x[:, None]
-        if q > h0:
-            L[:, h0:q] += a[:, None]
-        if q + 1 < h1:
-            L[:, q + 1 : h1] += a[:, None]
-        L[:, q] += o
+    def _add_loads(self, d: np.ndarray, ranks: Sequence[int]) -> None:
+        """Add a move's loads `d` [NROWS, W] (the per-host statistics are made again when next asked for)."""
+        self.loads += d
         self.version += 1
-        if self.H > 1 and self._hosts.valid(key):
-            self._hosts.shift(L, x, q, (id(L), self.version))
 
     def objective(self) -> float:
         """Predicted step time of the current loads (s)."""
@@ -289,15 +256,8 @@ class State:
 
     def _column(self, own: np.ndarray, q: int, rows: np.ndarray | None, a: np.ndarray, x: np.ndarray) -> np.ndarray:
         """[NROWS]: each row's new maximum with the block on rank q (rank_pick.column)."""
-        h, stats = q // self.lws, None
-        if rows is not None and self.H > 1:  # the kept per-host statistics, read for q's host alone
-            top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
-            stats = rank_pick.host_column(top, second, arg, rows, h, self.lws)
-        elif rows is not None:  # one host: the largest of the other ranks, read directly
-            others = self.loads[rows]
-            others[:, q] = -np.inf
-            stats = (others.max(axis=1), None, None, None)
-        return rank_pick.column(own[:, q], self._row_max(), q, rows, a, x, stats)
+        stats = None if rows is None else rank_pick.others(self.loads[rows], q, self.lws)
+        return rank_pick.column(own[:, q], self._row_max(), rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
         """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
@@ -493,10 +453,10 @@ class State:
         if got is not None:
             return got
         H = self.H
-        if H > 1:  # kept across moves (a single block's move changes one host's order)
+        if H > 1:  # every row's, for this state of the loads
             top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
             host_top, second, arg = top[rows], second[rows], arg[rows]
-        else:  # one host: every move changes its order; the rows asked for alone
+        else:  # one host: the rows asked for alone
             host_top, second, arg = self._hosts.of(self.loads[rows])
         other_top = None
         if H > 1:
