@@ -3,6 +3,7 @@ exact search's optimum when it is better."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,16 +88,18 @@ def _try_swaps(state: State, p: Problem, candidates: list[int], phases: np.ndarr
     singles = {
         i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)
     }
-    rank_load = phases.sum(axis=0)
+    rank_load = phases.sum(axis=0).tolist()
     tries = 0
+    by_load: list[int] | None = None  # the singles by (their rank's load, balanced cost, index), made once
     for i in candidates:
         if i not in singles:
             continue
         ci, (ri,) = singles[i]
-        partners = sorted(
-            (j for j, (_, (rj,)) in singles.items() if rj != ri),
-            key=lambda j: (rank_load[singles[j][1][0]], items[j].choices[singles[j][0]].avg, j),
-        )[:SWAP_PARTNERS]
+        if by_load is None:
+            by_load = sorted(
+                singles, key=lambda j: (rank_load[singles[j][1][0]], items[j].choices[singles[j][0]].avg, j)
+            )
+        partners = list(itertools.islice((j for j in by_load if singles[j][1][0] != ri), SWAP_PARTNERS))
         for j in partners:
             tries += 1
             cj, (rj,) = singles[j]
