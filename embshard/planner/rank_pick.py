@@ -54,22 +54,32 @@ def column_step(column: np.ndarray, phase_add: np.ndarray | None) -> float:
     return loads.column_sum(per_phase.tolist())
 
 
-def others(peer_loads: np.ndarray, q: int, lws: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """For the rows of `peer_loads` [m, W] (a copy, changed here): the largest load of rank q's host's other
-    ranks, and of the other hosts' ranks (None on one host)."""
-    W = peer_loads.shape[1]
+def others(
+    loads_m: np.ndarray, rows: np.ndarray, q: int, lws: int, row_max: np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """For the rows `rows` of the loads `loads_m` [NROWS, W] (each row's maximum `row_max` [NROWS]): the largest
+    load of rank q's host's other ranks, and of the other hosts' ranks (None on one host). A row whose maximum
+    lies outside q's host has it as the other hosts' largest; the others are read."""
+    W = loads_m.shape[1]
     h0 = q // lws * lws
     h1 = h0 + lws
-    peer_loads[:, q] = -np.inf
-    same = peer_loads[:, h0:h1].max(axis=1)
+    host = loads_m[rows, h0:h1]
     if W == lws:
-        return same, None
-    if h0 == 0:
-        return same, peer_loads[:, h1:].max(axis=1)
-    other = peer_loads[:, :h0].max(axis=1)
-    if h1 < W:
-        np.maximum(other, peer_loads[:, h1:].max(axis=1), out=other)
-    return same, other
+        host[:, q - h0] = -np.inf
+        return host.max(axis=1), None
+    top = row_max[rows]
+    inside = host.max(axis=1) >= top  # the row's maximum is (also) on q's host
+    host[:, q - h0] = -np.inf
+    same = host.max(axis=1)
+    if not inside.any():
+        return same, top
+    read = loads_m[rows[inside]]
+    other = read[:, h1:].max(axis=1) if h0 == 0 else read[:, :h0].max(axis=1)
+    if 0 < h0 and h1 < W:
+        np.maximum(other, read[:, h1:].max(axis=1), out=other)
+    top = top.copy()
+    top[inside] = other
+    return same, top
 
 
 def column(

@@ -256,7 +256,7 @@ class State:
 
     def _column(self, own: np.ndarray, q: int, rows: np.ndarray | None, a: np.ndarray, x: np.ndarray) -> np.ndarray:
         """[NROWS]: each row's new maximum with the block on rank q (rank_pick.column)."""
-        stats = None if rows is None else rank_pick.others(self.loads[rows], q, self.lws)
+        stats = None if rows is None else rank_pick.others(self.loads, rows, q, self.lws, self._row_max())
         return rank_pick.column(own[:, q], self._row_max(), rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
