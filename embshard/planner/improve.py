@@ -51,7 +51,7 @@ def improve(state: State, p: Problem) -> None:
             c0, r0 = state.remove(i, it)
             best = (J0 - tol, None, None)
             for c in usable[i]:
-                if state.floor(it.choices[c]) * (1 - FLOOR_MARGIN) >= best[0]:
+                if state.floor(it, it.choices[c]) * (1 - FLOOR_MARGIN) >= best[0]:
                     continue  # no placement of this choice can beat the best so far
                 got = state.best_ranks(it, it.choices[c])
                 if got is not None and got[0] < best[0]:

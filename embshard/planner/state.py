@@ -240,11 +240,18 @@ class State:
         return loads.step_time(self.loads)
 
     # ---- where would a choice go best -----------------------------------------------------------------------
-    def floor(self, ch: Choice) -> float:
-        """A floor under the step time of every placement of the choice on the current loads: each phase lasts
-        at least as long as its busiest rank now and as the choice's busiest block on its own rank (a placement
-        only adds loads)."""
-        return float(np.maximum(self._busiest(), ch.owner_peak).sum())
+    def floor(self, item: Item, ch: Choice) -> float:
+        """A floor under the step time of every placement of the item's choice on the current loads: each phase
+        lasts at least as long as its busiest rank now, as the choice's busiest block on its own rank (a placement
+        only adds loads), and as each of its rows' mean over the ranks after the placement (the choice's blocks and
+        the scheme's fixed costs it adds; launches only add)."""
+        cache = self._fresh()
+        sums = cache.get("sums")
+        if sums is None:
+            sums = cache["sums"] = self.loads.sum(axis=1)
+        mean = (sums + ch.total(self.W, self.lws)) / self.W + self._scheme_delta(item, ch, +1)
+        per_phase = np.maximum(np.maximum(self._busiest(), ch.owner_peak), np.maximum.reduceat(mean, loads.PHASE_START))
+        return float(per_phase.sum())
 
     def _busiest(self) -> np.ndarray:
         """[phases]: each phase's time now (its busiest rank's), cached until the loads change."""
