@@ -66,6 +66,7 @@ class Choice:
         """Cache of [NROWS, W] loads for placements on fixed ranks (row-wise kinds, DP)."""
         self.peers: dict = {}
         """Cache of the rows each block loads on ranks other than its own (State._peer_rows)."""
+        self._total: tuple[int, int, np.ndarray] | None = None
 
     def _expanded(self, k: int) -> np.ndarray:
         arrays, a, b = self._runs
@@ -76,6 +77,15 @@ class Choice:
     def owner_peak(self) -> np.ndarray:
         """[phases]: the longest any one block keeps its own rank busy in each phase (s)."""
         return np.maximum.reduceat(self.owner.max(axis=0), loads.PHASE_START)
+
+    def total(self, world_size: int, local_world_size: int) -> np.ndarray:
+        """[NROWS]: what all its blocks load on all ranks together (each block: `owner` on its rank, `same` on its
+        host's other ranks, `other` on the other hosts' ranks), kept."""
+        if self._total is None or self._total[:2] != (world_size, local_world_size):
+            peers_same, peers_other = local_world_size - 1, world_size - local_world_size
+            summed = (self.owner + peers_same * self.same + peers_other * self.other).sum(axis=0)
+            self._total = (world_size, local_world_size, summed)
+        return self._total[2]
 
     @property
     def first_owner(self) -> np.ndarray:

@@ -1,11 +1,7 @@
-"""Per-host statistics of a load matrix, kept across the search's moves: for every row and host, the busiest
-rank's load, the largest load of the host's other ranks, and which rank is the busiest.
-
-A move of one block onto rank q of host h adds the same amount to every rank of every other host (per row), so
-their statistics shift by that amount (rounding is monotone: the largest of x + c is the largest x, plus c, to the
-last bit) and only host h's ranks are read again. Any other change drops the statistics; they are computed afresh
-when next asked for. The busiest rank may then differ from a fresh computation only between ranks of equal load,
-which give the same step times (State._add_peers)."""
+"""Per-host statistics of a load matrix: for every row and host, the busiest rank's load, the largest load of
+the host's other ranks, and which rank is the busiest (the first on ties), for one state of the loads (computed
+when asked for, kept until the loads change). The search reads them where it evaluates a block on every rank of a
+wide world (State._add_peers); one rank's evaluation reads the loads directly (rank_pick.others)."""
 
 from __future__ import annotations
 
@@ -33,22 +29,6 @@ class HostStats:
 
     def valid(self, key: tuple) -> bool:
         return self.key == key
-
-    def shift(self, matrix: np.ndarray, change: np.ndarray, rank: int, key: tuple) -> None:
-        """After `matrix` (already changed, now in state `key`) gained `change` [rows, W], equal over the ranks
-        outside `rank`'s host: shift the other hosts' statistics and read `rank`'s host again."""
-        h = rank // self.lws
-        outside = self.lws if h == 0 else 0  # a rank of another host
-        c = change[:, outside, None]
-        self.top += c
-        self.second += c
-        a = h * self.lws
-        top, second, arg = self._of(matrix[:, a : a + self.lws])
-        self.top[:, h], self.second[:, h], self.arg[:, h] = top, second, arg
-        self.key = key
-
-    def drop(self) -> None:
-        self.key = None
 
     def of(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(top, second, arg) [rows, H] of `matrix` [rows, W], computed afresh and not kept."""

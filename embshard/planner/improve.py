@@ -3,6 +3,7 @@ exact search's optimum when it is better."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,14 +36,7 @@ def improve(state: State, p: Problem) -> None:
                 break
             r = int(phases[phase].argmax())
             rows = loads.PHASE_SLICES[phase]
-            for i, (c, ranks) in state.placed.items():
-                ch = items[i].choices[c]
-                if r in ranks:
-                    contrib = float(ch.owner[ranks.index(r)][rows].max())
-                else:
-                    contrib = float(ch.same[0][rows].max() + ch.other[0][rows].max()) * 0.5
-                # the last table of a scheme also carries the scheme's latencies (and the step's host sync)
-                contrib += state.fixed_freed(items[i], ch, rows)
+            for i, contrib in _contributions(state, items, rows, r):
                 if contrib > 0:
                     scores[i] = max(scores.get(i, 0.0), contrib * phases[phase].max())
             if len(scores) >= CANDIDATES_PER_ROUND:
@@ -57,7 +51,7 @@ def improve(state: State, p: Problem) -> None:
             c0, r0 = state.remove(i, it)
             best = (J0 - tol, None, None)
             for c in usable[i]:
-                if state.floor(it.choices[c]) * (1 - FLOOR_MARGIN) >= best[0]:
+                if state.floor(it, it.choices[c]) * (1 - FLOOR_MARGIN) >= best[0]:
                     continue  # no placement of this choice can beat the best so far
                 got = state.best_ranks(it, it.choices[c])
                 if got is not None and got[0] < best[0]:
@@ -80,6 +74,27 @@ def improve(state: State, p: Problem) -> None:
             break
 
 
+def _contributions(state: State, items: Sequence, rows: slice, r: int) -> list[tuple[int, float]]:
+    """(item, how much it loads rank r in the rows `rows`) for every placed item, in placement order: its block's
+    busiest row there if it has a block on r, else half its busiest rows on the other ranks of r's host and of the
+    other hosts (its first block's); the last table of a scheme also counts the scheme's latencies (and the
+    step's host sync) its move would save. The rows' maxima are read for all items at once."""
+    placed = list(state.placed.items())
+    chosen = [items[i].choices[c] for i, (c, _) in placed]
+    on_r = [r in ranks for _, (_, ranks) in placed]
+    mine = [ch.owner[ranks.index(r)] for ch, (_, (_, ranks)), here in zip(chosen, placed, on_r) if here]
+    peers = [ch for ch, here in zip(chosen, on_r) if not here]
+    peak = iter(np.array(mine).reshape(len(mine), loads.NROWS)[:, rows].max(axis=1).tolist())
+    same = np.array([ch.same[0] for ch in peers]).reshape(len(peers), loads.NROWS)[:, rows].max(axis=1)
+    other = np.array([ch.other[0] for ch in peers]).reshape(len(peers), loads.NROWS)[:, rows].max(axis=1)
+    half = iter((same + other).tolist())
+    out = []
+    for (i, _), ch, here in zip(placed, chosen, on_r):
+        contrib = next(peak) if here else next(half) * 0.5
+        out.append((i, contrib + state.fixed_freed(items[i], ch, rows)))
+    return out
+
+
 def _try_swaps(state: State, p: Problem, candidates: list[int], phases: np.ndarray, target: float) -> tuple[bool, int]:
     """Swap a single-block table on a bottleneck rank with one on a less loaded rank; keep the first swap that
     brings the step time under `target`. Returns (swapped, swaps tried)."""
@@ -87,16 +102,18 @@ def _try_swaps(state: State, p: Problem, candidates: list[int], phases: np.ndarr
     singles = {
         i: pl for i, pl in state.placed.items() if len(pl[1]) == 1 and not is_dense(items[i].choices[pl[0]].option)
     }
-    rank_load = phases.sum(axis=0)
+    rank_load = phases.sum(axis=0).tolist()
     tries = 0
+    by_load: list[int] | None = None  # the singles by (their rank's load, balanced cost, index), made once
     for i in candidates:
         if i not in singles:
             continue
         ci, (ri,) = singles[i]
-        partners = sorted(
-            (j for j, (_, (rj,)) in singles.items() if rj != ri),
-            key=lambda j: (rank_load[singles[j][1][0]], items[j].choices[singles[j][0]].avg, j),
-        )[:SWAP_PARTNERS]
+        if by_load is None:
+            by_load = sorted(
+                singles, key=lambda j: (rank_load[singles[j][1][0]], items[j].choices[singles[j][0]].avg, j)
+            )
+        partners = list(itertools.islice((j for j in by_load if singles[j][1][0] != ri), SWAP_PARTNERS))
         for j in partners:
             tries += 1
             cj, (rj,) = singles[j]

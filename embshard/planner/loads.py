@@ -78,13 +78,7 @@ def phase_max_sum(loads: np.ndarray, per_phase: np.ndarray | None = None) -> np.
     another), so some columns of a matrix get the very numbers the whole matrix would."""
     n = loads.shape[1]
     if 2 <= n <= GATHERED:
-        if n <= NARROW:  # one reduceat
-            m = np.ascontiguousarray(np.maximum.reduceat(loads, PHASE_START, axis=0))
-        else:  # [4, phases, n]: each phase's maximum in three element-wise calls
-            four = np.take(loads, PHASE_FOUR, axis=0)
-            m = np.maximum(four[0], four[1])
-            np.maximum(m, four[2], out=m)
-            np.maximum(m, four[3], out=m)
+        m = phase_maxima(loads)
         if per_phase is not None:
             m += per_phase[:, None]
         # the sum over the phases adds their rows one after another (as below) for two or more columns; a single
@@ -98,6 +92,26 @@ def phase_max_sum(loads: np.ndarray, per_phase: np.ndarray | None = None) -> np.
             m = m + per_phase[p]
         out = m.copy() if out is None else np.add(out, m, out=out)
     return out
+
+
+def phase_maxima(loads: np.ndarray) -> np.ndarray:
+    """[phases, n]: each column's busiest row in each phase (`phase_times`' numbers, read the fastest way for the
+    width: one reduceat up to NARROW columns, the phases' rows gathered four per phase beyond)."""
+    if loads.shape[1] <= NARROW:  # one reduceat
+        return np.ascontiguousarray(np.maximum.reduceat(loads, PHASE_START, axis=0))
+    four = np.take(loads, PHASE_FOUR, axis=0)  # [4, phases, n]: each phase's maximum in three element-wise calls
+    m = np.maximum(four[0], four[1])
+    np.maximum(m, four[2], out=m)
+    return np.maximum(m, four[3], out=m)
+
+
+def column_sum(per_phase: list[float]) -> float:
+    """The phases' values of one column added one after another, as `phase_max_sum` adds them (numpy's sum of a
+    single run of values adds pairwise, in another order)."""
+    total = per_phase[0]
+    for v in per_phase[1:]:
+        total += v
+    return total
 
 
 def per_phase(row_values: np.ndarray) -> np.ndarray | None:

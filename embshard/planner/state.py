@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from embshard.planner import loads
+from embshard.planner import loads, rank_pick
 from embshard.planner.choices import Choice, Item
 from embshard.planner.cost import CostModel
 from embshard.planner.host_stats import HostStats
@@ -44,7 +44,7 @@ class State:
         self._buf_own = np.empty((loads.NROWS, self.W))  # scratch of _best_single
         self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
         self._buf_new = np.empty((loads.NROWS, self.W))
-        self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads, kept across moves
+        self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads (until they change)
         self._host_first = np.arange(self.H)[None, :] * self.lws  # [1, H]: each host's first rank
 
     # ---- fixed costs --------------------------------------------------------------------------------------
@@ -231,27 +231,40 @@ class State:
             launches[:, q] = 0.0
 
     def _add_loads(self, d: np.ndarray, ranks: Sequence[int]) -> None:
-        """Add a move's loads `d` [NROWS, W]; a single block's keeps the per-host statistics (host_stats.py)."""
-        keep = self.H > 1 and len(ranks) == 1 and self._hosts.valid((id(self.loads), self.version))
+        """Add a move's loads `d` [NROWS, W] (the per-host statistics are made again when next asked for)."""
         self.loads += d
         self.version += 1
-        if keep:
-            self._hosts.shift(self.loads, d, int(ranks[0]), (id(self.loads), self.version))
 
     def objective(self) -> float:
         """Predicted step time of the current loads (s)."""
         return loads.step_time(self.loads)
 
     # ---- where would a choice go best -----------------------------------------------------------------------
-    def floor(self, ch: Choice) -> float:
-        """A floor under the step time of every placement of the choice on the current loads: each phase lasts
-        at least as long as its busiest rank now and as the choice's busiest block on its own rank (a placement
-        only adds loads)."""
+    def floor(self, item: Item, ch: Choice) -> float:
+        """A floor under the step time of every placement of the item's choice on the current loads: each phase
+        lasts at least as long as its busiest rank now, as the choice's busiest block on its own rank (a placement
+        only adds loads), and as each of its rows' mean over the ranks after the placement (the choice's blocks and
+        the scheme's fixed costs it adds; launches only add)."""
+        cache = self._fresh()
+        sums = cache.get("sums")
+        if sums is None:
+            sums = cache["sums"] = self.loads.sum(axis=1)
+        mean = (sums + ch.total(self.W, self.lws)) / self.W + self._scheme_delta(item, ch, +1)
+        per_phase = np.maximum(np.maximum(self._busiest(), ch.owner_peak), np.maximum.reduceat(mean, loads.PHASE_START))
+        return float(per_phase.sum())
+
+    def _busiest(self) -> np.ndarray:
+        """[phases]: each phase's time now (its busiest rank's), cached until the loads change."""
         cache = self._fresh()
         busiest = cache.get("phases")
         if busiest is None:
             busiest = cache["phases"] = np.maximum.reduceat(self._row_max(), loads.PHASE_START)
-        return float(np.maximum(busiest, ch.owner_peak).sum())
+        return busiest
+
+    def _column(self, own: np.ndarray, q: int, rows: np.ndarray | None, a: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """[NROWS]: each row's new maximum with the block on rank q (rank_pick.column)."""
+        stats = None if rows is None else rank_pick.others(self.loads, rows, q, self.lws, self._row_max())
+        return rank_pick.column(own[:, q], self._row_max(), rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
         """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
@@ -348,22 +361,26 @@ class State:
             own += launches
         if isinstance(grow, np.ndarray) and grow.any():
             own[loads.BWD] += grow
-        new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
         rows = self._peer_rows(ch, b)
+        scheme, phase_add = self._scheme_join(item, ch) if b == 0 else (None, None)
+        own_all = None
+        if scheme is None and self.W > 1:  # the rank first by the lower bound, when its step meets the bound
+            q, least, own_all = rank_pick.bound_pick(own, self._busiest(), phase_add, feasible, self.hbm_free)
+            step = rank_pick.column_step(self._column(own, q, rows, a, x), phase_add)
+            if np.rint(step * 1e9) == least:
+                return step, q
+        new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
         if rows is not None:
             self._add_peers(new, own, rows, a, x)
-        phase_add = None
-        if b == 0:
-            scheme, phase_add = self._scheme_join(item, ch)
-            if scheme is not None:
-                new += scheme[:, None]
+        if scheme is not None:
+            new += scheme[:, None]
         J = loads.phase_max_sum(new, phase_add)
         J[~feasible] = np.inf
         rounded = np.rint(J * 1e9)  # np.round's numbers (decimals 0), without its wrappers
         ties = np.flatnonzero(rounded == rounded.min())
         if len(ties) > 1:
             # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
-            own_t = loads.phase_max_sum(own[:, ties])
+            own_t = own_all[ties] if own_all is not None else loads.phase_max_sum(own[:, ties])
             ties = ties[own_t == own_t.min()]
             if len(ties) > 1:
                 free = self.hbm_free[ties]
@@ -430,28 +447,8 @@ class State:
         return cache["max"]
 
     def _add_peers(self, new: np.ndarray, own: np.ndarray, rows: np.ndarray, a: np.ndarray, x: np.ndarray) -> None:
-        """Raise `new` [NROWS, W] (the rows' new maxima for a block on each rank) in `rows` by what the block
-        loads on the other ranks: on rank q of host h a row's other ranks reach the top of h's other ranks plus
-        `same` and the top of the other hosts plus `other`. For every rank but the busiest of its host (per row)
-        the top of h's other ranks is h's top; for the busiest it is h's second (`_host_stats`)."""
-        host_top, second, other_top, top_pos = self._host_stats(rows)
-        a_r, x_r = a[rows, None], x[rows, None]
-        e_most = host_top + a_r  # [m, H]: ranks that are not their host's busiest
-        e_top = second + a_r  # the host's busiest rank
-        if other_top is not None:
-            reach = other_top + x_r
-            np.maximum(e_most, reach, out=e_most)
-            np.maximum(e_top, reach, out=e_top)
-        first, end = int(rows[0]), int(rows[-1]) + 1
-        span = end - first == len(rows)  # consecutive rows: read and written in place
-        sub = new[first:end] if span else new[rows]
-        by_host = sub.reshape(len(rows), self.H, self.lws)  # a view: each host's ranks take its e_most
-        np.maximum(by_host, e_most[:, :, None], out=by_host)
-        r_idx = np.arange(len(rows))[:, None]
-        at_top = np.maximum(own[rows[:, None], top_pos], self._row_max()[rows][:, None])
-        sub[r_idx, top_pos] = np.maximum(at_top, e_top, out=at_top)
-        if not span:
-            new[rows] = sub
+        """Raise `new` [NROWS, W] in `rows` by what the block loads on the other ranks (rank_pick.add_peers)."""
+        rank_pick.add_peers(new, own, rows, a, x, self._host_stats(rows), self._row_max(), self.H, self.lws)
 
     def _host_stats(self, rows: np.ndarray) -> tuple:
         """For the rows `rows`, per host ([m, H] each): its busiest rank's load, the largest load of its other
@@ -463,10 +460,10 @@ class State:
         if got is not None:
             return got
         H = self.H
-        if H > 1:  # kept across moves (a single block's move changes one host's order)
+        if H > 1:  # every row's, for this state of the loads
             top, second, arg = self._hosts.get(self.loads, (id(self.loads), self.version))
             host_top, second, arg = top[rows], second[rows], arg[rows]
-        else:  # one host: every move changes its order; the rows asked for alone
+        else:  # one host: the rows asked for alone
             host_top, second, arg = self._hosts.of(self.loads[rows])
         other_top = None
         if H > 1:
