@@ -24,7 +24,7 @@ from pathlib import Path
 import paths
 import pytest
 import torch
-from train_job import Ran, embshard_train
+from train_job import Ran, embshard_train, embshard_train_exit
 
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
@@ -212,8 +212,10 @@ def test_resume_on_another_world_size_and_a_schedule_ending_before_the_checkpoin
         ) in res.stdout
     (m,) = metrics(three)
     assert m["step"] == end and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
-    res = train([*CRITEO, "schedule.steps=5", f"checkpoint.dir={ck}", "checkpoint.resume_from=latest"])
-    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    code, res = embshard_train_exit(
+        [*CRITEO, "schedule.steps=5", f"checkpoint.dir={ck}", "checkpoint.resume_from=latest"]
+    )
+    assert code == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert (
         f"checkpoint '{ck}/step_10' was saved after step 10 (step 20 of this run's steps), but this run's "
         in res.stderr
@@ -302,15 +304,28 @@ def test_mlperf_config_in_bf16_takes_the_whole_step_graph_by_default():
     assert "given up" not in out and "auc" in out
 
 
-def test_errors_exit_with_one_line(tmp_path):
-    res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", "model.tables[3].embedding_dim=0"])
-    assert res.returncode == 2
-    assert "error: configs/dlrm_criteo.yaml (with command-line override" in res.stderr
-    assert "model.tables[3].embedding_dim=0 is invalid" in res.stderr and "Traceback" not in res.stderr
-    res = train(["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"]
-                + ["checkpoint.dir=null"])  # fmt: skip
-    assert res.returncode == 2
-    assert "error: data.criteo: file 'no/such.txt' does not exist" in res.stderr and "Traceback" not in res.stderr
+def refused(argv: list[str], capsys) -> str:
+    """`embshard ARGV` in this process, for refusals before any work (no process starts): it must exit with status
+    2; returns what it printed to stderr."""
+    from embshard.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_errors_exit_with_one_line(capsys, monkeypatch):
+    """Config and data errors are refused before any process starts (checked in this process); an error of the
+    ranks (no plan fits, found by rank 0 after the processes started) goes through the command line: status 2 and
+    one line, the message printed once."""
+    monkeypatch.chdir(ROOT)
+    err = refused(["train", "configs/dlrm_criteo.yaml", "--nproc", "2", "model.tables[3].embedding_dim=0"], capsys)
+    assert "error: configs/dlrm_criteo.yaml (with command-line override" in err
+    assert "model.tables[3].embedding_dim=0 is invalid" in err and len(err.strip().splitlines()) == 1, err
+    args = ["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"]
+    err = refused(["train", *args, "checkpoint.dir=null"], capsys)
+    assert err.startswith("error: data.criteo: file 'no/such.txt' does not exist") and len(err.splitlines()) == 1
     # no plan fits: rank 0 plans, every rank stops with status 2, the message names the numbers once
     tiny = ["planner.ddr_gib=0.0005", "planner.hbm_gib=0.0005", "logging.tensorboard_dir=null", "checkpoint.dir=null"]
     res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", *tiny])

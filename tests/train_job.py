@@ -33,7 +33,10 @@ class Ran:
     stderr: str
 
 
-def _rank(rank: int, world_size: int, device: torch.device, args: list[str], nproc: int | None) -> tuple[str, str]:
+def _rank(
+    rank: int, world_size: int, device: torch.device, args: list[str], nproc: int | None, exits: bool = False
+) -> tuple[str, str] | tuple[str, str, int]:
+    """One rank's run; with `exits`, one that stops with a status (sys.exit): (stdout, stderr, status)."""
     from embshard.training.train import _run_or_exit
 
     os.chdir(paths.ROOT)
@@ -45,14 +48,20 @@ def _rank(rank: int, world_size: int, device: torch.device, args: list[str], npr
         sys.stderr.flush()
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
+        code = None
         try:
             _run_or_exit(args[0], args[1:])
         except BaseException as e:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            out.seek(0)
-            err.seek(0)
-            raise RuntimeError(f"rank {rank} of `embshard train` failed; it printed:\n{out.read()}{err.read()}") from e
+            if exits and isinstance(e, SystemExit):
+                code = e.code
+            else:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                out.seek(0)
+                err.seek(0)
+                raise RuntimeError(
+                    f"rank {rank} of `embshard train` failed; it printed:\n{out.read()}{err.read()}"
+                ) from e
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -62,6 +71,9 @@ def _rank(rank: int, world_size: int, device: torch.device, args: list[str], npr
             os.close(saved[1])
         out.seek(0)
         err.seek(0)
+        if exits:
+            assert code is not None, f"rank {rank} of `embshard train` did not exit with a status:\n{out.read()}"
+            return out.read(), err.read(), code
         return out.read(), err.read()
 
 
@@ -77,3 +89,17 @@ def embshard_train(args: list[str], nproc: int | None = None, env: dict[str, str
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return Ran(res.stdout, res.stderr)
+
+
+def embshard_train_exit(args: list[str], env: dict[str, str] | None = None) -> tuple[int, Ran]:
+    """`embshard train ARGS` on one process (no --nproc), which must stop with a status after it started (errors
+    the command line's own checks cannot see: those are checked in the test's process): (status, what it printed).
+    In a process forked for it where IN_TEST_RANKS, else by the command line."""
+    if IN_TEST_RANKS:
+        ((out, err, code),) = run_distributed(_rank, 1, list(args), None, True, fresh=True)
+        return code, Ran(out, err)
+    cmd = [sys.executable, "-m", "embshard.cli", "train", *args]
+    res = subprocess.run(
+        cmd, cwd=paths.ROOT, env=env or paths.cpu_subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    return res.returncode, Ran(res.stdout, res.stderr)
