@@ -24,7 +24,7 @@ from pathlib import Path
 import paths
 import pytest
 import torch
-from train_job import Ran, embshard_train, embshard_train_exit
+from train_job import Ran, embshard_train, embshard_train_exit, module_ranks
 
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
@@ -264,12 +264,11 @@ def test_train_e2e_benchmark_trains_scaled_down_on_cpu():
     """bench/train_e2e.py on the MLPerf config at 1e-5 of its rows (40M-row tables keep 400), 2 CPU processes: the
     plan summary, the build time, the held-out AUC rising, the RESULT line and the last line with the global
     samples/s."""
-    cmd = [sys.executable, "-m", "bench.train_e2e", "--config", "configs/dlrm_dcnv2_mlperf.yaml", "--nproc", "2",
-           "--scale", "1e-5", "--steps", "20", "--warmup", "5", "--batch-size", "32", "--eval",
-           "model.dlrm.bottom_mlp=[32]", "model.dlrm.top_mlp=[64]", "model.dcn.low_rank=16",
-           "sparse_optimizer.lr=0.05", "dense_optimizer.lr=0.01", "data.synthetic.eval_batches=4"]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    argv = ["--config", "configs/dlrm_dcnv2_mlperf.yaml", "--scale", "1e-5", "--steps", "20", "--warmup", "5",
+            "--batch-size", "32", "--eval", "model.dlrm.bottom_mlp=[32]", "model.dlrm.top_mlp=[64]",
+            "model.dcn.low_rank=16", "sparse_optimizer.lr=0.05", "dense_optimizer.lr=0.01",
+            "data.synthetic.eval_batches=4"]  # fmt: skip
+    res = module_ranks("bench.train_e2e", argv, 2, env())  # its ranks forked for it on the CPU (train_job)
     out = res.stdout.strip().splitlines()
     assert out[0].startswith("plan: ") and "predicted step time" in out[0]
     assert any(line.startswith("plan+build ") for line in out)
