@@ -21,9 +21,12 @@ import atexit
 import itertools
 import os
 import pickle
+import runpy
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -321,3 +324,68 @@ def run_distributed(
                 _POOLS.pop(world_size, None)
                 pool.close(kill=True)
         return _collect(out_dir, world_size)
+
+
+# ---- Python scripts as a reader runs them (`python SCRIPT ARGS`), in forks of the server -----------------------
+def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_path: str, err_path: str) -> None:
+    """`python SCRIPT ARGV` in a fork of the server: its environment, working directory, sys.argv and sys.path (the
+    script's folder, PYTHONPATH, the interpreter's own), stdout and stderr into files; exits with its status."""
+    mp.set_start_method(mp.get_all_start_methods()[0], force=True)  # as in any process (see _join_group)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    own = [p for p in sys.path if p.startswith((sys.prefix, sys.base_prefix))]  # the standard library, site-packages
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *own]
+    sys.argv = [script, *argv]
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # no exit handlers: they belong to the server's modules
+
+
+def run_scripts(runs: list[tuple[str, list[str], dict]], cwd: str, timeout: float = 180) -> list:
+    """Run every `python SCRIPT ARGV` with its environment at the same time, from `cwd`; returns a
+    subprocess.CompletedProcess each (returncode, stdout, stderr). On machines without CUDA the scripts run in forks
+    of the server that imported torch, torchrec, FBGEMM and embshard once (a new interpreter costs seconds of
+    CPU: their imports then cost nothing); elsewhere in new interpreters."""
+    if _start_method() != "forkserver":
+        procs = [
+            subprocess.Popen([sys.executable, script, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for script, argv, env in runs
+        ]  # fmt: skip
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
+    ctx = mp.get_context("forkserver")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i, (script, argv, env) in enumerate(runs):
+            files = (os.path.join(tmp, f"{i}.out"), os.path.join(tmp, f"{i}.err"))
+            proc = ctx.Process(target=_script_entry, args=(script, list(argv), dict(env), str(cwd), *files))
+            proc.start()
+            procs.append((proc, script, files))
+        deadline = time.monotonic() + timeout
+        done = []
+        for proc, script, (out, err) in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                for p, _, _ in procs:
+                    p.kill()
+                raise TimeoutError(f"python {script} ran past {timeout} s")
+            with open(out) as o, open(err) as e:
+                done.append(subprocess.CompletedProcess(["python", script], proc.exitcode, o.read(), e.read()))
+        return done
