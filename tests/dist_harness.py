@@ -357,35 +357,77 @@ def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_pat
     os._exit(code)  # no exit handlers: they belong to the server's modules
 
 
+class ScriptRun:
+    """A started `python SCRIPT ARGV` (start_script): its pid, poll() / wait() for its status, and once it ended
+    what it printed (`stdout`, `stderr`)."""
+
+    def __init__(self, script: str, argv: list[str], env: dict, cwd: str, tmp: str) -> None:
+        self.script = script
+        self.stdout = self.stderr = ""
+        if _start_method() != "forkserver":
+            self._proc = subprocess.Popen([sys.executable, script, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+            self.pid = self._proc.pid
+            return
+        fd, self._out = tempfile.mkstemp(dir=tmp, suffix=".out")
+        os.close(fd)
+        self._err = self._out[:-4] + ".err"
+        ctx = mp.get_context("forkserver")
+        self._proc = ctx.Process(
+            target=_script_entry, args=(script, list(argv), dict(env), str(cwd), self._out, self._err)
+        )
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def poll(self) -> int | None:
+        if isinstance(self._proc, subprocess.Popen):
+            return self._proc.poll()
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its status (a killed one's is minus the signal), once it ended; TimeoutError after `timeout` s."""
+        if isinstance(self._proc, subprocess.Popen):
+            try:
+                self.stdout, self.stderr = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                raise TimeoutError(f"python {self.script} ran past {timeout} s") from e
+            return self._proc.returncode
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise TimeoutError(f"python {self.script} ran past {timeout} s")
+        with open(self._out) as o:
+            self.stdout = o.read()
+        if os.path.exists(self._err):
+            with open(self._err) as e:
+                self.stderr = e.read()
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def start_script(script: str, argv: list[str], env: dict, cwd: str, tmp: str) -> ScriptRun:
+    """Start `python SCRIPT ARGV` with environment `env` from `cwd` (its output kept in folder `tmp` till it ends):
+    on machines without CUDA in a fork of the server that imported torch, torchrec, FBGEMM and embshard once (a new
+    interpreter costs seconds of CPU: the script's imports of them then cost nothing), elsewhere in a new
+    interpreter."""
+    return ScriptRun(script, argv, env, cwd, tmp)
+
+
 def run_scripts(runs: list[tuple[str, list[str], dict]], cwd: str, timeout: float = 180) -> list:
-    """Run every `python SCRIPT ARGV` with its environment at the same time, from `cwd`; returns a
-    subprocess.CompletedProcess each (returncode, stdout, stderr). On machines without CUDA the scripts run in forks
-    of the server that imported torch, torchrec, FBGEMM and embshard once (a new interpreter costs seconds of
-    CPU: their imports then cost nothing); elsewhere in new interpreters."""
-    if _start_method() != "forkserver":
-        procs = [
-            subprocess.Popen([sys.executable, script, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-            for script, argv, env in runs
-        ]  # fmt: skip
-        outs = [p.communicate(timeout=timeout) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
-    ctx = mp.get_context("forkserver")
+    """Run every `python SCRIPT ARGV` with its environment at the same time, from `cwd` (start_script); returns a
+    subprocess.CompletedProcess each (returncode, stdout, stderr)."""
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for i, (script, argv, env) in enumerate(runs):
-            files = (os.path.join(tmp, f"{i}.out"), os.path.join(tmp, f"{i}.err"))
-            proc = ctx.Process(target=_script_entry, args=(script, list(argv), dict(env), str(cwd), *files))
-            proc.start()
-            procs.append((proc, script, files))
+        started = [start_script(script, argv, env, cwd, tmp) for script, argv, env in runs]
         deadline = time.monotonic() + timeout
         done = []
-        for proc, script, (out, err) in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                for p, _, _ in procs:
-                    p.kill()
-                raise TimeoutError(f"python {script} ran past {timeout} s")
-            with open(out) as o, open(err) as e:
-                done.append(subprocess.CompletedProcess(["python", script], proc.exitcode, o.read(), e.read()))
+        try:
+            for run in started:
+                code = run.wait(max(0.0, deadline - time.monotonic()))
+                done.append(subprocess.CompletedProcess(["python", run.script], code, run.stdout, run.stderr))
+        finally:
+            for run in started:
+                if run.poll() is None:
+                    run.kill()
+                    run.wait()
         return done
