@@ -3,7 +3,8 @@ plan, progress and AUC (and no library warning) and writes TensorBoard events an
 checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
 resumes on 3 processes; a schedule that ends before the checkpoint's step stops with a message; config, data and
 planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the torchx component
-launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md).
+launches a CPU run of 2 nodes (2D sharding across its two launchers); two torchrun launchers train as 2 hosts x 2
+on one machine (docs/launch.md).
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
 the saved plan) run embshard.training.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
@@ -369,32 +370,30 @@ def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
 
 
 def test_torchx_component_runs_on_cpu(tmp_path):
+    """The torchx component (launch/components.py) on 2 nodes of 1 process each (local_cwd: two torchrun launchers
+    on this machine, a c10d rendezvous) trains a tiny DLRM in 2 sharding groups of 1 rank, exact mode: the job
+    succeeds and the run's end reports the two groups' tables (weights and optimizer state) identical (2D across two
+    launchers; tests/twod/test_twod_launch.py launches it by hand on 4 GPUs)."""
     pytest.importorskip("torchx", reason="torchx is not installed (make install pins torchx==0.7.0)")
     torchx = shutil.which("torchx", path=str(BIN)) or shutil.which("torchx")
     if torchx is None:
         pytest.skip("the torchx command is not on PATH")
-    cmd = [
-        torchx,
-        "run",
-        "-s",
-        "local_cwd",
-        "launch/components.py:train",
-        "--nproc_per_node",
-        "2",
-        "--",
-        "configs/dlrm_criteo.yaml",
-        "schedule.epochs=1",
-        f"logging.metrics_file={tmp_path}/metrics.jsonl",
-        "logging.tensorboard_dir=null",
-        "checkpoint.dir=null",
-        "logging.progress_bar=false",
-    ]
-    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [torchx, "run", "-s", "local_cwd", "launch/components.py:train", "--nnodes", "2", "--nproc_per_node", "1"]
+    cmd += ["--rdzv_port", str(port), "--", "configs/dlrm_synthetic.yaml", "schedule.steps=4", "schedule.batch_size=16",
+            "schedule.eval_every=0", "data.synthetic.eval_batches=1", f"logging.metrics_file={tmp_path}/metrics.jsonl",
+            "logging.tensorboard_dir=null", "checkpoint.dir=null", "logging.progress_bar=false", "planner.strategy=simple",
+            "sharding.group_size=1", "sharding.replica_sync=exact"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=dict(env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
     log = res.stdout + res.stderr
     assert res.returncode == 0 and "SUCCEEDED" in log, log[-4000:]
-    assert "ShardingPlan: world_size=2" in log
+    assert "2 ranks on cpu" in log and "sharding_group_size=1 (2 replicas" in log, log[-3000:]
+    assert "2D: 2 sharding groups of 1 ranks, replica_sync exact; replicas identical" in log, log[-3000:]
     start, end = metrics(tmp_path)  # the config evaluates before and after training
-    assert (start["step"], end["step"]) == (0, 5) and end["samples"] == 40
+    assert (start["step"], end["step"]) == (0, 4) and end["samples"] == start["samples"] > 0
 
 
 def test_two_hosts_on_one_machine_with_two_torchrun_launchers(tmp_path):
