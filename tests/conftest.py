@@ -111,13 +111,14 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering (parametrized module fixtures) and xdist's groups
 def pytest_collection_modifyitems(config, items) -> None:
     """In a worker of `--dist loadgroup`: the work units (their tests in pytest's order) longest first by
-    tests/durations_gpu.txt, so that the slowest do not start near the end; ties in collection order: the same
-    order in every worker, as xdist requires. Elsewhere the order stays pytest's."""
+    tests/durations_gpu.txt (on machines without CUDA tests/durations_cpu.txt), so that the slowest do not start
+    near the end; ties in collection order: the same order in every worker, as xdist requires. Elsewhere the order
+    stays pytest's."""
     if not (os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False)):
         return
-    from durations import load, test_id
+    from durations import default_file, load, test_id
 
-    seconds = load()
+    seconds = load(default_file(cpu=device_kind() == "cpu" and not torch.cuda.is_available()))
     units: dict[str, list] = {}
     for item in items:
         units.setdefault(work_unit(item.nodeid), []).append(item)

@@ -21,9 +21,12 @@ import atexit
 import itertools
 import os
 import pickle
+import runpy
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -321,3 +324,110 @@ def run_distributed(
                 _POOLS.pop(world_size, None)
                 pool.close(kill=True)
         return _collect(out_dir, world_size)
+
+
+# ---- Python scripts as a reader runs them (`python SCRIPT ARGS`), in forks of the server -----------------------
+def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_path: str, err_path: str) -> None:
+    """`python SCRIPT ARGV` in a fork of the server: its environment, working directory, sys.argv and sys.path (the
+    script's folder, PYTHONPATH, the interpreter's own), stdout and stderr into files; exits with its status."""
+    mp.set_start_method(mp.get_all_start_methods()[0], force=True)  # as in any process (see _join_group)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    own = [p for p in sys.path if p.startswith((sys.prefix, sys.base_prefix))]  # the standard library, site-packages
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *own]
+    sys.argv = [script, *argv]
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # no exit handlers: they belong to the server's modules
+
+
+class ScriptRun:
+    """A started `python SCRIPT ARGV` (start_script): its pid, poll() / wait() for its status, and once it ended
+    what it printed (`stdout`, `stderr`)."""
+
+    def __init__(self, script: str, argv: list[str], env: dict, cwd: str, tmp: str) -> None:
+        self.script = script
+        self.stdout = self.stderr = ""
+        if _start_method() != "forkserver":
+            self._proc = subprocess.Popen([sys.executable, script, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+            self.pid = self._proc.pid
+            return
+        fd, self._out = tempfile.mkstemp(dir=tmp, suffix=".out")
+        os.close(fd)
+        self._err = self._out[:-4] + ".err"
+        ctx = mp.get_context("forkserver")
+        self._proc = ctx.Process(
+            target=_script_entry, args=(script, list(argv), dict(env), str(cwd), self._out, self._err)
+        )
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def poll(self) -> int | None:
+        if isinstance(self._proc, subprocess.Popen):
+            return self._proc.poll()
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its status (a killed one's is minus the signal), once it ended; TimeoutError after `timeout` s."""
+        if isinstance(self._proc, subprocess.Popen):
+            try:
+                self.stdout, self.stderr = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                raise TimeoutError(f"python {self.script} ran past {timeout} s") from e
+            return self._proc.returncode
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise TimeoutError(f"python {self.script} ran past {timeout} s")
+        with open(self._out) as o:
+            self.stdout = o.read()
+        if os.path.exists(self._err):
+            with open(self._err) as e:
+                self.stderr = e.read()
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def start_script(script: str, argv: list[str], env: dict, cwd: str, tmp: str) -> ScriptRun:
+    """Start `python SCRIPT ARGV` with environment `env` from `cwd` (its output kept in folder `tmp` till it ends):
+    on machines without CUDA in a fork of the server that imported torch, torchrec, FBGEMM and embshard once (a new
+    interpreter costs seconds of CPU: the script's imports of them then cost nothing), elsewhere in a new
+    interpreter."""
+    return ScriptRun(script, argv, env, cwd, tmp)
+
+
+def run_scripts(runs: list[tuple[str, list[str], dict]], cwd: str, timeout: float = 180) -> list:
+    """Run every `python SCRIPT ARGV` with its environment at the same time, from `cwd` (start_script); returns a
+    subprocess.CompletedProcess each (returncode, stdout, stderr)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        started = [start_script(script, argv, env, cwd, tmp) for script, argv, env in runs]
+        deadline = time.monotonic() + timeout
+        done = []
+        try:
+            for run in started:
+                code = run.wait(max(0.0, deadline - time.monotonic()))
+                done.append(subprocess.CompletedProcess(["python", run.script], code, run.stdout, run.stderr))
+        finally:
+            for run in started:
+                if run.poll() is None:
+                    run.kill()
+                    run.wait()
+        return done

@@ -7,7 +7,9 @@ not recorded), from the test_times.txt of a run of the GPU suite (`python -m ben
     python tests/durations.py DIR/test_times.txt [MORE/test_times.txt ...] > tests/durations_gpu.txt
 
 (a later file's time of a test replaces an earlier one's). Lines starting with # are comments; a test missing from
-the file counts as 0 s (after every recorded test).
+the file counts as 0 s (after every recorded test). tests/durations_cpu.txt holds the same from a run of the CPU
+suite (`EMBSHARD_TEST_TIMES=DIR/test_times.txt make test`): the order on machines without CUDA, where other tests
+are the long ones (command-line runs start new interpreters; no Triton kernel but under its interpreter).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ import sys
 from pathlib import Path
 
 FILE = Path(__file__).resolve().parent / "durations_gpu.txt"
+CPU_FILE = FILE.with_name("durations_cpu.txt")
+
+
+def default_file(cpu: bool) -> Path:
+    """The durations that order a run: the CPU suite's on machines without CUDA, else the GPU suite's."""
+    return CPU_FILE if cpu and CPU_FILE.exists() else FILE
 
 
 def test_id(nodeid: str) -> str:
@@ -49,7 +57,9 @@ def render(durations: dict[str, float]) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python tests/durations.py DIR/test_times.txt [MORE ...] > tests/durations_gpu.txt")
+        raise SystemExit(
+            "usage: python tests/durations.py DIR/test_times.txt [MORE ...] > tests/durations_gpu.txt (or _cpu.txt)"
+        )
     merged: dict[str, float] = {}
     for name in sys.argv[1:]:
         merged.update(from_times(Path(name).read_text().splitlines()))

@@ -5,23 +5,15 @@ with the cost-model planner (plan, predictions, why the largest table went where
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import paths
+from dist_harness import run_scripts
 
 ROOT = paths.ROOT
 
 
 def test_quickstart_plans_for_the_cluster_and_trains_a_step_here():
-    proc = subprocess.run(
-        [sys.executable, "examples/quickstart.py"],
-        cwd=ROOT,
-        env=paths.cpu_subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    (proc,) = run_scripts([("examples/quickstart.py", [], paths.cpu_subprocess_env())], ROOT)  # as `python SCRIPT`
     out = proc.stdout
     assert proc.returncode == 0, out[-2000:] + proc.stderr[-3000:]
     cluster, _, here = out.partition("== the plan for this job")

@@ -3,15 +3,16 @@ of its own kind on 2 CPU processes (examples/quickstart.py: tests/test_quickstar
 
 The README's two ```python blocks (the sharded collection planned by the cost model; a whole model through
 TrainPipeline) each run as a script of their own; here both run in one process, one after the other (one start-up
-of torch, one gloo group of 1 process), from the repository root as a reader would."""
+of torch, one gloo group of 1 process), from the repository root as a reader would. The scripts run as `python
+SCRIPT` does (their environment, folder, arguments and sys.path), on machines without CUDA in forks of the test
+harness's server, which imported torch and embshard once (dist_harness.run_scripts)."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import paths
+from dist_harness import run_scripts
 
 ROOT = paths.ROOT
 
@@ -34,14 +35,7 @@ def test_readme_examples_run(tmp_path):
     ]
     script = "\n".join([sharded, *checks, pipeline, "assert done is None"])
     (tmp_path / "example.py").write_text(script)
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "example.py")],
-        cwd=ROOT,
-        env=paths.cpu_subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    (proc,) = run_scripts([(str(tmp_path / "example.py"), [], paths.cpu_subprocess_env())], ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "ShardingPlan: world_size=64" in proc.stdout and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:]
     assert re.search(r"^predicted step time [\d.]+ ms", proc.stdout, re.M), proc.stdout[-3000:]  # report.summary()
@@ -54,23 +48,17 @@ def test_custom_model_example_trains_on_two_processes():
     `--nproc` start goes through embshard.runtime.distributed.spawn_local, which `embshard train --nproc` tests use)."""
     from dist_harness import _free_port  # below the kernel's ephemeral range: no other socket takes it meanwhile
 
-    cmd = [sys.executable, "examples/custom_model.py", "--steps", "3"]
     procs = []
+    port = str(_free_port())
     for rank in range(2):
         env = paths.cpu_subprocess_env()
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
         env.update(LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs.append(env)
-    port = str(_free_port())
-    running = [
-        subprocess.Popen(
-            cmd, cwd=ROOT, env={**e, "MASTER_PORT": port}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for e in procs
-    ]
-    outs = [p.communicate(timeout=180) for p in running]
-    for p, (out, err) in zip(running, outs):
-        assert p.returncode == 0, out[-2000:] + err[-3000:]
+        procs.append(("examples/custom_model.py", ["--steps", "3"], env))
+    ran = run_scripts(procs, ROOT)
+    for p in ran:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    outs = [(p.stdout, p.stderr) for p in ran]
     out = outs[0][0]
     steps = re.findall(r"^train step +(\d+) +loss (\S+)", out, re.M)
     assert [int(s) for s, _ in steps] == [1, 2, 3] and all(0 < float(x) < 5 for _, x in steps), out[-2000:]

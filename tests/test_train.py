@@ -3,7 +3,8 @@ plan, progress and AUC (and no library warning) and writes TensorBoard events an
 checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
 resumes on 3 processes; a schedule that ends before the checkpoint's step stops with a message; config, data and
 planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the torchx component
-launches a CPU run; two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md).
+launches a CPU run of 2 nodes (2D sharding across its two launchers); two torchrun launchers train as 2 hosts x 2
+on one machine (docs/launch.md).
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
 the saved plan) run embshard.training.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
@@ -24,7 +25,7 @@ from pathlib import Path
 import paths
 import pytest
 import torch
-from train_job import Ran, embshard_train
+from train_job import Ran, embshard_train, embshard_train_exit, module_ranks
 
 ROOT = paths.ROOT
 BIN = Path(sys.executable).parent
@@ -212,8 +213,10 @@ def test_resume_on_another_world_size_and_a_schedule_ending_before_the_checkpoin
         ) in res.stdout
     (m,) = metrics(three)
     assert m["step"] == end and 0 < m["loss"] < 1 and 0 <= m["auc"] <= 1
-    res = train([*CRITEO, "schedule.steps=5", f"checkpoint.dir={ck}", "checkpoint.resume_from=latest"])
-    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    code, res = embshard_train_exit(
+        [*CRITEO, "schedule.steps=5", f"checkpoint.dir={ck}", "checkpoint.resume_from=latest"]
+    )
+    assert code == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert (
         f"checkpoint '{ck}/step_10' was saved after step 10 (step 20 of this run's steps), but this run's "
         in res.stderr
@@ -262,12 +265,11 @@ def test_train_e2e_benchmark_trains_scaled_down_on_cpu():
     """bench/train_e2e.py on the MLPerf config at 1e-5 of its rows (40M-row tables keep 400), 2 CPU processes: the
     plan summary, the build time, the held-out AUC rising, the RESULT line and the last line with the global
     samples/s."""
-    cmd = [sys.executable, "-m", "bench.train_e2e", "--config", "configs/dlrm_dcnv2_mlperf.yaml", "--nproc", "2",
-           "--scale", "1e-5", "--steps", "20", "--warmup", "5", "--batch-size", "32", "--eval",
-           "model.dlrm.bottom_mlp=[32]", "model.dlrm.top_mlp=[64]", "model.dcn.low_rank=16",
-           "sparse_optimizer.lr=0.05", "dense_optimizer.lr=0.01", "data.synthetic.eval_batches=4"]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    argv = ["--config", "configs/dlrm_dcnv2_mlperf.yaml", "--scale", "1e-5", "--steps", "20", "--warmup", "5",
+            "--batch-size", "32", "--eval", "model.dlrm.bottom_mlp=[32]", "model.dlrm.top_mlp=[64]",
+            "model.dcn.low_rank=16", "sparse_optimizer.lr=0.05", "dense_optimizer.lr=0.01",
+            "data.synthetic.eval_batches=4"]  # fmt: skip
+    res = module_ranks("bench.train_e2e", argv, 2, env())  # its ranks forked for it on the CPU (train_job)
     out = res.stdout.strip().splitlines()
     assert out[0].startswith("plan: ") and "predicted step time" in out[0]
     assert any(line.startswith("plan+build ") for line in out)
@@ -304,15 +306,28 @@ def test_mlperf_config_in_bf16_takes_the_whole_step_graph_by_default():
     assert "given up" not in out and "auc" in out
 
 
-def test_errors_exit_with_one_line(tmp_path):
-    res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", "model.tables[3].embedding_dim=0"])
-    assert res.returncode == 2
-    assert "error: configs/dlrm_criteo.yaml (with command-line override" in res.stderr
-    assert "model.tables[3].embedding_dim=0 is invalid" in res.stderr and "Traceback" not in res.stderr
-    res = train(["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"]
-                + ["checkpoint.dir=null"])  # fmt: skip
-    assert res.returncode == 2
-    assert "error: data.criteo: file 'no/such.txt' does not exist" in res.stderr and "Traceback" not in res.stderr
+def refused(argv: list[str], capsys) -> str:
+    """`embshard ARGV` in this process, for refusals before any work (no process starts): it must exit with status
+    2; returns what it printed to stderr."""
+    from embshard.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_errors_exit_with_one_line(capsys, monkeypatch):
+    """Config and data errors are refused before any process starts (checked in this process); an error of the
+    ranks (no plan fits, found by rank 0 after the processes started) goes through the command line: status 2 and
+    one line, the message printed once."""
+    monkeypatch.chdir(ROOT)
+    err = refused(["train", "configs/dlrm_criteo.yaml", "--nproc", "2", "model.tables[3].embedding_dim=0"], capsys)
+    assert "error: configs/dlrm_criteo.yaml (with command-line override" in err
+    assert "model.tables[3].embedding_dim=0 is invalid" in err and len(err.strip().splitlines()) == 1, err
+    args = ["configs/dlrm_criteo.yaml", "data.criteo.path=no/such.txt", "logging.tensorboard_dir=null"]
+    err = refused(["train", *args, "checkpoint.dir=null"], capsys)
+    assert err.startswith("error: data.criteo: file 'no/such.txt' does not exist") and len(err.splitlines()) == 1
     # no plan fits: rank 0 plans, every rank stops with status 2, the message names the numbers once
     tiny = ["planner.ddr_gib=0.0005", "planner.hbm_gib=0.0005", "logging.tensorboard_dir=null", "checkpoint.dir=null"]
     res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", *tiny])
@@ -357,32 +372,30 @@ def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
 
 
 def test_torchx_component_runs_on_cpu(tmp_path):
+    """The torchx component (launch/components.py) on 2 nodes of 1 process each (local_cwd: two torchrun launchers
+    on this machine, a c10d rendezvous) trains a tiny DLRM in 2 sharding groups of 1 rank, exact mode: the job
+    succeeds and the run's end reports the two groups' tables (weights and optimizer state) identical (2D across two
+    launchers; tests/twod/test_twod_launch.py launches it by hand on 4 GPUs)."""
     pytest.importorskip("torchx", reason="torchx is not installed (make install pins torchx==0.7.0)")
     torchx = shutil.which("torchx", path=str(BIN)) or shutil.which("torchx")
     if torchx is None:
         pytest.skip("the torchx command is not on PATH")
-    cmd = [
-        torchx,
-        "run",
-        "-s",
-        "local_cwd",
-        "launch/components.py:train",
-        "--nproc_per_node",
-        "2",
-        "--",
-        "configs/dlrm_criteo.yaml",
-        "schedule.epochs=1",
-        f"logging.metrics_file={tmp_path}/metrics.jsonl",
-        "logging.tensorboard_dir=null",
-        "checkpoint.dir=null",
-        "logging.progress_bar=false",
-    ]
-    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [torchx, "run", "-s", "local_cwd", "launch/components.py:train", "--nnodes", "2", "--nproc_per_node", "1"]
+    cmd += ["--rdzv_port", str(port), "--", "configs/dlrm_synthetic.yaml", "schedule.steps=4", "schedule.batch_size=16",
+            "schedule.eval_every=0", "data.synthetic.eval_batches=1", f"logging.metrics_file={tmp_path}/metrics.jsonl",
+            "logging.tensorboard_dir=null", "checkpoint.dir=null", "logging.progress_bar=false", "planner.strategy=simple",
+            "sharding.group_size=1", "sharding.replica_sync=exact"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=dict(env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
     log = res.stdout + res.stderr
     assert res.returncode == 0 and "SUCCEEDED" in log, log[-4000:]
-    assert "ShardingPlan: world_size=2" in log
+    assert "2 ranks on cpu" in log and "sharding_group_size=1 (2 replicas" in log, log[-3000:]
+    assert "2D: 2 sharding groups of 1 ranks, replica_sync exact; replicas identical" in log, log[-3000:]
     start, end = metrics(tmp_path)  # the config evaluates before and after training
-    assert (start["step"], end["step"]) == (0, 5) and end["samples"] == 40
+    assert (start["step"], end["step"]) == (0, 4) and end["samples"] == start["samples"] > 0
 
 
 def test_two_hosts_on_one_machine_with_two_torchrun_launchers(tmp_path):

@@ -12,6 +12,8 @@ torchrun restarts) run it in a subprocess (tests/test_train.py).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -33,12 +35,11 @@ class Ran:
     stderr: str
 
 
-def _rank(rank: int, world_size: int, device: torch.device, args: list[str], nproc: int | None) -> tuple[str, str]:
-    from embshard.training.train import _run_or_exit
-
-    os.chdir(paths.ROOT)
-    if nproc:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as embshard.runtime.distributed.spawn_local
+@contextlib.contextmanager
+def _captured(rank: int, what: str):
+    """This process's file descriptors 1 and 2 into temporary files while the block runs; yields a list that
+    receives (stdout, stderr) as it ends. A failure raises with what the block printed."""
+    printed: list[str] = []
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         saved = os.dup(1), os.dup(2)
         sys.stdout.flush()
@@ -46,13 +47,13 @@ def _rank(rank: int, world_size: int, device: torch.device, args: list[str], npr
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            _run_or_exit(args[0], args[1:])
+            yield printed
         except BaseException as e:
             sys.stdout.flush()
             sys.stderr.flush()
             out.seek(0)
             err.seek(0)
-            raise RuntimeError(f"rank {rank} of `embshard train` failed; it printed:\n{out.read()}{err.read()}") from e
+            raise RuntimeError(f"rank {rank} of {what} failed; it printed:\n{out.read()}{err.read()}") from e
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -62,7 +63,57 @@ def _rank(rank: int, world_size: int, device: torch.device, args: list[str], npr
             os.close(saved[1])
         out.seek(0)
         err.seek(0)
-        return out.read(), err.read()
+        printed[:] = [out.read(), err.read()]
+
+
+def _rank(
+    rank: int, world_size: int, device: torch.device, args: list[str], nproc: int | None, exits: bool = False
+) -> tuple[str, str] | tuple[str, str, int]:
+    """One rank's run; with `exits`, one that stops with a status (sys.exit): (stdout, stderr, status)."""
+    from embshard.training.train import _run_or_exit
+
+    os.chdir(paths.ROOT)
+    if nproc:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as embshard.runtime.distributed.spawn_local
+    code = None
+    with _captured(rank, "`embshard train`") as printed:
+        try:
+            _run_or_exit(args[0], args[1:])
+        except SystemExit as e:
+            if not exits:
+                raise
+            code = e.code
+    if exits:
+        assert code is not None, f"rank {rank} of `embshard train` did not exit with a status:\n{printed[0]}"
+        return printed[0], printed[1], code
+    return printed[0], printed[1]
+
+
+def _module_rank(rank: int, world_size: int, device: torch.device, module: str, argv: list[str], nproc: int):
+    from embshard.training.train import _run_or_exit  # noqa: F401  (the modules a command's rank has)
+
+    os.chdir(paths.ROOT)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as embshard.runtime.distributed.spawn_local
+    mod = importlib.import_module(module)
+    with _captured(rank, f"`python -m {module}`") as printed:
+        mod.run(mod.parse(argv))
+    return printed[0], printed[1]
+
+
+def module_ranks(module: str, argv: list[str], nproc: int, env: dict[str, str] | None = None) -> Ran:
+    """`python -m MODULE ARGV --nproc N` of a script whose ranks run `MODULE.run(MODULE.parse(ARGV))` (bench/
+    train_e2e.py), which must succeed: in processes forked for it where IN_TEST_RANKS (its own start of the ranks
+    is embshard.runtime.distributed.spawn_local, as `embshard train --nproc`'s), else by the command line (with
+    `env`, default paths.cpu_subprocess_env())."""
+    if IN_TEST_RANKS:
+        results = run_distributed(_module_rank, nproc, module, list(argv), nproc, fresh=True)
+        return Ran("".join(o for o, _ in results), "".join(e for _, e in results))
+    cmd = [sys.executable, "-m", module, *argv, "--nproc", str(nproc)]
+    res = subprocess.run(
+        cmd, cwd=paths.ROOT, env=paths.cpu_subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return Ran(res.stdout, res.stderr)
 
 
 def embshard_train(args: list[str], nproc: int | None = None, env: dict[str, str] | None = None) -> Ran:
@@ -77,3 +128,17 @@ def embshard_train(args: list[str], nproc: int | None = None, env: dict[str, str
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return Ran(res.stdout, res.stderr)
+
+
+def embshard_train_exit(args: list[str], env: dict[str, str] | None = None) -> tuple[int, Ran]:
+    """`embshard train ARGS` on one process (no --nproc), which must stop with a status after it started (errors
+    the command line's own checks cannot see: those are checked in the test's process): (status, what it printed).
+    In a process forked for it where IN_TEST_RANKS, else by the command line."""
+    if IN_TEST_RANKS:
+        ((out, err, code),) = run_distributed(_rank, 1, list(args), None, True, fresh=True)
+        return code, Ran(out, err)
+    cmd = [sys.executable, "-m", "embshard.cli", "train", *args]
+    res = subprocess.run(
+        cmd, cwd=paths.ROOT, env=env or paths.cpu_subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    return res.returncode, Ran(res.stdout, res.stderr)

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_cases import build, full_state, plan_for
+from dist_harness import start_script
 from paths import TESTS, cpu_subprocess_env
 
 from embshard.checkpoint import Checkpointer, TrainState, latest, load_checkpoint, read_manifest
@@ -22,10 +21,13 @@ from embshard.spec.plan import MemoryTier
 from embshard.spec.tables import ConfigError
 
 
-def _start(folder: Path, where: str) -> subprocess.Popen:
-    env = cpu_subprocess_env()
-    cmd = [sys.executable, str(TESTS / "ckpt_faults.py"), "save", str(folder), where]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _start(folder: Path, where: str):
+    """`python tests/ckpt_faults.py save FOLDER WHERE` (dist_harness.start_script: a fork of the test harness's
+    server on machines without CUDA)."""
+    args = ["save", str(folder), where]
+    return start_script(
+        str(TESTS / "ckpt_faults.py"), args, cpu_subprocess_env(), str(TESTS.parent), str(folder.parent)
+    )
 
 
 def test_a_save_killed_midway_never_loads(tmp_path):
@@ -34,11 +36,15 @@ def test_a_save_killed_midway_never_loads(tmp_path):
     deadline = time.time() + 180
     for where, proc in procs.items():
         while not (folders[where] / "paused").exists():
-            assert proc.poll() is None, f"{where}: the process ended before it stopped: {proc.stdout.read()[-3000:]}"
+            if proc.poll() is not None:
+                proc.wait()
+                raise AssertionError(
+                    f"{where}: the process ended before it stopped: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+                )
             assert time.time() < deadline, f"{where}: the save did not reach its stopping point"
             time.sleep(0.1)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        assert proc.wait(60) == -signal.SIGKILL, where
     for where, folder in folders.items():
         killed = folder / "step_2"
         assert killed.is_dir() and any(killed.iterdir()), f"{where}: the killed save wrote nothing"

@@ -6,8 +6,6 @@ deliver the same round robin as this process, and the shards of ranks and worker
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from dist_harness import run_scripts
 
 from embshard.config.data import CategoricalColumnConfig, DataConfig, DenseColumnConfig, TableSourceConfig
 from embshard.data.source import TableSource, _Train
@@ -166,15 +165,28 @@ print("RESULT", peak, pa.default_memory_pool().max_memory(), rows)
 """
 
 
-def _stream_peak(path: Path, n: int) -> tuple[int, int, str]:
-    """Stream `path` (n rows) for two epochs in a fresh process: (numpy peak + Arrow pool peak, rows, diagnostics)."""
-    code = _PEAK_SCRIPT.format(path=[str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "data")], file=str(path), n=n)
-    env = paths.cpu_subprocess_env()  # the reader's host memory, without the CUDA path's pinned slots
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    numpy_peak, arrow_peak, rows = map(int, res.stdout.split("RESULT")[1].split())
-    diag = " ".join(line for line in res.stdout.splitlines() if line.startswith(("VERSIONS", "HOLDERS")))
-    return numpy_peak + arrow_peak, rows, f"numpy {numpy_peak / 1e6:.1f} MB, Arrow {arrow_peak / 1e6:.1f} MB; {diag}"
+def _stream_peaks(paths_rows: list[tuple[Path, int]], tmp: Path) -> list[tuple[int, int, str]]:
+    """Stream each file (path, n rows) for two epochs in a process of its own, all at once (a fork of the test
+    harness's server where there is no CUDA: dist_harness.run_scripts): (numpy peak + Arrow pool peak, rows,
+    diagnostics) each."""
+    runs = []
+    for i, (path, n) in enumerate(paths_rows):
+        script = tmp / f"peak_{i}.py"
+        script.write_text(
+            _PEAK_SCRIPT.format(
+                path=[str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "data")], file=str(path), n=n
+            )
+        )
+        runs.append((str(script), [], paths.cpu_subprocess_env()))  # host memory, without the CUDA path's pinned slots
+    out = []
+    for res in run_scripts(runs, str(ROOT), timeout=300):
+        assert res.returncode == 0, res.stderr[-3000:]
+        numpy_peak, arrow_peak, rows = map(int, res.stdout.split("RESULT")[1].split())
+        diag = " ".join(line for line in res.stdout.splitlines() if line.startswith(("VERSIONS", "HOLDERS")))
+        out.append(
+            (numpy_peak + arrow_peak, rows, f"numpy {numpy_peak / 1e6:.1f} MB, Arrow {arrow_peak / 1e6:.1f} MB; {diag}")
+        )
+    return out
 
 
 def _write_tagged(path: Path, n: int, rng: np.random.Generator) -> int:
@@ -186,7 +198,7 @@ def _write_tagged(path: Path, n: int, rng: np.random.Generator) -> int:
 
 
 def test_memory_is_bounded_by_the_window(tmp_path):
-    """Files of ~30 and ~90 MB decoded, streamed with a window of 4000 rows in fresh processes: the peak of Arrow's
+    """Files of ~30 and ~90 MB decoded, streamed with a window of 4000 rows in processes of their own: the peak of Arrow's
     pool plus Python's allocations (numpy's; counted from the second batch, after the imports the first makes) does
     not grow with the file (a window's worth of slack) and stays far below it."""
     rng = np.random.default_rng(1)
@@ -194,8 +206,9 @@ def test_memory_is_bounded_by_the_window(tmp_path):
     _write_tagged(tmp_path / "small.parquet", small, rng)
     big_bytes = _write_tagged(tmp_path / "big.parquet", big, rng)
     assert big_bytes > 80e6
-    peak_small, rows_small, diag_small = _stream_peak(tmp_path / "small.parquet", small)
-    peak_big, rows_big, diag_big = _stream_peak(tmp_path / "big.parquet", big)
+    (peak_small, rows_small, diag_small), (peak_big, rows_big, diag_big) = _stream_peaks(
+        [(tmp_path / "small.parquet", small), (tmp_path / "big.parquet", big)], tmp_path
+    )
     assert (rows_small, rows_big) == (2 * small // 512 * 512, 2 * big // 512 * 512)
     window_bytes = big_bytes / big * 6_000  # a window: at least 4000 rows, whole row groups of 2000
     growth = peak_big - peak_small

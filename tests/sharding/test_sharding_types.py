@@ -9,7 +9,9 @@ One spawn per world size trains every (case, optimizer) pair; the tests then com
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 from dataclasses import replace
 
 import pytest
@@ -69,12 +71,14 @@ CASES = {
     "mixed_bf16_out": (MIXED, MIXED_TYPES),  # bf16 pooled outputs (OPTIONS)
     "column_wise_per_block": (TABLES, dict.fromkeys([t.name for t in TABLES], CW)),  # TorchRec's state
     "mixed_small": (MIXED, MIXED_TYPES),  # every table on embshard's small-table kernel, the kernel regroup
+    "mixed_small_triton": (MIXED, MIXED_TYPES),  # the same on the Triton kernels (on the CPU: the interpreter)
 }
-SMALL_KERNEL = {"mixed_small"}
+SMALL_KERNEL = {"mixed_small", "mixed_small_triton"}
 OPTIONS = {
     "mixed_bf16_out": LookupOptions(output_dtype="bf16"),
     "column_wise_per_block": LookupOptions(column_wise_exact=False),
     "mixed_small": LookupOptions(regroup="triton"),
+    "mixed_small_triton": LookupOptions(regroup="triton"),
 }
 TOLERANCE = {"mixed_fp16": (3e-3, 1e-2), "mixed_bf16_out": (2e-2, 1e-2)}  # (atol, rtol), as in test_tiers.py
 
@@ -95,23 +99,43 @@ RUNS += [("mixed_fp16", "sgd"), ("mixed_fp16", "rowwise_adagrad"), ("mixed_bf16_
 RUNS += [("column_wise_per_block", "rowwise_adagrad"), ("column_wise_per_block", "rowwise_adagrad_wd")]
 RUNS += [("column_wise", "rowwise_adagrad_wd")]
 RUNS += [("mixed_small", o) for o in ("sgd", "rowwise_adagrad", "adam", "adagrad")]
+RUNS += [("mixed_small_triton", "rowwise_adagrad")]
 REPEATED = [("mixed", "rowwise_adagrad"), ("mixed", "adam")]  # trained twice, for the determinism test
 # Worlds 3 and 4 (2 hosts for table-row-wise) train every case once, with the optimizers that keep per-row or
 # per-element state, instead of every run: the suite's time on 2 CPU cores (worlds 1 and 2 train all RUNS).
-WIDE_RUNS = [(c, "rowwise_adagrad") for c in CASES] + [("mixed", "adam"), ("data_parallel", "adam_wd")]
+WIDE_RUNS = [(c, "rowwise_adagrad") for c in CASES if c != "mixed_small_triton"]
+WIDE_RUNS += [("mixed", "adam"), ("data_parallel", "adam_wd")]
 
-
-# On the CPU the all-small collection runs the Triton kernels under the interpreter (seconds per run): worlds 1 and
-# 2 share its optimizers (each trains two, together all four; worlds 3 and 4 train it with rowwise_adagrad).
-SMALL_ON_CPU = {1: ("sgd", "adagrad"), 2: ("rowwise_adagrad", "adam")}
+# The small-table kernels' path: on the CPU mixed_small takes the torch path (what CPU training runs) and
+# mixed_small_triton the Triton kernels under the interpreter (seconds a step: once, at world 2; every optimizer
+# of the Triton kernels is checked against the reference in tests/kernels_interpret_cases.py). On GPUs both run
+# the Triton kernels.
+TRITON_WORLD = 2
 
 
 def runs_for(world_size: int) -> list[tuple[str, str]]:
     """The runs trained at this world size."""
     runs = RUNS if world_size <= 2 else [r for r in RUNS if r in WIDE_RUNS]
-    if device_kind() == "cpu" and world_size in SMALL_ON_CPU:
-        runs = [(c, o) for c, o in runs if c != "mixed_small" or o in SMALL_ON_CPU[world_size]]
-    return runs
+    return [(c, o) for c, o in runs if c != "mixed_small_triton" or world_size == TRITON_WORLD]
+
+
+@contextlib.contextmanager
+def kernel_path(case: str):
+    """On the CPU: the small-table kernels and the kernel regroup on the torch path (TRITON_INTERPRET unset) for
+    mixed_small, on the Triton interpreter for mixed_small_triton; other cases as the environment says."""
+    if device_kind() != "cpu" or case not in SMALL_KERNEL:
+        yield
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ.pop("TRITON_INTERPRET", None)
+    if case == "mixed_small_triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if before is not None:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 LOCAL_WORLD = {1: 1, 2: 1, 3: 3, 4: 2}  # ranks per host: world 2 is 2 hosts x 1, world 4 is 2 hosts x 2
@@ -202,9 +226,19 @@ def _worker(rank, world_size, device, batch_sizes, steps):
         case, opt = run[0], run[1]
         plan = _plan(case, world_size, tier)
         tables, seed = CASES[case][0], _seed(case, opt)
-        out[run] = sharded_worker(
-            rank, world_size, device, tables, plan, OPTIMIZERS[opt], batch_sizes, steps, seed, options=OPTIONS.get(case)
-        )
+        with kernel_path(case):
+            out[run] = sharded_worker(
+                rank,
+                world_size,
+                device,
+                tables,
+                plan,
+                OPTIMIZERS[opt],
+                batch_sizes,
+                steps,
+                seed,
+                options=OPTIONS.get(case),
+            )
     # seed=None draws the initial weights on the device, differently per rank: replicas must still agree.
     torch.manual_seed(100 + rank)
     ebc = ShardedEmbeddingBagCollection(DP_TABLES, _plan("data_parallel", world_size, tier), device=device, seed=None)
@@ -223,8 +257,8 @@ def trained(request):
 def test_parity(trained, case, opt):
     world_size, batch_sizes, results = trained
     if (case, opt) not in runs_for(world_size):
-        if case == "mixed_small" and world_size in SMALL_ON_CPU:
-            pytest.skip(f"on the CPU world {world_size} trains mixed_small with {SMALL_ON_CPU[world_size]} only")
+        if case == "mixed_small_triton":
+            pytest.skip(f"the Triton kernels are trained at world {TRITON_WORLD}")
         pytest.skip(f"world {world_size} trains WIDE_RUNS only (suite time); worlds 1 and 2 train this run")
     plan = _plan(case, world_size, MemoryTier.HOST)
     per_rank = [r[(case, opt)] for r in results]

@@ -1,8 +1,8 @@
 """2D sharding across two launchers: two torchrun launchers on this machine (node ranks 0 and 1, a c10d rendezvous)
 train a tiny DLRM for a few steps in 2 sharding groups, one per "host", exact mode; both exit 0, and the run's end
-reports the two groups' tables (weights and optimizer state) identical. On the CPU each launcher starts 1 process
-(groups of 1: the cross-group batch gathers and replica checks, at the least process start-up cost; sharding inside
-a group is tests/twod/test_twod_parity.py's); with EMBSHARD_TEST_DEVICE=cuda on 4 GPUs each launcher gets 2."""
+reports the two groups' tables (weights and optimizer state) identical. With EMBSHARD_TEST_DEVICE=cuda on 4 GPUs,
+each launcher with 2 (sharding inside a group: tests/twod/test_twod_parity.py). On the CPU the torchx component's
+test (tests/test_train.py) launches the same run on two nodes of one process each: the two launchers are torchx's."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import paths
+import pytest
 import torch
 
 ROOT = paths.ROOT
@@ -35,6 +36,7 @@ ARGS = [
 ]
 
 
+@pytest.mark.skipif(not GPUS, reason="on the CPU: tests/test_train.py's torchx test (two launchers, 2D exact)")
 def test_two_torchrun_launchers_train_2d_exact(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
