@@ -268,8 +268,17 @@ class RoutedSequenceSharding(nn.Module):
         """{feature: [(first column, `[n_f, width]` rows in the local batch's order)]} of every segment."""
         S = len(self.segments)
         dims = [s.num_cols for s in self.segments]
-        pieces = back.split([int(ids.sent[d, j]) * dims[j] for d in range(self.W) for j in range(S)])
         out: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        if self.W == 1 and len(set(dims)) == 1 and not any(o is not None for o in ids.order + ids.inverse):
+            # one rank, one width, no reordering: every feature's rows are one piece of `back`, so one split (its
+            # backward: one concatenation of the features' gradients)
+            sizes = [n for j in range(S) for n in ids.feature_ids[j]]
+            parts = iter(back.view(-1, dims[0]).split(sizes) if len(sizes) > 1 else [back.view(-1, dims[0])])
+            for j, seg in enumerate(self.segments):
+                for f in self.features[j]:
+                    out.setdefault(f, []).append((seg.col_offset, next(parts)))
+            return out
+        pieces = back.split([int(ids.sent[d, j]) * dims[j] for d in range(self.W) for j in range(S)])
         for j, seg in enumerate(self.segments):
             rows = _joined([pieces[d * S + j].view(-1, dims[j]) for d in range(self.W)], self.W)
             if ids.order[j] is not None:  # undo the sort by destination
@@ -278,7 +287,8 @@ class RoutedSequenceSharding(nn.Module):
                 rows = rows.index_select(0, undo)
             if ids.inverse[j] is not None:  # expand the unique ids; backward sums repeated ids' gradients
                 rows = rows.index_select(0, ids.inverse[j])
-            for f, part in zip(self.features[j], rows.split(ids.feature_ids[j])):
+            parts = rows.split(ids.feature_ids[j]) if len(self.features[j]) > 1 else [rows]
+            for f, part in zip(self.features[j], parts):
                 out.setdefault(f, []).append((seg.col_offset, part))
         return out
 
