@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,12 +54,12 @@ def bag_offsets(sizes: Sequence[int]) -> torch.Tensor:
     """TBE offsets `[T * B + 1]` (host, int64) for `sizes[t]` ids of each of T keys laid out key after key: every
     key's ids cut into the same number B of bags (B = ceil(max(sizes) / BAG_IDS), at least 1) of
     ceil(sizes[t] / B) ids at most (trailing bags empty). Rows come out in the ids' order whatever the cut."""
-    n_T = torch.tensor(list(sizes), dtype=torch.int64)
-    B = max(1, -(-max(sizes, default=0) // BAG_IDS))
+    n_T = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    B = max(1, -(-int(n_T.max(initial=0)) // BAG_IDS))
     chunk_T = (n_T + B - 1) // B
-    start_T = torch.cumsum(n_T, 0) - n_T
-    offsets_TB = torch.minimum(torch.arange(B, dtype=torch.int64)[None, :] * chunk_T[:, None], n_T[:, None])
-    return torch.cat([(offsets_TB + start_T[:, None]).flatten(), n_T.sum().reshape(1)])
+    start_T = np.cumsum(n_T) - n_T
+    offsets_TB = np.minimum(np.arange(B, dtype=np.int64)[None, :] * chunk_T[:, None], n_T[:, None]) + start_T[:, None]
+    return torch.from_numpy(np.append(offsets_TB.reshape(-1), n_T.sum()))
 
 
 class TBESequenceLookup(TBELookup):
