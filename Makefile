@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/torchrec.txt
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
-# About 1 minute on 2 cores (2026-12-07: 75 s, 91 s of CPU, on a 2-core machine shared with other work; 93 s on a
-# quiet one before the sharding types' small-kernel runs left Triton's interpreter). The core parity paths against
+# Under 1 minute on 2 cores (2026-12-07: 41 s, 75 s of CPU, on a 2-core machine at load 1-2; 93 s before the sharding
+# types' small-kernel runs left Triton's interpreter). The core parity paths against
 # the unsharded reference: every sharding type alone and mixed at 1-4 ranks with every optimizer, table-wise output
 # groups, data-parallel (tests/sharding), the tiers' lookup options, raw ids, the sharded softmax, the fuzzer's
 # covering cases and collective scenarios, the exchanges, checkpoints loaded under other world sizes and plans, and
