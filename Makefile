@@ -24,10 +24,12 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/torchrec.txt
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
-# About 1.5 minutes on 2 cores (93 s, 2026-12-07): the core parity paths against the unsharded reference: every sharding type alone and
-# mixed at 1-4 ranks with every optimizer, table-wise output groups, data-parallel (tests/sharding), the tiers'
-# lookup options, raw ids, the sharded softmax, the fuzzer's covering cases and collective scenarios, the exchanges,
-# checkpoints loaded under other world sizes and plans, and the small-table kernels' torch path.
+# Under 1 minute on 2 cores (2026-12-07: 41 s, 75 s of CPU, on a 2-core machine at load 1-2; 93 s before the sharding
+# types' small-kernel runs left Triton's interpreter). The core parity paths against
+# the unsharded reference: every sharding type alone and mixed at 1-4 ranks with every optimizer, table-wise output
+# groups, data-parallel (tests/sharding), the tiers' lookup options, raw ids, the sharded softmax, the fuzzer's
+# covering cases and collective scenarios, the exchanges, checkpoints loaded under other world sizes and plans, and
+# the small-table kernels' torch path.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests/sharding tests/lookup tests/retrieval tests/rawids/test_raw_parity.py tests/test_fuzz.py \
 		tests/test_comm.py tests/checkpoint/test_checkpoint.py tests/kernels/test_kernels_small_tables.py \

@@ -122,17 +122,28 @@ def runs_for(world_size: int) -> list[tuple[str, str]]:
 @contextlib.contextmanager
 def kernel_path(case: str):
     """On the CPU: the small-table kernels and the kernel regroup on the torch path (TRITON_INTERPRET unset) for
-    mixed_small, on the Triton interpreter for mixed_small_triton; other cases as the environment says."""
-    if device_kind() != "cpu" or case not in SMALL_KERNEL:
-        yield
-        return
+    mixed_small, on the Triton interpreter for mixed_small_triton; other cases as the environment says. Yields the
+    set of paths the small-table kernels took ('triton', 'torch'), filled as they run."""
+    from embshard.kernels import small_tables
+
+    taken: set[str] = set()
+    choose = small_tables.use_triton
+
+    def recorded(impl, device):
+        triton = choose(impl, device)
+        taken.add("triton" if triton else "torch")
+        return triton
+
     before = os.environ.get("TRITON_INTERPRET")
-    os.environ.pop("TRITON_INTERPRET", None)
-    if case == "mixed_small_triton":
-        os.environ["TRITON_INTERPRET"] = "1"
+    if device_kind() == "cpu" and case in SMALL_KERNEL:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if case == "mixed_small_triton":
+            os.environ["TRITON_INTERPRET"] = "1"
+    small_tables.use_triton = recorded
     try:
-        yield
+        yield taken
     finally:
+        small_tables.use_triton = choose
         os.environ.pop("TRITON_INTERPRET", None)
         if before is not None:
             os.environ["TRITON_INTERPRET"] = before
@@ -226,7 +237,7 @@ def _worker(rank, world_size, device, batch_sizes, steps):
         case, opt = run[0], run[1]
         plan = _plan(case, world_size, tier)
         tables, seed = CASES[case][0], _seed(case, opt)
-        with kernel_path(case):
+        with kernel_path(case) as taken:
             out[run] = sharded_worker(
                 rank,
                 world_size,
@@ -239,6 +250,7 @@ def _worker(rank, world_size, device, batch_sizes, steps):
                 seed,
                 options=OPTIONS.get(case),
             )
+        out[run]["small_kernel_paths"] = sorted(taken)
     # seed=None draws the initial weights on the device, differently per rank: replicas must still agree.
     torch.manual_seed(100 + rank)
     ebc = ShardedEmbeddingBagCollection(DP_TABLES, _plan("data_parallel", world_size, tier), device=device, seed=None)
@@ -266,6 +278,9 @@ def test_parity(trained, case, opt):
     tables, seed = CASES[case][0], _seed(case, opt)
     per_block = plan if case == "column_wise_per_block" else None  # row-wise Adagrad state per column block
     check_parity(per_rank, tables, OPTIMIZERS[opt], batch_sizes, STEPS, seed, atol=atol, plan=per_block, rtol=rtol)
+    if case in SMALL_KERNEL:  # the path each all-small collection is meant to take (kernel_path)
+        path = "torch" if case == "mixed_small" and device_kind() == "cpu" else "triton"
+        assert all(res["small_kernel_paths"] == [path] for res in per_rank), [r["small_kernel_paths"] for r in per_rank]
     if case in OPTIONS:
         want = OPTIONS[case].output_dtype.torch_dtype
         assert all(o.dtype == want for res in per_rank for step in res["outputs"] for o in step.values())
