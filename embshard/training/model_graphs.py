@@ -59,13 +59,14 @@ class ModelGraphs:
         why = model_refusal(model.cfg.kind, model.kind.sparse_input, model.catalog is not None)
         if why is not None:
             return why
+        group = None  # the default group
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if alone and world > 1 and os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
+            group = dist.new_group(ranks=list(range(world)))  # the dense all-reduce's own communicator
         try:
-            self.dense = DenseGraphStep(model.dense_module(), optimizer, batch_size, bf16, compile=compile)
+            self.dense = DenseGraphStep(model.dense_module(), optimizer, batch_size, bf16, group=group, compile=compile)
         except ValueError as e:  # the optimizer has no capturable step
             return str(e)
-        dense = self.dense
-        if alone and dense.world > 1 and os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
-            dense.group = dist.new_group(ranks=dist.get_process_group_ranks(dense.group or dist.group.WORLD))
         return None
 
     def capture_whole_step(self, overlap: bool = True) -> str | None:
