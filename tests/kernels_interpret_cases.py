@@ -54,9 +54,9 @@ SKEW_TABLES = [
 
 @pytest.mark.parametrize(
     "opt,deterministic",
-    [("sgd", False), ("rowwise_adagrad", False), ("rowwise_adagrad", True), ("adagrad", True), ("adam", False)]
+    [("sgd", False), ("rowwise_adagrad", False), ("adagrad", True), ("adam", False)]
     + [("rowwise_adagrad_wd", False), ("sgd_wd", True)],
-)
+)  # rowwise_adagrad on the sorted backward: test_triton_default_tiles_train_like_the_reference[True]
 def test_triton_trains_like_the_reference(opt, deterministic):
     cfg = OPTIMIZERS[opt]
     kernel = SmallTableOptions(impl="triton", deterministic=deterministic, tiles=SMALL_TILES)
@@ -90,7 +90,7 @@ def test_sorted_backward_is_bitwise_reproducible_and_tiles_do_not_matter():
         kernel = SmallTableOptions(impl="triton", deterministic=True, tiles=Tiles(**tiles))
         lookup = SmallTableLookup(full_shards(TABLES[:2], CPU), cfg, CPU, seed=2, kernel=kernel)
         gen = torch.Generator().manual_seed(4)
-        for _ in range(2):
+        for _ in range(1):
             idx, off, psw, _, up = random_step(TABLES[:2], 4, gen)
             (lookup(idx, off, psw) * torch.cat(list(up.values()), dim=1)).sum().backward()
         runs.append([w.clone() for w in lookup.shard_weights()])
@@ -260,7 +260,7 @@ def test_padded_batch_under_every_id_weighted_trains_like_the_unpadded_one(schem
         make = lambda: KernelDataParallelLookup(full_shards(tables, CPU), cfg, CPU, None, seed=7, kernel=k)
     # the interpreter runs the programs one after another: atomics add in a fixed order, and exact zeros change no
     # sum; the sorted backward's tiles shift with the fillers (the same sums in other trees)
-    check_padded_like_unpadded(make, tables, CPU, exact=not k.deterministic, steps=2, B=3)
+    check_padded_like_unpadded(make, tables, CPU, exact=not k.deterministic, steps=1, B=3)
 
 
 def test_triton_regroup_with_an_empty_block():
@@ -323,7 +323,7 @@ class _SeparateTensors:
 
 @pytest.mark.parametrize(
     "optimizer,map_kernel", [("rowwise_adagrad", "torch"), ("adagrad", "triton"), ("separate", "torch"),
-                             ("separate", "triton"), ("rowwise_adagrad", "triton")],
+                             ("separate", "triton")],
 )  # fmt: skip
 def test_raw_id_map_resets_through_the_batched_kernels_as_through_torch(optimizer, map_kernel, monkeypatch):
     """IdMap.reset on the batched kernels (one launch per storage: a TBE's weights, each optimizer state; shard by
@@ -351,7 +351,7 @@ def test_raw_id_map_resets_through_the_batched_kernels_as_through_torch(optimize
     monkeypatch.setattr("embshard.rawids.reset.RESET_BLOCK_ELEMENTS", 40)  # the torch path in blocks of 3-5 rows
     gen = torch.Generator().manual_seed(4)
     pool_ids = torch.randint(-(2**62), 2**62, (300,), generator=gen)
-    for step in range(12):
+    for step in range(7):
         counts = [int(torch.randint(0, 40, (1,), generator=gen)) for _ in shards]
         ids = pool_ids[torch.randint(0, 300, (sum(counts),), generator=gen)]
         rows = [m(ids, counts, lk) for m, lk in zip(maps, lookups)]
@@ -389,7 +389,7 @@ def test_raw_id_map_runs_on_its_kernels_as_on_torch(monkeypatch):
     maps[0].map_kernel, maps[1].map_kernel = "triton", "torch"
     gen = torch.Generator().manual_seed(8)
     pool_ids = torch.randint(-(2**62), 2**62, (250,), generator=gen)
-    for step in range(10):
+    for step in range(6):
         counts = [int(torch.randint(0, 60, (1,), generator=gen)) for _ in shards]
         ids = pool_ids[torch.randint(0, 250, (sum(counts),), generator=gen)]
         shard = torch.repeat_interleave(torch.arange(len(shards)), torch.tensor(counts))

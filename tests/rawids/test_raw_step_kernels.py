@@ -60,14 +60,14 @@ def test_step_kernels_match_torch(device):
     gen = torch.Generator().manual_seed(7)
     pool = torch.randint(-(2**62), 2**62, (400,), generator=gen)
     given = []
-    for step in range(8):  # more distinct ids than rows: evictions
+    for step in range(len(TABLES)):  # more distinct ids than rows: evictions; each shard once without ids
         counts = [int(torch.randint(0, 70, (1,), generator=gen)) for _ in TABLES]
         counts[step % len(TABLES)] = 0
         ids = pool[torch.randint(0, 400, (sum(counts),), generator=gen)]
         given.append(_check(fast, ref, ids, counts, step))
     assert min(given) > 0 and sum(s["evicted"] for s in fast.stats()) > 20
     resident = [fast.shard_state(s)["ids"][fast.shard_state(s)["id_last"] >= 0].cpu() for s in range(len(TABLES))]
-    for step in range(3):  # only resident ids (some twice): nothing to place
+    for step in range(1):  # only resident ids (some twice): nothing to place
         counts, parts = [], []
         for r in resident:
             pick = r[torch.randint(0, max(len(r), 1), (min(len(r), 1) * 25,), generator=gen)]
@@ -86,7 +86,7 @@ def test_step_kernels_with_full_buckets(device, monkeypatch):
     monkeypatch.setattr("embshard.rawids.state.map_buckets", lambda usable: 2)
     fast, ref = _maps([TableConfig("a", 41, 4, ("fa",), ids="raw")], device)
     gen = torch.Generator().manual_seed(3)
-    for step in range(4):
+    for step in range(2):
         ids = torch.randint(-(2**62), 2**62, (40,), generator=gen)
         _check(fast, ref, ids, [40], step)
     assert (ref.row_last[:40] < 0).any() and (ref.slot_row[:-1] >= 0).all()
@@ -105,7 +105,7 @@ def test_step_kernels_with_repeated_misses_and_hits(device):
     fast, ref = _maps(tables, device)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))  # fresh ids every run
     pool = torch.randint(-(2**62), 2**62, (150,), generator=gen)
-    for step in range(6):
+    for step in range(4):
         hot = pool[torch.randint(0, 150, (1,), generator=gen)]
         counts = [int(torch.randint(60, 120, (1,), generator=gen)) for _ in tables]
         parts = []
@@ -116,7 +116,7 @@ def test_step_kernels_with_repeated_misses_and_hits(device):
         _check(fast, ref, torch.cat(parts), counts, step)
     assert sum(s["evicted"] for s in ref.stats()) > 10 and ref.stats()[1]["admitted"] > 0
     resident = [fast.shard_state(s)["ids"][fast.shard_state(s)["id_last"] >= 0].cpu() for s in range(len(tables))]
-    for step in range(2):
+    for step in range(1):
         parts = [r[torch.randint(0, len(r), (90,), generator=gen)] for r in resident]
         assert _check(fast, ref, torch.cat(parts), [90] * len(tables), f"resident {step}") == 0
 
@@ -195,13 +195,13 @@ def test_padded_steps_match_the_torch_path(device):
     """Several shards (LRU, LFU, admission counting, a 2-row shard, one that admits nothing; empty shards): padded
     steps of N > n ids (pads that repeat the step's ids, INT64_MAX, a step of no ids) remap, reset and count as the
     torch path on the step's ids alone, while admitting and evicting."""
-    ref = _padded_steps(TABLES, device, [(70, 40), (70, 0), (60, 90), (0, 64), (70, 5), (50, 1), (70, 30)], 11)
+    ref = _padded_steps(TABLES, device, [(70, 40), (60, 90), (0, 64), (70, 0), (50, 1)], 11)
     assert sum(s["evicted"] for s in ref.stats()) > 20
 
 
 def test_padded_steps_of_one_shard_match_the_torch_path(device):
     """One LRU shard (T = 1: the pads still form runs of their own): steps that admit, evict and hit."""
-    ref = _padded_steps([TableConfig("a", 60, 4, ("fa",), ids="raw")], device, [(80, 20), (80, 3), (40, 60)] * 2, 5)
+    ref = _padded_steps([TableConfig("a", 60, 4, ("fa",), ids="raw")], device, [(80, 20), (80, 3), (40, 60)], 5)
     assert ref.stats()[0]["evicted"] > 10
 
 
@@ -265,7 +265,8 @@ def test_graph_steps_match_eager_steps_with_the_capture_stood_in_for(capture_fai
     pool = torch.randint(-(2**62), 2**62, (200,), generator=gen)
     kept = None
     with pytest.warns(RuntimeWarning, match="capturing its step failed") if capture_fails else nullcontext():
-        for step, n in enumerate([60, 30, 0, 50, 140, 20, 100, 70, 5, 90]):
+        sizes = [60, 0, 140, 30] if capture_fails else [60, 30, 0, 50, 140, 20, 100, 70, 5, 90]  # eager: fewer
+        for step, n in enumerate(sizes):
             a = int(torch.randint(0, n + 1, (1,), generator=gen))
             ids = pool[torch.randint(0, 200, (n,), generator=gen)]
             if step == 6:  # a load: the order comes from the rebuild
