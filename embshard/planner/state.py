@@ -49,7 +49,7 @@ class State:
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
-        return (ch.option.sharding, ch.option.tier, ch.option.kernel, ch.option.raw)
+        return ch.group
 
     def _hot_change(self, ch: Choice, ranks: Sequence[int], sign: int) -> np.ndarray:
         """[W]: change of each rank's longest hot chain in the choice's group if it joins (+1) or leaves (-1)."""
@@ -187,10 +187,14 @@ class State:
             np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
             np.add.at(counts, list(ranks), 1)
             self._launches.pop(key, None)
-        sc = self.scheme_count.setdefault(ch.option.sharding, [0, 0])
+        sc = self.scheme_count.get(ch.option.sharding)
+        first = sc is None
+        if first:
+            sc = self.scheme_count[ch.option.sharding] = [0, 0]
         sc[0] += 1
         sc[1] += int(item.weighted)
-        self._scheme_sig = self._signature()
+        if first or sc[0] <= 2 or (item.weighted and sc[1] <= 2):  # a capped count changed
+            self._scheme_sig = self._signature()
         self.placed[i] = (c, tuple(int(r) for r in ranks))
         if ch.option.kernel is LookupKernel.SMALL:
             self._track_hot(ch, self.placed[i][1], +1)
@@ -215,7 +219,8 @@ class State:
         sc = self.scheme_count[ch.option.sharding]
         sc[0] -= 1
         sc[1] -= int(item.weighted)
-        self._scheme_sig = self._signature()
+        if sc[0] <= 1 or (item.weighted and sc[1] <= 1):  # a capped count changed
+            self._scheme_sig = self._signature()
         if ch.option.kernel is LookupKernel.SMALL:
             self._track_hot(ch, ranks, -1)
         return c, ranks
@@ -260,11 +265,6 @@ class State:
         if busiest is None:
             busiest = cache["phases"] = np.maximum.reduceat(self._row_max(), loads.PHASE_START)
         return busiest
-
-    def _column(self, own: np.ndarray, q: int, rows: np.ndarray | None, a: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """[NROWS]: each row's new maximum with the block on rank q (rank_pick.column)."""
-        stats = None if rows is None else rank_pick.others(self.loads, rows, q, self.lws, self._row_max())
-        return rank_pick.column(own[:, q], self._row_max(), rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
         """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
@@ -343,19 +343,16 @@ class State:
         maximum; the per-host tops are needed only for the rows the block loads on other ranks (`_host_stats`,
         kept until the loads change). Computed for every rank at once; ranks without room score infinity.
         """
-        feasible = self.hbm_free >= ch.hbm[b] - 0.5
-        feasible &= self.ddr_free >= ch.ddr[b] - 0.5
+        blocked = self.hbm_free < ch.hbm[b] - 0.5  # ranks without room
+        blocked |= self.ddr_free < ch.ddr[b] - 0.5
         if item.pinned:
-            allowed = np.zeros(self.W, dtype=bool)
-            allowed[list(item.pinned)] = True
-            feasible &= allowed
+            outside = np.ones(self.W, dtype=bool)
+            outside[list(item.pinned)] = False
+            blocked |= outside
         if exclude:
-            feasible[list(exclude)] = False
-        if not feasible.any():
-            return None
+            blocked[list(exclude)] = True
         o, a, x = ch.owner[b], ch.same[b], ch.other[b]
-        group = self._group(ch)
-        launches, grow = self._own_extra(ch, b, group)
+        launches, grow = self._own_extra(ch, b, ch.group)
         own = np.add(self.loads, o[:, None], out=self._buf_own)
         if launches is not None:
             own += launches
@@ -363,19 +360,27 @@ class State:
             own[loads.BWD] += grow
         rows = self._peer_rows(ch, b)
         scheme, phase_add = self._scheme_join(item, ch) if b == 0 else (None, None)
+        row_max = self._row_max()
         own_all = None
         if scheme is None and self.W > 1:  # the rank first by the lower bound, when its step meets the bound
-            q, least, own_all = rank_pick.bound_pick(own, self._busiest(), phase_add, feasible, self.hbm_free)
-            step = rank_pick.column_step(self._column(own, q, rows, a, x), phase_add)
-            if np.rint(step * 1e9) == least:
+            got = rank_pick.bound_pick(own, self._busiest(), phase_add, blocked, self.hbm_free)
+            if got is None:
+                return None
+            q, least, own_all = got
+            stats = None if rows is None else rank_pick.others(self.loads, rows, q, self.lws, row_max)
+            step = rank_pick.column_step(rank_pick.column(own[:, q], row_max, rows, a, x, stats), phase_add)
+            ns = step * 1e9
+            if abs(ns - least) <= 0.5 and round(ns) == least:  # np.rint's number (both round half to even)
                 return step, q
-        new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
+        elif blocked.all():
+            return None
+        new = np.maximum(own, row_max[:, None], out=self._buf_new)
         if rows is not None:
             self._add_peers(new, own, rows, a, x)
         if scheme is not None:
             new += scheme[:, None]
         J = loads.phase_max_sum(new, phase_add)
-        J[~feasible] = np.inf
+        J[blocked] = np.inf
         rounded = np.rint(J * 1e9)  # np.round's numbers (decimals 0), without its wrappers
         ties = np.flatnonzero(rounded == rounded.min())
         if len(ties) > 1:
