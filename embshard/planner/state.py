@@ -17,6 +17,8 @@ from embshard.planner.cost import CostModel
 from embshard.planner.host_stats import HostStats
 from embshard.spec.plan import LookupKernel, ShardingType
 
+_UNSET = object()
+
 
 class State:
     """Loads [NROWS, W] (fixed costs included), free HBM / host memory per rank, and what sits where."""
@@ -103,6 +105,15 @@ class State:
             got = self._schemes[key] = self._scheme_change(item, ch, sign)
         return got
 
+    def _scheme_added(self, item: Item, ch: Choice, sign: int) -> np.ndarray | None:
+        """`_scheme_delta`, or None where it is zero on every rank (kept per `_scheme_sig` too)."""
+        key = ("added", ch.option.sharding, item.weighted, sign, self._scheme_sig)
+        got = self._schemes.get(key, _UNSET)
+        if got is _UNSET:
+            scheme = self._scheme_delta(item, ch, sign)
+            got = self._schemes[key] = scheme if scheme.any() else None
+        return got
+
     def _signature(self) -> tuple:
         """The scheme counts as far as the fixed costs of a join or a leave tell them apart: each scheme's items
         and weighted items, capped at 2 (a change matters only where a count reaches or leaves 0)."""
@@ -128,7 +139,6 @@ class State:
         """Loads [NROWS, W] that placing (+1) or removing (-1) the choice on `ranks` adds."""
         group = self._group(ch)
         counts = self.group_count.get(group)
-        fixed = self.model.group_fixed(*group)
         if ch.blocks == 1:  # one block: its rank, its host's other ranks, the other hosts' ranks
             q = int(ranks[0])
             h0 = q // self.lws * self.lws
@@ -143,6 +153,7 @@ class State:
                 d[:, q] = -ch.owner[0]
             n = 0 if counts is None else int(counts[q])
             if (n > 0) != (n + sign > 0):  # the group's first block on q arrives, or its last leaves
+                fixed = self.model.group_fixed(*group)
                 d[:, q] += fixed if sign > 0 else -fixed
         else:
             ranks_a = np.asarray(ranks)
@@ -151,9 +162,9 @@ class State:
             per_rank = np.bincount(ranks_a, minlength=self.W)
             new = counts + sign * per_rank
             changed = (counts > 0) != (new > 0)
-            d[:, changed] += np.outer(fixed, np.where(new[changed] > 0, 1.0, -1.0))
-        scheme = self._scheme_delta(item, ch, sign)
-        if scheme.any():
+            d[:, changed] += np.outer(self.model.group_fixed(*group), np.where(new[changed] > 0, 1.0, -1.0))
+        scheme = self._scheme_added(item, ch, sign)
+        if scheme is not None:
             d += scheme[:, None]
         if ch.option.kernel is LookupKernel.SMALL:
             d[loads.BWD] += self._hot_change(ch, ranks, sign)
@@ -382,14 +393,14 @@ class State:
         J = loads.phase_max_sum(new, phase_add)
         J[blocked] = np.inf
         rounded = np.rint(J * 1e9)  # np.round's numbers (decimals 0), without its wrappers
-        ties = np.flatnonzero(rounded == rounded.min())
+        ties = (rounded == np.minimum.reduce(rounded)).nonzero()[0]
         if len(ties) > 1:
             # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
             own_t = own_all[ties] if own_all is not None else loads.phase_max_sum(own[:, ties])
-            ties = ties[own_t == own_t.min()]
+            ties = ties[own_t == np.minimum.reduce(own_t)]
             if len(ties) > 1:
                 free = self.hbm_free[ties]
-                ties = ties[free == free.max()]
+                ties = ties[free == np.maximum.reduce(free)]
         k = int(ties[0])
         return float(J[k]), k
 
@@ -446,9 +457,9 @@ class State:
         if "max" not in cache:
             key = (id(self.loads), self.version)
             if self.H > 1 and self._hosts.valid(key):  # the hosts' tops: the same numbers, fewer to read
-                cache["max"] = self._hosts.get(self.loads, key)[0].max(axis=1)
+                cache["max"] = np.maximum.reduce(self._hosts.get(self.loads, key)[0], axis=1)
             else:
-                cache["max"] = self.loads.max(axis=1)
+                cache["max"] = np.maximum.reduce(self.loads, axis=1)
         return cache["max"]
 
     def _add_peers(self, new: np.ndarray, own: np.ndarray, rows: np.ndarray, a: np.ndarray, x: np.ndarray) -> None:
