@@ -45,6 +45,8 @@ class State:
         self.hot_max: dict[tuple, np.ndarray] = {}  # small-kernel group -> [W] longest chain per rank
         self._buf_own = np.empty((loads.NROWS, self.W))  # scratch of _best_single
         self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
+        self._absent: dict[tuple, int] = {}  # group -> how many ranks it is absent from (while _launches has it)
+        self._launch_rows: dict[tuple, list[int]] = {}  # group -> the rows its launches load
         self._buf_new = np.empty((loads.NROWS, self.W))
         self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads (until they change)
         self._host_first = np.arange(self.H)[None, :] * self.lws  # [1, H]: each host's first rank
@@ -192,7 +194,7 @@ class State:
             self.hbm_free[q] -= ch.hbm[0]
             self.ddr_free[q] -= ch.ddr[0]
             counts[q] += 1
-            self._launches_at(key, q, counts[q])
+            self._launches_at(key, q, counts[q], +1)
         else:
             np.subtract.at(self.hbm_free, np.asarray(ranks), ch.hbm)
             np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
@@ -221,7 +223,7 @@ class State:
             self.hbm_free[q] += ch.hbm[0]
             self.ddr_free[q] += ch.ddr[0]
             self.group_count[key][q] -= 1
-            self._launches_at(key, q, self.group_count[key][q])
+            self._launches_at(key, q, self.group_count[key][q], -1)
         else:
             np.add.at(self.hbm_free, np.asarray(ranks), ch.hbm)
             np.add.at(self.ddr_free, np.asarray(ranks), ch.ddr)
@@ -236,15 +238,20 @@ class State:
             self._track_hot(ch, ranks, -1)
         return c, ranks
 
-    def _launches_at(self, group: tuple, q: int, count: int) -> None:
-        """Keep the group's launches where it is absent (`_own_extra`) after its count on rank q became `count`."""
+    def _launches_at(self, group: tuple, q: int, count: int, sign: int) -> None:
+        """Keep the group's launches where it is absent (`_own_extra`) after its count on rank q became `count` by
+        a block placed (+1) or removed (-1); None once it is on every rank."""
         launches = self._launches.get(group)
         if launches is None:
             self._launches.pop(group, None)  # none absent before (or not made): made again when asked for
         elif count == 0:
             launches[:, q] = self.model.group_fixed(*group)
-        elif count == 1:
+            self._absent[group] += 1
+        elif count == 1 and sign > 0:
             launches[:, q] = 0.0
+            self._absent[group] -= 1
+            if not self._absent[group]:
+                self._launches[group] = None
 
     def _add_loads(self, d: np.ndarray, ranks: Sequence[int]) -> None:
         """Add a move's loads `d` [NROWS, W] (the per-host statistics are made again when next asked for)."""
@@ -365,8 +372,9 @@ class State:
         o, a, x = ch.owner[b], ch.same[b], ch.other[b]
         launches, grow = self._own_extra(ch, b, ch.group)
         own = np.add(self.loads, o[:, None], out=self._buf_own)
-        if launches is not None:
-            own += launches
+        if launches is not None:  # its other rows are zero
+            for k in self._launch_rows[ch.group]:
+                own[k] += launches[k]
         if isinstance(grow, np.ndarray) and grow.any():
             own[loads.BWD] += grow
         rows = self._peer_rows(ch, b)
@@ -436,6 +444,8 @@ class State:
             if absent is None or absent.any():
                 fixed = self.model.group_fixed(*group)
                 launches = np.outer(fixed, np.ones(self.W) if absent is None else absent)
+                self._absent[group] = self.W if absent is None else int(np.count_nonzero(absent))
+                self._launch_rows[group] = np.flatnonzero(fixed).tolist()
             self._launches[group] = launches
         launches = self._launches[group]
         grow: np.ndarray | float = 0.0
