@@ -239,8 +239,7 @@ class State:
         return c, ranks
 
     def _launches_at(self, group: tuple, q: int, count: int, sign: int) -> None:
-        """Keep the group's launches where it is absent (`_own_extra`) after its count on rank q became `count` by
-        a block placed (+1) or removed (-1); None once it is on every rank."""
+        """Keep the group's launches where it is absent (`_own_extra`) after a block placed (+1) or removed (-1)."""
         launches = self._launches.get(group)
         if launches is None:
             self._launches.pop(group, None)  # none absent before (or not made): made again when asked for
@@ -250,7 +249,7 @@ class State:
         elif count == 1 and sign > 0:
             launches[:, q] = 0.0
             self._absent[group] -= 1
-            if not self._absent[group]:
+            if not self._absent[group]:  # on every rank now
                 self._launches[group] = None
 
     def _add_loads(self, d: np.ndarray, ranks: Sequence[int]) -> None:
