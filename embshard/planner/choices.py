@@ -55,6 +55,8 @@ class Choice:
         self, option: Option, runs: tuple, counts: np.ndarray, avg: float, members: list[Option], sizes: tuple
     ) -> None:
         self.option = option
+        self.group = (option.sharding, option.tier, option.kernel, option.raw)
+        """Its lookup group (sharding type, tier, kernel, raw ids): the tables whose blocks share launches."""
         self.avg = avg
         """Balanced cost: the step time this choice adds if its work were spread evenly over the ranks (s)."""
         self.members = members
@@ -105,9 +107,11 @@ class ChoiceList(Sequence):
         return len(self._made)
 
     def __getitem__(self, k):  # type: ignore[override]
+        ch = self._made[k]
+        if ch.__class__ is Choice:  # made already (the common case)
+            return ch
         if isinstance(k, slice):
             return [self[j] for j in range(*k.indices(len(self)))]
-        ch = self._made[k]
         if ch is None:
             ch = self._made[k] = self._make(k if k >= 0 else k + len(self._made))
         return ch

@@ -20,29 +20,35 @@ def bound_pick(
     own: np.ndarray,
     busiest: np.ndarray,
     phase_add: np.ndarray | None,
-    feasible: np.ndarray,
+    blocked: np.ndarray,
     hbm_free: np.ndarray,
-) -> tuple[int, float, np.ndarray]:
-    """(the rank first by (bound to 1 ns, own time, most free GPU memory, lowest rank) among the feasible ones,
-    its bound in ns, rounded, and every rank's own time [W]) for a block whose own loads on each rank are
-    `own` [NROWS, W], with `busiest` [phases] the current phase times and `phase_add` [phases] (or None) what
-    the placement adds to every rank's phases."""
+) -> tuple[int, float, np.ndarray] | None:
+    """(the rank first by (bound to 1 ns, own time, most free GPU memory, lowest rank) among the ranks not
+    `blocked` [W] (None: every rank is), its bound in ns, rounded, and every rank's own time [W]) for a block
+    whose own loads on each rank are `own` [NROWS, W], with `busiest` [phases] the current phase times and
+    `phase_add` [phases] (or None) what the placement adds to every rank's phases."""
     own_phase = loads.phase_maxima(own)
-    own_t = own_phase.sum(axis=0)  # two or more columns: the phases added one after another (phase_max_sum's)
+    own_t = np.add.reduce(
+        own_phase, axis=0
+    )  # two or more columns: the phases added one after another (phase_max_sum's)
     bound = np.maximum(own_phase, busiest[:, None], out=own_phase)
     if phase_add is not None:
         bound += phase_add[:, None]
-    key = np.rint(bound.sum(axis=0) * 1e9)
-    key[~feasible] = np.inf
-    least = key.min()
-    ties = np.flatnonzero(key == least)
+    key = np.add.reduce(bound, axis=0)
+    key *= 1e9
+    np.rint(key, out=key)
+    key[blocked] = np.inf
+    least = float(np.minimum.reduce(key))
+    if least == np.inf:
+        return None
+    ties = (key == least).nonzero()[0]
     if len(ties) > 1:
         t = own_t[ties]
-        ties = ties[t == t.min()]
+        ties = ties[t == np.minimum.reduce(t)]
         if len(ties) > 1:
             free = hbm_free[ties]
-            ties = ties[free == free.max()]
-    return int(ties[0]), float(least), own_t
+            ties = ties[free == np.maximum.reduce(free)]
+    return int(ties[0]), least, own_t
 
 
 def column_step(column: np.ndarray, phase_add: np.ndarray | None) -> float:
@@ -66,17 +72,17 @@ def others(
     host = loads_m[rows, h0:h1]
     if W == lws:
         host[:, q - h0] = -np.inf
-        return host.max(axis=1), None
+        return np.maximum.reduce(host, axis=1), None
     top = row_max[rows]
-    inside = host.max(axis=1) >= top  # the row's maximum is (also) on q's host
+    inside = np.maximum.reduce(host, axis=1) >= top  # the row's maximum is (also) on q's host
     host[:, q - h0] = -np.inf
-    same = host.max(axis=1)
-    if not inside.any():
+    same = np.maximum.reduce(host, axis=1)
+    if not np.logical_or.reduce(inside):
         return same, top
     read = loads_m[rows[inside]]
-    other = read[:, h1:].max(axis=1) if h0 == 0 else read[:, :h0].max(axis=1)
+    other = np.maximum.reduce(read[:, h1:] if h0 == 0 else read[:, :h0], axis=1)
     if 0 < h0 and h1 < W:
-        np.maximum(other, read[:, h1:].max(axis=1), out=other)
+        np.maximum(other, np.maximum.reduce(read[:, h1:], axis=1), out=other)
     top = top.copy()
     top[inside] = other
     return same, top

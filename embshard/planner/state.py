@@ -17,6 +17,8 @@ from embshard.planner.cost import CostModel
 from embshard.planner.host_stats import HostStats
 from embshard.spec.plan import LookupKernel, ShardingType
 
+_UNSET = object()
+
 
 class State:
     """Loads [NROWS, W] (fixed costs included), free HBM / host memory per rank, and what sits where."""
@@ -43,13 +45,15 @@ class State:
         self.hot_max: dict[tuple, np.ndarray] = {}  # small-kernel group -> [W] longest chain per rank
         self._buf_own = np.empty((loads.NROWS, self.W))  # scratch of _best_single
         self._launches: dict[tuple, np.ndarray | None] = {}  # group -> [NROWS, W] its launches where it is absent
+        self._absent: dict[tuple, int] = {}  # group -> how many ranks it is absent from (while _launches has it)
+        self._launch_rows: dict[tuple, list[int]] = {}  # group -> the rows its launches load
         self._buf_new = np.empty((loads.NROWS, self.W))
         self._hosts = HostStats(self.H, self.lws)  # per-host statistics of the loads (until they change)
         self._host_first = np.arange(self.H)[None, :] * self.lws  # [1, H]: each host's first rank
 
     # ---- fixed costs --------------------------------------------------------------------------------------
     def _group(self, ch: Choice) -> tuple:
-        return (ch.option.sharding, ch.option.tier, ch.option.kernel, ch.option.raw)
+        return ch.group
 
     def _hot_change(self, ch: Choice, ranks: Sequence[int], sign: int) -> np.ndarray:
         """[W]: change of each rank's longest hot chain in the choice's group if it joins (+1) or leaves (-1)."""
@@ -103,6 +107,15 @@ class State:
             got = self._schemes[key] = self._scheme_change(item, ch, sign)
         return got
 
+    def _scheme_added(self, item: Item, ch: Choice, sign: int) -> np.ndarray | None:
+        """`_scheme_delta`, or None where it is zero on every rank (kept per `_scheme_sig` too)."""
+        key = ("added", ch.option.sharding, item.weighted, sign, self._scheme_sig)
+        got = self._schemes.get(key, _UNSET)
+        if got is _UNSET:
+            scheme = self._scheme_delta(item, ch, sign)
+            got = self._schemes[key] = scheme if scheme.any() else None
+        return got
+
     def _signature(self) -> tuple:
         """The scheme counts as far as the fixed costs of a join or a leave tell them apart: each scheme's items
         and weighted items, capped at 2 (a change matters only where a count reaches or leaves 0)."""
@@ -128,7 +141,6 @@ class State:
         """Loads [NROWS, W] that placing (+1) or removing (-1) the choice on `ranks` adds."""
         group = self._group(ch)
         counts = self.group_count.get(group)
-        fixed = self.model.group_fixed(*group)
         if ch.blocks == 1:  # one block: its rank, its host's other ranks, the other hosts' ranks
             q = int(ranks[0])
             h0 = q // self.lws * self.lws
@@ -143,6 +155,7 @@ class State:
                 d[:, q] = -ch.owner[0]
             n = 0 if counts is None else int(counts[q])
             if (n > 0) != (n + sign > 0):  # the group's first block on q arrives, or its last leaves
+                fixed = self.model.group_fixed(*group)
                 d[:, q] += fixed if sign > 0 else -fixed
         else:
             ranks_a = np.asarray(ranks)
@@ -151,9 +164,9 @@ class State:
             per_rank = np.bincount(ranks_a, minlength=self.W)
             new = counts + sign * per_rank
             changed = (counts > 0) != (new > 0)
-            d[:, changed] += np.outer(fixed, np.where(new[changed] > 0, 1.0, -1.0))
-        scheme = self._scheme_delta(item, ch, sign)
-        if scheme.any():
+            d[:, changed] += np.outer(self.model.group_fixed(*group), np.where(new[changed] > 0, 1.0, -1.0))
+        scheme = self._scheme_added(item, ch, sign)
+        if scheme is not None:
             d += scheme[:, None]
         if ch.option.kernel is LookupKernel.SMALL:
             d[loads.BWD] += self._hot_change(ch, ranks, sign)
@@ -181,16 +194,20 @@ class State:
             self.hbm_free[q] -= ch.hbm[0]
             self.ddr_free[q] -= ch.ddr[0]
             counts[q] += 1
-            self._launches_at(key, q, counts[q])
+            self._launches_at(key, q, counts[q], +1)
         else:
             np.subtract.at(self.hbm_free, np.asarray(ranks), ch.hbm)
             np.subtract.at(self.ddr_free, np.asarray(ranks), ch.ddr)
             np.add.at(counts, list(ranks), 1)
             self._launches.pop(key, None)
-        sc = self.scheme_count.setdefault(ch.option.sharding, [0, 0])
+        sc = self.scheme_count.get(ch.option.sharding)
+        first = sc is None
+        if first:
+            sc = self.scheme_count[ch.option.sharding] = [0, 0]
         sc[0] += 1
         sc[1] += int(item.weighted)
-        self._scheme_sig = self._signature()
+        if first or sc[0] <= 2 or (item.weighted and sc[1] <= 2):  # a capped count changed
+            self._scheme_sig = self._signature()
         self.placed[i] = (c, tuple(int(r) for r in ranks))
         if ch.option.kernel is LookupKernel.SMALL:
             self._track_hot(ch, self.placed[i][1], +1)
@@ -206,7 +223,7 @@ class State:
             self.hbm_free[q] += ch.hbm[0]
             self.ddr_free[q] += ch.ddr[0]
             self.group_count[key][q] -= 1
-            self._launches_at(key, q, self.group_count[key][q])
+            self._launches_at(key, q, self.group_count[key][q], -1)
         else:
             np.add.at(self.hbm_free, np.asarray(ranks), ch.hbm)
             np.add.at(self.ddr_free, np.asarray(ranks), ch.ddr)
@@ -215,20 +232,25 @@ class State:
         sc = self.scheme_count[ch.option.sharding]
         sc[0] -= 1
         sc[1] -= int(item.weighted)
-        self._scheme_sig = self._signature()
+        if sc[0] <= 1 or (item.weighted and sc[1] <= 1):  # a capped count changed
+            self._scheme_sig = self._signature()
         if ch.option.kernel is LookupKernel.SMALL:
             self._track_hot(ch, ranks, -1)
         return c, ranks
 
-    def _launches_at(self, group: tuple, q: int, count: int) -> None:
-        """Keep the group's launches where it is absent (`_own_extra`) after its count on rank q became `count`."""
+    def _launches_at(self, group: tuple, q: int, count: int, sign: int) -> None:
+        """Keep the group's launches where it is absent (`_own_extra`) after a block placed (+1) or removed (-1)."""
         launches = self._launches.get(group)
         if launches is None:
             self._launches.pop(group, None)  # none absent before (or not made): made again when asked for
         elif count == 0:
             launches[:, q] = self.model.group_fixed(*group)
-        elif count == 1:
+            self._absent[group] += 1
+        elif count == 1 and sign > 0:
             launches[:, q] = 0.0
+            self._absent[group] -= 1
+            if not self._absent[group]:  # on every rank now
+                self._launches[group] = None
 
     def _add_loads(self, d: np.ndarray, ranks: Sequence[int]) -> None:
         """Add a move's loads `d` [NROWS, W] (the per-host statistics are made again when next asked for)."""
@@ -260,11 +282,6 @@ class State:
         if busiest is None:
             busiest = cache["phases"] = np.maximum.reduceat(self._row_max(), loads.PHASE_START)
         return busiest
-
-    def _column(self, own: np.ndarray, q: int, rows: np.ndarray | None, a: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """[NROWS]: each row's new maximum with the block on rank q (rank_pick.column)."""
-        stats = None if rows is None else rank_pick.others(self.loads, rows, q, self.lws, self._row_max())
-        return rank_pick.column(own[:, q], self._row_max(), rows, a, x, stats)
 
     def best_ranks(self, item: Item, ch: Choice) -> tuple[float, tuple[int, ...]] | None:
         """(step time, ranks) of the best placement of the choice, or None if no placement fits in memory."""
@@ -343,48 +360,54 @@ class State:
         maximum; the per-host tops are needed only for the rows the block loads on other ranks (`_host_stats`,
         kept until the loads change). Computed for every rank at once; ranks without room score infinity.
         """
-        feasible = self.hbm_free >= ch.hbm[b] - 0.5
-        feasible &= self.ddr_free >= ch.ddr[b] - 0.5
+        blocked = self.hbm_free < ch.hbm[b] - 0.5  # ranks without room
+        blocked |= self.ddr_free < ch.ddr[b] - 0.5
         if item.pinned:
-            allowed = np.zeros(self.W, dtype=bool)
-            allowed[list(item.pinned)] = True
-            feasible &= allowed
+            outside = np.ones(self.W, dtype=bool)
+            outside[list(item.pinned)] = False
+            blocked |= outside
         if exclude:
-            feasible[list(exclude)] = False
-        if not feasible.any():
-            return None
+            blocked[list(exclude)] = True
         o, a, x = ch.owner[b], ch.same[b], ch.other[b]
-        group = self._group(ch)
-        launches, grow = self._own_extra(ch, b, group)
+        launches, grow = self._own_extra(ch, b, ch.group)
         own = np.add(self.loads, o[:, None], out=self._buf_own)
-        if launches is not None:
-            own += launches
+        if launches is not None:  # its other rows are zero
+            for k in self._launch_rows[ch.group]:
+                own[k] += launches[k]
         if isinstance(grow, np.ndarray) and grow.any():
             own[loads.BWD] += grow
         rows = self._peer_rows(ch, b)
         scheme, phase_add = self._scheme_join(item, ch) if b == 0 else (None, None)
+        row_max = self._row_max()
         own_all = None
         if scheme is None and self.W > 1:  # the rank first by the lower bound, when its step meets the bound
-            q, least, own_all = rank_pick.bound_pick(own, self._busiest(), phase_add, feasible, self.hbm_free)
-            step = rank_pick.column_step(self._column(own, q, rows, a, x), phase_add)
-            if np.rint(step * 1e9) == least:
+            got = rank_pick.bound_pick(own, self._busiest(), phase_add, blocked, self.hbm_free)
+            if got is None:
+                return None
+            q, least, own_all = got
+            stats = None if rows is None else rank_pick.others(self.loads, rows, q, self.lws, row_max)
+            step = rank_pick.column_step(rank_pick.column(own[:, q], row_max, rows, a, x, stats), phase_add)
+            ns = step * 1e9
+            if abs(ns - least) <= 0.5 and round(ns) == least:  # np.rint's number (both round half to even)
                 return step, q
-        new = np.maximum(own, self._row_max()[:, None], out=self._buf_new)
+        elif blocked.all():
+            return None
+        new = np.maximum(own, row_max[:, None], out=self._buf_new)
         if rows is not None:
             self._add_peers(new, own, rows, a, x)
         if scheme is not None:
             new += scheme[:, None]
         J = loads.phase_max_sum(new, phase_add)
-        J[~feasible] = np.inf
+        J[blocked] = np.inf
         rounded = np.rint(J * 1e9)  # np.round's numbers (decimals 0), without its wrappers
-        ties = np.flatnonzero(rounded == rounded.min())
+        ties = (rounded == np.minimum.reduce(rounded)).nonzero()[0]
         if len(ties) > 1:
             # Ties (to 1 ns) go to the rank left least busy, then with most free GPU memory, then the lowest rank.
             own_t = own_all[ties] if own_all is not None else loads.phase_max_sum(own[:, ties])
-            ties = ties[own_t == own_t.min()]
+            ties = ties[own_t == np.minimum.reduce(own_t)]
             if len(ties) > 1:
                 free = self.hbm_free[ties]
-                ties = ties[free == free.max()]
+                ties = ties[free == np.maximum.reduce(free)]
         k = int(ties[0])
         return float(J[k]), k
 
@@ -420,6 +443,8 @@ class State:
             if absent is None or absent.any():
                 fixed = self.model.group_fixed(*group)
                 launches = np.outer(fixed, np.ones(self.W) if absent is None else absent)
+                self._absent[group] = self.W if absent is None else int(np.count_nonzero(absent))
+                self._launch_rows[group] = np.flatnonzero(fixed).tolist()
             self._launches[group] = launches
         launches = self._launches[group]
         grow: np.ndarray | float = 0.0
@@ -441,9 +466,9 @@ class State:
         if "max" not in cache:
             key = (id(self.loads), self.version)
             if self.H > 1 and self._hosts.valid(key):  # the hosts' tops: the same numbers, fewer to read
-                cache["max"] = self._hosts.get(self.loads, key)[0].max(axis=1)
+                cache["max"] = np.maximum.reduce(self._hosts.get(self.loads, key)[0], axis=1)
             else:
-                cache["max"] = self.loads.max(axis=1)
+                cache["max"] = np.maximum.reduce(self.loads, axis=1)
         return cache["max"]
 
     def _add_peers(self, new: np.ndarray, own: np.ndarray, rows: np.ndarray, a: np.ndarray, x: np.ndarray) -> None:
