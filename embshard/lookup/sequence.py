@@ -28,6 +28,7 @@ from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.tbe import TBELookup
 from embshard.lookup.updates import apply_update, optimizer_state
 from embshard.runtime.comm import scoped_label, start_all_reduce
+from embshard.runtime.ops import host_to_device
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.options import LookupOptions
 from embshard.spec.tables import DataType
@@ -74,8 +75,7 @@ class TBESequenceLookup(TBELookup):
         """`[n_i, D]` rows of each shard for its local row indices."""
         sizes = [int(ids.numel()) for ids in ids_per_shard]
         device = ids_per_shard[0].device
-        offsets = bag_offsets(sizes)
-        offsets = offsets.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else offsets
+        offsets = host_to_device(bag_offsets(sizes), device)
         indices = torch.cat([ids.long() for ids in ids_per_shard])
         rows = super().forward(indices, offsets, None)  # [sum(sizes), D]
         return list(rows.split(sizes))

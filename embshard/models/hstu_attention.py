@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embshard.runtime.ops import host_to_device
+
 TIME_BUCKETS = 128
 """Buckets of the time bias: gaps of up to e^(0.301 * 127) seconds (about 3.6e16) get their own bucket."""
 
@@ -50,13 +52,6 @@ def query_times(times_N: torch.Tensor, last_N: torch.Tensor) -> torch.Tensor:
     return torch.where(last_N, times_N, nxt)
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: on a GPU, copied from page-locked memory without waiting (no host sync)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def host_positions(lengths: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(user `[N]`, position within its history `[N]`) of every item, built from the lengths on the host (int64
     `[B]`, no host sync) and sent to `device`."""
@@ -64,7 +59,7 @@ def host_positions(lengths: torch.Tensor, device: torch.device) -> tuple[torch.T
     N = int(n.sum())
     user_N = torch.repeat_interleave(torch.arange(n.shape[0]), n, output_size=N)
     pos_N = torch.arange(N) - (torch.cumsum(n, 0) - n)[user_N]
-    return to_device(user_N, device), to_device(pos_N, device)
+    return host_to_device(user_N, device), host_to_device(pos_N, device)
 
 
 class HSTULayer(nn.Module):
@@ -149,10 +144,13 @@ class JaggedAttention:
         user_N = torch.repeat_interleave(torch.arange(n.shape[0]), n, output_size=N)
         pos_N = torch.arange(N) - start_B[user_N]
         slot_N = first_B[user_N] * T + pos_N
-        self.pair_q, self.delta_P = to_device(pair_q, device), to_device(delta_P, device)
-        self.rows_q, self.rows_k = to_device(rows_tT[pair_q], device), to_device(rows_tT[pair_k], device)  # [P, T]
-        self.slot_N = to_device(slot_N, device)
-        qpos_PT, kpos_PT = to_device(pos_tT[pair_q], device), to_device(pos_tT[pair_k], device)
+        self.pair_q, self.delta_P = host_to_device(pair_q, device), host_to_device(delta_P, device)
+        self.rows_q, self.rows_k = (
+            host_to_device(rows_tT[pair_q], device),
+            host_to_device(rows_tT[pair_k], device),
+        )  # [P, T]
+        self.slot_N = host_to_device(slot_N, device)
+        qpos_PT, kpos_PT = host_to_device(pos_tT[pair_q], device), host_to_device(pos_tT[pair_k], device)
         kvalid_PT = self.rows_k < N
         allowed = (
             (kpos_PT.unsqueeze(1) <= qpos_PT.unsqueeze(2)) & kvalid_PT.unsqueeze(1) & (self.rows_q < N).unsqueeze(2)

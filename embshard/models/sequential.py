@@ -59,14 +59,13 @@ from embshard.models.hstu_attention import (
     PaddedAttention,
     host_positions,
     query_times,
-    to_device,
 )
 from embshard.models.registry import ModelKind, StepOutput, feature_widths, register
 from embshard.retrieval.catalog import Catalog
 from embshard.retrieval.gather import gather_rows, gather_sizes
 from embshard.retrieval.topk import sharded_topk
 from embshard.runtime.comm import start_all_reduce, world_and_rank
-from embshard.runtime.ops import scale_grad
+from embshard.runtime.ops import host_to_device, scale_grad
 
 
 class HSTUDense(nn.Module):
@@ -238,7 +237,7 @@ def sequential_step(model, batch: Batch) -> StepOutput:
     n_host = lengths_B.cpu()  # the step's one host sync: the lengths lay out the attention and pick the positions
     user, pos = host_positions(n_host, torch.device("cpu"))
     before = pos - (n_host.to(torch.int64)[user] - 1)  # 0 at a history's last item, -1 before it, ...
-    pick = lambda mask: to_device(torch.nonzero(mask).squeeze(1), ids_N.device)  # noqa: E731
+    pick = lambda mask: host_to_device(torch.nonzero(mask).squeeze(1), ids_N.device)  # noqa: E731
     # a numpy array: DistributedDataParallel moves tensor arguments to the device (a host sync to read them back)
     query_ND = model.dense(items_ND, lengths_B, context_BC.float(), times_N, n_host.numpy())
     if model.training:

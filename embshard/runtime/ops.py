@@ -27,11 +27,15 @@ def cached_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtyp
     return t
 
 
-def small_to_device(values: Sequence, device: torch.device) -> torch.Tensor:
-    """A small int64 host list (nested lists: a table) on `device`, copied without a host sync (pinned,
-    non-blocking on CUDA): for values that change from step to step, where `cached_tensor` would only grow."""
-    t = torch.tensor(values, dtype=torch.int64)
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on a GPU copied from page-locked memory without waiting (no host sync)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def small_to_device(values: Sequence, device: torch.device) -> torch.Tensor:
+    """A small int64 host list (nested lists: a table) on `device`, copied without a host sync (`host_to_device`):
+    for values that change from step to step, where `cached_tensor` would only grow."""
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def segment_sums(lengths: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
