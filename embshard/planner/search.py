@@ -134,28 +134,11 @@ def _plan_with_report(
                            "predicted step)")  # fmt: skip
     split = _split_start(p)
     if split is not None:  # the tables too large to balance, started on a host's ranks: keep the faster plan
-        first = (state, p.chosen, p.notes)
-        p.chosen, p.notes = split, notes
-        for i, c in enumerate(split):
-            if c != first[1][i]:
-                p.note(p.items[i], f"second start: as {p.items[i].choices[c].option.label} (too slow on one rank)")
-        state = State(model, p.budgets.hbm, p.budgets.ddr, base)
-        _place_all(state, p)
-        improve(state, p)
-        if state.objective() >= first[0].objective() * (1 - 1e-9):
-            state, p.chosen, p.notes = first
+        state = _second_start(state, p, split, notes, "too slow on one rank", base)
     merged = _merged_start(state, p)
     if merged is not None:  # data-parallel and row-wise lookup groups side by side: try one group fewer
-        first = (state, p.chosen, p.notes)
-        p.chosen, p.notes = merged, {name: list(n) for name, n in p.notes.items()}
-        for i, c in enumerate(merged):
-            if c != first[1][i]:
-                p.note(p.items[i], f"second start: as {p.items[i].choices[c].option.label} (one lookup group fewer)")
-        state = State(model, p.budgets.hbm, p.budgets.ddr, base)
-        _place_all(state, p)
-        improve(state, p)
-        if state.objective() >= first[0].objective() * (1 - 1e-9):
-            state, p.chosen, p.notes = first
+        notes = {name: list(n) for name, n in p.notes.items()}
+        state = _second_start(state, p, merged, notes, "one lookup group fewer", base)
     if settings.exact_limit and exact.count(state, p.items, p.usable) <= settings.exact_limit:
         state = exact_if_better(state, State(model, p.budgets.hbm, p.budgets.ddr, base), p)
     kernel_choice.check_groups(state, p)
@@ -255,6 +238,23 @@ def _merged_start(state: State, p: Problem) -> list[int] | None:
         if rw:
             out[i], moved = min(rw, key=lambda c: (float(avg[it.base + c]), c)), True
     return out if moved else None
+
+
+def _second_start(state: State, p: Problem, start: list[int], notes: dict, why: str, base) -> State:
+    """Place and improve again from the choices `start` (with `notes` as the tables' notes so far); keep that plan
+    if its objective is lower, else the one in `state` (with its choices and notes). Tables that start otherwise
+    get a note saying `why`."""
+    first = (state, p.chosen, p.notes)
+    p.chosen, p.notes = start, notes
+    for i, c in enumerate(start):
+        if c != first[1][i]:
+            p.note(p.items[i], f"second start: as {p.items[i].choices[c].option.label} ({why})")
+    state = State(p.model, p.budgets.hbm, p.budgets.ddr, base)
+    _place_all(state, p)
+    improve(state, p)
+    if state.objective() >= first[0].objective() * (1 - 1e-9):
+        state, p.chosen, p.notes = first
+    return state
 
 
 def _split_start(p: Problem) -> list[int] | None:
