@@ -11,6 +11,11 @@ same generator (seed 1000 + rank) in the same order as the baseline, so both tim
 forward (a JaggedTensor of rows per feature), loss = sum of squares of every row, backward with row-wise Adagrad
 (lr 0.01) fused into it; no pipelining. `--dedup`: every table's ids exchanged and looked up once per step
 (ShardedEmbeddingCollection(dedup=True); the baseline's `EmbeddingCollectionSharder(use_index_dedup=True)`).
+`--step graph`: the whole step (forward, loss, backward with the fused update) as one CUDA graph replay
+(embshard/collection/sequence_graph.py: batches padded to a capacity); `eager`: the collection's forward and
+backward; `auto` (default): graph where the collection allows it (CUDA, no dedup), else eager. Both take each
+batch's counts from the host (`ShardedEmbeddingCollection.host_counts` of the CPU batch, as a data pipeline gives
+them): no host sync in the step.
 `--plan planner` (default: embshard.planner on the detected devices, pricing dedup when it is on), `simple`
 (table-wise, greedy) or a saved plan file.
 
@@ -47,6 +52,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--zipf-alpha", type=float, default=1.05)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--dedup", action="store_true", help="ShardedEmbeddingCollection(dedup=True)")
+    ap.add_argument("--step", choices=["auto", "graph", "eager"], default="auto", help="graph: one CUDA graph replay")
     ap.add_argument("--plan", default="planner", help="planner, simple, or a saved plan file")
     ap.add_argument("--hbm-gib", type=float, default=0, help="planner: GPU memory per rank to plan for (0: all)")
     ap.add_argument("--steps", type=int, default=30)
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
 
     from embshard import FusedOptimizerConfig, TableConfig
     from embshard.collection.sequence import ShardedEmbeddingCollection
+    from embshard.collection.sequence_graph import SequenceStepGraph, refusal
+    from embshard.sharding.exchange import parse_counts
 
     spec, batch = WORKLOADS[args.workload]
     tables = [
@@ -128,18 +136,32 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f{i}" for i in range(len(spec))], values=torch.cat(values), lengths=torch.cat(lengths)
         )
-        return kjt.to(dev)
+        row = model.host_counts(kjt).to(dev)  # the host's counts of the CPU batch, gathered from every rank
+        rows = [torch.zeros_like(row) for _ in range(ws)]
+        dist.all_gather(rows, row)
+        return kjt.to(dev), parse_counts(torch.stack(rows).cpu().numpy())
 
     batches = [make_batch() for _ in range(4)]
-    n_ids = sum(int(b.values().numel()) for b in batches) / len(batches)
+    n_ids = sum(int(b.values().numel()) for b, _ in batches) / len(batches)
+
+    def loss_of(out) -> torch.Tensor:
+        return sum(jt.values().float().square().sum() for jt in out.values())
+
+    why = refusal(model) if cuda else "the CPU has no CUDA graphs"
+    if args.step == "graph" and why is not None:
+        raise SystemExit(f"--step graph: {why}")
+    use_graph = args.step == "graph" or (args.step == "auto" and why is None)
+    graph = SequenceStepGraph(model, loss_of) if use_graph else None
 
     def step(i: int) -> None:
-        out = model(batches[i % 4])
-        loss = sum(jt.values().float().square().sum() for jt in out.values())
-        loss.backward()
+        kjt, counts = batches[i % 4]
+        if graph is not None:
+            graph.step(kjt, counts)
+            return
+        loss_of(model(kjt, counts=counts)).backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for i in range(args.warmup):
+    for i in range(max(args.warmup, 2 if graph is not None else 0)):  # a graph captures in its first step
         step(i)
     sync()
     dist.barrier()
@@ -150,6 +172,8 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     ms = float(t) / args.steps * 1e3
+    if graph is not None:
+        graph.close()  # before the process group goes (a live graph holding collectives hangs its teardown)
     if rank == 0:
         mem = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0
         mean_len = n_ids / (batch * len(spec))
@@ -157,12 +181,13 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
                              ids_per_bag=mean_len) for t in tables]  # fmt: skip
         parts = floors.sequence_bytes(sized, plan, batch, dedup=args.dedup)
         floor = floor_ms(parts, cuda, ws)
-        print(f"embshard EC {args.workload} world={ws} dedup={args.dedup}: {ms:.2f} ms/step, "
+        mode = "graph" if graph is not None else "eager"
+        print(f"embshard EC {args.workload} world={ws} dedup={args.dedup} step={mode}: {ms:.2f} ms/step, "
               f"{n_ids:,.0f} ids per rank-step, peak {mem:.1f} GiB")  # fmt: skip
         print(f"floor {floor:.3f} ms/step (per rank GB: looked up {[round(v / 1e9, 4) for v in parts['hbm']]}, "
               f"exchanged {[round(v / 1e9, 4) for v in parts['link']]}); measured / floor {ms / floor:.1f}x")  # fmt: skip
         line = (f"RESULT framework=embshard module=ec workload={args.workload} world={ws} batch_per_rank={batch} "
-                f"ids={args.ids} dedup={int(args.dedup)} ms_per_step={ms:.3f} ids_per_s={ws * n_ids / ms * 1e3:.0f} "
+                f"ids={args.ids} dedup={int(args.dedup)} step={mode} ms_per_step={ms:.3f} ids_per_s={ws * n_ids / ms * 1e3:.0f} "
                 f"peak_gib={mem:.2f} floor_ms={floor:.4f} {floors.fields(parts)}")  # fmt: skip
         print(line)
         return line

@@ -41,12 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from embshard.collection.bounds import check_ids, count_bad_ids
+from embshard.collection.sequence_padding import zero_fillers
 from embshard.collection.shard_state import ShardState
 from embshard.runtime import comm
 from embshard.runtime.comm import world_and_rank
 from embshard.runtime.ops import cached_tensor
 from embshard.sharding.base import ShardingContext
-from embshard.sharding.exchange import IdsOutOfRange, gather_batch_counts
+from embshard.sharding.exchange import BatchCounts, IdsOutOfRange, counts_row, gather_batch_counts
 from embshard.sharding.sequence_replicated import replicated_sequence
 from embshard.sharding.sequence_routed import exchange_segment_counts, routed_sequence
 from embshard.spec.optim import FusedOptimizerConfig
@@ -167,8 +168,8 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
         self._step = 0
 
     # ---- input --------------------------------------------------------------------------------------------
-    def _local_input(self, kjt) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        """(keys, `[F, B]` lengths, ids) of the KJT, checked, with each table's max_length applied."""
+    def _local_input(self, kjt, on_device: bool = True) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """(keys, `[F, B]` lengths, ids) of the KJT, checked (`on_device`: on the module's device)."""
         keys = list(kjt.keys())
         missing = [f for f in self.features if f not in keys]
         extra = [k for k in keys if k not in self._table_of]
@@ -182,16 +183,16 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
         values = kjt.values()
         if values.dtype not in (torch.int32, torch.int64):
             raise ConfigError(f"the ids of features {keys} are {values.dtype}: ids must be torch.int64 or torch.int32")
-        if values.device != self.device:
+        if on_device and values.device != self.device:
             raise ConfigError(f"input is on {values.device} but the module computes on {self.device}: move it")
         return keys, kjt.lengths().view(len(keys), kjt.stride()).long(), values
 
-    def _cut(
-        self, keys: list[str], lengths_FB: torch.Tensor, values: torch.Tensor
+    def _kept_lengths(
+        self, keys: list[str], lengths_FB: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Each table's max_length, on the device (no host sync): (kept `[F, B]` lengths, which ids are kept (None:
-        all), `[1]` count of histories over a limit whose table says length_overflow: error (None: no such table)).
-        A longer history keeps its newest (last) max_length ids."""
+        """Each table's max_length on the `[F, B]` lengths, where they are (no host sync): (kept lengths, `[F, 1]`
+        limits (None: no table has one), `[1]` count of histories over a limit whose table says length_overflow:
+        error (None: no such table))."""
         limits = [self._table_of[k].max_length for k in keys]
         if all(m is None for m in limits):
             return lengths_FB, None, None
@@ -202,13 +203,37 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
         if any(strict):
             strict_F1 = cached_tensor([int(x) for x in strict], lengths_FB.device).unsqueeze(1)
             over = ((lengths_FB > limit_F1) * strict_F1).sum().reshape(1)
-        kept_FB = torch.minimum(lengths_FB, limit_F1)
+        return torch.minimum(lengths_FB, limit_F1), limit_F1, over
+
+    def _cut(
+        self, keys: list[str], lengths_FB: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Each table's max_length, on the device (no host sync): (kept `[F, B]` lengths, which ids are kept (None:
+        all), `[1]` count of histories over a limit whose table says length_overflow: error (None: no such table)).
+        A longer history keeps its newest (last) max_length ids."""
+        kept_FB, limit_F1, over = self._kept_lengths(keys, lengths_FB)
+        if limit_F1 is None:
+            return lengths_FB, None, None
         flat = lengths_FB.reshape(-1)
         n = values.numel()
         starts = torch.cumsum(flat, 0) - flat  # each bag's first id
         pos = torch.arange(n, device=values.device) - torch.repeat_interleave(starts, flat, output_size=n)
         keep = pos >= torch.repeat_interleave(flat - kept_FB.reshape(-1), flat, output_size=n)
         return kept_FB, keep, over
+
+    def host_counts(self, kjt) -> torch.Tensor:
+        """This rank's row of the step's counts table (`sharding.exchange.counts_row`, step 0), computed where the
+        batch is: a CPU batch, before its copy to the device, costs no device sync (a batch on the device costs
+        one). It counts each feature's ids after its table's max_length, and the out-of-range ids and over-long
+        histories that the forward refuses. `parse_counts` of every rank's row, stacked (gathered over a CPU
+        process group on several ranks), gives the `counts` of `forward(kjt, counts=)` and of
+        `SequenceStepGraph.step`: the step then has no host sync."""
+        keys, lengths_FB, values = self._local_input(kjt, on_device=False)
+        kept_FB, _, over = self._kept_lengths(keys, lengths_FB)
+        bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
+        bad = bad + over if over is not None else bad
+        ids_F = kept_FB.sum(1).index_select(0, cached_tensor([keys.index(f) for f in self.features], kept_FB.device))
+        return counts_row(ids_F, lengths_FB.shape[1], bad, 0)
 
     def _raise_bad_batch(self, keys, lengths_FB, values, ranks: list[int]) -> None:
         """Raise on every rank: the ranks with bad batches name the feature, sample or id, and the fix."""
@@ -228,18 +253,34 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
         raise BadSequenceBatch(ranks)
 
     # ---- forward ------------------------------------------------------------------------------------------
-    def forward(self, kjt) -> SequenceOutput:
-        """{feature: JaggedTensor} of the local batch (the module docstring has the steps)."""
+    def forward(
+        self,
+        kjt,
+        counts: BatchCounts | None = None,
+        fillers: Sequence[tuple[int, torch.Tensor]] | None = None,
+    ) -> SequenceOutput:
+        """{feature: JaggedTensor} of the local batch (the module docstring has the steps). `counts`: the step's
+        counts gathered on the host (`host_counts`): no host sync. `fillers` (the padded step's,
+        collection/sequence_padding.py): per feature of the KJT, in its key order, (first row, keep mask) of the
+        rows whose fillers are zeroed in the output and in its gradient."""
         from torchrec.sparse.jagged_tensor import JaggedTensor
 
         with comm.scope(f"sequence step {self._step}"):
             keys, lengths_FB, values = self._local_input(kjt)
             kept_FB, keep, over = self._cut(keys, lengths_FB, values)
-            rows = cached_tensor([keys.index(f) for f in self.features], lengths_FB.device)
-            ids_F = kept_FB.sum(1).index_select(0, rows)
-            bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
-            bad = bad + over if over is not None else bad
-            counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, self._step)
+            if counts is None:
+                rows = cached_tensor([keys.index(f) for f in self.features], lengths_FB.device)
+                ids_F = kept_FB.sum(1).index_select(0, rows)
+                bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
+                bad = bad + over if over is not None else bad
+                counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, self._step)
+            elif len(counts.batch_sizes) != self.world_size or counts.batch_sizes[self.rank] != lengths_FB.shape[1]:
+                raise ValueError(
+                    f"forward(counts=...): the counts give {len(counts.batch_sizes)} ranks, rank {self.rank} a batch "
+                    f"of {counts.batch_sizes[self.rank] if self.rank < len(counts.batch_sizes) else None} samples, "
+                    f"but the group has {self.world_size} ranks and this kjt {lengths_FB.shape[1]} samples: gather "
+                    "every rank's host_counts of this same batch"
+                )
             if counts.bad_ranks:  # every rank stops here together
                 self._raise_bad_batch(keys, lengths_FB, values, counts.bad_ranks)
             mine = counts.ids[self.rank]
@@ -261,12 +302,26 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
                     pieces.setdefault(f, []).extend(blocks)
         if torch.is_grad_enabled():
             self._step += 1
-        out = SequenceOutput()
+        rows = []
         for f in keys:
             blocks = [x for _, x in sorted(pieces[f], key=lambda cx: cx[0])]
-            rows_ND = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-            out[f] = JaggedTensor(values=rows_ND, lengths=lengths_FB[keys.index(f)])
+            rows.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1))
+        if fillers is not None:
+            rows = zero_fillers(rows, fillers)
+        out = SequenceOutput()
+        for i, f in enumerate(keys):
+            out[f] = JaggedTensor(values=rows[i], lengths=lengths_FB[i])
         return out
+
+    def set_step(self, step: int) -> None:
+        """Set the step count to `step` (the step the next training forward runs)."""
+        if int(step) != step or step < 0:
+            raise ValueError(f"ShardedEmbeddingCollection.set_step({step!r}): the step must be a whole number >= 0")
+        self._step = int(step)
+
+    def advance_step(self) -> None:
+        """Count one training step run without the forward (a graph's replay), as the forward counts its own."""
+        self._step += 1
 
     @property
     def step(self) -> int:

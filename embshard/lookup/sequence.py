@@ -71,14 +71,37 @@ class TBESequenceLookup(TBELookup):
 
     pooling_mode = "NONE"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._captured_offsets: dict[tuple[int, ...], torch.Tensor] = {}
+        self._last_offsets: tuple[tuple[int, ...], torch.Tensor] | None = None
+
     def forward(self, ids_per_shard: Sequence[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[override]
         """`[n_i, D]` rows of each shard for its local row indices."""
-        sizes = [int(ids.numel()) for ids in ids_per_shard]
-        device = ids_per_shard[0].device
-        offsets = host_to_device(bag_offsets(sizes), device)
-        indices = torch.cat([ids.long() for ids in ids_per_shard])
+        sizes = tuple(int(ids.numel()) for ids in ids_per_shard)
+        offsets = self._offsets(sizes, ids_per_shard[0].device)
+        indices = ids_per_shard[0].long() if len(ids_per_shard) == 1 else torch.cat([i.long() for i in ids_per_shard])
         rows = super().forward(indices, offsets, None)  # [sum(sizes), D]
-        return list(rows.split(sizes))
+        return list(rows.split(sizes)) if len(sizes) > 1 else [rows]
+
+    def _offsets(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """`bag_offsets(sizes)` on the device: copied from the host in an eager call; a CUDA graph capture (which
+        cannot copy from the host) reads the copy its warm-up call made, and the lookup keeps that copy for as long
+        as it lives (the graph reads it in every replay), as later calls of the same sizes do."""
+        kept, last = self._captured_offsets, self._last_offsets
+        if sizes in kept:
+            return kept[sizes]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if last is None or last[0] != sizes:
+                raise RuntimeError(
+                    f"TBESequenceLookup: a CUDA graph captures ids of sizes {list(sizes)} that no call before the "
+                    "capture had: run the step once outside the capture first (runtime/graphs.py: warm_up)"
+                )
+            kept[sizes] = last[1]
+            return last[1]
+        offsets = host_to_device(bag_offsets(sizes), device)
+        self._last_offsets = (sizes, offsets)
+        return offsets
 
 
 class _ReplicaRows(torch.autograd.Function):

@@ -108,3 +108,23 @@ class _ScaleGrad(torch.autograd.Function):
 def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     """`x` in the forward; its gradient times `scale` in the backward (`x` itself when scale is 1)."""
     return x if scale == 1 else _ScaleGrad.apply(x, scale)
+
+
+def join_views(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A view of the one contiguous tensor that `parts` (of one shape but the first dimension) are, in order, the
+    whole of (the split views of one tensor, as `split` gives them), shaped `[-1, *parts[0].shape[1:]]`; None if they
+    are not (then `torch.cat` joins them).
+    Autograd reaches the tensor through the view directly, without the pieces."""
+    if not parts or any(p.shape[1:] != parts[0].shape[1:] for p in parts):
+        return None
+    base = parts[0]._base
+    if base is None or not base.is_contiguous() or any(p._base is not base or not p.is_contiguous() for p in parts):
+        return None
+    at, size = base.data_ptr(), base.element_size()
+    for p in parts:
+        if p.data_ptr() != at:
+            return None
+        at += p.numel() * size
+    if at != base.data_ptr() + base.numel() * size:
+        return None
+    return base.view(-1, *parts[0].shape[1:])

@@ -36,7 +36,7 @@ from torch import nn
 from embshard.lookup.sequence import HostSequenceLookup, TBESequenceLookup
 from embshard.lookup.shards import LocalShard, group_shards
 from embshard.runtime.comm import start_all_to_all
-from embshard.runtime.ops import cached_tensor
+from embshard.runtime.ops import cached_tensor, join_views
 from embshard.sharding.base import Ready, ShardingContext, column_key
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.optim import OptimizerKind
@@ -295,23 +295,11 @@ class RoutedSequenceSharding(nn.Module):
 
 def _joined(parts: Sequence[torch.Tensor], world_size: int) -> torch.Tensor:
     """`torch.cat(parts)` without the copy where there is nothing to join: one part, or (on one rank, where no
-    exchange follows) parts that are, in order, the whole of one contiguous tensor (the split views of a lookup's
-    output): then a view of that tensor, so autograd reaches it directly."""
+    exchange follows) parts that are, in order, the whole of one contiguous tensor (`join_views`)."""
     if len(parts) == 1:
         return parts[0]
-    if world_size > 1:
-        return torch.cat(parts)
-    base = parts[0]._base
-    if base is None or not base.is_contiguous() or any(p._base is not base or not p.is_contiguous() for p in parts):
-        return torch.cat(parts)
-    at, size = base.data_ptr(), base.element_size()
-    for p in parts:
-        if p.data_ptr() != at:
-            return torch.cat(parts)
-        at += p.numel() * size
-    if at != base.data_ptr() + base.numel() * size:
-        return torch.cat(parts)
-    return base.view(-1, *parts[0].shape[1:])
+    joined = join_views(parts) if world_size == 1 else None
+    return joined if joined is not None else torch.cat(parts)
 
 
 def _use_host(ctx: ShardingContext) -> bool:

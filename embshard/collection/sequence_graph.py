@@ -1,0 +1,235 @@
+"""The sequence collection's training step as one CUDA graph, for a training loop of its own around
+`ShardedEmbeddingCollection`.
+
+An eager step of the sequence collection is a few hundred launches of Python and dispatcher work (the id layout
+per scheme, the exchanges, the lookups, the assembly per feature, the loss, their backward with the fused sparse
+update); on a GPU the host takes longer to launch them than the GPU to run them. `SequenceStepGraph.step(kjt,
+counts)` runs the same step from one replay:
+
+    padded batch   every feature's ids padded to a capacity (collection/sequence_padding.py: filler ids after the
+                   last sample's, their rows and gradients zeroed), `headroom` over the most ids seen on any rank,
+                   so the exchanges, sized from the counts, have the same sizes in every step
+    static inputs  the padded ids and lengths, the batch's own lengths and ids per feature, copied in each step
+    graph          the forward, `loss_fn` of its output (a `SequenceOutput` whose values hold each feature's
+                   capacity of rows, the fillers' last and zero, and whose lengths are the batch's), the backward
+                   with the fused sparse update and the data-parallel tables' all-reduce
+    output         the loss (copied out); every update is done
+
+`counts` are every rank's `host_counts` rows of this step, stacked and parsed (`sharding.exchange.parse_counts`;
+on one rank, the row of the CPU batch before its copy to the device): the step then has no host sync, and every rank
+pads, captures and replays alike. The first step of a capacity runs eagerly on the capture stream (lazy
+initialisations happen there), then is captured; later steps replay. A batch over the capacity, or with more
+fillers than the capture's window, captures again, at most `max_captures` times.
+
+What it takes (`refusal`): table-wise, column-wise and data-parallel tables on the HBM or UVM tiers (each id's
+rank known on the host), no dedup (its unique ids are counted on the device), no max_length (the cut would meet the
+fillers: cut histories in the data), and an update rule that leaves a row with a zero gradient as it is (sgd,
+adagrad, row-wise adagrad without weight decay). The sparse learning rate is a constant of the captured launches.
+`capture=False` runs the padded step eagerly each call (any device: the padding's arithmetic checked against the
+eager step where CUDA graphs do not exist).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from embshard.collection import sequence_padding as padding
+from embshard.collection.emb_graph import leaves_of
+from embshard.collection.sequence import SequenceOutput
+from embshard.runtime import comm
+from embshard.runtime.graphs import warm_up_and_capture
+from embshard.runtime.ops import small_to_device
+from embshard.sharding.exchange import BatchCounts
+from embshard.spec.graph_rules import padding_refusal, plan_refusal
+
+__all__ = ["SequenceStepGraph", "refusal"]
+
+
+def refusal(ec) -> str | None:
+    """Why `SequenceStepGraph` cannot run the step of the sequence collection `ec`, or None if it can."""
+    why = plan_refusal(ec.tables, ec.plan)
+    if why is not None:
+        return why.reason
+    deduped = sorted(name for name, on in ec.dedup.items() if on)
+    if deduped:
+        return f"tables {deduped[:3]} deduplicate their ids, whose unique count is known on the device alone"
+    cut = [t.name for t in ec.tables if t.max_length is not None]
+    if cut:
+        return f"tables {cut[:3]} have a max_length, whose cut would meet the filler ids: cut histories in the data"
+    why = padding_refusal(ec.tables, ec.optimizer)
+    return None if why is None else why.reason
+
+
+class SequenceStepGraph:
+    """The training step of the sequence collection `ec`, with the loss `loss_fn(output)` of its forward's output,
+    as one CUDA graph for ragged batches padded to a capacity (module docstring). `capture=False`: the same padded
+    step eagerly, each call."""
+
+    def __init__(
+        self,
+        ec,
+        loss_fn: Callable[[SequenceOutput], torch.Tensor],
+        capture: bool = True,
+        max_captures: int = 8,
+        headroom: float = 0.03,
+    ) -> None:
+        why = refusal(ec)
+        if why is not None:
+            raise ValueError(f"SequenceStepGraph: {why}")
+        if capture and ec.device.type != "cuda":
+            raise ValueError(f"SequenceStepGraph(capture=True) needs a CUDA collection; this one is on {ec.device}")
+        if not 0 <= headroom <= 1:
+            raise ValueError(f"SequenceStepGraph(headroom={headroom}): give a fraction in [0, 1], e.g. 0.03")
+        self.ec, self.loss_fn, self.capture = ec, loss_fn, capture
+        self.max_captures, self.headroom = max_captures, headroom
+        self.features = list(ec.features)
+        self._rows_F = [next(t.num_embeddings for t in ec.tables if f in t.feature_names) for f in self.features]
+        self.capacity: np.ndarray | None = None  # ids per feature (canonical order), every rank's
+        self.starts: np.ndarray | None = None  # first row of each feature's filler window
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0
+        self.replays = 0
+        self._static: dict | None = None
+        self._loss: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def step(self, kjt, counts: BatchCounts) -> torch.Tensor:
+        """One training step on this rank's batch `kjt` (on the collection's device) with every rank's `counts`
+        (module docstring); returns the loss (a tensor of its own), every update done."""
+        ec = self.ec
+        if counts.bad_ranks:
+            ec(kjt, counts=counts)  # raises on every rank, naming the feature and the fix
+        ids_WF = np.asarray(counts.ids, dtype=np.int64)
+        B = kjt.stride()
+        if B < 1:
+            raise ValueError("SequenceStepGraph: an empty local batch has no sample to carry the filler ids")
+        most, least = ids_WF.max(0), ids_WF.min(0)
+        if self.capacity is None or (most > self.capacity).any() or (least < self.starts).any():
+            if self.captures >= self.max_captures:
+                raise RuntimeError(
+                    f"SequenceStepGraph: captured {self.captures} times (max_captures) and batch counts "
+                    f"{most.tolist()} (least {least.tolist()}) leave the capacity again: the batches' sizes do not "
+                    "settle; raise max_captures or headroom, or run the eager step"
+                )
+            grown = most if self.capacity is None else np.maximum(self.capacity, most)
+            self.capacity = padding.capacity(grown, self.headroom)
+            self.starts = padding.window_starts(self.capacity, least)
+            self.graph, self._static = None, None
+        if self._static is None or self._static["B"] != B:
+            self._make_static(kjt, B)
+        self._pad_into_static(kjt, ids_WF[ec.rank])
+        if self.graph is not None:
+            self.graph.replay()
+            comm.graph_launched()
+            self.replays += 1
+            ec.advance_step()  # as the eager forward counts it
+            return self._loss.clone()
+        if not self.capture:
+            return self._body()
+        return self._warm_up_and_capture()
+
+    # ---- the static batch --------------------------------------------------------------------------------------
+    def _make_static(self, kjt, B: int) -> None:
+        """The graph's input buffers for the capacity and batch size, and the fillers of each feature."""
+        from torchrec import KeyedJaggedTensor
+
+        dev, cap = self.ec.device, [int(c) for c in self.capacity]
+        F = len(self.features)
+        ldt = kjt.lengths().dtype
+        values = torch.zeros(sum(cap), dtype=torch.int64, device=dev)
+        pad_FB = torch.zeros(F, B, dtype=ldt, device=dev)
+        static = {
+            "B": B,
+            "values": values,
+            "pad_FB": pad_FB,
+            "real_FB": torch.zeros(F, B, dtype=ldt, device=dev),
+            "n_F": torch.zeros(F, dtype=torch.int64, device=dev),
+            "fill": [padding.filler_ids(r, c, dev) for r, c in zip(self._rows_F, cap)],
+            "kjt": KeyedJaggedTensor(keys=self.features, values=values, lengths=pad_FB.view(-1), stride=B),
+            "counts": BatchCounts(
+                batch_sizes=[B] * self.ec.world_size,
+                ids=np.tile(np.asarray(cap, dtype=np.int64), (self.ec.world_size, 1)),
+                bad_ranks=[],
+            ),
+        }
+        self._static, self.graph = static, None
+
+    def _pad_into_static(self, kjt, n_F: np.ndarray) -> None:
+        """This rank's batch padded into the static buffers (device work only: the host knows every size)."""
+        s, keys = self._static, list(kjt.keys())
+        if sorted(keys) != sorted(self.features):
+            self.ec(kjt, counts=None)  # raises naming the missing and extra features
+        col = {f: i for i, f in enumerate(self.features)}
+        pieces = kjt.values().split([int(n_F[col[k]]) for k in keys])
+        of_key = dict(zip(keys, pieces))
+        cap = self.capacity
+        parts = []
+        for f, fill in zip(self.features, s["fill"]):
+            parts += [of_key[f].long(), fill[: int(cap[col[f]] - n_F[col[f]])]]
+        torch.cat(parts, out=s["values"])
+        order = [keys.index(f) for f in self.features]
+        lengths_FB = kjt.lengths().view(len(keys), -1)
+        real = lengths_FB if order == list(range(len(keys))) else lengths_FB[order]
+        small = small_to_device([int(x) for x in n_F] + [int(c - n) for c, n in zip(cap, n_F)], self.ec.device)
+        F = len(self.features)
+        s["real_FB"].copy_(real)
+        s["pad_FB"].copy_(real)
+        s["pad_FB"][:, -1] += small[F:].to(s["pad_FB"].dtype)
+        s["n_F"].copy_(small[:F])
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    def _body(self) -> torch.Tensor:
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+
+        s, ec = self._static, self.ec
+        starts = [int(x) for x in self.starts]
+        dtype = ec.options.output_dtype.torch_dtype
+        keeps = padding.keep_masks(s["n_F"], [int(c) for c in self.capacity], starts, dtype)
+        out = ec(s["kjt"], counts=s["counts"], fillers=list(zip(starts, keeps)))
+        own = SequenceOutput()
+        for i, f in enumerate(self.features):
+            own[f] = JaggedTensor(values=out[f].values(), lengths=s["real_FB"][i])
+        loss = self.loss_fn(own)
+        # to the leaves, without running their AccumulateGrad nodes (emb_graph.py says why)
+        leaves = leaves_of(loss)
+        if leaves:
+            torch.autograd.grad(loss, leaves, allow_unused=True)
+        return loss.detach()
+
+    def _warm_up_and_capture(self) -> torch.Tensor:
+        """This step eagerly on the capture stream (its updates are done), then its capture (which computes nothing
+        and counts no step). Returns this step's loss."""
+        device = self.ec.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        loss, graph, self._loss = warm_up_and_capture(
+            self._body, device, stream=self._stream, record_output=True, around=self._capturing
+        )
+        self.graph, self.captures = graph, self.captures + 1
+        return loss
+
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Around the capture: the collection's step count as it was (the capture ran no step); a failure raises
+        saying how to train on."""
+        step = self.ec.step
+        try:
+            yield
+        except Exception as e:
+            raise RuntimeError(
+                f"SequenceStepGraph: capturing the step failed ({type(e).__name__}: {e}); this step's updates are "
+                "done (its eager run): train on with the eager step, `ec(kjt)` and its backward"
+            ) from e
+        finally:
+            self.ec.set_step(step)
+
+    def close(self) -> None:
+        """Release the captured graph after the device finished its work; call it before
+        `dist.destroy_process_group()` (a live graph holding NCCL collectives hangs the teardown)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.ec.device)
+        self.graph = None
