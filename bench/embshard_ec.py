@@ -63,18 +63,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_plan(args: argparse.Namespace, tables, world: int, batch: int, opt, cuda: bool):
-    """The sharding plan of the run (--plan), printed by rank 0."""
-    from embshard.planner import PlannerSettings, Topology, plan_sharding, simple_plan
+def make_plan(args: argparse.Namespace, tables, world: int, batch: int, opt, cuda: bool, graph: bool):
+    """(The sharding plan of the run (--plan), the planner's predicted step in ms or None): `graph` prices the step
+    as one CUDA graph replay (the planner's whole_step_graph), else as an eager step."""
+    from embshard.planner import PlannerSettings, Topology, plan_with_report, simple_plan
     from embshard.spec.plan import MemoryTier, ShardingPlan
 
     if args.plan == "simple":
-        return simple_plan(tables, world, tier=MemoryTier.HBM if cuda else MemoryTier.HOST)
+        return simple_plan(tables, world, tier=MemoryTier.HBM if cuda else MemoryTier.HOST), None
     if args.plan == "planner":
         topo = Topology.detect(world_size=world, device_type="cuda" if cuda else "cpu")
         topo = topo.with_sizes(hbm_gib=args.hbm_gib or None)
-        return plan_sharding(tables, topo, batch, opt, settings=PlannerSettings(sequence_dedup=args.dedup))
-    return ShardingPlan.load(args.plan)
+        settings = PlannerSettings(sequence_dedup=args.dedup, whole_step_graph=graph)
+        plan, report = plan_with_report(tables, topo, batch, opt, settings=settings)
+        return plan, report.step_time_s * 1e3
+    return ShardingPlan.load(args.plan), None
 
 
 def floor_ms(parts: dict[str, list[float]], cuda: bool, world: int) -> float:
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
     ]
     opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.01)
     t0 = time.time()
-    plan = make_plan(args, tables, ws, batch, opt, cuda)
+    want_graph = cuda and not args.dedup and args.step != "eager"
+    plan, predicted = make_plan(args, tables, ws, batch, opt, cuda, want_graph)
     model = ShardedEmbeddingCollection(tables, plan, opt, device=dev, dedup=args.dedup)
     build_s = time.time() - t0
     if rank == 0:
@@ -150,8 +154,9 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
     why = refusal(model) if cuda else "the CPU has no CUDA graphs"
     if args.step == "graph" and why is not None:
         raise SystemExit(f"--step graph: {why}")
-    use_graph = args.step == "graph" or (args.step == "auto" and why is None)
-    graph = SequenceStepGraph(model, loss_of) if use_graph else None
+    graph = SequenceStepGraph(model, loss_of) if want_graph and why is None else None
+    if graph is None and want_graph:
+        predicted = None  # priced as a graph, run eager
 
     def step(i: int) -> None:
         kjt, counts = batches[i % 4]
@@ -183,12 +188,13 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
         floor = floor_ms(parts, cuda, ws)
         mode = "graph" if graph is not None else "eager"
         print(f"embshard EC {args.workload} world={ws} dedup={args.dedup} step={mode}: {ms:.2f} ms/step, "
-              f"{n_ids:,.0f} ids per rank-step, peak {mem:.1f} GiB")  # fmt: skip
+              f"{n_ids:,.0f} ids per rank-step, peak {mem:.1f} GiB"
+              + (f"; the planner predicted {predicted:.2f} ms ({ms / predicted - 1:+.0%})" if predicted else ""))  # fmt: skip
         print(f"floor {floor:.3f} ms/step (per rank GB: looked up {[round(v / 1e9, 4) for v in parts['hbm']]}, "
               f"exchanged {[round(v / 1e9, 4) for v in parts['link']]}); measured / floor {ms / floor:.1f}x")  # fmt: skip
         line = (f"RESULT framework=embshard module=ec workload={args.workload} world={ws} batch_per_rank={batch} "
                 f"ids={args.ids} dedup={int(args.dedup)} step={mode} ms_per_step={ms:.3f} ids_per_s={ws * n_ids / ms * 1e3:.0f} "
-                f"peak_gib={mem:.2f} floor_ms={floor:.4f} {floors.fields(parts)}")  # fmt: skip
+                f"peak_gib={mem:.2f} floor_ms={floor:.4f} predicted_ms={predicted or 0:.4f} {floors.fields(parts)}")  # fmt: skip
         print(line)
         return line
     return None
