@@ -16,13 +16,16 @@ looked up once per step (unique per table, column block and destination rank; ro
 truncate`) or refuses them (`error`); the lengths of the output are those kept.
 
 One step (every rank, even with an empty local batch: the exchanges are collectives):
-  0. counts       one all-gather of every rank's ids per feature, the step's host sync (`gather_batch_counts`)
+  0. counts       one all-gather of every rank's ids per feature, the step's host sync (`gather_batch_counts`);
+                  or `forward(kjt, counts=...)` with every rank's `host_counts` of the CPU batch: no host sync
   1. ids          per scheme, destinations and (dedup) unique ids; row-wise and dedup schemes swap their device
                   counts in one small all-to-all (`exchange_segment_counts`)
   2. input dist   one all-to-all of ids per scheme
   3. lookup       one row per received id (CPU: embedding with sparse gradients; CUDA: FBGEMM TBE, PoolingMode.NONE)
   4. output dist  one all-to-all of rows per scheme, sized from step 1's counts; backward sends the gradients back
   5. assembly     rows back in the ids' order, dedup expanded, column blocks side by side, one JaggedTensor each
+`SequenceStepGraph` (sequence_graph.py) runs the whole training step, the loss and backward included, as one CUDA
+graph replay on batches padded to a capacity.
 As with the pooled collection, every rank's backward must reach every scheme's rows (a loss over all the outputs,
 empty ones included): the row exchange's backward is a collective.
 Column-wise tables under rowwise_adagrad keep one optimizer state per row of each column block (TorchRec's
