@@ -179,14 +179,15 @@ class RoutedSequenceSharding(nn.Module):
         the local batch."""
         send, order, inverse, feature_ids, counts_cols = [], [], [], [], []
         for j, seg in enumerate(self.segments):
-            ids = torch.cat([values[f] for f in self.features[j]]).long()
+            fs = self.features[j]
+            ids = (values[fs[0]] if len(fs) == 1 else torch.cat([values[f] for f in fs])).long()
             feature_ids.append([int(n) for n in counts.ids[self.rank, self._cols[j]]])
             inv = None
             if seg.dedup:
                 ids, inv = torch.unique(ids, sorted=True, return_inverse=True)
             inverse.append(inv)
             if len(seg.ranks) == 1:
-                rows, perm = ids - seg.row_starts[0], None
+                rows, perm = (ids - seg.row_starts[0] if seg.row_starts[0] else ids), None
                 if not self.on_host:  # counted with the scheme's other segments
                     counts_cols.append(
                         torch.zeros(self.W, dtype=torch.int64, device=ids.device).index_fill_(
