@@ -166,8 +166,16 @@ def run(args: argparse.Namespace, dev: torch.device) -> str | None:
         loss_of(model(kjt, counts=counts)).backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for i in range(max(args.warmup, 2 if graph is not None else 0)):  # a graph captures in its first step
-        step(i)
+    try:
+        for i in range(max(args.warmup, 2 if graph is not None else 0)):  # a graph captures in its first step
+            step(i)
+    except RuntimeError as e:
+        if graph is None or args.step == "graph":
+            raise
+        print(f"rank {rank}: the step's graph failed ({e}); timing the eager step", flush=True)
+        graph, predicted = None, None
+        for i in range(args.warmup):
+            step(i)
     sync()
     dist.barrier()
     t0 = time.perf_counter()
