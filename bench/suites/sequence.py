@@ -64,7 +64,13 @@ def seq_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             got = {d: t for d, t in times.items() if t is not None}
             if got:
                 best[who] = min(got.values())
-                text = ", ".join(f"dedup {'on' if d == '1' else 'off'} {t:.2f}" for d, t in sorted(got.items()))
+                modes = {d: sorted({r.get("step", "eager") for r in mine if r.get("framework") == who
+                                    and r.get("dedup") == d}) for d in got}  # fmt: skip
+                text = ", ".join(
+                    f"dedup {'on' if d == '1' else 'off'} {t:.2f}"
+                    + (f" ({'/'.join(modes[d])})" if who == "embshard" else "")
+                    for d, t in sorted(got.items())
+                )
                 parts.append(f"{'TorchRec' if who == 'torchrec' else 'embshard'} {text} ms")
         if len(best) == 2:
             ratio = best["torchrec"] / best["embshard"]
