@@ -325,6 +325,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="tests: pytest-xdist workers where installed, tests spread over them (default: 8 with GPUs, 16+ CPUs)",
     )
     g.add_argument("--test-timeout", type=int, default=300, help="tests: per-test limit when pytest-timeout is there")
+    g.add_argument(
+        "--seq-dedup",
+        choices=["both", "torchrec"],
+        default="both",
+        help="seq: dedup runs for both frameworks, or for TorchRec only (embshard's graphed step has no dedup)",
+    )
     g.add_argument("--fuzz", default="", help="fuzz: WORLD:CASES list (default 2:300,1:100; CPU 2:20,1:10)")
     g.add_argument("--ckpt-scale", type=float, default=0.0, help="ckpt: row fraction of hetero124 (0.1)")
     g.add_argument("--interop-examples", action="store_true", help="interop: also examples/torchrec's three steps")

@@ -37,6 +37,8 @@ def seq_steps(args: argparse.Namespace, m: Machine) -> list[Step]:
                 ):
                     if who == "TorchRec" and dedup and args.cpu:
                         continue  # TorchRec's dedup needs fbgemm's jagged_unique_indices, which has no CPU kernel
+                    if who == "embshard" and dedup and getattr(args, "seq_dedup", "both") == "torchrec":
+                        continue
                     argv = torchrun(n) + script + common
                     out.append(Step(f"{who} {tag}", argv, timeout=300, needs_gpus=n, exit_after_result_s=45))
     return out
