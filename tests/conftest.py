@@ -19,6 +19,12 @@ from pathlib import Path
 
 import torch
 
+# The suite starts dozens of Python processes (command-line runs, launchers, fork servers, pytest-xdist workers):
+# each would compile embshard's ~200 modules from source again (0.4 s of CPU) where the environment asks Python not
+# to write bytecode (PYTHONDONTWRITEBYTECODE). The first writes them (__pycache__/, ignored by git), the rest read.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 if not torch.cuda.is_available():
     # Before anything imports Triton (its interpreter mode is fixed at the first import): on a machine without CUDA
     # the Triton kernels run under the interpreter in every test, whichever test files are collected, and the
