@@ -233,7 +233,7 @@ def test_a_rank_killed_under_torchrun_restarts_from_the_latest_checkpoint(tmp_pa
     beside it, at the same time), bitwise."""
     elastic, straight = tmp_path / "elastic", tmp_path / "straight"
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
-    torchrun += ["--monitor-interval=0.5", str(ROOT / "tests" / "ckpt_faults.py"), "train"]
+    torchrun += ["--monitor-interval=0.1", str(ROOT / "tests" / "ckpt_faults.py"), "train"]
     env_kill = dict(env(), KILL_STEP="7", KILL_RANK="1", KILL_AFTER=f"{elastic}/ck/step_5")
     env_kill["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as launch/torchrun.sh sets it (docs/launch.md)
     args = [*CRITEO, "schedule.steps=20", "schedule.eval_at_start=true", f"checkpoint.dir={elastic}/ck"]
