@@ -8,8 +8,9 @@ on one machine (docs/launch.md).
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
 the saved plan) run embshard.training.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
-`embshard train --nproc 2` starts three Python processes, most of a short run's time); dlrm_criteo, the restart
-under torchrun, the errors, torchx, the two launchers and the benchmark go through the command line."""
+`embshard train --nproc 2` starts two Python processes, its own and its ranks' fork server, most of a short
+run's time); dlrm_criteo, the restart under torchrun, the errors, torchx, the two launchers and the benchmark go
+through the command line."""
 
 from __future__ import annotations
 

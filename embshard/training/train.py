@@ -431,21 +431,6 @@ def _fused_available(kind: str, params: list) -> bool:
     return _FUSED[key]
 
 
-# What a rank imports as it runs (`run`), beyond this module: a fork server of spawn_local imports it once for
-# every rank.
-RANK_MODULES = (
-    "tqdm",
-    "torchrec",
-    "fbgemm_gpu",
-    "embshard.checkpoint",
-    "embshard.data",
-    "embshard.models.build",
-    "embshard.training.pipeline",
-    "torchmetrics.classification",  # the evaluation's AUC (0.7 s of imports, matplotlib's among them)
-    "torch.utils.tensorboard",
-)
-
-
 def _run_or_exit(config_path: str, overrides: Sequence[str]) -> None:
     try:
         run(config_path, overrides)
@@ -502,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     from embshard.runtime.distributed import spawn_local
 
     try:
-        spawn_local(_run_or_exit, args.nproc, args.config, args.overrides, preload=RANK_MODULES)
+        spawn_local(_run_or_exit, args.nproc, args.config, args.overrides, preload=launch_checks.RANK_MODULES)
     except ProcessExitedException as e:
         sys.exit(e.exit_code or 1)
     except ProcessRaisedException:
