@@ -112,7 +112,8 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any, preload: Sequenc
         raise ConfigError(f"spawn_local: nproc={nproc!r} is invalid: the number of processes to start (>= 1)")
     method = start_method()
     if method == "forkserver":
-        modules = ["torch", "torch.distributed", __name__, fn.__module__, *preload]
+        own = [fn.__module__] if fn.__module__ != "__main__" else []  # a script's: its forks import it themselves
+        modules = ["torch", "torch.distributed", __name__, *own, *preload]
         mp.get_context(method).set_forkserver_preload(list(dict.fromkeys(modules)))
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
     try:
