@@ -3,6 +3,7 @@ cross-host sub-groups of a hierarchical exchange (`host_groups`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -83,6 +84,10 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
         **{_HELD_STORE: "1"},
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    if multiprocessing.get_start_method(allow_none=True) == "forkserver":
+        # a fork server's forks would start their own processes (DataLoader workers) from it too, where the data
+        # workers' objects do not arrive: the platform's default, as in any process (on Linux they fork from the rank)
+        multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     fn(*args)
 
 
@@ -92,8 +97,6 @@ def start_method() -> str:
     Python process importing torch, torchrec and FBGEMM costs); with CUDA, new interpreters ("spawn": CUDA does not
     survive a fork). The fork server is a process of its own, started without threads, so its forks are safe where
     a fork of this process (which holds the group's store, a thread) might not be."""
-    import multiprocessing
-
     if not torch.cuda.is_available() and "forkserver" in multiprocessing.get_all_start_methods():
         return "forkserver"
     return "spawn"
