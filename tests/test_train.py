@@ -3,9 +3,8 @@ plan, progress and AUC (and no library warning) and writes TensorBoard events an
 checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
 resumes on 3 processes; a schedule that ends before the checkpoint's step stops with a message; config, data and
 planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; `--nproc` ranks read
-through data workers; the torchx component
-launches a CPU run of 2 nodes (2D sharding across its two launchers); two torchrun launchers train as 2 hosts x 2
-on one machine (docs/launch.md).
+through data workers; the torchx component launches a CPU run of 2 nodes (2D sharding across its two launchers);
+two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md).
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
 the saved plan) run embshard.training.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
