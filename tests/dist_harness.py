@@ -175,6 +175,8 @@ _PRELOAD += [
     "embshard.data",
     "embshard.models.build",
     "embshard.training.pipeline",
+    "torchmetrics.classification",  # a training run's evaluation (its AUC): 0.7 s of imports a rank
+    "torch.utils.tensorboard",
 ]
 
 

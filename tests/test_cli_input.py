@@ -68,6 +68,26 @@ def test_train_refuses_bad_counts_before_any_process_starts(capsys, monkeypatch,
 
     with pytest.raises(ConfigError, match=r"nproc=0 is invalid"):
         spawn_local(print, 0)
+    # the ranks start as forks of a fork server on machines without CUDA; it imports the modules a rank imports
+    # (an import that fails there is skipped: each must exist, found without importing it)
+    from embshard.runtime.distributed import start_method
+    from embshard.training.launch_checks import RANK_MODULES
+
+    assert start_method() == ("spawn" if torch.cuda.is_available() else "forkserver")
+    assert not [m for m in RANK_MODULES if not module_exists(m)], RANK_MODULES
+
+
+def module_exists(name: str) -> bool:
+    """Whether module `name` (dotted) is on the import path, without importing it or its packages."""
+    import importlib.machinery
+
+    path = None
+    for part in name.split("."):
+        spec = importlib.machinery.PathFinder.find_spec(part, path)
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+    return True
 
 
 def test_plan_refuses_bad_counts_and_writes_into_runs(capsys, monkeypatch, tmp_path):

@@ -131,11 +131,30 @@ def _is_type_checking(node: ast.AST) -> bool:
     )
 
 
+_BODIES = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
+def child_statements(node: ast.AST) -> Iterator[ast.AST]:
+    """The statements (and except handlers, match cases) directly under `node`: an import is a statement, so it is
+    found without visiting any expression (most of a syntax tree's nodes)."""
+    for field in _BODIES:
+        yield from getattr(node, field, None) or ()
+
+
+def all_statements(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every statement under `tree`, nested ones included (`ast.walk` over statements only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(child_statements(node))
+
+
 def statements(
     node: ast.AST, lazy: bool = False, type_only: bool = False
 ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
     """Every import statement under `node`: (it, inside a function, inside `if TYPE_CHECKING:`)."""
-    for child in ast.iter_child_nodes(node):
+    for child in child_statements(node):
         inner = lazy or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child, inner, type_only
@@ -414,7 +433,7 @@ def third_party_imports(folder: Path) -> dict[str, set[str]]:
     }
     out: dict[str, set[str]] = {}
     for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(parsed(path)[1]):
+        for node in all_statements(parsed(path)[1]):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

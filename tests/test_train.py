@@ -2,14 +2,15 @@
 plan, progress and AUC (and no library warning) and writes TensorBoard events and checkpoints; a run resumed from a
 checkpoint ends exactly like the straight run, also after a rank is killed under torchrun with restarts, and
 resumes on 3 processes; a schedule that ends before the checkpoint's step stops with a message; config, data and
-planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; the torchx component
-launches a CPU run of 2 nodes (2D sharding across its two launchers); two torchrun launchers train as 2 hosts x 2
-on one machine (docs/launch.md).
+planning errors exit with a message and status 2; a plan saved by `embshard plan` trains; `--nproc` ranks read
+through data workers; the torchx component launches a CPU run of 2 nodes (2D sharding across its two launchers);
+two torchrun launchers train as 2 hosts x 2 on one machine (docs/launch.md).
 
 The runs that test training rather than the command line (the example configs but dlrm_criteo, the resumed runs,
 the saved plan) run embshard.training.train's job in processes forked for them on machines without CUDA (tests/train_job.py:
-`embshard train --nproc 2` starts three Python processes, most of a short run's time); dlrm_criteo, the restart
-under torchrun, the errors, torchx, the two launchers and the benchmark go through the command line."""
+`embshard train --nproc 2` starts two Python processes, its own and its ranks' fork server, most of a short
+run's time); dlrm_criteo, the restart under torchrun, the errors, torchx, the two launchers and the benchmark go
+through the command line."""
 
 from __future__ import annotations
 
@@ -233,7 +234,7 @@ def test_a_rank_killed_under_torchrun_restarts_from_the_latest_checkpoint(tmp_pa
     beside it, at the same time), bitwise."""
     elastic, straight = tmp_path / "elastic", tmp_path / "straight"
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
-    torchrun += ["--monitor-interval=0.5", str(ROOT / "tests" / "ckpt_faults.py"), "train"]
+    torchrun += ["--monitor-interval=0.1", str(ROOT / "tests" / "ckpt_faults.py"), "train"]
     env_kill = dict(env(), KILL_STEP="7", KILL_RANK="1", KILL_AFTER=f"{elastic}/ck/step_5")
     env_kill["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as launch/torchrun.sh sets it (docs/launch.md)
     args = [*CRITEO, "schedule.steps=20", "schedule.eval_at_start=true", f"checkpoint.dir={elastic}/ck"]
@@ -260,6 +261,20 @@ def test_a_rank_killed_under_torchrun_restarts_from_the_latest_checkpoint(tmp_pa
     got, want = metrics(elastic), metrics(straight)  # step 0 (first attempt), then 10 and 20 after the restart
     assert [m["step"] for m in want] == [0, 10, 20]
     assert [m["step"] for m in got] == [0, 10, 20] and got[1:] == want[1:], (got, want)
+
+
+def test_local_ranks_read_through_data_workers(tmp_path):
+    """`embshard train --nproc 2` with a data worker per rank (data.synthetic.workers=1): the ranks (on machines
+    without CUDA forks of a fork server) start their DataLoader workers as any process does, and train."""
+    args = ["configs/dlrm_synthetic.yaml", "--nproc", "2", "schedule.steps=2", "schedule.eval_every=0"]
+    args += ["data.synthetic.workers=1", "data.synthetic.eval_batches=1", "logging.tensorboard_dir=null"]
+    res = train(
+        [*args, "checkpoint.dir=null", "logging.progress_bar=false", f"logging.metrics_file={tmp_path}/metrics.jsonl"]
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not library_noise(res), library_noise(res)[:10]
+    assert re.search(r"train step +2 +loss", res.stdout), res.stdout[-2000:]
+    assert [m["step"] for m in metrics(tmp_path)] == [0, 2]
 
 
 def test_train_e2e_benchmark_trains_scaled_down_on_cpu():

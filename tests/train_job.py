@@ -1,7 +1,8 @@
 """`embshard train` for tests that test training rather than the command line.
 
 A Python process importing torch, torchrec and embshard takes seconds of CPU, most of a short run's time, and
-`embshard train --nproc 2` starts three. On machines without CUDA, `embshard_train` runs `embshard.training.train`'s job
+`embshard train --nproc 2` starts two (itself, and on machines without CUDA the fork server its ranks fork from;
+three interpreters on GPUs). On machines without CUDA, `embshard_train` runs `embshard.training.train`'s job
 (what each process of the command line runs) in processes forked for the run from the test harness's server,
 which imported those modules once (tests/dist_harness.py, `fresh=True`), from the repository root, with the
 command line's thread count, and returns what they wrote to their stdout and stderr (file descriptors 1 and 2:

@@ -3,9 +3,10 @@ cross-host sub-groups of a hierarchical exchange (`host_groups`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -83,20 +84,43 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
         **{_HELD_STORE: "1"},
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    if multiprocessing.get_start_method(allow_none=True) == "forkserver":
+        # a fork server's forks would start their own processes (DataLoader workers) from it too, where the data
+        # workers' objects do not arrive: the platform's default, as in any process (on Linux they fork from the rank)
+        multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     fn(*args)
 
 
-def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
+def start_method() -> str:
+    """How `spawn_local` starts its processes: on machines without CUDA, forks of a fork server ("forkserver") that
+    imported the ranks' modules once (a rank then starts in a fraction of a second instead of the seconds of CPU a
+    Python process importing torch, torchrec and FBGEMM costs); with CUDA, new interpreters ("spawn": CUDA does not
+    survive a fork). The fork server is a process of its own, started without threads, so its forks are safe where
+    a fork of this process (which holds the group's store, a thread) might not be."""
+    if not torch.cuda.is_available() and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return "spawn"
+
+
+def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any, preload: Sequence[str] = ()) -> None:
     """Run fn(*args) on `nproc` local processes with torchrun-style environment variables. This process holds the
     group's store on a port the kernel picks as it binds it (no other process can take the port between a choice
-    and the bind, as with a port picked free first); the ranks join it as clients (`init_distributed`)."""
+    and the bind, as with a port picked free first); the ranks join it as clients (`init_distributed`).
+
+    The processes start as `start_method()` says; a fork server imports fn's module, torch.distributed and
+    `preload` (modules the ranks import later: each then imports them once, in the server) before its first fork."""
     import torch.multiprocessing as mp
 
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"spawn_local: nproc={nproc!r} is invalid: the number of processes to start (>= 1)")
+    method = start_method()
+    if method == "forkserver":
+        own = [fn.__module__] if fn.__module__ != "__main__" else []  # a script's: its forks import it themselves
+        modules = ["torch", "torch.distributed", __name__, *own, *preload]
+        mp.get_context(method).set_forkserver_preload(list(dict.fromkeys(modules)))
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
     try:
-        mp.start_processes(_entry, args=(nproc, store.port, fn, args), nprocs=nproc, join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(nproc, store.port, fn, args), nprocs=nproc, join=True, start_method=method)
     finally:
         del store
 

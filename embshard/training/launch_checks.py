@@ -5,7 +5,9 @@ before the process group), and what a run decides at its start from its checkpoi
 - the checkpoint folder: a run never replaces the checkpoints of an earlier run unless told to
   (`checkpoint_conflict`; `checkpoint.overwrite=true` deletes them as the run starts: `clear_checkpoints`);
 - a notice where the config's tables or batch are sized for GPUs and the run would take very long on a CPU
-  (`cpu_notice`).
+  (`cpu_notice`);
+- the modules a rank imports as it runs, which the fork server that `--nproc` ranks fork from on machines without
+  CUDA imports once for all of them (`RANK_MODULES`).
 
 The data sources are opened and checked before the ranks start too (embshard.data.check_source)."""
 
@@ -23,6 +25,18 @@ CPU_TABLE_BYTES = 128 << 20
 """Tables larger than this in total (bytes of weights) get the CPU notice."""
 CPU_BATCH_SIZE = 2048
 """A batch larger than this (samples per rank and step) gets the CPU notice."""
+RANK_MODULES = (
+    "tqdm",
+    "torchrec",
+    "fbgemm_gpu",
+    "embshard.checkpoint",
+    "embshard.data",
+    "embshard.models.build",
+    "embshard.training.pipeline",
+    "torchmetrics.classification",  # the evaluation's AUC (0.7 s of imports, matplotlib's among them)
+    "torch.utils.tensorboard",
+)
+"""What a rank of `embshard train` imports as it runs, beyond embshard.training.train (spawn_local's `preload`)."""
 
 
 def check_nproc(nproc: int | None) -> None:

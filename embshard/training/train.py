@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     from embshard.runtime.distributed import spawn_local
 
     try:
-        spawn_local(_run_or_exit, args.nproc, args.config, args.overrides)
+        spawn_local(_run_or_exit, args.nproc, args.config, args.overrides, preload=launch_checks.RANK_MODULES)
     except ProcessExitedException as e:
         sys.exit(e.exit_code or 1)
     except ProcessRaisedException:
