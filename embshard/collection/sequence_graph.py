@@ -164,7 +164,14 @@ class SequenceStepGraph:
         if sorted(keys) != sorted(self.features):
             self.ec(kjt, counts=None)  # raises naming the missing and extra features
         col = {f: i for i, f in enumerate(self.features)}
-        pieces = kjt.values().split([int(n_F[col[k]]) for k in keys])
+        sizes = [int(n_F[col[k]]) for k in keys]
+        if sum(sizes) != kjt.values().numel() or kjt.stride() != self._static["B"]:
+            raise ValueError(
+                f"SequenceStepGraph.step: the counts give this rank {sum(sizes)} ids, its kjt has "
+                f"{kjt.values().numel()} ids and {kjt.stride()} samples: pass the counts of this same batch "
+                "(every rank's host_counts rows)"
+            )
+        pieces = kjt.values().split(sizes)
         of_key = dict(zip(keys, pieces))
         cap = self.capacity
         parts = []

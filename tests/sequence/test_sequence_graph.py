@@ -159,5 +159,10 @@ def test_host_counts_make_the_same_step_without_a_sync_and_wrong_counts_are_refu
     bad = parse_counts(np.concatenate([b.host_counts(kjt)[None].numpy()] * 2))
     with pytest.raises(ValueError, match="gather every rank's host_counts"):
         b(kjt, counts=bad)
+    c = ShardedEmbeddingCollection(GRAPH_TABLES, simple_plan(GRAPH_TABLES, 1, 1, tier=TIER), device="cpu")
+    graph = SequenceStepGraph(c, lambda o: sum(v.values().sum() for v in o.values()), capture=False)
+    other = to_kjt(_batch(gen, 7, 3), KEYS, "cpu")
+    with pytest.raises(ValueError, match="pass the counts of this same batch"):
+        graph.step(kjt, parse_counts(c.host_counts(other)[None].numpy()))
     wrong = to_kjt({**_batch(gen, 7, 3), "h_c": (torch.tensor([1, 0, 0, 0, 0, 0, 0]), torch.tensor([30]))}, KEYS, "cpu")
     assert b.host_counts(wrong)[1] == 1  # one id outside s_c (30 rows)
