@@ -7,7 +7,8 @@ triton.language, its tensor and math modules (inspect.getmembers), about a quart
 time in the suite's kernels. The calls inside a launch find the modules already pointed at the interpreted versions
 (the builtins are already wrapped: the walk wraps nothing again; the rest sets equivalent functions once more), so
 `install` lets only the first set-up of a launch per set of language modules run (a device function whose module
-sees triton.language.core, not triton.language, still gets its own). Where Triton's interpreter is laid out
+sees triton.language.core, not triton.language, still gets its own); and numpy's dtype of a Triton type, which it
+builds from a fresh table at every operation, is looked up once per type. Where Triton's interpreter is laid out
 otherwise (another Triton version), `install` leaves it as it is: the kernels then run as slowly as before, never
 differently.
 """
@@ -42,8 +43,15 @@ def install() -> bool:
         return False
     state = threading.local()  # the language-module sets already set up by the running launch (None: no launch)
 
+    seen: dict[object, frozenset[int]] = {}  # per function: the language modules its module sees
+
     def langs(fn) -> frozenset[int]:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        key = seen.get(fn)
+        if key is None:
+            key = seen[fn] = frozenset(
+                id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
+            )
+        return key
 
     @functools.wraps(patch)
     def patch_once(fn):
@@ -67,6 +75,21 @@ def install() -> bool:
         finally:
             state.done = outer
 
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None:  # numpy's dtype of a Triton type: built from a fresh table at every call of every op
+        dtypes: dict[object, object] = {}
+
+        @functools.wraps(np_dtype)
+        def np_dtype_once(tt_dtype):
+            try:
+                return dtypes[tt_dtype]
+            except KeyError:
+                found = dtypes[tt_dtype] = np_dtype(tt_dtype)
+                return found
+            except TypeError:  # a type that is not hashable
+                return np_dtype(tt_dtype)
+
+        interpreter._get_np_dtype = np_dtype_once
     interpreter._patch_lang = patch_once
     grid.__call__ = launch
     _INSTALLED = True
