@@ -36,6 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import triton_interpret
+
+# Here (imported by tests/conftest.py and by the fork server): the Triton interpreter's launches set the language up
+# once, in the tests' processes and in every process forked for them (tests/triton_interpret.py).
+triton_interpret.install()
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 # What the pool's ranks keep from their start whatever the caller's environment says.

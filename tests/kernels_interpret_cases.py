@@ -416,3 +416,24 @@ def test_raw_id_map_runs_on_its_kernels_as_on_torch(monkeypatch):
     slots = [m._insert(keys, cand, active, torch.arange(40) + 7) for m in maps]
     assert torch.equal(slots[0], slots[1]) and (slots[0] < 0).any() and (slots[0] // 16 == 2).any()
     assert torch.equal(maps[0].slot_key, maps[1].slot_key) and torch.equal(maps[0].slot_row, maps[1].slot_row)
+
+
+def test_the_interpreter_sets_the_language_up_once_a_launch(monkeypatch):
+    """tests/triton_interpret.py is in place (without it every device-function call of every program walks
+    triton.language again: a quarter of an interpreted kernel's CPU): a launch of dozens of programs sets the
+    language up once per set of language modules its functions see (triton.language, triton.language.core, both),
+    and the gradients still match."""
+    import triton_interpret
+    from triton.runtime import interpreter
+
+    assert triton_interpret.install()
+    walks, launches = [], []
+    walk, launch = interpreter._patch_lang.__wrapped__, interpreter.GridExecutor.__call__
+    monkeypatch.setattr(interpreter._patch_lang, "__wrapped__", lambda fn: walks.append(fn) or walk(fn))
+    monkeypatch.setattr(
+        interpreter.GridExecutor, "__call__", lambda g, *a, **k: launches.append(g) or launch(g, *a, **k)
+    )
+    got, want, _ = _skewed_gradients(Tiles(bags=1, block_n=4, interleave=3), False)  # 6 bags x 5 features: 30 programs
+    assert launches and len(walks) <= 3 * len(launches), (len(walks), len(launches))
+    for t, g, _ in got:
+        torch.testing.assert_close(g.double(), want[t.name], atol=1e-5, rtol=1e-5, msg=t.name)

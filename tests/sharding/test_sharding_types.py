@@ -10,9 +10,11 @@ One spawn per world size trains every (case, optimizer) pair; the tests then com
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -111,6 +113,10 @@ WIDE_RUNS += [("mixed", "adam"), ("data_parallel", "adam_wd")]
 # of the Triton kernels is checked against the reference in tests/kernels_interpret_cases.py). On GPUs both run
 # the Triton kernels.
 TRITON_WORLD = 2
+# Under the interpreter a kernel costs per program and per element of its tiles (the atomic backward's sort of
+# BAGS x BLOCK_N ids above all): small tiles (several bag tiles per feature, the last partial; bags of more ids than a
+# chunk) cost a third of the default ones' (2048 elements a program), and reach the same branches. GPUs: the defaults.
+INTERPRETED_TILES = {"bags": 4, "block_n": 4}
 
 
 def runs_for(world_size: int) -> list[tuple[str, str]]:
@@ -124,7 +130,9 @@ def kernel_path(case: str):
     """On the CPU: the small-table kernels and the kernel regroup on the torch path (TRITON_INTERPRET unset) for
     mixed_small, on the Triton interpreter for mixed_small_triton; other cases as the environment says. Yields the
     set of paths the small-table kernels took ('triton', 'torch'), filled as they run."""
+    from embshard.kernels import data_parallel as small_data_parallel
     from embshard.kernels import small_tables
+    from embshard.kernels.layout import Tiles
 
     taken: set[str] = set()
     choose = small_tables.use_triton
@@ -135,13 +143,19 @@ def kernel_path(case: str):
         return triton
 
     before = os.environ.get("TRITON_INTERPRET")
+    interpreted = device_kind() == "cpu" and case == "mixed_small_triton"
     if device_kind() == "cpu" and case in SMALL_KERNEL:
         os.environ.pop("TRITON_INTERPRET", None)
-        if case == "mixed_small_triton":
+        if interpreted:
             os.environ["TRITON_INTERPRET"] = "1"
     small_tables.use_triton = recorded
     try:
-        yield taken
+        with contextlib.ExitStack() as stack:
+            if interpreted:  # the lookups' default kernel options: INTERPRETED_TILES
+                small = functools.partial(small_tables.SmallTableOptions, tiles=Tiles(**INTERPRETED_TILES))
+                for module in (small_tables, small_data_parallel):
+                    stack.enter_context(mock.patch.object(module, "SmallTableOptions", small))
+            yield taken
     finally:
         small_tables.use_triton = choose
         os.environ.pop("TRITON_INTERPRET", None)
