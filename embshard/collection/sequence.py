@@ -46,6 +46,7 @@ from torch import nn
 from embshard.collection.bounds import check_ids, count_bad_ids
 from embshard.collection.sequence_padding import zero_fillers
 from embshard.collection.shard_state import ShardState
+from embshard.collection.step_state import StepCount
 from embshard.runtime import comm
 from embshard.runtime.comm import world_and_rank
 from embshard.runtime.ops import cached_tensor
@@ -98,7 +99,7 @@ class SequenceOutput(dict):
         return jt.to_padded_dense(desired_length=max_len, padding_value=0.0)
 
 
-class ShardedEmbeddingCollection(ShardState, nn.Module):
+class ShardedEmbeddingCollection(StepCount, ShardState, nn.Module):
     """Sequence tables sharded by `plan`, trained with a fused sparse optimizer (the module docstring has the
     arguments and the step)."""
 
@@ -315,18 +316,3 @@ class ShardedEmbeddingCollection(ShardState, nn.Module):
         for i, f in enumerate(keys):
             out[f] = JaggedTensor(values=rows[i], lengths=lengths_FB[i])
         return out
-
-    def set_step(self, step: int) -> None:
-        """Set the step count to `step` (the step the next training forward runs)."""
-        if int(step) != step or step < 0:
-            raise ValueError(f"ShardedEmbeddingCollection.set_step({step!r}): the step must be a whole number >= 0")
-        self._step = int(step)
-
-    def advance_step(self) -> None:
-        """Count one training step run without the forward (a graph's replay), as the forward counts its own."""
-        self._step += 1
-
-    @property
-    def step(self) -> int:
-        """Training forwards so far (every rank agrees on it: it labels the step's collectives)."""
-        return self._step

@@ -10,11 +10,9 @@ from contextlib import contextmanager
 from torch import nn
 
 
-class StepState:
-    """The step count (`step`, `set_step`, `advance_step`) and the padded batches' flag (`weighing_every_id`) of a
-    collection made of `schemes`."""
+class StepCount:
+    """A collection's step count (`step`, `set_step`, `advance_step`)."""
 
-    schemes: nn.ModuleList
     _step: int = 0
 
     @property
@@ -27,12 +25,19 @@ class StepState:
     def set_step(self, step: int) -> None:
         """Set the step count to `step` (the step the next training forward runs: `step` + 1 after it)."""
         if int(step) != step or step < 0:
-            raise ValueError(f"ShardedEmbeddingBagCollection.set_step({step!r}): the step must be a whole number >= 0")
+            raise ValueError(f"{type(self).__name__}.set_step({step!r}): the step must be a whole number >= 0")
         self._step = int(step)
 
     def advance_step(self) -> None:
         """Count one training step run without the forward (as the forward counts its own)."""
         self._step += 1
+
+
+class StepState(StepCount):
+    """The step count (StepCount) and the padded batches' flag (`weighing_every_id`) of a collection made of
+    `schemes`."""
+
+    schemes: nn.ModuleList
 
     @contextmanager
     def weighing_every_id(self) -> Iterator[None]:
