@@ -20,10 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from embshard.collection.padding import FILLER_ROWS
 from embshard.runtime.ops import join_views
-
-FILLER_ROWS = 1024
-"""A feature's filler ids cycle over this many rows of its table (fewer if the table is smaller)."""
 
 
 def filler_ids(rows: int, n: int, device: torch.device) -> torch.Tensor:
