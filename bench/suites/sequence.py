@@ -77,6 +77,13 @@ def seq_summary(log: str, args: argparse.Namespace) -> list[tuple[str, str]]:
         if len(best) == 2:
             ratio = best["torchrec"] / best["embshard"]
             parts.append(f"best/best {ratio:.2f}x ({'embshard' if ratio > 1 else 'TorchRec'} faster)")
+        priced = [
+            (float(r["ms_per_step"]) - float(r["loss_ms"])) / float(r["predicted_ms"]) - 1
+            for r in mine
+            if r.get("framework") == "embshard" and float(r.get("predicted_ms", 0)) > 0 and "loss_ms" in r
+        ]
+        if priced:
+            parts.append(f"embshard without the loss against the planner {statistics.median(priced):+.0%}")
         floor = [float(r["floor_ms"]) for r in mine if r.get("framework") == "embshard" and "floor_ms" in r]
         if floor:
             parts.append(f"floor {min(floor):.2f} ms")
