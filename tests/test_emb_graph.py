@@ -274,3 +274,78 @@ def test_the_collection_owns_its_step_count_prefetches_and_padded_batches_flag()
     tables' sums, only while active."""
     (same,) = run_distributed(_ownership_worker, 1)
     assert same == [], same
+
+
+def test_captured_step_counts_steps_and_undoes_a_failed_capture(monkeypatch):
+    """CapturedStep (the pooled and the sequence step graphs' shared run) with the capture stood in for on the CPU:
+    the first call runs the body eagerly and captures it (the capture counts no step), later calls replay (each
+    counted as a step); a capture that fails undoes what the subclass says, keeps the step count and says how to
+    train on."""
+    from types import SimpleNamespace
+
+    from embshard.collection import emb_graph
+
+    class Graph:
+        def __init__(self):
+            self.replayed = 0
+
+        def replay(self):
+            self.replayed += 1
+
+    def fake_capture(body, device, *, stream, record_output, around):
+        warm = body()  # the warm-up: an eager step
+        with around():
+            captured = body()
+        return warm, Graph(), captured
+
+    monkeypatch.setattr(emb_graph, "warm_up_and_capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "side stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    class Collection:
+        device = SimpleNamespace(type="cuda")
+        step = 0
+
+        def set_step(self, step):
+            self.step = step
+
+        def advance_step(self):
+            self.step += 1
+
+    class Step(emb_graph.CapturedStep):
+        eager_hint = "`c(kjt)`"
+
+        def __init__(self, fail_capture=False):
+            super().__init__(Collection(), None, True, 8)
+            self.fail_capture, self.bodies, self.undone = fail_capture, 0, False
+
+        def _body(self):
+            self.bodies += 1
+            self.collection.step += 1  # as a training forward counts its step
+            if self.fail_capture and self.bodies == 2:
+                raise RuntimeError("no capture here")
+            return torch.tensor(float(self.bodies))
+
+        def _undo_capture(self):
+            def undo():
+                self.undone = True
+
+            return undo
+
+    s = Step()
+    losses = [float(s._run()) for _ in range(3)]
+    assert (s.captures, s.replays, s.bodies, s.graph.replayed) == (1, 2, 2, 2)
+    assert s.collection.step == 3  # the warm-up's step and two replays; the capture's forward is not counted
+    assert losses == [1.0, 2.0, 2.0]  # the warm-up's loss, then the captured loss buffer's
+    s.close()
+    assert s.graph is None
+    f = Step(fail_capture=True)
+    with pytest.raises(
+        RuntimeError, match=r"Step: capturing the step failed \(RuntimeError: no capture here\).*`c\(kjt\)`"
+    ):
+        f._run()
+    assert f.undone and f.collection.step == 1 and f.graph is None and f.captures == 0
+    with pytest.raises(ValueError, match="Step: not this one"):
+        emb_graph.CapturedStep(Collection(), "not this one", True, 8)
+    with pytest.raises(ValueError, match="needs a CUDA collection"):
+        emb_graph.CapturedStep(SimpleNamespace(device=torch.device("cpu")), None, True, 8)

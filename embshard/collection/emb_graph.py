@@ -44,7 +44,15 @@ from embshard.sharding.exchange import BatchCounts
 from embshard.spec.geometry import capacity
 from embshard.spec.graph_rules import plan_refusal
 
-__all__ = ["EmbeddingStepGraph", "collection_refusal", "leaves_of", "refusal", "static_kjt"]
+__all__ = [
+    "CapturedStep",
+    "EmbeddingStepGraph",
+    "backward_to_leaves",
+    "collection_refusal",
+    "leaves_of",
+    "refusal",
+    "static_kjt",
+]
 
 
 def collection_refusal(ebc) -> str | None:
@@ -90,10 +98,96 @@ def static_kjt(kjt):
     )
 
 
-class EmbeddingStepGraph:
+def backward_to_leaves(loss: torch.Tensor) -> None:
+    """The backward of `loss` to the leaves its autograd graph reaches (`leaves_of`: the fused updates run in it),
+    without running their AccumulateGrad nodes (a node an earlier eager step made belongs to that step's stream, and
+    the engine would make a capture wait on it)."""
+    leaves = leaves_of(loss)
+    if leaves:
+        torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+class CapturedStep:
+    """What a collection's step graph keeps from one call to the next and how it runs a step: the captured graph
+    (None before a capture, or once the step's sizes changed), its side stream, the loss its replays write, and the
+    captures and replays so far. A subclass gives `_body()` (the step: run eagerly, or captured) and `collection`
+    (with `device`, `step`, `set_step`, `advance_step`), and may give `_undo_capture` (what a failed capture leaves
+    behind). `capture=False` runs the body eagerly each call."""
+
+    eager_hint = "the collection's forward"
+    """How to train on if a capture fails (the error says it)."""
+
+    def __init__(self, collection, why_not: str | None, capture: bool, max_captures: int) -> None:
+        name = type(self).__name__
+        if why_not is not None:
+            raise ValueError(f"{name}: {why_not}")
+        if capture and collection.device.type != "cuda":
+            raise ValueError(f"{name}(capture=True) needs a CUDA collection; this one is on {collection.device}")
+        self.collection, self.capture, self.max_captures = collection, capture, max_captures
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0
+        self.replays = 0
+        self._loss: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def _body(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _run(self) -> torch.Tensor:
+        """The step on the static inputs: the graph's replay if there is one (counted as the eager forward counts
+        its step), else the body eagerly (capture=False), else the body eagerly on the capture stream (its updates
+        are done) and then its capture (which computes nothing and counts no step). Returns the step's loss."""
+        if self.graph is not None:
+            self.graph.replay()
+            comm.graph_launched()
+            self.replays += 1
+            self.collection.advance_step()
+            return self._loss.clone()
+        if not self.capture:
+            return self._body()
+        device = self.collection.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        loss, graph, self._loss = warm_up_and_capture(
+            self._body, device, stream=self._stream, record_output=True, around=self._capturing
+        )
+        self.graph, self.captures = graph, self.captures + 1
+        return loss
+
+    def _undo_capture(self) -> Callable[[], None]:
+        """Called before a capture; returns what undoes, after a failed capture, what it left behind."""
+        return lambda: None
+
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Around the capture: the collection's step count as it was (the capture ran no step), `_undo_capture`'s
+        undoing after a failure, which raises saying how to train on."""
+        step, undo = self.collection.step, self._undo_capture()
+        try:
+            yield
+        except Exception as e:
+            undo()
+            raise RuntimeError(
+                f"{type(self).__name__}: capturing the step failed ({type(e).__name__}: {e}); this step's updates "
+                f"are done (its eager run): train on with the eager step, {self.eager_hint} and its backward"
+            ) from e
+        finally:
+            self.collection.set_step(step)
+
+    def close(self) -> None:
+        """Release the captured graph after the device finished its work; call it before
+        `dist.destroy_process_group()` (a live graph holding NCCL collectives hangs the teardown)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.collection.device)
+        self.graph = None
+
+
+class EmbeddingStepGraph(CapturedStep):
     """The training step of the sharded collection `ebc`, with the loss `loss_fn(output)` of its forward's output
     (a KeyedTensor, or the groups' dict), as one CUDA graph for ragged batches padded to a capacity (module
     docstring). `capture=False`: the same padded step eagerly, each call."""
+
+    eager_hint = "`ebc(kjt)`"
 
     def __init__(
         self,
@@ -102,21 +196,17 @@ class EmbeddingStepGraph:
         capture: bool = True,
         max_captures: int = 8,
     ) -> None:
-        why = refusal(ebc)
-        if why is not None:
-            raise ValueError(f"EmbeddingStepGraph: {why}")
-        if capture and ebc.device.type != "cuda":
-            raise ValueError(f"EmbeddingStepGraph(capture=True) needs a CUDA collection; this one is on {ebc.device}")
-        self.ebc, self.loss_fn, self.capture, self.max_captures = ebc, loss_fn, capture, max_captures
+        super().__init__(ebc, refusal(ebc), capture, max_captures)
+        self.loss_fn = loss_fn
         self._padder = padding.BatchPadder(ebc)
         self.capacity: np.ndarray | None = None  # ids per canonical column, every rank's
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.captures = 0
-        self.replays = 0
         self._static: tuple | None = None  # (padded kjt of static tensors, its tensors)
         self._counts: BatchCounts | None = None
-        self._loss: torch.Tensor | None = None
-        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def ebc(self):
+        """The sharded collection whose step this is."""
+        return self.collection
 
     def step(self, kjt, counts: BatchCounts) -> torch.Tensor:
         """One training step on this rank's batch `kjt` (on the collection's device) with every rank's agreed
@@ -143,64 +233,21 @@ class EmbeddingStepGraph:
             self._make_static(padded)
             torch._foreach_copy_(self._static[1], [padded.values(), padded.lengths(), padded.weights()])
         self._counts = full
-        if self.graph is not None:
-            self.graph.replay()
-            comm.graph_launched()
-            self.replays += 1
-            self.ebc.advance_step()  # as the eager forward counts it
-            return self._loss.clone()
-        if not self.capture:
-            return self._body()
-        return self._warm_up_and_capture()
+        return self._run()
 
     def _body(self) -> torch.Tensor:
         ebc, kjt = self.ebc, self._static[0]
         with ebc.weighing_every_id():
             handle = ebc.prefetch(kjt, counts=self._counts)  # the id exchange, sized from the padded counts
             loss = self.loss_fn(ebc(kjt, prefetched=handle))
-            # to the leaves, without running their AccumulateGrad nodes (a node an earlier eager step made belongs
-            # to that step's stream, and the engine would make the capture wait on it)
-            leaves = leaves_of(loss)
-            if leaves:
-                torch.autograd.grad(loss, leaves, allow_unused=True)
+            backward_to_leaves(loss)
         return loss.detach()
 
-    def _warm_up_and_capture(self) -> torch.Tensor:
-        """This step eagerly on the capture stream (its updates are done), then its capture (which computes nothing
-        and counts no step). Returns this step's loss."""
-        device = self.ebc.device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        loss, graph, self._loss = warm_up_and_capture(
-            self._body, device, stream=self._stream, record_output=True, around=self._capturing
-        )
-        self.graph, self.captures = graph, self.captures + 1
-        return loss
-
-    @contextmanager
-    def _capturing(self) -> Iterator[None]:
-        """Around the capture: the collection's step count as it was (the capture ran no step), and after a failure
-        no prefetch the capture left unconsumed; a failure raises saying how to train on."""
-        ebc = self.ebc
-        step, pending = ebc.step, ebc.pending_prefetches
-        try:
-            yield
-        except Exception as e:
-            ebc.drop_prefetches(keep=pending)  # a prefetch the failed capture left unconsumed
-            raise RuntimeError(
-                f"EmbeddingStepGraph: capturing the step failed ({type(e).__name__}: {e}); this step's updates are "
-                "done (its eager run): train on with the eager step, `ebc(kjt)` and its backward"
-            ) from e
-        finally:
-            ebc.set_step(step)  # the capture ran no step
+    def _undo_capture(self) -> Callable[[], None]:
+        """A prefetch that a failed capture left unconsumed is dropped."""
+        pending = self.ebc.pending_prefetches
+        return lambda: self.ebc.drop_prefetches(keep=pending)
 
     def _make_static(self, padded) -> None:
         static = static_kjt(padded)
         self._static, self.graph = (static, [static.values(), static.lengths(), static.weights()]), None
-
-    def close(self) -> None:
-        """Release the captured graph after the device finished its work; call it before
-        `dist.destroy_process_group()` (a live graph holding NCCL collectives hangs the teardown)."""
-        if self.graph is not None:
-            torch.cuda.synchronize(self.ebc.device)
-        self.graph = None

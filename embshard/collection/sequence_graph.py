@@ -31,17 +31,14 @@ eager step where CUDA graphs do not exist).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from embshard.collection import sequence_padding as padding
-from embshard.collection.emb_graph import leaves_of
+from embshard.collection.emb_graph import CapturedStep, backward_to_leaves
 from embshard.collection.sequence import SequenceOutput
-from embshard.runtime import comm
-from embshard.runtime.graphs import warm_up_and_capture
 from embshard.runtime.ops import small_to_device
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.graph_rules import padding_refusal, plan_refusal
@@ -64,10 +61,12 @@ def refusal(ec) -> str | None:
     return None if why is None else why.reason
 
 
-class SequenceStepGraph:
+class SequenceStepGraph(CapturedStep):
     """The training step of the sequence collection `ec`, with the loss `loss_fn(output)` of its forward's output,
     as one CUDA graph for ragged batches padded to a capacity (module docstring). `capture=False`: the same padded
     step eagerly, each call."""
+
+    eager_hint = "`ec(kjt)`"
 
     def __init__(
         self,
@@ -77,25 +76,20 @@ class SequenceStepGraph:
         max_captures: int = 8,
         headroom: float = 0.03,
     ) -> None:
-        why = refusal(ec)
-        if why is not None:
-            raise ValueError(f"SequenceStepGraph: {why}")
-        if capture and ec.device.type != "cuda":
-            raise ValueError(f"SequenceStepGraph(capture=True) needs a CUDA collection; this one is on {ec.device}")
+        super().__init__(ec, refusal(ec), capture, max_captures)
         if not 0 <= headroom <= 1:
             raise ValueError(f"SequenceStepGraph(headroom={headroom}): give a fraction in [0, 1], e.g. 0.03")
-        self.ec, self.loss_fn, self.capture = ec, loss_fn, capture
-        self.max_captures, self.headroom = max_captures, headroom
+        self.loss_fn, self.headroom = loss_fn, headroom
         self.features = list(ec.features)
         self._rows_F = [next(t.num_embeddings for t in ec.tables if f in t.feature_names) for f in self.features]
         self.capacity: np.ndarray | None = None  # ids per feature (canonical order), every rank's
         self.starts: np.ndarray | None = None  # first row of each feature's filler window
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.captures = 0
-        self.replays = 0
         self._static: dict | None = None
-        self._loss: torch.Tensor | None = None
-        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def ec(self):
+        """The sequence collection whose step this is."""
+        return self.collection
 
     def step(self, kjt, counts: BatchCounts) -> torch.Tensor:
         """One training step on this rank's batch `kjt` (on the collection's device) with every rank's `counts`
@@ -122,15 +116,7 @@ class SequenceStepGraph:
         if self._static is None or self._static["B"] != B:
             self._make_static(kjt, B)
         self._pad_into_static(kjt, ids_WF[ec.rank])
-        if self.graph is not None:
-            self.graph.replay()
-            comm.graph_launched()
-            self.replays += 1
-            ec.advance_step()  # as the eager forward counts it
-            return self._loss.clone()
-        if not self.capture:
-            return self._body()
-        return self._warm_up_and_capture()
+        return self._run()
 
     # ---- the static batch --------------------------------------------------------------------------------------
     def _make_static(self, kjt, B: int) -> None:
@@ -201,42 +187,5 @@ class SequenceStepGraph:
         for i, f in enumerate(self.features):
             own[f] = JaggedTensor(values=out[f].values(), lengths=s["real_FB"][i])
         loss = self.loss_fn(own)
-        # to the leaves, without running their AccumulateGrad nodes (emb_graph.py says why)
-        leaves = leaves_of(loss)
-        if leaves:
-            torch.autograd.grad(loss, leaves, allow_unused=True)
+        backward_to_leaves(loss)
         return loss.detach()
-
-    def _warm_up_and_capture(self) -> torch.Tensor:
-        """This step eagerly on the capture stream (its updates are done), then its capture (which computes nothing
-        and counts no step). Returns this step's loss."""
-        device = self.ec.device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        loss, graph, self._loss = warm_up_and_capture(
-            self._body, device, stream=self._stream, record_output=True, around=self._capturing
-        )
-        self.graph, self.captures = graph, self.captures + 1
-        return loss
-
-    @contextmanager
-    def _capturing(self) -> Iterator[None]:
-        """Around the capture: the collection's step count as it was (the capture ran no step); a failure raises
-        saying how to train on."""
-        step = self.ec.step
-        try:
-            yield
-        except Exception as e:
-            raise RuntimeError(
-                f"SequenceStepGraph: capturing the step failed ({type(e).__name__}: {e}); this step's updates are "
-                "done (its eager run): train on with the eager step, `ec(kjt)` and its backward"
-            ) from e
-        finally:
-            self.ec.set_step(step)
-
-    def close(self) -> None:
-        """Release the captured graph after the device finished its work; call it before
-        `dist.destroy_process_group()` (a live graph holding NCCL collectives hangs the teardown)."""
-        if self.graph is not None:
-            torch.cuda.synchronize(self.ec.device)
-        self.graph = None
