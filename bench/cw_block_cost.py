@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -60,20 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def init(cpu: bool) -> torch.device:
     """A one-process group (the exact column-wise update swaps row norms over it); the device to compute on."""
-    if not cpu:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device is visible: run on a GPU, or pass --cpu for a dry run")
-        from embshard.runtime.distributed import init_distributed
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device is visible: run on a GPU, or pass --cpu for a dry run")
+    from embshard.runtime.distributed import init_distributed
 
-        return init_distributed()
-    import torch.distributed as dist
-
-    from embshard.runtime.distributed import free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    return torch.device("cpu")
+    return init_distributed(cpu=cpu)
 
 
 def predicted_s(table, plan, batch: int, optimizer, cpu: bool) -> float:

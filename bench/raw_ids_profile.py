@@ -154,20 +154,11 @@ def _short(name: str, width: int = 96) -> str:
 
 def _init(device: str) -> torch.device:
     """A one-process group; the device to compute on."""
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device is visible")
-        from embshard.runtime.distributed import init_distributed
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    from embshard.runtime.distributed import init_distributed
 
-        return init_distributed()
-    import torch.distributed as dist
-
-    from embshard.runtime.distributed import free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    return torch.device("cpu")
+    return init_distributed(cpu=device != "cuda")
 
 
 def _count_syncs(fn, steps: int) -> tuple[int, Counter]:

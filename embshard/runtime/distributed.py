@@ -18,7 +18,9 @@ from embshard.runtime import comm
 from embshard.spec.tables import ConfigError
 
 
-def init_distributed(collective_timeout_s: float | None = 600.0, whole_step_graph: bool = False) -> torch.device:
+def init_distributed(
+    collective_timeout_s: float | None = 600.0, whole_step_graph: bool = False, cpu: bool = False
+) -> torch.device:
     """Join the process group described by torchrun's environment (NCCL on GPUs, gloo on CPU); returns the
     device this rank computes on. Without torchrun's variables, a single-process group is created.
 
@@ -29,8 +31,9 @@ def init_distributed(collective_timeout_s: float | None = 600.0, whole_step_grap
     unless the environment sets it): with it on, the captured dense all-reduce and pooled gradients' all-to-all
     waited on each other in the profiled step and the compute stream idled (2 x H100: busy 67% of the step with it,
     86% without).
-    `comm.wait_for_graphs` keeps the rule that comes with it (no uncaptured collective beside a graph's launch)."""
-    cuda = torch.cuda.is_available()
+    `comm.wait_for_graphs` keeps the rule that comes with it (no uncaptured collective beside a graph's launch).
+    `cpu`: gloo on the CPU even where a GPU is visible."""
+    cuda = torch.cuda.is_available() and not cpu
     nccl_settings(whole_step_graph, cuda)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("RANK", "0")
