@@ -265,32 +265,30 @@ def test_side_features_train_on_two_processes_like_one_and_resume_on_one(tmp_pat
     assert set(m1) == {"loss", "hr@10", "ndcg@10", "pop_hr@10", "pop_ndcg@10"}
     for k in m1:
         assert abs(m1[k] - m2[k]) <= 1.01e-4, (k, m1, m2)
-    shutil.copytree(tmp_path / "ck" / "step_3", tmp_path / "resumed" / "step_3")
-    resumed = embshard_train(
-        [*run, "schedule.batch_size=16", f"checkpoint.dir={tmp_path}/resumed", "checkpoint.resume_from=latest"], 1
-    )
-    l3, m3 = _losses(resumed.stdout)
-    assert sorted(l3) == [4, 5, 6], resumed.stdout
+
+    def resumed(saved: str, into: str, nproc: int) -> tuple[dict[int, float], dict[str, float]]:
+        """The losses and final evaluation of `nproc` processes resumed from the step-3 checkpoint of `saved`."""
+        shutil.copytree(tmp_path / saved / "step_3", tmp_path / into / "step_3")
+        batch = f"schedule.batch_size={16 // nproc}"
+        res = embshard_train([*run, batch, f"checkpoint.dir={tmp_path}/{into}", "checkpoint.resume_from=latest"], nproc)
+        losses, metrics = _losses(res.stdout)
+        assert sorted(losses) == [4, 5, 6], res.stdout
+        return losses, metrics
+
     # Every step after the resume (not only step 4, whose loss is that of the weights saved at step 3) and the final
     # evaluation are those of the run that never stopped, to the printed digits: the optimizer states saved on 2
     # ranks are those of 1 (every row's gradient is one process's, whatever the number of ranks: the module
-    # docstring of embshard/models/sequential.py), and so are the popularity counts (saved with the catalog rows)
-    for s in (4, 5, 6):
-        assert abs(l3[s] - l1[s]) <= 1.01e-4, (s, l3, l1)
-    assert set(m3) == set(m1)
-    for k in m1:
-        assert abs(m3[k] - m1[k]) <= 1.01e-4, (k, m3, m1)
+    # docstring of embshard/models/sequential.py), and so are the popularity counts (saved with the catalog rows);
     # and the other way: 2 processes resumed from the 1-process run's step-3 checkpoint continue the 2-process run
-    shutil.copytree(tmp_path / "ck1" / "step_3", tmp_path / "resumed2" / "step_3")
-    resumed2 = embshard_train(
-        [*run, "schedule.batch_size=8", f"checkpoint.dir={tmp_path}/resumed2", "checkpoint.resume_from=latest"], 2
-    )
-    l4, m4 = _losses(resumed2.stdout)
-    assert sorted(l4) == [4, 5, 6], resumed2.stdout
-    for s in (4, 5, 6):
-        assert abs(l4[s] - l2[s]) <= 1.01e-4, (s, l4, l2)
-    for k in m2:
-        assert abs(m4[k] - m2[k]) <= 1.01e-4, (k, m4, m2)
+    for (l_got, m_got), l_want, m_want in (
+        (resumed("ck", "resumed", 1), l1, m1),
+        (resumed("ck1", "resumed2", 2), l2, m2),
+    ):
+        for s in (4, 5, 6):
+            assert abs(l_got[s] - l_want[s]) <= 1.01e-4, (s, l_got, l_want)
+        assert set(m_got) == set(m_want)
+        for k in m_want:
+            assert abs(m_got[k] - m_want[k]) <= 1.01e-4, (k, m_got, m_want)
 
 
 def test_sequences_source_emits_each_items_category_for_side_features():
