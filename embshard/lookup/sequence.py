@@ -28,7 +28,7 @@ from embshard.lookup.shards import LocalShard, init_rows
 from embshard.lookup.tbe import TBELookup
 from embshard.lookup.updates import apply_update, optimizer_state
 from embshard.runtime.comm import scoped_label, start_all_reduce
-from embshard.runtime.ops import host_to_device, join_views
+from embshard.runtime.ops import host_to_device, joined
 from embshard.spec.optim import FusedOptimizerConfig, OptimizerKind
 from embshard.spec.options import LookupOptions
 from embshard.spec.tables import DataType
@@ -80,8 +80,7 @@ class TBESequenceLookup(TBELookup):
         """`[n_i, D]` rows of each shard for its local row indices."""
         sizes = tuple(int(ids.numel()) for ids in ids_per_shard)
         offsets = self._offsets(sizes, ids_per_shard[0].device)
-        joined = join_views(ids_per_shard) if len(ids_per_shard) > 1 else ids_per_shard[0]
-        indices = (joined if joined is not None else torch.cat(list(ids_per_shard))).long()
+        indices = joined(ids_per_shard).long()
         rows = super().forward(indices, offsets, None)  # [sum(sizes), D]
         return list(rows.split(sizes)) if len(sizes) > 1 else [rows]
 

@@ -128,3 +128,12 @@ def join_views(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if at != base.data_ptr() + base.numel() * size:
         return None
     return base.view(-1, *parts[0].shape[1:])
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)` without a copy where there is nothing to join: one part itself, or the view `join_views`
+    finds."""
+    if len(parts) == 1:
+        return parts[0]
+    view = join_views(parts)
+    return view if view is not None else torch.cat(list(parts))

@@ -36,7 +36,7 @@ from torch import nn
 from embshard.lookup.sequence import HostSequenceLookup, TBESequenceLookup
 from embshard.lookup.shards import LocalShard, group_shards
 from embshard.runtime.comm import start_all_to_all
-from embshard.runtime.ops import cached_tensor, join_views
+from embshard.runtime.ops import cached_tensor, joined
 from embshard.sharding.base import Ready, ShardingContext, column_key
 from embshard.sharding.exchange import BatchCounts
 from embshard.spec.optim import OptimizerKind
@@ -297,10 +297,9 @@ class RoutedSequenceSharding(nn.Module):
 def _joined(parts: Sequence[torch.Tensor], world_size: int) -> torch.Tensor:
     """`torch.cat(parts)` without the copy where there is nothing to join: one part, or (on one rank, where no
     exchange follows) parts that are, in order, the whole of one contiguous tensor (`join_views`)."""
-    if len(parts) == 1:
-        return parts[0]
-    joined = join_views(parts) if world_size == 1 else None
-    return joined if joined is not None else torch.cat(parts)
+    if world_size == 1:
+        return joined(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _use_host(ctx: ShardingContext) -> bool:
