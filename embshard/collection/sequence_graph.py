@@ -41,6 +41,7 @@ from embshard.collection.emb_graph import CapturedStep, backward_to_leaves
 from embshard.collection.sequence import SequenceOutput
 from embshard.runtime.ops import small_to_device
 from embshard.sharding.exchange import BatchCounts
+from embshard.spec.geometry import capacity
 from embshard.spec.graph_rules import padding_refusal, plan_refusal
 
 __all__ = ["SequenceStepGraph", "refusal"]
@@ -110,7 +111,7 @@ class SequenceStepGraph(CapturedStep):
                     "settle; raise max_captures or headroom, or run the eager step"
                 )
             grown = most if self.capacity is None else np.maximum(self.capacity, most)
-            self.capacity = padding.capacity(grown, self.headroom)
+            self.capacity = capacity(grown, self.headroom)
             self.starts = padding.window_starts(self.capacity, least)
             self.graph, self._static = None, None
         if self._static is None or self._static["B"] != B:

@@ -29,12 +29,6 @@ def filler_ids(rows: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device, dtype=torch.int64) % min(rows, FILLER_ROWS)
 
 
-def capacity(most_F: np.ndarray, headroom: float) -> np.ndarray:
-    """Ids per feature that batches are padded to: `headroom` above the most seen, a multiple of 64, at least 64."""
-    most = np.asarray(most_F, dtype=np.int64)
-    return np.maximum(64, (np.ceil(most * (1.0 + headroom)).astype(np.int64) + 63) // 64 * 64)
-
-
 def window_starts(cap_F: np.ndarray, least_F: np.ndarray) -> np.ndarray:
     """First row of each feature's filler window: room for three times the fillers of a batch of `least_F` ids
     (and 64 more), from the end of the capacity."""

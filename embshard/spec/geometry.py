@@ -7,7 +7,7 @@
 - Column blocks (column-wise): FBGEMM's TBE needs every block a multiple of 4 columns wide; `column_blocks(dim, n)`
   cuts the width into up to n blocks of whole units of 4, as even as possible (dim=24, n=4: 8, 8, 4, 4; dim=8,
   n=3: 4, 4).
-- Capacities: `capacity(ids)` is the padded batches' size for a run of ragged batches (10% above, a multiple of
+- Capacities: `capacity(ids)` is the padded batches' size for a run of ragged batches (10% above by default, a multiple of
   64 ids): what a captured CUDA graph is sized for (embshard/collection/padding.py, embshard/rawids/graph.py).
 
 Sizes are plain integers here; embshard.spec.plan turns them into Shards.
@@ -84,7 +84,9 @@ def runs(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def capacity(ids_F: np.ndarray | int) -> np.ndarray:
-    """Padded ids per feature for a run of ragged batches whose largest counts are `ids_F`: 10% above, rounded up
-    to a multiple of 64 ids, in integers (3,200 ids give 3,520: through floats, 3,200 x 1.1 rounds above 3,520)."""
-    return (np.asarray(ids_F, dtype=np.int64) * 11 + 639) // 640 * 64
+def capacity(ids_F: np.ndarray | int, headroom: float = 0.1) -> np.ndarray:
+    """Padded ids per feature for a run of ragged batches whose largest counts are `ids_F`: `headroom` above (in
+    whole thousandths), rounded up to a multiple of 64 ids, in integers (3,200 ids give 3,520 at 10%: through
+    floats, 3,200 x 1.1 rounds above 3,520)."""
+    per_mille = 1000 + round(headroom * 1000)
+    return (np.asarray(ids_F, dtype=np.int64) * per_mille + 63_999) // 64_000 * 64
