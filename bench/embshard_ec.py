@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from bench import floors
+from bench.timing import timed_ms
 
 WORKLOADS = {  # the baseline's (bench/baselines/torchrec_ec.py)
     "seq4": ([(20_000_000, 128, 100), (5_000_000, 128, 100), (100_000, 128, 100), (1000, 128, 100)], 1024),
@@ -221,13 +222,8 @@ def loss_alone_ms(model, batches, loss_of, steps: int, sync) -> float:
         f: type(jt)(values=jt.values().detach().clone().requires_grad_(), lengths=jt.lengths()) for f, jt in out.items()
     }
     leaves = [jt.values() for jt in view.values()]
-    torch.autograd.grad(loss_of(view), leaves)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        torch.autograd.grad(loss_of(view), leaves)
-    sync()
-    return (time.perf_counter() - t0) / steps * 1e3
+    torch.autograd.grad(loss_of(view), leaves)  # warm
+    return timed_ms(lambda _i: torch.autograd.grad(loss_of(view), leaves), steps, sync)
 
 
 def main(argv: list[str] | None = None) -> None:
