@@ -234,10 +234,16 @@ class ShardedEmbeddingCollection(StepCount, ShardState, nn.Module):
         `SequenceStepGraph.step`: the step then has no host sync."""
         keys, lengths_FB, values = self._local_input(kjt, on_device=False)
         kept_FB, _, over = self._kept_lengths(keys, lengths_FB)
-        bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
-        bad = bad + over if over is not None else bad
+        return counts_row(*self._ids_and_bad(keys, lengths_FB, values, kept_FB, over), 0)
+
+    def _ids_and_bad(
+        self, keys: list[str], lengths_FB: torch.Tensor, values: torch.Tensor, kept_FB: torch.Tensor, over
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(kept ids per feature in the canonical order, batch size, `[1]` count of out-of-range ids and over-long
+        histories that the forward refuses), where the batch is: a counts row's parts."""
         ids_F = kept_FB.sum(1).index_select(0, cached_tensor([keys.index(f) for f in self.features], kept_FB.device))
-        return counts_row(ids_F, lengths_FB.shape[1], bad, 0)
+        bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
+        return ids_F, lengths_FB.shape[1], bad + over if over is not None else bad
 
     def _raise_bad_batch(self, keys, lengths_FB, values, ranks: list[int]) -> None:
         """Raise on every rank: the ranks with bad batches name the feature, sample or id, and the fix."""
@@ -273,11 +279,8 @@ class ShardedEmbeddingCollection(StepCount, ShardState, nn.Module):
             keys, lengths_FB, values = self._local_input(kjt)
             kept_FB, keep, over = self._cut(keys, lengths_FB, values)
             if counts is None:
-                rows = cached_tensor([keys.index(f) for f in self.features], lengths_FB.device)
-                ids_F = kept_FB.sum(1).index_select(0, rows)
-                bad = count_bad_ids(lengths_FB, values, keys, self._table_of)
-                bad = bad + over if over is not None else bad
-                counts = gather_batch_counts(ids_F, lengths_FB.shape[1], bad, self.group, self._step)
+                ids_F, batch, bad = self._ids_and_bad(keys, lengths_FB, values, kept_FB, over)
+                counts = gather_batch_counts(ids_F, batch, bad, self.group, self._step)
             elif len(counts.batch_sizes) != self.world_size or counts.batch_sizes[self.rank] != lengths_FB.shape[1]:
                 raise ValueError(
                     f"forward(counts=...): the counts give {len(counts.batch_sizes)} ranks, rank {self.rank} a batch "
