@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from bench.verdict import finish
+
 CASES = ("column_wise", "table_wise")
 
 
@@ -168,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         lines.append(f"INFO {case}: each width's step over the {max(widths)}-wide one's, measured: " + ", ".join(parts))
         print(lines[-1], flush=True)
-    lines.append("ALL PASS" if not failures else f"{failures} FAILED")
-    print(lines[-1], flush=True)
-    (out / "cw_block_cost.txt").write_text("\n".join(lines) + "\n")
-    return 1 if failures else 0
+    return finish(lines, failures, out / "cw_block_cost.txt")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.verdict import finish
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
     "tests/test_step_graph.py::test_whole_step_graph_on_one_rank_trains_like_the_eager_step",
@@ -147,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     failures += planner_shares(lines)
     if args.e2e:
         failures += e2e(out, args.nproc, lines)
-    lines.append("ALL PASS" if not failures else f"{failures} FAILED")
-    print(lines[-1])
-    (out / "cw_graph_check.txt").write_text("\n".join(lines) + "\n")
-    return 1 if failures else 0
+    return finish(lines, failures, out / "cw_graph_check.txt")
 
 
 if __name__ == "__main__":

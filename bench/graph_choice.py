@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.verdict import finish
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/dlrm_dcnv2_mlperf.yaml"
 WAYS = {"auto": [], "graph": ["training.cuda_graph=true"], "eager": ["training.graph_scope=dense"]}
@@ -113,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         failures += 1
         say(f"FAIL choice on {args.nproc} GPUs: no measurement of both ways ({sorted(medians)})")
-    say("ALL PASS" if not failures else f"{failures} FAILED")
-    (out / "graph_choice.txt").write_text("\n".join(lines) + "\n")
-    return 1 if failures else 0
+    return finish(lines, failures, out / "graph_choice.txt")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench.verdict import finish
 from embshard.models.sequential import HSTUDense
 
 CPU_CASES = [
@@ -136,12 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
             lines.append(line)
     failed = sum(line.startswith("FAIL") for line in lines)
-    lines.append("ALL PASS" if not failed else f"{failed} FAILED")
-    print(lines[-1])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hstu_attention.txt").write_text("\n".join(lines) + "\n")
-    return 1 if failed else 0
+    return finish(lines, failed, Path(args.out) / "hstu_attention.txt")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.verdict import finish
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/dlrm_dcnv2_mlperf.yaml"
 FAST = "step: whole-step CUDA graph, bf16 pooled outputs, compiled dense (auto; the planner's choice: predicted "
@@ -116,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         line += f" ({time.time() - t0:.0f} s)"
         print(line, flush=True)
         lines.append(line)
-    lines.append("ALL PASS" if not failures else f"{failures} FAILED")
-    print(lines[-1], flush=True)
-    (out_dir / "step_mode.txt").write_text("\n".join(lines) + "\n")
-    return 1 if failures else 0
+    return finish(lines, failures, out_dir / "step_mode.txt")
 
 
 if __name__ == "__main__":
