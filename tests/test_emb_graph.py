@@ -301,6 +301,8 @@ def test_captured_step_counts_steps_and_undoes_a_failed_capture(monkeypatch):
     monkeypatch.setattr(emb_graph, "warm_up_and_capture", fake_capture)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "side stream")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    launched = []
+    monkeypatch.setattr(emb_graph.comm, "graph_launched", lambda: launched.append(1))
 
     class Collection:
         device = SimpleNamespace(type="cuda")
@@ -334,7 +336,7 @@ def test_captured_step_counts_steps_and_undoes_a_failed_capture(monkeypatch):
 
     s = Step()
     losses = [float(s._run()) for _ in range(3)]
-    assert (s.captures, s.replays, s.bodies, s.graph.replayed) == (1, 2, 2, 2)
+    assert (s.captures, s.replays, s.bodies, s.graph.replayed, len(launched)) == (1, 2, 2, 2, 2)
     assert s.collection.step == 3  # the warm-up's step and two replays; the capture's forward is not counted
     assert losses == [1.0, 2.0, 2.0]  # the warm-up's loss, then the captured loss buffer's
     s.close()
