@@ -107,9 +107,9 @@ def random_batch(cfg, B: int, ids: int, rng: np.random.Generator, device: torch.
     return Batch(torch.randn(B, 13), kjt, torch.zeros(B)).to(device)
 
 
-def count_syncs(fn, batch) -> int:
-    """How many synchronizing CUDA operations `fn(batch)` makes once warm (torch.cuda.set_sync_debug_mode's
-    warnings): one call first, so a bucket's capture is not counted."""
+def count_syncs(fn, batch) -> list[str]:
+    """Where `fn(batch)` makes a synchronizing CUDA operation once warm (torch.cuda.set_sync_debug_mode's warnings,
+    each as the Python line that called the operation): one call first, so a bucket's capture is not counted."""
     fn(batch)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as seen:
@@ -119,7 +119,7 @@ def count_syncs(fn, batch) -> int:
             fn(batch)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchronizing" in str(w.message) for w in seen)
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in seen if "synchronizing" in str(w.message)]
 
 
 def graph_checks(cfg, predictor, eager, args: argparse.Namespace, rng: np.random.Generator) -> None:
@@ -137,10 +137,11 @@ def graph_checks(cfg, predictor, eager, args: argparse.Namespace, rng: np.random
     host = random_batch(cfg, 512, args.ids, rng, torch.device("cpu"))
     on_gpu = host.to(predictor.device)
     predictor(host), predictor(on_gpu)  # the buckets captured before counting
-    n_host, n_gpu = count_syncs(predictor, host), count_syncs(predictor, on_gpu)
+    at_host, at_gpu = count_syncs(predictor, host), count_syncs(predictor, on_gpu)
     print(
-        f"{'PASS' if n_host == 0 and n_gpu <= 1 else 'FAIL'} serve_latency host syncs in a graphed call: {n_host} "
-        f"with host ids (expected 0), {n_gpu} with GPU ids (expected at most 1: the id check's count)",
+        f"{'PASS' if not at_host and len(at_gpu) <= 1 else 'FAIL'} serve_latency host syncs in a graphed call: "
+        f"{len(at_host)} with host ids (expected 0){' at ' + ', '.join(at_host) if at_host else ''}, {len(at_gpu)} "
+        f"with GPU ids (expected at most 1: the id check's count){' at ' + ', '.join(at_gpu) if at_gpu else ''}",
         flush=True,
     )
 

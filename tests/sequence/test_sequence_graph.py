@@ -21,6 +21,9 @@ from embshard import FusedOptimizerConfig, simple_plan
 from embshard.collection.sequence import ShardedEmbeddingCollection
 from embshard.collection.sequence_graph import SequenceStepGraph, refusal
 from embshard.sharding.exchange import parse_counts
+from embshard.spec.plan import MemoryTier
+
+DEVICE = "cuda" if device_kind() == "cuda" else "cpu"  # the refusals' and host counts' collections
 
 GRAPH_TABLES = [replace(t, max_length=None) for t in TABLES]
 SAME_WIDTH = [
@@ -93,7 +96,9 @@ def graph_worker(rank, world, device, cases, seed):
             loss_p = graph.step(kjt, _counts(padded, kjt_cpu, world))
             rows = {f: (want[f], *seen[f]) for f in KEYS} if seen else {}  # a replay runs no Python
             we, wp = eager.full_weights(), padded.full_weights()
-            diff = max(float((we[t] - wp[t]).abs().max()) for t in we)
+            # relative to the table's largest weight: CUDA's backward sums a row's gradients in another order when
+            # fillers share its sort (each filler adds an exact zero), a few units in the last place apart
+            diff = max(float((we[t] - wp[t]).abs().max() / we[t].abs().max().clamp(min=1.0)) for t in we)
             steps.append((float(loss_e.detach()), float(loss_p), rows, diff))
         out.append((steps, graph.captures, graph.replays))
     return out
@@ -118,13 +123,13 @@ def test_padded_step_trains_like_the_eager_step(run, world):
                     torch.testing.assert_close(got[:n], want, rtol=1e-5, atol=1e-6)
                     assert not got[n:].any(), f"{where} step {s} {f}: filler rows not zero"
                     assert int(lengths.sum()) == n, f"{where} step {s} {f}: lengths sum {int(lengths.sum())} != {n}"
-                assert diff <= 1e-5, f"{where} step {s}: weights differ by {diff}"
+                assert diff <= 2e-6, f"{where} step {s}: weights differ by {diff} of the largest weight"
 
 
 def test_refusals_name_the_table_and_the_fix():
     def ec(tables=GRAPH_TABLES, types="table_wise", opt="sgd", dedup=False):
         plan = simple_plan(tables, 1, 1, dict.fromkeys([t.name for t in tables], types), tier=TIER)
-        return ShardedEmbeddingCollection(tables, plan, OPTIMIZERS[opt], device="cpu", dedup=dedup)
+        return ShardedEmbeddingCollection(tables, plan, OPTIMIZERS[opt], device=DEVICE, dedup=dedup)
 
     assert refusal(ec()) is None
     assert "dedup" in refusal(ec(dedup=["s_c"])) and "s_c" in refusal(ec(dedup=["s_c"]))
@@ -132,34 +137,46 @@ def test_refusals_name_the_table_and_the_fix():
     assert "s_b" in refusal(ec(tables=TABLES)) and "max_length" in refusal(ec(tables=TABLES))
     assert "adam" in refusal(ec(opt="adam"))
     wd = ShardedEmbeddingCollection(GRAPH_TABLES, simple_plan(GRAPH_TABLES, 1, 1, tier=TIER),
-                                    FusedOptimizerConfig("adagrad", lr=0.1, weight_decay=0.01), device="cpu")  # fmt: skip
+                                    FusedOptimizerConfig("adagrad", lr=0.1, weight_decay=0.01), device=DEVICE)  # fmt: skip
     assert "weight decay" in refusal(wd)
     with pytest.raises(ValueError, match="dedup"):
         SequenceStepGraph(ec(dedup=True), lambda o: o, capture=False)
+    on_cpu = ShardedEmbeddingCollection(
+        GRAPH_TABLES, simple_plan(GRAPH_TABLES, 1, 1, tier=MemoryTier.HOST), OPTIMIZERS["sgd"], device="cpu"
+    )
     with pytest.raises(ValueError, match="needs a CUDA collection"):
-        SequenceStepGraph(ec(), lambda o: o, capture=True)
+        SequenceStepGraph(on_cpu, lambda o: o, capture=True)
 
 
 def test_host_counts_make_the_same_step_without_a_sync_and_wrong_counts_are_refused():
     plan = simple_plan(TABLES, 1, 1, tier=TIER)  # max_length on s_b: the counts are those kept
-    a = ShardedEmbeddingCollection(TABLES, plan, OPTIMIZERS["adagrad"], device="cpu")
-    b = ShardedEmbeddingCollection(TABLES, plan, OPTIMIZERS["adagrad"], device="cpu")
+    a = ShardedEmbeddingCollection(TABLES, plan, OPTIMIZERS["adagrad"], device=DEVICE)
+    b = ShardedEmbeddingCollection(TABLES, plan, OPTIMIZERS["adagrad"], device=DEVICE)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
     for _ in range(2):
-        kjt = to_kjt(_batch(gen, 7, 3), KEYS, "cpu")
-        counts = parse_counts(b.host_counts(kjt)[None].numpy())
+        kjt_cpu = to_kjt(_batch(gen, 7, 3), KEYS, "cpu")
+        kjt = kjt_cpu.to(DEVICE)
+        counts = parse_counts(b.host_counts(kjt_cpu)[None].numpy())
         assert counts.ids.sum() == sum(int(a(kjt)[f].lengths().sum()) for f in KEYS)  # the kept ids
-        oa, ob = a(kjt), b(kjt, counts=counts)
+        oa = a(kjt)
+        if DEVICE == "cuda":  # with the counts given, the forward never waits for the GPU
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            ob = b(kjt, counts=counts)
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
         sum(o.values().square().sum() for o in oa.values()).backward()
         sum(o.values().square().sum() for o in ob.values()).backward()
         for f in KEYS:
             assert torch.equal(oa[f].lengths(), ob[f].lengths()) and torch.equal(oa[f].values(), ob[f].values())
     wa, wb = a.full_weights(), b.full_weights()
     assert all(torch.equal(wa[t], wb[t]) for t in wa)
-    bad = parse_counts(np.concatenate([b.host_counts(kjt)[None].numpy()] * 2))
+    bad = parse_counts(np.concatenate([b.host_counts(kjt_cpu)[None].numpy()] * 2))
     with pytest.raises(ValueError, match="gather every rank's host_counts"):
         b(kjt, counts=bad)
-    c = ShardedEmbeddingCollection(GRAPH_TABLES, simple_plan(GRAPH_TABLES, 1, 1, tier=TIER), device="cpu")
+    c = ShardedEmbeddingCollection(GRAPH_TABLES, simple_plan(GRAPH_TABLES, 1, 1, tier=TIER), device=DEVICE)
     graph = SequenceStepGraph(c, lambda o: sum(v.values().sum() for v in o.values()), capture=False)
     other = to_kjt(_batch(gen, 7, 3), KEYS, "cpu")
     with pytest.raises(ValueError, match="pass the counts of this same batch"):
