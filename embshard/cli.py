@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from embshard.runtime.heap import collector_paused
+
 COMMANDS = {
     "train": ("embshard.training.train", "train a YAML-configured model (torchrun, or --nproc N local processes)"),
     "plan": ("embshard.tools.plan", "plan a model's sharding without GPUs and print or save the plan"),
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
             sys.exit(2)
         return
-    module = importlib.import_module(COMMANDS[argv[0]][0])
+    with collector_paused():  # torch and the libraries: imported once, then left out of Python's collections
+        module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])
 
 

@@ -12,12 +12,18 @@ EMBSHARD_TEST_DEVICE=cuda (NCCL, one process per GPU); a test that only makes se
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import re
 import sys
 from pathlib import Path
 
-import torch
+# Python's cyclic collector would walk torch's, torchrec's and the test modules' million objects again and again
+# as they are imported: off until the tests are collected, then those objects are frozen out of its collections
+# (pytest_collection_finish; embshard/runtime/heap.py does the same for the command line and the ranks).
+gc.disable()
+
+import torch  # noqa: E402
 
 # The suite starts dozens of Python processes (command-line runs, launchers, fork servers, pytest-xdist workers):
 # each would compile embshard's ~200 modules from source again (0.4 s of CPU) where the environment asks Python not
@@ -54,6 +60,8 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers (dist_harness, parity, reference, ...) for every test
 
 from dist_harness import device_kind, run_distributed  # noqa: E402
+
+from embshard.runtime.heap import collector_paused  # noqa: E402
 
 cpu_only = pytest.mark.skipif(device_kind() != "cpu", reason="CPU-only behaviour (EMBSHARD_TEST_DEVICE=cpu)")
 cuda_only = pytest.mark.skipif(
@@ -169,3 +177,11 @@ def torch_kernels_on_cpu(monkeypatch):
 def run():
     """run(fn, world_size, *args, pg_timeout_s=..., fresh=...) -> every rank's result (dist_harness.run_distributed)."""
     return run_distributed
+
+
+def pytest_collection_finish(session) -> None:
+    """The imports are done: freeze what they made out of the collector's generations and turn it back on (unfrozen
+    at exit, so that the interpreter's last collection frees them)."""
+    with collector_paused():
+        pass
+    gc.enable()

@@ -28,6 +28,7 @@ from embshard.config import DenseOptimizerConfig, LoggingConfig, TrainConfig, lo
 from embshard.planner.policy import plan_for_job
 from embshard.planner.step_choice import GraphChoice
 from embshard.runtime import comm
+from embshard.runtime.heap import import_frozen
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.tables import AllRanksError, ConfigError
 from embshard.training import launch_checks
@@ -274,7 +275,7 @@ def run(config_path: str, overrides: Sequence[str]) -> None:
     tables = list(cfg.model.tables)
     sched = cfg.schedule
     report.line(f"embshard train {config_path}: {cfg.model.kind}, {len(tables)} tables, {world} ranks on {device.type}")
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401  (torchrec's import: not start-up time)
+    import_frozen(*launch_checks.RANK_MODULES)  # a rank's libraries, left out of Python's collections (runtime/heap.py)
 
     t_build = time.time()
     plan, choice = plan_job_and_choice(cfg, device, world, local_world, report.line)

@@ -1,0 +1,17 @@
+"""The module `spawn_local`'s fork server imports before its first fork (runtime/distributed.py): the modules named
+in EMBSHARD_PRELOAD (comma-separated; spawn_local sets it as it starts the server) under `heap.collector_paused`,
+so that every rank forked from the server starts with them imported, and the collector never walks them. A module
+that cannot be imported is left to the rank (a fork server skips its preloads' import errors the same way)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+
+from embshard.runtime.heap import PRELOAD_VAR, collector_paused
+
+with collector_paused():
+    for _name in filter(None, os.environ.get(PRELOAD_VAR, "").split(",")):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(_name)
