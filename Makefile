@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/torchrec.txt
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
-# Under 1 minute on 2 cores (2026-12-07: 41 s, 75 s of CPU, on a 2-core machine at load 1-2; 93 s before the sharding
+# Under 1 minute on 2 cores (2026-12-07: 49 s on 3 workers with no other jobs; 41 s, 75 s of CPU, on 2 workers at load 1-2; 93 s before the sharding
 # types' small-kernel runs left Triton's interpreter). The core parity paths against
 # the unsharded reference: every sharding type alone and mixed at 1-4 ranks with every optimizer, table-wise output
 # groups, data-parallel (tests/sharding), the tiers' lookup options, raw ids, the sharded softmax, the fuzzer's
