@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the helpers (dist_harness, par
 
 from dist_harness import device_kind, run_distributed  # noqa: E402
 
-from embshard.runtime.heap import collector_paused  # noqa: E402
+from embshard.runtime.heap import freeze  # noqa: E402
 
 cpu_only = pytest.mark.skipif(device_kind() != "cpu", reason="CPU-only behaviour (EMBSHARD_TEST_DEVICE=cpu)")
 cuda_only = pytest.mark.skipif(
@@ -182,6 +182,5 @@ def run():
 def pytest_collection_finish(session) -> None:
     """The imports are done: freeze what they made out of the collector's generations and turn it back on (unfrozen
     at exit, so that the interpreter's last collection frees them)."""
-    with collector_paused():
-        pass
+    freeze()
     gc.enable()

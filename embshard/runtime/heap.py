@@ -20,24 +20,34 @@ PRELOAD_VAR = "EMBSHARD_PRELOAD"
 """The modules runtime/preload.py imports in a fork server (comma-separated), set by `spawn_local`."""
 
 
+def freeze() -> None:
+    """Freeze every object now alive out of the collector's generations, unfrozen at exit (once, however many
+    times this runs)."""
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """The block (imports) runs with the cyclic collector off; at its end every object then alive is frozen out of
-    the collector's generations and the collector is back as it was."""
+    """The block (imports) runs with the cyclic collector off; at its end every object then alive is frozen
+    (`freeze`) and the collector is back as it was."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
-        atexit.unregister(gc.unfreeze)  # once, however many blocks froze
-        atexit.register(gc.unfreeze)
+        freeze()
         if enabled:
             gc.enable()
 
 
-def import_frozen(*modules: str) -> None:
-    """Import `modules` under `collector_paused`."""
+def import_frozen(*modules: str, skip_missing: bool = False) -> None:
+    """Import `modules` under `collector_paused`; `skip_missing`: a module that cannot be imported is skipped."""
     with collector_paused():
         for name in modules:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                if not skip_missing:
+                    raise

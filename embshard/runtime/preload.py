@@ -5,13 +5,8 @@ that cannot be imported is left to the rank (a fork server skips its preloads' i
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 
-from embshard.runtime.heap import PRELOAD_VAR, collector_paused
+from embshard.runtime.heap import PRELOAD_VAR, import_frozen
 
-with collector_paused():
-    for _name in filter(None, os.environ.get(PRELOAD_VAR, "").split(",")):
-        with contextlib.suppress(ImportError):
-            importlib.import_module(_name)
+import_frozen(*filter(None, os.environ.get(PRELOAD_VAR, "").split(",")), skip_missing=True)

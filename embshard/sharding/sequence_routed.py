@@ -179,8 +179,7 @@ class RoutedSequenceSharding(nn.Module):
         the local batch."""
         send, order, inverse, feature_ids, counts_cols = [], [], [], [], []
         for j, seg in enumerate(self.segments):
-            fs = self.features[j]
-            ids = (values[fs[0]] if len(fs) == 1 else torch.cat([values[f] for f in fs])).long()
+            ids = joined([values[f] for f in self.features[j]]).long()
             feature_ids.append([int(n) for n in counts.ids[self.rank, self._cols[j]]])
             inv = None
             if seg.dedup:
