@@ -109,7 +109,8 @@ def random_batch(cfg, B: int, ids: int, rng: np.random.Generator, device: torch.
 
 def count_syncs(fn, batch) -> list[str]:
     """Where `fn(batch)` makes a synchronizing CUDA operation once warm (torch.cuda.set_sync_debug_mode's warnings,
-    each as the Python line that called the operation): one call first, so a bucket's capture is not counted."""
+    each as the Python line that called the operation; not torch's one notice that the mode is a prototype): one call
+    first, so a bucket's capture is not counted."""
     fn(batch)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as seen:
@@ -119,7 +120,7 @@ def count_syncs(fn, batch) -> list[str]:
             fn(batch)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [f"{Path(w.filename).name}:{w.lineno}" for w in seen if "synchronizing" in str(w.message)]
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in seen if "called a synchronizing" in str(w.message)]
 
 
 def graph_checks(cfg, predictor, eager, args: argparse.Namespace, rng: np.random.Generator) -> None:

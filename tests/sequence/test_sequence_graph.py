@@ -137,7 +137,7 @@ def test_refusals_name_the_table_and_the_fix():
     assert "s_b" in refusal(ec(tables=TABLES)) and "max_length" in refusal(ec(tables=TABLES))
     assert "adam" in refusal(ec(opt="adam"))
     wd = ShardedEmbeddingCollection(GRAPH_TABLES, simple_plan(GRAPH_TABLES, 1, 1, tier=TIER),
-                                    FusedOptimizerConfig("adagrad", lr=0.1, weight_decay=0.01), device=DEVICE)  # fmt: skip
+                                    FusedOptimizerConfig("rowwise_adagrad", lr=0.1, weight_decay=0.01), device=DEVICE)  # fmt: skip
     assert "weight decay" in refusal(wd)
     with pytest.raises(ValueError, match="dedup"):
         SequenceStepGraph(ec(dedup=True), lambda o: o, capture=False)
