@@ -40,7 +40,11 @@ def plan_for(world: int, rotation: int, tables=TABLES) -> ShardingPlan:
 
 def random_batches(tables, sizes: list[int], steps: int, seed: int) -> list[list[tuple[Batch, dict]]]:
     """Per step, per rank: ({feature: (lengths, ids)}, {feature: upstream gradient per id, `[n, D]`}). Lengths
-    0..2*ids_per_bag (empty histories included); ids skewed to low rows so that batches repeat ids."""
+    0..2*ids_per_bag (empty histories included); ids skewed to low rows so that batches repeat ids. The gradients
+    are multiples of 1/16 in [-2, 2]: a row's gradient (the sum over its ids) is then exact in float32 in any order,
+    as in the float64 reference. Normal draws made the order matter: a sum that all but cancels (1e-5 from terms
+    near 1) keeps a float32 rounding of 1% of itself, which Adagrad's first step (g / (|g| + eps)) turns into weights
+    2e-5 apart."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
@@ -54,7 +58,7 @@ def random_batches(tables, sizes: list[int], steps: int, seed: int) -> list[list
                     ids = (torch.rand(n, generator=gen) ** 2 * t.num_embeddings).long()
                     batch[f] = (lengths, ids)
                     kept = int(torch.clamp(lengths, max=t.max_length or n + 1).sum())
-                    grads[f] = torch.randn(kept, t.embedding_dim, generator=gen)
+                    grads[f] = torch.randint(-32, 33, (kept, t.embedding_dim), generator=gen).float() / 16
             ranks.append((batch, grads))
         out.append(ranks)
     return out
