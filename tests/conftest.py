@@ -23,6 +23,15 @@ from pathlib import Path
 # (pytest_collection_finish; embshard/runtime/heap.py does the same for the command line and the ranks).
 gc.disable()
 
+from embshard.runtime.heap import freeze, skip_teardown  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # A pytest-xdist worker's status is not the run's (its results went to the controller before it exits), and the
+    # controller waits for it: once its exit handlers (the harness's pools and fork server) ran, it ends without
+    # tearing torch's modules and the tests' objects down (embshard/runtime/heap.py). Armed before the imports, so
+    # that it runs after their handlers.
+    skip_teardown(0)
+
 import torch  # noqa: E402
 
 # The suite starts dozens of Python processes (command-line runs, launchers, fork servers, pytest-xdist workers):
@@ -60,8 +69,6 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers (dist_harness, parity, reference, ...) for every test
 
 from dist_harness import device_kind, run_distributed  # noqa: E402
-
-from embshard.runtime.heap import freeze  # noqa: E402
 
 cpu_only = pytest.mark.skipif(device_kind() != "cpu", reason="CPU-only behaviour (EMBSHARD_TEST_DEVICE=cpu)")
 cuda_only = pytest.mark.skipif(

@@ -265,12 +265,15 @@ class _Pool:
 _POOLS: dict[int, _Pool] = {}
 
 
-@atexit.register
-def close_pools() -> None:
-    """End every pooled process (at exit; tests may call it to start from fresh processes)."""
+def close_pools(kill: bool = False) -> None:
+    """End every pooled process (tests may call it to start from fresh processes); `kill`: without waiting for
+    them to leave their process groups (at exit: nothing of theirs is read any more)."""
     while _POOLS:
-        _POOLS.popitem()[1].close()
+        _POOLS.popitem()[1].close(kill)
     _stop_fork_server()
+
+
+atexit.register(close_pools, kill=True)
 
 
 def _pooling() -> bool:

@@ -85,17 +85,12 @@ def test_without_a_status_the_process_ends_as_any_does():
     assert "from C" in res.stdout and "from Python" in res.stdout and "handler ran" in res.stdout, res.stdout
 
 
-def test_the_command_line_ends_with_its_commands_status(tmp_path):
-    """`python -m embshard.cli` (as the `embshard` program): a command's refusal ends with status 2 and its one
-    line; a command that succeeds, with 0 and its whole output."""
+def test_the_command_line_ends_with_its_commands_status():
+    """`python -m embshard.cli` (as the `embshard` program) ends with its command's status: a refusal's 2 and its
+    one line (a command that succeeds: 0, every command-line run of tests/test_train.py)."""
     res = subprocess.run([sys.executable, "-m", "embshard.cli", "plan", "configs/dlrm_criteo.yaml", "--world-size",
                           "0"], cwd=paths.ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 2 and "--world-size 0 is invalid" in res.stderr, res.stderr
-    out = tmp_path / "plan.yaml"
-    res = subprocess.run([sys.executable, "-m", "embshard.cli", "plan", "configs/dlrm_criteo.yaml", "--world-size",
-                          "2", "--out", str(out)], cwd=paths.ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "ShardingPlan: world_size=2" in res.stdout and out.read_text().strip(), res.stdout[-2000:]
 
 
 def test_preload_imports_the_named_modules_frozen_and_skips_the_missing():

@@ -337,8 +337,9 @@ def refused(argv: list[str], capsys) -> str:
 
 def test_errors_exit_with_one_line(capsys, monkeypatch):
     """Config and data errors are refused before any process starts (checked in this process); an error of the
-    ranks (no plan fits, found by rank 0 after the processes started) goes through the command line: status 2 and
-    one line, the message printed once."""
+    ranks (no plan fits, found by rank 0 after the processes started): every rank stops with status 2 and the
+    message is printed once, on one line (in processes forked for it: the command line's own exit with its ranks'
+    status is tests/test_cli_input.py's error during training)."""
     monkeypatch.chdir(ROOT)
     err = refused(["train", "configs/dlrm_criteo.yaml", "--nproc", "2", "model.tables[3].embedding_dim=0"], capsys)
     assert "error: configs/dlrm_criteo.yaml (with command-line override" in err
@@ -348,8 +349,8 @@ def test_errors_exit_with_one_line(capsys, monkeypatch):
     assert err.startswith("error: data.criteo: file 'no/such.txt' does not exist") and len(err.splitlines()) == 1
     # no plan fits: rank 0 plans, every rank stops with status 2, the message names the numbers once
     tiny = ["planner.ddr_gib=0.0005", "planner.hbm_gib=0.0005", "logging.tensorboard_dir=null", "checkpoint.dir=null"]
-    res = train(["configs/dlrm_criteo.yaml", "--nproc", "2", *tiny])
-    assert res.returncode == 2, res.stderr[-3000:]
+    code, res = embshard_train_exit(["configs/dlrm_criteo.yaml", *tiny], env(), nproc=2)
+    assert code == 2, res.stderr[-3000:]
     assert res.stderr.count("error: planner: no sharding plan fits 2 x ") == 1 and "Traceback" not in res.stderr
     assert "needed at least" in res.stderr and "planner.ddr_gib" in res.stderr
 

@@ -131,14 +131,19 @@ def embshard_train(args: list[str], nproc: int | None = None, env: dict[str, str
     return Ran(res.stdout, res.stderr)
 
 
-def embshard_train_exit(args: list[str], env: dict[str, str] | None = None) -> tuple[int, Ran]:
-    """`embshard train ARGS` on one process (no --nproc), which must stop with a status after it started (errors
-    the command line's own checks cannot see: those are checked in the test's process): (status, what it printed).
-    In a process forked for it where IN_TEST_RANKS, else by the command line."""
+def embshard_train_exit(
+    args: list[str], env: dict[str, str] | None = None, nproc: int | None = None
+) -> tuple[int, Ran]:
+    """`embshard train ARGS [--nproc N]`, which must stop with a status after its ranks started (errors the command
+    line's own checks cannot see: those are checked in the test's process): (status, what it printed), the status
+    every rank ended with (a test fails where they differ). In processes forked for it where IN_TEST_RANKS, else by
+    the command line."""
     if IN_TEST_RANKS:
-        ((out, err, code),) = run_distributed(_rank, 1, list(args), None, True, fresh=True)
-        return code, Ran(out, err)
-    cmd = [sys.executable, "-m", "embshard.cli", "train", *args]
+        results = run_distributed(_rank, nproc or 1, list(args), nproc, True, fresh=True)
+        codes = {code for _, _, code in results}
+        assert len(codes) == 1, f"the ranks of `embshard train` ended with different statuses: {codes}"
+        return codes.pop(), Ran("".join(o for o, _, _ in results), "".join(e for _, e, _ in results))
+    cmd = [sys.executable, "-m", "embshard.cli", "train", *args, *(["--nproc", str(nproc)] if nproc else [])]
     res = subprocess.run(
         cmd, cwd=paths.ROOT, env=env or paths.cpu_subprocess_env(), capture_output=True, text=True, timeout=240
     )
