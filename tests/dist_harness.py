@@ -40,7 +40,7 @@ import triton_interpret
 
 from embshard.runtime.heap import PRELOAD_VAR
 
-# Here (imported by tests/conftest.py and by the fork server): the Triton interpreter's launches set the language up
+# Here (imported by tests/suite_plugin.py and by the fork server): the Triton interpreter's launches set the language up
 # once, in the tests' processes and in every process forked for them (tests/triton_interpret.py).
 triton_interpret.install()
 

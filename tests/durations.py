@@ -1,4 +1,4 @@
-"""Recorded test durations, for the order of pytest-xdist's work units (tests/conftest.py: longest first, so that
+"""Recorded test durations, for the order of pytest-xdist's work units (tests/suite_plugin.py: longest first, so that
 the slowest tests do not start near the end of a run spread over workers).
 
 tests/durations_gpu.txt holds, per test, its phases' seconds summed (setup, call, teardown; a phase under 0.5 s is

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from embshard.kernels import LaunchConfig, fused_cross_entropy, logsumexp_rows, softmax_grad_
 
-# Without CUDA the Triton kernels run under the interpreter: tests/conftest.py sets TRITON_INTERPRET=1 for the session.
+# Without CUDA the Triton kernels run under the interpreter: tests/suite_plugin.py sets TRITON_INTERPRET=1 for the session.
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-10}

@@ -1,5 +1,5 @@
 """The Triton kernels on CPU tensors under Triton's interpreter: the cases of tests/kernels_interpret_cases.py.
-TRITON_INTERPRET=1 must be set before triton is first imported: on a machine without CUDA tests/conftest.py has
+TRITON_INTERPRET=1 must be set before triton is first imported: on a machine without CUDA tests/suite_plugin.py has
 set it for this process, and the cases are collected here; where it is unset they run in a pytest process of their
 own, except on a GPU machine, where the device tests of tests/kernels run the same kernels themselves."""
 

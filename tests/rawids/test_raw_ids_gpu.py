@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import cuda_only
+from suite_plugin import cuda_only
 
 from embshard.lookup.shards import LocalShard
 from embshard.rawids import IdMap

@@ -1,5 +1,5 @@
 """The id -> row map's training step on its fused Triton kernels (embshard/rawids/step.py; on the CPU under Triton's
-interpreter, which tests/conftest.py turns on where there is no CUDA; on a GPU with EMBSHARD_TEST_DEVICE=cuda)
+interpreter, which tests/suite_plugin.py turns on where there is no CUDA; on a GPU with EMBSHARD_TEST_DEVICE=cuda)
 against the torch path: rows, reset lists and the map's whole state over steps that admit and evict, steps whose
 ids are all resident (nothing to place: the miss path's kernels return at once), steps with misses that admission
 counting holds back, empty shards, and the reset list's compact form."""
