@@ -154,7 +154,8 @@ def test_host_counts_make_the_same_step_without_a_sync_and_wrong_counts_are_refu
     b = ShardedEmbeddingCollection(TABLES, plan, OPTIMIZERS["adagrad"], device=DEVICE)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
     for _ in range(2):
-        kjt_cpu = to_kjt(_batch(gen, 7, 3), KEYS, "cpu")
+        batch = _batch(gen, 7, 3)
+        kjt_cpu = to_kjt(batch, KEYS, "cpu")
         kjt = kjt_cpu.to(DEVICE)
         counts = parse_counts(b.host_counts(kjt_cpu)[None].numpy())
         assert counts.ids.sum() == sum(int(a(kjt)[f].lengths().sum()) for f in KEYS)  # the kept ids
@@ -178,7 +179,12 @@ def test_host_counts_make_the_same_step_without_a_sync_and_wrong_counts_are_refu
         b(kjt, counts=bad)
     c = ShardedEmbeddingCollection(GRAPH_TABLES, simple_plan(GRAPH_TABLES, 1, 1, tier=TIER), device=DEVICE)
     graph = SequenceStepGraph(c, lambda o: sum(v.values().sum() for v in o.values()), capture=False)
-    other = to_kjt(_batch(gen, 7, 3), KEYS, "cpu")
+    lengths, ids = batch[KEYS[0]]  # the batch with one id more (a random other batch may hold as many ids as it)
+    one_more = (
+        lengths + (torch.arange(len(lengths)) == 0).to(lengths.dtype),
+        torch.cat([torch.zeros(1, dtype=ids.dtype), ids]),
+    )
+    other = to_kjt({**batch, KEYS[0]: one_more}, KEYS, "cpu")
     with pytest.raises(ValueError, match="pass the counts of this same batch"):
         graph.step(kjt, parse_counts(c.host_counts(other)[None].numpy()))
     wrong = to_kjt({**_batch(gen, 7, 3), "h_c": (torch.tensor([1, 0, 0, 0, 0, 0, 0]), torch.tensor([30]))}, KEYS, "cpu")
