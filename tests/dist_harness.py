@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import triton_interpret
 
-from embshard.runtime.heap import PRELOAD_VAR
+from embshard.runtime.heap import preload_frozen
 
 # Here (imported by tests/suite_plugin.py and by the fork server): the Triton interpreter's launches set the language up
 # once, in the tests' processes and in every process forked for them (tests/triton_interpret.py).
@@ -191,8 +191,7 @@ def _start_method() -> str:
     default = "forkserver" if device_kind() == "cpu" and not torch.cuda.is_available() else "spawn"
     method = os.environ.get("EMBSHARD_TEST_START_METHOD") or default
     if method == "forkserver":  # imported with Python's collector paused, then frozen (embshard/runtime/heap.py)
-        os.environ[PRELOAD_VAR] = ",".join(_PRELOAD)
-        mp.set_forkserver_preload(["embshard.runtime.preload"])
+        preload_frozen(mp, _PRELOAD)
     return method
 
 

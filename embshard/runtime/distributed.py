@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from embshard.runtime import comm
-from embshard.runtime.heap import PRELOAD_VAR
+from embshard.runtime.heap import preload_frozen
 from embshard.spec.tables import ConfigError
 
 
@@ -121,9 +121,7 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any, preload: Sequenc
     if method == "forkserver":
         own = [fn.__module__] if fn.__module__ != "__main__" else []  # a script's: its forks import it themselves
         modules = ["torch", "torch.distributed", __name__, *own, *preload]
-        # one preload, which imports the others with Python's collector paused and then frozen (runtime/preload.py)
-        os.environ[PRELOAD_VAR] = ",".join(dict.fromkeys(modules))
-        mp.get_context(method).set_forkserver_preload(["embshard.runtime.preload"])
+        preload_frozen(mp.get_context(method), modules)  # imported with Python's collector paused, then frozen
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
     try:
         mp.start_processes(_entry, args=(nproc, store.port, fn, args), nprocs=nproc, join=True, start_method=method)

@@ -22,10 +22,19 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 PRELOAD_VAR = "EMBSHARD_PRELOAD"
-"""The modules runtime/preload.py imports in a fork server (comma-separated), set by `spawn_local`."""
+"""The modules runtime/preload.py imports in a fork server (comma-separated), set by `preload_frozen`."""
+
+
+def preload_frozen(context: Any, modules: Sequence[str]) -> None:
+    """Have `context`'s fork server (a multiprocessing context, or the module itself) import `modules` before its
+    first fork under `collector_paused`, through its one preload, runtime/preload.py (a module that cannot be
+    imported is left to the forks)."""
+    os.environ[PRELOAD_VAR] = ",".join(dict.fromkeys(modules))
+    context.set_forkserver_preload(["embshard.runtime.preload"])
 
 
 def freeze() -> None:

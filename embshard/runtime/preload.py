@@ -1,9 +1,9 @@
-"""The module `spawn_local`'s fork server imports before its first fork (runtime/distributed.py): the modules named
-in EMBSHARD_PRELOAD (comma-separated; spawn_local sets it as it starts the server) under `heap.collector_paused`,
-so that every rank forked from the server starts with them imported, and the collector never walks them. A module
-that cannot be imported is left to the rank (a fork server skips its preloads' import errors the same way). The
-server ends, once its parent has, without tearing those modules down (`heap.skip_teardown`; its forks end with
-os._exit as every multiprocessing child does)."""
+"""The module a fork server imports before its first fork (`heap.preload_frozen`: `spawn_local`'s in
+runtime/distributed.py, the test harness's): the modules named in EMBSHARD_PRELOAD (comma-separated) under
+`heap.collector_paused`, so that every process forked from the server starts with them imported, and the collector
+never walks them. A module that cannot be imported is left to the forks (a fork server skips its preloads' import
+errors the same way). The server ends, once its parent has, without tearing those modules down
+(`heap.skip_teardown`; its forks end with os._exit as every multiprocessing child does)."""
 
 from __future__ import annotations
 
