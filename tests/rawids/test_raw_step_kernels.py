@@ -267,7 +267,9 @@ def test_graph_steps_match_eager_steps_with_the_capture_stood_in_for(capture_fai
     with pytest.warns(RuntimeWarning, match="capturing its step failed") if capture_fails else nullcontext():
         sizes = [60, 0, 140, 30] if capture_fails else [60, 30, 0, 50, 140, 20, 100, 70, 5, 90]  # eager: fewer
         for step, n in enumerate(sizes):
-            a = int(torch.randint(0, n + 1, (1,), generator=gen))
+            # the first table's share of the ids, a quarter to three quarters: each table evicts (a share drawn
+            # from 0..n evicted too few rows in 1 of 40 runs of the four steps)
+            a = int(torch.randint(n // 4, n - n // 4 + 1, (1,), generator=gen))
             ids = pool[torch.randint(0, 200, (n,), generator=gen)]
             if step == 6:  # a load: the order comes from the rebuild
                 assert fast.rebuild() == ref.rebuild() == 0
