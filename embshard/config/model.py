@@ -239,8 +239,9 @@ class ModelConfig:
     """The model: its embedding tables and its dense architecture."""
 
     kind: str
-    """Architecture: dlrm (dot interaction), dlrm_dcnv2 (low-rank cross network), two_tower (retrieval), or a kind
-    registered from Python with embshard.models.register_model (in the process that reads the config)."""
+    """Architecture: dlrm (dot interaction), dlrm_dcnv2 (low-rank cross network), two_tower (retrieval), hstu (the
+    generative sequential recommender, model.sequential), or a kind registered from Python with
+    embshard.models.register_model (in the process that reads the config)."""
     tables: tuple[TableConfig, ...]
     """The embedding tables; each lists the sparse features that look it up. Pooled tables (pooling sum or mean) form
     the embedding-bag collection; sequence tables (pooling: none, one row per id) the sequence collection (kind hstu's
