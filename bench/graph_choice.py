@@ -3,9 +3,9 @@
     python -m bench.graph_choice --out DIR --nproc 8 [--scale 1.0] [--rounds 2] [--steps 40] [--warmup 15]
 
 With training.precision bf16 on GPUs the planner prices the whole-step CUDA graph's plan (table-wise, column-wise and
-data-parallel tables, as one replay) against the eager step's (every option, the host's floor) and takes the faster
-(docs/planner.md, "Graph or eager, by predicted step"); the MLPerf-shaped model is predicted faster graphed at 1, 2
-and 4 H100s and eager at 8. This trains configs/dlrm_dcnv2_mlperf.yaml (tables at --scale of their rows) with
+data-parallel tables, as one replay) against the eager step's (every option, the host's floor), each with the dense
+part, and takes the faster (docs/planner.md, "Graph or eager, by predicted step"); the MLPerf-shaped model is
+predicted faster eager at 1, 4 and 8 H100s and graphed at 2 (where the eager step's plan is the graph's). This trains configs/dlrm_dcnv2_mlperf.yaml (tables at --scale of their rows) with
 bench/train_e2e.py, in interleaved rounds, three ways:
 
     auto     --precision bf16 alone: the planner's choice (its step line gives both predictions)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from embshard.planner.constraints import ParameterConstraints, resolve_constraints
+from embshard.planner.dense import DenseSpec, dense_allreduce_s, dense_compute_s
 from embshard.planner.errors import PlanningError
 from embshard.planner.predict import predict
 from embshard.planner.report import PlanReport
@@ -133,12 +134,15 @@ def search_plan(
     constraints: dict[str, ParameterConstraints] | None,
     settings: PlannerSettings,
     say: Callable[[str], None] | None = None,
+    dense: DenseSpec | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """The search's (plan, report); with settings.whole_step_graph, first among the options a whole-step graph can
     hold (`graph_settings`), then, if none of those fits, among all (`say` gets why); with whole_step_graph auto on
-    GPUs, both ways, the faster kept (`_graph_or_eager`: the report's graph_choice says which). An eager plan whose
-    step the host sets and whose data-parallel tables cost the host most is planned again without them, and the
-    faster kept (`_without_replicas_if_faster`)."""
+    GPUs, both ways, the faster kept (`_graph_or_eager`: the report's graph_choice says which), each step priced
+    with the dense part of `dense` (the training config's dense model, its compute and gradient all-reduce; None:
+    the embedding step alone). An eager
+    plan whose step the host sets and whose data-parallel tables cost the host most is planned again without them,
+    and the faster kept (`_without_replicas_if_faster`)."""
     tables = validate_tables(tables)  # once for every search below
 
     def search(s: PlannerSettings) -> tuple[ShardingPlan, PlanReport]:
@@ -146,7 +150,10 @@ def search_plan(
 
     if settings.whole_step_graph == "auto":
         if topo.is_gpu:
-            return _graph_or_eager(tables, topo, batch_size, optimizer, constraints, settings, search, say)
+            dense_s = (
+                0.0 if dense is None else dense_compute_s(dense, topo, batch_size) + dense_allreduce_s(dense, topo)
+            )
+            return _graph_or_eager(tables, topo, batch_size, optimizer, constraints, settings, search, say, dense_s)
         settings = replace(settings, whole_step_graph=False)  # CPUs run no CUDA graph
 
     if settings.whole_step_graph:
@@ -175,11 +182,14 @@ def _graph_or_eager(
     settings: PlannerSettings,
     search: Callable[[PlannerSettings], tuple[ShardingPlan, PlanReport]],
     say: Callable[[str], None] | None,
+    dense_s: float = 0.0,
 ) -> tuple[ShardingPlan, PlanReport]:
     """settings.whole_step_graph auto on GPUs: the best plan the whole-step graph holds, priced as one replay, and
-    the best plan with every option, priced as an eager step (the host's floor included); the faster is kept, and its
-    report's `graph_choice` says which and why. An eager winner that the graph holds as well is priced as a replay
-    (it runs graphed). Without a graph plan that fits, the eager plan (as `search_plan` with whole_step_graph true)."""
+    the best plan with every option, priced as an eager step (the host's floor included), each with the dense
+    part's `dense_s` of GPU time after the embedding step (`PlanReport.step_with_dense_s`: an eager step runs it as
+    the dense-step graph's replay); the faster is kept, and its report's `graph_choice` says which and why. An eager
+    winner that the graph holds as well is priced as a replay (it runs graphed). Without a graph plan that fits, the
+    eager plan (as `search_plan` with whole_step_graph true)."""
     narrowed = graph_settings(settings)
     why = narrowed if isinstance(narrowed, str) else None
     graphed = None
@@ -202,12 +212,13 @@ def _graph_or_eager(
         report = predict(eager[0], tables, topo, batch_size, optimizer, constraints, replayed, notes)
         if graphed is None or report.step_time_s < graphed[1].step_time_s:
             graphed, same = (eager[0], report), True
+    eager_s = None if eager is None else eager[1].step_with_dense_s(dense_s, dense_graphed=True)
     if graphed is None:
-        choice = GraphChoice(False, None, eager[1].step_time_s, why_no_graph=why or "")
+        choice = GraphChoice(False, None, eager_s, why_no_graph=why or "", dense_step_s=dense_s)
     else:
-        eager_s = None if eager is None else eager[1].step_time_s
-        faster = eager_s is None or graphed[1].step_time_s <= eager_s
-        choice = GraphChoice(faster, graphed[1].step_time_s, eager_s, same)
+        graph_s = graphed[1].step_with_dense_s(dense_s, dense_graphed=True)
+        faster = eager_s is None or graph_s <= eager_s
+        choice = GraphChoice(faster, graph_s, eager_s, same, dense_step_s=dense_s)
     plan, report = graphed if choice.graph else eager
     report.graph_choice = choice
     return plan, report
@@ -256,6 +267,7 @@ def plan_for_job(
     batch_counts: str | None = None,
     whole_step_graph: bool | Literal["auto"] = False,
     on_report: Callable[[PlanReport], None] | None = None,
+    dense: DenseSpec | None = None,
 ) -> ShardingPlan:
     """The sharding plan (checked against `tables`): loaded from planner.plan_file, else made by the planner
     (strategy auto: the search on the topology of planner.topology_file or of this machine, for `batch_size`
@@ -267,9 +279,10 @@ def plan_for_job(
     (TrainConfig.batch_counts, 'host' or 'device'), which says whether the step pays the device sync, unless
     planner.settings.batch_counts is set (`settings_for_counts`); `whole_step_graph`: the job captures its whole
     step as one CUDA graph, so a plan that the graph can hold is looked for first ("auto": both ways, the faster
-    kept), unless planner.settings.whole_step_graph is set (`settings_for_graph`); `on_report` gets the search's
-    PlanReport (not called for a loaded or simple plan). Deterministic; a training job still makes it on rank 0 only
-    and broadcasts it (train.plan_on_rank0)."""
+    kept, each step priced with the dense part of `dense`, the job's dense model), unless
+    planner.settings.whole_step_graph is set (`settings_for_graph`); `on_report` gets the search's PlanReport
+    (not called for a loaded or simple plan). Deterministic; a training job still makes it on rank 0 only and
+    broadcasts it (train.plan_on_rank0)."""
     say = log or (lambda _text: None)
     tables = validate_tables(tables)  # once: the planner and the plan's checks take these Tables as they are
     if planner_cfg.plan_file:
@@ -300,7 +313,7 @@ def plan_for_job(
     try:
         settings = settings_for_lookup(planner_cfg.settings, lookup) if lookup is not None else planner_cfg.settings
         settings = settings_for_graph(settings_for_counts(settings, batch_counts), whole_step_graph)
-        plan, report = search_plan(tables, topo, batch_size, optimizer, planner_cfg.constraints, settings, say)
+        plan, report = search_plan(tables, topo, batch_size, optimizer, planner_cfg.constraints, settings, say, dense)
     except PlanningError as e:
         raise PlanningError(
             f"planner: no sharding plan fits {topo.describe()}:\n{e}\n(in a training config: planner.hbm_gib and "

@@ -127,6 +127,16 @@ class PlanReport:
                 return t
         raise KeyError(f"no table {name!r} in the plan; tables: {[t.name for t in self.tables][:20]}")
 
+    def step_with_dense_s(self, after_s: float, dense_graphed: bool) -> float:
+        """The training step (s) with `after_s` more GPU work after the embedding step (the dense part, its
+        all-reduce, a replica sync). The GPUs run it after the embedding step's operators. The host issues them as
+        one CUDA graph replay where `dense_graphed` (the dense-step graph of the eager step that training.cuda_graph
+        auto runs, or the whole-step graph), so the host's time to issue an eager embedding step hides that much of
+        it; otherwise the host issues the dense operators too, and the step adds it to the host's time."""
+        if dense_graphed:
+            return max(self.host_step_time_s, self.gpu_step_time_s + after_s)
+        return self.step_time_s + after_s
+
     @property
     def slowest_rank(self) -> int:
         """Rank with the largest own time."""

@@ -4,9 +4,13 @@ auto`, what `training.cuda_graph: auto` asks for on GPUs).
 A plan the whole-step graph holds has only table-wise, column-wise and data-parallel tables (GRAPH_SHARDING_TYPES)
 and no UVM caching; without row-wise blocks a hot table's rank may carry more than a balanced rank's lookups. The
 graph takes the host away: its step is priced by the GPUs' time alone (no host floor, no per-bag host work: cost.py,
-predict.host_times), while an eager step lasts at least the host's time to issue it. `search_plan` (policy.py)
-plans both ways and keeps the faster; the `GraphChoice` it puts in the report says which, with both predictions,
-and the training job's step line repeats it (embshard/training/mode.py). Torch-free.
+predict.host_times), while an eager step lasts at least the host's time to issue it. Both run the dense part after
+the embedding step (given its GPU time, the dense model's compute and all-reduce: planner/dense.py): inside the graph it adds to
+the GPUs' time; the eager step runs it as the dense-step graph's one replay, which the GPUs run while the host issues
+the next operators, so it adds nothing where the host's time exceeds the GPUs' by as much
+(`PlanReport.step_with_dense_s`). `search_plan` (policy.py) plans both ways and keeps the faster; the `GraphChoice`
+it puts in the report says which, with both predictions, and the training job's step line repeats it
+(embshard/training/mode.py). Torch-free.
 """
 
 from __future__ import annotations
@@ -31,20 +35,26 @@ class GraphChoice:
     the graph's options): one plan, priced both ways."""
     why_no_graph: str = ""
     """Why no plan the graph holds fits (with graph_step_s None)."""
+    dense_step_s: float = 0.0
+    """The dense part's GPU time a step (s), its compute and gradient all-reduce, that both predictions include
+    (0: the embedding step alone)."""
 
     def reason(self) -> str:
         """Why this choice, with the predicted step of both (ms)."""
         if self.graph_step_s is None:
             return f"no plan the whole-step CUDA graph holds fits ({self.why_no_graph})"
         graph = f"{self.graph_step_s * 1e3:.2f} ms"
+        dense = f" (with the dense part's {self.dense_step_s * 1e3:.2f} ms)" if self.dense_step_s > 0 else ""
         if self.eager_step_s is None:
-            return f"predicted {graph} a step with the whole-step CUDA graph; no plan for the eager step fits"
+            return f"predicted {graph} a step with the whole-step CUDA graph{dense}; no plan for the eager step fits"
         eager = f"{self.eager_step_s * 1e3:.2f} ms"
         if self.same_plan:
-            return f"predicted {graph} a step with the whole-step CUDA graph against {eager} eager (the same plan)"
+            return (
+                f"predicted {graph} a step with the whole-step CUDA graph against {eager} eager (the same plan){dense}"
+            )
         if self.graph:
-            return f"predicted {graph} a step with the whole-step CUDA graph's plan against {eager} eager"
-        return f"predicted {eager} a step eager against {graph} with the whole-step CUDA graph's plan"
+            return f"predicted {graph} a step with the whole-step CUDA graph's plan against {eager} eager{dense}"
+        return f"predicted {eager} a step eager against {graph} with the whole-step CUDA graph's plan{dense}"
 
     def force(self) -> str:
         """The setting that asks for the other step (empty where no graph plan fits)."""
@@ -67,4 +77,5 @@ class GraphChoice:
             "eager_step_ms": None if self.eager_step_s is None else self.eager_step_s * 1e3,
             "same_plan": self.same_plan,
             "why_no_graph": self.why_no_graph,
+            "dense_step_ms": self.dense_step_s * 1e3,
         }

@@ -73,7 +73,18 @@ class Candidate:
 
     @property
     def step_s(self) -> float:
-        """Predicted training step (s): embedding step + replica sync + dense compute + dense all-reduce."""
+        """Predicted training step (s): embedding step + replica sync + dense compute + dense all-reduce; where the
+        planner chose between the whole-step graph and the eager step (its report's graph_choice), the GPU work
+        after the embedding step as that choice priced it (`PlanReport.step_with_dense_s`: an eager step's host time
+        hides the dense-step graph's replay)."""
+        after = self.sync_s + self.dense_s + self.allreduce_s
+        if self.report is not None and self.report.graph_choice is not None:
+            return self.report.step_with_dense_s(after, dense_graphed=True)
+        return self.step_sum_s
+
+    @property
+    def step_sum_s(self) -> float:
+        """The columns' sum: embedding step + replica sync + dense compute + dense all-reduce (s)."""
         return self.embedding_s + self.sync_s + self.dense_s + self.allreduce_s
 
 
@@ -123,6 +134,12 @@ class ScalePlan:
             lines.append(
                 f"  {name:>5}  {c.embedding_s * 1e3:12.3f}  {c.sync_s * 1e3:15.3f}  {c.dense_s * 1e3:8.3f}  "
                 f"{c.allreduce_s * 1e3:19.3f}  {c.step_s * 1e3:7.3f}  {self.batch_size / c.step_s / 1e6:11.3f} M{mark}"
+            )
+        overlapped = [c for c in self.candidates if not c.skipped and c.step_s < c.step_sum_s * (1 - 1e-9)]
+        if overlapped:
+            lines.append(
+                "  (step ms below the columns' sum: an eager step's host time, its embedding ms, hides the GPU work "
+                "after its embedding step, the dense-step graph's replay)"
             )
         g = self.group_size
         busy = self.best.busy

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         dense = plan_scale.dense_spec(train_cfg)
         scale = plan_at_scale(
             inp.tables, topo, inp.batch_size, inp.optimizer, inp.constraints, inp.settings, dense,
-            args.replica_sync, args.replica_sync_every, args.group_size, plan_scale.search_for(search_plan, inp),
+            args.replica_sync, args.replica_sync_every, args.group_size, plan_scale.search_for(search_plan, inp, dense),
         )  # fmt: skip
         plan, report = scale.plan, scale.best.report
         if args.format == "table":

@@ -78,10 +78,11 @@ def apply_config(args: argparse.Namespace, cfg: Any) -> None:
             )
 
 
-def search_for(search_plan: Callable, inp: Any) -> Callable:
-    """The search plan_at_scale runs per candidate group: the training job's (policy.search_plan), on `inp`."""
+def search_for(search_plan: Callable, inp: Any, dense: Any = None) -> Callable:
+    """The search plan_at_scale runs per candidate group: the training job's (policy.search_plan, its graph choice
+    priced with the dense model `dense`, a DenseSpec or None), on `inp`."""
 
     def search(tables, topo, batch_size, optimizer, constraints, settings):
-        return search_plan(tables, topo, batch_size, optimizer, constraints, settings, print)
+        return search_plan(tables, topo, batch_size, optimizer, constraints, settings, print, dense)
 
     return search

@@ -61,13 +61,13 @@ def dense_spec(cfg: Any) -> DenseSpec | None:
     return dlrm_dense(num_dense, dim, features, m.dlrm.bottom_mlp, m.dlrm.top_mlp, layers, rank, precision)
 
 
-def group_search(say: Callable[[str], None] | None = None) -> Callable:
-    """The search plan_at_scale runs per candidate group: the training job's (`policy.search_plan`); `say` gets
-    its notes (default: print)."""
+def group_search(say: Callable[[str], None] | None = None, dense: DenseSpec | None = None) -> Callable:
+    """The search plan_at_scale runs per candidate group: the training job's (`policy.search_plan`, its graph
+    choice priced with the dense model `dense`); `say` gets its notes (default: print)."""
     say = say or print
 
     def search(tables, topo, batch_size, optimizer, constraints, settings):
-        return search_plan(tables, topo, batch_size, optimizer, constraints, settings, say)
+        return search_plan(tables, topo, batch_size, optimizer, constraints, settings, say, dense)
 
     return search
 
@@ -81,11 +81,11 @@ def auto_group_plan(
     sharding.replica_sync / replica_sync_every. `log` gets the search's notes; `search` replaces the per-group search
     (default `group_search(log)`). The ScalePlan's `group_size` is the choice (None: no 2D), its `plan` the plan over
     every rank and its `summary()` the per-size table."""
-    twod = cfg.sharding
+    twod, dense = cfg.sharding, dense_spec(cfg)
     return plan_at_scale(
         cfg.model.tables, topology, cfg.schedule.batch_size, cfg.sparse_optimizer, cfg.planner.constraints,
-        job_settings(cfg), dense_spec(cfg), twod.replica_sync, twod.replica_sync_every, None,
-        search or group_search(log),
+        job_settings(cfg), dense, twod.replica_sync, twod.replica_sync_every, None,
+        search or group_search(log, dense),
     )  # fmt: skip
 
 

@@ -32,7 +32,7 @@ from embshard.runtime.heap import import_frozen
 from embshard.spec.plan import ShardingPlan
 from embshard.spec.tables import AllRanksError, ConfigError
 from embshard.training import launch_checks
-from embshard.training.group_plan import auto_group_plan_for_job, graph_request
+from embshard.training.group_plan import auto_group_plan_for_job, dense_spec, graph_request
 from embshard.training.mode import Fallback, StepMode, resolve_step_mode
 from embshard.training.schedule import past_schedule, run_schedule
 
@@ -77,7 +77,7 @@ def plan_job_and_choice(
         reports: list = []
         plan = plan_for_job(
             tables, cfg.planner, world, local_world, device.type, batch, cfg.sparse_optimizer, log, cfg.lookup,
-            counts, whole_step_graph=request, on_report=reports.append,
+            counts, whole_step_graph=request, on_report=reports.append, dense=dense_spec(cfg),
         )  # fmt: skip
         return plan, (reports[0].graph_choice if reports else None)
 
