@@ -14,6 +14,8 @@ import paths
 import yaml
 
 TORCHX = Path(sys.executable).with_name("torchx")
+# the torchx command beside this Python (a venv's), else its module (torchx installed without its scripts)
+TORCHX_CMD = [str(TORCHX)] if TORCHX.exists() else [sys.executable, "-m", "torchx.cli.main"]
 CONFIG = "configs/dlrm_dcnv2_mlperf.yaml"
 REQUEST = "=== SCHEDULER REQUEST ==="
 
@@ -24,7 +26,7 @@ def dryruns(jobs: dict[str, list[str]]) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{TORCHX.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     procs = {
         k: subprocess.Popen(
-            [str(TORCHX), "run", "--dryrun", "--workspace", "", *argv],
+            [*TORCHX_CMD, "run", "--dryrun", "--workspace", "", *argv],
             cwd=paths.ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -365,9 +365,8 @@ def test_plan_cli_then_train_with_the_saved_plan(tmp_path):
     cons = {"t_C1": "[row_wise]", "t_C2": "[column_wise]", "t_C3": "[data_parallel]"}
     overrides = [f"planner.constraints.{t}.sharding_types={v}" for t, v in cons.items()]
     overrides.append("planner.constraints.t_C2.column_shards=[2]")  # 2 blocks of 8 columns
-    plan_main(
-        ["configs/dlrm_criteo.yaml", "--world-size", "2", "--out", str(plan_file), "--format", "yaml", *overrides]
-    )
+    args = ["configs/dlrm_criteo.yaml", "--world-size", "2", "--device", "cpu", "--out", str(plan_file)]
+    plan_main([*args, "--format", "yaml", *overrides])  # for the CPU processes below (on GPU hosts too)
     plan = ShardingPlan.load(plan_file)
     assert (plan.world_size, plan.local_world_size) == (2, 2)
     assert plan["t_C1"].sharding_type is ShardingType.ROW_WISE and plan["t_C3"].ranks == [0, 1]

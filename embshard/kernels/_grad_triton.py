@@ -106,7 +106,9 @@ def _bwd_atomic(
                 w = tl.where(weighted, tl.load(PSW + spos, mask=valid, other=0.0), valid.to(tl.float32))
             else:
                 w = valid.to(tl.float32)
-            _, wsum = tl.associative_scan((sid, w), 1, _seg_add)
+            # not `_`: a name bound before the loop (bags_of's) would be loop-carried, and Triton's compiler
+            # refuses its change of type (the interpreter does not check)
+            _sid_scan, wsum = tl.associative_scan((sid, w), 1, _seg_add)
             rows = sid.to(tl.int64) + row0
             val = go[:, None, :] * wsum[:, :, None]
         else:

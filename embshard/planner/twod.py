@@ -321,6 +321,13 @@ def plan_at_scale(
                 short or f"{PATIENCE} larger groups in a row predicted slower steps than group {best.group_size}"
             )
             continue
+        if G < W:  # a group smaller than the constraints ask for (column blocks, ranks): this size and smaller
+            try:
+                resolve_constraints(tables, constraints, G)
+            except ConfigError as e:
+                c.skipped = f"not planned: the constraints need more ranks than a group of {G}: {e}"
+                short = f"the constraints need more ranks than a group of {G}, and so of fewer"
+                continue
         gtopo = topology.with_sizes(G, min(L, G))
         why, hbm = _fits(tables, gtopo, batch_size, optimizer, settings) if G < W else ("", 0.0)  # W: the search's
         if not why and best is not None:

@@ -72,7 +72,7 @@ def _step(rank: int, world: int, device: torch.device) -> dict:
     model = _model()
     tables = tables_from_torchrec(model.sparse) + tables_from_torchrec(model.seq)
     types = {"t_u": "table_wise", "t_h": "row_wise" if world > 1 else "table_wise"}
-    plan = simple_plan(tables, world, sharding_types=types)
+    plan = simple_plan(tables, world, sharding_types=types, tier="hbm" if device.type == "cuda" else "host")
     rec = rec_model_from_torchrec(model, plan, device, FusedOptimizerConfig(kind="sgd", lr=LR))
     b = B_GLOBAL // world
     dense, kjt, labels = _batch(rank * b, (rank + 1) * b)

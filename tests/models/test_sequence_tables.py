@@ -90,7 +90,7 @@ def _probe(rank: int, world: int, device: torch.device) -> dict:
 
     cfg = ModelConfig(kind="sequence_probe", tables=PROBE_TABLES)
     types = {"t_user": "table_wise", "t_hist": "row_wise" if world > 1 else "table_wise"}
-    plan = simple_plan(list(cfg.tables), world, sharding_types=types)
+    plan = simple_plan(list(cfg.tables), world, sharding_types=types, tier="hbm" if device.type == "cuda" else "host")
     model = RecModel(cfg, 0, plan, FusedOptimizerConfig(kind="sgd", lr=0.1), device, world, seed=1)
     out = {"ec_tables": [t.name for t in model.ec.tables], "ebc_tables": [t.name for t in model.ebc.tables]}
     g = torch.Generator().manual_seed(100 + rank)
@@ -159,7 +159,7 @@ def _hstu(rank: int, world: int, device: torch.device) -> dict:
     from embshard.training.pipeline import empty_batch
 
     cfg = load_config(SIDE, TINY)
-    plan = simple_plan(list(cfg.model.tables), world)
+    plan = simple_plan(list(cfg.model.tables), world, tier="hbm" if device.type == "cuda" else "host")
     model = RecModel(cfg.model, 0, plan, cfg.sparse_optimizer, device, world, cfg.seed, cfg.lookup)
     out = {
         "collections": len(model.collections()),

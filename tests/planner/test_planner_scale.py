@@ -107,6 +107,21 @@ def test_group_sizes_and_bad_arguments() -> None:
         plan_at_scale(t, topo, 64, replica_sync="periodic", replica_sync_every=0)
 
 
+def test_groups_smaller_than_the_constraints_are_skipped() -> None:
+    """2 hosts x 1 GPU, a table in 2 column blocks: a group of 1 rank cannot hold them, so that size is skipped and
+    says why, and the flat plan is taken (a ConfigError only where the whole world cannot take the constraints)."""
+    t = [TableConfig("t", 100_000, 64, feature_names=("f",)), TableConfig("u", 1000, 16, feature_names=("g",))]
+    cons = {"t": {"sharding_types": ["column_wise"], "column_shards": [2]}}
+    sp = plan_at_scale(t, Topology.preset("h100", world_size=2, local_world_size=1), 64, constraints=cons)
+    assert sp.group_size is None and sp.plan["t"].sharding_type.value == "column_wise"
+    [one] = [c for c in sp.candidates if c.group_size == 1]
+    assert one.skipped.startswith("not planned: the constraints need more ranks than a group of 1") and one.plan is None
+    assert "column_shards [2] exceed world_size=1" in one.skipped
+    with pytest.raises(ConfigError, match=r"column_shards \[4\] exceed world_size=2"):
+        plan_at_scale(t, Topology.preset("h100", world_size=2, local_world_size=1), 64,
+                      constraints={"t": {"sharding_types": ["column_wise"], "column_shards": [4]}})  # fmt: skip
+
+
 def test_ring_allreduce_prices_nvlink_and_the_network_apart() -> None:
     topo = Topology.preset("h100", world_size=64)
     S, bi, bx = 64e6, topo.intra_host_bw, topo.inter_host_bw
