@@ -37,12 +37,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import triton_interpret
+import triton_lower
 
 from embshard.runtime.heap import preload_frozen
 
 # Here (imported by tests/suite_plugin.py and by the fork server): the Triton interpreter's launches set the language up
-# once, in the tests' processes and in every process forked for them (tests/triton_interpret.py).
+# once, in the tests' processes and in every process forked for them (tests/triton_interpret.py); with
+# EMBSHARD_TRITON_RECORD set they are recorded for tests/kernels/test_kernels_lower.py (tests/triton_lower.py).
 triton_interpret.install()
+triton_lower.record_from_env()
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 # What the pool's ranks keep from their start whatever the caller's environment says.
