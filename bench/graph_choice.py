@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         say(
             f"{'PASS' if ok else 'FAIL'} choice on {args.nproc} GPUs: auto took the {took} step, measured "
             f"{medians['auto']:.3f} ms a step; forced: {forced} (the forced {took} step may plan otherwise: auto "
-            f"also replays the eager search's plan where the graph holds it); predicted (embedding part) {pred}"
+            f"also replays the eager search's plan where the graph holds it); predicted (with the dense part) {pred}"
         )
     else:
         failures += 1
