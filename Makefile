@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NPROC  ?= 2
 # pytest-xdist workers: one more than the 2 cores the suite is sized for. Its tests wait on the processes they start
 # (interpreters importing torch, rendezvous, launchers), and a third worker keeps both cores busy meanwhile
-# (tests/README.md: 257 -> 199 s, 4 workers 205 s; a fresh clone's suite now 118-129 s, 176-209 s in slow hours).
+# (tests/README.md: 257 -> 199 s, 4 workers 205 s; a fresh clone's suite now 118-145 s, 176-209 s in slow hours).
 TEST_WORKERS ?= 3
 
 .PHONY: install test test-fast demo docs lint format clean
