@@ -140,9 +140,8 @@ def search_plan(
     hold (`graph_settings`), then, if none of those fits, among all (`say` gets why); with whole_step_graph auto on
     GPUs, both ways, the faster kept (`_graph_or_eager`: the report's graph_choice says which), each step priced
     with the dense part of `dense` (the training config's dense model, its compute and gradient all-reduce; None:
-    the embedding step alone). An eager
-    plan whose step the host sets and whose data-parallel tables cost the host most is planned again without them,
-    and the faster kept (`_without_replicas_if_faster`)."""
+    the embedding step alone). An eager plan whose step the host sets and whose data-parallel tables cost the host
+    most is planned again without them, and the faster kept (`_without_replicas_if_faster`)."""
     tables = validate_tables(tables)  # once for every search below
 
     def search(s: PlannerSettings) -> tuple[ShardingPlan, PlanReport]:

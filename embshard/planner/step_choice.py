@@ -5,9 +5,9 @@ A plan the whole-step graph holds has only table-wise, column-wise and data-para
 and no UVM caching; without row-wise blocks a hot table's rank may carry more than a balanced rank's lookups. The
 graph takes the host away: its step is priced by the GPUs' time alone (no host floor, no per-bag host work: cost.py,
 predict.host_times), while an eager step lasts at least the host's time to issue it. Both run the dense part after
-the embedding step (given its GPU time, the dense model's compute and all-reduce: planner/dense.py): inside the graph it adds to
-the GPUs' time; the eager step runs it as the dense-step graph's one replay, which the GPUs run while the host issues
-the next operators, so it adds nothing where the host's time exceeds the GPUs' by as much
+the embedding step (given its GPU time, the dense model's compute and all-reduce: planner/dense.py): inside the
+graph it adds to the GPUs' time; the eager step runs it as the dense-step graph's one replay, which the GPUs run
+while the host issues the next operators, so it adds nothing where the host's time exceeds the GPUs' by as much
 (`PlanReport.step_with_dense_s`). `search_plan` (policy.py) plans both ways and keeps the faster; the `GraphChoice`
 it puts in the report says which, with both predictions, and the training job's step line repeats it
 (embshard/training/mode.py). Torch-free.
