@@ -107,7 +107,7 @@ def _value(plain: Any) -> Any:
     if isinstance(plain, dict) and "dtype" in plain:
         import triton.language as tl
 
-        return getattr(tl, plain["dtype"])
+        return tl.dtype(plain["dtype"])  # its name as str() gives it: fp32, bf16, ...
     return plain
 
 
