@@ -101,6 +101,23 @@ def _module_rank(rank: int, world_size: int, device: torch.device, module: str, 
     return printed[0], printed[1]
 
 
+def _command_line(argv: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """`python ARGV` from the repository root with `env` (default paths.cpu_subprocess_env()), its output kept."""
+    return subprocess.run(
+        [sys.executable, *argv], cwd=paths.ROOT, env=env or paths.cpu_subprocess_env(), capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+
+
+def _succeeded(res: subprocess.CompletedProcess) -> Ran:
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return Ran(res.stdout, res.stderr)
+
+
+def _train_argv(args: list[str], nproc: int | None) -> list[str]:
+    return ["-m", "embshard.cli", "train", *args, *(["--nproc", str(nproc)] if nproc else [])]
+
+
 def module_ranks(module: str, argv: list[str], nproc: int, env: dict[str, str] | None = None) -> Ran:
     """`python -m MODULE ARGV --nproc N` of a script whose ranks run `MODULE.run(MODULE.parse(ARGV))` (bench/
     train_e2e.py), which must succeed: in processes forked for it where IN_TEST_RANKS (its own start of the ranks
@@ -109,12 +126,7 @@ def module_ranks(module: str, argv: list[str], nproc: int, env: dict[str, str] |
     if IN_TEST_RANKS:
         results = run_distributed(_module_rank, nproc, module, list(argv), nproc, fresh=True)
         return Ran("".join(o for o, _ in results), "".join(e for _, e in results))
-    cmd = [sys.executable, "-m", module, *argv, "--nproc", str(nproc)]
-    res = subprocess.run(
-        cmd, cwd=paths.ROOT, env=paths.cpu_subprocess_env(), capture_output=True, text=True, timeout=240
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return Ran(res.stdout, res.stderr)
+    return _succeeded(_command_line(["-m", module, *argv, "--nproc", str(nproc)], env))
 
 
 def embshard_train(args: list[str], nproc: int | None = None, env: dict[str, str] | None = None) -> Ran:
@@ -123,12 +135,7 @@ def embshard_train(args: list[str], nproc: int | None = None, env: dict[str, str
     if IN_TEST_RANKS:
         results = run_distributed(_rank, nproc or 1, list(args), nproc, fresh=True)
         return Ran("".join(o for o, _ in results), "".join(e for _, e in results))
-    cmd = [sys.executable, "-m", "embshard.cli", "train", *args, *(["--nproc", str(nproc)] if nproc else [])]
-    res = subprocess.run(
-        cmd, cwd=paths.ROOT, env=env or paths.cpu_subprocess_env(), capture_output=True, text=True, timeout=240
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return Ran(res.stdout, res.stderr)
+    return _succeeded(_command_line(_train_argv(args, nproc), env))
 
 
 def embshard_train_exit(
@@ -143,8 +150,5 @@ def embshard_train_exit(
         codes = {code for _, _, code in results}
         assert len(codes) == 1, f"the ranks of `embshard train` ended with different statuses: {codes}"
         return codes.pop(), Ran("".join(o for o, _, _ in results), "".join(e for _, e, _ in results))
-    cmd = [sys.executable, "-m", "embshard.cli", "train", *args, *(["--nproc", str(nproc)] if nproc else [])]
-    res = subprocess.run(
-        cmd, cwd=paths.ROOT, env=env or paths.cpu_subprocess_env(), capture_output=True, text=True, timeout=240
-    )
+    res = _command_line(_train_argv(args, nproc), env)
     return res.returncode, Ran(res.stdout, res.stderr)

@@ -111,31 +111,39 @@ def _value(plain: Any) -> Any:
     return plain
 
 
-def lower(line: dict) -> None:
-    """Lower one recorded launch for an sm90 GPU (raises Triton's CompilationError where the kernel does not
-    compile, or an error saying the record no longer fits the kernel)."""
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
+class Lowering:
+    """Triton's CUDA back end for an sm90 target, made once for every launch lowered (raises where this Triton has
+    none)."""
 
-    kernel = getattr(importlib.import_module(line["module"]), line["kernel"])
-    params = list(inspect.signature(kernel.fn).parameters)
-    if set(params) != set(line["signature"]):
-        raise ValueError(
-            f"{line['module']}.{line['kernel']} now takes {params}, the record {sorted(line['signature'])}: record "
-            "the launches again (tests/triton_lower.py)"
-        )
-    sig = {name: line["signature"][name] for name in params}  # the kernel's order (the record's lines are sorted)
-    target = GPUTarget(*TARGET)
-    backend = make_backend(target)
-    options = backend.parse_options({})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    consts = {k: _value(v) for k, v in line["constexprs"].items()}
-    src = ASTSource(kernel, sig, consts)
-    src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+    def __init__(self) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        self.target = GPUTarget(*TARGET)
+        self.backend = make_backend(self.target)
+        self.options = self.backend.parse_options({})
+        self.codegen = self.backend.get_codegen_implementation(self.options)
+        self.module_map = self.backend.get_module_map()
+
+    def lower(self, line: dict) -> None:
+        """Lower one recorded launch (raises Triton's CompilationError where the kernel does not compile, or an
+        error saying the record no longer fits the kernel)."""
+        from triton._C.libtriton import ir
+        from triton.compiler import ASTSource
+
+        kernel = getattr(importlib.import_module(line["module"]), line["kernel"])
+        params = list(inspect.signature(kernel.fn).parameters)
+        if set(params) != set(line["signature"]):
+            raise ValueError(
+                f"{line['module']}.{line['kernel']} now takes {params}, the record {sorted(line['signature'])}: "
+                "record the launches again (tests/triton_lower.py)"
+            )
+        sig = {name: line["signature"][name] for name in params}  # the kernel's order (the record's is sorted)
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        self.backend.load_dialects(ctx)
+        consts = {k: _value(v) for k, v in line["constexprs"].items()}
+        ASTSource(kernel, sig, consts).make_ir(self.target, self.options, self.codegen, self.module_map, ctx)
 
 
 def read(path: Path) -> list[dict]:
@@ -152,17 +160,14 @@ def main(argv: list[str]) -> int:
         path.write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in launches))
         return 0
     try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler.compiler import make_backend
-
-        make_backend(GPUTarget(*TARGET))
+        lowering = Lowering()
     except Exception as e:  # a Triton without its CUDA back end: nothing to lower with (the caller skips)
         print(f"this Triton cannot lower for a CUDA target: {type(e).__name__}: {e}")
         return 3
     failed = 0
     for line in launches:
         try:
-            lower(line)
+            lowering.lower(line)
         except Exception as e:  # every kernel that does not lower, named, not only the first
             failed += 1
             print(f"FAILED {line['module']}.{line['kernel']} {line['constexprs']}:\n{str(e)[-1500:]}\n")
